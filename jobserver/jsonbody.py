@@ -1,0 +1,66 @@
+"""Compact JSON bodies, built without re-encoding stored JSON.
+
+Job data is stored as validated, compact JSON text; a reply embeds it as it
+is (`Raw`) instead of parsing and dumping it again. Object keys come out in
+case-insensitive order, as Bedrock's replies do, so replies are stable
+byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class Raw(str):
+    """Text that is already valid JSON."""
+
+
+def encode(value: Any) -> bytes:
+    return _encode(value).encode("utf-8")
+
+
+def _encode(value: Any) -> str:
+    if isinstance(value, Raw):
+        return value
+    if isinstance(value, dict):
+        items = sorted(value.items(), key=lambda item: item[0].lower())
+        fields = (f"{json.dumps(k, ensure_ascii=False)}:{_encode(v)}" for k, v in items)
+        return "{" + ",".join(fields) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_encode(v) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse(text: str) -> Any:
+    """Strict JSON: no NaN or Infinity, which other parsers reject."""
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except RecursionError as error:
+        raise ValueError("JSON nested too deeply") from error
+
+
+def parse_object(text: str) -> dict[str, Any]:
+    """Parse a JSON object; raises ValueError for anything else."""
+    value = parse(text)
+    if not isinstance(value, dict):
+        raise ValueError("not a JSON object")
+    return value
+
+
+def compact(value: Any) -> str:
+    """Compact JSON text of a parsed value, keeping the caller's key order.
+
+    Non-ASCII text stays as it is unless it holds a lone surrogate (from a
+    `\\ud800` escape), which has no UTF-8 form and so stays escaped.
+    """
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(value, separators=(",", ":"))
+    return text

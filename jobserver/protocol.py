@@ -1,0 +1,300 @@
+"""The wire protocol, without any IO.
+
+Bytes go in through `RequestParser.feed`, requests come out; a `Response`
+turns into bytes with `encode_response`. Nothing here knows about sockets,
+so the same code serves the server, the client and tests that feed it
+byte strings.
+
+A request is a method line, `Name: value` header lines, a blank line and an
+optional body of `Content-Length` bytes. Lines may end in `\\r\\n` or `\\n`
+(netcat sends bare newlines). Responses use a bare status line such as
+`200 OK`, headers in case-insensitive name order, `Content-Length` always
+last, a blank line and the body.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+# Limits. Each one bounds what a single connection can make the server hold.
+#
+# Job data travels in a header value, as in Bedrock, whose own limit for a
+# `data` value is 1 MiB; a line must fit that plus a header name.
+MAX_LINE = 1024 * 1024 + 1024
+# CreateJobs carries a whole batch of jobs in one `jobs` header; 4 MiB is a
+# few thousand ordinary jobs, and more than that belongs in several batches.
+MAX_HEAD = 4 * 1024 * 1024
+# Bedrock requests carry about a dozen headers; 100 leaves room for any real
+# client while a header flood is cut off early.
+MAX_HEADERS = 100
+# Commands take their parameters from headers, so a body is never needed;
+# 1 MiB lets a client send one without letting it fill memory.
+MAX_BODY = 1024 * 1024
+
+_LINE_END = re.compile(rb"\r?\n")
+
+
+class ProtocolError(Exception):
+    """The peer broke the framing; the connection cannot stay in step.
+
+    `status` is the full status line to answer with before closing.
+    """
+
+    def __init__(self, status: str) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+@dataclass
+class Request:
+    """One parsed request. Header names are stored lower-cased."""
+
+    method_line: str
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    # Set when the request was framed correctly but its text was not valid
+    # UTF-8: the stream is still in step, so the connection can go on.
+    invalid_utf8: bool = False
+
+    @property
+    def verb(self) -> str:
+        """The method line up to its first space: `CreateJob / HTTP/1.1` is `CreateJob`."""
+        return self.method_line.split(" ", 1)[0]
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        return self.headers.get(name.lower(), default)
+
+    def has(self, name: str) -> bool:
+        return name.lower() in self.headers
+
+    @property
+    def wants_close(self) -> bool:
+        return self.headers.get("connection", "").lower() == "close"
+
+
+@dataclass
+class Response:
+    status: str
+    body: bytes = b""
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def code(self) -> int:
+        return int(self.status.split(" ", 1)[0])
+
+
+def unescape(value: str) -> str:
+    """Undo the backslash escaping clients apply to header values.
+
+    `\\n`, `\\r`, `\\t`, `\\b`, `\\f` become control characters, `\\uXXXX` the
+    code point (U+FFFD for a lone surrogate), a backslash before anything else yields that character, and a
+    trailing lone backslash is kept. So JSON sent in a header has its own
+    backslashes doubled by the client.
+    """
+    if "\\" not in value:
+        return value
+    out: list[str] = []
+    i = 0
+    n = len(value)
+    while i < n:
+        ch = value[i]
+        if ch != "\\" or i + 1 == n:
+            out.append(ch)
+            i += 1
+            continue
+        nxt = value[i + 1]
+        if nxt in _SIMPLE_ESCAPES:
+            out.append(_SIMPLE_ESCAPES[nxt])
+            i += 2
+        elif nxt == "u" and _is_hex4(value, i + 2):
+            out.append(_code_point(int(value[i + 2 : i + 6], 16)))
+            i += 6
+        else:
+            out.append(nxt)
+            i += 2
+    return "".join(out)
+
+
+_SIMPLE_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "b": "\b", "f": "\f"}
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def _code_point(number: int) -> str:
+    # A lone surrogate has no UTF-8 form; it could never be stored or sent.
+    return "\ufffd" if 0xD800 <= number <= 0xDFFF else chr(number)
+
+
+def _is_hex4(value: str, start: int) -> bool:
+    chunk = value[start : start + 4]
+    return len(chunk) == 4 and all(c in _HEX for c in chunk)
+
+
+def escape(value: str) -> str:
+    """Escape a header value so that it stays on one line."""
+    return (
+        value.replace("\\", "\\\\")
+        .replace("\r", "\\r")
+        .replace("\n", "\\n")
+        .replace("\t", "\\t")
+    )
+
+
+class RequestParser:
+    """Turns a byte stream into requests.
+
+    `feed` accepts any slicing of the stream and returns every request that
+    is now complete, in order. When the stream breaks the framing, the
+    requests before the break are still returned and `error` is set: the
+    connection answers them, then the error, then closes.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._head: Request | None = None
+        self._body_length = 0
+        self._scanned = 0
+        self.error: ProtocolError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet part of a complete request."""
+        return len(self._buffer)
+
+    def feed(self, data: bytes) -> list[Request]:
+        if self.error is not None:
+            return []
+        self._buffer += data
+        requests: list[Request] = []
+        try:
+            for request in self._drain():
+                requests.append(request)
+        except ProtocolError as error:
+            self.error = error
+            self._buffer.clear()
+        return requests
+
+    def _drain(self) -> Iterator[Request]:
+        while True:
+            if self._head is None:
+                head = self._take_head()
+                if head is None:
+                    return
+                self._head = head
+            if len(self._buffer) < self._body_length:
+                return
+            request = self._head
+            request.body = bytes(self._buffer[: self._body_length])
+            del self._buffer[: self._body_length]
+            self._head = None
+            self._body_length = 0
+            yield request
+
+    def _take_head(self) -> Request | None:
+        self._skip_leading_blank_lines()
+        end, sep_len = self._find_head_end()
+        if end < 0:
+            self._check_partial_head()
+            return None
+        if end > MAX_HEAD:
+            raise ProtocolError("413 Request too large")
+        raw = bytes(self._buffer[:end])
+        del self._buffer[: end + sep_len]
+        self._scanned = 0
+        request, length = _parse_head(raw)
+        self._body_length = length
+        return request
+
+    def _skip_leading_blank_lines(self) -> None:
+        # Stray newlines between requests (a habit of hand-typed sessions)
+        # are not requests.
+        i = 0
+        while i < len(self._buffer) and self._buffer[i] in (0x0A, 0x0D):
+            i += 1
+        if i:
+            del self._buffer[:i]
+            self._scanned = 0
+
+    def _find_head_end(self) -> tuple[int, int]:
+        # Resume the search a few bytes back so a separator split across two
+        # reads is still found, without rescanning a large partial head.
+        start = max(0, self._scanned - 3)
+        found = _HEAD_END.search(self._buffer, start)
+        if found is None:
+            self._scanned = len(self._buffer)
+            return -1, 0
+        return found.start(), found.end() - found.start()
+
+    def _check_partial_head(self) -> None:
+        if len(self._buffer) > MAX_HEAD:
+            raise ProtocolError("413 Request too large")
+        last_newline = self._buffer.rfind(b"\n")
+        if len(self._buffer) - (last_newline + 1) > MAX_LINE:
+            raise ProtocolError("414 Line too long")
+
+
+_HEAD_END = re.compile(rb"\r?\n\r?\n")
+
+
+def _parse_head(raw: bytes) -> tuple[Request, int]:
+    lines = _LINE_END.split(raw)
+    if len(lines) - 1 > MAX_HEADERS:
+        raise ProtocolError("431 Too many headers")
+    for line in lines:
+        if len(line) > MAX_LINE:
+            raise ProtocolError("414 Line too long")
+    length = _content_length(lines[1:])
+    try:
+        text = [line.decode("utf-8") for line in lines]
+    except UnicodeDecodeError:
+        return Request(method_line="", invalid_utf8=True), length
+    return _build_request(text), length
+
+
+def _content_length(lines: list[bytes]) -> int:
+    """Find Content-Length before decoding, so framing never depends on text."""
+    value: bytes | None = None
+    for line in lines:
+        name, sep, rest = line.partition(b":")
+        if sep and name.strip().lower() == b"content-length":
+            value = rest.strip(b" \t")
+    if value is None:
+        return 0
+    if not value.isdigit() or len(value) > 12:
+        raise ProtocolError("400 Malformed Content-Length")
+    length = int(value)
+    if length > MAX_BODY:
+        raise ProtocolError("413 Body too large")
+    return length
+
+
+def _build_request(lines: list[str]) -> Request:
+    request = Request(method_line=lines[0].strip(" \t"))
+    last: str | None = None
+    for line in lines[1:]:
+        if line[:1] in (" ", "\t"):
+            # A continuation line extends the previous value, as in Bedrock.
+            if last is None:
+                request.method_line += line
+            else:
+                request.headers[last] += line
+            continue
+        name, _, value = line.partition(":")
+        last = name.strip(" \t").lower()
+        request.headers[last] = unescape(value.strip(" "))
+    return request
+
+
+def encode_response(response: Response, close: bool = False) -> bytes:
+    """Serialize a response: status, sorted headers, Content-Length last, body."""
+    headers: Mapping[str, str] = response.headers
+    if close:
+        headers = {**headers, "Connection": "close"}
+    parts = [response.status, "\r\n"]
+    for name in sorted(headers, key=str.lower):
+        if name.lower() == "content-length":
+            continue
+        parts += [name, ": ", escape(headers[name]), "\r\n"]
+    parts += ["Content-Length: ", str(len(response.body)), "\r\n\r\n"]
+    return "".join(parts).encode("utf-8") + response.body

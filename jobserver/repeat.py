@@ -1,0 +1,102 @@
+"""The repeat and retryAfter grammar.
+
+A repeat is a base and one or more SQLite date modifiers:
+`FINISHED, +1 HOUR`, `SCHEDULED, +1 DAY, START OF DAY, +4 HOURS`. Every part
+is checked against a whitelist here and normalised, so what reaches SQLite
+is always one of a handful of known shapes, passed as a bound parameter.
+The store does the arithmetic with SQLite's own `DATETIME()`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime
+
+BASES = ("SCHEDULED", "STARTED", "FINISHED")
+
+# The canned schedules as the Bedrock::Jobs page defines them.
+CANNED = {
+    "HOURLY": "FINISHED, +1 HOUR",
+    "DAILY": "FINISHED, +1 DAY",
+    "WEEKLY": "FINISHED, +7 DAYS",
+}
+
+# Bedrock's limits: up to 8 digits of seconds, 3 digits of any other unit,
+# which keeps every result inside SQLite's date range.
+_OFFSET = re.compile(
+    r"([+-]) ?(?:(\d{1,8}) (SECOND)|(\d{1,3}) (MINUTE|HOUR|DAY|MONTH|YEAR))S?"
+)
+_START_OF = re.compile(r"START OF (DAY|MONTH|YEAR)")
+_WEEKDAY = re.compile(r"WEEKDAY ([0-6])")
+
+# Not an SQLite modifier; the store truncates to the hour itself.
+START_OF_HOUR = "START OF HOUR"
+
+# A SCHEDULED repeat that fell behind catches up by whole intervals when the
+# interval is shorter than this, instead of running once per missed slot.
+REANCHOR_LIMIT_SECONDS = 4 * 3600
+
+
+class MalformedRepeat(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Repeat:
+    base: str
+    modifiers: tuple[str, ...]
+
+    @property
+    def only_offsets(self) -> bool:
+        """True when every modifier is a plain `+N UNIT` / `-N UNIT` shift."""
+        return all(m[0] in "+-" for m in self.modifiers)
+
+
+def parse_modifier(part: str, allow_start_of_hour: bool = False) -> str:
+    """Validate one modifier and return it in its normal form."""
+    text = " ".join(part.upper().split())
+    offset = _OFFSET.fullmatch(text)
+    if offset:
+        sign, secs, sec_unit, count, unit = offset.groups()
+        number, name = (secs, sec_unit) if secs else (count, unit)
+        return f"{sign}{int(number)} {name}S"
+    if _START_OF.fullmatch(text) or _WEEKDAY.fullmatch(text):
+        return text
+    if allow_start_of_hour and text == START_OF_HOUR:
+        return text
+    raise MalformedRepeat(part)
+
+
+def parse_modifiers(text: str) -> tuple[str, ...]:
+    """Parse a retryAfter value: a comma list of modifiers, e.g. `+5 MINUTES`."""
+    parts = [p for p in text.split(",") if p.strip()]
+    if not parts:
+        raise MalformedRepeat(text)
+    return tuple(parse_modifier(p) for p in parts)
+
+
+def parse_repeat(text: str) -> Repeat:
+    """Parse a repeat: a canned name, or a base followed by modifiers."""
+    upper = text.strip().upper()
+    upper = CANNED.get(upper, upper)
+    parts = [p.strip() for p in upper.split(",")]
+    if len(parts) < 2 or parts[0] not in BASES:
+        raise MalformedRepeat(text)
+    modifiers = tuple(parse_modifier(p, allow_start_of_hour=True) for p in parts[1:])
+    return Repeat(parts[0], modifiers)
+
+
+def reanchor(last_scheduled: datetime, computed: datetime, now: datetime) -> datetime:
+    """Catch a short SCHEDULED repeat up to the first slot after `now`.
+
+    `SCHEDULED, +30 SECONDS` whose job ran an hour late would otherwise run
+    120 times back to back; instead it keeps its phase and skips ahead.
+    Long intervals keep the documented catch-up, one run per missed slot.
+    """
+    interval = (computed - last_scheduled).total_seconds()
+    if computed > now or not 0 < interval < REANCHOR_LIMIT_SECONDS:
+        return computed
+    behind = (now - last_scheduled).total_seconds()
+    slots = int(behind // interval) + 1
+    return last_scheduled + (computed - last_scheduled) * slots

@@ -1,0 +1,293 @@
+"""The trio server: accept connections, move bytes, own the tasks.
+
+Each connection is one task that reads requests, answers them strictly in
+order and writes the replies. Everything that touches the database goes to
+the writer thread; waiting GetJobs go to the wait queue. Shutdown stops
+accepting, answers waiting GetJobs, lets requests in flight finish, then
+closes the database.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import resource
+import signal
+import threading
+from collections import deque
+from dataclasses import dataclass
+from functools import partial
+
+import trio
+
+from . import commands
+from .commands import CommandError, Handout, JobQuery
+from .protocol import Request, RequestParser, Response, encode_response
+from .store import Store
+from .waiters import Selector, WaitQueue
+from .writer import Writer
+
+log = logging.getLogger("jobserver")
+
+# Read size per receive: a whole ordinary request, and a large one in a few reads.
+RECEIVE_SIZE = 65536
+# Requests a client may pipeline ahead of the one being answered; past this
+# the server stops reading until it catches up.
+MAX_PIPELINED = 64
+# Time allowed, after SIGTERM or SIGINT, for requests in flight to finish.
+SHUTDOWN_GRACE = 4.0
+
+
+@dataclass
+class Config:
+    host: str = "127.0.0.1"
+    port: int = 8888
+    db: str = "jobs.db"
+    synchronous: str = "FULL"
+    # One file descriptor each; the default fits ten thousand waiting workers.
+    max_connections: int = 16384
+
+
+class Server:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.store: Store | None = None
+        self.writer: Writer
+        self.waits: WaitQueue
+        self.connections: set[Connection] = set()
+        self.closing = False
+        self.port: int | None = None
+        self.commands_served = 0
+        self._stop = trio.Event()
+        self.token: trio.lowlevel.TrioToken | None = None
+
+    def request_stop(self) -> None:
+        """Shut down as if on SIGTERM."""
+        self._stop.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        config = self.config
+        self.token = trio.lowlevel.current_trio_token()
+        _raise_file_limit(config.max_connections + 64)
+        self.store = Store(config.db, config.synchronous)
+        self.writer = Writer(self.store, self._notify)
+        self.waits = WaitQueue(self.writer, commands.serve_waiters, commands.give_back)
+        self.writer.start()
+        try:
+            listeners = await trio.open_tcp_listeners(config.port, host=config.host)
+        except OSError:
+            await self.writer.stop()
+            self.store.close()
+            raise
+        self.port = listeners[0].socket.getsockname()[1]
+        log.info("listening on %s:%d, database %s", config.host, self.port, config.db)
+        try:
+            async with trio.open_nursery() as outer:
+                outer.start_soon(self.waits.run_clock)
+                async with trio.open_nursery() as conns:
+                    accept = trio.CancelScope()
+                    conns.start_soon(self._accept, listeners, conns, accept)
+                    task_status.started(self.port)
+                    await self._wait_for_signal()
+                    await self._shut_down(accept, conns)
+                outer.cancel_scope.cancel()
+        finally:
+            await self.writer.stop()
+            self.store.close()
+            log.info("stopped; database %s closed", config.db)
+
+    def _notify(self, ready: set[str], due: str | None) -> None:
+        self.waits.notify(ready, due)
+
+    async def _wait_for_signal(self) -> None:
+        async def on_signal(cancel: trio.CancelScope) -> None:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    log.info("received %s, shutting down", signal.Signals(signum).name)
+                    break
+            cancel.cancel()
+
+        async def on_request(cancel: trio.CancelScope) -> None:
+            await self._stop.wait()
+            cancel.cancel()
+
+        async with trio.open_nursery() as nursery:
+            if threading.current_thread() is threading.main_thread():
+                nursery.start_soon(on_signal, nursery.cancel_scope)
+            nursery.start_soon(on_request, nursery.cancel_scope)
+
+    async def _shut_down(self, accept: trio.CancelScope, conns: trio.Nursery) -> None:
+        self.closing = True
+        accept.cancel()
+        self.waits.close()
+        for connection in list(self.connections):
+            connection.stop_reading()
+        with trio.move_on_after(SHUTDOWN_GRACE):
+            while self.connections:
+                await trio.sleep(0.01)
+        conns.cancel_scope.cancel()
+
+    async def _accept(
+        self, listeners: list[trio.SocketListener], conns: trio.Nursery, scope: trio.CancelScope
+    ) -> None:
+        with scope:
+            async with trio.open_nursery() as nursery:
+                for listener in listeners:
+                    nursery.start_soon(self._accept_loop, listener, conns)
+        for listener in listeners:
+            await listener.aclose()
+
+    async def _accept_loop(self, listener: trio.SocketListener, conns: trio.Nursery) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as error:
+                if error.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    log.error("accept failed: %s", error)
+                    await trio.sleep(0.1)
+                    continue
+                raise
+            if len(self.connections) >= self.config.max_connections:
+                conns.start_soon(_refuse, stream)
+                continue
+            conns.start_soon(Connection(self, stream).run)
+
+
+async def _refuse(stream: trio.SocketStream) -> None:
+    with trio.move_on_after(1):
+        try:
+            await stream.send_all(encode_response(Response("503 Too many connections"), close=True))
+        except trio.BrokenResourceError:
+            pass
+    await stream.aclose()
+
+
+class Connection:
+    def __init__(self, server: Server, stream: trio.SocketStream) -> None:
+        self.server = server
+        self.stream = stream
+        self.parser = RequestParser()
+        self.pending: deque[Request] = deque()
+        self.eof = False
+        self._read_scope: trio.CancelScope | None = None
+
+    def stop_reading(self) -> None:
+        """Shutdown: an idle connection stops waiting for its next request."""
+        if self._read_scope is not None:
+            self._read_scope.cancel()
+
+    async def run(self) -> None:
+        self.server.connections.add(self)
+        try:
+            await self._serve()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        except OSError as error:
+            log.info("connection error: %s", error)
+        finally:
+            self.server.connections.discard(self)
+            await self.stream.aclose()
+
+    async def _serve(self) -> None:
+        while True:
+            request = await self._next_request()
+            if request is None:
+                if self.parser.error is not None:
+                    reply = Response(self.parser.error.status)
+                    await self.stream.send_all(encode_response(reply, close=True))
+                return
+            response = await self._respond(request)
+            close = request.wants_close or self.server.closing
+            delivered = await self._send(response, close)
+            if not delivered or close:
+                return
+
+    async def _next_request(self) -> Request | None:
+        while not self.pending:
+            if self.eof or self.parser.error is not None or self.server.closing:
+                return None
+            with trio.CancelScope() as self._read_scope:
+                await self._receive()
+            self._read_scope = None
+        return self.pending.popleft()
+
+    async def _receive(self) -> None:
+        data = await self.stream.receive_some(RECEIVE_SIZE)
+        if not data:
+            self.eof = True
+            return
+        self.pending.extend(self.parser.feed(data))
+
+    async def _send(self, response: Response, close: bool) -> bool:
+        """Send a reply; False if the client is gone. Jobs in an undelivered
+        reply go back to the queue."""
+        try:
+            await self.stream.send_all(encode_response(response, close))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            if isinstance(response, Handout):
+                self.server.waits.give_back(response.jobs)
+            return False
+        except BaseException:
+            if isinstance(response, Handout):
+                self.server.waits.give_back(response.jobs)
+            raise
+        self.server.commands_served += 1
+        return True
+
+    async def _respond(self, request: Request) -> Response:
+        reply = commands.immediate(request)
+        if reply is not None:
+            return reply
+        try:
+            if commands.wants_wait(request):
+                return await self._wait_for_job(request)
+            return await self.server.writer.call(partial(commands.execute, request=request))
+        except CommandError as error:
+            return Response(error.status)
+
+    async def _wait_for_job(self, request: Request) -> Response:
+        if request.has("numResults"):
+            raise CommandError("402 Cannot use numResults with GetJob; try GetJobs")
+        query = commands.job_query(request)
+        timeout = commands.wait_seconds(request)
+        jobs = await self._watching_for_hangup(query, timeout)
+        if jobs is None:
+            return Response("404 No job found")
+        return commands.get_job_reply(jobs)
+
+    async def _watching_for_hangup(self, query: JobQuery, timeout: float) -> object:
+        """Wait for jobs while reading ahead, so a client that hangs up
+        stops waiting at once and is never handed a job."""
+        selector = Selector(query.pattern, frozenset(query.names))
+        result: list[object] = [None]
+
+        async def wait(cancel: trio.CancelScope) -> None:
+            result[0] = await self.server.waits.wait(selector, query, timeout)
+            cancel.cancel()
+
+        async def read_ahead(cancel: trio.CancelScope) -> None:
+            while not self.eof and len(self.pending) < MAX_PIPELINED:
+                if self.parser.error is not None:
+                    break
+                await self._receive()
+            if self.eof:
+                cancel.cancel()
+                return
+            await trio.sleep_forever()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait, nursery.cancel_scope)
+            nursery.start_soon(read_ahead, nursery.cancel_scope)
+        return result[0]
+
+
+def _raise_file_limit(wanted: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+async def serve(config: Config) -> None:
+    await Server(config).run()
+

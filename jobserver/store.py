@@ -1,0 +1,263 @@
+"""The job store: the only module that speaks SQL.
+
+One SQLite file, one `jobs` table, WAL mode. The store never decides what a
+command means; it offers named operations on rows and the transaction
+primitives the writer uses to commit many requests at once. Every value
+reaches SQLite as a bound parameter.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+SCHEMA_VERSION = 1
+
+SYNCHRONOUS_MODES = ("FULL", "NORMAL")
+
+READY_STATES = ("QUEUED", "RUNQUEUED")
+
+_SCHEMA = """
+CREATE TABLE jobs (
+    created     TEXT NOT NULL,
+    jobID       INTEGER PRIMARY KEY AUTOINCREMENT,
+    state       TEXT NOT NULL,
+    name        TEXT NOT NULL,
+    nextRun     TEXT NOT NULL,
+    lastRun     TEXT,
+    repeat      TEXT NOT NULL DEFAULT '',
+    data        TEXT NOT NULL DEFAULT '{}',
+    priority    INTEGER NOT NULL DEFAULT 500,
+    parentJobID INTEGER NOT NULL DEFAULT 0,
+    retryAfter  TEXT NOT NULL DEFAULT ''
+);
+-- GetJob with a pattern: per priority, the due jobs in nextRun order.
+CREATE INDEX jobsReadyPriority ON jobs (priority, nextRun)
+    WHERE state IN ('QUEUED', 'RUNQUEUED');
+-- GetJob with exact names, and GLOB patterns with a literal prefix.
+CREATE INDEX jobsReadyName ON jobs (name, priority, nextRun)
+    WHERE state IN ('QUEUED', 'RUNQUEUED');
+-- The earliest future job, for the timer that wakes waiting GetJobs.
+CREATE INDEX jobsReadyNextRun ON jobs (nextRun)
+    WHERE state IN ('QUEUED', 'RUNQUEUED');
+-- unique=true lookups by name in any state.
+CREATE INDEX jobsName ON jobs (name);
+CREATE INDEX jobsParentJobIDState ON jobs (parentJobID, state)
+    WHERE parentJobID != 0;
+"""
+
+_COLUMNS = (
+    "created, jobID, state, name, nextRun, lastRun, repeat, data, priority, "
+    "parentJobID, retryAfter"
+)
+
+# The columns commands may change; `update` refuses any other name, so a
+# column name never comes from a request.
+_UPDATABLE = frozenset(
+    ("state", "name", "nextRun", "lastRun", "repeat", "data", "priority", "retryAfter")
+)
+
+
+class StoreError(Exception):
+    """The database file cannot be used (wrong file, newer schema, ...)."""
+
+
+@dataclass
+class Job:
+    created: str
+    jobID: int
+    state: str
+    name: str
+    nextRun: str
+    lastRun: str | None
+    repeat: str
+    data: str
+    priority: int
+    parentJobID: int
+    retryAfter: str
+
+
+class Store:
+    def __init__(self, path: str, synchronous: str = "FULL") -> None:
+        if synchronous not in SYNCHRONOUS_MODES:
+            raise ValueError(f"synchronous must be one of {SYNCHRONOUS_MODES}")
+        self.path = path
+        try:
+            self._db = sqlite3.connect(
+                path, isolation_level=None, check_same_thread=False
+            )
+            self._configure(synchronous)
+            self._migrate()
+        except sqlite3.DatabaseError as error:
+            raise StoreError(f"cannot use {path!r} as a job database: {error}") from error
+
+    def _configure(self, synchronous: str) -> None:
+        db = self._db
+        # Another process holding the write lock is waited for, not failed.
+        db.execute("PRAGMA busy_timeout = 5000")
+        mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if mode.lower() != "wal" and self.path != ":memory:":
+            raise StoreError(f"cannot switch {self.path!r} to WAL mode (got {mode})")
+        # PRAGMA takes no parameters; the value was checked against a whitelist.
+        db.execute(f"PRAGMA synchronous = {synchronous}")
+
+    def _migrate(self) -> None:
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"{self.path!r} has schema version {version}; this server knows "
+                f"up to {SCHEMA_VERSION}"
+            )
+        if version == SCHEMA_VERSION:
+            return
+        tables = self._db.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'jobs'"
+        ).fetchall()
+        if tables:
+            raise StoreError(f"{self.path!r} has a jobs table this server did not create")
+        self._db.execute("BEGIN IMMEDIATE")
+        for statement in _SCHEMA.split(";"):
+            if statement.strip():
+                self._db.execute(statement)
+        self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        self._db.execute("COMMIT")
+
+    def close(self) -> None:
+        self._db.close()
+
+    # Transactions. The writer opens one, gives each request a savepoint so
+    # that a failing request undoes only its own changes, and commits once.
+
+    @property
+    def in_transaction(self) -> bool:
+        return self._db.in_transaction
+
+    def begin(self) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+
+    def commit(self) -> None:
+        self._db.execute("COMMIT")
+
+    def rollback(self) -> None:
+        if self._db.in_transaction:
+            self._db.execute("ROLLBACK")
+
+    def savepoint(self) -> None:
+        self._db.execute("SAVEPOINT request")
+
+    def release(self) -> None:
+        self._db.execute("RELEASE request")
+
+    def rollback_savepoint(self) -> None:
+        self._db.execute("ROLLBACK TO request")
+        self._db.execute("RELEASE request")
+
+    # Rows.
+
+    def insert(
+        self,
+        *,
+        created: str,
+        state: str,
+        name: str,
+        next_run: str,
+        repeat: str,
+        data: str,
+        priority: int,
+        parent_id: int = 0,
+        retry_after: str = "",
+    ) -> int:
+        cursor = self._db.execute(
+            "INSERT INTO jobs (created, state, name, nextRun, repeat, data, "
+            "priority, parentJobID, retryAfter) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (created, state, name, next_run, repeat, data, priority, parent_id, retry_after),
+        )
+        assert cursor.lastrowid is not None
+        return cursor.lastrowid
+
+    def get(self, job_id: int) -> Job | None:
+        row = self._db.execute(
+            f"SELECT {_COLUMNS} FROM jobs WHERE jobID = ?", (job_id,)
+        ).fetchone()
+        return Job(*row) if row else None
+
+    def update(self, job_id: int, **fields: object) -> None:
+        unknown = set(fields) - _UPDATABLE
+        if unknown:
+            raise ValueError(f"not updatable: {sorted(unknown)}")
+        assignments = ", ".join(f"{column} = ?" for column in fields)
+        self._db.execute(
+            f"UPDATE jobs SET {assignments} WHERE jobID = ?", (*fields.values(), job_id)
+        )
+
+    def delete(self, job_id: int) -> None:
+        self._db.execute("DELETE FROM jobs WHERE jobID = ?", (job_id,))
+
+    def find_ready(
+        self,
+        *,
+        now: str,
+        priorities: Sequence[int],
+        limit: int,
+        pattern: str | None = None,
+        names: Sequence[str] = (),
+    ) -> list[Job]:
+        """Due QUEUED/RUNQUEUED jobs, highest priority first, then oldest nextRun.
+
+        Either `pattern` (a GLOB) or `names` (exact names) selects the jobs.
+        One query per priority lets each use an index range on nextRun.
+        """
+        if pattern is not None:
+            name_clause, name_args = "name GLOB ?", [pattern]
+        else:
+            name_clause = f"name IN ({', '.join('?' for _ in names)})"
+            name_args = list(names)
+        sql = (
+            f"SELECT {_COLUMNS} FROM jobs WHERE state IN ('QUEUED', 'RUNQUEUED') "
+            f"AND priority = ? AND nextRun <= ? AND {name_clause} "
+            "ORDER BY nextRun, name, jobID LIMIT ?"
+        )
+        found: list[Job] = []
+        for priority in priorities:
+            rows = self._db.execute(
+                sql, (priority, now, *name_args, limit - len(found))
+            ).fetchall()
+            found += (Job(*row) for row in rows)
+            if len(found) >= limit:
+                break
+        return found
+
+    def next_due(self, after: str) -> str | None:
+        """The earliest nextRun later than `after` among waiting jobs."""
+        row = self._db.execute(
+            "SELECT MIN(nextRun) FROM jobs WHERE state IN ('QUEUED', 'RUNQUEUED') "
+            "AND nextRun > ?",
+            (after,),
+        ).fetchone()
+        return row[0]
+
+    def datetime_after(self, start: str, modifiers: Iterable[str]) -> str | None:
+        """Apply SQLite date modifiers to `start`, one bound parameter each.
+
+        `START OF HOUR` is not an SQLite modifier, so it is a STRFTIME step.
+        Returns None when SQLite cannot compute the time.
+        """
+        current: str | None = start
+        for modifier in modifiers:
+            if current is None:
+                return None
+            if modifier == "START OF HOUR":
+                row = self._db.execute(
+                    "SELECT STRFTIME('%Y-%m-%d %H:00:00', ?)", (current,)
+                ).fetchone()
+            else:
+                row = self._db.execute("SELECT DATETIME(?, ?)", (current, modifier)).fetchone()
+            current = row[0]
+        if current is None:
+            return None
+        return self._db.execute("SELECT DATETIME(?)", (current,)).fetchone()[0]
+
+    def count_by_state(self) -> dict[str, int]:
+        rows = self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state")
+        return dict(rows.fetchall())

@@ -1,0 +1,55 @@
+"""Times as jobs store them: UTC text that sorts the way time runs.
+
+`created` and `lastRun` have second precision, `YYYY-MM-DD HH:MM:SS`; the
+default `nextRun` of a new job has milliseconds so that jobs created in the
+same second still run in creation order. Because the text sorts like the
+time, "is this job due" is a text comparison SQLite can answer from an index.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from dateutil import parser as dateparser
+
+SECONDS_FORMAT = "%Y-%m-%d %H:%M:%S"
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def to_seconds(moment: datetime) -> str:
+    return moment.astimezone(timezone.utc).strftime(SECONDS_FORMAT)
+
+
+def to_millis(moment: datetime) -> str:
+    utc = moment.astimezone(timezone.utc)
+    return utc.strftime(SECONDS_FORMAT) + f".{utc.microsecond // 1000:03d}"
+
+
+def parse_stored(text: str) -> datetime:
+    """Read back a time this server wrote (seconds or milliseconds)."""
+    return datetime.fromisoformat(text).replace(tzinfo=timezone.utc)
+
+
+def parse_user_time(text: str) -> str:
+    """Parse a time a person wrote (`2026-12-01`, `2026-12-01 08:00`,
+    `2026-12-01T08:00:00+02:00`, ...) into stored UTC text.
+
+    A time without an offset is taken as UTC, as Bedrock's are. Raises
+    ValueError when the text is not a time.
+    """
+    if not any(ch.isdigit() for ch in text):
+        raise ValueError(f"not a time: {text!r}")
+    try:
+        moment = dateparser.parse(text)
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=timezone.utc)
+        stored = to_seconds(moment)
+    except (ValueError, OverflowError) as error:
+        raise ValueError(str(error)) from error
+    # strftime does not pad years below 1000, and such text would not sort.
+    if len(stored) != 19:
+        raise ValueError(f"year out of range: {text!r}")
+    return stored

@@ -1,0 +1,216 @@
+"""Blocked GetJob calls, and the clock that wakes them for future jobs.
+
+Waiting never polls. A waiter is tried once when it arrives; after that it
+is tried again only when a commit made a job of a matching name due, or
+when the clock reaches the earliest future nextRun. Tries go to the writer
+as one "serve" request holding every waiter to try, oldest first, so the
+longest-waiting worker gets the job. This module knows nothing of SQL: the
+serve and undo functions come from outside.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from enum import Enum
+from typing import Any
+
+import outcome
+import trio
+
+from . import times
+from .globmatch import glob_match
+from .writer import Work, Writer
+
+log = logging.getLogger("jobserver")
+
+
+@dataclass(frozen=True)
+class Selector:
+    """The names a waiter wants: one GLOB pattern, or a set of exact names."""
+
+    pattern: str | None
+    names: frozenset[str] = frozenset()
+
+    def matches(self, name: str) -> bool:
+        if self.pattern is not None:
+            return glob_match(self.pattern, name)
+        return name in self.names
+
+
+class _State(Enum):
+    IDLE = "idle"  # registered, nothing to try until a job may be ready
+    TRYING = "trying"  # part of a serve request in the writer
+    DONE = "done"  # handed its jobs, or gone
+
+
+@dataclass(eq=False)
+class Waiter:
+    selector: Selector
+    # Opaque to this module; handed to the serve function.
+    query: Any
+    seq: int = 0
+    state: _State = _State.IDLE
+    # A matching job became ready while this waiter was being tried.
+    poked: bool = False
+    gone: bool = False
+    jobs: Any = None
+    woken: trio.Event = field(default_factory=trio.Event)
+
+
+# serve(ctx, queries) -> (one result per query, None when nothing was found;
+# the earliest future nextRun). It runs in the writer.
+Serve = Callable[[Any, list[Any]], tuple[list[Any], "str | None"]]
+# undo(ctx, jobs) puts jobs handed to a waiter that left back in the queue.
+Undo = Callable[[Any, Any], None]
+
+
+class WaitQueue:
+    def __init__(self, writer: Writer, serve: Serve, undo: Undo) -> None:
+        self._writer = writer
+        self._serve = serve
+        self._undo = undo
+        self._seq = itertools.count()
+        # Grouped by selector, so a new job is matched once per distinct
+        # pattern rather than once per waiter.
+        self._by_selector: dict[Selector, dict[Waiter, None]] = {}
+        self._next_due: str | None = None
+        self._rearm = trio.Event()
+        self._closed = False
+
+    def __len__(self) -> int:
+        return sum(len(group) for group in self._by_selector.values())
+
+    async def wait(self, selector: Selector, query: Any, timeout: float) -> Any:
+        """Wait up to `timeout` seconds for jobs; None if none came.
+
+        Jobs that are returned have been taken: if the caller cannot deliver
+        them it must give them back with `give_back`.
+        """
+        if self._closed:
+            return None
+        waiter = Waiter(selector, query, next(self._seq))
+        self._by_selector.setdefault(selector, {})[waiter] = None
+        self._try([waiter])
+        try:
+            with trio.move_on_after(timeout):
+                await waiter.woken.wait()
+        except BaseException:
+            if waiter.jobs is not None:
+                self.give_back(waiter.jobs)
+            raise
+        finally:
+            if waiter.jobs is None:
+                waiter.gone = True
+                self._forget(waiter)
+        return waiter.jobs
+
+    def give_back(self, jobs: Any) -> None:
+        """Return undeliverable jobs to the queue (through the writer)."""
+        self._writer.submit(Work(lambda ctx: self._undo(ctx, jobs), _log_failure))
+
+    def notify(self, ready: set[str], due: str | None) -> None:
+        """Called after each commit: these names became due; `due` is the
+        earliest future nextRun that commit wrote."""
+        self._lower_due(due)
+        if ready and self._by_selector:
+            self._try(self._matching(ready))
+
+    def close(self) -> None:
+        """Answer every waiter now (with no jobs) and accept no more."""
+        self._closed = True
+        for group in list(self._by_selector.values()):
+            for waiter in list(group):
+                if waiter.state is _State.IDLE:
+                    waiter.woken.set()
+
+    async def run_clock(self) -> None:
+        """Wake waiters when the earliest future job becomes due."""
+        while True:
+            self._rearm = trio.Event()
+            due = self._next_due
+            if due is None:
+                await self._rearm.wait()
+                continue
+            with trio.move_on_after(_seconds_until(due)):
+                await self._rearm.wait()
+                continue
+            self._next_due = None
+            self._try(self._all_waiters())
+
+    def _lower_due(self, due: str | None) -> None:
+        if due is not None and (self._next_due is None or due < self._next_due):
+            self._next_due = due
+            self._rearm.set()
+
+    def _matching(self, ready: Iterable[str]) -> list[Waiter]:
+        names = list(ready)
+        found: list[Waiter] = []
+        for selector, group in self._by_selector.items():
+            if any(selector.matches(name) for name in names):
+                found += group
+        return found
+
+    def _all_waiters(self) -> list[Waiter]:
+        return [w for group in self._by_selector.values() for w in group]
+
+    def _forget(self, waiter: Waiter) -> None:
+        group = self._by_selector.get(waiter.selector)
+        if group is not None:
+            group.pop(waiter, None)
+            if not group:
+                del self._by_selector[waiter.selector]
+
+    def _try(self, waiters: list[Waiter]) -> None:
+        batch: list[Waiter] = []
+        for waiter in sorted(waiters, key=lambda w: w.seq):
+            if waiter.state is _State.IDLE and not waiter.gone:
+                waiter.state = _State.TRYING
+                batch.append(waiter)
+            elif waiter.state is _State.TRYING:
+                waiter.poked = True
+        if batch:
+            queries = [w.query for w in batch]
+            self._writer.submit(
+                Work(lambda ctx: self._serve(ctx, queries), lambda o: self._served(batch, o))
+            )
+
+    def _served(self, batch: list[Waiter], result: outcome.Outcome) -> None:
+        if isinstance(result, outcome.Error):
+            log.error("serving waiting GetJobs failed: %s", result.error)
+            handed: list[Any] = [None] * len(batch)
+        else:
+            handed, due = result.value
+            self._lower_due(due)
+        again: list[Waiter] = []
+        for waiter, jobs in zip(batch, handed):
+            if jobs is not None:
+                waiter.state = _State.DONE
+                if waiter.gone:
+                    self.give_back(jobs)
+                    continue
+                waiter.jobs = jobs
+                self._forget(waiter)
+                waiter.woken.set()
+                continue
+            waiter.state = _State.IDLE
+            if self._closed:
+                waiter.woken.set()
+            elif waiter.poked and not waiter.gone:
+                waiter.poked = False
+                again.append(waiter)
+        if again:
+            self._try(again)
+
+
+def _seconds_until(stored: str) -> float:
+    moment = times.parse_stored(stored)
+    return max(0.0, (moment - datetime.now(timezone.utc)).total_seconds())
+
+
+def _log_failure(result: outcome.Outcome) -> None:
+    if isinstance(result, outcome.Error):
+        log.error("could not put undelivered jobs back: %s", result.error)
