@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=Config.max_connections,
         help="connections beyond this are answered '503 Too many connections'",
     )
+    serve.add_argument(
+        "--allow-remote-query",
+        action="store_true",
+        help="accept the read-only Query command from non-loopback clients",
+    )
     serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return parser
 
@@ -76,6 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
         db=args.db,
         synchronous=args.synchronous,
         max_connections=args.max_connections,
+        allow_remote_query=args.allow_remote_query,
     )
     try:
         trio.run(Server(config).run)

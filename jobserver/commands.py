@@ -1,71 +1,22 @@
-"""One function per command: validate the request, use the store, build the reply.
+"""One function per command: check the request, use the store, build the reply.
 
 Handlers run inside a transaction that the writer owns; they never commit
-and never touch a socket. A handler either returns a `Response` or raises
+and never touch a socket. A handler returns a `Response` or raises
 `CommandError`, whose status line is the reply and whose raise undoes every
-change the handler made.
+change the handler made. Status lines are Bedrock's, word for word.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
-from . import jsonbody, repeat, times
-from .jsonbody import Raw
+from . import handout, jsonbody, params
+from .context import Context
+from .errors import CommandError
+from .handout import PENDING_STATES, next_run_from_repeat
 from .protocol import Request, Response
-from .store import Job, Store
-
-PRIORITIES = (1000, 850, 750, 500, 250, 0)
-DEFAULT_PRIORITY = 500
-
-MAX_NAME = 255
-# Bedrock's limit for a GetJob pattern, which may list many names.
-MAX_PATTERN = 12750
-MAX_DATA = 1024 * 1024
-# How long a GetJob with `Connection: wait` waits when it names no timeout:
-# Bedrock's default, chosen so clients can use a two-minute socket timeout.
-DEFAULT_WAIT_MS = 110_000
-# A longer wait is cut to this: an hour is longer than any client should
-# hold a socket without hearing back.
-MAX_WAIT_MS = 3_600_000
-
-
-class CommandError(Exception):
-    def __init__(self, status: str) -> None:
-        super().__init__(status)
-        self.status = status
-
-
-@dataclass
-class Context:
-    """What a handler may use, and what it reports back to the writer."""
-
-    store: Store
-    now: datetime
-    # Names of jobs this request made due now; waiting GetJobs are matched
-    # against them once the transaction commits.
-    ready: set[str] = field(default_factory=set)
-    # The earliest future nextRun this request wrote, for the wake-up timer.
-    due: str | None = None
-
-    @property
-    def now_s(self) -> str:
-        return times.to_seconds(self.now)
-
-    @property
-    def now_ms(self) -> str:
-        return times.to_millis(self.now)
-
-    def scheduled(self, name: str, next_run: str) -> None:
-        """Note that a job called `name` is waiting to run at `next_run`."""
-        if next_run <= self.now_ms:
-            self.ready.add(name)
-        elif self.due is None or next_run < self.due:
-            self.due = next_run
-
+from .store import Job
 
 Handler = Callable[[Context, Request], Response]
 
@@ -74,332 +25,276 @@ def ok(body: Any = None) -> Response:
     return Response("200 OK", b"" if body is None else jsonbody.encode(body))
 
 
-# Parameters.
-
-
-def require(request: Request, name: str) -> str:
-    value = request.get(name)
-    if value is None or value == "":
-        raise CommandError(f"402 Missing {name}")
-    return value
-
-
-def job_id_param(request: Request, name: str = "jobID") -> int:
-    return parse_job_id(require(request, name), name)
-
-
-def parse_job_id(text: str, name: str = "jobID") -> int:
-    # Bedrock's int64 rule: the text must be the canonical decimal form.
-    try:
-        number = int(text)
-    except ValueError:
-        raise CommandError(f"402 Malformed {name}") from None
-    if str(number) != text or not 0 < number < 2**63:
-        raise CommandError(f"402 Malformed {name}")
-    return number
-
-
-def priority_param(request: Request, *names: str) -> int | None:
-    for name in names:
-        value = request.get(name)
-        if value is not None and value != "":
-            try:
-                priority = int(value)
-            except ValueError:
-                raise CommandError("402 Invalid priority value") from None
-            if priority not in PRIORITIES:
-                raise CommandError("402 Invalid priority value")
-            return priority
-    return None
-
-
-def data_param(request: Request, name: str = "data") -> str | None:
-    """The `data` header as compact JSON text, or None when absent."""
-    value = request.get(name)
-    if value is None:
-        return None
-    if len(value.encode("utf-8")) > MAX_DATA:
-        raise CommandError(f"402 Malformed {name}")
-    try:
-        return jsonbody.compact(jsonbody.parse_object(value))
-    except ValueError:
-        raise CommandError("402 Data is not a valid JSON Object") from None
-
-
-def time_param(request: Request, name: str) -> str | None:
-    value = request.get(name)
-    if value is None or value.strip() == "":
-        return None
-    try:
-        return times.parse_user_time(value)
-    except ValueError:
-        raise CommandError(f"402 Malformed {name}") from None
-
-
-def repeat_param(request: Request) -> str | None:
-    """The repeat as stored (upper case), or None when absent or empty."""
-    value = request.get("repeat")
-    if value is None or value.strip() == "":
-        return None
-    try:
-        repeat.parse_repeat(value)
-    except repeat.MalformedRepeat:
-        raise CommandError("402 Malformed repeat") from None
-    return value.strip().upper()
-
-
-def is_true(value: str | None) -> bool:
-    """`true` in any case, or a non-zero number, as Bedrock reads flags."""
-    if value is None:
-        return False
-    if value.strip().lower() == "true":
-        return True
-    try:
-        return int(value) != 0
-    except ValueError:
-        return False
-
-
-def wants_wait(request: Request) -> bool:
-    return request.verb.lower() in WAITABLE and (
-        (request.get("connection") or "").lower() == "wait"
-    )
-
-
-def wait_seconds(request: Request) -> float:
-    """The `timeout` of a waiting GetJob, in seconds."""
-    value = request.get("timeout")
-    if value is None or value == "":
-        return DEFAULT_WAIT_MS / 1000
-    try:
-        millis = int(value)
-    except ValueError:
-        raise CommandError("402 Malformed timeout") from None
-    if millis < 0:
-        raise CommandError("402 Malformed timeout")
-    return min(millis, MAX_WAIT_MS) / 1000
-
-
-# Replies.
-
-
-def job_object(job: Job, with_state: bool = False) -> dict[str, Any]:
-    obj: dict[str, Any] = {
-        "created": job.created,
-        "data": Raw(job.data),
-        "jobID": job.jobID,
-        "lastRun": job.lastRun or "",
-        "name": job.name,
-        "nextRun": job.nextRun,
-        "priority": job.priority,
-        "repeat": job.repeat,
-        "retryAfter": job.retryAfter,
-    }
-    if with_state:
-        obj["state"] = job.state
-    return obj
-
-
 def load_job(ctx: Context, request: Request) -> Job:
-    job = ctx.store.get(job_id_param(request))
+    job = ctx.store.get(params.job_id(request))
     if job is None:
         raise CommandError("404 No job with this jobID")
     return job
 
 
-# Repeats.
-
-
-def next_run_from_repeat(ctx: Context, job: Job, repeat_text: str) -> str:
-    """When a job with this repeat runs next, counted from its base."""
-    rule = repeat.parse_repeat(repeat_text)
-    scheduled = job.nextRun
-    if rule.base == "SCHEDULED":
-        base = scheduled
-    elif rule.base == "STARTED":
-        base = job.lastRun or ctx.now_s
-    else:
-        base = ctx.now_s
-    computed = ctx.store.datetime_after(base, rule.modifiers)
-    if computed is None:
-        raise CommandError("502 Failed to compute nextRun")
-    if rule.base == "SCHEDULED" and rule.only_offsets:
-        moment = repeat.reanchor(
-            times.parse_stored(scheduled), times.parse_stored(computed), ctx.now
-        )
-        computed = times.to_seconds(moment)
-    return computed
-
-
-# Commands.
+# Creating jobs.
 
 
 def create_job(ctx: Context, request: Request) -> Response:
-    name = require(request, "name")
-    if len(name.encode("utf-8")) > MAX_NAME:
-        raise CommandError("402 Malformed name")
-    priority = priority_param(request, "jobPriority", "priority")
-    data = data_param(request)
-    first_run = time_param(request, "firstRun")
-    repeat_text = repeat_param(request)
+    return ok({"jobID": _create(ctx, request)})
+
+
+def create_jobs(ctx: Context, request: Request) -> Response:
+    """All or nothing: any bad element fails the whole request."""
+    elements = _job_list(request)
+    ids = []
+    for element in elements:
+        if not any(key.lower() == "name" for key in element):
+            raise CommandError("402 Missing name")
+        ids.append(_create(ctx, params.from_json(element)))
+    return ok({"jobIDs": ids})
+
+
+def _job_list(request: Request) -> list[dict[str, Any]]:
+    text = params.present(request, "jobs")
+    try:
+        elements = jsonbody.parse(text) if text is not None else None
+    except ValueError:
+        elements = None
+    if not isinstance(elements, list) or not elements:
+        raise CommandError("401 Invalid JSON")
+    if not all(isinstance(e, dict) and e for e in elements):
+        raise CommandError("401 Invalid JSON")
+    return elements
+
+
+def _create(ctx: Context, request: Request) -> int:
+    name = params.name(request)
+    priority = params.priority(request, "jobPriority", "priority")
+    data = params.data(request)
+    retry_after = params.retry_after(request)
+    first_run = params.time(request, "firstRun")
+    rule = params.repeat_rule(request)
+    parent_id = _parent_id(request)
+    parent = _parent(ctx, parent_id) if parent_id else None
+    if request.get("unique") == "true":
+        existing = ctx.store.find_by_name(name)
+        if existing is not None:
+            _update_unique(ctx, request, existing, parent_id, data, rule, priority)
+            return existing.jobID
     next_run = first_run or ctx.now_ms
+    # A child of a running parent waits until the parent finishes.
+    state = "PAUSED" if parent is not None and parent.state != "PAUSED" else "QUEUED"
     job_id = ctx.store.insert(
         created=ctx.now_s,
-        state="QUEUED",
+        state=state,
         name=name,
         next_run=next_run,
-        repeat=repeat_text or "",
+        repeat=rule or "",
         data=data if data is not None else "{}",
-        priority=DEFAULT_PRIORITY if priority is None else priority,
+        priority=params.DEFAULT_PRIORITY if priority is None else priority,
+        parent_id=parent_id,
+        retry_after=retry_after,
     )
-    ctx.scheduled(name, next_run)
-    return ok({"jobID": job_id})
+    if state == "QUEUED":
+        ctx.scheduled(name, next_run)
+    return job_id
 
 
-@dataclass(frozen=True)
-class JobQuery:
-    """Which jobs a GetJob or GetJobs asks for."""
-
-    pattern: str | None
-    names: tuple[str, ...]
-    priority: int | None
-    limit: int
-
-    @property
-    def selector(self) -> tuple[object, ...]:
-        """What the query matches, whatever its limit."""
-        return (self.pattern, self.names, self.priority)
-
-    @property
-    def priorities(self) -> tuple[int, ...]:
-        return PRIORITIES if self.priority is None else (self.priority,)
+def _parent_id(request: Request) -> int:
+    text = params.present(request, "parentJobID")
+    if text is None or text == "0":
+        return 0
+    return params.parse_job_id(text, "parentJobID")
 
 
-def job_query(request: Request, limit: int = 1) -> JobQuery:
-    name = require(request, "name")
-    if len(name.encode("utf-8")) > MAX_PATTERN:
-        raise CommandError("402 Malformed name")
-    priority = priority_param(request, "jobPriority")
-    names = tuple(n.lstrip(" ") for n in name.split(",") if n.lstrip(" "))
-    if len(names) > 1:
-        return JobQuery(None, names, priority, limit)
-    return JobQuery(name, (), priority, limit)
+def _parent(ctx: Context, parent_id: int) -> Job:
+    parent = ctx.store.get(parent_id)
+    if parent is None:
+        raise CommandError("404 parentJobID does not exist")
+    if parent.state not in ("RUNNING", "RUNQUEUED", "PAUSED"):
+        raise CommandError(
+            "405 Can only create child job when parent is RUNNING, RUNQUEUED or PAUSED"
+        )
+    if parent.parentJobID:
+        raise CommandError("405 Cannot create grandchildren")
+    return parent
 
 
-def dequeue(ctx: Context, query: JobQuery) -> list[Job]:
-    """Take up to `query.limit` due jobs; return their rows as they were
-    before this dequeue, which is what the reply shows (as in Bedrock)."""
-    jobs = ctx.store.find_ready(
-        now=ctx.now_ms,
-        priorities=query.priorities,
-        limit=query.limit,
-        pattern=query.pattern,
-        names=query.names,
-    )
-    for job in jobs:
-        ctx.store.update(job.jobID, state="RUNNING", lastRun=ctx.now_s)
-    return jobs
+def _update_unique(
+    ctx: Context,
+    request: Request,
+    existing: Job,
+    parent_id: int,
+    data: str | None,
+    rule: str | None,
+    priority: int | None,
+) -> None:
+    """unique=true found a job of this name: merge the new data into it."""
+    if existing.parentJobID and existing.parentJobID != parent_id:
+        raise CommandError(
+            "404 Trying to create a child that already exists, but it is tied to a different parent"
+        )
+    if data is None or data == existing.data:
+        return
+    if request.get("overwrite") not in (None, "", "true"):
+        return
+    changes: dict[str, Any] = {"data": ctx.store.json_patch(existing.data, data)}
+    if rule is not None:
+        changes["repeat"] = rule
+    if priority is not None:
+        changes["priority"] = priority
+    ctx.store.update(existing.jobID, **changes)
 
 
-@dataclass
-class Handout(Response):
-    """A reply that hands out jobs: if it cannot be delivered, the server
-    gives `jobs` back to the queue."""
-
-    jobs: list[Job] = field(default_factory=list)
-
-
-def get_job_reply(jobs: list[Job]) -> Handout:
-    return Handout("200 OK", jsonbody.encode(job_object(jobs[0])), jobs=jobs)
+# Handing out and looking at jobs.
 
 
 def get_job(ctx: Context, request: Request) -> Response:
-    if request.has("numResults"):
-        raise CommandError("402 Cannot use numResults with GetJob; try GetJobs")
-    jobs = dequeue(ctx, job_query(request))
-    if not jobs:
+    query, many = handout.query_for(request)
+    taken = handout.dequeue(ctx, query)
+    if not taken:
         raise CommandError("404 No job found")
-    return get_job_reply(jobs)
-
-
-def serve_waiters(
-    ctx: Context, queries: list[JobQuery]
-) -> tuple[list[list[Job] | None], str | None]:
-    """Try waiting GetJobs oldest first; a selector that found nothing is
-    not tried again in the same pass, so ten thousand waiters on one name
-    cost one query, not ten thousand."""
-    empty: set[tuple[object, ...]] = set()
-    handed: list[list[Job] | None] = []
-    for query in queries:
-        jobs = [] if query.selector in empty else dequeue(ctx, query)
-        if not jobs:
-            empty.add(query.selector)
-        handed.append(jobs or None)
-    return handed, ctx.store.next_due(ctx.now_ms)
-
-
-def give_back(ctx: Context, jobs: list[Job]) -> None:
-    """Undo a dequeue whose reply never reached its client."""
-    for job in jobs:
-        current = ctx.store.get(job.jobID)
-        if current is None or current.state not in ("RUNNING", "RUNQUEUED"):
-            continue
-        ctx.store.update(
-            job.jobID, state=job.state, nextRun=job.nextRun, lastRun=job.lastRun, data=job.data
-        )
-        ctx.scheduled(job.name, job.nextRun)
+    return handout.reply(taken, many)
 
 
 def query_job(ctx: Context, request: Request) -> Response:
-    return ok(job_object(load_job(ctx, request), with_state=True))
+    return ok(handout.job_object(load_job(ctx, request), with_state=True))
 
 
 def update_job(ctx: Context, request: Request) -> Response:
-    job_id = job_id_param(request)
-    data = data_param(request)
-    if data is None or request.get("data") == "":
+    job_id = params.job_id(request)
+    if params.present(request, "data") is None:
         raise CommandError("402 Missing data")
-    repeat_text = repeat_param(request)
-    priority = priority_param(request, "jobPriority")
-    next_run = time_param(request, "nextRun")
+    data = params.data(request)
+    rule = params.repeat_rule(request)
+    priority = params.priority(request, "jobPriority")
+    next_run = params.time(request, "nextRun")
     job = ctx.store.get(job_id)
     if job is None:
         raise CommandError("404 No job with this jobID")
     changes: dict[str, Any] = {"data": data}
-    if next_run is None and repeat_text is not None:
-        next_run = next_run_from_repeat(ctx, job, repeat_text)
+    if next_run is None and rule is not None:
+        next_run = next_run_from_repeat(ctx, job, rule)
     if next_run is not None:
         changes["nextRun"] = next_run
         if job.state in ("QUEUED", "RUNQUEUED"):
             ctx.scheduled(job.name, next_run)
-    if is_true(request.get("shouldClearRepeat")):
+    if params.is_true(request.get("shouldClearRepeat")):
         changes["repeat"] = ""
-    elif repeat_text is not None:
-        changes["repeat"] = repeat_text
+    elif rule is not None:
+        changes["repeat"] = rule
     if priority is not None:
         changes["priority"] = priority
     ctx.store.update(job_id, **changes)
     return ok()
 
 
+# Reporting on a job that was handed out.
+
+
 def finish_job(ctx: Context, request: Request) -> Response:
+    return _finish_or_retry(ctx, request, retry=False)
+
+
+def retry_job(ctx: Context, request: Request) -> Response:
+    return _finish_or_retry(ctx, request, retry=True)
+
+
+def _finish_or_retry(ctx: Context, request: Request, retry: bool) -> Response:
     job = load_job(ctx, request)
     if job.state not in ("RUNNING", "RUNQUEUED"):
         raise CommandError("405 Can only retry/finish RUNNING and RUNQUEUED jobs")
-    data = data_param(request)
-    if data is not None and request.get("data") != "":
-        job.data = data
-    if job.repeat and not _asks_delete(job.data):
-        next_run = next_run_from_repeat(ctx, job, job.repeat)
-        ctx.store.update(job.jobID, state="QUEUED", nextRun=next_run, data=job.data)
-        ctx.scheduled(job.name, next_run)
+    parent = ctx.store.get(job.parentJobID) if job.parentJobID else None
+    if parent is not None and parent.state != "PAUSED":
+        raise CommandError("405 Can only retry/finish child job when parent is PAUSED")
+    new_data = params.data(request) if params.present(request, "data") else None
+    ctx.store.delete_children(job.jobID, ("FINISHED", "CANCELLED"))
+    data = jsonbody.parse_object(new_data or job.data)
+    asks_delete = data.get("delete") is True
+    data.pop("retryAfterCount", None)
+    changes: dict[str, Any] = {"data": jsonbody.compact(data)}
+    if not retry and ctx.store.has_children(job.jobID, PENDING_STATES):
+        _pause_for_children(ctx, job, changes)
+        return ok()
+    if retry:
+        changes.update(_renamed(request))
+    next_run = _next_run(ctx, request, job, retry, use_repeat=not asks_delete)
+    if next_run is not None:
+        ctx.store.update(job.jobID, state="QUEUED", nextRun=next_run, **changes)
+        ctx.scheduled(changes.get("name", job.name), next_run)
+    elif parent is not None:
+        ctx.store.update(job.jobID, state="FINISHED", **changes)
+        _resume_parent_if_done(ctx, parent, PENDING_STATES)
     else:
         ctx.store.delete(job.jobID)
     return ok()
 
 
-def _asks_delete(data: str) -> bool:
-    return jsonbody.parse_object(data).get("delete") is True
+def _pause_for_children(ctx: Context, job: Job, changes: dict[str, Any]) -> None:
+    """A parent that finishes waits, PAUSED, for its children to run."""
+    next_run = job.lastRun or ctx.now_s
+    ctx.store.update(job.jobID, state="PAUSED", nextRun=next_run, **changes)
+    for child in ctx.store.children(job.jobID, ("PAUSED",)):
+        ctx.store.update(child.jobID, state="QUEUED")
+        ctx.scheduled(child.name, child.nextRun)
+
+
+def _resume_parent_if_done(ctx: Context, parent: Job, pending: tuple[str, ...]) -> None:
+    if parent.state == "PAUSED" and not ctx.store.has_children(parent.jobID, pending):
+        ctx.store.update(parent.jobID, state="QUEUED")
+        ctx.scheduled(parent.name, parent.nextRun)
+
+
+def _renamed(request: Request) -> dict[str, Any]:
+    changes: dict[str, Any] = {}
+    new_name = params.present(request, "name")
+    if new_name is not None:
+        changes["name"] = params.name(request)
+    priority = params.priority(request, "jobPriority")
+    if priority is not None:
+        changes["priority"] = priority
+    return changes
+
+
+def _next_run(
+    ctx: Context, request: Request, job: Job, retry: bool, use_repeat: bool
+) -> str | None:
+    """Precedence: the job's repeat, then RetryJob's nextRun, then its delay."""
+    if job.repeat and use_repeat and not (retry and params.is_true(request.get("ignoreRepeat"))):
+        return next_run_from_repeat(ctx, job, job.repeat)
+    if not retry:
+        return None
+    next_run = params.time(request, "nextRun")
+    if next_run is not None:
+        return next_run
+    delay = params.delay_seconds(request)
+    later = ctx.store.datetime_after(ctx.now_s, [f"+{delay} SECONDS"])
+    assert later is not None
+    return later
+
+
+def fail_job(ctx: Context, request: Request) -> Response:
+    job = load_job(ctx, request)
+    if job.state not in ("RUNNING", "RUNQUEUED"):
+        raise CommandError("405 Can only fail RUNNING or RUNQUEUED jobs")
+    changes: dict[str, Any] = {"state": "FAILED"}
+    data = params.data(request)
+    if data is not None:
+        changes["data"] = data
+    ctx.store.update(job.jobID, **changes)
+    return ok()
+
+
+def cancel_job(ctx: Context, request: Request) -> Response:
+    job = load_job(ctx, request)
+    if ctx.store.has_children(job.jobID):
+        raise CommandError("404 Invalid jobID - Cannot cancel a job with children")
+    if not job.parentJobID:
+        raise CommandError("404 Invalid jobID - Cannot cancel a job without a parent")
+    if job.state in ("FINISHED", "RUNNING", "PAUSED"):
+        return ok()
+    ctx.store.update(job.jobID, state="CANCELLED")
+    parent = ctx.store.get(job.parentJobID)
+    if parent is not None:
+        # PAUSED siblings do not hold the parent back here, as in Bedrock.
+        _resume_parent_if_done(ctx, parent, ("QUEUED", "RUNQUEUED", "RUNNING"))
+    return ok()
 
 
 def delete_job(ctx: Context, request: Request) -> Response:
@@ -412,31 +307,46 @@ def delete_job(ctx: Context, request: Request) -> Response:
     return ok()
 
 
-WAITABLE = ("getjob",)
+def requeue_jobs(ctx: Context, request: Request) -> Response:
+    """Put jobs back to QUEUED, due at their creation time; unknown IDs are
+    skipped."""
+    ids = params.job_ids(request)
+    changes: dict[str, Any] = {}
+    if params.present(request, "name") is not None:
+        changes["name"] = params.name(request)
+    for job_id in ids:
+        job = ctx.store.get(job_id)
+        if job is None:
+            continue
+        ctx.store.update(job_id, state="QUEUED", nextRun=job.created, **changes)
+        ctx.scheduled(changes.get("name", job.name), job.created)
+    return ok()
+
 
 COMMANDS: dict[str, Handler] = {
     "createjob": create_job,
+    "createjobs": create_jobs,
     "getjob": get_job,
+    "getjobs": get_job,
     "queryjob": query_job,
     "updatejob": update_job,
     "finishjob": finish_job,
+    "retryjob": retry_job,
+    "failjob": fail_job,
+    "canceljob": cancel_job,
     "deletejob": delete_job,
+    "requeuejobs": requeue_jobs,
 }
 
+WAITABLE = ("getjob", "getjobs")
 
-def immediate(request: Request) -> Response | None:
-    """The reply to a request that needs no database, or None."""
-    if request.invalid_utf8:
-        return Response("400 Request is not valid UTF-8")
-    verb = request.verb.lower()
-    if verb == "ping":
-        return Response("200 OK")
-    if verb not in COMMANDS:
-        return Response("430 Unrecognized command")
-    return None
+
+def wants_wait(request: Request) -> bool:
+    return request.verb.lower() in WAITABLE and (
+        (request.get("connection") or "").lower() == "wait"
+    )
 
 
 def execute(ctx: Context, request: Request) -> Response:
-    """Run one request in the writer; a CommandError raised here rolls the
-    request back and becomes its reply."""
+    """Run one request in the writer."""
     return COMMANDS[request.verb.lower()](ctx, request)

@@ -82,7 +82,10 @@ def _token_matches(token: _Token, ch: str) -> bool:
 
 
 def glob_match(pattern: str, text: str) -> bool:
-    tokens = _compile(pattern)
+    # SQLite's GLOB reads both as C strings, so a NUL (a job name can hold
+    # one through `\u0000`) ends them there.
+    tokens = _compile(pattern.partition("\0")[0])
+    text = text.partition("\0")[0]
     ti = si = 0
     star_ti = -1
     star_si = 0

@@ -227,10 +227,18 @@ class RequestParser:
         return found.start(), found.end() - found.start()
 
     def _check_partial_head(self) -> None:
-        if len(self._buffer) > MAX_HEAD:
+        # Trailing CR/LF bytes may be the start of the blank line (at most
+        # three: `\r\n\r`), and a trailing CR the end of the line, so they do
+        # not count yet: where the stream is split must not decide whether a
+        # request that fits the limits exactly is accepted.
+        size = len(self._buffer)
+        tail = 0
+        while tail < min(3, size) and self._buffer[size - 1 - tail] in (0x0A, 0x0D):
+            tail += 1
+        if size - tail > MAX_HEAD:
             raise ProtocolError("413 Request too large")
-        last_newline = self._buffer.rfind(b"\n")
-        if len(self._buffer) - (last_newline + 1) > MAX_LINE:
+        line_end = size - 1 if self._buffer.endswith(b"\r") else size
+        if line_end - (self._buffer.rfind(b"\n") + 1) > MAX_LINE:
             raise ProtocolError("414 Line too long")
 
 
@@ -256,8 +264,12 @@ def _content_length(lines: list[bytes]) -> int:
     """Find Content-Length before decoding, so framing never depends on text."""
     value: bytes | None = None
     for line in lines:
+        # Same rules as _build_request: a continuation line is part of the
+        # previous value, so it must not frame a body the headers never show.
+        if line[:1] in (b" ", b"\t"):
+            continue
         name, sep, rest = line.partition(b":")
-        if sep and name.strip().lower() == b"content-length":
+        if sep and name.strip(b" \t").lower() == b"content-length":
             value = rest.strip(b" \t")
     if value is None:
         return 0

@@ -97,6 +97,7 @@ def reanchor(last_scheduled: datetime, computed: datetime, now: datetime) -> dat
     interval = (computed - last_scheduled).total_seconds()
     if computed > now or not 0 < interval < REANCHOR_LIMIT_SECONDS:
         return computed
-    behind = (now - last_scheduled).total_seconds()
-    slots = int(behind // interval) + 1
+    # Whole microseconds, not float seconds: 0.3 // 0.1 is 2.0 in floats,
+    # which would land exactly on `now` instead of the slot after it.
+    slots = (now - last_scheduled) // (computed - last_scheduled) + 1
     return last_scheduled + (computed - last_scheduled) * slots

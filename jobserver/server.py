@@ -10,6 +10,8 @@ closes the database.
 from __future__ import annotations
 
 import errno
+import os
+import time
 import logging
 import resource
 import signal
@@ -17,11 +19,13 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import trio
 
-from . import commands
-from .commands import CommandError, Handout, JobQuery
+from . import __version__, commands, handout, params, query
+from .errors import CommandError
+from .handout import Handout, JobQuery
 from .protocol import Request, RequestParser, Response, encode_response
 from .store import Store
 from .waiters import Selector, WaitQueue
@@ -34,6 +38,8 @@ RECEIVE_SIZE = 65536
 # Requests a client may pipeline ahead of the one being answered; past this
 # the server stops reading until it catches up.
 MAX_PIPELINED = 64
+# Query runs in worker threads; a few at once is plenty for people typing.
+QUERY_THREADS = 4
 # Time allowed, after SIGTERM or SIGINT, for requests in flight to finish.
 SHUTDOWN_GRACE = 4.0
 
@@ -46,6 +52,8 @@ class Config:
     synchronous: str = "FULL"
     # One file descriptor each; the default fits ten thousand waiting workers.
     max_connections: int = 16384
+    # Query reads the whole database; by default only local users may.
+    allow_remote_query: bool = False
 
 
 class Server:
@@ -58,6 +66,8 @@ class Server:
         self.closing = False
         self.port: int | None = None
         self.commands_served = 0
+        self.started = time.monotonic()
+        self._query_limiter = trio.CapacityLimiter(QUERY_THREADS)
         self._stop = trio.Event()
         self.token: trio.lowlevel.TrioToken | None = None
 
@@ -71,7 +81,7 @@ class Server:
         _raise_file_limit(config.max_connections + 64)
         self.store = Store(config.db, config.synchronous)
         self.writer = Writer(self.store, self._notify)
-        self.waits = WaitQueue(self.writer, commands.serve_waiters, commands.give_back)
+        self.waits = WaitQueue(self.writer, handout.serve_waiters, handout.give_back)
         self.writer.start()
         try:
             listeners = await trio.open_tcp_listeners(config.port, host=config.host)
@@ -95,6 +105,27 @@ class Server:
             await self.writer.stop()
             self.store.close()
             log.info("stopped; database %s closed", config.db)
+
+    async def status(self) -> Response:
+        counts = await self.writer.call(lambda ctx: ctx.store.count_by_state())
+        body = {
+            "version": __version__,
+            "uptime": round(time.monotonic() - self.started, 3),
+            "database": {"path": self.config.db, "bytes": _database_bytes(self.config.db)},
+            "jobs": counts,
+            "waitingGetJobs": len(self.waits),
+            "connections": len(self.connections),
+            "commandsServed": self.commands_served,
+            "transactions": self.writer.batches,
+        }
+        return commands.ok(body)
+
+    async def query(self, request: Request, peer: str) -> Response:
+        if not (self.config.allow_remote_query or _is_loopback(peer)):
+            return Response("401 Unauthorized")
+        return await trio.to_thread.run_sync(
+            query.run, self.config.db, request, limiter=self._query_limiter
+        )
 
     def _notify(self, ready: set[str], due: str | None) -> None:
         self.waits.notify(ready, due)
@@ -170,6 +201,10 @@ class Connection:
         self.pending: deque[Request] = deque()
         self.eof = False
         self._read_scope: trio.CancelScope | None = None
+        try:
+            self.peer = str(stream.socket.getpeername()[0])
+        except OSError:
+            self.peer = ""
 
     def stop_reading(self) -> None:
         """Shutdown: an idle connection stops waiting for its next request."""
@@ -225,44 +260,50 @@ class Connection:
             await self.stream.send_all(encode_response(response, close))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             if isinstance(response, Handout):
-                self.server.waits.give_back(response.jobs)
+                self.server.waits.give_back(response.taken)
             return False
         except BaseException:
             if isinstance(response, Handout):
-                self.server.waits.give_back(response.jobs)
+                self.server.waits.give_back(response.taken)
             raise
         self.server.commands_served += 1
         return True
 
     async def _respond(self, request: Request) -> Response:
-        reply = commands.immediate(request)
-        if reply is not None:
-            return reply
+        if request.invalid_utf8:
+            return Response("400 Request is not valid UTF-8")
+        verb = request.verb.lower()
         try:
+            if verb == "ping":
+                return Response("200 OK")
+            if verb == "status":
+                return await self.server.status()
+            if verb in query.VERBS:
+                return await self.server.query(request, self.peer)
+            if verb not in commands.COMMANDS:
+                return Response("430 Unrecognized command")
             if commands.wants_wait(request):
-                return await self._wait_for_job(request)
+                return await self._wait_for_jobs(request)
             return await self.server.writer.call(partial(commands.execute, request=request))
         except CommandError as error:
             return Response(error.status)
 
-    async def _wait_for_job(self, request: Request) -> Response:
-        if request.has("numResults"):
-            raise CommandError("402 Cannot use numResults with GetJob; try GetJobs")
-        query = commands.job_query(request)
-        timeout = commands.wait_seconds(request)
-        jobs = await self._watching_for_hangup(query, timeout)
-        if jobs is None:
+    async def _wait_for_jobs(self, request: Request) -> Response:
+        job_query, many = handout.query_for(request)
+        timeout = params.wait_seconds(request)
+        taken = await self._watching_for_hangup(job_query, timeout)
+        if taken is None:
             return Response("404 No job found")
-        return commands.get_job_reply(jobs)
+        return handout.reply(taken, many)
 
-    async def _watching_for_hangup(self, query: JobQuery, timeout: float) -> object:
+    async def _watching_for_hangup(self, job_query: JobQuery, timeout: float) -> Any:
         """Wait for jobs while reading ahead, so a client that hangs up
         stops waiting at once and is never handed a job."""
-        selector = Selector(query.pattern, frozenset(query.names))
-        result: list[object] = [None]
+        selector = Selector(job_query.pattern, frozenset(job_query.names))
+        result: list[Any] = [None]
 
         async def wait(cancel: trio.CancelScope) -> None:
-            result[0] = await self.server.waits.wait(selector, query, timeout)
+            result[0] = await self.server.waits.wait(selector, job_query, timeout)
             cancel.cancel()
 
         async def read_ahead(cancel: trio.CancelScope) -> None:
@@ -279,6 +320,20 @@ class Connection:
             nursery.start_soon(wait, nursery.cancel_scope)
             nursery.start_soon(read_ahead, nursery.cancel_scope)
         return result[0]
+
+
+def _is_loopback(address: str) -> bool:
+    return address.startswith("127.") or address in ("::1", "::ffff:127.0.0.1")
+
+
+def _database_bytes(path: str) -> int:
+    total = 0
+    for suffix in ("", "-wal"):
+        try:
+            total += os.path.getsize(path + suffix)
+        except OSError:
+            pass
+    return total
 
 
 def _raise_file_limit(wanted: int) -> None:

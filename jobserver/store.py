@@ -11,6 +11,8 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from time import monotonic
+from urllib.parse import quote
 
 SCHEMA_VERSION = 1
 
@@ -261,3 +263,102 @@ class Store:
     def count_by_state(self) -> dict[str, int]:
         rows = self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state")
         return dict(rows.fetchall())
+
+    # Parents and children.
+
+    def children(self, parent_id: int, states: Sequence[str]) -> list[Job]:
+        marks = ", ".join("?" for _ in states)
+        rows = self._db.execute(
+            f"SELECT {_COLUMNS} FROM jobs WHERE parentJobID = ? AND state IN ({marks}) "
+            "ORDER BY jobID",
+            (parent_id, *states),
+        ).fetchall()
+        return [Job(*row) for row in rows]
+
+    def has_children(self, parent_id: int, states: Sequence[str] | None = None) -> bool:
+        if states is None:
+            row = self._db.execute(
+                "SELECT 1 FROM jobs WHERE parentJobID = ? LIMIT 1", (parent_id,)
+            ).fetchone()
+        else:
+            marks = ", ".join("?" for _ in states)
+            row = self._db.execute(
+                f"SELECT 1 FROM jobs WHERE parentJobID = ? AND state IN ({marks}) LIMIT 1",
+                (parent_id, *states),
+            ).fetchone()
+        return row is not None
+
+    def delete_children(self, parent_id: int, states: Sequence[str]) -> None:
+        marks = ", ".join("?" for _ in states)
+        self._db.execute(
+            f"DELETE FROM jobs WHERE parentJobID = ? AND state IN ({marks})",
+            (parent_id, *states),
+        )
+
+    def find_by_name(self, name: str) -> Job | None:
+        """The oldest job with exactly this name, for unique=true."""
+        row = self._db.execute(
+            f"SELECT {_COLUMNS} FROM jobs WHERE name = ? ORDER BY jobID LIMIT 1", (name,)
+        ).fetchone()
+        return Job(*row) if row else None
+
+    def json_patch(self, target: str, patch: str) -> str:
+        """RFC 7396 merge of two JSON objects, by SQLite's JSON_PATCH."""
+        return self._db.execute("SELECT JSON_PATCH(?, ?)", (target, patch)).fetchone()[0]
+
+
+# Read-only SQL for the `Query` command. It runs on its own connection,
+# opened read-only, with an authorizer that allows nothing but reading and a
+# progress handler that stops it at its deadline.
+
+# Longest text or blob a query may build: enough for any row of the jobs
+# table, small enough that a hostile zeroblob() or printf() cannot exhaust
+# memory.
+QUERY_MAX_LENGTH = 16 * 1024 * 1024
+
+_QUERY_ALLOWED = frozenset(
+    (sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE)
+)
+
+
+class QueryTimeout(Exception):
+    pass
+
+
+def read_only_query(
+    path: str, sql: str, seconds: float, max_rows: int
+) -> tuple[list[str], list[tuple[object, ...]]]:
+    """Run one read-only statement; return column names and rows.
+
+    Raises sqlite3.Error for bad SQL or anything that is not a read,
+    QueryTimeout when it runs past `seconds`, and OverflowError when it
+    returns more than `max_rows` rows.
+    """
+    db = sqlite3.connect(f"file:{quote(path)}?mode=ro", uri=True, isolation_level=None)
+    try:
+        db.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, QUERY_MAX_LENGTH)
+        db.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
+        db.set_authorizer(_authorize)
+        deadline = monotonic() + seconds
+        db.set_progress_handler(lambda: monotonic() > deadline, 1000)
+        try:
+            cursor = db.execute(sql)
+            rows = cursor.fetchmany(max_rows + 1)
+        except sqlite3.OperationalError as error:
+            if monotonic() > deadline and "interrupt" in str(error):
+                raise QueryTimeout() from error
+            raise
+        if len(rows) > max_rows:
+            raise OverflowError(max_rows)
+        headers = [column[0] for column in cursor.description or ()]
+        return headers, rows
+    finally:
+        db.close()
+
+
+def _authorize(action: int, arg1: str | None, arg2: str | None, *_: object) -> int:
+    if action not in _QUERY_ALLOWED:
+        return sqlite3.SQLITE_DENY
+    if action == sqlite3.SQLITE_FUNCTION and arg2 and arg2.lower() == "load_extension":
+        return sqlite3.SQLITE_DENY
+    return sqlite3.SQLITE_OK

@@ -22,7 +22,8 @@ import outcome
 import trio
 
 from . import times
-from .commands import CommandError, Context
+from .context import Context
+from .errors import CommandError
 from .store import Store
 
 log = logging.getLogger("jobserver")

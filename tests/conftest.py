@@ -13,9 +13,9 @@ import pytest
 import trio
 
 from jobserver.server import Config, Server
-from wire import Client
 
 sys.path.insert(0, str(Path(__file__).parent))
+from wire import Client  # noqa: E402
 
 START_TIMEOUT = 15.0
 

@@ -1,0 +1,212 @@
+"""Reading and checking request parameters, with Bedrock's status lines."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from . import jsonbody, repeat, times
+from .errors import CommandError
+from .protocol import Request
+
+PRIORITIES = (1000, 850, 750, 500, 250, 0)
+DEFAULT_PRIORITY = 500
+
+MAX_NAME = 255
+# Bedrock's limit for a GetJob pattern, which may list many names.
+MAX_PATTERN = 12750
+# Bedrock's limit for a data value.
+MAX_DATA = 1024 * 1024
+# GetJobs hands out at most this many jobs at once: a batch larger than a
+# worker pool can start only holds jobs back from other workers.
+MAX_RESULTS = 1000
+# RetryJob's delay has at most 8 digits of seconds (three years), as in Bedrock.
+MAX_DELAY_DIGITS = 8
+# How long a GetJob with `Connection: wait` waits when it names no timeout:
+# Bedrock's default, chosen so clients can use a two-minute socket timeout.
+DEFAULT_WAIT_MS = 110_000
+# A longer wait is cut to this: an hour is longer than any client should
+# hold a socket without hearing back.
+MAX_WAIT_MS = 3_600_000
+
+Params = Request
+
+
+def present(params: Params, name: str) -> str | None:
+    """The value of a parameter, or None when absent or empty."""
+    value = params.get(name)
+    return None if value is None or value == "" else value
+
+
+def require(params: Params, name: str) -> str:
+    value = present(params, name)
+    if value is None:
+        raise CommandError(f"402 Missing {name}")
+    return value
+
+
+def job_id(params: Params, name: str = "jobID") -> int:
+    return parse_job_id(require(params, name), name)
+
+
+def parse_job_id(text: str, name: str = "jobID") -> int:
+    # Bedrock's int64 rule: the text must be the canonical decimal form, so
+    # `007`, `1.0` and ` 5` are malformed rather than silently read.
+    try:
+        number = int(text)
+    except ValueError:
+        raise CommandError(f"402 Malformed {name}") from None
+    if str(number) != text or not 0 < number < 2**63:
+        raise CommandError(f"402 Malformed {name}")
+    return number
+
+
+def job_ids(params: Params, name: str = "jobIDs") -> list[int]:
+    text = require(params, name)
+    return [parse_job_id(part.strip(), name) for part in text.split(",") if part.strip()]
+
+
+def name(params: Params) -> str:
+    value = require(params, "name")
+    if len(value.encode("utf-8")) > MAX_NAME:
+        raise CommandError("402 Malformed name")
+    return value
+
+
+def priority(params: Params, *names: str) -> int | None:
+    for header in names:
+        value = present(params, header)
+        if value is not None:
+            try:
+                number = int(value)
+            except ValueError:
+                raise CommandError("402 Invalid priority value") from None
+            if number not in PRIORITIES:
+                raise CommandError("402 Invalid priority value")
+            return number
+    return None
+
+
+def data(params: Params, header: str = "data") -> str | None:
+    """A JSON object parameter as compact JSON text, or None when absent."""
+    value = params.get(header)
+    if value is None:
+        return None
+    if len(value.encode("utf-8")) > MAX_DATA:
+        raise CommandError(f"402 Malformed {header}")
+    return parse_data(value)
+
+
+def parse_data(text: str) -> str:
+    try:
+        return jsonbody.compact(jsonbody.parse_object(text))
+    except ValueError:
+        raise CommandError("402 Data is not a valid JSON Object") from None
+
+
+def time(params: Params, header: str) -> str | None:
+    value = present(params, header)
+    if value is None or value.strip() == "":
+        return None
+    try:
+        return times.parse_user_time(value)
+    except ValueError:
+        raise CommandError(f"402 Malformed {header}") from None
+
+
+def repeat_rule(params: Params) -> str | None:
+    """The repeat as stored (upper case), or None when absent or empty."""
+    value = present(params, "repeat")
+    if value is None or value.strip() == "":
+        return None
+    try:
+        repeat.parse_repeat(value)
+    except repeat.MalformedRepeat:
+        raise CommandError("402 Malformed repeat") from None
+    return value.strip().upper()
+
+
+def retry_after(params: Params) -> str:
+    """The retryAfter modifiers as stored, or "" for none."""
+    value = present(params, "retryAfter")
+    if value is None or value.strip() == "":
+        return ""
+    try:
+        repeat.parse_modifiers(value)
+    except repeat.MalformedRepeat:
+        raise CommandError("402 Malformed retryAfter") from None
+    return value.strip()
+
+
+def delay_seconds(params: Params) -> int:
+    value = present(params, "delay")
+    if value is None:
+        return 0
+    try:
+        seconds = int(value)
+    except ValueError:
+        raise CommandError("402 Malformed delay") from None
+    if seconds < 0:
+        raise CommandError("402 Must specify a non-negative delay when retrying")
+    if len(str(seconds)) > MAX_DELAY_DIGITS:
+        raise CommandError("402 Malformed delay")
+    return seconds
+
+
+def num_results(params: Params) -> int:
+    value = require(params, "numResults")
+    try:
+        number = int(value)
+    except ValueError:
+        raise CommandError("402 Malformed numResults") from None
+    return min(max(number, 1), MAX_RESULTS)
+
+
+def is_true(value: str | None) -> bool:
+    """`true` in any case, or a non-zero number, as Bedrock reads flags."""
+    if value is None:
+        return False
+    if value.strip().lower() == "true":
+        return True
+    try:
+        return int(value) != 0
+    except ValueError:
+        return False
+
+
+def wait_seconds(params: Params) -> float:
+    """The `timeout` of a waiting GetJob, in seconds."""
+    value = present(params, "timeout")
+    if value is None:
+        return DEFAULT_WAIT_MS / 1000
+    try:
+        millis = int(value)
+    except ValueError:
+        raise CommandError("402 Malformed timeout") from None
+    if millis < 0:
+        raise CommandError("402 Malformed timeout")
+    return min(millis, MAX_WAIT_MS) / 1000
+
+
+def from_json(element: Mapping[str, Any]) -> Params:
+    """One element of CreateJobs as request parameters.
+
+    Keys are case-insensitive, as header names are; objects stay JSON text;
+    `data: []` is how PHP writes an empty object, so it means `{}`.
+    """
+    headers: dict[str, str] = {}
+    for key, value in element.items():
+        if key.lower() == "data" and value == []:
+            value = {}
+        if isinstance(value, str):
+            text = value
+        elif isinstance(value, bool):
+            text = "true" if value else "false"
+        elif value is None:
+            continue
+        elif isinstance(value, (dict, list)):
+            text = jsonbody.compact(value)
+        else:
+            text = str(value)
+        headers[key.lower()] = text
+    return Request(method_line="CreateJob", headers=headers)
