@@ -264,12 +264,14 @@ class Store:
         rows = self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state")
         return dict(rows.fetchall())
 
-    # Parents and children.
+    # Parents and children. Every query repeats `parentJobID != 0` so that
+    # SQLite may use the partial index on children; without it each would
+    # scan the whole table.
 
     def children(self, parent_id: int, states: Sequence[str]) -> list[Job]:
         marks = ", ".join("?" for _ in states)
         rows = self._db.execute(
-            f"SELECT {_COLUMNS} FROM jobs WHERE parentJobID = ? AND state IN ({marks}) "
+            f"SELECT {_COLUMNS} FROM jobs WHERE parentJobID != 0 AND parentJobID = ? AND state IN ({marks}) "
             "ORDER BY jobID",
             (parent_id, *states),
         ).fetchall()
@@ -278,12 +280,12 @@ class Store:
     def has_children(self, parent_id: int, states: Sequence[str] | None = None) -> bool:
         if states is None:
             row = self._db.execute(
-                "SELECT 1 FROM jobs WHERE parentJobID = ? LIMIT 1", (parent_id,)
+                "SELECT 1 FROM jobs WHERE parentJobID != 0 AND parentJobID = ? LIMIT 1", (parent_id,)
             ).fetchone()
         else:
             marks = ", ".join("?" for _ in states)
             row = self._db.execute(
-                f"SELECT 1 FROM jobs WHERE parentJobID = ? AND state IN ({marks}) LIMIT 1",
+                f"SELECT 1 FROM jobs WHERE parentJobID != 0 AND parentJobID = ? AND state IN ({marks}) LIMIT 1",
                 (parent_id, *states),
             ).fetchone()
         return row is not None
@@ -291,7 +293,7 @@ class Store:
     def delete_children(self, parent_id: int, states: Sequence[str]) -> None:
         marks = ", ".join("?" for _ in states)
         self._db.execute(
-            f"DELETE FROM jobs WHERE parentJobID = ? AND state IN ({marks})",
+            f"DELETE FROM jobs WHERE parentJobID != 0 AND parentJobID = ? AND state IN ({marks})",
             (parent_id, *states),
         )
 

@@ -14,6 +14,8 @@ from dateutil import parser as dateparser
 
 SECONDS_FORMAT = "%Y-%m-%d %H:%M:%S"
 
+_DEFAULTS = (datetime(2000, 1, 1), datetime(2001, 2, 2))
+
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
@@ -43,7 +45,12 @@ def parse_user_time(text: str) -> str:
     if not any(ch.isdigit() for ch in text):
         raise ValueError(f"not a time: {text!r}")
     try:
-        moment = dateparser.parse(text)
+        moment = dateparser.parse(text, default=_DEFAULTS[0])
+        # dateutil fills missing fields from its default: text that names no
+        # full date ("5", "2026") parses differently with another default,
+        # and is refused rather than read as some day this month.
+        if moment != dateparser.parse(text, default=_DEFAULTS[1]):
+            raise ValueError(f"not a complete date: {text!r}")
         if moment.tzinfo is None:
             moment = moment.replace(tzinfo=timezone.utc)
         stored = to_seconds(moment)

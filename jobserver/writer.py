@@ -103,16 +103,24 @@ class Writer:
                 return
 
     def _run_batch(self, batch: list[Work]) -> None:
+        try:
+            outcomes, ready, due = self._transaction(batch)
+        except sqlite3.Error as error:
+            log.error("transaction failed: %s", error)
+            self._store.rollback()
+            failed = outcome.Error(CommandError(f"503 Database unavailable: {error}"))
+            outcomes, ready, due = [failed] * len(batch), set(), None
+        self._report(batch, outcomes, ready, due)
+
+    def _transaction(
+        self, batch: list[Work]
+    ) -> tuple[list[outcome.Outcome], set[str], str | None]:
+        """Run a batch in one transaction. Outcomes are final only once this
+        returns: a failed commit raises, and every request fails with it."""
         store = self._store
         outcomes: list[outcome.Outcome] = []
         contexts: list[Context | None] = []
-        try:
-            store.begin()
-        except sqlite3.Error as error:
-            log.error("cannot begin a transaction: %s", error)
-            failed = outcome.Error(CommandError(f"503 Database unavailable: {error}"))
-            self._report(batch, [failed] * len(batch), set(), None)
-            return
+        store.begin()
         for work in batch:
             ctx = Context(store, times.utcnow())
             result = self._run_one(work, ctx)
@@ -125,14 +133,7 @@ class Writer:
                 store.begin()
             outcomes.append(result)
             contexts.append(ctx if isinstance(result, outcome.Value) else None)
-        try:
-            store.commit()
-        except sqlite3.Error as error:
-            log.error("commit failed: %s", error)
-            store.rollback()
-            failed = outcome.Error(CommandError(f"502 Commit failed: {error}"))
-            self._report(batch, [failed] * len(batch), set(), None)
-            return
+        store.commit()
         ready: set[str] = set()
         due: str | None = None
         for ctx in contexts:
@@ -142,7 +143,7 @@ class Writer:
                     due = ctx.due
         self.batches += 1
         self.requests += len(batch)
-        self._report(batch, outcomes, ready, due)
+        return outcomes, ready, due
 
     def _run_one(self, work: Work, ctx: Context) -> outcome.Outcome:
         store = self._store

@@ -1,0 +1,429 @@
+"""Side-by-side benchmark: jobserver against durable beanstalkd and Redis.
+
+    python bench/run.py            # full run, a few minutes
+    python bench/run.py --quick    # smoke run, under a minute
+
+Starts beanstalkd (binlog, fsync on every write: `-b DIR -f0`) and
+redis-server (AOF, `appendfsync always`) on free loopback ports, installing
+them with apt-get when they are missing, and jobserver on a fresh database
+with `--synchronous FULL`. Every peer is driven by the same kind of client:
+separate processes with plain sockets, 100-byte jobs. Prints one table with
+the ratios against the peers, and appends it to bench/RESULTS.md.
+
+Only ratios measured in one run mean anything: these machines are shared
+and their speed moves by a quarter between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PAYLOAD = b"x" * 100
+
+
+# Clients: one class per peer, the same four operations each.
+
+
+class Conn:
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = b""
+
+    def read_until(self, marker: bytes) -> bytes:
+        while marker not in self.buf:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("peer closed")
+            self.buf += chunk
+        head, self.buf = self.buf.split(marker, 1)
+        return head
+
+    def read_exact(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("peer closed")
+            self.buf += chunk
+        data, self.buf = self.buf[:n], self.buf[n:]
+        return data
+
+
+class JobserverClient(Conn):
+    def request(self, raw: bytes) -> tuple[str, bytes]:
+        self.sock.sendall(raw)
+        head = self.read_until(b"\r\n\r\n").decode()
+        lines = head.split("\r\n")
+        length = 0
+        for line in lines[1:]:
+            if line.startswith("Content-Length:"):
+                length = int(line.split(":")[1])
+        return lines[0], self.read_exact(length)
+
+    def put(self) -> None:
+        status, _ = self.request(
+            b"CreateJob\r\nname: bench\r\ndata: {\"p\":\"" + PAYLOAD[:90] + b"\"}\r\n\r\n"
+        )
+        assert status.startswith("200"), status
+
+    def take(self) -> bool:
+        status, body = self.request(b"GetJob\r\nname: bench\r\n\r\n")
+        if not status.startswith("200"):
+            return False
+        job_id = body.split(b'"jobID":', 1)[1].split(b",", 1)[0]
+        status, _ = self.request(b"FinishJob\r\njobID: " + job_id + b"\r\n\r\n")
+        assert status.startswith("200"), status
+        return True
+
+    def wait_take(self) -> None:
+        status, body = self.request(
+            b"GetJob\r\nname: wake\r\nConnection: wait\r\ntimeout: 10000\r\n\r\n"
+        )
+        assert status.startswith("200"), status
+        job_id = body.split(b'"jobID":', 1)[1].split(b",", 1)[0]
+        self.request(b"FinishJob\r\njobID: " + job_id + b"\r\n\r\n")
+
+    def wake_put(self) -> None:
+        status, _ = self.request(b"CreateJob\r\nname: wake\r\n\r\n")
+        assert status.startswith("200"), status
+
+
+class BeanstalkClient(Conn):
+    def cmd(self, raw: bytes) -> bytes:
+        self.sock.sendall(raw)
+        return self.read_until(b"\r\n")
+
+    def put(self) -> None:
+        reply = self.cmd(b"put 0 0 60 100\r\n" + PAYLOAD + b"\r\n")
+        assert reply.startswith(b"INSERTED"), reply
+
+    def take(self) -> bool:
+        reply = self.cmd(b"reserve-with-timeout 0\r\n")
+        if not reply.startswith(b"RESERVED"):
+            return False
+        _, job_id, size = reply.split()
+        self.read_exact(int(size) + 2)
+        assert self.cmd(b"delete " + job_id + b"\r\n") == b"DELETED"
+        return True
+
+    def wait_take(self) -> None:
+        self.cmd(b"watch wake\r\n")
+        reply = self.cmd(b"reserve-with-timeout 10\r\n")
+        assert reply.startswith(b"RESERVED"), reply
+        _, job_id, size = reply.split()
+        self.read_exact(int(size) + 2)
+        self.cmd(b"delete " + job_id + b"\r\n")
+
+    def wake_put(self) -> None:
+        self.cmd(b"use wake\r\n")
+        reply = self.cmd(b"put 0 0 60 100\r\n" + PAYLOAD + b"\r\n")
+        assert reply.startswith(b"INSERTED"), reply
+
+
+class RedisClient(Conn):
+    def cmd(self, *args: bytes) -> bytes:
+        out = b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+        self.sock.sendall(out)
+        return self._reply()
+
+    def _reply(self) -> bytes:
+        line = self.read_until(b"\r\n")
+        if line[:1] == b"$":
+            n = int(line[1:])
+            return b"" if n < 0 else self.read_exact(n + 2)[:-2]
+        if line[:1] == b"*":
+            n = int(line[1:])
+            items = [self._reply() for _ in range(max(n, 0))]
+            return items[-1] if items else b""
+        return line
+
+    def put(self) -> None:
+        self.cmd(b"LPUSH", b"bench", PAYLOAD)
+
+    def take(self) -> bool:
+        # The reliable-queue pattern, Redis' counterpart of reserve + delete:
+        # move the job to a processing list, then remove it when done.
+        item = self.cmd(b"LMOVE", b"bench", b"processing", b"RIGHT", b"LEFT")
+        if not item:
+            return False
+        self.cmd(b"LREM", b"processing", b"1", item)
+        return True
+
+    def wait_take(self) -> None:
+        item = self.cmd(b"BLMOVE", b"wake", b"wproc", b"RIGHT", b"LEFT", b"10")
+        assert item, "BLMOVE timed out"
+        self.cmd(b"LREM", b"wproc", b"1", item)
+
+    def wake_put(self) -> None:
+        self.cmd(b"LPUSH", b"wake", PAYLOAD)
+
+
+CLIENTS: dict[str, type] = {
+    "jobserver": JobserverClient,
+    "beanstalkd": BeanstalkClient,
+    "redis": RedisClient,
+}
+
+
+# Workloads, each run in separate client processes.
+
+
+def _put_worker(kind: str, port: int, count: int, start: float, out: multiprocessing.Queue) -> None:
+    client = CLIENTS[kind](port)
+    while time.time() < start:
+        time.sleep(0.001)
+    began = time.perf_counter()
+    for _ in range(count):
+        client.put()
+    out.put((count, time.perf_counter() - began))
+
+
+def _take_worker(kind: str, port: int, count: int, start: float, out: multiprocessing.Queue) -> None:
+    client = CLIENTS[kind](port)
+    while time.time() < start:
+        time.sleep(0.001)
+    began = time.perf_counter()
+    done = 0
+    while done < count and client.take():
+        done += 1
+    out.put((done, time.perf_counter() - began))
+
+
+def _parallel(target: Callable, kind: str, port: int, clients: int, per_client: int) -> float:
+    """Run `clients` processes at once; return operations per second."""
+    out: multiprocessing.Queue = multiprocessing.Queue()
+    start = time.time() + 0.5
+    procs = [
+        multiprocessing.Process(target=target, args=(kind, port, per_client, start, out))
+        for _ in range(clients)
+    ]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    total = sum(n for n, _ in results)
+    return total / max(t for _, t in results)
+
+
+def _wake_waiter(kind: str, port: int, rounds: int, ready: multiprocessing.Queue, out: multiprocessing.Queue) -> None:
+    client = CLIENTS[kind](port)
+    for _ in range(rounds):
+        ready.put(None)
+        client.wait_take()
+        out.put(time.perf_counter())
+
+
+def wake_latency(kind: str, port: int, rounds: int) -> tuple[float, float]:
+    """p50 and p99, in microseconds, from sending a put to the blocked
+    worker holding the job."""
+    ready: multiprocessing.Queue = multiprocessing.Queue()
+    out: multiprocessing.Queue = multiprocessing.Queue()
+    waiter = multiprocessing.Process(target=_wake_waiter, args=(kind, port, rounds, ready, out))
+    waiter.start()
+    producer = CLIENTS[kind](port)
+    samples = []
+    for _ in range(rounds):
+        ready.get(timeout=30)
+        time.sleep(0.005)  # let the waiter's request reach the server and block
+        sent = time.perf_counter()
+        producer.wake_put()
+        samples.append((out.get(timeout=30) - sent) * 1e6)
+    waiter.join()
+    samples.sort()
+    return statistics.median(samples), samples[int(len(samples) * 0.99) - 1]
+
+
+# Peers.
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, proc: subprocess.Popen) -> None:
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{proc.args[0]} did not open port {port}")
+
+
+def ensure_installed(binary: str, package: str) -> bool:
+    if shutil.which(binary):
+        return True
+    apt = ["apt-get", "install", "-y", "-qq", package]
+    if os.geteuid() != 0:
+        apt = ["sudo", "-n", *apt]
+    subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
+    subprocess.run(apt, capture_output=True)
+    return shutil.which(binary) is not None
+
+
+@dataclass
+class Peer:
+    name: str
+    port: int
+    proc: subprocess.Popen
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_jobserver(workdir: Path) -> Peer:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobserver", "serve", "--port", str(port),
+         "--db", str(workdir / "bench.db"), "--synchronous", "FULL", "--log-level", "WARNING"],
+        cwd=ROOT,
+    )
+    wait_port(port, proc)
+    return Peer("jobserver", port, proc)
+
+
+def start_beanstalkd(workdir: Path) -> Peer | None:
+    if not ensure_installed("beanstalkd", "beanstalkd"):
+        return None
+    port = free_port()
+    binlog = workdir / "beanstalkd"
+    binlog.mkdir()
+    proc = subprocess.Popen(
+        ["beanstalkd", "-l", "127.0.0.1", "-p", str(port), "-b", str(binlog), "-f0"]
+    )
+    wait_port(port, proc)
+    return Peer("beanstalkd", port, proc)
+
+
+def start_redis(workdir: Path) -> Peer | None:
+    if not ensure_installed("redis-server", "redis-server"):
+        return None
+    port = free_port()
+    data = workdir / "redis"
+    data.mkdir()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
+         "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+         "--daemonize", "no", "--loglevel", "warning"],
+        stdout=subprocess.DEVNULL,
+    )
+    wait_port(port, proc)
+    return Peer("redis", port, proc)
+
+
+# The run.
+
+
+def measure(peer: Peer, quick: bool) -> dict[str, float]:
+    n1 = 1000 if quick else 5000
+    n8 = 500 if quick else 3000
+    rounds = 100 if quick else 500
+    kind, port = peer.name, peer.port
+    figures: dict[str, float] = {}
+    figures["put1"] = _parallel(_put_worker, kind, port, 1, n1)
+    figures["put8"] = _parallel(_put_worker, kind, port, 8, n8)
+    total = n1 + 8 * n8
+    figures["take8"] = _parallel(_take_worker, kind, port, 8, total // 8)
+    figures["wake_p50"], figures["wake_p99"] = wake_latency(kind, port, rounds)
+    return figures
+
+
+COLUMNS = [
+    ("put1", "put, 1 client (/s)", "{:,.0f}"),
+    ("put8", "put, 8 clients (/s)", "{:,.0f}"),
+    ("take8", "take, 8 clients (/s)", "{:,.0f}"),
+    ("wake_p50", "wake p50 (µs)", "{:,.0f}"),
+    ("wake_p99", "wake p99 (µs)", "{:,.0f}"),
+]
+
+
+def table(results: dict[str, dict[str, float]]) -> str:
+    lines = ["| peer | " + " | ".join(title for _, title, _ in COLUMNS) + " |",
+             "|---|" + "---|" * len(COLUMNS)]
+    for name, figures in results.items():
+        cells = [fmt.format(figures[key]) for key, _, fmt in COLUMNS]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    ours = results.get("jobserver")
+    for name, figures in results.items():
+        if name == "jobserver" or ours is None:
+            continue
+        cells = [f"{ours[key] / figures[key]:.2f}x" for key, _, _ in COLUMNS]
+        lines.append(f"| jobserver / {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    model = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores, {model}, Python {platform.python_version()}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run, under a minute")
+    parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+    parser.add_argument(
+        "--only", choices=["jobserver", "beanstalkd", "redis"], action="append",
+        help="measure only this peer (repeatable); implies --no-record",
+    )
+    args = parser.parse_args()
+    command = "python bench/run.py" + (" --quick" if args.quick else "")
+    results: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="jobserver-bench-") as tmp:
+        workdir = Path(tmp)
+        for start in (start_jobserver, start_beanstalkd, start_redis):
+            if args.only and start.__name__[6:] not in args.only:
+                continue
+            peer = start(workdir)
+            if peer is None:
+                print(f"skipped {start.__name__[6:]}: not installable here")
+                continue
+            try:
+                results[peer.name] = measure(peer, args.quick)
+            finally:
+                peer.stop()
+    report = table(results)
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"\n{stamp}; {machine()}; `{command}`\n\n{report}\n")
+    if not (args.no_record or args.only):
+        with open(HERE / "RESULTS.md", "a") as results_file:
+            results_file.write(f"\n## {stamp}\n\n{machine()}; `{command}`\n\n{report}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""glob_match decides which waiting GetJobs a new job wakes; it must agree
+with SQLite's GLOB, which decides which job a GetJob actually receives."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from jobserver.globmatch import glob_match
+
+_db = sqlite3.connect(":memory:")
+
+
+def sqlite_glob(pattern: str, text: str) -> bool:
+    return bool(_db.execute("SELECT ? GLOB ?", (text, pattern)).fetchone()[0])
+
+
+@pytest.mark.parametrize(
+    ("pattern", "text", "matches"),
+    [
+        ("*", "", True),
+        ("*", "anything", True),
+        ("?", "", False),
+        ("?", "é", True),
+        ("job*", "jobA", True),
+        ("job*", "Job", False),  # case sensitive, unlike LIKE
+        ("a*b*c", "aXbYbZc", True),
+        ("a*b*c", "aXbYbZ", False),
+        ("[abc]x", "bx", True),
+        ("[a-c]", "d", False),
+        ("[^a-c]", "d", True),
+        ("[^a-c]", "b", False),
+        ("[]]", "]", True),  # `]` first in a set is literal
+        ("[^]]", "]", False),
+        ("[a-]", "-", True),  # `-` before `]` is literal
+        ("[-a]", "-", True),
+        ("[z-a]", "m", False),  # an empty range matches nothing
+        ("[abc", "a", False),  # an unclosed set matches nothing
+        ("x[", "x", False),
+        ("[*]", "*", True),  # how a literal star is written
+        ("[*]", "a", False),
+        ("[?]", "?", True),
+        ("[α-ω]", "λ", True),
+        ("[α-ω]", "a", False),
+        ("€?", "€𝄞", True),
+    ],
+)
+def test_glob(pattern: str, text: str, matches: bool) -> None:
+    assert glob_match(pattern, text) is matches
+    assert sqlite_glob(pattern, text) is matches
+
+
+def test_nul_ends_pattern_and_text_as_in_sqlite() -> None:
+    # A job name can hold NUL through `\u0000`; SQLite stops reading there.
+    assert glob_match("a", "a\0b") == sqlite_glob("a", "a\0b") is True
+    assert glob_match("a\0zzz", "a") == sqlite_glob("a\0zzz", "a") is True
+
+
+# Wildcards and set syntax are most of the alphabet, so sets, ranges and
+# negations come up constantly; a few letters (some outside ASCII and outside
+# the BMP) give them something to match.
+_PATTERN = st.text(st.sampled_from("*?[]^-ab]é€𝄞"), max_size=12)
+_TEXT = st.text(st.sampled_from("ab-^]*?[é€𝄞z"), max_size=10)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(pattern=_PATTERN, text=_TEXT)
+@example(pattern="*[", text="a")
+@example(pattern="[^]-a]", text="^")
+@example(pattern="[]-a]", text="^")
+@example(pattern="[a-]b]", text="]")
+@example(pattern="*a*?", text="aa")
+def test_agrees_with_sqlite(pattern: str, text: str) -> None:
+    assert glob_match(pattern, text) == sqlite_glob(pattern, text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pattern=st.text(st.characters(blacklist_categories=("Cs",)), max_size=10),
+    text=st.text(st.characters(blacklist_categories=("Cs",)), max_size=10),
+)
+def test_agrees_with_sqlite_on_any_characters(pattern: str, text: str) -> None:
+    assert glob_match(pattern, text) == sqlite_glob(pattern, text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_TEXT)
+def test_text_matches_itself_when_free_of_glob_syntax(text: str) -> None:
+    literal = "".join(f"[{c}]" if c in "*?[" else c for c in text)
+    assert glob_match(literal, text)
+    assert sqlite_glob(literal, text)

@@ -1,0 +1,153 @@
+"""Stored times are UTC text that sorts the way time runs."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jobserver.times import parse_stored, parse_user_time, to_millis, to_seconds
+
+FAST = settings(max_examples=300, deadline=None)
+
+SECONDS_TEXT = re.compile(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}")
+MILLIS_TEXT = re.compile(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}\.\d{3}")
+
+
+@pytest.mark.parametrize(
+    ("text", "stored"),
+    [
+        ("2026-12-01", "2026-12-01 00:00:00"),
+        ("2026-12-01 08:00", "2026-12-01 08:00:00"),
+        ("2026-12-01 08:00:59", "2026-12-01 08:00:59"),
+        ("2026-12-01 08:00:59.999", "2026-12-01 08:00:59"),
+        ("2026-12-01T08:00:00", "2026-12-01 08:00:00"),
+        ("2026-12-01T08:00:00Z", "2026-12-01 08:00:00"),
+        ("2026-12-01T08:00:00+02:00", "2026-12-01 06:00:00"),
+        ("2026-12-01T23:30:00-02:00", "2026-12-02 01:30:00"),
+        ("2026-01-01T01:00:00+05:30", "2025-12-31 19:30:00"),
+        ("1000-01-01", "1000-01-01 00:00:00"),
+        ("9999-12-31 23:59:59", "9999-12-31 23:59:59"),
+    ],
+)
+def test_parse_user_time(text: str, stored: str) -> None:
+    assert parse_user_time(text) == stored
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "   ",
+        "soon",
+        "next tuesday",
+        "abc1",
+        "2026-13-01",
+        "2026-02-30",
+        "2026-12-01 25:00",
+        "2026-12-01T08:00:00+25:00",
+        "10000-01-01",
+        "99999999999999999999999",
+        "2026-12-01'; DROP TABLE jobs",
+    ],
+)
+def test_garbage_is_not_a_time(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_user_time(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "0999-12-31 23:59:59",
+        "999-01-01",
+        "0001-01-01",
+        # In range as written, but not once moved to UTC.
+        "1000-01-01T00:30:00+01:00",
+        "0001-01-01T00:00:00+01:00",
+        "9999-12-31T23:00:00-02:00",
+    ],
+)
+def test_years_outside_four_digits_are_rejected(text: str) -> None:
+    # strftime does not pad years below 1000, so such text would not sort.
+    with pytest.raises(ValueError):
+        parse_user_time(text)
+
+
+# Aware datetimes in the years whose text sorts; kept a day clear of the
+# ends so an offset cannot move them out.
+_MOMENTS = st.datetimes(
+    min_value=datetime(1000, 1, 2), max_value=datetime(9999, 12, 30), timezones=st.just(timezone.utc)
+)
+_OFFSETS = st.integers(-23 * 60 - 59, 23 * 60 + 59).map(lambda m: timezone(timedelta(minutes=m)))
+
+
+@FAST
+@given(moment=_MOMENTS, offset=_OFFSETS)
+def test_iso_time_with_any_offset_is_stored_as_utc(moment: datetime, offset: timezone) -> None:
+    written = moment.astimezone(offset).replace(microsecond=0).isoformat()
+    assert parse_user_time(written) == to_seconds(moment)
+
+
+@FAST
+@given(st.text(max_size=30))
+def test_any_text_is_a_stored_time_or_a_value_error(text: str) -> None:
+    with warnings.catch_warnings():
+        # dateutil warns about time zone names it does not know.
+        warnings.simplefilter("ignore")
+        try:
+            stored = parse_user_time(text)
+        except ValueError:
+            return
+    assert SECONDS_TEXT.fullmatch(stored)
+
+
+def test_formats() -> None:
+    moment = datetime(2026, 3, 4, 5, 6, 7, 890123, tzinfo=timezone.utc)
+    assert to_seconds(moment) == "2026-03-04 05:06:07"
+    assert to_millis(moment) == "2026-03-04 05:06:07.890"
+
+
+def test_formats_convert_to_utc() -> None:
+    moment = datetime(2026, 1, 1, 1, 0, tzinfo=timezone(timedelta(hours=2)))
+    assert to_seconds(moment) == "2025-12-31 23:00:00"
+    assert to_millis(moment) == "2025-12-31 23:00:00.000"
+
+
+@FAST
+@given(a=_MOMENTS, b=_MOMENTS)
+def test_text_sorts_like_time(a: datetime, b: datetime) -> None:
+    # "Is this job due" is a text comparison in SQLite, so text order must
+    # be time order, at each precision and across the two precisions.
+    a, b = min(a, b), max(a, b)
+    assert SECONDS_TEXT.fullmatch(to_seconds(a))
+    assert MILLIS_TEXT.fullmatch(to_millis(a))
+    assert to_seconds(a) <= to_seconds(b)
+    assert to_millis(a) <= to_millis(b)
+    assert to_seconds(a) <= to_millis(b)
+    if to_millis(a) < to_seconds(b):
+        assert a < b
+    if b - a >= timedelta(seconds=1):
+        assert to_seconds(a) < to_seconds(b)
+    if b - a >= timedelta(milliseconds=1):
+        assert to_millis(a) < to_millis(b)
+
+
+@FAST
+@given(_MOMENTS)
+def test_stored_text_reads_back(moment: datetime) -> None:
+    assert parse_stored(to_seconds(moment)) == moment.replace(microsecond=0)
+    truncated = moment.replace(microsecond=moment.microsecond // 1000 * 1000)
+    assert parse_stored(to_millis(moment)) == truncated
+
+
+@pytest.mark.parametrize("text", ["5", "2026", "-1", "1.5", "2026-12", "10:00"])
+def test_text_without_a_complete_date_is_refused(text: str) -> None:
+    # dateutil would fill the missing parts from today's date; a job must
+    # not run on "some day this month" because of a typo.
+    with pytest.raises(ValueError):
+        parse_user_time(text)
