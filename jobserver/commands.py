@@ -149,7 +149,9 @@ def get_job(ctx: Context, request: Request) -> Response:
     query, many = handout.query_for(request)
     taken = handout.dequeue(ctx, query)
     if not taken:
-        raise CommandError("404 No job found")
+        # Returned, not raised: jobs failed on the way (out of leases) must
+        # stay failed, and raising would roll that back.
+        return Response("404 No job found")
     return handout.reply(taken, many)
 
 

@@ -165,10 +165,15 @@ def _start(ctx: Context, job: Job) -> bool:
         ctx.store.update(job.jobID, state="FAILED")
         return False
     next_run = _lease_end(ctx, job)
+    if next_run is None:
+        # A stored time SQLite cannot read (imported from elsewhere, written
+        # by hand) must not block the queue: fail the job, as Bedrock does.
+        ctx.store.update(job.jobID, state="FAILED")
+        return False
     if counted:
-        if "SCHEDULED" in job.repeat and (count == 0 or "originalNextRun" not in data):
-            data["originalNextRun"] = job.nextRun
         data["retryAfterCount"] = count + 1
+        if "SCHEDULED" in job.repeat:
+            data["originalNextRun"] = job.nextRun
     ctx.store.update(
         job.jobID,
         state="RUNQUEUED",
@@ -180,14 +185,16 @@ def _start(ctx: Context, job: Job) -> bool:
     return True
 
 
-def _lease_end(ctx: Context, job: Job) -> str:
-    """now + retryAfter, or the next repeat if that comes first."""
-    end = ctx.store.datetime_after(ctx.now_s, repeat.parse_modifiers(job.retryAfter))
-    if end is None:
-        raise CommandError("502 Failed to compute the lease end")
-    if job.repeat:
-        started = Job(**{**job.__dict__, "lastRun": ctx.now_s})
-        end = min(end, next_run_from_repeat(ctx, started, job.repeat))
+def _lease_end(ctx: Context, job: Job) -> str | None:
+    """now + retryAfter, or the next repeat if that comes first; None when
+    the job's stored times cannot be computed with."""
+    try:
+        end = ctx.store.datetime_after(ctx.now_s, repeat.parse_modifiers(job.retryAfter))
+        if end is not None and job.repeat:
+            started = Job(**{**job.__dict__, "lastRun": ctx.now_s})
+            end = min(end, next_run_from_repeat(ctx, started, job.repeat))
+    except (CommandError, ValueError):
+        return None
     return end
 
 
@@ -209,10 +216,11 @@ def next_run_from_repeat(ctx: Context, job: Job, rule_text: str) -> str:
     if computed is None:
         raise CommandError("502 Failed to compute nextRun")
     if rule.base == "SCHEDULED" and rule.only_offsets:
-        moment = repeat.reanchor(
-            times.parse_stored(scheduled), times.parse_stored(computed), ctx.now
-        )
-        computed = times.to_seconds(moment)
+        try:
+            last = times.parse_stored(scheduled)
+        except ValueError:
+            raise CommandError("502 Failed to compute nextRun") from None
+        computed = times.to_seconds(repeat.reanchor(last, times.parse_stored(computed), ctx.now))
     return computed
 
 
