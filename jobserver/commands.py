@@ -276,7 +276,7 @@ def fail_job(ctx: Context, request: Request) -> Response:
     if job.state not in ("RUNNING", "RUNQUEUED"):
         raise CommandError("405 Can only fail RUNNING or RUNQUEUED jobs")
     changes: dict[str, Any] = {"state": "FAILED"}
-    data = params.data(request)
+    data = params.data(request) if params.present(request, "data") else None
     if data is not None:
         changes["data"] = data
     ctx.store.update(job.jobID, **changes)

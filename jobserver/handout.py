@@ -207,6 +207,9 @@ def next_run_from_repeat(ctx: Context, job: Job, rule_text: str) -> str:
         if isinstance(original, str):
             scheduled = original
     if rule.base == "SCHEDULED":
+        # Whole seconds, like every time DATETIME() computes: a base with
+        # milliseconds would make each interval a fraction short.
+        scheduled = scheduled[:19]
         base = scheduled
     elif rule.base == "STARTED":
         base = job.lastRun or ctx.now_s

@@ -9,6 +9,7 @@ byte for byte.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 
@@ -36,10 +37,18 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
 def parse(text: str) -> Any:
-    """Strict JSON: no NaN or Infinity, which other parsers reject."""
+    """Strict JSON: no NaN or Infinity (written, or reached by overflowing
+    a number like 1e400), which could never be written back as JSON."""
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except RecursionError as error:
         raise ValueError("JSON nested too deeply") from error
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 # Limits. Each one bounds what a single connection can make the server hold.
 #
 # Job data travels in a header value, as in Bedrock, whose own limit for a
-# `data` value is 1 MiB; a line must fit that plus a header name.
-MAX_LINE = 1024 * 1024 + 1024
-# CreateJobs carries a whole batch of jobs in one `jobs` header; 4 MiB is a
-# few thousand ordinary jobs, and more than that belongs in several batches.
+# `data` value is 1 MiB; CreateJobs carries a whole batch in one `jobs`
+# line, and 2 MiB is a thousand jobs of ordinary size.
+MAX_LINE = 2 * 1024 * 1024
+# A whole head: room for one maximal line and ordinary headers beside it.
 MAX_HEAD = 4 * 1024 * 1024
 # Bedrock requests carry about a dozen headers; 100 leaves room for any real
 # client while a header flood is cut off early.
@@ -217,9 +217,10 @@ class RequestParser:
             self._scanned = 0
 
     def _find_head_end(self) -> tuple[int, int]:
-        # Resume the search a few bytes back so a separator split across two
-        # reads is still found, without rescanning a large partial head.
-        start = max(0, self._scanned - 3)
+        # Resume the search at the last line break already seen (less one,
+        # for its \r) so a separator split across two reads is still found,
+        # without rescanning a large partial head.
+        start = max(0, self._buffer.rfind(b"\n", 0, self._scanned) - 1)
         found = _HEAD_END.search(self._buffer, start)
         if found is None:
             self._scanned = len(self._buffer)
@@ -242,7 +243,10 @@ class RequestParser:
             raise ProtocolError("414 Line too long")
 
 
-_HEAD_END = re.compile(rb"\r?\n\r?\n")
+# A line of nothing but spaces or tabs ends the head too: text pasted into
+# a terminal often carries trailing blanks, and such a line could only be
+# an empty continuation otherwise.
+_HEAD_END = re.compile(rb"\r?\n[ \t]*\r?\n")
 
 
 def _parse_head(raw: bytes) -> tuple[Request, int]:
@@ -282,20 +286,24 @@ def _content_length(lines: list[bytes]) -> int:
 
 
 def _build_request(lines: list[str]) -> Request:
-    request = Request(method_line=lines[0].strip(" \t"))
+    method_line = lines[0]
+    raw: dict[str, str] = {}
     last: str | None = None
     for line in lines[1:]:
         if line[:1] in (" ", "\t"):
             # A continuation line extends the previous value, as in Bedrock.
             if last is None:
-                request.method_line += line
+                method_line += line
             else:
-                request.headers[last] += line
+                raw[last] += line
             continue
         name, _, value = line.partition(":")
         last = name.strip(" \t").lower()
-        request.headers[last] = unescape(value.strip(" "))
-    return request
+        raw[last] = value
+    # Unescaped once the value is whole, so a backslash means the same on
+    # a continuation line as on the first.
+    headers = {name: unescape(value.strip(" ")) for name, value in raw.items()}
+    return Request(method_line=method_line.strip(" \t"), headers=headers)
 
 
 def encode_response(response: Response, close: bool = False) -> bytes:

@@ -17,6 +17,8 @@ import resource
 import signal
 import threading
 from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -79,32 +81,36 @@ class Server:
         config = self.config
         self.token = trio.lowlevel.current_trio_token()
         _raise_file_limit(config.max_connections + 64)
-        self.store = Store(config.db, config.synchronous)
-        self.writer = Writer(self.store, self._notify)
-        self.waits = WaitQueue(self.writer, handout.serve_waiters, handout.give_back)
-        self.writer.start()
-        try:
+        # Signals are caught before anything is announced, so a stop sent the
+        # moment the server says it listens is still a clean stop.
+        with _stop_signals() as signals:
             listeners = await trio.open_tcp_listeners(config.port, host=config.host)
-        except OSError:
-            await self.writer.stop()
-            self.store.close()
-            raise
-        self.port = listeners[0].socket.getsockname()[1]
-        log.info("listening on %s:%d, database %s", config.host, self.port, config.db)
-        try:
-            async with trio.open_nursery() as outer:
-                outer.start_soon(self.waits.run_clock)
-                async with trio.open_nursery() as conns:
-                    accept = trio.CancelScope()
-                    conns.start_soon(self._accept, listeners, conns, accept)
-                    task_status.started(self.port)
-                    await self._wait_for_signal()
-                    await self._shut_down(accept, conns)
-                outer.cancel_scope.cancel()
-        finally:
-            await self.writer.stop()
-            self.store.close()
-            log.info("stopped; database %s closed", config.db)
+            try:
+                self.store = Store(config.db, config.synchronous)
+            except BaseException:
+                for listener in listeners:
+                    await listener.aclose()
+                raise
+            self.writer = Writer(self.store, self._notify)
+            self.waits = WaitQueue(self.writer, handout.serve_waiters, handout.give_back)
+            self.writer.start()
+            self.port = listeners[0].socket.getsockname()[1]
+            address = f"{config.host}:{self.port}"
+            log.info("listening on %s, database %s", address, config.db)
+            try:
+                async with trio.open_nursery() as outer:
+                    outer.start_soon(self.waits.run_clock)
+                    async with trio.open_nursery() as conns:
+                        accept = trio.CancelScope()
+                        conns.start_soon(self._accept, listeners, conns, accept)
+                        task_status.started(self.port)
+                        await self._wait_for_stop(signals)
+                        await self._shut_down(accept, conns)
+                    outer.cancel_scope.cancel()
+            finally:
+                await self.writer.stop()
+                self.store.close()
+                log.info("stopped serving %s; database %s closed", address, config.db)
 
     async def status(self) -> Response:
         counts = await self.writer.call(lambda ctx: ctx.store.count_by_state())
@@ -130,12 +136,12 @@ class Server:
     def _notify(self, ready: set[str], due: str | None) -> None:
         self.waits.notify(ready, due)
 
-    async def _wait_for_signal(self) -> None:
+    async def _wait_for_stop(self, signals: AsyncIterator[int] | None) -> None:
         async def on_signal(cancel: trio.CancelScope) -> None:
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for signum in signals:
-                    log.info("received %s, shutting down", signal.Signals(signum).name)
-                    break
+            assert signals is not None
+            async for signum in signals:
+                log.info("received %s, shutting down", signal.Signals(signum).name)
+                break
             cancel.cancel()
 
         async def on_request(cancel: trio.CancelScope) -> None:
@@ -143,7 +149,7 @@ class Server:
             cancel.cancel()
 
         async with trio.open_nursery() as nursery:
-            if threading.current_thread() is threading.main_thread():
+            if signals is not None:
                 nursery.start_soon(on_signal, nursery.cancel_scope)
             nursery.start_soon(on_request, nursery.cancel_scope)
 
@@ -320,6 +326,17 @@ class Connection:
             nursery.start_soon(wait, nursery.cancel_scope)
             nursery.start_soon(read_ahead, nursery.cancel_scope)
         return result[0]
+
+
+@contextmanager
+def _stop_signals() -> Iterator[AsyncIterator[int] | None]:
+    """SIGINT and SIGTERM as a stream, when this thread can receive them
+    (tests run servers in other threads and stop them by request)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        yield signals
 
 
 def _is_loopback(address: str) -> bool:

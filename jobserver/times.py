@@ -1,16 +1,17 @@
 """Times as jobs store them: UTC text that sorts the way time runs.
 
 `created` and `lastRun` have second precision, `YYYY-MM-DD HH:MM:SS`; the
-default `nextRun` of a new job has milliseconds so that jobs created in the
-same second still run in creation order. Because the text sorts like the
+default `nextRun` of a new job has milliseconds so that jobs created within
+the same second are still handed out oldest first. Because the text sorts like the
 time, "is this job due" is a text comparison SQLite can answer from an index.
 """
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, timezone, tzinfo
 
 from dateutil import parser as dateparser
+from dateutil import tz
 
 SECONDS_FORMAT = "%Y-%m-%d %H:%M:%S"
 
@@ -35,6 +36,17 @@ def parse_stored(text: str) -> datetime:
     return datetime.fromisoformat(text).replace(tzinfo=timezone.utc)
 
 
+def _zone(name: str | None, offset: int | None) -> tzinfo:
+    """Time zone names in a time: UTC and its aliases only. An abbreviation
+    such as `PST` means different zones in different places, so a time that
+    uses one is refused rather than silently read as UTC."""
+    if offset is not None:
+        return tz.tzoffset(name, offset)
+    if name is None or name.upper() in ("UTC", "GMT", "Z", "UT"):
+        return timezone.utc
+    raise ValueError(f"unknown time zone {name!r}")
+
+
 def parse_user_time(text: str) -> str:
     """Parse a time a person wrote (`2026-12-01`, `2026-12-01 08:00`,
     `2026-12-01T08:00:00+02:00`, ...) into stored UTC text.
@@ -45,11 +57,11 @@ def parse_user_time(text: str) -> str:
     if not any(ch.isdigit() for ch in text):
         raise ValueError(f"not a time: {text!r}")
     try:
-        moment = dateparser.parse(text, default=_DEFAULTS[0])
+        moment = dateparser.parse(text, default=_DEFAULTS[0], tzinfos=_zone)
         # dateutil fills missing fields from its default: text that names no
         # full date ("5", "2026") parses differently with another default,
         # and is refused rather than read as some day this month.
-        if moment != dateparser.parse(text, default=_DEFAULTS[1]):
+        if moment != dateparser.parse(text, default=_DEFAULTS[1], tzinfos=_zone):
             raise ValueError(f"not a complete date: {text!r}")
         if moment.tzinfo is None:
             moment = moment.replace(tzinfo=timezone.utc)

@@ -59,6 +59,7 @@ class Waiter:
     gone: bool = False
     jobs: Any = None
     woken: trio.Event = field(default_factory=trio.Event)
+    tried: trio.Event = field(default_factory=trio.Event)
 
 
 # serve(ctx, queries) -> (one result per query, None when nothing was found;
@@ -95,8 +96,12 @@ class WaitQueue:
         waiter = Waiter(selector, query, next(self._seq))
         self._by_selector.setdefault(selector, {})[waiter] = None
         self._try([waiter])
+        deadline = trio.current_time() + timeout
         try:
-            with trio.move_on_after(timeout):
+            # The first try is always seen through, so even `timeout: 0`
+            # gets a job that is due now.
+            await waiter.tried.wait()
+            with trio.move_on_at(deadline):
                 await waiter.woken.wait()
         except BaseException:
             if waiter.jobs is not None:
@@ -187,6 +192,7 @@ class WaitQueue:
             self._lower_due(due)
         again: list[Waiter] = []
         for waiter, jobs in zip(batch, handed):
+            waiter.tried.set()
             if jobs is not None:
                 waiter.state = _State.DONE
                 if waiter.gone:

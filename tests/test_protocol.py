@@ -503,3 +503,21 @@ def test_encoded_response_parses_back(headers: dict[str, str], body: bytes, clos
         expected["connection"] = "close"
     assert parsed.headers == expected
     assert parsed.wants_close == close
+
+
+def test_continuation_lines_are_unescaped_like_the_first_line() -> None:
+    (request,) = parse(b'CreateJobs\njobs: [{"x":"a\\\\b"},\n {"x":"a\\\\b"}]\n\n')
+    assert request.get("jobs") == '[{"x":"a\\b"}, {"x":"a\\b"}]'
+
+
+@pytest.mark.parametrize("blank", [b"       ", b"\t", b" \t "])
+def test_a_line_of_blanks_ends_the_head(blank: bytes) -> None:
+    # The Bedrock::Jobs page's sample session has such a line; pasted into
+    # nc it must end the request, not continue the last header.
+    data = b"CreateJob\nname: SendEmail\n" + blank + b"\nPing\n\n"
+    requests = parse(data)
+    assert [r.verb for r in requests] == ["CreateJob", "Ping"]
+    assert requests[0].get("name") == "SendEmail"
+    # Split anywhere, the same.
+    for cut in range(1, len(data)):
+        assert [r.verb for r in feed_all(data[:cut], data[cut:])[0]] == ["CreateJob", "Ping"]
