@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="accept the read-only Query command from non-loopback clients",
     )
+    serve.add_argument(
+        "--query-timeout",
+        type=float,
+        default=Config.query_seconds,
+        help="seconds a Query may run before it is stopped with '555 Timeout'",
+    )
     serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return parser
 
@@ -82,6 +88,7 @@ def _serve(args: argparse.Namespace) -> int:
         synchronous=args.synchronous,
         max_connections=args.max_connections,
         allow_remote_query=args.allow_remote_query,
+        query_seconds=args.query_timeout,
     )
     try:
         trio.run(Server(config).run)

@@ -18,7 +18,7 @@ from .store import QueryTimeout, read_only_query
 MAX_QUERY = 1024 * 1024
 # A query that runs longer than this holds a reader thread and the
 # database's read snapshot; it is stopped and answered `555 Timeout`.
-QUERY_SECONDS = 5.0
+DEFAULT_SECONDS = 5.0
 # People read Query output; more rows than this belongs in a LIMIT.
 MAX_ROWS = 10_000
 
@@ -31,7 +31,7 @@ def sql_of(request: Request) -> str | None:
     return request.get("query")
 
 
-def run(path: str, request: Request) -> Response:
+def run(path: str, request: Request, seconds: float = DEFAULT_SECONDS) -> Response:
     """Answer a Query request (blocking: call it from a worker thread)."""
     sql = (sql_of(request) or "").strip()
     if not sql or len(sql) > MAX_QUERY:
@@ -39,7 +39,7 @@ def run(path: str, request: Request) -> Response:
     if not sql.endswith(";"):
         return Response("502 Query Missing Semicolon")
     try:
-        headers, rows = read_only_query(path, sql, QUERY_SECONDS, MAX_ROWS)
+        headers, rows = read_only_query(path, sql, seconds, MAX_ROWS)
     except QueryTimeout:
         return Response("555 Timeout")
     except OverflowError:

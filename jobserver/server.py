@@ -56,6 +56,7 @@ class Config:
     max_connections: int = 16384
     # Query reads the whole database; by default only local users may.
     allow_remote_query: bool = False
+    query_seconds: float = query.DEFAULT_SECONDS
 
 
 class Server:
@@ -130,7 +131,10 @@ class Server:
         if not (self.config.allow_remote_query or _is_loopback(peer)):
             return Response("401 Unauthorized")
         return await trio.to_thread.run_sync(
-            query.run, self.config.db, request, limiter=self._query_limiter
+            query.run, self.config.db, request, self.config.query_seconds,
+            limiter=self._query_limiter,
+            # A shutdown does not wait for a query; it stops itself at its deadline.
+            abandon_on_cancel=True,
         )
 
     def _notify(self, ready: set[str], due: str | None) -> None:

@@ -25,7 +25,8 @@ class ThreadServer:
 
     def __init__(self, db: Path, **options: object) -> None:
         self.db = db
-        self.server = Server(Config(host="127.0.0.1", port=0, db=str(db), **options))
+        settings: dict[str, object] = {"host": "127.0.0.1", "port": 0, "db": str(db), **options}
+        self.server = Server(Config(**settings))  # type: ignore[arg-type]
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()

@@ -336,3 +336,34 @@ def test_future_job_from_before_a_restart_is_handed_to_a_waiter_when_due(spawn, 
         worker.send(wait_request("timed"))
         assert handed(worker.read_reply()) == job_id
         assert time.time() >= due
+
+
+def test_waiting_get_jobs_returns_what_is_ready_when_woken(server, client):
+    worker = server.client()
+    worker.send(encode("GetJobs", {"name": "batch*", "numResults": 5,
+                                    "Connection": "wait", "timeout": LONG_WAIT_MS}))
+    until_waiting(server, 1)
+    reply = client.request("CreateJobs", jobs=[{"name": "batch1"}, {"name": "batch2"}])
+    ids = reply.json["jobIDs"]
+    got = worker.read_reply()
+    assert got.status == "200 OK"
+    # Both jobs were committed together, so the waiter gets both at once.
+    assert [job["jobID"] for job in got.json["jobs"]] == ids
+    worker.close()
+
+
+def test_waiting_get_jobs_times_out_with_404(client):
+    client.send(encode("GetJobs", {"name": "none", "numResults": 3,
+                                    "Connection": "wait", "timeout": 200}))
+    assert client.read_reply().status == "404 No job found"
+
+
+def test_lease_expiry_wakes_a_waiter(server, client):
+    job_id = create(client, "leased", retryAfter="+1 SECOND")
+    assert handed(client.request("GetJob", name="leased")) == job_id
+    worker = start_waiting(server, "leased")
+    # Nobody reports on the job: when its lease ends the waiter gets it.
+    reply = worker.read_reply()
+    assert handed(reply) == job_id
+    assert reply.json["data"] == {"retryAfterCount": 1}
+    worker.close()

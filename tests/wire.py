@@ -25,8 +25,8 @@ class Reply:
 
 
 class Client:
-    def __init__(self, port: int, timeout: float = 10.0) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    def __init__(self, port: int, timeout: float = 10.0, host: str = "127.0.0.1") -> None:
+        self.sock = socket.create_connection((host, port), timeout=timeout)
         self.buffer = b""
 
     def close(self) -> None:

@@ -1,0 +1,161 @@
+"""Ping, Status and the read-only Query command, over real sockets."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from conftest import ThreadServer
+from wire import Client
+
+
+def create(client: Client, name: str, **params: object) -> int:
+    reply = client.request("CreateJob", name=name, **params)
+    assert reply.status == "200 OK", reply
+    return reply.json["jobID"]
+
+
+def test_ping(client):
+    reply = client.request("Ping")
+    assert (reply.status, reply.body) == ("200 OK", b"")
+
+
+def test_status_counts_jobs_waiters_and_connections(server, client):
+    create(client, "a")
+    create(client, "b")
+    client.request("GetJob", name="a")
+    with server.client() as waiter:
+        waiter.send(b"GetJob\nname: none\nConnection: wait\ntimeout: 20000\n\n")
+        with server.client() as third:
+            status = _status_when(third, lambda s: s["waitingGetJobs"] == 1)
+            assert status["jobs"] == {"QUEUED": 1, "RUNNING": 1}
+            assert status["connections"] == 3
+            assert status["database"]["path"] == str(server.db)
+            assert status["database"]["bytes"] > 0
+            assert status["version"]
+            assert status["uptime"] >= 0
+            assert status["commandsServed"] >= 3
+
+
+def _status_when(client: Client, condition, seconds: float = 10.0) -> dict:
+    deadline = time.monotonic() + seconds
+    while True:
+        reply = client.request("Status")
+        assert reply.status == "200 OK"
+        if condition(reply.json) or time.monotonic() > deadline:
+            return reply.json
+        time.sleep(0.02)
+
+
+def test_query_list_format_has_a_header_row(client):
+    create(client, "one")
+    create(client, "two")
+    reply = client.request("Query", query="SELECT jobID, name FROM jobs ORDER BY jobID;")
+    assert reply.status == "200 OK"
+    assert reply.body == b"jobID|name\n1|one\n2|two\n"
+
+
+def test_query_json_format(client):
+    create(client, "one")
+    reply = client.request("Query", query="SELECT jobID, name, lastRun FROM jobs;", format="json")
+    assert reply.json == {"headers": ["jobID", "name", "lastRun"], "rows": [[1, "one", ""]]}
+
+
+def test_query_on_the_method_line(client):
+    create(client, "one")
+    client.send(b"Query: SELECT COUNT(*) AS n FROM jobs;\n\n")
+    assert client.read_reply().body == b"n\n1\n"
+
+
+def test_query_needs_a_semicolon_and_some_sql(client):
+    assert client.request("Query", query="SELECT 1").status == "502 Query Missing Semicolon"
+    assert client.request("Query").status == "402 Missing query"
+
+
+def test_bad_sql_says_why(client):
+    reply = client.request("Query", query="SELECT nonsense FROM nowhere;")
+    assert reply.status == "402 Bad query"
+    assert "nowhere" in reply.headers["error"]
+    assert b"nowhere" in reply.body
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "DELETE FROM jobs;",
+        "UPDATE jobs SET state = 'FAILED';",
+        "INSERT INTO jobs (created, state, name, nextRun) VALUES ('', '', '', '');",
+        "DROP TABLE jobs;",
+        "CREATE TABLE evil (x);",
+        "ATTACH DATABASE 'evil.db' AS evil;",
+        "PRAGMA user_version = 99;",
+        "PRAGMA journal_mode = DELETE;",
+        "VACUUM;",
+        "SELECT load_extension('/tmp/evil.so');",
+        "SELECT 1; DELETE FROM jobs;",
+        "WITH x AS (SELECT 1) DELETE FROM jobs;",
+    ],
+)
+def test_query_cannot_write_or_escape(server, client, sql, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    job_id = create(client, "kept")
+    reply = client.request("Query", query=sql)
+    assert reply.status == "402 Bad query", reply
+    job = client.request("QueryJob", jobID=job_id).json
+    assert (job["name"], job["state"]) == ("kept", "QUEUED")
+    assert client.request("Query", query="PRAGMA user_version;").status == "402 Bad query"
+    assert not (tmp_path / "evil.db").exists()
+
+
+def test_query_cannot_build_huge_strings(client):
+    reply = client.request("Query", query="SELECT zeroblob(100000000);")
+    assert reply.status == "402 Bad query"
+
+
+def test_query_that_runs_too_long_is_stopped(tmp_path):
+    running = ThreadServer(tmp_path / "jobs.db", query_seconds=0.3)
+    try:
+        with running.client() as client:
+            endless = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) " \
+                      "SELECT COUNT(*) FROM c;"
+            assert client.request("Query", query=endless).status == "555 Timeout"
+            assert client.request("Ping").status == "200 OK"
+    finally:
+        running.stop()
+
+
+def test_query_rows_are_capped(client):
+    reply = client.request(
+        "Query",
+        query="WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c LIMIT 10001) "
+        "SELECT x FROM c;",
+    )
+    assert reply.status == "413 Query returned more than 10000 rows"
+
+
+def _outside_address() -> str | None:
+    """This machine's address on a non-loopback interface, if it has one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))
+            address = probe.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_query_from_a_non_loopback_client(tmp_path, allowed):
+    address = _outside_address()
+    if address is None:
+        pytest.skip("no non-loopback interface on this machine")
+    running = ThreadServer(tmp_path / "jobs.db", host="0.0.0.0", allow_remote_query=allowed)
+    try:
+        with Client(running.port, host=address) as remote:
+            reply = remote.request("Query", query="SELECT 1 AS one;")
+            assert reply.status == ("200 OK" if allowed else "401 Unauthorized")
+            assert remote.request("Ping").status == "200 OK"
+    finally:
+        running.stop()
