@@ -36,7 +36,7 @@ def load_job(ctx: Context, request: Request) -> Job:
 
 
 def create_job(ctx: Context, request: Request) -> Response:
-    return ok({"jobID": _create(ctx, request)})
+    return Response("200 OK", b'{"jobID":%d}' % _create(ctx, request))
 
 
 def create_jobs(ctx: Context, request: Request) -> Response:

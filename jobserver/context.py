@@ -18,14 +18,13 @@ class Context:
     ready: set[str] = field(default_factory=set)
     # The earliest future nextRun this request wrote, for the wake-up timer.
     due: str | None = None
+    now_s: str = field(init=False)
+    now_ms: str = field(init=False)
 
-    @property
-    def now_s(self) -> str:
-        return times.to_seconds(self.now)
-
-    @property
-    def now_ms(self) -> str:
-        return times.to_millis(self.now)
+    def __post_init__(self) -> None:
+        # Formatted once: handlers compare against these many times.
+        self.now_ms = times.to_millis(self.now)
+        self.now_s = self.now_ms[:19]
 
     def scheduled(self, name: str, next_run: str) -> None:
         """Note that a job called `name` now waits to run at `next_run`."""

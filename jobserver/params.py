@@ -99,9 +99,17 @@ def data(params: Params, header: str = "data") -> str | None:
 
 def parse_data(text: str) -> str:
     try:
-        return jsonbody.compact(jsonbody.parse_object(text))
+        value = jsonbody.parse_object(text)
     except ValueError:
         raise CommandError("402 Data is not a valid JSON Object") from None
+    # Valid JSON with no white space at all is already compact: keep the
+    # client's text rather than spend time writing it out again.
+    if _BLANKS.isdisjoint(text):
+        return text
+    return jsonbody.compact(value)
+
+
+_BLANKS = frozenset(" \t\r\n")
 
 
 def time(params: Params, header: str) -> str | None:

@@ -94,22 +94,23 @@ class Server:
                 raise
             self.writer = Writer(self.store, self._notify)
             self.waits = WaitQueue(self.writer, handout.serve_waiters, handout.give_back)
-            self.writer.start()
             self.port = listeners[0].socket.getsockname()[1]
             address = f"{config.host}:{self.port}"
             log.info("listening on %s, database %s", address, config.db)
             try:
-                async with trio.open_nursery() as outer:
-                    outer.start_soon(self.waits.run_clock)
+                async with trio.open_nursery() as core:
+                    core.start_soon(self.writer.run)
+                    core.start_soon(self.waits.run_clock)
                     async with trio.open_nursery() as conns:
                         accept = trio.CancelScope()
                         conns.start_soon(self._accept, listeners, conns, accept)
                         task_status.started(self.port)
                         await self._wait_for_stop(signals)
                         await self._shut_down(accept, conns)
-                    outer.cancel_scope.cancel()
+                    # Jobs given back by the last connections are written too.
+                    await self.writer.stop()
+                    core.cancel_scope.cancel()
             finally:
-                await self.writer.stop()
                 self.store.close()
                 log.info("stopped serving %s; database %s closed", address, config.db)
 
@@ -210,7 +211,10 @@ class Connection:
         self.parser = RequestParser()
         self.pending: deque[Request] = deque()
         self.eof = False
-        self._read_scope: trio.CancelScope | None = None
+        # True while waiting for the next request: the only moment a
+        # shutdown may cut the connection without losing a reply.
+        self._idle = False
+        self._scope = trio.CancelScope()
         try:
             self.peer = str(stream.socket.getpeername()[0])
         except OSError:
@@ -218,13 +222,14 @@ class Connection:
 
     def stop_reading(self) -> None:
         """Shutdown: an idle connection stops waiting for its next request."""
-        if self._read_scope is not None:
-            self._read_scope.cancel()
+        if self._idle:
+            self._scope.cancel()
 
     async def run(self) -> None:
         self.server.connections.add(self)
         try:
-            await self._serve()
+            with self._scope:
+                await self._serve()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         except OSError as error:
@@ -251,9 +256,11 @@ class Connection:
         while not self.pending:
             if self.eof or self.parser.error is not None or self.server.closing:
                 return None
-            with trio.CancelScope() as self._read_scope:
+            self._idle = True
+            try:
                 await self._receive()
-            self._read_scope = None
+            finally:
+                self._idle = False
         return self.pending.popleft()
 
     async def _receive(self) -> None:
