@@ -35,6 +35,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import scale  # noqa: E402
 PAYLOAD = b"x" * 100
 
 
@@ -92,12 +95,14 @@ class JobserverClient(Conn):
         assert status.startswith("200"), status
         return True
 
-    def wait_take(self) -> None:
+    def wait_take(self) -> bytes:
         status, body = self.request(
             b"GetJob\r\nname: wake\r\nConnection: wait\r\ntimeout: 10000\r\n\r\n"
         )
         assert status.startswith("200"), status
-        job_id = body.split(b'"jobID":', 1)[1].split(b",", 1)[0]
+        return body.split(b'"jobID":', 1)[1].split(b",", 1)[0]
+
+    def done(self, job_id: bytes) -> None:
         self.request(b"FinishJob\r\njobID: " + job_id + b"\r\n\r\n")
 
     def wake_put(self) -> None:
@@ -123,12 +128,15 @@ class BeanstalkClient(Conn):
         assert self.cmd(b"delete " + job_id + b"\r\n") == b"DELETED"
         return True
 
-    def wait_take(self) -> None:
+    def wait_take(self) -> bytes:
         self.cmd(b"watch wake\r\n")
         reply = self.cmd(b"reserve-with-timeout 10\r\n")
         assert reply.startswith(b"RESERVED"), reply
         _, job_id, size = reply.split()
         self.read_exact(int(size) + 2)
+        return job_id
+
+    def done(self, job_id: bytes) -> None:
         self.cmd(b"delete " + job_id + b"\r\n")
 
     def wake_put(self) -> None:
@@ -166,9 +174,12 @@ class RedisClient(Conn):
         self.cmd(b"LREM", b"processing", b"1", item)
         return True
 
-    def wait_take(self) -> None:
+    def wait_take(self) -> bytes:
         item = self.cmd(b"BLMOVE", b"wake", b"wproc", b"RIGHT", b"LEFT", b"10")
         assert item, "BLMOVE timed out"
+        return item
+
+    def done(self, item: bytes) -> None:
         self.cmd(b"LREM", b"wproc", b"1", item)
 
     def wake_put(self) -> None:
@@ -227,8 +238,9 @@ def _wake_waiter(kind: str, port: int, rounds: int, ready: multiprocessing.Queue
     client = CLIENTS[kind](port)
     for _ in range(rounds):
         ready.put(None)
-        client.wait_take()
+        handle = client.wait_take()
         out.put(time.perf_counter())
+        client.done(handle)
 
 
 def wake_latency(kind: str, port: int, rounds: int) -> tuple[float, float]:
@@ -392,6 +404,51 @@ def machine() -> str:
     return f"{os.cpu_count()} cores, {model}, Python {platform.python_version()}"
 
 
+def measure_scaling(workdir: Path, quick: bool) -> dict[str, float]:
+    big = 100_000 if quick else 1_000_000
+    per_worker = 300 if quick else 2000
+    waiters = 2000 if quick else 10_000
+    figures: dict[str, float] = {"big": big, "waiters": waiters}
+    for label, jobs in (("small", 1000), ("large", big)):
+        db = workdir / f"{label}.db"
+        scale.fill(db, jobs)
+        port = free_port()
+        proc = scale.start_server(db, port, ROOT)
+        try:
+            wait_port(port, proc)
+            figures[f"take_{label}"] = scale.take_rate(port, min(per_worker, jobs // 100))
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    port = free_port()
+    proc = scale.start_server(workdir / "waiters.db", port, ROOT)
+    try:
+        wait_port(port, proc)
+        figures["served"], figures["rss"] = scale.blocked_waiters(port, proc.pid, waiters)
+        figures["ping_p50"], figures["ping_p99"] = scale.ping_under_batches(
+            port, 5 if quick else 15
+        )
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    return figures
+
+
+def scaling_table(f: dict[str, float]) -> str:
+    return "\n".join([
+        "| jobserver alone | figure |",
+        "|---|---|",
+        f"| take (GetJob+FinishJob), 8 workers, 1,000 queued | {f['take_small']:,.0f}/s |",
+        f"| same, {f['big']:,.0f} queued (100 names) | {f['take_large']:,.0f}/s "
+        f"({f['take_large'] / f['take_small']:.2f}x) |",
+        f"| {f['waiters']:,.0f} connections blocked in GetJob, served exactly once | "
+        f"{f['served']:,.0f} |",
+        f"| server RSS with them all waiting | {f['rss']:,.0f} MB |",
+        f"| Ping while 1000-job batches commit, p50 / p99 | "
+        f"{f['ping_p50']:.2f} / {f['ping_p99']:.2f} ms |",
+    ])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run, under a minute")
@@ -416,7 +473,12 @@ def main() -> int:
                 results[peer.name] = measure(peer, args.quick)
             finally:
                 peer.stop()
-    report = table(results)
+    if "jobserver" in results:
+        with tempfile.TemporaryDirectory(prefix="jobserver-scale-") as tmp:
+            scaling = measure_scaling(Path(tmp), args.quick)
+    else:
+        scaling = {}
+    report = table(results) + ("\n\n" + scaling_table(scaling) if scaling else "")
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"\n{stamp}; {machine()}; `{command}`\n\n{report}\n")
     if not (args.no_record or args.only):

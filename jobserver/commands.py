@@ -206,12 +206,20 @@ def _finish_or_retry(ctx: Context, request: Request, retry: bool) -> Response:
     if parent is not None and parent.state != "PAUSED":
         raise CommandError("405 Can only retry/finish child job when parent is PAUSED")
     new_data = params.data(request) if params.present(request, "data") else None
-    ctx.store.delete_children(job.jobID, ("FINISHED", "CANCELLED"))
-    data = jsonbody.parse_object(new_data or job.data)
-    asks_delete = data.get("delete") is True
-    data.pop("retryAfterCount", None)
-    changes: dict[str, Any] = {"data": jsonbody.compact(data)}
-    if not retry and ctx.store.has_children(job.jobID, PENDING_STATES):
+    # Most jobs never have children: one look spares the two child queries.
+    has_children = ctx.store.has_children(job.jobID)
+    if has_children:
+        ctx.store.delete_children(job.jobID, ("FINISHED", "CANCELLED"))
+    text = new_data or job.data
+    asks_delete = False
+    # Parsed only when it may hold what this step looks at or removes.
+    if '"retryAfterCount"' in text or '"delete"' in text:
+        data = jsonbody.parse_object(text)
+        asks_delete = data.get("delete") is True
+        data.pop("retryAfterCount", None)
+        text = jsonbody.compact(data)
+    changes: dict[str, Any] = {"data": text}
+    if not retry and has_children and ctx.store.has_children(job.jobID, PENDING_STATES):
         _pause_for_children(ctx, job, changes)
         return ok()
     if retry:

@@ -139,9 +139,10 @@ def _handout_object(ctx: Context, job: Job) -> dict[str, Any]:
         parent = ctx.store.get(job.parentJobID)
         obj["parentJobID"] = job.parentJobID
         obj["parentData"] = Raw(parent.data if parent else "{}")
-    finished = ctx.store.children(job.jobID, ("FINISHED",))
-    cancelled = ctx.store.children(job.jobID, ("CANCELLED",))
-    if finished or cancelled:
+    done = ctx.store.children(job.jobID, ("FINISHED", "CANCELLED"))
+    if done:
+        finished = [c for c in done if c.state == "FINISHED"]
+        cancelled = [c for c in done if c.state == "CANCELLED"]
         obj["finishedChildJobs"] = [_child(c) for c in finished]
         obj["cancelledChildJobs"] = [_child(c) for c in cancelled]
     return obj

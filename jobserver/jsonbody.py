@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from json.encoder import encode_basestring as _quote
 from typing import Any
 
 
@@ -22,12 +23,17 @@ def encode(value: Any) -> bytes:
 
 
 def _encode(value: Any) -> str:
-    if isinstance(value, Raw):
-        return value
+    # Replies are built for every hand-out: the common types are written
+    # directly instead of going through json.dumps for each value.
+    if isinstance(value, str):
+        return value if isinstance(value, Raw) else _quote(value)
+    if isinstance(value, bool) or value is None:
+        return "null" if value is None else ("true" if value else "false")
+    if isinstance(value, int):
+        return str(value)
     if isinstance(value, dict):
         items = sorted(value.items(), key=lambda item: item[0].lower())
-        fields = (f"{json.dumps(k, ensure_ascii=False)}:{_encode(v)}" for k, v in items)
-        return "{" + ",".join(fields) + "}"
+        return "{" + ",".join(f"{_quote(k)}:{_encode(v)}" for k, v in items) + "}"
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(_encode(v) for v in value) + "]"
     return json.dumps(value, ensure_ascii=False)

@@ -15,6 +15,7 @@ import time
 import logging
 import resource
 import signal
+import sys
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
@@ -42,6 +43,8 @@ RECEIVE_SIZE = 65536
 MAX_PIPELINED = 64
 # Query runs in worker threads; a few at once is plenty for people typing.
 QUERY_THREADS = 4
+# How long one thread may hold the GIL while another wants it.
+GIL_SWITCH_SECONDS = 0.0005
 # Time allowed, after SIGTERM or SIGINT, for requests in flight to finish.
 SHUTDOWN_GRACE = 4.0
 
@@ -82,6 +85,9 @@ class Server:
         config = self.config
         self.token = trio.lowlevel.current_trio_token()
         _raise_file_limit(config.max_connections + 64)
+        # The writer thread runs Python between its SQLite calls; by default
+        # it could keep the event loop from the GIL for 5 ms at a time.
+        sys.setswitchinterval(GIL_SWITCH_SECONDS)
         # Signals are caught before anything is announced, so a stop sent the
         # moment the server says it listens is still a clean stop.
         with _stop_signals() as signals:
@@ -97,9 +103,9 @@ class Server:
             self.port = listeners[0].socket.getsockname()[1]
             address = f"{config.host}:{self.port}"
             log.info("listening on %s, database %s", address, config.db)
+            self.writer.start()
             try:
                 async with trio.open_nursery() as core:
-                    core.start_soon(self.writer.run)
                     core.start_soon(self.waits.run_clock)
                     async with trio.open_nursery() as conns:
                         accept = trio.CancelScope()
@@ -107,10 +113,10 @@ class Server:
                         task_status.started(self.port)
                         await self._wait_for_stop(signals)
                         await self._shut_down(accept, conns)
-                    # Jobs given back by the last connections are written too.
-                    await self.writer.stop()
                     core.cancel_scope.cancel()
             finally:
+                # Jobs given back by the last connections are written too.
+                await self.writer.stop()
                 self.store.close()
                 log.info("stopped serving %s; database %s closed", address, config.db)
 
