@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
+import textwrap
+from collections.abc import Callable
+from typing import Any
 
 import trio
 
-from . import __version__
+from . import __version__, jsonbody, workers
+from .client import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    Client,
+    Conflict,
+    ConnectionFailed,
+    IllegalState,
+    JobNotFound,
+    JobServerError,
+    ServerError,
+)
 from .server import Config, Server
 from .store import SYNCHRONOUS_MODES, StoreError
 
@@ -19,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jobserver",
         description="A durable job queue that speaks Bedrock::Jobs' text protocol.",
+        epilog=EXIT_STATUS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"jobserver {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -65,22 +83,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a Query may run before it is stopped with '555 Timeout'",
     )
     serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    manager = sub.add_parser(
+        "worker-manager",
+        help="take jobs and run a program for each",
+        description=(
+            "Take jobs from the server (blocking, never polling) and run each "
+            "as a process from --worker-path, within --max-workers and "
+            "--max-load; report each outcome. SIGTERM or SIGINT drain it."
+        ),
+    )
+    workers.add_arguments(manager)
+    _add_client_commands(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "worker-manager":
+        return workers.run(args)
+    return _run_client_command(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         stream=sys.stderr,
         level=args.log_level.upper(),
         format="%(asctime)s jobserver %(levelname)s %(message)s",
     )
-    if args.command == "serve":
-        return _serve(args)
-    return 2
-
-
-def _serve(args: argparse.Namespace) -> int:
     config = Config(
         host=args.host,
         port=args.port,
@@ -99,3 +130,255 @@ def _serve(args: argparse.Namespace) -> int:
         log.error("cannot listen on %s:%d: %s", config.host, config.port, error)
         return 1
     return 0
+
+
+# The command-line client. Each subcommand is one call of jobserver.client;
+# its result is printed as JSON, a refusal as the status line on stderr with
+# an exit status a script can test.
+
+DEFAULT_SERVER = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
+EXIT_NOT_FOUND = 1
+EXIT_USAGE = 2
+EXIT_ILLEGAL_STATE = 3
+EXIT_SERVER_ERROR = 4
+EXIT_CONNECTION = 5
+# Ctrl-C, as shells report it.
+EXIT_INTERRUPTED = 130
+
+EXIT_STATUS_HELP = f"""\
+exit status of the client commands (create, get, query, ...):
+  0  done; the result is on stdout as JSON
+  {EXIT_NOT_FOUND}  not found (404): no job to hand out, or no such job
+  {EXIT_USAGE}  usage error, or the server refused the request as invalid (401, 402, other 4xx)
+  {EXIT_ILLEGAL_STATE}  the job's state does not allow it (405, 409)
+  {EXIT_SERVER_ERROR}  server error (5xx) or an unexpected reply
+  {EXIT_CONNECTION}  cannot connect, or the connection broke during the request
+A refusal prints the server's status line on stderr, e.g. "404 No job found"."""
+
+PRIORITIES = (0, 250, 500, 750, 850, 1000)
+
+Action = Callable[[Client, argparse.Namespace], Any]
+
+
+def _add_client_commands(sub: Any) -> None:
+    command = _command_factory(sub)
+    _add_create_options(
+        command("create", _create, "create a job", 'Create a job and print {"jobID": N}.')
+    )
+    get = command(
+        "get",
+        _get,
+        "take the next due job",
+        "Take the next due job whose name matches PATTERN and print it. The job is "
+        "then RUNNING (RUNQUEUED if it has a lease) until it is finished, retried "
+        "or failed. Exits 1 with '404 No job found' on stderr when there is none.",
+    )
+    get.add_argument(
+        "pattern",
+        metavar="PATTERN",
+        help="a GLOB pattern such as 'email/*', or a comma-separated list of exact names",
+    )
+    get.add_argument(
+        "--wait",
+        type=float,
+        metavar="SECONDS",
+        help="if no job is due, wait up to this long for one (at most 3600)",
+    )
+    _add_job_id(command("query", _query, "show a job", "Print a job, its state included."))
+    finish = command(
+        "finish",
+        _finish,
+        "report a job done",
+        "Report a job that was handed out as done. Without a repeat it is deleted; "
+        "with one it is queued for its next run. Prints {}.",
+    )
+    _add_job_id(finish)
+    finish.add_argument(
+        "--data",
+        type=_json_object,
+        metavar="JSON",
+        help="replace the job's data with this JSON object",
+    )
+    fail = command(
+        "fail",
+        _fail,
+        "report a job failed",
+        "Mark a job that was handed out as FAILED; it is kept until deleted or requeued. "
+        "Prints {}.",
+    )
+    _add_job_id(fail)
+    retry = command(
+        "retry",
+        _retry,
+        "put a job back in the queue",
+        "Put a job that was handed out back in the queue: at once, after --delay, "
+        "or at its repeat rule's next run. Prints {}.",
+    )
+    _add_job_id(retry)
+    retry.add_argument(
+        "--delay", type=int, metavar="SECONDS", help="seconds from now before it is due again"
+    )
+    delete = command(
+        "delete", _delete, "delete a job", "Delete a job that is not RUNNING or PAUSED. Prints {}."
+    )
+    _add_job_id(delete)
+    command(
+        "status",
+        _status,
+        "show the server's status",
+        "Print the server's status: jobs per state, waiting GetJobs, connections, "
+        "database size, uptime and version.",
+    )
+
+
+def _command_factory(sub: Any) -> Callable[[str, Action, str, str], argparse.ArgumentParser]:
+    """Adds a client subcommand: --server, the exit statuses, and what it runs."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--server",
+        metavar="HOST:PORT",
+        help=f"the server (default: $JOBSERVER_SERVER, else {DEFAULT_SERVER})",
+    )
+
+    def command(name: str, action: Action, help: str, description: str) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = sub.add_parser(
+            name,
+            parents=[common],
+            help=help,
+            # Wrapped here: the raw formatter keeps the epilog's table as written.
+            description=textwrap.fill(description),
+            epilog=EXIT_STATUS_HELP,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        parser.set_defaults(action=action)
+        return parser
+
+    return command
+
+
+def _add_job_id(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("id", type=int, metavar="ID", help="the jobID")
+
+
+def _add_create_options(create: argparse.ArgumentParser) -> None:
+    create.add_argument("name", metavar="NAME", help="the job's name, e.g. email/send")
+    create.add_argument(
+        "--data",
+        type=_json_object,
+        metavar="JSON",
+        help="the job's data: a JSON object (default {})",
+    )
+    create.add_argument(
+        "--first-run",
+        metavar="WHEN",
+        help="when the job is first due, e.g. '2030-01-01 04:00:00' (UTC unless an offset "
+        "is given; default now)",
+    )
+    create.add_argument(
+        "--repeat",
+        metavar="RULE",
+        help="run again after each run, e.g. 'FINISHED, +1 HOUR' or DAILY (protocol.md section 6)",
+    )
+    create.add_argument(
+        "--priority",
+        type=int,
+        choices=PRIORITIES,
+        metavar="P",
+        help="0, 250, 500, 750, 850 or 1000; higher runs first (default 500)",
+    )
+    create.add_argument(
+        "--retry-after",
+        metavar="M",
+        help="a lease, e.g. '+5 MINUTES': if the job is not finished, retried or failed "
+        "by then, it is handed out again",
+    )
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        return jsonbody.parse_object(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON object such as '{{\"to\": \"ann\"}}' ({error}): {text!r}"
+        ) from error
+
+
+def _create(client: Client, args: argparse.Namespace) -> dict[str, int]:
+    job_id = client.create_job(
+        args.name,
+        data=args.data,
+        first_run=args.first_run,
+        repeat=args.repeat,
+        priority=args.priority,
+        retry_after=args.retry_after,
+    )
+    return {"jobID": job_id}
+
+
+def _get(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    job = client.get_job(args.pattern, wait=args.wait)
+    if job is None:
+        # An empty queue is a normal answer for the library; a script wants it in the exit status.
+        raise JobNotFound("404 No job found")
+    return job
+
+
+def _query(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    return client.query_job(args.id)
+
+
+def _finish(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    client.finish_job(args.id, data=args.data)
+    return {}
+
+
+def _fail(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    client.fail_job(args.id)
+    return {}
+
+
+def _retry(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    client.retry_job(args.id, delay=args.delay)
+    return {}
+
+
+def _delete(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    client.delete_job(args.id)
+    return {}
+
+
+def _status(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    return client.status()
+
+
+def _run_client_command(args: argparse.Namespace) -> int:
+    address = args.server or os.environ.get("JOBSERVER_SERVER") or DEFAULT_SERVER
+    try:
+        client = Client.from_address(address)
+    except ValueError as error:
+        print(f"jobserver: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        with client:
+            result = args.action(client, args)
+    except JobServerError as error:
+        print(error.status, file=sys.stderr)
+        return _exit_status(error)
+    except ConnectionFailed as error:
+        print(f"jobserver: {error}", file=sys.stderr)
+        return EXIT_CONNECTION
+    except KeyboardInterrupt:
+        # Closing the connection ends a waiting get; the server keeps its job.
+        return EXIT_INTERRUPTED
+    print(json.dumps(result))
+    return 0
+
+
+def _exit_status(error: JobServerError) -> int:
+    if isinstance(error, JobNotFound):
+        return EXIT_NOT_FOUND
+    if isinstance(error, (IllegalState, Conflict)):
+        return EXIT_ILLEGAL_STATE
+    if isinstance(error, ServerError) or not 400 <= error.code <= 499:
+        return EXIT_SERVER_ERROR
+    return EXIT_USAGE

@@ -1,0 +1,813 @@
+"""The client library: `Client` on plain blocking sockets, `AsyncClient` for trio.
+
+    with Client("127.0.0.1", 8888) as jobs:
+        job_id = jobs.create_job("email/send", {"to": "ann@example.com"})
+        job = jobs.get_job("email/*", wait=60)   # None if nothing came in 60 s
+
+Each method is one request on one persistent connection, opened when it is
+first needed. A refusal is a `JobServerError`, with a subclass per status
+code and the whole status line; a network failure is `ConnectionFailed`. An
+empty queue is an answer, not an error: `get_job` returns None and
+`get_jobs` an empty list. Both clients share the encoding of requests and a
+sans-IO `ReplyReader`; only the moving of bytes differs.
+
+Reconnect rules. Bedrock's PHP client sends a request again after failures
+that can come after the server acted on it (a `500` or `555` reply; a broken
+connection, for requests it marks idempotent, FinishJob and RetryJob among
+them), so work can be done twice. Here a request is sent again only when
+that cannot do anything twice:
+
+- Before sending, a kept connection that died while idle (the server was
+  restarted or shut down) is replaced by a new one, once. Sending that
+  failed part-way counts the same: the server does nothing with a request
+  until its final blank line has arrived (protocol.md 1.2).
+- Once a request has been sent, a connection that breaks, or a reply that
+  does not come within the timeout, raises ConnectionFailed. The request is
+  not sent again: the server may have carried it out (created the job,
+  handed one out) and only the caller can tell whether repeating it is safe.
+- Except the read-only commands QueryJob, Ping, Status and Query, which are
+  sent once more on a new connection. GetJob and GetJobs are not read-only:
+  they hand jobs out.
+- A reply with `Connection: close` closes the connection once it is read;
+  so does an error or an interruption (KeyboardInterrupt, trio
+  cancellation) in the middle of a request, since the connection is then
+  out of step. The next request opens a new connection.
+- A waiting GetJob is answered only when a job comes or its wait is over, so
+  its reply is awaited for the wait plus the client's timeout.
+
+A client is for one thread, or one trio task, at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import select
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Generic, TypeVar
+
+import trio
+
+from .protocol import escape, unescape
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8888
+# Seconds to connect, to send, and to wait for a reply that is not a
+# waiting GetJob's. Ordinary replies take milliseconds; a busy server's
+# commits and a Query (5 s at most) fit well within this.
+DEFAULT_TIMEOUT = 30.0
+
+# What the server does with a waiting GetJob's `timeout` (protocol.md 9).
+_DEFAULT_WAIT_MS = 110_000
+_MAX_WAIT_MS = 3_600_000
+# A reply head is a status line and a few short headers; a peer that sends
+# a megabyte without ending its head is not a jobserver.
+_MAX_REPLY_HEAD = 1024 * 1024
+_RECEIVE_SIZE = 65536
+# Commands that change nothing, so sending one twice does no harm.
+_READ_ONLY = frozenset({"queryjob", "ping", "status", "query"})
+
+T = TypeVar("T")
+# A time for firstRun or nextRun: text the server reads (protocol.md 4.3),
+# or a timezone-aware datetime.
+When = str | datetime
+
+
+class JobServerError(Exception):
+    """The server refused the request. `status` is the whole status line,
+    `code` its number and `reason` the text after it."""
+
+    def __init__(self, status: str) -> None:
+        super().__init__(status)
+        self.status = status
+        code, _, self.reason = status.partition(" ")
+        self.code = int(code)
+
+
+class MalformedRequest(JobServerError):
+    """401: the request could not be read, such as a CreateJobs batch that is not JSON."""
+
+
+class InvalidRequest(JobServerError):
+    """402: a parameter is missing or malformed."""
+
+
+class JobNotFound(JobServerError):
+    """404: there is no such job."""
+
+
+class IllegalState(JobServerError):
+    """405: the job's state does not allow this, e.g. finishing a QUEUED job."""
+
+
+class Conflict(JobServerError):
+    """409: the request conflicts with the job as it is."""
+
+
+class UnrecognizedCommand(JobServerError):
+    """430: the server has no such command."""
+
+
+class ServerError(JobServerError):
+    """5xx: a problem in the server; the request was not carried out and may be retried."""
+
+
+class ConnectionFailed(OSError):
+    """The server could not be reached, or the connection broke (or its
+    reply did not come in time) during a request."""
+
+
+_ERRORS: dict[int, type[JobServerError]] = {
+    401: MalformedRequest,
+    402: InvalidRequest,
+    404: JobNotFound,
+    405: IllegalState,
+    409: Conflict,
+    430: UnrecognizedCommand,
+}
+
+
+def error_for(status: str) -> JobServerError:
+    """The exception for a status line that is not a success."""
+    code = int(status[:3])
+    default = ServerError if 500 <= code <= 599 else JobServerError
+    return _ERRORS.get(code, default)(status)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One reply. Header names are lower-cased (they are case-insensitive)
+    and their values unescaped."""
+
+    status: str
+    headers: dict[str, str]
+    body: bytes
+
+    @property
+    def code(self) -> int:
+        return int(self.status[:3])
+
+    @property
+    def closes_connection(self) -> bool:
+        return self.headers.get("connection", "").lower() == "close"
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class ReplyReader:
+    """Bytes in, replies out, without any IO (protocol.md 2).
+
+    `feed` the bytes as they arrive, `b""` at the end of the stream; `reply`
+    returns the next Reply once it is complete. Malformed input raises
+    ValueError.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        # Status line, headers and body length, once the head is complete.
+        self._head: tuple[str, dict[str, str], int] | None = None
+
+    def feed(self, data: bytes) -> None:
+        if not data:
+            raise ValueError("the server closed the connection before its reply was complete")
+        self._buffer += data
+
+    def reply(self) -> Reply | None:
+        if self._head is None:
+            end = self._buffer.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self._buffer) > _MAX_REPLY_HEAD:
+                    raise ValueError("reply head too large: not a jobserver?")
+                return None
+            self._head = _parse_head(bytes(self._buffer[:end]))
+            del self._buffer[: end + 4]
+        status, headers, length = self._head
+        if len(self._buffer) < length:
+            return None
+        body = bytes(self._buffer[:length])
+        del self._buffer[:length]
+        self._head = None
+        return Reply(status, headers, body)
+
+    @property
+    def leftover(self) -> int:
+        """Bytes received beyond the replies taken out."""
+        return len(self._buffer)
+
+
+_STATUS_LINE = re.compile(r"[0-9]{3} .*")
+_DIGITS = re.compile(r"[0-9]+")
+
+
+def _parse_head(raw: bytes) -> tuple[str, dict[str, str], int]:
+    status, *lines = raw.decode("utf-8").split("\r\n")
+    if not _STATUS_LINE.fullmatch(status):
+        raise ValueError(f"not a status line: {status[:100]!r}")
+    headers: dict[str, str] = {}
+    for line in lines:
+        name, colon, value = line.partition(":")
+        if not colon:
+            raise ValueError(f"not a header line: {line[:100]!r}")
+        headers[name.strip().lower()] = unescape(value.strip(" "))
+    length = headers.get("content-length", "")
+    if not _DIGITS.fullmatch(length):
+        raise ValueError(f"bad or missing Content-Length: {length[:100]!r}")
+    return status, headers, int(length)
+
+
+def encode_request(method: str, params: Mapping[str, object]) -> bytes:
+    """A request's bytes: the method line, a `Name: value` line for each
+    parameter that is not None, and a blank line (protocol.md 1.2)."""
+    if not method or method[0] in " \t" or "\r" in method or "\n" in method:
+        raise ValueError(f"not a method line: {method!r}")
+    lines = [method]
+    for name, value in params.items():
+        if value is None:
+            continue
+        if not _NAME.fullmatch(name):
+            raise ValueError(f"not a parameter name: {name!r}")
+        lines.append(f"{name}: {encode_value(value)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8")
+
+
+_NAME = re.compile(r"[^\s:]+")
+
+
+def encode_value(value: object) -> str:
+    """A parameter value, escaped so that the server's unescaping gives it
+    back exactly (protocol.md 1.3). Dicts and lists are sent as compact JSON."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, str):
+        return _escape_text(value)
+    if isinstance(value, (dict, list, tuple)):
+        # Compact JSON holds no raw line breaks; escaping doubles its backslashes.
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return escape(text)
+    raise TypeError(f"cannot send a {type(value).__name__} as a parameter value")
+
+
+# The server trims spaces around a value before unescaping it, so spaces
+# that belong to the value travel as an escape.
+_SPACE = "\\u0020"
+
+
+def _escape_text(text: str) -> str:
+    escaped = escape(text)
+    rest = escaped.lstrip(" ")
+    core = rest.rstrip(" ")
+    return _SPACE * (len(escaped) - len(rest)) + core + _SPACE * (len(rest) - len(core))
+
+
+_ADDRESS = re.compile(r"(?:\[(?P<ipv6>[^\[\]]+)\]|(?P<host>[^:\[\]\s]+))(?::(?P<port>[0-9]{1,5}))?")
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """`host:port`, `host`, `[ipv6]:port` or `[ipv6]` -> (host, port); the
+    port is 8888 when not given."""
+    match = _ADDRESS.fullmatch(address.strip())
+    port = int(match["port"] or DEFAULT_PORT) if match else 0
+    if match is None or not 0 < port < 65536:
+        raise ValueError(f"not a server address (HOST, HOST:PORT or [IPV6]:PORT): {address!r}")
+    return match["ipv6"] or match["host"], port
+
+
+def _is_read_only(method: str) -> bool:
+    return method.split(" ", 1)[0].lower() in _READ_ONLY
+
+
+def _wait_seconds(params: Mapping[str, object]) -> float:
+    """How long the server may hold this request before it answers."""
+    lowered = {name.lower(): value for name, value in params.items()}
+    if str(lowered.get("connection")).lower() != "wait":
+        return 0.0
+    timeout = lowered.get("timeout")
+    if timeout is None or timeout == "":
+        return _DEFAULT_WAIT_MS / 1000
+    try:
+        millis = int(str(timeout))
+    except ValueError:
+        return 0.0  # refused at once with 402 Malformed timeout
+    return min(max(millis, 0), _MAX_WAIT_MS) / 1000
+
+
+def _idle_connection_dead(fileno: int) -> bool:
+    """Whether a connection with no request outstanding is unusable.
+
+    The server sends nothing unasked, so if there is anything to read it has
+    closed the connection (end of stream, reset) or is out of step.
+    """
+    # poll, unlike select, works for descriptors numbered above 1023.
+    poller = select.poll()
+    poller.register(fileno, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def _time_text(when: When | None) -> str | None:
+    if not isinstance(when, datetime):
+        return when
+    if when.tzinfo is None:
+        raise ValueError("a naive datetime is ambiguous: give one with a time zone")
+    return when.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _wait_params(wait: float | None) -> dict[str, object]:
+    if wait is None:
+        return {}
+    return {"Connection": "wait", "timeout": round(wait * 1000)}
+
+
+# What each command sends and what its reply means, shared by both clients.
+
+
+@dataclass(frozen=True)
+class _Call(Generic[T]):
+    method: str
+    params: dict[str, object]
+    result: Callable[[Reply], T]
+    # GetJob/GetJobs: what `404 No job found`, an empty queue, returns.
+    none_found: Callable[[], T] | None = None
+
+    def outcome(self, reply: Reply) -> T:
+        if reply.code == 404 and self.none_found is not None:
+            return self.none_found()
+        if not 200 <= reply.code <= 299:
+            raise error_for(reply.status)
+        return self.result(reply)
+
+
+def _reply(reply: Reply) -> Reply:
+    return reply
+
+
+def _nothing(reply: Reply) -> None:
+    return None
+
+
+def _body(reply: Reply) -> Any:
+    return reply.json()
+
+
+def _field(name: str) -> Callable[[Reply], Any]:
+    return lambda reply: reply.json()[name]
+
+
+def _no_job() -> None:
+    return None
+
+
+def _create_job(
+    name: str,
+    data: dict[str, Any] | None,
+    first_run: When | None,
+    repeat: str | None,
+    priority: int | None,
+    retry_after: str | None,
+    unique: bool,
+    parent_job_id: int | None,
+) -> _Call[int]:
+    params: dict[str, object] = {
+        "name": name,
+        "data": data,
+        "firstRun": _time_text(first_run),
+        "repeat": repeat,
+        "jobPriority": priority,
+        "retryAfter": retry_after,
+        # Flags that are off are left out: absent means false to the server.
+        "unique": unique or None,
+        "parentJobID": parent_job_id,
+    }
+    return _Call("CreateJob", params, _field("jobID"))
+
+
+def _create_jobs(jobs: list[dict[str, Any]]) -> _Call[list[int]]:
+    return _Call("CreateJobs", {"jobs": jobs}, _field("jobIDs"))
+
+
+def _get_job(name: str, wait: float | None, priority: int | None) -> _Call[dict[str, Any] | None]:
+    params = {"name": name, "jobPriority": priority, **_wait_params(wait)}
+    return _Call("GetJob", params, _body, _no_job)
+
+
+def _get_jobs(
+    name: str, num_results: int, wait: float | None, priority: int | None
+) -> _Call[list[dict[str, Any]]]:
+    params = {"name": name, "numResults": num_results, "jobPriority": priority}
+    params.update(_wait_params(wait))
+    return _Call("GetJobs", params, _field("jobs"), list)
+
+
+def _update_job(
+    job_id: int,
+    data: dict[str, Any],
+    repeat: str | None,
+    priority: int | None,
+    next_run: When | None,
+) -> _Call[None]:
+    params: dict[str, object] = {
+        "jobID": job_id,
+        "data": data,
+        "repeat": repeat,
+        "jobPriority": priority,
+        "nextRun": _time_text(next_run),
+    }
+    return _Call("UpdateJob", params, _nothing)
+
+
+def _on_job(method: str, job_id: int, **params: object) -> _Call[None]:
+    return _Call(method, {"jobID": job_id, **params}, _nothing)
+
+
+def _query_job(job_id: int) -> _Call[dict[str, Any]]:
+    return _Call("QueryJob", {"jobID": job_id}, _body)
+
+
+def _retry_job(
+    job_id: int,
+    delay: int | None,
+    next_run: When | None,
+    data: dict[str, Any] | None,
+    name: str | None,
+    priority: int | None,
+    ignore_repeat: bool,
+) -> _Call[None]:
+    return _on_job(
+        "RetryJob",
+        job_id,
+        delay=delay,
+        nextRun=_time_text(next_run),
+        data=data,
+        name=name,
+        jobPriority=priority,
+        ignoreRepeat=ignore_repeat or None,
+    )
+
+
+def _requeue_jobs(job_ids: list[int], name: str | None) -> _Call[None]:
+    params: dict[str, object] = {"jobIDs": ",".join(map(str, job_ids)), "name": name}
+    return _Call("RequeueJobs", params, _nothing)
+
+
+class _Endpoint:
+    """Where a client connects, and how it words a failure."""
+
+    def __init__(
+        self, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, timeout: float = DEFAULT_TIMEOUT
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.timeout = timeout
+
+    @classmethod
+    def from_address(cls: type[_E], address: str, timeout: float = DEFAULT_TIMEOUT) -> _E:
+        """A client for `host:port`, `host` (port 8888) or `[ipv6]:port`."""
+        host, port = parse_address(address)
+        return cls(host, port, timeout)
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def _failed(self, what: str, error: BaseException) -> ConnectionFailed:
+        return ConnectionFailed(f"{what} {self.address}: {_describe(error)}")
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, (TimeoutError, trio.TooSlowError)):
+        return "timed out"
+    return str(error) or type(error).__name__
+
+
+# Why a request failed, as ConnectionFailed says it.
+_CANNOT_CONNECT = "cannot connect to"
+_CANNOT_SEND = "cannot send to"
+_NO_REPLY = "no reply (the request may have been carried out) from"
+
+
+_E = TypeVar("_E", bound=_Endpoint)
+
+
+class Client(_Endpoint):
+    """A blocking client on one persistent connection, opened lazily."""
+
+    _sock: socket.socket | None = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def request(self, method: str, params: Mapping[str, object]) -> Reply:
+        """Send any command; parameters that are None are left out. Returns
+        a 2xx reply and raises JobServerError for any other."""
+        return self._call(_Call(method, dict(params), _reply))
+
+    def create_job(
+        self,
+        name: str,
+        data: dict[str, Any] | None = None,
+        first_run: When | None = None,
+        repeat: str | None = None,
+        priority: int | None = None,
+        retry_after: str | None = None,
+        unique: bool = False,
+        parent_job_id: int | None = None,
+    ) -> int:
+        """Create a job; returns its jobID."""
+        return self._call(
+            _create_job(name, data, first_run, repeat, priority, retry_after, unique, parent_job_id)
+        )
+
+    def create_jobs(self, jobs: list[dict[str, Any]]) -> list[int]:
+        """Create several jobs, all or none. Each dict holds CreateJob's
+        parameters by their protocol names (`name`, `data`, `jobPriority`...)."""
+        return self._call(_create_jobs(jobs))
+
+    def get_job(
+        self, name: str, wait: float | None = None, priority: int | None = None
+    ) -> dict[str, Any] | None:
+        """Take a due job whose name matches the pattern; None if there is
+        none. With `wait`, wait up to that many seconds for one."""
+        return self._call(_get_job(name, wait, priority))
+
+    def get_jobs(
+        self, name: str, num_results: int, wait: float | None = None, priority: int | None = None
+    ) -> list[dict[str, Any]]:
+        """Take up to `num_results` due jobs; an empty list if there are none."""
+        return self._call(_get_jobs(name, num_results, wait, priority))
+
+    def update_job(
+        self,
+        job_id: int,
+        data: dict[str, Any],
+        repeat: str | None = None,
+        priority: int | None = None,
+        next_run: When | None = None,
+    ) -> None:
+        """Replace a job's data; optionally its repeat, priority and next run."""
+        self._call(_update_job(job_id, data, repeat, priority, next_run))
+
+    def query_job(self, job_id: int) -> dict[str, Any]:
+        """A job as it is, state included."""
+        return self._call(_query_job(job_id))
+
+    def finish_job(self, job_id: int, data: dict[str, Any] | None = None) -> None:
+        self._call(_on_job("FinishJob", job_id, data=data))
+
+    def fail_job(self, job_id: int, data: dict[str, Any] | None = None) -> None:
+        self._call(_on_job("FailJob", job_id, data=data))
+
+    def retry_job(
+        self,
+        job_id: int,
+        delay: int | None = None,
+        next_run: When | None = None,
+        data: dict[str, Any] | None = None,
+        name: str | None = None,
+        priority: int | None = None,
+        ignore_repeat: bool = False,
+    ) -> None:
+        """Put a handed-out job back in the queue, after `delay` seconds or at `next_run`."""
+        self._call(_retry_job(job_id, delay, next_run, data, name, priority, ignore_repeat))
+
+    def cancel_job(self, job_id: int) -> None:
+        self._call(_on_job("CancelJob", job_id))
+
+    def delete_job(self, job_id: int) -> None:
+        self._call(_on_job("DeleteJob", job_id))
+
+    def requeue_jobs(self, job_ids: list[int], name: str | None = None) -> None:
+        self._call(_requeue_jobs(job_ids, name))
+
+    def ping(self) -> None:
+        self._call(_Call("Ping", {}, _nothing))
+
+    def status(self) -> dict[str, Any]:
+        return self._call(_Call("Status", {}, _body))
+
+    def _call(self, call: _Call[T]) -> T:
+        return call.outcome(self._exchange(call.method, call.params))
+
+    def _exchange(self, method: str, params: dict[str, object]) -> Reply:
+        request = encode_request(method, params)
+        patience = self.timeout + _wait_seconds(params)
+        sock = self._send(request)
+        try:
+            return self._receive(sock, patience)
+        except ConnectionFailed:
+            if not _is_read_only(method):
+                raise
+        return self._receive(self._send(request), patience)
+
+    def _send(self, request: bytes) -> socket.socket:
+        """Send on the kept connection or, if it has died, on a new one."""
+        if self._sock is not None and not _idle_connection_dead(self._sock.fileno()):
+            try:
+                return self._send_on(self._sock, request)
+            except ConnectionFailed:
+                pass  # the request's end never left, so the server ignores it
+        return self._send_on(self._connect(), request)
+
+    def _send_on(self, sock: socket.socket, request: bytes) -> socket.socket:
+        try:
+            sock.settimeout(self.timeout)
+            sock.sendall(request)
+        except OSError as error:
+            self.close()
+            raise self._failed(_CANNOT_SEND, error) from error
+        except BaseException:
+            self.close()
+            raise
+        return sock
+
+    def _receive(self, sock: socket.socket, patience: float) -> Reply:
+        reader = ReplyReader()
+        try:
+            sock.settimeout(patience)
+            while (reply := reader.reply()) is None:
+                reader.feed(sock.recv(_RECEIVE_SIZE))
+        except (OSError, ValueError) as error:
+            self.close()
+            raise self._failed(_NO_REPLY, error) from error
+        except BaseException:
+            self.close()
+            raise
+        if reply.closes_connection or reader.leftover:
+            self.close()
+        return reply
+
+    def _connect(self) -> socket.socket:
+        self.close()
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+        except OSError as error:
+            raise self._failed(_CANNOT_CONNECT, error) from error
+        # Each request is small and waits for its reply: Nagle would only delay it.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        return sock
+
+
+# What moving bytes with trio can raise besides cancellation.
+_TRIO_FAILURES = (OSError, ValueError, trio.BrokenResourceError, trio.TooSlowError)
+
+
+class AsyncClient(_Endpoint, trio.abc.AsyncResource):
+    """The same client for trio: the methods of Client, as coroutines.
+    Close it with `await client.aclose()` or `async with`."""
+
+    _stream: trio.SocketStream | None = None
+
+    async def aclose(self) -> None:
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            await trio.aclose_forcefully(stream)
+
+    async def request(self, method: str, params: Mapping[str, object]) -> Reply:
+        return await self._call(_Call(method, dict(params), _reply))
+
+    async def create_job(
+        self,
+        name: str,
+        data: dict[str, Any] | None = None,
+        first_run: When | None = None,
+        repeat: str | None = None,
+        priority: int | None = None,
+        retry_after: str | None = None,
+        unique: bool = False,
+        parent_job_id: int | None = None,
+    ) -> int:
+        return await self._call(
+            _create_job(name, data, first_run, repeat, priority, retry_after, unique, parent_job_id)
+        )
+
+    async def create_jobs(self, jobs: list[dict[str, Any]]) -> list[int]:
+        return await self._call(_create_jobs(jobs))
+
+    async def get_job(
+        self, name: str, wait: float | None = None, priority: int | None = None
+    ) -> dict[str, Any] | None:
+        return await self._call(_get_job(name, wait, priority))
+
+    async def get_jobs(
+        self, name: str, num_results: int, wait: float | None = None, priority: int | None = None
+    ) -> list[dict[str, Any]]:
+        return await self._call(_get_jobs(name, num_results, wait, priority))
+
+    async def update_job(
+        self,
+        job_id: int,
+        data: dict[str, Any],
+        repeat: str | None = None,
+        priority: int | None = None,
+        next_run: When | None = None,
+    ) -> None:
+        await self._call(_update_job(job_id, data, repeat, priority, next_run))
+
+    async def query_job(self, job_id: int) -> dict[str, Any]:
+        return await self._call(_query_job(job_id))
+
+    async def finish_job(self, job_id: int, data: dict[str, Any] | None = None) -> None:
+        await self._call(_on_job("FinishJob", job_id, data=data))
+
+    async def fail_job(self, job_id: int, data: dict[str, Any] | None = None) -> None:
+        await self._call(_on_job("FailJob", job_id, data=data))
+
+    async def retry_job(
+        self,
+        job_id: int,
+        delay: int | None = None,
+        next_run: When | None = None,
+        data: dict[str, Any] | None = None,
+        name: str | None = None,
+        priority: int | None = None,
+        ignore_repeat: bool = False,
+    ) -> None:
+        await self._call(_retry_job(job_id, delay, next_run, data, name, priority, ignore_repeat))
+
+    async def cancel_job(self, job_id: int) -> None:
+        await self._call(_on_job("CancelJob", job_id))
+
+    async def delete_job(self, job_id: int) -> None:
+        await self._call(_on_job("DeleteJob", job_id))
+
+    async def requeue_jobs(self, job_ids: list[int], name: str | None = None) -> None:
+        await self._call(_requeue_jobs(job_ids, name))
+
+    async def ping(self) -> None:
+        await self._call(_Call("Ping", {}, _nothing))
+
+    async def status(self) -> dict[str, Any]:
+        return await self._call(_Call("Status", {}, _body))
+
+    async def _call(self, call: _Call[T]) -> T:
+        return call.outcome(await self._exchange(call.method, call.params))
+
+    async def _exchange(self, method: str, params: dict[str, object]) -> Reply:
+        request = encode_request(method, params)
+        patience = self.timeout + _wait_seconds(params)
+        stream = await self._send(request)
+        try:
+            return await self._receive(stream, patience)
+        except ConnectionFailed:
+            if not _is_read_only(method):
+                raise
+        return await self._receive(await self._send(request), patience)
+
+    async def _send(self, request: bytes) -> trio.SocketStream:
+        if self._stream is not None and not _idle_connection_dead(self._stream.socket.fileno()):
+            try:
+                return await self._send_on(self._stream, request)
+            except ConnectionFailed:
+                pass  # the request's end never left, so the server ignores it
+        return await self._send_on(await self._connect(), request)
+
+    async def _send_on(self, stream: trio.SocketStream, request: bytes) -> trio.SocketStream:
+        try:
+            with trio.fail_after(self.timeout):
+                await stream.send_all(request)
+        except _TRIO_FAILURES as error:
+            await self.aclose()
+            raise self._failed(_CANNOT_SEND, error) from error
+        except BaseException:
+            await self.aclose()
+            raise
+        return stream
+
+    async def _receive(self, stream: trio.SocketStream, patience: float) -> Reply:
+        reader = ReplyReader()
+        try:
+            with trio.fail_after(patience):
+                while (reply := reader.reply()) is None:
+                    reader.feed(await stream.receive_some(_RECEIVE_SIZE))
+        except _TRIO_FAILURES as error:
+            await self.aclose()
+            raise self._failed(_NO_REPLY, error) from error
+        except BaseException:
+            await self.aclose()
+            raise
+        if reply.closes_connection or reader.leftover:
+            await self.aclose()
+        return reply
+
+    async def _connect(self) -> trio.SocketStream:
+        await self.aclose()
+        try:
+            # trio's streams set TCP_NODELAY themselves.
+            with trio.fail_after(self.timeout):
+                self._stream = await trio.open_tcp_stream(self.host, self.port)
+        except (OSError, trio.TooSlowError) as error:
+            raise self._failed(_CANNOT_CONNECT, error) from error
+        return self._stream

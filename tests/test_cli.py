@@ -1,0 +1,234 @@
+"""The command-line client: `python -m jobserver create/get/...` as scripts
+run it, against a real server. Each run checks stdout, stderr and the exit
+status together."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from typing import Any
+
+import pytest
+
+from fake_server import FakeServer, reply
+from jobserver.cli import main
+from jobserver.client import Client
+
+RUN_TIMEOUT = 15.0
+DEADLINE = 5.0
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "jobserver", *args],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        env=environment(env),
+    )
+
+
+def environment(extra: dict[str, str] | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "JOBSERVER_SERVER"}
+    return {**env, **(extra or {})}
+
+
+def free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        return probe.getsockname()[1]
+
+
+class Cli:
+    """Runs client subcommands against one server."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    def __call__(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return run(*args, "--server", self.address)
+
+    def ok(self, *args: str) -> Any:
+        done = self(*args)
+        assert (done.returncode, done.stderr) == (0, ""), done
+        return json.loads(done.stdout)
+
+    def refused(self, status: str, code: int, *args: str) -> None:
+        done = self(*args)
+        assert (done.returncode, done.stdout, done.stderr) == (code, "", status + "\n")
+
+
+@pytest.fixture
+def cli(server) -> Cli:
+    return Cli(f"127.0.0.1:{server.port}")
+
+
+@pytest.fixture
+def jobs(server) -> Iterator[Client]:
+    with Client(port=server.port, timeout=10) as client:
+        yield client
+
+
+def test_create_prints_the_job_id_and_query_shows_the_job(cli):
+    created = cli.ok(
+        "create", "report/daily",
+        "--data", '{"to": "ann", "path": "C:\\\\temp"}',
+        "--first-run", "2030-01-01 04:00:00",
+        "--repeat", "finished, +1 day",
+        "--priority", "1000",
+        "--retry-after", "+5 MINUTES",
+    )
+    assert created == {"jobID": 1}
+    job = cli.ok("query", "1")
+    assert {k: job[k] for k in ("name", "data", "nextRun", "repeat", "priority", "retryAfter",
+                                "state")} == {
+        "name": "report/daily",
+        "data": {"to": "ann", "path": "C:\\temp"},
+        "nextRun": "2030-01-01 04:00:00",
+        "repeat": "FINISHED, +1 DAY",
+        "priority": 1000,
+        "retryAfter": "+5 MINUTES",
+        "state": "QUEUED",
+    }
+
+
+def test_get_prints_the_job_or_exits_1(cli, jobs):
+    job_id = jobs.create_job("email/send", {"to": "ann"})
+    job = cli.ok("get", "email/*")
+    assert (job["jobID"], job["data"]) == (job_id, {"to": "ann"})
+    assert jobs.query_job(job_id)["state"] == "RUNNING"
+    cli.refused("404 No job found", 1, "get", "email/*")
+    cli.refused("404 No job found", 1, "get", "email/*", "--wait", "0.1")
+
+
+def test_get_waits_for_a_job(server, jobs):
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "jobserver", "get", "late/*", "--wait", "20"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment({"JOBSERVER_SERVER": f"127.0.0.1:{server.port}"}),
+    )
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT
+        while jobs.status()["waitingGetJobs"] != 1:
+            assert time.monotonic() < deadline and waiting.poll() is None
+            time.sleep(0.01)
+        job_id = jobs.create_job("late/one")
+        out, err = waiting.communicate(timeout=DEADLINE)
+    finally:
+        waiting.kill()
+    assert (waiting.returncode, err) == (0, "")
+    assert json.loads(out)["jobID"] == job_id
+
+
+def test_finish_fail_retry_delete(cli, jobs):
+    ids = jobs.create_jobs([{"name": "w"}, {"name": "w"}, {"name": "w"}])
+    assert len(jobs.get_jobs("w", 3)) == 3
+    finished, failed, retried = ids
+
+    assert cli.ok("finish", str(finished), "--data", '{"result": 42}') == {}
+    cli.refused("404 No job with this jobID", 1, "query", str(finished))
+
+    assert cli.ok("fail", str(failed)) == {}
+    assert jobs.query_job(failed)["state"] == "FAILED"
+
+    assert cli.ok("retry", str(retried), "--delay", "3600") == {}
+    job = jobs.query_job(retried)
+    assert job["state"] == "QUEUED"
+    assert job["nextRun"] > datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+    assert cli.ok("delete", str(retried)) == {}
+    cli.refused("404 No job with this jobID", 1, "delete", str(retried))
+
+
+def test_status(cli, jobs):
+    jobs.create_job("s")
+    status = cli.ok("status")
+    assert status["jobs"] == {"QUEUED": 1}
+    assert status["version"]
+
+
+def test_illegal_state_exits_3(cli, jobs):
+    job_id = jobs.create_job("queued")
+    cli.refused("405 Can only retry/finish RUNNING and RUNQUEUED jobs", 3, "finish", str(job_id))
+    cli.refused("405 Can only fail RUNNING or RUNQUEUED jobs", 3, "fail", str(job_id))
+
+
+def test_invalid_request_exits_2(cli, jobs):
+    cli.refused("402 Malformed repeat", 2, "create", "x", "--repeat", "bogus")
+    cli.refused("402 Malformed firstRun", 2, "create", "x", "--first-run", "soon")
+    assert jobs.status()["jobs"] == {}
+
+
+@pytest.mark.parametrize("data", ["[1]", "{bad", '"text"', '{"x": NaN}'])
+def test_data_must_be_a_json_object(cli, jobs, data):
+    done = cli("create", "x", "--data", data)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert "--data: must be a JSON object" in done.stderr
+    assert jobs.status()["jobs"] == {}
+
+
+@pytest.mark.parametrize("args", [
+    ["query", "one"],
+    ["create"],
+    ["create", "x", "--priority", "7"],
+    ["retry", "1", "--delay", "soon"],
+    ["bogus"],
+])
+def test_usage_errors_exit_2(cli, args):
+    done = cli(*args)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert "usage:" in done.stderr
+
+
+def test_server_error_exits_4():
+    server = FakeServer([reply("503 Database unavailable: disk I/O error")])
+    try:
+        done = run("status", "--server", f"127.0.0.1:{server.port}")
+    finally:
+        server.stop()
+    assert (done.returncode, done.stdout, done.stderr) == (
+        4, "", "503 Database unavailable: disk I/O error\n")
+
+
+def test_cannot_connect_exits_5():
+    done = run("status", "--server", f"127.0.0.1:{free_port()}")
+    assert (done.returncode, done.stdout) == (5, "")
+    assert done.stderr.startswith("jobserver: cannot connect to 127.0.0.1:")
+
+
+def test_bad_server_address_exits_2():
+    done = run("status", "--server", "localhost:http")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert "not a server address" in done.stderr
+
+
+def test_server_from_the_environment(server):
+    live = {"JOBSERVER_SERVER": f"127.0.0.1:{server.port}"}
+    done = run("create", "from/env", env=live)
+    assert (done.returncode, json.loads(done.stdout)) == (0, {"jobID": 1})
+    dead = {"JOBSERVER_SERVER": f"127.0.0.1:{free_port()}"}
+    assert run("status", env=dead).returncode == 5
+    assert run("status", "--server", f"127.0.0.1:{server.port}", env=dead).returncode == 0
+
+
+def test_help_documents_the_exit_statuses(capsys):
+    done = run("--help")
+    assert done.returncode == 0
+    for line in ("1  not found (404)", "2  usage error", "3  the job's state", "4  server error",
+                 "5  cannot connect"):
+        assert line in done.stdout
+    for command in ("create", "get", "query", "finish", "fail", "retry", "delete", "status"):
+        assert command in done.stdout
+        with pytest.raises(SystemExit) as exit:
+            main([command, "--help"])
+        assert exit.value.code == 0
+        text = capsys.readouterr().out
+        assert "--server HOST:PORT" in text and "JOBSERVER_SERVER" in text
+        assert "5  cannot connect" in text

@@ -1,0 +1,623 @@
+"""jobserver.client: encoding, reply reading, every method against a real
+server, typed errors, and the reconnect rules against a scripted fake."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+import trio
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fake_server import HANG_UP, NO_REPLY, OK, FakeServer, reply
+from jobserver.client import (
+    AsyncClient,
+    Client,
+    Conflict,
+    ConnectionFailed,
+    IllegalState,
+    InvalidRequest,
+    JobNotFound,
+    JobServerError,
+    MalformedRequest,
+    ReplyReader,
+    ServerError,
+    UnrecognizedCommand,
+    encode_request,
+    parse_address,
+)
+from jobserver.protocol import RequestParser
+
+DEADLINE = 5.0
+
+
+def eventually(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def free_port() -> int:
+    """A port nothing listens on (just released by the kernel)."""
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def jobs(server) -> Iterator[Client]:
+    with Client("127.0.0.1", server.port, timeout=10) as client:
+        yield client
+
+
+@pytest.fixture
+def fake() -> Iterator[Callable[..., FakeServer]]:
+    started: list[FakeServer] = []
+
+    def start(*scripts: list[bytes | str | None]) -> FakeServer:
+        started.append(FakeServer(*scripts))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def fake_client(server: FakeServer, timeout: float = 5.0) -> Client:
+    return Client("127.0.0.1", server.port, timeout)
+
+
+# Encoding: what goes on the wire.
+
+
+def test_request_bytes_follow_the_protocol_example():
+    data = {"path": "C:\\temp", "quote": 'say "hi"'}
+    raw = encode_request("CreateJob", {"name": "escaped", "data": data, "repeat": None})
+    assert raw == (
+        b"CreateJob\r\nname: escaped\r\n"
+        + rb'data: {"path":"C:\\\\temp","quote":"say \\"hi\\""}'
+        + b"\r\n\r\n"
+    )
+
+
+def test_flags_numbers_and_lists():
+    raw = encode_request("X", {"unique": True, "ignoreRepeat": False, "numResults": 3, "l": [1]})
+    assert raw == b"X\r\nunique: true\r\nignoreRepeat: false\r\nnumResults: 3\r\nl: [1]\r\n\r\n"
+
+
+@pytest.mark.parametrize("method, params", [
+    ("Ping\r\nFake: header", {}),
+    ("", {}),
+    ("Ping", {"name\nx": "v"}),
+    ("Ping", {"a:b": "v"}),
+    ("Ping", {" lead": "v"}),
+])
+def test_lines_cannot_be_injected(method, params):
+    with pytest.raises(ValueError):
+        encode_request(method, params)
+
+
+def test_values_that_are_not_json_are_refused():
+    with pytest.raises(TypeError):
+        encode_request("CreateJob", {"data": object()})
+    with pytest.raises(ValueError):
+        encode_request("CreateJob", {"data": {"x": float("nan")}})
+
+
+def server_reads(raw: bytes) -> dict[str, str]:
+    [request] = RequestParser().feed(raw)
+    return request.headers
+
+
+@given(st.text())
+def test_any_text_arrives_as_sent(text):
+    assert server_reads(encode_request("X", {"v": text})).get("v", "") == text
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+    max_leaves=10,
+)
+
+
+@given(st.dictionaries(st.text(), json_values, max_size=4))
+def test_any_json_object_arrives_as_sent(data):
+    assert json.loads(server_reads(encode_request("X", {"data": data}))["data"]) == data
+
+
+# Reading replies, without a socket.
+
+
+def test_reply_reader_byte_by_byte():
+    raw = b"402 Bad query\r\nConnection: close\r\nerror: a\\nb\\\\c\r\nContent-Length: 3\r\n\r\nabc"
+    reader = ReplyReader()
+    for byte in raw[:-1]:
+        reader.feed(bytes([byte]))
+        assert reader.reply() is None
+    reader.feed(raw[-1:])
+    got = reader.reply()
+    assert got is not None
+    assert (got.status, got.code, got.body) == ("402 Bad query", 402, b"abc")
+    assert got.headers == {"connection": "close", "error": "a\nb\\c", "content-length": "3"}
+    assert got.closes_connection
+    assert reader.leftover == 0
+
+
+def test_reply_reader_keeps_what_follows_a_reply():
+    reader = ReplyReader()
+    reader.feed(b'200 OK\r\nContent-Length: 2\r\n\r\n{}200 OK\r\n')
+    got = reader.reply()
+    assert got is not None and got.json() == {} and not got.closes_connection
+    assert reader.leftover == len(b"200 OK\r\n")
+
+
+@pytest.mark.parametrize("raw", [
+    b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n",
+    b"200 OK\r\n\r\n",
+    b"200 OK\r\nContent-Length: -1\r\n\r\n",
+    b"200 OK\r\nno colon\r\nContent-Length: 0\r\n\r\n",
+    b"200 OK\r\nContent-Length: 0\xff\r\n\r\n",
+])
+def test_reply_reader_refuses_what_is_not_a_reply(raw):
+    reader = ReplyReader()
+    reader.feed(raw)
+    with pytest.raises(ValueError):
+        reader.reply()
+
+
+def test_reply_reader_end_of_stream_mid_reply():
+    reader = ReplyReader()
+    reader.feed(b"200 OK\r\nContent-Length: 5\r\n\r\nab")
+    assert reader.reply() is None
+    with pytest.raises(ValueError, match="closed the connection"):
+        reader.feed(b"")
+
+
+# Addresses.
+
+
+@pytest.mark.parametrize("address, expected", [
+    ("jobs.example.com:9000", ("jobs.example.com", 9000)),
+    ("10.0.0.5", ("10.0.0.5", 8888)),
+    ("[::1]:8889", ("::1", 8889)),
+    ("[::1]", ("::1", 8888)),
+])
+def test_parse_address(address, expected):
+    assert parse_address(address) == expected
+    client = Client.from_address(address, timeout=2)
+    assert (client.host, client.port, client.timeout) == (*expected, 2)
+
+
+@pytest.mark.parametrize("address", ["", "::1", "host:", "host:http", "host:0", "host:70000", "[::1"])
+def test_parse_address_refuses(address):
+    with pytest.raises(ValueError):
+        parse_address(address)
+
+
+# Every method against the real server.
+
+
+def test_create_and_query_keep_data_and_name_exactly(jobs):
+    data = {"path": "C:\\temp", "quote": 'say "hi"', "lines": "a\r\nb\tc", "u": "ü😀\u2028"}
+    job_id = jobs.create_job("  spaced name\\ ", data)
+    job = jobs.query_job(job_id)
+    assert (job["name"], job["data"], job["state"]) == ("  spaced name\\ ", data, "QUEUED")
+
+
+def test_create_job_options(jobs):
+    first_run = datetime(2030, 1, 1, 6, 0, tzinfo=timezone(timedelta(hours=2)))
+    job_id = jobs.create_job(
+        "report/daily",
+        first_run=first_run,
+        repeat="finished, +1 day",
+        priority=1000,
+        retry_after="+5 MINUTES",
+    )
+    job = jobs.query_job(job_id)
+    assert job["nextRun"] == "2030-01-01 04:00:00"
+    assert (job["repeat"], job["priority"], job["retryAfter"]) == (
+        "FINISHED, +1 DAY", 1000, "+5 MINUTES")
+    later = jobs.create_job("later", first_run="2031-02-03 04:05:06")
+    assert jobs.query_job(later)["nextRun"] == "2031-02-03 04:05:06"
+
+
+def test_naive_datetimes_are_refused_before_sending(jobs):
+    with pytest.raises(ValueError):
+        jobs.create_job("x", first_run=datetime(2030, 1, 1))
+    assert jobs.status()["jobs"] == {}
+
+
+def test_unique_returns_the_existing_job(jobs):
+    first = jobs.create_job("only/one", {"a": 1}, unique=True)
+    assert jobs.create_job("only/one", {"b": 2}, unique=True) == first
+    assert jobs.query_job(first)["data"] == {"a": 1, "b": 2}
+    assert jobs.create_job("only/one") != first
+
+
+def test_create_jobs(jobs):
+    ids = jobs.create_jobs([{"name": "thumb", "data": {"img": 1}}, {"name": "thumb", "jobPriority": 1000}])
+    assert ids == [ids[0], ids[0] + 1]
+    assert jobs.query_job(ids[1])["priority"] == 1000
+
+
+def test_get_job_and_get_jobs(jobs):
+    assert jobs.get_job("mail/*") is None
+    assert jobs.get_jobs("mail/*", 5) == []
+    low = jobs.create_job("mail/low", priority=0)
+    high = jobs.create_job("mail/high", priority=1000)
+    assert jobs.get_job("mail/*", priority=0)["jobID"] == low
+    assert jobs.query_job(low)["state"] == "RUNNING"
+    more = jobs.create_jobs([{"name": "mail/a"}, {"name": "mail/b"}])
+    assert [job["jobID"] for job in jobs.get_jobs("mail/*", 2)] == [high, more[0]]
+    assert [job["jobID"] for job in jobs.get_jobs("mail/*", 5, priority=500)] == [more[1]]
+
+
+def test_update_job(jobs):
+    job_id = jobs.create_job("u", {"a": 1})
+    jobs.update_job(job_id, {"b": 2}, repeat="HOURLY", priority=250, next_run="2030-05-06 07:08:09")
+    job = jobs.query_job(job_id)
+    assert (job["data"], job["repeat"], job["priority"], job["nextRun"]) == (
+        {"b": 2}, "HOURLY", 250, "2030-05-06 07:08:09")
+
+
+def test_finish_job(jobs):
+    once = jobs.create_job("once")
+    repeating = jobs.create_job("again", repeat="FINISHED, +1 HOUR")
+    assert {job["jobID"] for job in jobs.get_jobs("*", 2)} == {once, repeating}
+    jobs.finish_job(once)
+    jobs.finish_job(repeating, {"done": 1})
+    with pytest.raises(JobNotFound):
+        jobs.query_job(once)
+    job = jobs.query_job(repeating)
+    assert (job["state"], job["data"]) == ("QUEUED", {"done": 1})
+
+
+def test_fail_job(jobs):
+    job_id = jobs.create_job("f", {"a": 1})
+    jobs.get_job("f")
+    jobs.fail_job(job_id, {"why": "broken"})
+    job = jobs.query_job(job_id)
+    assert (job["state"], job["data"]) == ("FAILED", {"why": "broken"})
+
+
+def test_retry_job(jobs):
+    job_id = jobs.create_job("r", repeat="FINISHED, +1 DAY")
+    jobs.get_job("r")
+    next_run = datetime(2032, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    jobs.retry_job(job_id, next_run=next_run, data={"n": 1}, name="r2", priority=750,
+                   ignore_repeat=True)
+    job = jobs.query_job(job_id)
+    assert (job["state"], job["nextRun"], job["data"], job["name"], job["priority"]) == (
+        "QUEUED", "2032-01-02 03:04:05", {"n": 1}, "r2", 750)
+    jobs.update_job(job_id, {}, next_run="2000-01-01")
+    jobs.get_job("r2")
+    jobs.retry_job(job_id, delay=3600, ignore_repeat=True)
+    assert jobs.query_job(job_id)["nextRun"] > datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M")
+
+
+def test_cancel_delete_and_requeue(jobs):
+    parent = jobs.create_job("parent")
+    jobs.get_job("parent")
+    child = jobs.create_job("child", parent_job_id=parent)
+    assert jobs.query_job(child)["state"] == "PAUSED"
+    jobs.finish_job(parent)
+    jobs.cancel_job(child)
+    assert jobs.query_job(child)["state"] == "CANCELLED"
+    assert jobs.query_job(parent)["state"] == "QUEUED"
+
+    failed = jobs.create_job("flaky")
+    jobs.get_job("flaky")
+    jobs.fail_job(failed)
+    jobs.requeue_jobs([failed], name="flaky2")
+    job = jobs.query_job(failed)
+    assert (job["state"], job["name"]) == ("QUEUED", "flaky2")
+    jobs.delete_job(failed)
+    with pytest.raises(JobNotFound):
+        jobs.query_job(failed)
+
+
+def test_ping_status_and_request(jobs):
+    jobs.ping()
+    jobs.create_job("s")
+    status = jobs.status()
+    assert status["jobs"] == {"QUEUED": 1} and status["connections"] == 1
+    got = jobs.request("Status", {})
+    assert (got.status, got.code, got.headers) == (
+        "200 OK", 200, {"content-length": str(len(got.body))})
+    assert got.json()["jobs"] == {"QUEUED": 1}
+
+
+# Refusals, each as its own exception.
+
+
+def raised(action: Callable[[], Any]) -> JobServerError:
+    with pytest.raises(JobServerError) as caught:
+        action()
+    return caught.value
+
+
+@pytest.mark.parametrize("action, kind, status", [
+    (lambda c: c.create_jobs([]), MalformedRequest, "401 Invalid JSON"),
+    (lambda c: c.create_job("x", priority=1), InvalidRequest, "402 Invalid priority value"),
+    (lambda c: c.query_job(424242), JobNotFound, "404 No job with this jobID"),
+    (lambda c: c.finish_job(c.create_job("q")), IllegalState,
+     "405 Can only retry/finish RUNNING and RUNQUEUED jobs"),
+    (lambda c: c.request("Bogus", {}), UnrecognizedCommand, "430 Unrecognized command"),
+    (lambda c: c.request("Query", {"query": "SELECT 1"}), ServerError,
+     "502 Query Missing Semicolon"),
+    (lambda c: c.request("Query", {"query": "WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL "
+                                   "SELECT x + 1 FROM n LIMIT 10001) SELECT x FROM n;"}),
+     JobServerError, "413 Query returned more than 10000 rows"),
+])
+def test_refusals_from_the_server(jobs, action, kind, status):
+    error = raised(lambda: action(jobs))
+    assert type(error) is kind
+    assert (error.status, error.code, error.reason) == (status, int(status[:3]), status[4:])
+    jobs.ping()  # the connection is still good
+
+
+@pytest.mark.parametrize("status, kind", [
+    ("401 Unauthorized", MalformedRequest),
+    ("402 Missing name", InvalidRequest),
+    ("404 No job found", JobNotFound),
+    ("405 Cannot create grandchildren", IllegalState),
+    ("409 Conflict", Conflict),
+    ("430 Unrecognized command", UnrecognizedCommand),
+    ("500 Unhandled Exception: KeyError", ServerError),
+    ("503 Database unavailable: disk I/O error", ServerError),
+    ("555 Timeout", ServerError),
+    ("418 I'm a teapot", JobServerError),
+    ("302 Found", JobServerError),
+])
+def test_every_status_code_maps_to_its_exception(fake, status, kind):
+    server = fake([reply(status)])
+    with fake_client(server) as client:
+        error = raised(lambda: client.create_job("x"))
+    assert type(error) is kind and error.status == status
+
+
+def test_only_no_job_found_is_an_empty_answer(fake):
+    server = fake([reply("404 No job found"), reply("404 No job found")])
+    with fake_client(server) as client:
+        assert client.get_job("x") is None
+        assert client.get_jobs("x", 3) == []
+
+
+# Waiting GetJob.
+
+
+def test_waiting_get_job_is_woken_by_a_create(server, jobs):
+    got: list[dict[str, Any] | None] = []
+    worker = threading.Thread(target=lambda: got.append(jobs.get_job("wake/*", wait=20)))
+    worker.start()
+    with Client(port=server.port, timeout=10) as other:
+        eventually(lambda: other.status()["waitingGetJobs"] == 1)
+        job_id = other.create_job("wake/up")
+    worker.join(DEADLINE)
+    assert not worker.is_alive()
+    assert got[0] is not None and got[0]["jobID"] == job_id
+
+
+def test_waiting_get_jobs_is_woken_by_a_create(server, jobs):
+    got: list[list[dict[str, Any]]] = []
+    worker = threading.Thread(target=lambda: got.append(jobs.get_jobs("batch", 10, wait=20)))
+    worker.start()
+    with Client(port=server.port, timeout=10) as other:
+        eventually(lambda: other.status()["waitingGetJobs"] == 1)
+        ids = other.create_jobs([{"name": "batch"}, {"name": "batch"}])
+    worker.join(DEADLINE)
+    assert not worker.is_alive()
+    assert [job["jobID"] for job in got[0]] == ids
+
+
+def test_a_wait_longer_than_the_timeout_is_not_cut_short(server):
+    with Client(port=server.port, timeout=0.2) as client:
+        started = time.monotonic()
+        assert client.get_job("never", wait=0.6) is None
+        assert time.monotonic() - started >= 0.6
+
+
+def test_reply_to_a_wait_is_awaited_for_the_wait_plus_the_timeout(fake):
+    server = fake([])  # reads the request, never answers
+    with fake_client(server, timeout=0.3) as client:
+        started = time.monotonic()
+        with pytest.raises(ConnectionFailed, match="timed out"):
+            client.get_job("x", wait=0.3)
+        assert 0.55 <= time.monotonic() - started < DEADLINE
+
+
+# Reconnect rules.
+
+
+def test_cannot_connect():
+    with Client(port=free_port(), timeout=2) as client:
+        with pytest.raises(ConnectionFailed, match="cannot connect"):
+            client.ping()
+
+
+@pytest.mark.parametrize("stop", ["terminate", "kill"])
+def test_reconnects_after_a_server_restart(spawn, stop):
+    first = spawn()
+    with Client(port=first.port, timeout=10) as client:
+        job_id = client.create_job("survivor")
+        getattr(first.proc, stop)()
+        first.wait()
+        spawn("--port", str(first.port), db=first.db)
+        # A write, which is never sent twice: it succeeds only if the dead
+        # connection was replaced before sending.
+        assert client.create_job("after") == job_id + 1
+        assert client.query_job(job_id)["name"] == "survivor"
+
+
+def test_a_connection_closed_while_idle_is_replaced_before_sending(fake):
+    server = fake([OK, HANG_UP], [reply("200 OK", b'{"jobID":7}')])
+    with fake_client(server) as client:
+        client.ping()
+        server.wait_closed(1)
+        assert client.create_job("x") == 7
+    assert server.methods() == [(0, "Ping"), (1, "CreateJob")]
+
+
+def test_a_send_that_fails_on_a_kept_connection_is_made_on_a_new_one(fake):
+    server = fake([OK], [reply("200 OK", b'{"jobID":7}')])
+    with fake_client(server) as client:
+        client.ping()
+        # White box: from now on sending fails at once, though the
+        # connection has nothing to read and so looks alive.
+        client._sock.shutdown(socket.SHUT_WR)
+        assert client.create_job("x") == 7
+    assert server.methods() == [(0, "Ping"), (1, "CreateJob")]
+
+
+def test_bytes_beyond_the_reply_retire_the_connection(fake):
+    server = fake([OK + b"200 OK\r\n"], [OK])
+    with fake_client(server, timeout=1) as client:
+        client.ping()
+        client.ping()
+    assert server.methods() == [(0, "Ping"), (1, "Ping")]
+
+
+def test_connection_close_in_a_reply_closes_the_connection(fake):
+    server = fake([reply("200 OK", b"", "Connection: close")], [OK])
+    with fake_client(server) as client:
+        client.ping()
+        client.ping()
+    assert server.methods() == [(0, "Ping"), (1, "Ping")]
+
+
+def test_connection_close_from_the_real_server(jobs):
+    assert jobs.request("Ping", {"Connection": "close"}).closes_connection
+    jobs.create_job("next")  # a write: sent on a new connection, not retried
+
+
+SENT_ONCE = {
+    "CreateJob": lambda c: c.create_job("x", {"a": 1}),
+    "CreateJobs": lambda c: c.create_jobs([{"name": "x"}]),
+    "GetJob": lambda c: c.get_job("x"),
+    "GetJobs": lambda c: c.get_jobs("x", 5, wait=1),
+    "UpdateJob": lambda c: c.update_job(1, {}),
+    "FinishJob": lambda c: c.finish_job(1),
+    "FailJob": lambda c: c.fail_job(1),
+    "RetryJob": lambda c: c.retry_job(1),
+    "CancelJob": lambda c: c.cancel_job(1),
+    "DeleteJob": lambda c: c.delete_job(1),
+    "RequeueJobs": lambda c: c.requeue_jobs([1, 2]),
+}
+
+
+@pytest.mark.parametrize("method", SENT_ONCE)
+def test_a_request_that_may_have_run_is_not_sent_again(fake, method):
+    server = fake([NO_REPLY], [OK])
+    with fake_client(server) as client:
+        with pytest.raises(ConnectionFailed, match="may have been carried out"):
+            SENT_ONCE[method](client)
+    assert server.methods() == [(0, method)]
+
+
+@pytest.mark.parametrize("method, action", [
+    ("Ping", lambda c: c.ping()),
+    ("Status", lambda c: c.status()),
+    ("QueryJob", lambda c: c.query_job(1)),
+])
+def test_read_only_requests_are_sent_once_more(fake, method, action):
+    server = fake([NO_REPLY], [reply("200 OK", b"{}")])
+    with fake_client(server) as client:
+        action(client)
+    assert server.methods() == [(0, method), (1, method)]
+
+
+def test_read_only_requests_are_sent_only_once_more(fake):
+    server = fake([NO_REPLY], [NO_REPLY], [OK])
+    with fake_client(server) as client:
+        with pytest.raises(ConnectionFailed):
+            client.ping()
+    assert server.methods() == [(0, "Ping"), (1, "Ping")]
+
+
+def test_a_garbled_reply_breaks_the_connection(fake):
+    server = fake([b"HTTP/1.1 200 OK\r\n\r\n"], [OK])
+    with fake_client(server) as client:
+        with pytest.raises(ConnectionFailed, match="not a status line"):
+            client.create_job("x")
+        client.ping()  # on a new connection
+    assert server.methods() == [(0, "CreateJob"), (1, "Ping")]
+
+
+# AsyncClient, with trio.
+
+
+async def test_async_client_methods(server):
+    async with AsyncClient(port=server.port, timeout=10) as jobs:
+        await jobs.ping()
+        job_id = await jobs.create_job("a/one", {"k": "v\n"}, priority=750)
+        [other, third] = await jobs.create_jobs([{"name": "a/two"}, {"name": "a/three"}])
+        job = await jobs.get_job("a/*")
+        assert (job["jobID"], job["data"]) == (job_id, {"k": "v\n"})
+        assert sorted(j["jobID"] for j in await jobs.get_jobs("a/*", 5)) == [other, third]
+        await jobs.update_job(job_id, {"k": 2}, priority=1000)
+        await jobs.finish_job(job_id, {"done": True})
+        await jobs.fail_job(other)
+        await jobs.retry_job(third, delay=60)
+        assert (await jobs.query_job(other))["state"] == "FAILED"
+        await jobs.requeue_jobs([other])
+        await jobs.delete_job(other)
+        with pytest.raises(JobNotFound):
+            await jobs.query_job(job_id)
+        with pytest.raises(JobNotFound):
+            await jobs.cancel_job(other)
+        assert (await jobs.status())["jobs"] == {"QUEUED": 1}
+        assert (await jobs.request("Ping", {})).status == "200 OK"
+        assert await jobs.get_job("a/*") is None
+        assert await jobs.get_jobs("a/*", 2) == []
+
+
+async def test_async_waiting_get_job_is_woken_by_a_create(server):
+    got: list[dict[str, Any] | None] = []
+
+    async def wait_for_job() -> None:
+        async with AsyncClient(port=server.port) as worker:
+            got.append(await worker.get_job("wake", wait=20))
+
+    async with AsyncClient(port=server.port) as jobs, trio.open_nursery() as nursery:
+        nursery.start_soon(wait_for_job)
+        with trio.fail_after(DEADLINE):
+            while (await jobs.status())["waitingGetJobs"] != 1:
+                await trio.sleep(0.01)
+        job_id = await jobs.create_job("wake")
+    assert got[0] is not None and got[0]["jobID"] == job_id
+
+
+async def test_async_cancelled_wait_drops_the_connection(server):
+    async with AsyncClient(port=server.port) as jobs:
+        with trio.move_on_after(0.2):
+            await jobs.get_job("later", wait=20)
+        with trio.fail_after(DEADLINE):
+            while (await jobs.status())["waitingGetJobs"] != 0:
+                await trio.sleep(0.01)
+        job_id = await jobs.create_job("later")
+        assert (await jobs.get_job("later"))["jobID"] == job_id
+
+
+async def test_async_reconnect_rules(fake):
+    server = fake([OK, HANG_UP], [NO_REPLY], [NO_REPLY], [reply("200 OK", b"{}")])
+    async with AsyncClient(port=server.port, timeout=5) as jobs:
+        await jobs.ping()
+        await trio.to_thread.run_sync(server.wait_closed, 1)
+        with pytest.raises(ConnectionFailed, match="may have been carried out"):
+            await jobs.finish_job(1)
+        assert await jobs.query_job(1) == {}
+    assert server.methods() == [(0, "Ping"), (1, "FinishJob"), (2, "QueryJob"), (3, "QueryJob")]
+
+
+async def test_async_cannot_connect():
+    async with AsyncClient(port=free_port(), timeout=2) as jobs:
+        with pytest.raises(ConnectionFailed, match="cannot connect"):
+            await jobs.ping()

@@ -1,0 +1,73 @@
+"""Group commit: many requests, one transaction, each still on its own."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import trio
+import trio.testing
+
+from jobserver import commands
+from jobserver.context import Context
+from jobserver.errors import CommandError
+from jobserver.protocol import Request
+from jobserver.store import Store
+from jobserver.writer import Writer
+
+
+def create(name: str, **headers: str) -> Request:
+    return Request("CreateJob", {"name": name, **{k.lower(): v for k, v in headers.items()}})
+
+
+def fails_after_writing(ctx: Context) -> None:
+    commands.execute(ctx, create("half-done"))
+    raise CommandError("402 Changed my mind")
+
+
+async def test_a_batch_commits_once_and_a_failure_undoes_only_itself(tmp_path: Path) -> None:
+    store = Store(str(tmp_path / "jobs.db"))
+    notified: list[set[str]] = []
+    writer = Writer(store, lambda ready, due: notified.append(ready))
+    writer.start()
+    try:
+        # Hold the writer thread so that everything below queues up behind
+        # it and is taken as one batch.
+        release = threading.Event()
+        holding = trio.Event()
+        token = trio.lowlevel.current_trio_token()
+
+        def hold(ctx: Context) -> None:
+            token.run_sync_soon(holding.set)
+            release.wait(10)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer.call, hold)
+            await holding.wait()
+            before = writer.batches
+            results: dict[str, object] = {}
+
+            async def run(label: str, work) -> None:
+                try:
+                    results[label] = await writer.call(work)
+                except CommandError as error:
+                    results[label] = error.status
+
+            for n in range(20):
+                good = create(f"good{n}")
+                nursery.start_soon(run, f"good{n}", lambda ctx, r=good: commands.execute(ctx, r))
+            nursery.start_soon(run, "bad", fails_after_writing)
+            nursery.start_soon(run, "invalid", lambda ctx: commands.execute(ctx, create("x", priority="7")))
+            await trio.testing.wait_all_tasks_blocked()
+            release.set()
+        # The held request's batch, then everything else in one more.
+        assert writer.batches == before + 2
+        assert results["bad"] == "402 Changed my mind"
+        assert results["invalid"] == "402 Invalid priority value"
+        assert all(results[f"good{n}"].status == "200 OK" for n in range(20))
+        names = {row[0] for row in store._db.execute("SELECT name FROM jobs")}
+        assert names == {f"good{n}" for n in range(20)}
+        assert {f"good{n}" for n in range(20)} <= set().union(*notified)
+    finally:
+        await writer.stop()
+        store.close()

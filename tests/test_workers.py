@@ -1,0 +1,736 @@
+"""The worker manager, end to end: a real server, the manager as its own
+process, and real worker executables written into a temporary directory.
+
+Nothing sleeps for a fixed time: tests wait for the manager's log lines,
+for files the workers write, or for the server's state, each with a
+deadline. Worker scripts are POSIX sh unless they need Python.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jobserver.workers import Refused, json_object, find_worker, retry_options
+from wire import Client, Reply
+
+DEADLINE = 15.0
+# The manager as users run it.
+MANAGER = ["-m", "jobserver", "worker-manager"]
+REPO = Path(__file__).resolve().parent.parent
+
+
+class ManagerProcess:
+    """`jobserver worker-manager` in a subprocess, with its log collected."""
+
+    def __init__(self, port: int, worker_path: Path, *extra: str) -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                *MANAGER,
+                "--worker-path",
+                str(worker_path),
+                "--server",
+                f"127.0.0.1:{port}",
+                "--max-load",
+                "1000",
+                *extra,
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.lines: list[str] = []
+        self.changed = threading.Condition()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            with self.changed:
+                self.lines.append(line)
+                self.changed.notify_all()
+
+    @property
+    def log(self) -> str:
+        with self.changed:
+            return "".join(self.lines)
+
+    def wait_for(self, pattern: str, count: int = 1, deadline: float = DEADLINE) -> list[str]:
+        """The first `count` log lines matching `pattern`, waiting for them."""
+        end = time.monotonic() + deadline
+        with self.changed:
+            while True:
+                found = [line for line in self.lines if re.search(pattern, line)]
+                if len(found) >= count:
+                    return found[:count]
+                left = end - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self.reader.is_alive()):
+                    raise AssertionError(
+                        f"no {count} lines matching {pattern!r} in:\n{''.join(self.lines)}"
+                    )
+                self.changed.wait(min(left, 0.1))
+
+    def started(self) -> ManagerProcess:
+        self.wait_for("worker manager started")
+        return self
+
+    def signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def wait(self, deadline: float = DEADLINE) -> int:
+        code = self.proc.wait(deadline)
+        self.reader.join(deadline)
+        return code
+
+    def stop(self) -> None:
+        """Teardown: a second signal makes the manager kill its workers and
+        exit. (Two signals sent at once would be seen as one.)"""
+        if self.proc.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.wait_for("received SIGTERM", deadline=5)
+            except AssertionError:
+                pass
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(DEADLINE)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def workers(tmp_path: Path) -> Path:
+    path = tmp_path / "workers"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def manager(workers: Path):
+    started: list[ManagerProcess] = []
+
+    def start(port: int, *extra: str, worker_path: Path = workers) -> ManagerProcess:
+        proc = ManagerProcess(port, worker_path, *extra)
+        started.append(proc)
+        return proc.started()
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+def write_worker(directory: Path, name: str, body: str, shell: str = "/bin/sh") -> Path:
+    path = directory / name
+    path.write_text(f"#!{shell}\n{body}")
+    path.chmod(0o755)
+    return path
+
+
+def wait_for_file(path: Path) -> str:
+    """Shell lines that wait (at most DEADLINE seconds) until `path` exists."""
+    return f"""
+i=0
+while [ ! -e {path} ] && [ $i -lt {int(DEADLINE * 20)} ]; do sleep 0.05; i=$((i + 1)); done
+"""
+
+
+def python_worker(directory: Path, name: str, body: str) -> Path:
+    return write_worker(
+        directory, name, "import json, os, sys, time\n" + body, shell=sys.executable
+    )
+
+
+def create(client: Client, name: str, **params: Any) -> int:
+    reply = client.request("CreateJob", name=name, **params)
+    assert reply.status == "200 OK", reply
+    return reply.json["jobID"]
+
+
+def query(client: Client, job_id: int) -> Reply:
+    return client.request("QueryJob", jobID=job_id)
+
+
+def job(client: Client, job_id: int) -> dict[str, Any]:
+    reply = query(client, job_id)
+    assert reply.code == 200, reply
+    return reply.json
+
+
+def utc(text: str) -> datetime:
+    return datetime.fromisoformat(text).replace(tzinfo=timezone.utc)
+
+
+def until(predicate, what: str, deadline: float = DEADLINE) -> None:
+    end = time.monotonic() + deadline
+    while not predicate():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def waiting_get_jobs(client: Client) -> int:
+    return client.request("Status").json["waitingGetJobs"]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (our own child) counts as gone.
+    stat = Path(f"/proc/{pid}/stat")
+    return not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+# Mapping job names to executables (no server needed).
+
+
+@pytest.mark.parametrize(
+    ("name", "worker"),
+    [
+        ("SendEmail", "SendEmail"),
+        ("www-prod/SendEmail", "SendEmail"),
+        ("a/b/SendEmail?to=ann", "SendEmail"),
+        ("SendEmail?x/y", "SendEmail"),
+    ],
+)
+def test_the_last_component_of_the_name_without_its_query_names_the_worker(workers, name, worker):
+    write_worker(workers, "SendEmail", "exit 0\n")
+    assert find_worker(str(workers.resolve()), name) == str(workers.resolve() / worker)
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("", "last component is empty"),
+        ("www/", "last component is empty"),
+        ("?only", "last component is empty"),
+        (".", "not a file name"),
+        ("www/..", "not a file name"),
+        (".hidden", "hidden"),
+        ("a/.profile?x", "hidden"),
+        ("back\\slash", "backslash"),
+        ("nul\0byte", "NUL"),
+        ("nul\0in/the/prefix/SendEmail", "NUL"),
+        ("Missing", "no worker"),
+    ],
+)
+def test_names_that_name_no_usable_worker_are_refused(workers, name, reason):
+    write_worker(workers, ".hidden", "exit 0\n")
+    with pytest.raises(Refused, match=reason):
+        find_worker(str(workers.resolve()), name)
+
+
+@pytest.mark.parametrize(
+    ("stdout", "params"),
+    [
+        (b'{"delay": 5}', {"delay": 5, "ignore_repeat": True}),
+        (
+            b'{"nextRun": "2030-01-01 00:00:00"}',
+            {"next_run": "2030-01-01 00:00:00", "ignore_repeat": True},
+        ),
+        (
+            b'{"delay": 5, "nextRun": "2030-01-01"}',
+            {"next_run": "2030-01-01", "ignore_repeat": True},
+        ),
+        (b'{"delay": -1}', {}),
+        (b'{"delay": 1.5}', {}),
+        (b'{"delay": true}', {}),
+        (b"not json", {}),
+        (b"", {}),
+    ],
+)
+def test_retry_options_come_from_a_json_object_on_stdout(stdout, params):
+    assert retry_options(stdout)[0] == params
+
+
+@pytest.mark.parametrize(
+    ("stdout", "data"),
+    [
+        (b'{"a": [1, 2.5, null], "b": "\\u00e9"}\n', {"a": [1, 2.5, None], "b": "\u00e9"}),
+        (b"[1, 2]", None),
+        (b'"text"', None),
+        (b'{"a": NaN}', None),
+        (b'{"a": Infinity}', None),
+        (b"\xff", None),
+        (b"[" * 100_000, None),
+    ],
+)
+def test_only_a_strict_json_object_on_stdout_counts(stdout, data):
+    assert json_object(stdout) == data
+
+
+def test_a_worker_path_that_is_not_a_directory_is_exit_status_2(tmp_path):
+    done = subprocess.run(
+        [sys.executable, *MANAGER, "--worker-path", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+    )
+    assert done.returncode == 2
+    assert "is not a directory" in done.stderr
+
+
+# Results.
+
+
+def test_exit_0_finishes_and_a_json_object_on_stdout_becomes_the_data(
+    server, client, workers, manager
+):
+    python_worker(
+        workers,
+        "Echo",
+        """
+job = json.load(sys.stdin)
+print(json.dumps({"seen": job["data"], "id": os.environ["JOB_ID"], "name": os.environ["JOB_NAME"],
+                  "server": os.environ["JOBSERVER_SERVER"]}))
+""",
+    )
+    write_worker(workers, "Plain", "cat >/dev/null; echo 'not a JSON object'\n")
+    echo = create(client, "www-prod/Echo?lang=en", data={"n": 1}, repeat="FINISHED, +1 HOUR")
+    plain = create(client, "Plain", data={"keep": True}, repeat="FINISHED, +1 HOUR")
+    once = create(client, "Echo", data={"n": 2})
+    running = manager(server.port)
+
+    line = running.wait_for(rf"job {echo} www-prod/Echo\?lang=en finished in [\d.]+s")
+    assert line
+    running.wait_for(rf"job {plain} Plain finished in")
+    running.wait_for(rf"job {once} Echo finished in")
+    until(lambda: job(client, echo)["data"] != {"n": 1}, "FinishJob of the repeating job")
+    assert job(client, echo)["data"] == {
+        "seen": {"n": 1},
+        "id": str(echo),
+        "name": "www-prod/Echo?lang=en",
+        "server": f"127.0.0.1:{server.port}",
+    }
+    assert job(client, echo)["state"] == "QUEUED"
+    until(lambda: job(client, plain)["state"] == "QUEUED", "FinishJob of Plain")
+    assert job(client, plain)["data"] == {"keep": True}
+    until(lambda: query(client, once).code == 404, "the non-repeating job to be deleted")
+
+
+def test_exit_75_retries_with_the_delay_or_next_run_from_stdout(server, client, workers, manager):
+    write_worker(workers, "Later", "cat >/dev/null; echo '{\"delay\": 30}'; exit 75\n")
+    write_worker(
+        workers,
+        "Tomorrow",
+        'cat >/dev/null; echo \'{"nextRun": "2030-01-01 04:00:00"}\'; exit 75\n',
+    )
+    later = create(client, "Later", data={"a": 1}, repeat="FINISHED, +1 DAY")
+    tomorrow = create(client, "Tomorrow")
+    before = datetime.now(timezone.utc)
+    running = manager(server.port)
+
+    running.wait_for(rf"job {later} Later retried \(delay 30s\) in")
+    running.wait_for(rf"job {tomorrow} Tomorrow retried \(nextRun 2030-01-01 04:00:00\) in")
+    until(lambda: job(client, later)["state"] == "QUEUED", "RetryJob of Later")
+    retried = job(client, later)
+    assert retried["data"] == {"a": 1}
+    # The worker's delay wins over the job's repeat (+1 DAY).
+    ahead = utc(retried["nextRun"]) - before
+    assert timedelta(seconds=25) < ahead < timedelta(seconds=40)
+    until(lambda: job(client, tomorrow)["state"] == "QUEUED", "RetryJob of Tomorrow")
+    assert job(client, tomorrow)["nextRun"] == "2030-01-01 04:00:00"
+
+
+def test_other_exits_and_signals_fail_the_job_keeping_the_end_of_stderr(
+    server, client, workers, manager
+):
+    # Far more stderr than is kept; and a flood on stdout, which is bounded.
+    python_worker(
+        workers,
+        "Crash",
+        """
+sys.stdin.read()
+sys.stdout.write("x" * 3_000_000)
+sys.stderr.write("noise " * 50_000 + "Traceback: it broke")
+sys.exit(3)
+""",
+    )
+    write_worker(workers, "Segfault", "cat >/dev/null; echo 'about to crash' >&2; kill -SEGV $$\n")
+    crash = create(client, "Crash", data={"orig": 1})
+    segv = create(client, "Segfault")
+    running = manager(server.port)
+
+    running.wait_for(rf"job {crash} Crash failed \(exit status 3\) in")
+    running.wait_for(rf"job {segv} Segfault failed \(signal SIGSEGV\) in")
+    until(lambda: job(client, crash)["state"] == "FAILED", "FailJob of Crash")
+    data = job(client, crash)["data"]
+    assert data["orig"] == 1
+    assert data["error"]["exitStatus"] == 3
+    assert data["error"]["stderr"].endswith("noise Traceback: it broke")
+    assert len(data["error"]["stderr"]) == 2000
+    until(lambda: job(client, segv)["state"] == "FAILED", "FailJob of Segfault")
+    assert job(client, segv)["data"] == {
+        "error": {"signal": "SIGSEGV", "stderr": "about to crash\n"}
+    }
+
+
+def test_a_worker_past_the_timeout_is_killed_with_its_process_group_and_retried(
+    server, client, workers, manager, tmp_path
+):
+    # It ignores SIGTERM (and so does its child), so only SIGKILL ends it.
+    write_worker(
+        workers,
+        "Stuck",
+        f"""
+trap '' TERM
+sleep 60 &
+echo $! > {tmp_path}/child.pid
+echo $$ > {tmp_path}/worker.pid
+wait
+""",
+    )
+    stuck = create(client, "Stuck", data={"x": 1}, repeat="FINISHED, +1 DAY")
+    running = manager(server.port, "--worker-timeout", "1", "--max-iterations", "1")
+
+    running.wait_for(rf"job {stuck} Stuck timed out after 1s, killed, retried in")
+    assert running.wait() == 0
+    assert not alive(int((tmp_path / "worker.pid").read_text()))
+    assert not alive(int((tmp_path / "child.pid").read_text()))
+    retried = job(client, stuck)
+    # Retried now, not at the repeat's next run a day later.
+    assert retried["state"] == "QUEUED"
+    assert utc(retried["nextRun"]) < datetime.now(timezone.utc) + timedelta(seconds=5)
+    assert retried["data"] == {"x": 1}
+
+
+def test_missing_workers_and_unsafe_names_fail_the_job_and_run_nothing(
+    server, client, workers, manager, tmp_path
+):
+    marker = tmp_path / "escaped"
+    outside = write_worker(tmp_path, "evil", f"touch {marker}\n")
+    write_worker(workers, ".hidden", f"touch {marker}\n")
+    (workers / "Link").symlink_to(outside)
+    (workers / "NotExecutable").write_text(f"#!/bin/sh\ntouch {marker}\n")
+    (workers / "Folder").mkdir()
+    cases = {
+        "NoSuchWorker": "no worker",
+        "../evil": "no worker",  # only the last component counts: workers/evil
+        ".hidden": "hidden",
+        "x/..": "not a file name",
+        "trailing/": "last component is empty",
+        "Link": "outside the worker path",
+        "NotExecutable": "not executable",
+        "Folder": "not a file",
+        # On the wire `\\` is one backslash (header values are unescaped).
+        "back\\\\slash": "backslash",
+        # `\u0000` becomes a NUL, which could not be passed in JOB_NAME.
+        "nul\\u0000/Folder": "NUL",
+        # A line break (`\n` on the wire) must not split the log line.
+        "No\\nSuch": "no worker",
+    }
+    ids = {create(client, name, data={"keep": 1}): reason for name, reason in cases.items()}
+    running = manager(server.port, "--max-workers", "16", "--max-iterations", "1")
+    assert running.wait() == 0
+    for job_id, reason in ids.items():
+        failed = job(client, job_id)
+        assert failed["state"] == "FAILED", failed
+        assert failed["data"]["keep"] == 1
+        assert reason in failed["data"]["error"], failed
+        assert re.search(rf"job {job_id} .* failed \(.*{reason}", running.log)
+    assert not marker.exists()
+    assert re.search(r"job \d+ No\\nSuch failed \(no worker .*/No\\nSuch\) in", running.log)
+
+
+def test_no_more_than_max_workers_run_at_once(server, client, workers, manager, tmp_path):
+    spans = tmp_path / "spans"
+    spans.mkdir()
+    python_worker(
+        workers,
+        "Slow",
+        f"""
+start = time.monotonic()
+time.sleep(0.3)
+open("{spans}/" + os.environ["JOB_ID"], "w").write(f"{{start}} {{time.monotonic()}}")
+""",
+    )
+    ids = [create(client, "Slow") for _ in range(6)]
+    running = manager(server.port, "--max-workers", "2")
+    running.wait_for(r"job \d+ Slow finished", count=6)
+    intervals = [tuple(map(float, (spans / str(i)).read_text().split())) for i in ids]
+    events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    level = peak = 0
+    for _, step in events:
+        level += step
+        peak = max(peak, level)
+    assert peak == 2
+
+
+def test_no_jobs_are_taken_while_the_load_average_is_at_or_above_max_load(
+    server, client, workers, manager
+):
+    if os.getloadavg()[0] == 0:
+        pytest.skip("the load average is exactly 0 here")
+    write_worker(workers, "Never", "exit 0\n")
+    never = create(client, "Never")
+    running = manager(server.port, "--max-load", "1e-9")
+    running.wait_for(r"load average [\d.]+ is at or above 1e-09; waiting")
+    assert waiting_get_jobs(client) == 0
+    assert job(client, never)["state"] == "QUEUED"
+    running.signal(signal.SIGTERM)
+    assert running.wait() == 0
+    assert job(client, never)["state"] == "QUEUED"
+
+
+def test_a_job_created_while_the_manager_waits_starts_at_once(
+    server, client, workers, manager, tmp_path
+):
+    started = tmp_path / "started"
+    python_worker(workers, "Quick", f'open("{started}", "w").write(str(time.time()))\n')
+    manager(server.port)
+    until(lambda: waiting_get_jobs(client) == 1, "the manager's blocking GetJobs")
+    created = time.time()
+    create(client, "Quick")
+    until(started.exists, "the worker to start", deadline=5)
+    until(lambda: started.read_text() != "", "the worker to write its start time")
+    assert float(started.read_text()) - created < 1.0
+
+
+# Stopping.
+
+
+def test_sigterm_lets_a_running_worker_finish_and_takes_no_more_jobs(
+    server, client, workers, manager, tmp_path
+):
+    started, proceed = tmp_path / "started", tmp_path / "proceed"
+    write_worker(
+        workers,
+        "Drain",
+        f"""
+cat >/dev/null
+touch {started}
+{wait_for_file(proceed)}
+echo '{{"drained": true}}'
+""",
+    )
+    drain = create(client, "Drain", repeat="FINISHED, +1 HOUR")
+    running = manager(server.port, "--grace", "20")
+    until(started.exists, "the worker to start")
+    running.signal(signal.SIGTERM)
+    running.wait_for("received SIGTERM: taking no more jobs")
+    until(lambda: waiting_get_jobs(client) == 0, "the blocking GetJobs to be cancelled")
+    late = create(client, "Drain")
+    proceed.touch()
+    assert running.wait() == 0
+    assert job(client, drain)["data"] == {"drained": True}
+    assert job(client, late)["state"] == "QUEUED"
+    assert re.search(rf"job {drain} Drain finished in", running.log)
+
+
+def test_workers_still_running_after_the_grace_period_are_stopped_and_retried(
+    server, client, workers, manager, tmp_path
+):
+    started, termed = tmp_path / "started", tmp_path / "termed"
+    write_worker(
+        workers,
+        "Long",
+        f"""
+trap 'touch {termed}; exit 1' TERM
+cat >/dev/null
+touch {started}
+sleep 60 &
+wait
+""",
+    )
+    long = create(client, "Long", data={"x": 1})
+    running = manager(server.port, "--grace", "0.5")
+    until(started.exists, "the worker to start")
+    running.signal(signal.SIGTERM)
+    assert running.wait() == 0
+    assert termed.exists()  # it got SIGTERM first
+    assert re.search(
+        rf"job {long} Long still running at the end of the grace period, killed, retried",
+        running.log,
+    )
+    retried = job(client, long)
+    assert (retried["state"], retried["data"]) == ("QUEUED", {"x": 1})
+
+
+def test_a_second_signal_kills_the_workers_and_exits_at_once(
+    server, client, workers, manager, tmp_path
+):
+    pids = tmp_path / "pids"
+    write_worker(
+        workers,
+        "Forever",
+        f"""
+cat >/dev/null
+sleep 60 &
+echo $$ $! > {pids}.tmp && mv {pids}.tmp {pids}
+wait
+""",
+    )
+    forever = create(client, "Forever")
+    running = manager(server.port, "--grace", "60")
+    until(pids.exists, "the worker to start")
+    running.signal(signal.SIGTERM)
+    running.wait_for("received SIGTERM")
+    running.signal(signal.SIGINT)
+    assert running.wait(deadline=5) == 1
+    assert not any(alive(int(pid)) for pid in pids.read_text().split())
+    assert re.search(rf"job {forever} Forever abandoned", running.log)
+    assert job(client, forever)["state"] == "RUNNING"
+
+
+def test_data_the_server_refuses_is_left_out_rather_than_losing_the_result(
+    server, client, workers, manager
+):
+    # The job's data plus the error detail is over the server's 1 MiB limit.
+    write_worker(workers, "Big", "cat >/dev/null; echo oops >&2; exit 1\n")
+    big = create(client, "Big", data={"blob": "x" * (1024 * 1024 - 20)})
+    running = manager(server.port)
+    running.wait_for(
+        rf"job {big} Big: the server refused FailJob \(402 Malformed data\); "
+        "sending it without data"
+    )
+    until(lambda: job(client, big)["state"] == "FAILED", "the bare FailJob")
+    assert job(client, big)["data"] == {"blob": "x" * (1024 * 1024 - 20)}
+
+
+# The server going away.
+
+
+def test_results_are_held_while_the_server_is_down_and_reported_once_it_is_back(
+    spawn, tmp_path, workers, manager
+):
+    started, proceed = tmp_path / "started", tmp_path / "proceed"
+    write_worker(
+        workers,
+        "Survivor",
+        f"""
+cat >/dev/null
+touch {started}
+{wait_for_file(proceed)}
+echo '{{"after": "restart"}}'
+""",
+    )
+    write_worker(workers, "Next", "cat >/dev/null; echo '{\"next\": true}'\n")
+    first = spawn()
+    port, db = first.port, first.db
+    with first.client() as c:
+        survivor = create(c, "Survivor", repeat="FINISHED, +1 HOUR")
+    running = manager(port, "--max-workers", "2")
+    until(started.exists, "the worker to start")
+
+    first.kill()
+    running.wait_for(r"cannot get jobs \(.*\); running workers carry on, retrying with backoff")
+    proceed.touch()
+    running.wait_for(rf"job {survivor} Survivor finished in")
+    running.wait_for(rf"cannot report job {survivor} .*holding 1 results")
+
+    second = spawn("--port", str(port), db=db)
+    running.wait_for(rf"server 127.0.0.1:{port} reachable again; reported job {survivor}")
+    running.wait_for(rf"server 127.0.0.1:{port} reachable again; taking jobs")
+    with second.client() as c:
+        assert job(c, survivor)["data"] == {"after": "restart"}
+        assert job(c, survivor)["state"] == "QUEUED"
+        # Fetching came back too.
+        after = create(c, "Next", repeat="FINISHED, +1 HOUR")
+        running.wait_for(rf"job {after} Next finished in")
+        until(lambda: job(c, after)["data"] == {"next": True}, "the job created after the restart")
+    assert "already reported" not in running.log
+    assert len(re.findall(rf"job {survivor} Survivor finished", running.log)) == 1
+
+
+# The examples in examples/workers.
+
+
+def test_the_example_workers(server, client, manager):
+    examples = REPO / "examples" / "workers"
+    email = create(
+        client, "www-prod/SendEmail", data={"to": "ann@example.com"}, repeat="FINISHED, +1 HOUR"
+    )
+    resize = create(client, "ResizeImage", data={"path": "/nonexistent/cat.png"})
+    before = datetime.now(timezone.utc)
+    running = manager(server.port, "--max-iterations", "1", worker_path=examples)
+    assert running.wait() == 0
+    sent = job(client, email)
+    assert sent["data"]["to"] == "ann@example.com"
+    assert "sentAt" in sent["data"]
+    retried = job(client, resize)
+    assert retried["state"] == "QUEUED"
+    assert timedelta(seconds=3) < utc(retried["nextRun"]) - before < timedelta(seconds=10)
+    assert re.search(rf"job {resize} ResizeImage retried \(delay 5s\)", running.log)
+
+
+class ReplyDropper:
+    """A TCP proxy in front of the server that forwards the first FinishJob
+    of each job, waits for the server's reply, and then cuts the connection
+    instead of passing the reply on: the report was carried out, but the
+    manager cannot know."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.dropped: list[int] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                downstream, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._relay, args=(downstream,), daemon=True).start()
+
+    def _relay(self, downstream: socket.socket) -> None:
+        with downstream, socket.create_connection(("127.0.0.1", self.target)) as upstream:
+            requests, replies = b"", Client.__new__(Client)
+            replies.sock, replies.buffer = upstream, b""
+            while True:
+                while b"\r\n\r\n" not in requests:
+                    chunk = downstream.recv(65536)
+                    if not chunk:
+                        return
+                    requests += chunk
+                request, requests = requests.split(b"\r\n\r\n", 1)
+                upstream.sendall(request + b"\r\n\r\n")
+                reply = replies.read_reply()
+                found = re.match(rb"FinishJob\r\n(?:.*\r\n)*?jobID: (\d+)", request + b"\r\n")
+                if found and int(found.group(1)) not in self.dropped:
+                    self.dropped.append(int(found.group(1)))
+                    return
+                head = [reply.status] + [f"{k}: {v}" for k, v in reply.headers.items()]
+                downstream.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + reply.body)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_report_whose_reply_was_lost_is_sent_again_and_not_applied_twice(
+    server, client, workers, manager
+):
+    write_worker(workers, "Done", "cat >/dev/null; echo '{\"done\": 1}'\n")
+    once = create(client, "Done")
+    repeating = create(client, "Done", repeat="FINISHED, +1 HOUR")
+    proxy = ReplyDropper(server.port)
+    try:
+        running = manager(proxy.port)
+        # Sent again: the job is gone (404) or no longer RUNNING (405).
+        running.wait_for(rf"job {once} Done: already reported \(404 No job with this jobID")
+        running.wait_for(
+            rf"job {repeating} Done: already reported "
+            r"\(405 Can only retry/finish RUNNING and RUNQUEUED jobs"
+        )
+    finally:
+        proxy.close()
+    assert sorted(proxy.dropped) == sorted([once, repeating])
+    assert query(client, once).code == 404
+    assert job(client, repeating)["data"] == {"done": 1}
+    assert job(client, repeating)["state"] == "QUEUED"
+    assert "refused" not in running.log
