@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import ssl
 import sys
 import textwrap
 from collections.abc import Callable
@@ -82,6 +83,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=Config.query_seconds,
         help="seconds a Query may run before it is stopped with '555 Timeout'",
     )
+    serve.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=Config.idle_timeout,
+        help="close a connection that sends no request for this many seconds",
+    )
+    serve.add_argument(
+        "--request-timeout",
+        type=float,
+        default=Config.request_timeout,
+        help="a request must arrive whole within this many seconds of its first "
+        "byte, else '408 Request timeout' and the connection is closed",
+    )
+    serve.add_argument(
+        "--auth-token-file",
+        metavar="FILE",
+        help="require every request to carry the token in this file in an "
+        "'authToken' header; others get '401 Unauthorized'",
+    )
+    serve.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this certificate (PEM)")
+    serve.add_argument("--tls-key", metavar="FILE", help="the private key for --tls-cert (PEM)")
     serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     manager = sub.add_parser(
         "worker-manager",
@@ -106,12 +128,31 @@ def main(argv: list[str] | None = None) -> int:
     return _run_client_command(args)
 
 
+def _read_token(path: str) -> str:
+    token = open(path, encoding="utf-8").read().strip()
+    if not token:
+        raise ValueError(f"{path} is empty")
+    return token
+
+
 def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         stream=sys.stderr,
         level=args.log_level.upper(),
         format="%(asctime)s jobserver %(levelname)s %(message)s",
     )
+    if bool(args.tls_cert) != bool(args.tls_key):
+        log.error("--tls-cert and --tls-key go together")
+        return 2
+    for path in filter(None, (args.tls_cert, args.tls_key)):
+        if not os.path.isfile(path):
+            log.error("no such TLS file: %s", path)
+            return 2
+    try:
+        token = _read_token(args.auth_token_file) if args.auth_token_file else None
+    except (OSError, ValueError) as error:
+        log.error("cannot use --auth-token-file: %s", error)
+        return 2
     config = Config(
         host=args.host,
         port=args.port,
@@ -120,11 +161,19 @@ def _serve(args: argparse.Namespace) -> int:
         max_connections=args.max_connections,
         allow_remote_query=args.allow_remote_query,
         query_seconds=args.query_timeout,
+        idle_timeout=args.idle_timeout,
+        request_timeout=args.request_timeout,
+        auth_token=token,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
     )
     try:
         trio.run(Server(config).run)
     except StoreError as error:
         log.error("%s", error)
+        return 2
+    except ssl.SSLError as error:
+        log.error("cannot use the TLS certificate or key: %s", error)
         return 2
     except OSError as error:
         log.error("cannot listen on %s:%d: %s", config.host, config.port, error)

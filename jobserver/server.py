@@ -10,11 +10,14 @@ closes the database.
 from __future__ import annotations
 
 import errno
+import hmac
+import math
 import os
 import time
 import logging
 import resource
 import signal
+import ssl
 import sys
 import threading
 from collections import deque
@@ -60,6 +63,17 @@ class Config:
     # Query reads the whole database; by default only local users may.
     allow_remote_query: bool = False
     query_seconds: float = query.DEFAULT_SECONDS
+    # A connection with no request under way is closed after this long:
+    # long enough for a worker between jobs, short enough that abandoned
+    # connections do not pile up for months.
+    idle_timeout: float = 900.0
+    # Once a request has begun it must be complete within this: a client
+    # trickling a header byte by byte cannot hold a connection forever.
+    request_timeout: float = 30.0
+    # When set, every request must carry it in an `authToken` header.
+    auth_token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
 
 class Server:
@@ -91,7 +105,10 @@ class Server:
         # Signals are caught before anything is announced, so a stop sent the
         # moment the server says it listens is still a clean stop.
         with _stop_signals() as signals:
-            listeners = await trio.open_tcp_listeners(config.port, host=config.host)
+            listeners: list[Any] = await trio.open_tcp_listeners(config.port, host=config.host)
+            port = listeners[0].socket.getsockname()[1]
+            if config.tls_cert:
+                listeners = [_tls(listener, config) for listener in listeners]
             try:
                 self.store = Store(config.db, config.synchronous)
             except BaseException:
@@ -100,9 +117,18 @@ class Server:
                 raise
             self.writer = Writer(self.store, self._notify)
             self.waits = WaitQueue(self.writer, handout.serve_waiters, handout.give_back)
-            self.port = listeners[0].socket.getsockname()[1]
-            address = f"{config.host}:{self.port}"
-            log.info("listening on %s, database %s", address, config.db)
+            # Set last: it tells an embedding program the server is ready.
+            self.port = port
+            address = f"{config.host}:{port}"
+            if not _is_loopback(config.host) and config.auth_token is None:
+                log.warning(
+                    "serving %s without --auth-token-file: anyone who can "
+                    "reach this address can create, take and delete jobs", config.host,
+                )
+            log.info(
+                "listening on %s%s, database %s",
+                address, " (TLS)" if config.tls_cert else "", config.db,
+            )
             self.writer.start()
             try:
                 async with trio.open_nursery() as core:
@@ -176,7 +202,7 @@ class Server:
         conns.cancel_scope.cancel()
 
     async def _accept(
-        self, listeners: list[trio.SocketListener], conns: trio.Nursery, scope: trio.CancelScope
+        self, listeners: list[Any], conns: trio.Nursery, scope: trio.CancelScope
     ) -> None:
         with scope:
             async with trio.open_nursery() as nursery:
@@ -185,7 +211,7 @@ class Server:
         for listener in listeners:
             await listener.aclose()
 
-    async def _accept_loop(self, listener: trio.SocketListener, conns: trio.Nursery) -> None:
+    async def _accept_loop(self, listener: Any, conns: trio.Nursery) -> None:
         while True:
             try:
                 stream = await listener.accept()
@@ -201,7 +227,7 @@ class Server:
             conns.start_soon(Connection(self, stream).run)
 
 
-async def _refuse(stream: trio.SocketStream) -> None:
+async def _refuse(stream: trio.abc.Stream) -> None:
     with trio.move_on_after(1):
         try:
             await stream.send_all(encode_response(Response("503 Too many connections"), close=True))
@@ -211,7 +237,7 @@ async def _refuse(stream: trio.SocketStream) -> None:
 
 
 class Connection:
-    def __init__(self, server: Server, stream: trio.SocketStream) -> None:
+    def __init__(self, server: Server, stream: trio.abc.Stream) -> None:
         self.server = server
         self.stream = stream
         self.parser = RequestParser()
@@ -220,11 +246,11 @@ class Connection:
         # True while waiting for the next request: the only moment a
         # shutdown may cut the connection without losing a reply.
         self._idle = False
+        # Its deadline is the idle or request timeout while reading, and
+        # none while a request is answered.
         self._scope = trio.CancelScope()
-        try:
-            self.peer = str(stream.socket.getpeername()[0])
-        except OSError:
-            self.peer = ""
+        self._request_began: float | None = None
+        self.peer = _peer(stream)
 
     def stop_reading(self) -> None:
         """Shutdown: an idle connection stops waiting for its next request."""
@@ -236,6 +262,8 @@ class Connection:
         try:
             with self._scope:
                 await self._serve()
+            if self._scope.cancelled_caught and self.parser.buffered and not self.server.closing:
+                await self._say_and_close("408 Request timeout")
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         except OSError as error:
@@ -262,12 +290,28 @@ class Connection:
         while not self.pending:
             if self.eof or self.parser.error is not None or self.server.closing:
                 return None
+            self._scope.deadline = self._read_deadline()
             self._idle = True
             try:
                 await self._receive()
             finally:
                 self._idle = False
+        self._scope.deadline = math.inf
+        self._request_began = None
         return self.pending.popleft()
+
+    def _read_deadline(self) -> float:
+        config = self.server.config
+        now = trio.current_time()
+        if not self.parser.buffered:
+            return now + config.idle_timeout
+        if self._request_began is None:
+            self._request_began = now
+        return self._request_began + config.request_timeout
+
+    async def _say_and_close(self, status: str) -> None:
+        with trio.move_on_after(1):
+            await self.stream.send_all(encode_response(Response(status), close=True))
 
     async def _receive(self) -> None:
         data = await self.stream.receive_some(RECEIVE_SIZE)
@@ -295,6 +339,8 @@ class Connection:
     async def _respond(self, request: Request) -> Response:
         if request.invalid_utf8:
             return Response("400 Request is not valid UTF-8")
+        if not self._authorized(request):
+            return Response("401 Unauthorized")
         verb = request.verb.lower()
         try:
             if verb == "ping":
@@ -310,6 +356,14 @@ class Connection:
             return await self.server.writer.call(partial(commands.execute, request=request))
         except CommandError as error:
             return Response(error.status)
+
+    def _authorized(self, request: Request) -> bool:
+        expected = self.server.config.auth_token
+        if expected is None:
+            return True
+        given = request.get("authtoken") or ""
+        # Constant time, so the reply's timing does not reveal a prefix.
+        return hmac.compare_digest(given.encode(), expected.encode())
 
     async def _wait_for_jobs(self, request: Request) -> Response:
         job_query, many = handout.query_for(request)
@@ -356,8 +410,23 @@ def _stop_signals() -> Iterator[AsyncIterator[int] | None]:
         yield signals
 
 
+def _tls(listener: trio.SocketListener, config: Config) -> trio.SSLListener[trio.SocketStream]:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(config.tls_cert, config.tls_key)  # type: ignore[arg-type]
+    return trio.SSLListener(listener, context)
+
+
+def _peer(stream: trio.abc.Stream) -> str:
+    """The client's address; TLS streams wrap the socket stream."""
+    transport = getattr(stream, "transport_stream", stream)
+    try:
+        return str(transport.socket.getpeername()[0])
+    except (AttributeError, OSError):
+        return ""
+
+
 def _is_loopback(address: str) -> bool:
-    return address.startswith("127.") or address in ("::1", "::ffff:127.0.0.1")
+    return address.startswith("127.") or address in ("::1", "::ffff:127.0.0.1", "localhost")
 
 
 def _database_bytes(path: str) -> int:
