@@ -41,9 +41,6 @@ log = logging.getLogger("jobserver")
 
 # Read size per receive: a whole ordinary request, and a large one in a few reads.
 RECEIVE_SIZE = 65536
-# Requests a client may pipeline ahead of the one being answered; past this
-# the server stops reading until it catches up.
-MAX_PIPELINED = 64
 # Query runs in worker threads; a few at once is plenty for people typing.
 QUERY_THREADS = 4
 # How long one thread may hold the GIL while another wants it.
@@ -384,9 +381,10 @@ class Connection:
             cancel.cancel()
 
         async def read_ahead(cancel: trio.CancelScope) -> None:
-            while not self.eof and len(self.pending) < MAX_PIPELINED:
-                if self.parser.error is not None:
-                    break
+            # Reading stops at the first complete request pipelined behind
+            # this one, so a waiting connection holds at most one request
+            # and one partial head in memory.
+            while not self.eof and not self.pending and self.parser.error is None:
                 await self._receive()
             if self.eof:
                 cancel.cancel()
