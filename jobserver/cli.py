@@ -278,6 +278,25 @@ def _add_client_commands(sub: Any) -> None:
         "Print the server's status: jobs per state, waiting GetJobs, connections, "
         "database size, uptime and version.",
     )
+    failed = command(
+        "failed",
+        _failed_jobs,
+        "list dead jobs with their last error",
+        "Print the FAILED jobs whose name matches PATTERN (default: all), oldest "
+        'first, as {"jobs": [...]}, each with its jobID, name, created, lastRun and '
+        "lastError (and attempt and maxAttempts for a job with a retry policy). "
+        "Revive one with RequeueJobs.",
+    )
+    failed.add_argument(
+        "pattern",
+        metavar="PATTERN",
+        nargs="?",
+        default="*",
+        help="a GLOB pattern such as 'email/*', or a comma-separated list of exact names",
+    )
+    failed.add_argument(
+        "--limit", type=int, metavar="N", help="list at most N jobs (default 1000, at most 10000)"
+    )
 
 
 def _command_factory(sub: Any) -> Callable[[str, Action, str, str], argparse.ArgumentParser]:
@@ -398,6 +417,10 @@ def _delete(client: Client, args: argparse.Namespace) -> dict[str, Any]:
 
 def _status(client: Client, args: argparse.Namespace) -> dict[str, Any]:
     return client.status()
+
+
+def _failed_jobs(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    return {"jobs": client.failed_jobs(args.pattern, limit=args.limit)}
 
 
 def _run_client_command(args: argparse.Namespace) -> int:

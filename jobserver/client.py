@@ -35,6 +35,12 @@ that cannot do anything twice:
 - A waiting GetJob is answered only when a job comes or its wait is over, so
   its reply is awaited for the wait plus the client's timeout.
 
+Leases. Every GetJob and GetJobs asks for the lease token (`includeLeaseID`),
+so each job dict carries `leaseID`. Pass it back as `lease_id` to
+finish_job, retry_job, fail_job, update_job and touch_job: if the job has
+been handed to another worker since, the server refuses with `Conflict`
+(`409 Lease expired`) and changes nothing.
+
 A client is for one thread, or one trio task, at a time.
 """
 
@@ -371,6 +377,7 @@ def _create_job(
     retry_after: str | None,
     unique: bool,
     parent_job_id: int | None,
+    retry: dict[str, object],
 ) -> _Call[int]:
     params: dict[str, object] = {
         "name": name,
@@ -382,8 +389,23 @@ def _create_job(
         # Flags that are off are left out: absent means false to the server.
         "unique": unique or None,
         "parentJobID": parent_job_id,
+        **retry,
     }
     return _Call("CreateJob", params, _field("jobID"))
+
+
+def _retry_policy(
+    max_attempts: int | None,
+    retry_backoff: str | None,
+    retry_delay: float | None,
+    retry_max_delay: float | None,
+) -> dict[str, object]:
+    return {
+        "maxAttempts": max_attempts,
+        "retryBackoff": retry_backoff,
+        "retryDelay": retry_delay,
+        "retryMaxDelay": retry_max_delay,
+    }
 
 
 def _create_jobs(jobs: list[dict[str, Any]]) -> _Call[list[int]]:
@@ -391,14 +413,19 @@ def _create_jobs(jobs: list[dict[str, Any]]) -> _Call[list[int]]:
 
 
 def _get_job(name: str, wait: float | None, priority: int | None) -> _Call[dict[str, Any] | None]:
-    params = {"name": name, "jobPriority": priority, **_wait_params(wait)}
+    params = {"name": name, "jobPriority": priority, "includeLeaseID": True, **_wait_params(wait)}
     return _Call("GetJob", params, _body, _no_job)
 
 
 def _get_jobs(
     name: str, num_results: int, wait: float | None, priority: int | None
 ) -> _Call[list[dict[str, Any]]]:
-    params = {"name": name, "numResults": num_results, "jobPriority": priority}
+    params: dict[str, object] = {
+        "name": name,
+        "numResults": num_results,
+        "jobPriority": priority,
+        "includeLeaseID": True,
+    }
     params.update(_wait_params(wait))
     return _Call("GetJobs", params, _field("jobs"), list)
 
@@ -409,6 +436,7 @@ def _update_job(
     repeat: str | None,
     priority: int | None,
     next_run: When | None,
+    lease_id: str | None,
 ) -> _Call[None]:
     params: dict[str, object] = {
         "jobID": job_id,
@@ -416,8 +444,23 @@ def _update_job(
         "repeat": repeat,
         "jobPriority": priority,
         "nextRun": _time_text(next_run),
+        "leaseID": lease_id,
     }
     return _Call("UpdateJob", params, _nothing)
+
+
+def _fail_job(
+    job_id: int, data: dict[str, Any] | None, error: str | None, lease_id: str | None
+) -> _Call[None]:
+    return _on_job("FailJob", job_id, data=data, error=error, leaseID=lease_id)
+
+
+def _touch_job(job_id: int, lease_id: str | None) -> _Call[str]:
+    return _Call("TouchJob", {"jobID": job_id, "leaseID": lease_id}, _field("nextRun"))
+
+
+def _failed_jobs(pattern: str, limit: int | None) -> _Call[list[dict[str, Any]]]:
+    return _Call("FailedJobs", {"name": pattern, "limit": limit}, _field("jobs"))
 
 
 def _on_job(method: str, job_id: int, **params: object) -> _Call[None]:
@@ -436,6 +479,7 @@ def _retry_job(
     name: str | None,
     priority: int | None,
     ignore_repeat: bool,
+    lease_id: str | None,
 ) -> _Call[None]:
     return _on_job(
         "RetryJob",
@@ -446,6 +490,7 @@ def _retry_job(
         name=name,
         jobPriority=priority,
         ignoreRepeat=ignore_repeat or None,
+        leaseID=lease_id,
     )
 
 
@@ -524,10 +569,20 @@ class Client(_Endpoint):
         retry_after: str | None = None,
         unique: bool = False,
         parent_job_id: int | None = None,
+        max_attempts: int | None = None,
+        retry_backoff: str | None = None,
+        retry_delay: float | None = None,
+        retry_max_delay: float | None = None,
     ) -> int:
-        """Create a job; returns its jobID."""
+        """Create a job; returns its jobID. `max_attempts` gives it a retry
+        policy: FailJob queues it again after `retry_delay` seconds
+        (`retry_backoff` "fixed" or "exponential", the latter capped at
+        `retry_max_delay`) until that many attempts have failed."""
+        policy = _retry_policy(max_attempts, retry_backoff, retry_delay, retry_max_delay)
         return self._call(
-            _create_job(name, data, first_run, repeat, priority, retry_after, unique, parent_job_id)
+            _create_job(
+                name, data, first_run, repeat, priority, retry_after, unique, parent_job_id, policy
+            )
         )
 
     def create_jobs(self, jobs: list[dict[str, Any]]) -> list[int]:
@@ -555,19 +610,39 @@ class Client(_Endpoint):
         repeat: str | None = None,
         priority: int | None = None,
         next_run: When | None = None,
+        lease_id: str | None = None,
     ) -> None:
         """Replace a job's data; optionally its repeat, priority and next run."""
-        self._call(_update_job(job_id, data, repeat, priority, next_run))
+        self._call(_update_job(job_id, data, repeat, priority, next_run, lease_id))
 
     def query_job(self, job_id: int) -> dict[str, Any]:
         """A job as it is, state included."""
         return self._call(_query_job(job_id))
 
-    def finish_job(self, job_id: int, data: dict[str, Any] | None = None) -> None:
-        self._call(_on_job("FinishJob", job_id, data=data))
+    def finish_job(
+        self, job_id: int, data: dict[str, Any] | None = None, lease_id: str | None = None
+    ) -> None:
+        self._call(_on_job("FinishJob", job_id, data=data, leaseID=lease_id))
 
-    def fail_job(self, job_id: int, data: dict[str, Any] | None = None) -> None:
-        self._call(_on_job("FailJob", job_id, data=data))
+    def fail_job(
+        self,
+        job_id: int,
+        data: dict[str, Any] | None = None,
+        lease_id: str | None = None,
+        error: str | None = None,
+    ) -> None:
+        """Report a job failed; `error` becomes its last error. With a retry
+        policy and attempts left, the server queues it again."""
+        self._call(_fail_job(job_id, data, error, lease_id))
+
+    def touch_job(self, job_id: int, lease_id: str | None = None) -> str:
+        """Extend a leased job's lease to retryAfter from now; returns the
+        new end of the lease (its nextRun)."""
+        return self._call(_touch_job(job_id, lease_id))
+
+    def failed_jobs(self, pattern: str = "*", limit: int | None = None) -> list[dict[str, Any]]:
+        """FAILED jobs whose name matches, oldest first, with their last error."""
+        return self._call(_failed_jobs(pattern, limit))
 
     def retry_job(
         self,
@@ -578,9 +653,12 @@ class Client(_Endpoint):
         name: str | None = None,
         priority: int | None = None,
         ignore_repeat: bool = False,
+        lease_id: str | None = None,
     ) -> None:
         """Put a handed-out job back in the queue, after `delay` seconds or at `next_run`."""
-        self._call(_retry_job(job_id, delay, next_run, data, name, priority, ignore_repeat))
+        self._call(
+            _retry_job(job_id, delay, next_run, data, name, priority, ignore_repeat, lease_id)
+        )
 
     def cancel_job(self, job_id: int) -> None:
         self._call(_on_job("CancelJob", job_id))
@@ -688,9 +766,16 @@ class AsyncClient(_Endpoint, trio.abc.AsyncResource):
         retry_after: str | None = None,
         unique: bool = False,
         parent_job_id: int | None = None,
+        max_attempts: int | None = None,
+        retry_backoff: str | None = None,
+        retry_delay: float | None = None,
+        retry_max_delay: float | None = None,
     ) -> int:
+        policy = _retry_policy(max_attempts, retry_backoff, retry_delay, retry_max_delay)
         return await self._call(
-            _create_job(name, data, first_run, repeat, priority, retry_after, unique, parent_job_id)
+            _create_job(
+                name, data, first_run, repeat, priority, retry_after, unique, parent_job_id, policy
+            )
         )
 
     async def create_jobs(self, jobs: list[dict[str, Any]]) -> list[int]:
@@ -713,17 +798,34 @@ class AsyncClient(_Endpoint, trio.abc.AsyncResource):
         repeat: str | None = None,
         priority: int | None = None,
         next_run: When | None = None,
+        lease_id: str | None = None,
     ) -> None:
-        await self._call(_update_job(job_id, data, repeat, priority, next_run))
+        await self._call(_update_job(job_id, data, repeat, priority, next_run, lease_id))
 
     async def query_job(self, job_id: int) -> dict[str, Any]:
         return await self._call(_query_job(job_id))
 
-    async def finish_job(self, job_id: int, data: dict[str, Any] | None = None) -> None:
-        await self._call(_on_job("FinishJob", job_id, data=data))
+    async def finish_job(
+        self, job_id: int, data: dict[str, Any] | None = None, lease_id: str | None = None
+    ) -> None:
+        await self._call(_on_job("FinishJob", job_id, data=data, leaseID=lease_id))
 
-    async def fail_job(self, job_id: int, data: dict[str, Any] | None = None) -> None:
-        await self._call(_on_job("FailJob", job_id, data=data))
+    async def fail_job(
+        self,
+        job_id: int,
+        data: dict[str, Any] | None = None,
+        lease_id: str | None = None,
+        error: str | None = None,
+    ) -> None:
+        await self._call(_fail_job(job_id, data, error, lease_id))
+
+    async def touch_job(self, job_id: int, lease_id: str | None = None) -> str:
+        return await self._call(_touch_job(job_id, lease_id))
+
+    async def failed_jobs(
+        self, pattern: str = "*", limit: int | None = None
+    ) -> list[dict[str, Any]]:
+        return await self._call(_failed_jobs(pattern, limit))
 
     async def retry_job(
         self,
@@ -734,8 +836,11 @@ class AsyncClient(_Endpoint, trio.abc.AsyncResource):
         name: str | None = None,
         priority: int | None = None,
         ignore_repeat: bool = False,
+        lease_id: str | None = None,
     ) -> None:
-        await self._call(_retry_job(job_id, delay, next_run, data, name, priority, ignore_repeat))
+        await self._call(
+            _retry_job(job_id, delay, next_run, data, name, priority, ignore_repeat, lease_id)
+        )
 
     async def cancel_job(self, job_id: int) -> None:
         await self._call(_on_job("CancelJob", job_id))

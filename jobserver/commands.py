@@ -14,7 +14,7 @@ from typing import Any
 from . import handout, jsonbody, params
 from .context import Context
 from .errors import CommandError
-from .handout import PENDING_STATES, next_run_from_repeat
+from .handout import PENDING_STATES, backoff_delay, lease_end, next_run_from_repeat, retry_time
 from .protocol import Request, Response
 from .store import Job
 
@@ -30,6 +30,14 @@ def load_job(ctx: Context, request: Request) -> Job:
     if job is None:
         raise CommandError("404 No job with this jobID")
     return job
+
+
+def check_lease(request: Request, job: Job) -> None:
+    """A report that names a lease must hold the job's latest one: if the
+    job was handed out again since, its sender no longer owns it."""
+    lease = params.lease_id(request)
+    if lease is not None and lease != job.leaseID:
+        raise CommandError("409 Lease expired")
 
 
 # Creating jobs.
@@ -70,6 +78,7 @@ def _create(ctx: Context, request: Request) -> int:
     retry_after = params.retry_after(request)
     first_run = params.time(request, "firstRun")
     rule = params.repeat_rule(request)
+    policy = params.retry_policy(request)
     parent_id = _parent_id(request)
     parent = _parent(ctx, parent_id) if parent_id else None
     if request.get("unique") == "true":
@@ -90,6 +99,7 @@ def _create(ctx: Context, request: Request) -> int:
         priority=params.DEFAULT_PRIORITY if priority is None else priority,
         parent_id=parent_id,
         retry_after=retry_after,
+        policy=policy,
     )
     if state == "QUEUED":
         ctx.scheduled(name, next_run)
@@ -170,6 +180,7 @@ def update_job(ctx: Context, request: Request) -> Response:
     job = ctx.store.get(job_id)
     if job is None:
         raise CommandError("404 No job with this jobID")
+    check_lease(request, job)
     changes: dict[str, Any] = {"data": data}
     if next_run is None and rule is not None:
         next_run = next_run_from_repeat(ctx, job, rule)
@@ -200,6 +211,7 @@ def retry_job(ctx: Context, request: Request) -> Response:
 
 def _finish_or_retry(ctx: Context, request: Request, retry: bool) -> Response:
     job = load_job(ctx, request)
+    check_lease(request, job)
     if job.state not in ("RUNNING", "RUNQUEUED"):
         raise CommandError("405 Can only retry/finish RUNNING and RUNQUEUED jobs")
     parent = ctx.store.get(job.parentJobID) if job.parentJobID else None
@@ -219,6 +231,10 @@ def _finish_or_retry(ctx: Context, request: Request, retry: bool) -> Response:
         data.pop("retryAfterCount", None)
         text = jsonbody.compact(data)
     changes: dict[str, Any] = {"data": text}
+    if job.maxAttempts:
+        # A run that ended well, or that its worker chose to retry, did not
+        # fail: the next run gets every attempt again.
+        changes["attempts"] = 0
     if not retry and has_children and ctx.store.has_children(job.jobID, PENDING_STATES):
         _pause_for_children(ctx, job, changes)
         return ok()
@@ -280,15 +296,36 @@ def _next_run(
 
 
 def fail_job(ctx: Context, request: Request) -> Response:
+    """FAILED; or, for a job whose retry policy has attempts left, QUEUED
+    again after its backoff delay."""
     job = load_job(ctx, request)
+    check_lease(request, job)
     if job.state not in ("RUNNING", "RUNQUEUED"):
         raise CommandError("405 Can only fail RUNNING or RUNQUEUED jobs")
-    changes: dict[str, Any] = {"state": "FAILED"}
     data = params.data(request) if params.present(request, "data") else None
+    changes: dict[str, Any] = {"state": "FAILED", "lastError": params.error_text(request, data)}
     if data is not None:
         changes["data"] = data
+    if job.maxAttempts and job.attempts < job.maxAttempts:
+        next_run = retry_time(ctx, backoff_delay(job, job.attempts))
+        changes.update(state="QUEUED", nextRun=next_run)
+        ctx.scheduled(job.name, next_run)
     ctx.store.update(job.jobID, **changes)
     return ok()
+
+
+def touch_job(ctx: Context, request: Request) -> Response:
+    """Extend a lease: the job is due again only retryAfter from now."""
+    job = load_job(ctx, request)
+    check_lease(request, job)
+    if job.state != "RUNQUEUED":
+        raise CommandError("405 Can only touch RUNQUEUED jobs")
+    next_run = lease_end(ctx, job)
+    if next_run is None:
+        raise CommandError("502 Failed to compute nextRun")
+    ctx.store.update(job.jobID, nextRun=next_run)
+    ctx.scheduled(job.name, next_run)
+    return ok({"nextRun": next_run})
 
 
 def cancel_job(ctx: Context, request: Request) -> Response:
@@ -328,9 +365,31 @@ def requeue_jobs(ctx: Context, request: Request) -> Response:
         job = ctx.store.get(job_id)
         if job is None:
             continue
-        ctx.store.update(job_id, state="QUEUED", nextRun=job.created, **changes)
+        # A revived job gets every attempt of its retry policy again.
+        ctx.store.update(job_id, state="QUEUED", nextRun=job.created, attempts=0, **changes)
         ctx.scheduled(changes.get("name", job.name), job.created)
     return ok()
+
+
+def failed_jobs(ctx: Context, request: Request) -> Response:
+    """The dead set: FAILED jobs whose name matches, with their last error."""
+    pattern, names = handout.name_selector(params.present(request, "name") or "*")
+    found = ctx.store.failed(pattern=pattern, names=names, limit=params.limit(request))
+    return ok({"jobs": [_failed_object(job) for job in found]})
+
+
+def _failed_object(job: Job) -> dict[str, Any]:
+    obj: dict[str, Any] = {
+        "created": job.created,
+        "jobID": job.jobID,
+        "lastError": job.lastError,
+        "lastRun": job.lastRun or "",
+        "name": job.name,
+    }
+    if job.maxAttempts:
+        obj["attempt"] = job.attempts
+        obj["maxAttempts"] = job.maxAttempts
+    return obj
 
 
 COMMANDS: dict[str, Handler] = {
@@ -346,6 +405,8 @@ COMMANDS: dict[str, Handler] = {
     "canceljob": cancel_job,
     "deletejob": delete_job,
     "requeuejobs": requeue_jobs,
+    "touchjob": touch_job,
+    "failedjobs": failed_jobs,
 }
 
 WAITABLE = ("getjob", "getjobs")

@@ -5,11 +5,21 @@ becomes RUNQUEUED and its nextRun moves to the end of the lease: if its
 worker never reports, the job is simply due again then, and the same timer
 that wakes waiters for future jobs hands it to the next worker. Each such
 automatic hand-out is counted in the job's data; the tenth fails the job.
+A job with a retry policy counts its hand-outs in `attempts` instead, and
+dies when an expired lease has used up its last attempt.
+
+Every hand-out gets a fresh lease token (`leaseID`); reports that carry an
+older one are refused, so a worker whose lease ran out cannot finish a job
+that another worker now runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import random
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from typing import Any
 
 from . import jsonbody, params, repeat, times
@@ -28,6 +38,20 @@ UNCOUNTED_PREFIX = "manual"
 
 PENDING_STATES = ("QUEUED", "RUNQUEUED", "RUNNING", "PAUSED")
 
+# Random bytes per lease token: 2^64 tokens make a collision between two
+# hand-outs of one job practically impossible.
+LEASE_BYTES = 8
+
+# Exponential backoff adds up to this fraction of the delay, so jobs that
+# failed together do not all come back in the same instant.
+JITTER = 0.1
+# 2^64 times any allowed base is far beyond any cap: larger exponents only
+# risk overflowing a float.
+MAX_EXPONENT = 64
+
+# The last error of a job whose lease ran out without a report.
+LEASE_EXPIRED = "lease expired without a report"
+
 
 @dataclass(frozen=True)
 class JobQuery:
@@ -37,6 +61,8 @@ class JobQuery:
     names: tuple[str, ...]
     priority: int | None
     limit: int
+    # Put each job's lease token in its reply object (`includeLeaseID`).
+    include_lease_id: bool = False
 
     @property
     def selector(self) -> tuple[object, ...]:
@@ -49,25 +75,34 @@ class JobQuery:
 
 
 def job_query(request: Request, limit: int = 1) -> JobQuery:
-    """`name` is a GLOB pattern, or a comma list of exact names."""
-    pattern = params.require(request, "name")
-    if len(pattern.encode("utf-8")) > params.MAX_PATTERN:
-        raise CommandError("402 Malformed name")
+    pattern, names = name_selector(params.require(request, "name"))
     priority = params.priority(request, "jobPriority")
-    names = tuple(n.lstrip(" ") for n in pattern.split(",") if n.lstrip(" "))
+    return JobQuery(pattern, names, priority, limit)
+
+
+def name_selector(text: str) -> tuple[str | None, tuple[str, ...]]:
+    """A `name` parameter as a GLOB pattern, or as a comma list of exact
+    names when it has more than one item: (pattern, ()) or (None, names)."""
+    if len(text.encode("utf-8")) > params.MAX_PATTERN:
+        raise CommandError("402 Malformed name")
+    names = tuple(n.lstrip(" ") for n in text.split(",") if n.lstrip(" "))
     if len(names) > 1:
-        return JobQuery(None, names, priority, limit)
-    return JobQuery(pattern, (), priority, limit)
+        return None, names
+    return text, ()
 
 
 def query_for(request: Request) -> tuple[JobQuery, bool]:
     """The query of a GetJob or GetJobs request, and whether it is GetJobs."""
     many = request.verb.lower() == "getjobs"
     if many:
-        return job_query(request, params.num_results(request)), True
-    if request.has("numResults"):
+        query = job_query(request, params.num_results(request))
+    elif request.has("numResults"):
         raise CommandError("402 Cannot use numResults with GetJob; try GetJobs")
-    return job_query(request), False
+    else:
+        query = job_query(request)
+    if params.is_true(request.get("includeLeaseID")):
+        query = replace(query, include_lease_id=True)
+    return query, many
 
 
 @dataclass
@@ -76,6 +111,8 @@ class Taken:
 
     job: Job
     reply: dict[str, Any]
+    # This hand-out's lease token.
+    lease: str = ""
 
 
 @dataclass
@@ -87,9 +124,15 @@ class Handout(Response):
 
 
 def reply(taken: list[Taken], many: bool) -> Handout:
+    """The reply, with the lease tokens in a `leaseID` header when a job
+    has a lease or the request asked for them: a plain Bedrock hand-out of
+    jobs without retryAfter stays the same byte for byte."""
     objects = [t.reply for t in taken]
     body = {"jobs": objects} if many else objects[0]
-    return Handout("200 OK", jsonbody.encode(body), taken=taken)
+    headers = {}
+    if any(t.job.retryAfter or "leaseID" in t.reply for t in taken):
+        headers["leaseID"] = ",".join(t.lease for t in taken)
+    return Handout("200 OK", jsonbody.encode(body), headers, taken=taken)
 
 
 def job_object(job: Job, with_state: bool = False) -> dict[str, Any]:
@@ -106,7 +149,39 @@ def job_object(job: Job, with_state: bool = False) -> dict[str, Any]:
     }
     if with_state:
         obj["state"] = job.state
+        if job.maxAttempts:
+            # Only jobs with a policy: Bedrock's ten keys stay as they are.
+            obj["attempt"] = job.attempts
+            obj["maxAttempts"] = job.maxAttempts
+            obj["lastError"] = job.lastError
+            obj["retryBackoff"] = job.retryBackoff
+            obj["retryDelay"] = _number(job.retryDelay)
+            obj["retryMaxDelay"] = _number(job.retryMaxDelay)
     return obj
+
+
+def _number(value: float) -> int | float:
+    """Seconds as the client most likely wrote them: 30, not 30.0."""
+    return int(value) if value.is_integer() else value
+
+
+def backoff_delay(job: Job, attempt: int, rng: Callable[[], float] = random.random) -> float:
+    """Seconds before a job whose `attempt` failed runs again.
+
+    fixed: retryDelay. exponential: retryDelay x 2^(attempt - 1), at most
+    retryMaxDelay, plus up to JITTER of that; `rng` gives a number in
+    [0, 1), so the result lies in [delay, delay x (1 + JITTER)].
+    """
+    if job.retryBackoff == "fixed":
+        return job.retryDelay
+    exponent = min(max(attempt, 1) - 1, MAX_EXPONENT)
+    delay = min(job.retryDelay * 2.0**exponent, job.retryMaxDelay)
+    return delay * (1 + JITTER * rng())
+
+
+def retry_time(ctx: Context, delay: float) -> str:
+    """now + delay, to the millisecond, as nextRun is stored."""
+    return times.to_millis(ctx.now + timedelta(seconds=delay))
 
 
 def dequeue(ctx: Context, query: JobQuery) -> list[Taken]:
@@ -128,8 +203,15 @@ def dequeue(ctx: Context, query: JobQuery) -> list[Taken]:
             break
         for job in candidates:
             obj = _handout_object(ctx, job)
-            if _start(ctx, job):
-                taken.append(Taken(job, obj))
+            lease = _start(ctx, job)
+            if lease is None:
+                continue
+            if job.maxAttempts:
+                obj["attempt"] = job.attempts + 1
+                obj["maxAttempts"] = job.maxAttempts
+            if query.include_lease_id:
+                obj["leaseID"] = lease
+            taken.append(Taken(job, obj, lease))
     return taken
 
 
@@ -152,41 +234,58 @@ def _child(job: Job) -> dict[str, Any]:
     return {"data": Raw(job.data), "jobID": job.jobID}
 
 
-def _start(ctx: Context, job: Job) -> bool:
-    """Mark a job as handed out; False if it was failed instead."""
+def _start(ctx: Context, job: Job) -> str | None:
+    """Mark a job as handed out and return its new lease token; None if the
+    job was failed instead."""
+    lease = secrets.token_hex(LEASE_BYTES)
+    changes: dict[str, Any] = {"lastRun": ctx.now_s, "leaseID": lease}
+    policy = job.maxAttempts > 0
+    if policy:
+        if job.state == "RUNQUEUED":
+            # Due while still leased: the last attempt's lease ran out.
+            changes["lastError"] = LEASE_EXPIRED
+            if job.attempts >= job.maxAttempts:
+                _fail(ctx, job, LEASE_EXPIRED)
+                return None
+        changes["attempts"] = job.attempts + 1
     if not job.retryAfter:
-        ctx.store.update(job.jobID, state="RUNNING", lastRun=ctx.now_s)
-        return True
+        ctx.store.update(job.jobID, state="RUNNING", **changes)
+        return lease
     data = jsonbody.parse_object(job.data)
     counted = not job.name.startswith(UNCOUNTED_PREFIX)
-    count = data.get("retryAfterCount", 0) if counted else 0
+    # A policy's maxAttempts replaces Bedrock's counter in the data.
+    count_leases = counted and not policy
+    count = data.get("retryAfterCount", 0) if count_leases else 0
     if not isinstance(count, int) or isinstance(count, bool):
         count = 0
     if count >= MAX_LEASES:
-        ctx.store.update(job.jobID, state="FAILED")
-        return False
-    next_run = _lease_end(ctx, job)
+        _fail(ctx, job, f"out of leases: handed out {MAX_LEASES} times without a report")
+        return None
+    next_run = lease_end(ctx, job)
     if next_run is None:
         # A stored time SQLite cannot read (imported from elsewhere, written
         # by hand) must not block the queue: fail the job, as Bedrock does.
-        ctx.store.update(job.jobID, state="FAILED")
-        return False
-    if counted:
+        _fail(ctx, job, "cannot compute the end of the lease")
+        return None
+    if count_leases:
         data["retryAfterCount"] = count + 1
-        if "SCHEDULED" in job.repeat:
-            data["originalNextRun"] = job.nextRun
-    ctx.store.update(
-        job.jobID,
-        state="RUNQUEUED",
-        lastRun=ctx.now_s,
-        nextRun=next_run,
-        data=jsonbody.compact(data),
-    )
+    scheduled = counted and "SCHEDULED" in job.repeat
+    if scheduled:
+        data["originalNextRun"] = job.nextRun
+    # A plain leased job's data is written back at every hand-out, as it
+    # always was; a policy job's only when it records originalNextRun.
+    if not policy or scheduled:
+        changes["data"] = jsonbody.compact(data)
+    ctx.store.update(job.jobID, state="RUNQUEUED", nextRun=next_run, **changes)
     ctx.scheduled(job.name, next_run)
-    return True
+    return lease
 
 
-def _lease_end(ctx: Context, job: Job) -> str | None:
+def _fail(ctx: Context, job: Job, error: str) -> None:
+    ctx.store.update(job.jobID, state="FAILED", lastError=error)
+
+
+def lease_end(ctx: Context, job: Job) -> str | None:
     """now + retryAfter, or the next repeat if that comes first; None when
     the job's stored times cannot be computed with."""
     try:
@@ -252,6 +351,13 @@ def give_back(ctx: Context, taken: list[Taken]) -> None:
         if current is None or current.state not in ("RUNNING", "RUNQUEUED"):
             continue
         ctx.store.update(
-            job.jobID, state=job.state, nextRun=job.nextRun, lastRun=job.lastRun, data=job.data
+            job.jobID,
+            state=job.state,
+            nextRun=job.nextRun,
+            lastRun=job.lastRun,
+            data=job.data,
+            attempts=job.attempts,
+            lastError=job.lastError,
+            leaseID=job.leaseID,
         )
         ctx.scheduled(job.name, job.nextRun)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from . import jsonbody, repeat, times
 from .errors import CommandError
 from .protocol import Request
+from .store import RetryPolicy
 
 PRIORITIES = (1000, 850, 750, 500, 250, 0)
 DEFAULT_PRIORITY = 500
@@ -28,6 +30,25 @@ DEFAULT_WAIT_MS = 110_000
 # A longer wait is cut to this: an hour is longer than any client should
 # hold a socket without hearing back.
 MAX_WAIT_MS = 3_600_000
+
+# Retry policies (protocol.md, "Extensions beyond Bedrock").
+BACKOFFS = ("fixed", "exponential")
+DEFAULT_BACKOFF = "exponential"
+DEFAULT_RETRY_DELAY = 1.0
+# An hour: long enough to ride out most outages, short enough that a job
+# still runs the same day once its cause is fixed.
+DEFAULT_MAX_RETRY_DELAY = 3600.0
+# More tries than this is a loop, not a retry policy.
+MAX_ATTEMPTS = 10_000
+# Seconds as RetryJob's delay allows them (8 digits), to the millisecond,
+# the precision of the nextRun a policy computes.
+_SECONDS = re.compile(r"[0-9]{1,8}(?:\.[0-9]{1,3})?")
+# An error text is for people reading the dead set: a traceback fits.
+MAX_ERROR = 64 * 1024
+# FailedJobs lists at most this many jobs, as Query returns at most this
+# many rows.
+MAX_LISTED = 10_000
+DEFAULT_LISTED = 1000
 
 Params = Request
 
@@ -159,6 +180,72 @@ def delay_seconds(params: Params) -> int:
     if len(str(seconds)) > MAX_DELAY_DIGITS:
         raise CommandError("402 Malformed delay")
     return seconds
+
+
+def retry_policy(params: Params) -> RetryPolicy | None:
+    """CreateJob's retry policy, or None when it asks for none."""
+    attempts_text = present(params, "maxAttempts")
+    backoff_text = present(params, "retryBackoff")
+    delay_text = present(params, "retryDelay")
+    max_delay_text = present(params, "retryMaxDelay")
+    if attempts_text is None:
+        if backoff_text is not None or delay_text is not None or max_delay_text is not None:
+            raise CommandError("402 Missing maxAttempts")
+        return None
+    # Canonical decimal, as a jobID: `03` and `2.0` are malformed too.
+    attempts = parse_job_id(attempts_text, "maxAttempts")
+    if attempts > MAX_ATTEMPTS:
+        raise CommandError("402 Malformed maxAttempts")
+    backoff = DEFAULT_BACKOFF if backoff_text is None else backoff_text.strip().lower()
+    if backoff not in BACKOFFS:
+        raise CommandError("402 Malformed retryBackoff")
+    delay = _seconds(delay_text, "retryDelay", DEFAULT_RETRY_DELAY)
+    max_delay = _seconds(max_delay_text, "retryMaxDelay", DEFAULT_MAX_RETRY_DELAY)
+    return RetryPolicy(attempts, backoff, delay, max_delay)
+
+
+def _seconds(text: str | None, header: str, default: float) -> float:
+    if text is None:
+        return default
+    if not _SECONDS.fullmatch(text):
+        raise CommandError(f"402 Malformed {header}")
+    return float(text)
+
+
+def lease_id(params: Params) -> str | None:
+    """The leaseID a report carries, or None when it carries none."""
+    return present(params, "leaseID")
+
+
+def error_text(params: Params, data: str | None) -> str:
+    """What FailJob records as the job's last error: the `error` parameter,
+    else the `error` key of the data it sends (a string as it is, anything
+    else as compact JSON), else nothing."""
+    text = present(params, "error")
+    if text is not None:
+        if len(text.encode("utf-8")) > MAX_ERROR:
+            raise CommandError("402 Malformed error")
+        return text
+    # Parsed only when it may hold an error key.
+    if data is None or '"error"' not in data:
+        return ""
+    value = jsonbody.parse_object(data).get("error")
+    if value is None:
+        return ""
+    text = value if isinstance(value, str) else jsonbody.compact(value)
+    # A lone surrogate (from a `\\ud800` escape) has no UTF-8 form: replaced.
+    return text.encode("utf-8", "replace")[:MAX_ERROR].decode("utf-8", "ignore")
+
+
+def limit(params: Params) -> int:
+    value = present(params, "limit")
+    if value is None:
+        return DEFAULT_LISTED
+    try:
+        number = int(value)
+    except ValueError:
+        raise CommandError("402 Malformed limit") from None
+    return min(max(number, 1), MAX_LISTED)
 
 
 def num_results(params: Params) -> int:

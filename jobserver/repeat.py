@@ -76,6 +76,37 @@ def parse_modifiers(text: str) -> tuple[str, ...]:
     return tuple(parse_modifier(p) for p in parts)
 
 
+# Seconds per unit, for a lease's length without SQLite. A month counts as
+# its shortest and a year as 365 days: a lease read too short is only
+# renewed a little early.
+_UNIT_SECONDS = {
+    "SECONDS": 1,
+    "MINUTES": 60,
+    "HOURS": 3600,
+    "DAYS": 86400,
+    "MONTHS": 28 * 86400,
+    "YEARS": 365 * 86400,
+}
+
+
+def offset_seconds(text: str) -> float | None:
+    """The length of a retryAfter made only of `+N UNIT` / `-N UNIT`
+    offsets, at least; None for one with START OF or WEEKDAY (its length
+    depends on the moment) or that is malformed or not positive."""
+    try:
+        modifiers = parse_modifiers(text)
+    except MalformedRepeat:
+        return None
+    total = 0
+    for modifier in modifiers:
+        if modifier[0] not in "+-":
+            return None
+        number, unit = modifier[1:].split(" ")
+        sign = 1 if modifier[0] == "+" else -1
+        total += sign * int(number) * _UNIT_SECONDS[unit]
+    return float(total) if total > 0 else None
+
+
 def parse_repeat(text: str) -> Repeat:
     """Parse a repeat: a canned name, or a base followed by modifiers."""
     upper = text.strip().upper()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from time import monotonic
 from urllib.parse import quote
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 SYNCHRONOUS_MODES = ("FULL", "NORMAL")
 
@@ -32,7 +32,18 @@ CREATE TABLE jobs (
     data        TEXT NOT NULL DEFAULT '{}',
     priority    INTEGER NOT NULL DEFAULT 500,
     parentJobID INTEGER NOT NULL DEFAULT 0,
-    retryAfter  TEXT NOT NULL DEFAULT ''
+    retryAfter  TEXT NOT NULL DEFAULT '',
+    -- The retry policy (protocol.md, "Extensions beyond Bedrock"): with
+    -- maxAttempts 0 there is none, and the job behaves exactly as in Bedrock.
+    maxAttempts   INTEGER NOT NULL DEFAULT 0,
+    retryBackoff  TEXT NOT NULL DEFAULT '',
+    retryDelay    REAL NOT NULL DEFAULT 0,
+    retryMaxDelay REAL NOT NULL DEFAULT 3600,
+    -- Hand-outs of the current run of a job with a policy.
+    attempts      INTEGER NOT NULL DEFAULT 0,
+    lastError     TEXT NOT NULL DEFAULT '',
+    -- The token of the latest hand-out, for fencing late reports.
+    leaseID       TEXT NOT NULL DEFAULT ''
 );
 -- GetJob with a pattern: per priority, the due jobs in hand-out order
 -- (nextRun, name, then jobID, which every index ends with), so the first
@@ -49,17 +60,40 @@ CREATE INDEX jobsReadyNextRun ON jobs (nextRun)
 CREATE INDEX jobsName ON jobs (name);
 CREATE INDEX jobsParentJobIDState ON jobs (parentJobID, state)
     WHERE parentJobID != 0;
+-- FailedJobs: the dead set, which is small next to the queue.
+CREATE INDEX jobsFailedName ON jobs (name) WHERE state = 'FAILED';
 """
+
+# Statements that bring a file of version N up to N + 1. They run in one
+# transaction together with the new user_version, so a file is either
+# wholly migrated or untouched. The result must equal _SCHEMA (a test
+# compares the two).
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: (
+        "ALTER TABLE jobs ADD COLUMN maxAttempts INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE jobs ADD COLUMN retryBackoff TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE jobs ADD COLUMN retryDelay REAL NOT NULL DEFAULT 0",
+        "ALTER TABLE jobs ADD COLUMN retryMaxDelay REAL NOT NULL DEFAULT 3600",
+        "ALTER TABLE jobs ADD COLUMN attempts INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE jobs ADD COLUMN lastError TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE jobs ADD COLUMN leaseID TEXT NOT NULL DEFAULT ''",
+        "CREATE INDEX jobsFailedName ON jobs (name) WHERE state = 'FAILED'",
+    ),
+}
 
 _COLUMNS = (
     "created, jobID, state, name, nextRun, lastRun, repeat, data, priority, "
-    "parentJobID, retryAfter"
+    "parentJobID, retryAfter, maxAttempts, retryBackoff, retryDelay, retryMaxDelay, "
+    "attempts, lastError, leaseID"
 )
 
 # The columns commands may change; `update` refuses any other name, so a
 # column name never comes from a request.
 _UPDATABLE = frozenset(
-    ("state", "name", "nextRun", "lastRun", "repeat", "data", "priority", "retryAfter")
+    (
+        "state", "name", "nextRun", "lastRun", "repeat", "data", "priority", "retryAfter",
+        "attempts", "lastError", "leaseID",
+    )
 )
 
 
@@ -83,6 +117,24 @@ class Job:
     priority: int
     parentJobID: int
     retryAfter: str
+    maxAttempts: int
+    retryBackoff: str
+    retryDelay: float
+    retryMaxDelay: float
+    attempts: int
+    lastError: str
+    leaseID: str
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """What CreateJob's maxAttempts, retryBackoff, retryDelay and
+    retryMaxDelay ask for."""
+
+    max_attempts: int
+    backoff: str
+    delay: float
+    max_delay: float
 
 
 class Store:
@@ -115,25 +167,43 @@ class Store:
         db.execute(f"PRAGMA synchronous = {synchronous}")
 
     def _migrate(self) -> None:
-        version = self._db.execute("PRAGMA user_version").fetchone()[0]
-        if version > SCHEMA_VERSION:
-            raise StoreError(
-                f"{self.path!r} has schema version {version}; this server knows "
-                f"up to {SCHEMA_VERSION}"
-            )
-        if version == SCHEMA_VERSION:
+        db = self._db
+        if db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
             return
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            # Read again under the write lock: another process may have
+            # migrated the file in the meantime.
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise StoreError(
+                    f"{self.path!r} has schema version {version}; this server knows "
+                    f"up to {SCHEMA_VERSION}"
+                )
+            if version == 0:
+                self._create_schema()
+            else:
+                for step in range(version, SCHEMA_VERSION):
+                    for statement in _MIGRATIONS[step]:
+                        db.execute(statement)
+            # PRAGMA takes no parameters; the value is our own constant.
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+
+    def _create_schema(self) -> None:
         tables = self._db.execute(
             "SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'jobs'"
         ).fetchall()
         if tables:
             raise StoreError(f"{self.path!r} has a jobs table this server did not create")
-        self._db.execute("BEGIN IMMEDIATE")
+        # The schema's comments hold no semicolons, so each piece is one statement.
         for statement in _SCHEMA.split(";"):
             if statement.strip():
                 self._db.execute(statement)
-        self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        self._db.execute("COMMIT")
 
     def close(self) -> None:
         self._db.close()
@@ -183,12 +253,25 @@ class Store:
         priority: int,
         parent_id: int = 0,
         retry_after: str = "",
+        policy: RetryPolicy | None = None,
     ) -> int:
-        cursor = self._db.execute(
-            "INSERT INTO jobs (created, state, name, nextRun, repeat, data, "
-            "priority, parentJobID, retryAfter) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (created, state, name, next_run, repeat, data, priority, parent_id, retry_after),
-        )
+        if policy is None:
+            cursor = self._db.execute(
+                "INSERT INTO jobs (created, state, name, nextRun, repeat, data, "
+                "priority, parentJobID, retryAfter) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (created, state, name, next_run, repeat, data, priority, parent_id, retry_after),
+            )
+        else:
+            cursor = self._db.execute(
+                "INSERT INTO jobs (created, state, name, nextRun, repeat, data, "
+                "priority, parentJobID, retryAfter, maxAttempts, retryBackoff, retryDelay, "
+                "retryMaxDelay) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    created, state, name, next_run, repeat, data, priority, parent_id,
+                    retry_after, policy.max_attempts, policy.backoff, policy.delay,
+                    policy.max_delay,
+                ),
+            )
         self._priorities.add(priority)
         assert cursor.lastrowid is not None
         return cursor.lastrowid
@@ -281,6 +364,21 @@ class Store:
         if current is None:
             return None
         return self._db.execute("SELECT DATETIME(?)", (current,)).fetchone()[0]
+
+    def failed(self, *, pattern: str | None, names: Sequence[str], limit: int) -> list[Job]:
+        """FAILED jobs whose name matches a GLOB `pattern` or is one of
+        `names`, oldest first."""
+        if pattern is not None:
+            name_clause, name_args = "name GLOB ?", [pattern]
+        else:
+            name_clause = f"name IN ({', '.join('?' for _ in names)})"
+            name_args = list(names)
+        rows = self._db.execute(
+            f"SELECT {_COLUMNS} FROM jobs WHERE state = 'FAILED' AND {name_clause} "
+            "ORDER BY jobID LIMIT ?",
+            (*name_args, limit),
+        )
+        return [Job(*row) for row in rows]
 
     def count_by_state(self) -> dict[str, int]:
         rows = self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state")

@@ -7,6 +7,11 @@ runs as a child process in a task of its own; one more task reports results
 them and retrying while the server cannot be reached. So waiting for jobs,
 waiting for workers and reporting all happen at once, and nothing polls.
 
+Leases: every report carries the job's lease token, so a result for a job
+that has since been handed to another worker is refused (409) and dropped.
+A leased job's lease is renewed (TouchJob) while its worker runs, at a
+third of the lease or every --touch-interval seconds, whichever is sooner.
+
 The worker contract (README, "Worker manager"): the job object as JSON on
 stdin; JOB_ID, JOB_NAME and JOBSERVER_SERVER in the environment; exit 0 to
 finish (a JSON object on stdout becomes the job's data), 75 to retry
@@ -36,6 +41,7 @@ import trio
 
 from .client import (
     AsyncClient,
+    Conflict,
     ConnectionFailed,
     IllegalState,
     InvalidRequest,
@@ -44,6 +50,7 @@ from .client import (
     ServerError,
     parse_address,
 )
+from .repeat import offset_seconds
 
 log = logging.getLogger("jobserver.workers")
 
@@ -82,6 +89,14 @@ REPORT_TRIES_ON_ERROR = 5
 REPORT_DRAIN = 10.0
 # RetryJob's delay is at most 8 digits (protocol.md section 3).
 MAX_DELAY = 99_999_999
+# A lease is renewed after a third of it has passed: two more tries fit
+# before it runs out if the server does not answer one.
+TOUCH_FRACTION = 1 / 3
+# The server counts a lease from the start of the current second, so it can
+# be up to this much shorter than its retryAfter says.
+LEASE_ROUNDING = 1.0
+# Renewing more often than this is only load, whatever the lease.
+MIN_TOUCH_INTERVAL = 0.1
 
 
 def _cpu_count() -> int:
@@ -172,6 +187,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="on SIGTERM/SIGINT, running workers get S seconds, then are killed (default: 30)",
     )
+    parser.add_argument(
+        "--touch-interval",
+        type=_positive(float),
+        default=30.0,
+        metavar="S",
+        help="renew the lease of a running leased job (TouchJob) at least every S seconds, "
+        "and after a third of its retryAfter if that is sooner (default: 30)",
+    )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 
 
@@ -198,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
         worker_timeout=args.worker_timeout,
         max_iterations=args.max_iterations,
         grace=args.grace,
+        touch_interval=args.touch_interval,
     )
     return trio.run(manager.serve)
 
@@ -257,13 +281,38 @@ class Report:
     # The connection broke during an attempt, so the server may have applied
     # it: a later 404 or 405 then means "already done", not "refused".
     uncertain: bool = False
+    # The hand-out's lease token: the server refuses the report if the job
+    # has been handed out again since.
+    lease_id: str | None = None
 
     def bare(self) -> Report | None:
         """The same report with no parameters (so nothing the server could
         refuse: data, nextRun, delay), or None if it has none already."""
         if not self.params:
             return None
-        return Report(self.job_id, self.name, self.verb, {}, self.uncertain)
+        return Report(self.job_id, self.name, self.verb, {}, self.uncertain, self.lease_id)
+
+
+@dataclass
+class Lease:
+    """A running job's lease, renewed while its worker runs."""
+
+    job_id: int
+    name: str  # printable(), for the log
+    lease_id: str
+    period: float  # seconds between renewals
+    due: float  # trio time of the next renewal
+
+
+def touch_period(retry_after: str, interval: float) -> float:
+    """How often to renew a lease of `retry_after`: after a third of its
+    shortest length, at most every `interval` seconds (also when its length
+    depends on the moment)."""
+    length = offset_seconds(retry_after)
+    if length is None:
+        return interval
+    shortest = length - LEASE_ROUNDING
+    return max(min(interval, shortest * TOUCH_FRACTION), MIN_TOUCH_INTERVAL)
 
 
 @dataclass
@@ -387,6 +436,7 @@ class Manager:
         worker_timeout: float,
         max_iterations: int | None,
         grace: float,
+        touch_interval: float = 30.0,
     ) -> None:
         self.host = host
         self.port = port
@@ -397,6 +447,7 @@ class Manager:
         self.worker_timeout = worker_timeout
         self.max_iterations = max_iterations
         self.grace = grace
+        self.touch_interval = touch_interval
 
         self.running = 0  # worker tasks started and not yet ended
         self.changed = trio.Event()  # set (and replaced) whenever a worker ends
@@ -414,6 +465,9 @@ class Manager:
         self.reports_closed = False
         self.report_scope = trio.CancelScope()
         self.given_up = 0  # results the server would not take
+
+        self.leases: dict[str, Lease] = {}  # by lease token: running leased jobs
+        self.leases_changed = trio.Event()
 
     @property
     def address(self) -> str:
@@ -438,6 +492,7 @@ class Manager:
             )
             reporter_done = trio.Event()
             root.start_soon(self.report_loop, reporter_done)
+            root.start_soon(self.touch_loop)
             async with trio.open_nursery() as workers:
                 await self.fetch_loop(workers)
             self.reports_closed = True
@@ -445,7 +500,7 @@ class Manager:
             if self.signalled:
                 self.report_scope.deadline = trio.current_time() + REPORT_DRAIN
             await reporter_done.wait()
-            root.cancel_scope.cancel()  # the signal watcher
+            root.cancel_scope.cancel()  # the signal watcher and the lease renewer
         if self.forced:
             for job_id, name in self.live.values():
                 log.error(
@@ -590,13 +645,19 @@ class Manager:
                 except Refused as refusal:
                     outcome = self._failed(job, str(refusal), f"failed ({refusal})")
                 else:
-                    outcome = await self.run_process(job, path, started)
+                    held = self._hold_lease(job)
+                    try:
+                        outcome = await self.run_process(job, path, started)
+                    finally:
+                        if held is not None:
+                            self.leases.pop(held, None)
         finally:
             self.running -= 1
             self.changed.set()
             self.changed = trio.Event()
         duration = trio.current_time() - started
         log.info("job %s %s %s in %.3fs", job_id, name, printable(outcome.text), duration)
+        outcome.report.lease_id = job.get("leaseID")
         self.report(outcome.report)
 
     def _failed(self, job: dict[str, Any], error: Any, text: str) -> Outcome:
@@ -690,6 +751,75 @@ class Manager:
         how = f"signal {detail['signal']}" if "signal" in detail else f"exit status {returncode}"
         return self._failed(job, detail, f"failed ({how})")
 
+    # Renewing leases.
+
+    def _hold_lease(self, job: dict[str, Any]) -> str | None:
+        """Renew this job's lease while it runs; its token, or None for a
+        job without a lease."""
+        lease_id, retry_after = job.get("leaseID"), job.get("retryAfter")
+        if not (isinstance(lease_id, str) and lease_id):
+            return None
+        if not (isinstance(retry_after, str) and retry_after):
+            return None
+        period = touch_period(retry_after, self.touch_interval)
+        name = printable(job["name"])
+        self.leases[lease_id] = Lease(
+            job["jobID"], name, lease_id, period, trio.current_time() + period
+        )
+        self.leases_changed.set()
+        return lease_id
+
+    async def touch_loop(self) -> None:
+        """Renew each running job's lease when it is due, on a connection of
+        its own; runs until the manager cancels it."""
+        client = self.client()
+        failing = False
+        try:
+            while True:
+                self.leases_changed = trio.Event()
+                if not self.leases:
+                    await self.leases_changed.wait()
+                    continue
+                lease = min(self.leases.values(), key=lambda held: held.due)
+                if lease.due > trio.current_time():
+                    with trio.move_on_at(lease.due):
+                        await self.leases_changed.wait()
+                    continue
+                lease.due = trio.current_time() + lease.period
+                try:
+                    await client.touch_job(lease.job_id, lease_id=lease.lease_id)
+                except (ConnectionFailed, ServerError) as error:
+                    if not failing:
+                        log.warning(
+                            "cannot renew the lease of job %s (%s); trying again in %gs",
+                            lease.job_id,
+                            error,
+                            lease.period,
+                        )
+                        failing = True
+                    await self._close(client)
+                    client = self.client()
+                    continue
+                except JobServerError as error:
+                    # Unless the job ended meanwhile (its report is on its
+                    # way), the lease is gone: 409 when another worker has
+                    # the job now. The worker runs on; its result will be
+                    # refused if so.
+                    if self.leases.pop(lease.lease_id, None) is not None:
+                        log.warning(
+                            "job %s %s: lost its lease (%s %s); the worker runs on",
+                            lease.job_id,
+                            lease.name,
+                            error.code,
+                            error.reason,
+                        )
+                    continue
+                if failing:
+                    log.info("server %s reachable again; renewing leases", self.address)
+                    failing = False
+        finally:
+            await self._close(client)
+
     # Reporting.
 
     def report(self, report: Report) -> None:
@@ -721,7 +851,9 @@ class Manager:
         errors = 0
         while True:
             try:
-                await getattr(client, f"{report.verb}_job")(report.job_id, **report.params)
+                await getattr(client, f"{report.verb}_job")(
+                    report.job_id, lease_id=report.lease_id, **report.params
+                )
             except (ConnectionFailed, ServerError) as error:
                 report.uncertain = report.uncertain or isinstance(error, ConnectionFailed)
                 if isinstance(error, ServerError) and error.code != 503:
@@ -751,6 +883,17 @@ class Manager:
                 client = self.client()
                 await trio.sleep(backoff.next())
                 continue
+            except Conflict as error:
+                log.warning(
+                    "job %s %s: %sJob refused (%s %s): another worker has the job now; "
+                    "this result is dropped",
+                    report.job_id,
+                    report.name,
+                    report.verb.capitalize(),
+                    error.code,
+                    error.reason,
+                )
+                return client
             except (JobNotFound, IllegalState) as error:
                 if report.uncertain:
                     log.info(

@@ -335,6 +335,28 @@ def test_ping_status_and_request(jobs):
     assert got.json()["jobs"] == {"QUEUED": 1}
 
 
+def test_retry_policy_leases_and_the_dead_set(jobs):
+    job_id = jobs.create_job("p", retry_after="+1 HOUR", max_attempts=2, retry_backoff="fixed",
+                             retry_delay=0.25, retry_max_delay=10)
+    job = jobs.get_job("p")
+    assert (job["jobID"], job["attempt"], job["maxAttempts"], len(job["leaseID"])) == (
+        job_id, 1, 2, 16)
+    assert jobs.touch_job(job_id, lease_id=job["leaseID"]) > job["nextRun"]
+    jobs.update_job(job_id, {"step": 1}, lease_id=job["leaseID"])
+    with pytest.raises(Conflict, match="409 Lease expired"):
+        jobs.finish_job(job_id, lease_id="not-the-lease")
+    jobs.fail_job(job_id, lease_id=job["leaseID"], error="first try")
+    shown = jobs.query_job(job_id)
+    assert (shown["state"], shown["lastError"], shown["retryDelay"]) == (
+        "QUEUED", "first try", 0.25)
+    [job] = jobs.get_jobs("p", 5, wait=5)
+    assert job["attempt"] == 2
+    jobs.fail_job(job_id, {"error": "in the data"}, lease_id=job["leaseID"], error="for good")
+    [dead] = jobs.failed_jobs("p*", limit=10)
+    assert (dead["jobID"], dead["lastError"], dead["attempt"]) == (job_id, "for good", 2)
+    assert jobs.failed_jobs("other") == []
+
+
 # Refusals, each as its own exception.
 
 
@@ -563,8 +585,9 @@ async def test_async_client_methods(server):
         assert (job["jobID"], job["data"]) == (job_id, {"k": "v\n"})
         assert sorted(j["jobID"] for j in await jobs.get_jobs("a/*", 5)) == [other, third]
         await jobs.update_job(job_id, {"k": 2}, priority=1000)
-        await jobs.finish_job(job_id, {"done": True})
-        await jobs.fail_job(other)
+        await jobs.finish_job(job_id, {"done": True}, lease_id=job["leaseID"])
+        await jobs.fail_job(other, error="broken")
+        assert [j["lastError"] for j in await jobs.failed_jobs("a/*")] == ["broken"]
         await jobs.retry_job(third, delay=60)
         assert (await jobs.query_job(other))["state"] == "FAILED"
         await jobs.requeue_jobs([other])
@@ -577,6 +600,13 @@ async def test_async_client_methods(server):
         assert (await jobs.request("Ping", {})).status == "200 OK"
         assert await jobs.get_job("a/*") is None
         assert await jobs.get_jobs("a/*", 2) == []
+        leased = await jobs.create_job("a/leased", retry_after="+1 HOUR", max_attempts=3)
+        job = await jobs.get_job("a/leased")
+        assert job["attempt"] == 1
+        assert await jobs.touch_job(leased, lease_id=job["leaseID"]) > job["nextRun"]
+        with pytest.raises(Conflict):
+            await jobs.update_job(leased, {}, lease_id="stale")
+        await jobs.retry_job(leased, lease_id=job["leaseID"])
 
 
 async def test_async_waiting_get_job_is_woken_by_a_create(server):

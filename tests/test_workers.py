@@ -8,6 +8,7 @@ deadline. Worker scripts are POSIX sh unless they need Python.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -22,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from jobserver.workers import Refused, json_object, find_worker, retry_options
+from jobserver.workers import Refused, json_object, find_worker, retry_options, touch_period
 from wire import Client, Reply
 
 DEADLINE = 15.0
@@ -734,3 +735,57 @@ def test_a_report_whose_reply_was_lost_is_sent_again_and_not_applied_twice(
     assert job(client, repeating)["data"] == {"done": 1}
     assert job(client, repeating)["state"] == "QUEUED"
     assert "refused" not in running.log
+
+
+# Leases: renewed while the worker runs, and carried by every report.
+
+
+def test_the_lease_of_a_long_running_worker_is_renewed_until_it_reports(
+    server, client, workers, manager
+):
+    write_worker(workers, "Slow", "cat >/dev/null; sleep 3.5; echo '{\"done\": true}'\n")
+    job_id = create(client, "Slow", retryAfter="+2 SECONDS", repeat="FINISHED, +1 HOUR")
+    running = manager(server.port, "--max-workers", "1")
+    until(lambda: job(client, job_id)["state"] == "RUNQUEUED", "the job to be handed out")
+    # The lease is two seconds (one to two, as the server counts from the
+    # start of the second); the worker runs for 3.5: only renewals keep the
+    # job from being handed to someone else meanwhile.
+    while not re.search(rf"job {job_id} Slow finished", running.log):
+        assert client.request("GetJob", name="Slow").status == "404 No job found"
+        time.sleep(0.05)
+    until(lambda: job(client, job_id)["state"] == "QUEUED", "FinishJob")
+    assert job(client, job_id)["data"] == {"done": True}
+    assert "lost its lease" not in running.log and "cannot renew" not in running.log
+    assert "refused" not in running.log
+
+
+def test_a_result_for_a_job_another_worker_has_now_is_dropped(
+    server, client, workers, manager, tmp_path
+):
+    gate, stdin = tmp_path / "go", tmp_path / "stdin.json"
+    write_worker(workers, "Gated", f"cat >{stdin}\n" + wait_for_file(gate) + "exit 0\n")
+    job_id = create(client, "Gated")
+    running = manager(server.port, "--max-workers", "1")
+    until(lambda: json_object(stdin.read_bytes()) if stdin.exists() else False,
+          "the worker to read its job")
+    assert len(json_object(stdin.read_bytes())["leaseID"]) == 16
+    # Requeued and taken by someone else while the worker still runs.
+    assert client.request("RequeueJobs", jobIDs=str(job_id)).status == "200 OK"
+    mine = client.request("GetJob", name="Gated", includeLeaseID="true").json["leaseID"]
+    gate.touch()
+    running.wait_for(
+        rf"job {job_id} Gated: FinishJob refused \(409 Lease expired\): another worker has the job"
+    )
+    assert job(client, job_id)["state"] == "RUNNING"
+    assert client.request("FinishJob", jobID=job_id, leaseID=mine).status == "200 OK"
+
+
+@pytest.mark.parametrize("retry_after, period", [
+    ("+5 MINUTES", 30),  # at most --touch-interval
+    ("+61 SECONDS", 20),  # a third of the shortest lease, 60 s
+    ("+4 SECONDS", 1),
+    ("+1 SECOND", 0.1),  # nothing is safe: as often as is sensible
+    ("START OF DAY, +1 DAY", 30),  # its length depends on the moment
+])
+def test_leases_are_renewed_after_a_third_of_their_shortest_length(retry_after, period):
+    assert touch_period(retry_after, 30) == pytest.approx(period)
