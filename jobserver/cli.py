@@ -16,6 +16,7 @@ import trio
 
 from . import __version__, jsonbody, workers
 from .client import (
+    auth_token,
     DEFAULT_HOST,
     DEFAULT_PORT,
     Client,
@@ -307,6 +308,11 @@ def _command_factory(sub: Any) -> Callable[[str, Action, str, str], argparse.Arg
         metavar="HOST:PORT",
         help=f"the server (default: $JOBSERVER_SERVER, else {DEFAULT_SERVER})",
     )
+    common.add_argument(
+        "--auth-token-file",
+        metavar="FILE",
+        help="send the token in FILE with each request (default: $JOBSERVER_AUTH_TOKEN)",
+    )
 
     def command(name: str, action: Action, help: str, description: str) -> argparse.ArgumentParser:
         parser: argparse.ArgumentParser = sub.add_parser(
@@ -426,8 +432,8 @@ def _failed_jobs(client: Client, args: argparse.Namespace) -> dict[str, Any]:
 def _run_client_command(args: argparse.Namespace) -> int:
     address = args.server or os.environ.get("JOBSERVER_SERVER") or DEFAULT_SERVER
     try:
-        client = Client.from_address(address)
-    except ValueError as error:
+        client = Client.from_address(address, auth_token=auth_token(args.auth_token_file))
+    except (ValueError, OSError) as error:
         print(f"jobserver: {error}", file=sys.stderr)
         return EXIT_USAGE
     try:

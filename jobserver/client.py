@@ -49,6 +49,7 @@ from __future__ import annotations
 import json
 import re
 import select
+import os
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -503,17 +504,31 @@ class _Endpoint:
     """Where a client connects, and how it words a failure."""
 
     def __init__(
-        self, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, timeout: float = DEFAULT_TIMEOUT
+        self,
+        host: str = DEFAULT_HOST,
+        port: int = DEFAULT_PORT,
+        timeout: float = DEFAULT_TIMEOUT,
+        auth_token: str | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self.timeout = timeout
+        # Sent with every request when the server runs with --auth-token-file.
+        self.auth_token = auth_token
 
     @classmethod
-    def from_address(cls: type[_E], address: str, timeout: float = DEFAULT_TIMEOUT) -> _E:
+    def from_address(
+        cls: type[_E],
+        address: str,
+        timeout: float = DEFAULT_TIMEOUT,
+        auth_token: str | None = None,
+    ) -> _E:
         """A client for `host:port`, `host` (port 8888) or `[ipv6]:port`."""
         host, port = parse_address(address)
-        return cls(host, port, timeout)
+        return cls(host, port, timeout, auth_token)
+
+    def _encode(self, method: str, params: dict[str, object]) -> bytes:
+        return encode_request(method, {**params, "authToken": self.auth_token})
 
     @property
     def address(self) -> str:
@@ -521,6 +536,15 @@ class _Endpoint:
 
     def _failed(self, what: str, error: BaseException) -> ConnectionFailed:
         return ConnectionFailed(f"{what} {self.address}: {_describe(error)}")
+
+
+def auth_token(path: str | None = None) -> str | None:
+    """The token to send: the content of `path` if given, else the
+    JOBSERVER_AUTH_TOKEN environment variable, else none."""
+    if path:
+        with open(path, encoding="utf-8") as token_file:
+            return token_file.read().strip() or None
+    return os.environ.get("JOBSERVER_AUTH_TOKEN") or None
 
 
 def _describe(error: BaseException) -> str:
@@ -679,7 +703,7 @@ class Client(_Endpoint):
         return call.outcome(self._exchange(call.method, call.params))
 
     def _exchange(self, method: str, params: dict[str, object]) -> Reply:
-        request = encode_request(method, params)
+        request = self._encode(method, params)
         patience = self.timeout + _wait_seconds(params)
         sock = self._send(request)
         try:
@@ -861,7 +885,7 @@ class AsyncClient(_Endpoint, trio.abc.AsyncResource):
         return call.outcome(await self._exchange(call.method, call.params))
 
     async def _exchange(self, method: str, params: dict[str, object]) -> Reply:
-        request = encode_request(method, params)
+        request = self._encode(method, params)
         patience = self.timeout + _wait_seconds(params)
         stream = await self._send(request)
         try:

@@ -41,6 +41,7 @@ import trio
 
 from .client import (
     AsyncClient,
+    auth_token,
     Conflict,
     ConnectionFailed,
     IllegalState,
@@ -181,6 +182,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the job server (default: $JOBSERVER_SERVER or 127.0.0.1:8888)",
     )
     parser.add_argument(
+        "--auth-token-file",
+        metavar="FILE",
+        help="send the token in FILE with each request (default: $JOBSERVER_AUTH_TOKEN)",
+    )
+    parser.add_argument(
         "--grace",
         type=_non_negative,
         default=30.0,
@@ -211,9 +217,15 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.isdir(directory):
         log.error("--worker-path %s is not a directory", args.worker_path)
         return 2
+    try:
+        token = auth_token(args.auth_token_file)
+    except OSError as error:
+        log.error("cannot read --auth-token-file: %s", error)
+        return 2
     manager = Manager(
         host=server[0],
         port=server[1],
+        token=token,
         directory=directory,
         pattern=args.job_name,
         max_load=args.max_load,
@@ -437,9 +449,11 @@ class Manager:
         max_iterations: int | None,
         grace: float,
         touch_interval: float = 30.0,
+        token: str | None = None,
     ) -> None:
         self.host = host
         self.port = port
+        self.token = token
         self.directory = directory
         self.pattern = pattern
         self.max_load = max_load
@@ -474,7 +488,7 @@ class Manager:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     def client(self) -> AsyncClient:
-        return AsyncClient(self.host, self.port)
+        return AsyncClient(self.host, self.port, auth_token=self.token)
 
     # Top level.
 

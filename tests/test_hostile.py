@@ -246,3 +246,27 @@ def test_binding_beyond_loopback_without_a_token_warns(spawn, tmp_path):
     with quiet.client() as c:
         assert c.request("Ping").status == "401 Unauthorized"
         assert c.request("Ping", authToken="t0ken").status == "200 OK"
+
+
+def test_the_client_cli_and_manager_send_the_token(make_server, tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from jobserver.client import Client as Library, MalformedRequest
+
+    running = make_server(auth_token="t0k")
+    with Library("127.0.0.1", running.port, auth_token="t0k") as good:
+        job_id = good.create_job("authorized")
+    with Library("127.0.0.1", running.port) as anonymous:
+        with pytest.raises(MalformedRequest):
+            anonymous.ping()
+    token = tmp_path / "token"
+    token.write_text("t0k\n")
+    command = [sys.executable, "-m", "jobserver", "query", str(job_id),
+               "--server", f"127.0.0.1:{running.port}"]
+    assert subprocess.run(command, capture_output=True, timeout=30).returncode != 0
+    result = subprocess.run(command + ["--auth-token-file", str(token)],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    monkeypatch.setenv("JOBSERVER_AUTH_TOKEN", "t0k")
+    assert subprocess.run(command, capture_output=True, timeout=30).returncode == 0

@@ -789,3 +789,23 @@ def test_a_result_for_a_job_another_worker_has_now_is_dropped(
 ])
 def test_leases_are_renewed_after_a_third_of_their_shortest_length(retry_after, period):
     assert touch_period(retry_after, 30) == pytest.approx(period)
+
+
+def test_the_manager_sends_its_token_to_a_server_that_wants_one(workers, manager, tmp_path):
+    from conftest import ThreadServer
+
+    running = ThreadServer(tmp_path / "auth.db", auth_token="w0rk")
+    try:
+        token = tmp_path / "token"
+        token.write_text("w0rk")
+        write_worker(workers, "Done", "cat >/dev/null; exit 0\n")
+        with running.client() as c:
+            job_id = c.request("CreateJob", name="Done", authToken="w0rk").json["jobID"]
+            managed = manager(running.port, "--auth-token-file", str(token))
+            managed.wait_for(rf"job {job_id} Done finished in")
+            until(
+                lambda: c.request("QueryJob", jobID=job_id, authToken="w0rk").code == 404,
+                "the job to be finished and deleted",
+            )
+    finally:
+        running.stop()
