@@ -29,6 +29,7 @@ from .client import (
 )
 from .server import Config, Server
 from .store import SYNCHRONOUS_MODES, StoreError
+from .times import parse_duration
 
 log = logging.getLogger("jobserver")
 
@@ -103,6 +104,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="require every request to carry the token in this file in an "
         "'authToken' header; others get '401 Unauthorized'",
     )
+    serve.add_argument(
+        "--limit",
+        action="append",
+        type=_limit,
+        default=[],
+        metavar="PATTERN=MAX",
+        help="a concurrency limit: jobs whose name matches the GLOB PATTERN may "
+        "together cost at most MAX while running (repeatable; SetLimit changes "
+        "them at run time)",
+    )
+    serve.add_argument(
+        "--keep-finished",
+        type=_duration,
+        default=0.0,
+        metavar="DURATION",
+        help="keep finished jobs, with their final data, this long (0, 90s, 30m, "
+        "12h, 7d); 0 deletes them at once, as Bedrock does",
+    )
+    serve.add_argument(
+        "--keep-failed",
+        type=_duration,
+        default=None,
+        metavar="DURATION",
+        help="delete FAILED jobs this long after they failed; None keeps them",
+    )
     serve.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this certificate (PEM)")
     serve.add_argument("--tls-key", metavar="FILE", help="the private key for --tls-cert (PEM)")
     serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
@@ -127,6 +153,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "worker-manager":
         return workers.run(args)
     return _run_client_command(args)
+
+
+def _limit(text: str) -> tuple[str, int]:
+    pattern, sep, number = text.rpartition("=")
+    if not sep or not pattern or not number.isdigit() or int(number) < 1:
+        raise argparse.ArgumentTypeError(f"not PATTERN=MAX with MAX >= 1: {text!r}")
+    return pattern, int(number)
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _read_token(path: str) -> str:
@@ -167,6 +207,9 @@ def _serve(args: argparse.Namespace) -> int:
         auth_token=token,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        limits=dict(args.limit),
+        keep_finished=args.keep_finished,
+        keep_failed=args.keep_failed,
     )
     try:
         trio.run(Server(config).run)

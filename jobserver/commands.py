@@ -14,7 +14,15 @@ from typing import Any
 from . import handout, jsonbody, params
 from .context import Context
 from .errors import CommandError
-from .handout import PENDING_STATES, backoff_delay, lease_end, next_run_from_repeat, retry_time
+from .handout import (
+    PENDING_STATES,
+    backoff_delay,
+    freed,
+    in_window,
+    lease_end,
+    next_run_from_repeat,
+    retry_time,
+)
 from .protocol import Request, Response
 from .store import Job
 
@@ -79,6 +87,7 @@ def _create(ctx: Context, request: Request) -> int:
     first_run = params.time(request, "firstRun")
     rule = params.repeat_rule(request)
     policy = params.retry_policy(request)
+    flow = params.flow_options(request)
     parent_id = _parent_id(request)
     parent = _parent(ctx, parent_id) if parent_id else None
     if request.get("unique") == "true":
@@ -87,6 +96,8 @@ def _create(ctx: Context, request: Request) -> int:
             _update_unique(ctx, request, existing, parent_id, data, rule, priority)
             return existing.jobID
     next_run = first_run or ctx.now_ms
+    if flow.windows:
+        next_run = in_window(flow.windows, flow.zone, next_run)
     # A child of a running parent waits until the parent finishes.
     state = "PAUSED" if parent is not None and parent.state != "PAUSED" else "QUEUED"
     job_id = ctx.store.insert(
@@ -100,6 +111,7 @@ def _create(ctx: Context, request: Request) -> int:
         parent_id=parent_id,
         retry_after=retry_after,
         policy=policy,
+        flow=flow,
     )
     if state == "QUEUED":
         ctx.scheduled(name, next_run)
@@ -241,12 +253,18 @@ def _finish_or_retry(ctx: Context, request: Request, retry: bool) -> Response:
     if retry:
         changes.update(_renamed(request))
     next_run = _next_run(ctx, request, job, retry, use_repeat=not asks_delete)
+    freed(ctx, job)
     if next_run is not None:
+        next_run = in_window(job.timeWindows, job.timeZone, next_run)
         ctx.store.update(job.jobID, state="QUEUED", nextRun=next_run, **changes)
         ctx.scheduled(changes.get("name", job.name), next_run)
     elif parent is not None:
         ctx.store.update(job.jobID, state="FINISHED", **changes)
         _resume_parent_if_done(ctx, parent, PENDING_STATES)
+    elif ctx.store.keep_finished:
+        # Retention (protocol.md 14.10): kept with its final data until
+        # the pruner deletes it.
+        ctx.store.update(job.jobID, state="FINISHED", ended=ctx.now_s, **changes)
     else:
         ctx.store.delete(job.jobID)
     return ok()
@@ -303,12 +321,17 @@ def fail_job(ctx: Context, request: Request) -> Response:
     if job.state not in ("RUNNING", "RUNQUEUED"):
         raise CommandError("405 Can only fail RUNNING or RUNQUEUED jobs")
     data = params.data(request) if params.present(request, "data") else None
-    changes: dict[str, Any] = {"state": "FAILED", "lastError": params.error_text(request, data)}
+    changes: dict[str, Any] = {
+        "state": "FAILED", "lastError": params.error_text(request, data), "ended": ctx.now_s,
+    }
     if data is not None:
         changes["data"] = data
+    freed(ctx, job)
     if job.maxAttempts and job.attempts < job.maxAttempts:
-        next_run = retry_time(ctx, backoff_delay(job, job.attempts))
+        delay = backoff_delay(job, job.attempts)
+        next_run = in_window(job.timeWindows, job.timeZone, retry_time(ctx, delay))
         changes.update(state="QUEUED", nextRun=next_run)
+        del changes["ended"]
         ctx.scheduled(job.name, next_run)
     ctx.store.update(job.jobID, **changes)
     return ok()
@@ -350,6 +373,7 @@ def delete_job(ctx: Context, request: Request) -> Response:
         raise CommandError("405 Can't delete a RUNNING job")
     if job.state == "PAUSED":
         raise CommandError("405 Can't delete a parent jobs with children running")
+    freed(ctx, job)
     ctx.store.delete(job.jobID)
     return ok()
 
@@ -366,8 +390,10 @@ def requeue_jobs(ctx: Context, request: Request) -> Response:
         if job is None:
             continue
         # A revived job gets every attempt of its retry policy again.
-        ctx.store.update(job_id, state="QUEUED", nextRun=job.created, attempts=0, **changes)
-        ctx.scheduled(changes.get("name", job.name), job.created)
+        next_run = in_window(job.timeWindows, job.timeZone, job.created)
+        ctx.store.update(job_id, state="QUEUED", nextRun=next_run, attempts=0, **changes)
+        ctx.scheduled(changes.get("name", job.name), next_run)
+        freed(ctx, job)
     return ok()
 
 
@@ -392,6 +418,30 @@ def _failed_object(job: Job) -> dict[str, Any]:
     return obj
 
 
+# Flow control (protocol.md 14.7 to 14.9).
+
+
+def set_limit(ctx: Context, request: Request) -> Response:
+    """Set, change or (max 0) remove a concurrency limit."""
+    pattern = params.pattern(request)
+    capacity = params.capacity(request)
+    ctx.store.set_limit(pattern, capacity)
+    # A higher or removed limit may let waiting jobs run.
+    ctx.wake_all()
+    return ok()
+
+
+def pause_jobs(ctx: Context, request: Request) -> Response:
+    ctx.store.pause(params.pattern(request))
+    return ok()
+
+
+def resume_jobs(ctx: Context, request: Request) -> Response:
+    if ctx.store.resume(params.pattern(request)):
+        ctx.wake_all()
+    return ok()
+
+
 COMMANDS: dict[str, Handler] = {
     "createjob": create_job,
     "createjobs": create_jobs,
@@ -407,6 +457,9 @@ COMMANDS: dict[str, Handler] = {
     "requeuejobs": requeue_jobs,
     "touchjob": touch_job,
     "failedjobs": failed_jobs,
+    "setlimit": set_limit,
+    "pausejobs": pause_jobs,
+    "resumejobs": resume_jobs,
 }
 
 WAITABLE = ("getjob", "getjobs")

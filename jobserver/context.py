@@ -32,3 +32,10 @@ class Context:
             self.ready.add(name)
         elif self.due is None or next_run < self.due:
             self.due = next_run
+
+    def wake_all(self) -> None:
+        """Note that jobs of any name may have become available (capacity
+        freed, a pattern resumed): a due time of now makes the wait queue's
+        clock try every waiting GetJob as soon as this commits."""
+        if self.due is None or self.now_ms < self.due:
+            self.due = self.now_ms

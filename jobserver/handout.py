@@ -22,9 +22,10 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
-from . import jsonbody, params, repeat, times
+from . import jsonbody, params, repeat, times, windows
 from .context import Context
 from .errors import CommandError
+from .globmatch import glob_match
 from .jsonbody import Raw
 from .protocol import Request, Response
 from .store import Job
@@ -48,6 +49,11 @@ JITTER = 0.1
 # 2^64 times any allowed base is far beyond any cap: larger exponents only
 # risk overflowing a float.
 MAX_EXPONENT = 64
+
+# A GetJob passes over at most this many due jobs that a concurrency limit
+# holds back before it gives up: the search stays bounded (one query's
+# bound parameters) even when a limit blocks a long queue of heavy jobs.
+MAX_SKIPPED = 1000
 
 # The last error of a job whose lease ran out without a report.
 LEASE_EXPIRED = "lease expired without a report"
@@ -157,6 +163,12 @@ def job_object(job: Job, with_state: bool = False) -> dict[str, Any]:
             obj["retryBackoff"] = job.retryBackoff
             obj["retryDelay"] = _number(job.retryDelay)
             obj["retryMaxDelay"] = _number(job.retryMaxDelay)
+    # Flow control, only for jobs that use it.
+    if job.cost != 1:
+        obj["cost"] = job.cost
+    if job.timeWindows:
+        obj["timeWindows"] = job.timeWindows
+        obj["timeZone"] = job.timeZone
     return obj
 
 
@@ -188,31 +200,97 @@ def dequeue(ctx: Context, query: JobQuery) -> list[Taken]:
     """Take up to `query.limit` due jobs, highest priority first.
 
     Jobs that run out of leases on the way are failed and skipped, and the
-    search goes on, so a GetJob gets a job whenever one can be had.
+    search goes on, so a GetJob gets a job whenever one can be had. So are
+    jobs outside their time window (moved to its next start), jobs of a
+    paused pattern and jobs that would take a concurrency limit over its
+    capacity (both left where they are).
     """
+    store = ctx.store
     taken: list[Taken] = []
+    # Flow control, only when some is set: a plain queue pays nothing.
+    usage = _usage(ctx) if store.limits else {}
+    skipped: list[int] = []
     while len(taken) < query.limit:
-        candidates = ctx.store.find_ready(
+        blocked = [*store.paused, *(p for p, used in usage.items() if used >= store.limits[p])]
+        candidates = store.find_ready(
             now=ctx.now_ms,
             priorities=query.priorities,
             limit=query.limit - len(taken),
             pattern=query.pattern,
             names=query.names,
+            blocked=blocked,
+            skipped=skipped,
         )
         if not candidates:
             break
         for job in candidates:
+            if job.timeWindows and not _in_window(ctx, job):
+                continue
+            if usage and not _fits(store.limits, usage, job):
+                skipped.append(job.jobID)
+                continue
             obj = _handout_object(ctx, job)
             lease = _start(ctx, job)
             if lease is None:
                 continue
+            for pattern in usage:
+                if glob_match(pattern, job.name):
+                    usage[pattern] += job.cost
             if job.maxAttempts:
                 obj["attempt"] = job.attempts + 1
                 obj["maxAttempts"] = job.maxAttempts
             if query.include_lease_id:
                 obj["leaseID"] = lease
             taken.append(Taken(job, obj, lease))
+        if len(skipped) >= MAX_SKIPPED:
+            break
     return taken
+
+
+def _usage(ctx: Context) -> dict[str, int]:
+    """What the running jobs use of each concurrency limit."""
+    return {pattern: ctx.store.usage(pattern, ctx.now_ms) for pattern in ctx.store.limits}
+
+
+def _fits(limits: dict[str, int], usage: dict[str, int], job: Job) -> bool:
+    return all(
+        usage[pattern] + job.cost <= capacity
+        for pattern, capacity in limits.items()
+        if glob_match(pattern, job.name)
+    )
+
+
+def _in_window(ctx: Context, job: Job) -> bool:
+    """True if the job may run now; else it moves to its next window."""
+    start = windows.place(job.timeWindows, job.timeZone, ctx.now)
+    if start <= ctx.now:
+        return True
+    next_run = times.to_millis(start)
+    ctx.store.update(job.jobID, nextRun=next_run)
+    ctx.scheduled(job.name, next_run)
+    return False
+
+
+def in_window(time_windows: str, zone: str, next_run: str) -> str:
+    """A nextRun for a job with these windows: `next_run`, or the start of
+    the next window if `next_run` falls outside every window."""
+    if not time_windows:
+        return next_run
+    try:
+        moment = times.parse_stored(next_run)
+    except ValueError:
+        return next_run
+    start = windows.place(time_windows, zone, moment)
+    return next_run if start <= moment else times.to_millis(start)
+
+
+def freed(ctx: Context, job: Job) -> None:
+    """A running job stops running: if it held capacity of a concurrency
+    limit, every waiting GetJob may now get a job."""
+    limits = ctx.store.limits
+    if job.state in ("RUNNING", "RUNQUEUED") and limits:
+        if any(glob_match(pattern, job.name) for pattern in limits):
+            ctx.wake_all()
 
 
 def _handout_object(ctx: Context, job: Job) -> dict[str, Any]:
@@ -282,7 +360,7 @@ def _start(ctx: Context, job: Job) -> str | None:
 
 
 def _fail(ctx: Context, job: Job, error: str) -> None:
-    ctx.store.update(job.jobID, state="FAILED", lastError=error)
+    ctx.store.update(job.jobID, state="FAILED", lastError=error, ended=ctx.now_s)
 
 
 def lease_end(ctx: Context, job: Job) -> str | None:
@@ -361,3 +439,4 @@ def give_back(ctx: Context, taken: list[Taken]) -> None:
             leaseID=job.leaseID,
         )
         ctx.scheduled(job.name, job.nextRun)
+        freed(ctx, current)

@@ -6,10 +6,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from . import jsonbody, repeat, times
+from . import jsonbody, repeat, times, windows
 from .errors import CommandError
 from .protocol import Request
-from .store import RetryPolicy
+from .store import PLAIN, FlowOptions, RetryPolicy
 
 PRIORITIES = (1000, 850, 750, 500, 250, 0)
 DEFAULT_PRIORITY = 500
@@ -49,6 +49,12 @@ MAX_ERROR = 64 * 1024
 # many rows.
 MAX_LISTED = 10_000
 DEFAULT_LISTED = 1000
+
+# A job's cost against concurrency limits (protocol.md 14.7): a million
+# is far above any sensible capacity, and keeps sums of costs small.
+MAX_COST = 1_000_000
+# A concurrency limit's capacity, likewise.
+MAX_CAPACITY = 1_000_000_000
 
 Params = Request
 
@@ -305,3 +311,46 @@ def from_json(element: Mapping[str, Any]) -> Params:
             text = str(value)
         headers[key.lower()] = text
     return Request(method_line="CreateJob", headers=headers)
+
+
+def flow_options(params: Params) -> FlowOptions:
+    """CreateJob's cost, timeWindows and timeZone (protocol.md 14.7, 14.8)."""
+    cost_text = present(params, "cost")
+    cost = 1 if cost_text is None else parse_job_id(cost_text, "cost")
+    if cost > MAX_COST:
+        raise CommandError("402 Malformed cost")
+    windows_text = present(params, "timeWindows")
+    zone_text = present(params, "timeZone")
+    if windows_text is None:
+        if zone_text is not None:
+            raise CommandError("402 Missing timeWindows")
+        return PLAIN if cost == 1 else FlowOptions(cost=cost)
+    try:
+        parsed = windows.format_windows(windows.parse_windows(windows_text))
+    except ValueError:
+        raise CommandError("402 Malformed timeWindows") from None
+    zone = zone_text.strip() if zone_text is not None else "UTC"
+    try:
+        windows.parse_zone(zone)
+    except ValueError:
+        raise CommandError("402 Malformed timeZone") from None
+    return FlowOptions(cost=cost, windows=parsed, zone=zone)
+
+
+def capacity(params: Params) -> int:
+    """SetLimit's `max`: 0 (remove the limit) or a positive capacity."""
+    text = require(params, "max")
+    if text == "0":
+        return 0
+    number = parse_job_id(text, "max")
+    if number > MAX_CAPACITY:
+        raise CommandError("402 Malformed max")
+    return number
+
+
+def pattern(params: Params) -> str:
+    """The one GLOB pattern of SetLimit, PauseJobs and ResumeJobs."""
+    value = require(params, "name")
+    if len(value.encode("utf-8")) > MAX_NAME:
+        raise CommandError("402 Malformed name")
+    return value

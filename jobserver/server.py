@@ -23,13 +23,13 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import trio
 
-from . import __version__, commands, handout, params, query
+from . import __version__, commands, handout, params, query, retention
 from .errors import CommandError
 from .handout import Handout, JobQuery
 from .protocol import Request, RequestParser, Response, encode_response
@@ -71,6 +71,14 @@ class Config:
     auth_token: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    # Concurrency limits given at start (--limit): pattern -> capacity.
+    # SetLimit's, stored in the database, win over these.
+    limits: dict[str, int] = field(default_factory=dict)
+    # Retention in seconds (--keep-finished, --keep-failed): 0 deletes a
+    # finished job at once, as Bedrock does; None keeps failed jobs forever.
+    keep_finished: float = 0.0
+    keep_failed: float | None = None
+    prune_interval: float = retention.PRUNE_INTERVAL
 
 
 class Server:
@@ -107,7 +115,8 @@ class Server:
             if config.tls_cert:
                 listeners = [_tls(listener, config) for listener in listeners]
             try:
-                self.store = Store(config.db, config.synchronous)
+                self.store = Store(config.db, config.synchronous, config.limits)
+                self.store.keep_finished = config.keep_finished > 0
             except BaseException:
                 for listener in listeners:
                     await listener.aclose()
@@ -130,6 +139,11 @@ class Server:
             try:
                 async with trio.open_nursery() as core:
                     core.start_soon(self.waits.run_clock)
+                    if config.db != ":memory:":
+                        core.start_soon(
+                            retention.run_pruner, self.writer, config.db,
+                            config.keep_finished, config.keep_failed, config.prune_interval,
+                        )
                     async with trio.open_nursery() as conns:
                         accept = trio.CancelScope()
                         conns.start_soon(self._accept, listeners, conns, accept)
@@ -144,7 +158,7 @@ class Server:
                 log.info("stopped serving %s; database %s closed", address, config.db)
 
     async def status(self) -> Response:
-        counts = await self.writer.call(lambda ctx: ctx.store.count_by_state())
+        counts, limits, paused = await self.writer.call(_status_snapshot)
         body = {
             "version": __version__,
             "uptime": round(time.monotonic() - self.started, 3),
@@ -154,6 +168,8 @@ class Server:
             "connections": len(self.connections),
             "commandsServed": self.commands_served,
             "transactions": self.writer.batches,
+            "limits": limits,
+            "paused": paused,
         }
         return commands.ok(body)
 
@@ -406,6 +422,17 @@ def _stop_signals() -> Iterator[AsyncIterator[int] | None]:
         return
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         yield signals
+
+
+def _status_snapshot(ctx: Any) -> tuple[dict[str, int], dict[str, Any], list[str]]:
+    """Job counts, each concurrency limit with what running jobs use of it,
+    and the paused patterns."""
+    store = ctx.store
+    limits = {
+        pattern: {"max": capacity, "running": store.usage(pattern, ctx.now_ms)}
+        for pattern, capacity in sorted(store.limits.items())
+    }
+    return store.count_by_state(), limits, sorted(store.paused)
 
 
 def _tls(listener: trio.SocketListener, config: Config) -> trio.SSLListener[trio.SocketStream]:

@@ -9,12 +9,12 @@ reaches SQLite as a bound parameter.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from time import monotonic
 from urllib.parse import quote
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 SYNCHRONOUS_MODES = ("FULL", "NORMAL")
 
@@ -43,7 +43,14 @@ CREATE TABLE jobs (
     attempts      INTEGER NOT NULL DEFAULT 0,
     lastError     TEXT NOT NULL DEFAULT '',
     -- The token of the latest hand-out, for fencing late reports.
-    leaseID       TEXT NOT NULL DEFAULT ''
+    leaseID       TEXT NOT NULL DEFAULT '',
+    -- Flow control (protocol.md 14.7 to 14.10): what the job counts
+    -- against concurrency limits, the daily windows it may run in, and when
+    -- it became FINISHED or FAILED, for retention.
+    cost          INTEGER NOT NULL DEFAULT 1,
+    timeWindows   TEXT NOT NULL DEFAULT '',
+    timeZone      TEXT NOT NULL DEFAULT '',
+    ended         TEXT NOT NULL DEFAULT ''
 );
 -- GetJob with a pattern: per priority, the due jobs in hand-out order
 -- (nextRun, name, then jobID, which every index ends with), so the first
@@ -62,6 +69,19 @@ CREATE INDEX jobsParentJobIDState ON jobs (parentJobID, state)
     WHERE parentJobID != 0;
 -- FailedJobs: the dead set, which is small next to the queue.
 CREATE INDEX jobsFailedName ON jobs (name) WHERE state = 'FAILED';
+-- What running jobs of a name use of a concurrency limit.
+CREATE INDEX jobsActive ON jobs (name, state, nextRun, cost)
+    WHERE state IN ('RUNNING', 'RUNQUEUED');
+-- Retention: the oldest ended standalone jobs, for the pruner.
+CREATE INDEX jobsEnded ON jobs (state, ended)
+    WHERE state IN ('FINISHED', 'FAILED') AND parentJobID = 0;
+CREATE TABLE limits (
+    pattern  TEXT PRIMARY KEY,
+    capacity INTEGER NOT NULL
+);
+CREATE TABLE paused (
+    pattern TEXT PRIMARY KEY
+);
 """
 
 # Statements that bring a file of version N up to N + 1. They run in one
@@ -79,12 +99,27 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE jobs ADD COLUMN leaseID TEXT NOT NULL DEFAULT ''",
         "CREATE INDEX jobsFailedName ON jobs (name) WHERE state = 'FAILED'",
     ),
+    2: (
+        "ALTER TABLE jobs ADD COLUMN cost INTEGER NOT NULL DEFAULT 1",
+        "ALTER TABLE jobs ADD COLUMN timeWindows TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE jobs ADD COLUMN timeZone TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE jobs ADD COLUMN ended TEXT NOT NULL DEFAULT ''",
+        # Jobs that failed before retention existed count from their last run.
+        "UPDATE jobs SET ended = COALESCE(lastRun, created) WHERE state IN ('FINISHED', 'FAILED')",
+        # Written as in _SCHEMA: the stored text of an index is compared.
+        "CREATE INDEX jobsActive ON jobs (name, state, nextRun, cost)\n"
+        "    WHERE state IN ('RUNNING', 'RUNQUEUED')",
+        "CREATE INDEX jobsEnded ON jobs (state, ended)\n"
+        "    WHERE state IN ('FINISHED', 'FAILED') AND parentJobID = 0",
+        "CREATE TABLE limits (\n    pattern  TEXT PRIMARY KEY,\n    capacity INTEGER NOT NULL\n)",
+        "CREATE TABLE paused (\n    pattern TEXT PRIMARY KEY\n)",
+    ),
 }
 
 _COLUMNS = (
     "created, jobID, state, name, nextRun, lastRun, repeat, data, priority, "
     "parentJobID, retryAfter, maxAttempts, retryBackoff, retryDelay, retryMaxDelay, "
-    "attempts, lastError, leaseID"
+    "attempts, lastError, leaseID, cost, timeWindows, timeZone, ended"
 )
 
 # The columns commands may change; `update` refuses any other name, so a
@@ -92,12 +127,19 @@ _COLUMNS = (
 _UPDATABLE = frozenset(
     (
         "state", "name", "nextRun", "lastRun", "repeat", "data", "priority", "retryAfter",
-        "attempts", "lastError", "leaseID",
+        "attempts", "lastError", "leaseID", "ended",
     )
 )
 
 
 _GLOB_SPECIALS = frozenset("*?[")
+
+
+# How long a transaction waits for another process's lock before failing.
+BUSY_MS = 2000
+# The same while the server stops, so that a locked database cannot hold a
+# shutdown past its few seconds.
+STOPPING_BUSY_MS = 100
 
 
 class StoreError(Exception):
@@ -124,6 +166,23 @@ class Job:
     attempts: int
     lastError: str
     leaseID: str
+    cost: int = 1
+    timeWindows: str = ""
+    timeZone: str = ""
+    ended: str = ""
+
+
+@dataclass(frozen=True)
+class FlowOptions:
+    """What CreateJob's cost, timeWindows and timeZone ask for; the
+    defaults are a plain Bedrock job."""
+
+    cost: int = 1
+    windows: str = ""
+    zone: str = ""
+
+
+PLAIN = FlowOptions()
 
 
 @dataclass(frozen=True)
@@ -138,33 +197,71 @@ class RetryPolicy:
 
 
 class Store:
-    def __init__(self, path: str, synchronous: str = "FULL") -> None:
+    def __init__(
+        self, path: str, synchronous: str = "FULL", limits: Mapping[str, int] | None = None
+    ) -> None:
         if synchronous not in SYNCHRONOUS_MODES:
             raise ValueError(f"synchronous must be one of {SYNCHRONOUS_MODES}")
         self.path = path
+        # Set by the writer when the server stops (see STOPPING_BUSY_MS).
+        self.stopping = False
+        self._short_wait = False
         try:
             self._db = sqlite3.connect(
                 path, isolation_level=None, check_same_thread=False
             )
             self._configure(synchronous)
+            self._check()
             self._migrate()
             # Every priority a job has had since the file was opened: a
             # superset of those with waiting jobs, so GetJob skips the rest.
             self._priorities = {
                 row[0] for row in self._db.execute("SELECT DISTINCT priority FROM jobs")
             }
+            # Flow control, read on every hand-out: kept in memory, so that
+            # a GetJob costs nothing more when no limit or pause is set.
+            # Limits given at start (--limit) are the base; those set by
+            # SetLimit are stored and win.
+            self._base_limits = dict(limits or {})
+            # Retention: FinishJob keeps standalone jobs as FINISHED
+            # (--keep-finished) instead of deleting them.
+            self.keep_finished = False
+            self.limits: dict[str, int] = {}
+            self.paused: frozenset[str] = frozenset()
+            self._load_flow_control()
         except sqlite3.DatabaseError as error:
             raise StoreError(f"cannot use {path!r} as a job database: {error}") from error
 
     def _configure(self, synchronous: str) -> None:
         db = self._db
-        # Another process holding the write lock is waited for, not failed.
-        db.execute("PRAGMA busy_timeout = 5000")
+        # Another process holding the write lock is waited for, not failed;
+        # every request waits with it, so not for long.
+        db.execute(f"PRAGMA busy_timeout = {BUSY_MS}")
+        # Pages freed by deleted jobs go back to the file system when the
+        # pruner asks (incremental_vacuum). It only takes effect on a new
+        # file, before its first table; older files keep their setting, and
+        # are not written to here (one may be read-only).
+        if db.execute("PRAGMA page_count").fetchone()[0] == 0:
+            db.execute("PRAGMA auto_vacuum = INCREMENTAL")
         mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if mode.lower() != "wal" and self.path != ":memory:":
             raise StoreError(f"cannot switch {self.path!r} to WAL mode (got {mode})")
         # PRAGMA takes no parameters; the value was checked against a whitelist.
         db.execute(f"PRAGMA synchronous = {synchronous}")
+
+    def _check(self) -> None:
+        """Refuse a damaged file at start rather than fail writes later.
+        quick_check reads every page once: seconds for millions of jobs."""
+        try:
+            problems = [row[0] for row in self._db.execute("PRAGMA quick_check")]
+        except sqlite3.OperationalError as error:
+            if "readonly" not in str(error):
+                raise
+            # A read-only file with a journal left by a crash cannot be
+            # checked; it is served for reading all the same.
+            return
+        if problems != ["ok"]:
+            raise StoreError(f"{self.path!r} is damaged: {'; '.join(problems[:3])}")
 
     def _migrate(self) -> None:
         db = self._db
@@ -220,6 +317,9 @@ class Store:
         return self._db.in_transaction
 
     def begin(self) -> None:
+        if self.stopping and not self._short_wait:
+            self._db.execute(f"PRAGMA busy_timeout = {STOPPING_BUSY_MS}")
+            self._short_wait = True
         self._db.execute("BEGIN IMMEDIATE")
 
     def commit(self) -> None:
@@ -228,6 +328,7 @@ class Store:
     def rollback(self) -> None:
         if self._db.in_transaction:
             self._db.execute("ROLLBACK")
+        self._load_flow_control()
 
     def savepoint(self) -> None:
         self._db.execute("SAVEPOINT request")
@@ -238,6 +339,7 @@ class Store:
     def rollback_savepoint(self) -> None:
         self._db.execute("ROLLBACK TO request")
         self._db.execute("RELEASE request")
+        self._load_flow_control()
 
     # Rows.
 
@@ -254,8 +356,27 @@ class Store:
         parent_id: int = 0,
         retry_after: str = "",
         policy: RetryPolicy | None = None,
+        flow: FlowOptions = PLAIN,
+        ended: str = "",
     ) -> int:
-        if policy is None:
+        if flow != PLAIN or ended:
+            cursor = self._db.execute(
+                "INSERT INTO jobs (created, state, name, nextRun, repeat, data, "
+                "priority, parentJobID, retryAfter, cost, timeWindows, timeZone, ended) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    created, state, name, next_run, repeat, data, priority, parent_id,
+                    retry_after, flow.cost, flow.windows, flow.zone, ended,
+                ),
+            )
+            if policy is not None:
+                self._db.execute(
+                    "UPDATE jobs SET maxAttempts = ?, retryBackoff = ?, retryDelay = ?, "
+                    "retryMaxDelay = ? WHERE jobID = ?",
+                    (policy.max_attempts, policy.backoff, policy.delay, policy.max_delay,
+                     cursor.lastrowid),
+                )
+        elif policy is None:
             cursor = self._db.execute(
                 "INSERT INTO jobs (created, state, name, nextRun, repeat, data, "
                 "priority, parentJobID, retryAfter) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -304,12 +425,16 @@ class Store:
         limit: int,
         pattern: str | None = None,
         names: Sequence[str] = (),
+        blocked: Sequence[str] = (),
+        skipped: Sequence[int] = (),
     ) -> list[Job]:
         """Due QUEUED/RUNQUEUED jobs, highest priority first, then oldest nextRun.
 
         Either `pattern` (a GLOB) or `names` (exact names) selects the jobs.
         One index range per priority, so that no query scans jobs that are
         not due yet; priorities no job has ever used are not asked about.
+        Jobs whose name matches a `blocked` GLOB, and the `skipped` jobIDs,
+        are left out.
         """
         if pattern is not None and not _GLOB_SPECIALS.isdisjoint(pattern):
             source, name_clause, name_args = "jobs", "name GLOB ?", [pattern]
@@ -320,6 +445,12 @@ class Store:
             source = "jobs INDEXED BY jobsReadyName"
             name_clause = f"name IN ({', '.join('?' for _ in names)})"
             name_args = names
+        if blocked:
+            name_clause += " AND NOT (" + " OR ".join("name GLOB ?" for _ in blocked) + ")"
+            name_args = [*name_args, *blocked]
+        if skipped:
+            name_clause += f" AND jobID NOT IN ({', '.join('?' for _ in skipped)})"
+            name_args = [*name_args, *skipped]
         sql = (
             f"SELECT {_COLUMNS} FROM {source} "
             "WHERE state IN ('QUEUED', 'RUNQUEUED') AND priority = ? AND nextRun <= ? "
@@ -421,13 +552,91 @@ class Store:
     def find_by_name(self, name: str) -> Job | None:
         """The oldest job with exactly this name, for unique=true."""
         row = self._db.execute(
-            f"SELECT {_COLUMNS} FROM jobs WHERE name = ? ORDER BY jobID LIMIT 1", (name,)
+            f"SELECT {_COLUMNS} FROM jobs WHERE name = ? "
+            # A finished job kept for retention is history, not a job to merge into.
+            "AND NOT (state = 'FINISHED' AND parentJobID = 0) ORDER BY jobID LIMIT 1",
+            (name,),
         ).fetchone()
         return Job(*row) if row else None
 
     def json_patch(self, target: str, patch: str) -> str:
         """RFC 7396 merge of two JSON objects, by SQLite's JSON_PATCH."""
         return self._db.execute("SELECT JSON_PATCH(?, ?)", (target, patch)).fetchone()[0]
+
+    # Flow control: concurrency limits and paused patterns. The tables are
+    # tiny; the in-memory copies are reloaded whenever a transaction or a
+    # savepoint is rolled back, so they never disagree with the file.
+
+    def _load_flow_control(self) -> None:
+        db = self._db
+        try:
+            stored = dict(db.execute("SELECT pattern, capacity FROM limits").fetchall())
+            paused = frozenset(row[0] for row in db.execute("SELECT pattern FROM paused"))
+        except sqlite3.Error:
+            # A failing disk: the rollback that brought us here is what
+            # matters; the copies are read again after the next rollback.
+            return
+        self.limits = {**self._base_limits, **stored}
+        self.paused = paused
+
+    def set_limit(self, pattern: str, capacity: int) -> None:
+        """Store a limit; capacity 0 removes it (a --limit one until restart)."""
+        if capacity:
+            self._db.execute(
+                "INSERT INTO limits (pattern, capacity) VALUES (?, ?) "
+                "ON CONFLICT (pattern) DO UPDATE SET capacity = excluded.capacity",
+                (pattern, capacity),
+            )
+            self.limits = {**self.limits, pattern: capacity}
+        else:
+            self._db.execute("DELETE FROM limits WHERE pattern = ?", (pattern,))
+            self._base_limits.pop(pattern, None)
+            self.limits = {p: c for p, c in self.limits.items() if p != pattern}
+
+    def usage(self, pattern: str, now: str) -> int:
+        """The cost of the running jobs a limit's pattern matches: RUNNING,
+        and RUNQUEUED whose lease has not run out."""
+        row = self._db.execute(
+            "SELECT COALESCE(SUM(cost), 0) FROM jobs WHERE state IN ('RUNNING', 'RUNQUEUED') "
+            "AND name GLOB ? AND (state = 'RUNNING' OR nextRun > ?)",
+            (pattern, now),
+        ).fetchone()
+        return int(row[0])
+
+    def pause(self, pattern: str) -> None:
+        self._db.execute("INSERT OR IGNORE INTO paused (pattern) VALUES (?)", (pattern,))
+        self.paused = self.paused | {pattern}
+
+    def resume(self, pattern: str) -> bool:
+        """Forget a paused pattern; False if it was not paused."""
+        cursor = self._db.execute("DELETE FROM paused WHERE pattern = ?", (pattern,))
+        self.paused = self.paused - {pattern}
+        return cursor.rowcount > 0
+
+    # Retention.
+
+    def prune(self, state: str, ended_before: str, batch: int) -> int:
+        """Delete up to `batch` standalone jobs in `state` (FINISHED or
+        FAILED) that ended before `ended_before`; how many went."""
+        cursor = self._db.execute(
+            "DELETE FROM jobs WHERE jobID IN (SELECT jobID FROM jobs INDEXED BY jobsEnded "
+            "WHERE state IN ('FINISHED', 'FAILED') AND parentJobID = 0 AND state = ? "
+            "AND ended < ? ORDER BY ended LIMIT ?)",
+            (state, ended_before, batch),
+        )
+        return cursor.rowcount
+
+    def free_pages(self) -> int:
+        return int(self._db.execute("PRAGMA freelist_count").fetchone()[0])
+
+    def reclaim(self, pages: int) -> None:
+        """Give up to `pages` free pages back to the file system (files
+        created with auto_vacuum INCREMENTAL; a no-op on others)."""
+        # Python's sqlite3 steps this PRAGMA once, and each step gives back
+        # one page whatever the argument, so it is run once per page; inside
+        # the open transaction that costs microseconds each.
+        for _ in range(min(pages, self.free_pages())):
+            self._db.execute("PRAGMA incremental_vacuum(1)")
 
 
 # Read-only SQL for the `Query` command. It runs on its own connection,
@@ -475,6 +684,25 @@ def read_only_query(
             raise OverflowError(max_rows)
         headers = [column[0] for column in cursor.description or ()]
         return headers, rows
+    finally:
+        db.close()
+
+
+def prune_pending(path: str, before: Mapping[str, str], min_free_pages: int) -> bool:
+    """Whether the pruner has work, asked on a connection of its own so that
+    an idle server adds no transaction: a standalone job in a state of
+    `before` that ended before its time there, or free pages to reclaim."""
+    db = sqlite3.connect(f"file:{quote(path)}?mode=ro", uri=True, isolation_level=None)
+    try:
+        for state, cutoff in before.items():
+            row = db.execute(
+                "SELECT 1 FROM jobs INDEXED BY jobsEnded WHERE state IN ('FINISHED', 'FAILED') "
+                "AND parentJobID = 0 AND state = ? AND ended < ? LIMIT 1",
+                (state, cutoff),
+            ).fetchone()
+            if row is not None:
+                return True
+        return int(db.execute("PRAGMA freelist_count").fetchone()[0]) >= min_free_pages
     finally:
         db.close()
 

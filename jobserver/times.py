@@ -8,6 +8,7 @@ time, "is this job due" is a text comparison SQLite can answer from an index.
 
 from __future__ import annotations
 
+import re
 from datetime import datetime, timezone, tzinfo
 
 from dateutil import parser as dateparser
@@ -76,3 +77,15 @@ def parse_user_time(text: str) -> str:
     if len(stored) != 19:
         raise ValueError(f"year out of range: {text!r}")
     return stored
+
+
+_DURATION = re.compile(r"([0-9]{1,9})([smhd]?)")
+_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """`0`, `90`, `90s`, `30m`, `12h`, `7d` -> seconds; ValueError otherwise."""
+    found = _DURATION.fullmatch(text.strip().lower())
+    if found is None:
+        raise ValueError(f"not a duration: {text!r}")
+    return float(int(found.group(1)) * _UNIT_SECONDS[found.group(2)])

@@ -89,7 +89,10 @@ class Writer:
         return result[0].unwrap()
 
     async def stop(self) -> None:
-        """Finish everything queued, then stop the thread."""
+        """Finish everything queued, then stop the thread. While another
+        process holds the database, what is left fails fast instead of each
+        batch waiting out the busy timeout."""
+        self._store.stopping = True
         self._queue.put(_STOP)
         await trio.to_thread.run_sync(self._thread.join)
 
@@ -127,12 +130,14 @@ class Writer:
             # a caller must never wait for a commit that will not come.
             if isinstance(error, sqlite3.Error):
                 log.error("transaction failed: %s", error)
-                failed = outcome.Error(CommandError(f"503 Database unavailable: {error}"))
+                status = f"503 Database unavailable: {error}"
             else:
                 log.exception("transaction failed")
-                failed = outcome.Error(CommandError("500 Unhandled Exception"))
+                status = "500 Unhandled Exception"
             self._store.rollback()
-            outcomes, woken = [failed] * len(batch), _Woken()
+            # One outcome each: an outcome can be unwrapped only once.
+            outcomes = [outcome.Error(CommandError(status)) for _ in batch]
+            woken = _Woken()
         self._token.run_sync_soon(self._deliver, batch, outcomes, woken)
 
     def _deliver(self, batch: list[Work], outcomes: list[outcome.Outcome], woken: _Woken) -> None:
@@ -207,8 +212,10 @@ class Writer:
             if not store.in_transaction:
                 # SQLite rolled the whole transaction back (disk full, I/O
                 # error): the requests before this one are undone too.
-                lost = outcome.Error(CommandError("502 Transaction rolled back"))
-                results = [(lost, None) for _ in results]
+                results = [
+                    (outcome.Error(CommandError("502 Transaction rolled back")), None)
+                    for _ in results
+                ]
                 store.begin()
             results.append((result, None))
         return results

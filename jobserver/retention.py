@@ -1,0 +1,82 @@
+"""Retention: deleting finished and failed jobs once they are old enough,
+and giving the freed pages back to the file system (protocol.md 14.10).
+
+A background task looks every few seconds, on a read-only connection of
+its own, whether there is anything to do. If there is, it deletes in small
+batches, each one request to the writer, so requests queued meanwhile run
+between two batches instead of waiting for the whole clean-up.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+
+import trio
+
+from . import times
+from .context import Context
+from .errors import CommandError
+from .store import prune_pending
+from .writer import Writer
+
+log = logging.getLogger("jobserver")
+
+# Jobs deleted per transaction: a few milliseconds of work, so a request
+# that arrives meanwhile waits no longer than for an ordinary batch.
+PRUNE_BATCH = 500
+# Free pages worth a vacuum on their own: 1 MiB of 4 KiB pages. Below
+# that, the next jobs will reuse them anyway.
+RECLAIM_MIN_PAGES = 256
+# Pages given back per transaction: 8 MiB of 4 KiB pages, bounded work.
+RECLAIM_PAGES = 2048
+# How often the pruner looks, by default: "a few seconds" late is nothing
+# for a retention counted in minutes or days.
+PRUNE_INTERVAL = 5.0
+
+
+def cutoffs(now: datetime, keep_finished: float, keep_failed: float | None) -> dict[str, str]:
+    """For each state the pruner deletes, the `ended` before which a job goes.
+    FAILED jobs are kept forever unless `keep_failed` is set."""
+    found = {"FINISHED": times.to_seconds(now - timedelta(seconds=keep_finished))}
+    if keep_failed is not None:
+        found["FAILED"] = times.to_seconds(now - timedelta(seconds=keep_failed))
+    return found
+
+
+def prune_step(ctx: Context, before: dict[str, str]) -> bool:
+    """One batch: delete expired jobs, reclaim free pages. True when more
+    work is left."""
+    store = ctx.store
+    more = False
+    pruned = 0
+    for state, cutoff in before.items():
+        deleted = store.prune(state, cutoff, PRUNE_BATCH)
+        pruned += deleted
+        more = more or deleted == PRUNE_BATCH
+    free = store.free_pages()
+    if free >= RECLAIM_MIN_PAGES or (pruned and free):
+        store.reclaim(RECLAIM_PAGES)
+        more = more or free > RECLAIM_PAGES
+    return more
+
+
+async def run_pruner(
+    writer: Writer, path: str, keep_finished: float, keep_failed: float | None, interval: float
+) -> None:
+    while True:
+        await trio.sleep(interval)
+        before = cutoffs(times.utcnow(), keep_finished, keep_failed)
+        try:
+            pending = await trio.to_thread.run_sync(
+                prune_pending, path, before, RECLAIM_MIN_PAGES
+            )
+        except Exception as error:
+            log.warning("pruner cannot read the database: %s", error)
+            continue
+        while pending:
+            try:
+                pending = await writer.call(lambda ctx: prune_step(ctx, before))
+            except CommandError as error:
+                log.warning("pruning failed: %s", error.status)
+                break

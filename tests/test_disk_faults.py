@@ -1,0 +1,485 @@
+"""The disk misbehaves: full, read-only, locked by another process, corrupt.
+
+In every case the server either refuses clearly or answers with a status
+line that says so, and it never acknowledges a write that is not stored.
+The disk-full and read-only cases mount a small tmpfs (root only); they
+are skipped where mounting is not possible.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from procserver import ServerProcess, locked, start_server  # noqa: F401
+from wire import Client, encode
+
+# The server waits this long for another process's lock (store.py: BUSY_MS).
+BUSY_TIMEOUT = 2.0
+
+
+@contextmanager
+def tmpfs(mountpoint: Path, size: str) -> Iterator[Path]:
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mountpoint)],
+        capture_output=True,
+        text=True,
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip() or result.returncode}")
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True)
+
+
+def remount(mountpoint: Path, options: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{options}", str(mountpoint)], check=True)
+
+
+def names_stored(client: Client, pattern: str) -> set[str]:
+    reply = client.request("Query", query=f"SELECT name FROM jobs WHERE name GLOB '{pattern}';")
+    assert reply.status == "200 OK", reply.status
+    return set(reply.body.decode().splitlines()[1:])
+
+
+def assert_clean(log: str) -> None:
+    assert "Traceback" not in log and " ERROR " not in log, log
+
+
+# (a) Disk full.
+
+
+def test_disk_full_refuses_writes_with_5xx_keeps_reading_and_recovers(start_server, tmp_path: Path) -> None:
+    with tmpfs(tmp_path / "small", "2m") as fs:
+        db = fs / "jobs.db"
+        filler = fs / "filler"
+        filler.write_bytes(b"\0" * 512 * 1024)
+        server = start_server(db)
+        port = server.port
+        acked: dict[str, int] = {}
+        refused: dict[str, str] = {}
+        # One connection: concurrent writers would put several requests in
+        # one failing transaction, which is test_a_failed_transaction_...'s.
+        with Client(port, timeout=30) as client:
+            for n in range(500):
+                name = f"fill/{n}"
+                reply = client.request("CreateJob", name=name, data={"pad": "x" * (1 + n % 4) * 20_000})
+                if reply.code != 200:
+                    refused[name] = reply.status
+                    break
+                acked[name] = reply.json["jobID"]
+        assert acked, "nothing fitted on the disk at all"
+        assert refused, "the disk never filled up"
+        for status in refused.values():
+            # protocol.md 11: the request was undone, or nothing was written.
+            assert status.startswith(("503 Database unavailable: ", "502 ")), status
+            assert "full" in status or status == "502 Transaction rolled back", status
+
+        with Client(port) as client:
+            # Reads go on: Ping, QueryJob of every acknowledged job, Query.
+            assert client.request("Ping").status == "200 OK"
+            for name, job_id in acked.items():
+                reply = client.request("QueryJob", jobID=job_id)
+                assert reply.status == "200 OK", (name, reply.status)
+                assert reply.json["name"] == name
+            assert names_stored(client, "fill/*") == set(acked)
+
+            # Space comes back: writes work again, with no restart.
+            filler.unlink()
+            reply = client.request("CreateJob", name="after/freed", data={"pad": "y" * 20_000})
+            assert reply.status == "200 OK", reply.status
+            acked["after/freed"] = reply.json["jobID"]
+
+            # Full once more, to the last byte, and stopped while full.
+            with pytest.raises(OSError):
+                with open(fs / "filler2", "wb") as fill:
+                    while True:
+                        fill.write(b"\0" * 65536)
+                        fill.flush()
+            for n in range(50):
+                name = f"after/full/{n}"
+                reply = client.request("CreateJob", name=name, data={"pad": "z" * 20_000})
+                if reply.code == 200:
+                    acked[name] = reply.json["jobID"]
+                else:
+                    assert reply.code in (502, 503), reply.status
+                    refused[name] = reply.status
+                    break
+            assert any(name.startswith("after/full/") for name in refused)
+
+        server.signal(signal.SIGTERM)
+        assert server.wait(10) == 0, server.log
+        log = server.log
+        assert "Traceback" not in log, log
+        assert "database or disk is full" in log
+
+        # A restart with more room: every acknowledged job is there, nothing refused is.
+        remount(fs, "size=32m")
+        again = start_server(db)
+        with again.client() as client:
+            for name, job_id in acked.items():
+                reply = client.request("QueryJob", jobID=job_id)
+                assert reply.status == "200 OK", (name, reply.status)
+                assert reply.json["name"] == name
+            stored = names_stored(client, "*/*")
+            assert stored == set(acked), (sorted(stored - set(acked)), sorted(set(acked) - stored))
+            assert client.request("CreateJob", name="after/restart").status == "200 OK"
+        assert_clean(again.log)
+        print(f"\ndisk full: {len(acked)} writes acknowledged and kept, refused: {sorted(set(refused.values()))}")
+
+
+# (b) Read-only database.
+
+
+def test_read_only_filesystem_after_a_clean_stop_refuses_to_start(start_server, tmp_path: Path) -> None:
+    with tmpfs(tmp_path / "ro", "4m") as fs:
+        db = fs / "jobs.db"
+        first = start_server(db)
+        with first.client() as client:
+            assert client.request("CreateJob", name="kept").status == "200 OK"
+        first.signal(signal.SIGTERM)
+        assert first.wait(10) == 0
+        # A clean stop leaves no -wal or -shm file; now nothing can be created.
+        remount(fs, "ro")
+        before = db.read_bytes()
+        second = start_server(db)
+        code = second.wait(10)
+        assert not second.started, second.log
+        assert code == 2, second.log
+        assert str(db) in second.log
+        assert "Traceback" not in second.log, second.log
+        assert db.read_bytes() == before
+
+
+def test_read_only_filesystem_after_a_crash_serves_reads_and_refuses_writes(start_server, tmp_path: Path) -> None:
+    with tmpfs(tmp_path / "ro", "4m") as fs:
+        db = fs / "jobs.db"
+        first = start_server(db)
+        with first.client() as client:
+            kept = client.request("CreateJob", name="kept", data={"v": 1}).json["jobID"]
+            taken = client.request("CreateJob", name="taken").json["jobID"]
+            assert client.request("GetJob", name="taken").status == "200 OK"
+        first.kill()
+        assert (fs / "jobs.db-wal").exists() and (fs / "jobs.db-shm").exists()
+        remount(fs, "ro")
+        # With the -shm file in place SQLite can read the database: the
+        # server starts, reads work, and every write is refused with a 5xx.
+        second = start_server(db)
+        assert second.started, second.log
+        with second.client() as client:
+            assert client.request("Ping").status == "200 OK"
+            assert client.request("QueryJob", jobID=kept).json["data"] == {"v": 1}
+            assert client.request("QueryJob", jobID=taken).json["state"] == "RUNNING"
+            assert names_stored(client, "*") == {"kept", "taken"}
+            for method, params in [
+                ("CreateJob", {"name": "new"}),
+                ("GetJob", {"name": "kept"}),
+                ("FinishJob", {"jobID": taken}),
+                ("DeleteJob", {"jobID": kept}),
+                ("UpdateJob", {"jobID": kept, "data": {"v": 2}}),
+            ]:
+                reply = client.request(method, **params)
+                assert reply.code in (502, 503), (method, reply.status)
+                assert "readonly" in reply.status or "read-only" in reply.status, reply.status
+            assert client.request("QueryJob", jobID=kept).json["data"] == {"v": 1}
+            assert client.request("QueryJob", jobID=taken).json["state"] == "RUNNING"
+        second.signal(signal.SIGTERM)
+        assert second.wait(10) == 0
+        assert "Traceback" not in second.log, second.log
+        remount(fs, "rw")
+        third = start_server(db)
+        with third.client() as client:
+            assert names_stored(client, "*") == {"kept", "taken"}
+            assert client.request("QueryJob", jobID=kept).json["data"] == {"v": 1}
+        assert_clean(third.log)
+
+
+# File modes. Root ignores them, so as root the server runs without the
+# capabilities that override them (setpriv), as an ordinary owner would.
+
+WITHOUT_OVERRIDE = [
+    "setpriv",
+    "--inh-caps=-dac_override,-dac_read_search",
+    "--bounding-set=-dac_override,-dac_read_search",
+]
+
+
+def unprivileged() -> list[str]:
+    if os.geteuid() != 0:
+        return []
+    probe = subprocess.run([*WITHOUT_OVERRIDE, "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("running as root without setpriv: file modes would be ignored")
+    return WITHOUT_OVERRIDE
+
+
+@pytest.mark.parametrize("crashed", [False, True], ids=["after a clean stop", "after a crash"])
+def test_database_file_mode_0444_serves_reads_and_refuses_writes(
+    start_server, tmp_path: Path, crashed: bool
+) -> None:
+    wrapper = unprivileged()
+    db = tmp_path / "jobs.db"
+    first = start_server(db)
+    with first.client() as client:
+        kept = client.request("CreateJob", name="kept", data={"v": 1}).json["jobID"]
+    if crashed:
+        first.kill()
+    else:
+        first.signal(signal.SIGTERM)
+        assert first.wait(10) == 0
+    files = sorted(tmp_path.glob("jobs.db*"))
+    for path in files:
+        path.chmod(0o444)
+    before = {path: path.read_bytes() for path in files}
+    try:
+        # The directory is writable, so SQLite opens the file read-only: the
+        # server starts, reads work and every write is refused with a 5xx.
+        second = start_server(db, wrapper=wrapper)
+        assert second.started, second.log
+        with second.client() as client:
+            assert client.request("Ping").status == "200 OK"
+            assert client.request("QueryJob", jobID=kept).json["data"] == {"v": 1}
+            for method, params in [
+                ("CreateJob", {"name": "new"}),
+                ("GetJob", {"name": "kept"}),
+                ("UpdateJob", {"jobID": kept, "data": {"v": 2}}),
+                ("DeleteJob", {"jobID": kept}),
+            ]:
+                reply = client.request(method, **params)
+                assert reply.status == "502 Query failed: attempt to write a readonly database", (
+                    method, reply.status,
+                )
+            assert client.request("QueryJob", jobID=kept).json["data"] == {"v": 1}
+        second.signal(signal.SIGTERM)
+        assert second.wait(10) == 0
+        assert "Traceback" not in second.log, second.log
+        assert {path: path.read_bytes() for path in files} == before
+    finally:
+        for path in files:
+            path.chmod(0o644)
+
+
+def test_read_only_directory_refuses_to_start(start_server, tmp_path: Path) -> None:
+    wrapper = unprivileged()
+    home = tmp_path / "home"
+    home.mkdir()
+    db = home / "jobs.db"
+    first = start_server(db)
+    first.signal(signal.SIGTERM)
+    assert first.wait(10) == 0
+    # No -wal or -shm file can be made next to the database.
+    home.chmod(0o555)
+    try:
+        second = start_server(db, wrapper=wrapper)
+        code = second.wait(10)
+        assert not second.started, second.log
+        assert code == 2 and str(db) in second.log, second.log
+        assert "readonly" in second.log and "Traceback" not in second.log, second.log
+        assert sorted(path.name for path in home.iterdir()) == ["jobs.db"]
+    finally:
+        home.chmod(0o755)
+
+
+# (c) Locked by another process.
+
+def test_database_locked_by_another_process(start_server, tmp_path: Path) -> None:
+    db = tmp_path / "locked.db"
+    server = start_server(db)
+    with server.client() as setup:
+        existing = setup.request("CreateJob", name="existing").json["jobID"]
+    with server.client() as writer, server.client() as reader:
+        with locked(db):
+            began = time.monotonic()
+            writer.send(encode("CreateJob", {"name": "while-locked"}))
+            # Ping and the read-only Query do not need the write lock.
+            assert reader.request("Ping").status == "200 OK"
+            reply = reader.request("Query", query="SELECT name FROM jobs;")
+            assert (reply.status, reply.body) == ("200 OK", b"name\nexisting\n")
+            assert time.monotonic() - began < 1.0
+            # The write waits for the lock as long as the busy timeout,
+            # then gets a clear 5xx, not a 200 and not silence.
+            writer.sock.settimeout(BUSY_TIMEOUT + 10)
+            reply = writer.read_reply()
+            waited = time.monotonic() - began
+            assert reply.status == "503 Database unavailable: database is locked", reply.status
+            assert reply.headers.get("Connection") is None
+            assert BUSY_TIMEOUT - 0.5 <= waited <= BUSY_TIMEOUT + 3, waited
+            assert reader.request("Ping").status == "200 OK"
+        # Released: writes go through again, on the same connections.
+        reply = writer.request("CreateJob", name="after-unlock")
+        assert reply.status == "200 OK", reply.status
+        assert writer.request("QueryJob", jobID=reply.json["jobID"]).status == "200 OK"
+        assert writer.request("QueryJob", jobID=existing).status == "200 OK"
+        assert names_stored(reader, "*") == {"existing", "after-unlock"}
+    assert server.proc.poll() is None
+    assert "Traceback" not in server.log, server.log
+    print(f"\nlocked: write refused after {waited:.2f}s")
+
+
+def test_a_failed_transaction_answers_each_of_its_requests(start_server, tmp_path: Path) -> None:
+    # Several writes wait for the lock together, so they share a transaction
+    # (or two: the first may start alone), and that transaction fails.
+    db = tmp_path / "locked.db"
+    server = start_server(db)
+    clients = [server.client(timeout=BUSY_TIMEOUT * 2 + 10) for _ in range(4)]
+    try:
+        with locked(db):
+            for n, client in enumerate(clients):
+                client.send(encode("CreateJob", {"name": f"together/{n}"}))
+            statuses = []
+            for client in clients:
+                try:
+                    statuses.append(client.read_reply().status)
+                except ConnectionError:
+                    statuses.append("closed without a reply")
+        alive = server.proc.poll() is None
+        assert statuses == ["503 Database unavailable: database is locked"] * 4, statuses
+        assert alive, "the server died:\n" + server.log
+        for client in clients:
+            assert client.request("Ping").status == "200 OK"
+        assert "Traceback" not in server.log, server.log
+    finally:
+        for client in clients:
+            client.close()
+
+
+# (d) Corrupt or truncated database files. (A file that is not SQLite at
+# all is test_process.py's.)
+
+
+@pytest.fixture(scope="module")
+def good_db(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """The bytes of a real database, stopped cleanly, with 300 jobs."""
+    db = tmp_path_factory.mktemp("good") / "good.db"
+    server = ServerProcess(db)
+    try:
+        with server.client() as client:
+            for n in range(300):
+                client.send(encode("CreateJob", {"name": f"job{n}", "data": {"pad": "y" * 500}}))
+            for n in range(300):
+                assert client.read_reply().status == "200 OK"
+        server.signal(signal.SIGTERM)
+        assert server.wait(10) == 0
+    finally:
+        server.kill()
+    assert not Path(str(db) + "-wal").exists()
+    return db.read_bytes()
+
+
+def root_pages(content: bytes, tmp_path: Path) -> dict[str, int]:
+    """Each table's and index's root page, and `jobs leaf`: a page of job rows."""
+    copy = tmp_path / "inspect.db"
+    copy.write_bytes(content)
+    with sqlite3.connect(copy) as db:
+        pages = dict(db.execute("SELECT name, rootpage FROM sqlite_master"))
+        try:
+            leaves = [row[0] for row in db.execute(
+                "SELECT pageno FROM dbstat WHERE name = 'jobs' AND pagetype = 'leaf' ORDER BY pageno"
+            )]
+        except sqlite3.OperationalError:  # SQLite built without dbstat
+            leaves = []
+    copy.unlink()
+    pages["jobs leaf"] = leaves[len(leaves) // 2] if leaves else len(content) // 4096
+    return pages
+
+
+def with_garbage_page(content: bytes, page: int, seed: int) -> bytes:
+    size = 4096
+    garbage = random.Random(seed).randbytes(size)
+    return content[: (page - 1) * size] + garbage + content[page * size :]
+
+
+CORRUPTIONS = {
+    "truncated to 50 bytes": lambda good, roots: good[:50],
+    "truncated to its header": lambda good, roots: good[:100],
+    "truncated to one page": lambda good, roots: good[:4096],
+    "truncated to half": lambda good, roots: good[: len(good) // 2],
+    "first page garbled after the header": lambda good, roots: good[:100]
+    + random.Random(1).randbytes(4096 - 100)
+    + good[4096:],
+    "jobs table root page garbled": lambda good, roots: with_garbage_page(good, roots["jobs"], 2),
+    "a page of job rows garbled": lambda good, roots: with_garbage_page(good, roots["jobs leaf"], 3),
+    "all zeros": lambda good, roots: bytes(len(good)),
+}
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_corrupt_database_is_refused_at_start(
+    start_server, tmp_path: Path, good_db: bytes, corruption: str
+) -> None:
+    db = tmp_path / "corrupt.db"
+    content = CORRUPTIONS[corruption](good_db, root_pages(good_db, tmp_path))
+    db.write_bytes(content)
+    server = start_server(db)
+    code = server.wait(15)
+    assert not server.started, f"started on a corrupt database:\n{server.log}"
+    assert code != 0
+    assert code == 2, server.log  # README: refused database files exit with 2
+    assert str(db) in server.log
+    assert "Traceback" not in server.log, server.log
+    assert db.read_bytes() == content, "the server changed the file it refused"
+
+
+def test_database_with_a_corrupt_index_is_refused_at_start(
+    start_server, tmp_path: Path, good_db: bytes
+) -> None:
+    db = tmp_path / "corrupt-index.db"
+    db.write_bytes(with_garbage_page(good_db, root_pages(good_db, tmp_path)["jobsName"], 4))
+    server = start_server(db)
+    if server.started:
+        server.kill()
+    assert not server.started, "started on a database with a corrupt index"
+
+
+def test_database_with_a_corrupt_index_never_acknowledges_a_lost_write(
+    start_server, tmp_path: Path, good_db: bytes
+) -> None:
+    # Whatever the start-up check does, what is served must be safe: writes
+    # that touch the broken index get a 5xx and leave nothing behind.
+    db = tmp_path / "corrupt-index.db"
+    db.write_bytes(with_garbage_page(good_db, root_pages(good_db, tmp_path)["jobsName"], 4))
+    server = start_server(db)
+    if not server.started:
+        assert server.wait(10) == 2 and str(db) in server.log
+        return
+    with server.client() as client:
+        assert client.request("Ping").status == "200 OK"
+        reply = client.request("CreateJob", name="new-job")
+        assert reply.code in (200, 502, 503), reply.status
+        if reply.code != 200:
+            assert "malformed" in reply.status
+        stored = client.request("Query", query="SELECT count(*) FROM jobs WHERE jobID > 300;")
+        assert stored.body.decode().splitlines()[1] == ("1" if reply.code == 200 else "0")
+    server.signal(signal.SIGTERM)
+    assert server.wait(10) == 0
+    assert "Traceback" not in server.log, server.log
+
+
+def test_garbage_after_the_last_wal_frame_is_ignored(start_server, tmp_path: Path) -> None:
+    # What a crash in the middle of appending to the WAL leaves behind: the
+    # committed frames count, the torn rest does not.
+    db = tmp_path / "torn.db"
+    first = start_server(db)
+    with first.client() as client:
+        ids = [client.request("CreateJob", name=f"job{n}").json["jobID"] for n in range(50)]
+    first.kill()
+    wal = Path(str(db) + "-wal")
+    with open(wal, "ab") as tail:
+        tail.write(random.Random(5).randbytes(10_000))
+    second = start_server(db)
+    with second.client() as client:
+        for job_id in ids:
+            assert client.request("QueryJob", jobID=job_id).status == "200 OK"
+        assert client.request("CreateJob", name="after").json["jobID"] == ids[-1] + 1
+    assert_clean(second.log)
