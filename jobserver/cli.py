@@ -28,7 +28,7 @@ from .client import (
     ServerError,
 )
 from .server import Config, Server
-from .store import SYNCHRONOUS_MODES, StoreError
+from .store import DEFAULT_REPLY_GRACE, SYNCHRONOUS_MODES, StoreError
 from .times import parse_duration
 
 log = logging.getLogger("jobserver")
@@ -129,6 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DURATION",
         help="delete FAILED jobs this long after they failed; None keeps them",
     )
+    serve.add_argument(
+        "--reply-grace",
+        type=_duration,
+        default=DEFAULT_REPLY_GRACE,
+        metavar="DURATION",
+        help="keep a reply that comes before its AwaitReply this long (default 1h); "
+        "a delivered reply is remembered as long, to refuse a second delivery",
+    )
     serve.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this certificate (PEM)")
     serve.add_argument("--tls-key", metavar="FILE", help="the private key for --tls-cert (PEM)")
     serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
@@ -210,6 +218,7 @@ def _serve(args: argparse.Namespace) -> int:
         limits=dict(args.limit),
         keep_finished=args.keep_finished,
         keep_failed=args.keep_failed,
+        reply_grace=args.reply_grace,
     )
     try:
         trio.run(Server(config).run)
@@ -341,6 +350,21 @@ def _add_client_commands(sub: Any) -> None:
     failed.add_argument(
         "--limit", type=int, metavar="N", help="list at most N jobs (default 1000, at most 10000)"
     )
+    deliver = command(
+        "deliver",
+        _deliver,
+        "deliver an external reply to the job waiting on KEY",
+        "Deliver a reply: the job waiting on KEY (AwaitReply) is queued again, due "
+        'now, with the reply in its data under "reply". Prints {"jobID": N}; or, if '
+        'no job waits on KEY yet, {"expires": "..."}: the reply is kept for the '
+        "grace period for a job to await it. Exits 1 with '404 No job waits on this "
+        "key' if this key's reply was delivered already.",
+    )
+    deliver.add_argument("key", metavar="KEY", help="the correlation key")
+    deliver.add_argument(
+        "--data", type=_json_object, required=True, metavar="JSON",
+        help="the reply, a JSON object",
+    )
 
 
 def _command_factory(sub: Any) -> Callable[[str, Action, str, str], argparse.ArgumentParser]:
@@ -462,6 +486,10 @@ def _retry(client: Client, args: argparse.Namespace) -> dict[str, Any]:
 def _delete(client: Client, args: argparse.Namespace) -> dict[str, Any]:
     client.delete_job(args.id)
     return {}
+
+
+def _deliver(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    return client.deliver_reply(args.key, args.data)
 
 
 def _status(client: Client, args: argparse.Namespace) -> dict[str, Any]:

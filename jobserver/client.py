@@ -456,6 +456,18 @@ def _fail_job(
     return _on_job("FailJob", job_id, data=data, error=error, leaseID=lease_id)
 
 
+def _await_reply(
+    job_id: int, key: str, timeout: int | None, lease_id: str | None,
+    data: dict[str, Any] | None,
+) -> _Call[dict[str, Any]]:
+    params = {"jobID": job_id, "key": key, "timeout": timeout, "leaseID": lease_id, "data": data}
+    return _Call("AwaitReply", params, _body)
+
+
+def _deliver_reply(key: str, data: dict[str, Any]) -> _Call[dict[str, Any]]:
+    return _Call("DeliverReply", {"key": key, "data": data}, _body)
+
+
 def _touch_job(job_id: int, lease_id: str | None) -> _Call[str]:
     return _Call("TouchJob", {"jobID": job_id, "leaseID": lease_id}, _field("nextRun"))
 
@@ -659,6 +671,26 @@ class Client(_Endpoint):
         policy and attempts left, the server queues it again."""
         self._call(_fail_job(job_id, data, error, lease_id))
 
+    def await_reply(
+        self,
+        job_id: int,
+        key: str,
+        timeout: int | None = None,
+        lease_id: str | None = None,
+        data: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Park a handed-out job until a reply for `key` is delivered, or
+        `timeout` seconds (default a day) pass. Returns {"state": "WAITING",
+        "replyDeadline": ...}, or {"state": "QUEUED"} when the reply had
+        already come. Conflict (409) if another job waits on `key`."""
+        return self._call(_await_reply(job_id, key, timeout, lease_id, data))
+
+    def deliver_reply(self, key: str, data: dict[str, Any]) -> dict[str, Any]:
+        """Deliver the reply for `key`: {"jobID": N} for the job that waited
+        on it, or {"expires": ...} when it is kept for a job to await it.
+        JobNotFound (404) if this key's reply was delivered already."""
+        return self._call(_deliver_reply(key, data))
+
     def touch_job(self, job_id: int, lease_id: str | None = None) -> str:
         """Extend a leased job's lease to retryAfter from now; returns the
         new end of the lease (its nextRun)."""
@@ -842,6 +874,19 @@ class AsyncClient(_Endpoint, trio.abc.AsyncResource):
         error: str | None = None,
     ) -> None:
         await self._call(_fail_job(job_id, data, error, lease_id))
+
+    async def await_reply(
+        self,
+        job_id: int,
+        key: str,
+        timeout: int | None = None,
+        lease_id: str | None = None,
+        data: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        return await self._call(_await_reply(job_id, key, timeout, lease_id, data))
+
+    async def deliver_reply(self, key: str, data: dict[str, Any]) -> dict[str, Any]:
+        return await self._call(_deliver_reply(key, data))
 
     async def touch_job(self, job_id: int, lease_id: str | None = None) -> str:
         return await self._call(_touch_job(job_id, lease_id))

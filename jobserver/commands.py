@@ -11,17 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import handout, jsonbody, params
+from . import handout, jsonbody, params, replies
 from .context import Context
 from .errors import CommandError
 from .handout import (
     PENDING_STATES,
-    backoff_delay,
     freed,
     in_window,
     lease_end,
     next_run_from_repeat,
-    retry_time,
 )
 from .protocol import Request, Response
 from .store import Job
@@ -321,19 +319,8 @@ def fail_job(ctx: Context, request: Request) -> Response:
     if job.state not in ("RUNNING", "RUNQUEUED"):
         raise CommandError("405 Can only fail RUNNING or RUNQUEUED jobs")
     data = params.data(request) if params.present(request, "data") else None
-    changes: dict[str, Any] = {
-        "state": "FAILED", "lastError": params.error_text(request, data), "ended": ctx.now_s,
-    }
-    if data is not None:
-        changes["data"] = data
-    freed(ctx, job)
-    if job.maxAttempts and job.attempts < job.maxAttempts:
-        delay = backoff_delay(job, job.attempts)
-        next_run = in_window(job.timeWindows, job.timeZone, retry_time(ctx, delay))
-        changes.update(state="QUEUED", nextRun=next_run)
-        del changes["ended"]
-        ctx.scheduled(job.name, next_run)
-    ctx.store.update(job.jobID, **changes)
+    error = params.error_text(request, data)
+    handout.fail_run(ctx, job, error, **({} if data is None else {"data": data}))
     return ok()
 
 
@@ -460,6 +447,8 @@ COMMANDS: dict[str, Handler] = {
     "setlimit": set_limit,
     "pausejobs": pause_jobs,
     "resumejobs": resume_jobs,
+    "awaitreply": replies.await_reply,
+    "deliverreply": replies.deliver_reply,
 }
 
 WAITABLE = ("getjob", "getjobs")

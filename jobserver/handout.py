@@ -37,7 +37,8 @@ MAX_LEASES = 10
 # Names with this prefix are retried forever and never counted, as in Bedrock.
 UNCOUNTED_PREFIX = "manual"
 
-PENDING_STATES = ("QUEUED", "RUNQUEUED", "RUNNING", "PAUSED")
+# A WAITING child (protocol.md 14.11) holds its parent back like a running one.
+PENDING_STATES = ("QUEUED", "RUNQUEUED", "RUNNING", "PAUSED", "WAITING")
 
 # Random bytes per lease token: 2^64 tokens make a collision between two
 # hand-outs of one job practically impossible.
@@ -163,6 +164,10 @@ def job_object(job: Job, with_state: bool = False) -> dict[str, Any]:
             obj["retryBackoff"] = job.retryBackoff
             obj["retryDelay"] = _number(job.retryDelay)
             obj["retryMaxDelay"] = _number(job.retryMaxDelay)
+    if with_state and job.state == "WAITING":
+        # The deadline is the nextRun; named again so nobody has to know.
+        obj["replyKey"] = job.replyKey
+        obj["replyDeadline"] = job.nextRun
     # Flow control, only for jobs that use it.
     if job.cost != 1:
         obj["cost"] = job.cost
@@ -194,6 +199,20 @@ def backoff_delay(job: Job, attempt: int, rng: Callable[[], float] = random.rand
 def retry_time(ctx: Context, delay: float) -> str:
     """now + delay, to the millisecond, as nextRun is stored."""
     return times.to_millis(ctx.now + timedelta(seconds=delay))
+
+
+def fail_run(ctx: Context, job: Job, error: str, **changes: Any) -> None:
+    """A run of `job` failed with `error`: FAILED; or, with a retry policy
+    that has attempts left, QUEUED again after its backoff delay."""
+    changes.update(state="FAILED", lastError=error, ended=ctx.now_s)
+    freed(ctx, job)
+    if job.maxAttempts and job.attempts < job.maxAttempts:
+        delay = backoff_delay(job, job.attempts)
+        next_run = in_window(job.timeWindows, job.timeZone, retry_time(ctx, delay))
+        changes.update(state="QUEUED", nextRun=next_run)
+        del changes["ended"]
+        ctx.scheduled(job.name, next_run)
+    ctx.store.update(job.jobID, **changes)
 
 
 def dequeue(ctx: Context, query: JobQuery) -> list[Taken]:

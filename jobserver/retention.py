@@ -1,5 +1,5 @@
 """Retention: deleting finished and failed jobs once they are old enough,
-and giving the freed pages back to the file system (protocol.md 14.10).
+replies once their grace period is over, and giving the freed pages back to the file system (protocol.md 14.10).
 
 A background task looks every few seconds, on a read-only connection of
 its own, whether there is anything to do. If there is, it deletes in small
@@ -54,6 +54,11 @@ def prune_step(ctx: Context, before: dict[str, str]) -> bool:
         deleted = store.prune(state, cutoff, PRUNE_BATCH)
         pruned += deleted
         more = more or deleted == PRUNE_BATCH
+    # Replies past their grace period: an unclaimed early one is lost by
+    # then anyway, and a delivered one no longer needs refusing.
+    expired = store.prune_replies(ctx.now_ms, PRUNE_BATCH)
+    pruned += expired
+    more = more or expired == PRUNE_BATCH
     free = store.free_pages()
     if free >= RECLAIM_MIN_PAGES or (pruned and free):
         store.reclaim(RECLAIM_PAGES)
@@ -66,10 +71,11 @@ async def run_pruner(
 ) -> None:
     while True:
         await trio.sleep(interval)
-        before = cutoffs(times.utcnow(), keep_finished, keep_failed)
+        now = times.utcnow()
+        before = cutoffs(now, keep_finished, keep_failed)
         try:
             pending = await trio.to_thread.run_sync(
-                prune_pending, path, before, RECLAIM_MIN_PAGES
+                prune_pending, path, before, RECLAIM_MIN_PAGES, times.to_millis(now)
             )
         except Exception as error:
             log.warning("pruner cannot read the database: %s", error)

@@ -29,11 +29,11 @@ from typing import Any
 
 import trio
 
-from . import __version__, commands, handout, params, query, retention
+from . import __version__, commands, handout, params, query, replies, retention
 from .errors import CommandError
 from .handout import Handout, JobQuery
 from .protocol import Request, RequestParser, Response, encode_response
-from .store import Store
+from .store import DEFAULT_REPLY_GRACE, Store
 from .waiters import Selector, WaitQueue
 from .writer import Writer
 
@@ -79,6 +79,9 @@ class Config:
     keep_finished: float = 0.0
     keep_failed: float | None = None
     prune_interval: float = retention.PRUNE_INTERVAL
+    # Seconds an early reply waits for its AwaitReply, and a delivered one
+    # is remembered to refuse a second delivery (--reply-grace).
+    reply_grace: float = DEFAULT_REPLY_GRACE
 
 
 class Server:
@@ -117,12 +120,18 @@ class Server:
             try:
                 self.store = Store(config.db, config.synchronous, config.limits)
                 self.store.keep_finished = config.keep_finished > 0
+                self.store.reply_grace = config.reply_grace
             except BaseException:
                 for listener in listeners:
                     await listener.aclose()
                 raise
             self.writer = Writer(self.store, self._notify)
-            self.waits = WaitQueue(self.writer, handout.serve_waiters, handout.give_back)
+            self.waits = WaitQueue(
+                self.writer, handout.serve_waiters, handout.give_back, replies.expire
+            )
+            # Jobs waiting for replies before a restart: their deadlines
+            # still fire (at once, for those that passed while we were down).
+            self.waits.start_clock_at(self.store.first_deadline())
             # Set last: it tells an embedding program the server is ready.
             self.port = port
             address = f"{config.host}:{port}"
@@ -158,7 +167,7 @@ class Server:
                 log.info("stopped serving %s; database %s closed", address, config.db)
 
     async def status(self) -> Response:
-        counts, limits, paused = await self.writer.call(_status_snapshot)
+        counts, limits, paused, early = await self.writer.call(_status_snapshot)
         body = {
             "version": __version__,
             "uptime": round(time.monotonic() - self.started, 3),
@@ -170,6 +179,7 @@ class Server:
             "transactions": self.writer.batches,
             "limits": limits,
             "paused": paused,
+            "replies": {"waiting": counts.get("WAITING", 0), "early": early},
         }
         return commands.ok(body)
 
@@ -424,15 +434,15 @@ def _stop_signals() -> Iterator[AsyncIterator[int] | None]:
         yield signals
 
 
-def _status_snapshot(ctx: Any) -> tuple[dict[str, int], dict[str, Any], list[str]]:
+def _status_snapshot(ctx: Any) -> tuple[dict[str, int], dict[str, Any], list[str], int]:
     """Job counts, each concurrency limit with what running jobs use of it,
-    and the paused patterns."""
+    the paused patterns, and the early replies not yet awaited."""
     store = ctx.store
     limits = {
         pattern: {"max": capacity, "running": store.usage(pattern, ctx.now_ms)}
         for pattern, capacity in sorted(store.limits.items())
     }
-    return store.count_by_state(), limits, sorted(store.paused)
+    return store.count_by_state(), limits, sorted(store.paused), store.early_replies(ctx.now_ms)
 
 
 def _tls(listener: trio.SocketListener, config: Config) -> trio.SSLListener[trio.SocketStream]:

@@ -14,11 +14,15 @@ from dataclasses import dataclass
 from time import monotonic
 from urllib.parse import quote
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 SYNCHRONOUS_MODES = ("FULL", "NORMAL")
 
 READY_STATES = ("QUEUED", "RUNQUEUED")
+
+# An hour: far longer than any worker takes between sending a request and
+# committing its AwaitReply, short enough that unclaimed replies do not pile up.
+DEFAULT_REPLY_GRACE = 3600.0
 
 _SCHEMA = """
 CREATE TABLE jobs (
@@ -50,7 +54,10 @@ CREATE TABLE jobs (
     cost          INTEGER NOT NULL DEFAULT 1,
     timeWindows   TEXT NOT NULL DEFAULT '',
     timeZone      TEXT NOT NULL DEFAULT '',
-    ended         TEXT NOT NULL DEFAULT ''
+    ended         TEXT NOT NULL DEFAULT '',
+    -- Replies (protocol.md 14.11): the key a WAITING job waits on. Its
+    -- deadline is its nextRun, so the clock that wakes GetJobs sees it.
+    replyKey      TEXT NOT NULL DEFAULT ''
 );
 -- GetJob with a pattern: per priority, the due jobs in hand-out order
 -- (nextRun, name, then jobID, which every index ends with), so the first
@@ -82,6 +89,20 @@ CREATE TABLE limits (
 CREATE TABLE paused (
     pattern TEXT PRIMARY KEY
 );
+-- One job at most waits on a key.
+CREATE UNIQUE INDEX jobsReplyKey ON jobs (replyKey) WHERE state = 'WAITING';
+-- The earliest reply deadline, for the clock.
+CREATE INDEX jobsWaiting ON jobs (nextRun) WHERE state = 'WAITING';
+-- Replies kept for the grace period: early ones (jobID 0) until a job
+-- awaits them, delivered ones (the jobID) to refuse a second delivery.
+CREATE TABLE replies (
+    replyKey TEXT PRIMARY KEY,
+    data     TEXT NOT NULL,
+    received TEXT NOT NULL,
+    expires  TEXT NOT NULL,
+    jobID    INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX repliesExpires ON replies (expires);
 """
 
 # Statements that bring a file of version N up to N + 1. They run in one
@@ -114,12 +135,21 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "CREATE TABLE limits (\n    pattern  TEXT PRIMARY KEY,\n    capacity INTEGER NOT NULL\n)",
         "CREATE TABLE paused (\n    pattern TEXT PRIMARY KEY\n)",
     ),
+    3: (
+        "ALTER TABLE jobs ADD COLUMN replyKey TEXT NOT NULL DEFAULT ''",
+        "CREATE UNIQUE INDEX jobsReplyKey ON jobs (replyKey) WHERE state = 'WAITING'",
+        "CREATE INDEX jobsWaiting ON jobs (nextRun) WHERE state = 'WAITING'",
+        "CREATE TABLE replies (\n    replyKey TEXT PRIMARY KEY,\n    data     TEXT NOT NULL,\n"
+        "    received TEXT NOT NULL,\n    expires  TEXT NOT NULL,\n"
+        "    jobID    INTEGER NOT NULL DEFAULT 0\n)",
+        "CREATE INDEX repliesExpires ON replies (expires)",
+    ),
 }
 
 _COLUMNS = (
     "created, jobID, state, name, nextRun, lastRun, repeat, data, priority, "
     "parentJobID, retryAfter, maxAttempts, retryBackoff, retryDelay, retryMaxDelay, "
-    "attempts, lastError, leaseID, cost, timeWindows, timeZone, ended"
+    "attempts, lastError, leaseID, cost, timeWindows, timeZone, ended, replyKey"
 )
 
 # The columns commands may change; `update` refuses any other name, so a
@@ -127,7 +157,7 @@ _COLUMNS = (
 _UPDATABLE = frozenset(
     (
         "state", "name", "nextRun", "lastRun", "repeat", "data", "priority", "retryAfter",
-        "attempts", "lastError", "leaseID", "ended",
+        "attempts", "lastError", "leaseID", "ended", "replyKey",
     )
 )
 
@@ -170,6 +200,7 @@ class Job:
     timeWindows: str = ""
     timeZone: str = ""
     ended: str = ""
+    replyKey: str = ""
 
 
 @dataclass(frozen=True)
@@ -226,6 +257,9 @@ class Store:
             # Retention: FinishJob keeps standalone jobs as FINISHED
             # (--keep-finished) instead of deleting them.
             self.keep_finished = False
+            # Seconds a reply is kept: early ones for a job to await, and
+            # delivered ones to refuse a second delivery (--reply-grace).
+            self.reply_grace = DEFAULT_REPLY_GRACE
             self.limits: dict[str, int] = {}
             self.paused: frozenset[str] = frozenset()
             self._load_flow_control()
@@ -467,13 +501,79 @@ class Store:
         return found
 
     def next_due(self, after: str) -> str | None:
-        """The earliest nextRun later than `after` among waiting jobs."""
+        """The earliest nextRun later than `after` among jobs that wait to
+        run, and reply deadlines of WAITING jobs; one index each."""
         row = self._db.execute(
-            "SELECT MIN(nextRun) FROM jobs WHERE state IN ('QUEUED', 'RUNQUEUED') "
-            "AND nextRun > ?",
-            (after,),
+            "SELECT MIN(due) FROM ("
+            "SELECT MIN(nextRun) AS due FROM jobs WHERE state IN ('QUEUED', 'RUNQUEUED') "
+            "AND nextRun > ? UNION ALL "
+            "SELECT MIN(nextRun) FROM jobs WHERE state = 'WAITING' AND nextRun > ?)",
+            (after, after),
         ).fetchone()
         return row[0]
+
+    def first_deadline(self) -> str | None:
+        """The earliest reply deadline, passed or not, for the clock at start."""
+        row = self._db.execute(
+            "SELECT MIN(nextRun) FROM jobs WHERE state = 'WAITING'"
+        ).fetchone()
+        return row[0]
+
+    # Replies (protocol.md 14.11).
+
+    def waiting_on(self, key: str) -> Job | None:
+        row = self._db.execute(
+            f"SELECT {_COLUMNS} FROM jobs WHERE state = 'WAITING' AND replyKey = ?", (key,)
+        ).fetchone()
+        return Job(*row) if row else None
+
+    def overdue(self, now: str, limit: int) -> list[Job]:
+        """WAITING jobs whose reply deadline has passed, earliest first."""
+        rows = self._db.execute(
+            f"SELECT {_COLUMNS} FROM jobs INDEXED BY jobsWaiting WHERE state = 'WAITING' "
+            "AND nextRun <= ? ORDER BY nextRun LIMIT ?",
+            (now, limit),
+        )
+        return [Job(*row) for row in rows]
+
+    def reply(self, key: str, now: str) -> tuple[str, int] | None:
+        """A kept reply's data and the job it went to (0: none yet); None
+        if there is none, or it expired (and is deleted here)."""
+        row = self._db.execute(
+            "SELECT data, jobID, expires FROM replies WHERE replyKey = ?", (key,)
+        ).fetchone()
+        if row is None:
+            return None
+        if row[2] <= now:
+            self._db.execute("DELETE FROM replies WHERE replyKey = ?", (key,))
+            return None
+        return row[0], row[1]
+
+    def keep_reply(self, key: str, data: str, received: str, expires: str, job_id: int) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO replies (replyKey, data, received, expires, jobID) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (key, data, received, expires, job_id),
+        )
+
+    def claim_reply(self, key: str, job_id: int) -> None:
+        self._db.execute("UPDATE replies SET jobID = ? WHERE replyKey = ?", (job_id, key))
+
+    def early_replies(self, now: str) -> int:
+        """Unexpired replies that no job has claimed yet."""
+        row = self._db.execute(
+            "SELECT COUNT(*) FROM replies WHERE jobID = 0 AND expires > ?", (now,)
+        ).fetchone()
+        return int(row[0])
+
+    def prune_replies(self, now: str, batch: int) -> int:
+        """Delete up to `batch` expired replies; how many went."""
+        cursor = self._db.execute(
+            "DELETE FROM replies WHERE replyKey IN (SELECT replyKey FROM replies "
+            "WHERE expires <= ? ORDER BY expires LIMIT ?)",
+            (now, batch),
+        )
+        return cursor.rowcount
 
     def datetime_after(self, start: str, modifiers: Iterable[str]) -> str | None:
         """Apply SQLite date modifiers to `start`, one bound parameter each.
@@ -688,10 +788,13 @@ def read_only_query(
         db.close()
 
 
-def prune_pending(path: str, before: Mapping[str, str], min_free_pages: int) -> bool:
+def prune_pending(
+    path: str, before: Mapping[str, str], min_free_pages: int, now: str
+) -> bool:
     """Whether the pruner has work, asked on a connection of its own so that
     an idle server adds no transaction: a standalone job in a state of
-    `before` that ended before its time there, or free pages to reclaim."""
+    `before` that ended before its time there, a reply kept past its grace
+    period (expired at `now`), or free pages to reclaim."""
     db = sqlite3.connect(f"file:{quote(path)}?mode=ro", uri=True, isolation_level=None)
     try:
         for state, cutoff in before.items():
@@ -702,6 +805,9 @@ def prune_pending(path: str, before: Mapping[str, str], min_free_pages: int) -> 
             ).fetchone()
             if row is not None:
                 return True
+        row = db.execute("SELECT 1 FROM replies WHERE expires <= ? LIMIT 1", (now,)).fetchone()
+        if row is not None:
+            return True
         return int(db.execute("PRAGMA freelist_count").fetchone()[0]) >= min_free_pages
     finally:
         db.close()

@@ -67,13 +67,19 @@ class Waiter:
 Serve = Callable[[Any, list[Any]], tuple[list[Any], "str | None"]]
 # undo(ctx, jobs) puts jobs handed to a waiter that left back in the queue.
 Undo = Callable[[Any, Any], None]
+# tick(ctx) -> the earliest future due time: what else must happen when the
+# clock fires (reply deadlines passing). It runs in the writer.
+Tick = Callable[[Any], "str | None"]
 
 
 class WaitQueue:
-    def __init__(self, writer: Writer, serve: Serve, undo: Undo) -> None:
+    def __init__(
+        self, writer: Writer, serve: Serve, undo: Undo, tick: Tick | None = None
+    ) -> None:
         self._writer = writer
         self._serve = serve
         self._undo = undo
+        self._tick = tick
         self._seq = itertools.count()
         # Grouped by selector, so a new job is matched once per distinct
         # pattern rather than once per waiter.
@@ -132,8 +138,13 @@ class WaitQueue:
                 if waiter.state is _State.IDLE:
                     waiter.woken.set()
 
+    def start_clock_at(self, due: str | None) -> None:
+        """What the store holds at start that the clock must fire for."""
+        self._lower_due(due)
+
     async def run_clock(self) -> None:
-        """Wake waiters when the earliest future job becomes due."""
+        """Wake waiters when the earliest future job becomes due, and run
+        the tick then, even with nobody waiting."""
         while True:
             self._rearm = trio.Event()
             due = self._next_due
@@ -144,7 +155,15 @@ class WaitQueue:
                 await self._rearm.wait()
                 continue
             self._next_due = None
+            if self._tick is not None:
+                self._writer.submit(Work(self._tick, self._ticked))
             self._try(self._all_waiters())
+
+    def _ticked(self, result: outcome.Outcome) -> None:
+        if isinstance(result, outcome.Error):
+            log.error("the clock's tick failed: %s", result.error)
+            return
+        self._lower_due(result.value)
 
     def _lower_due(self, due: str | None) -> None:
         if due is not None and (self._next_due is None or due < self._next_due):

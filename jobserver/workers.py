@@ -14,9 +14,10 @@ third of the lease or every --touch-interval seconds, whichever is sooner.
 
 The worker contract (README, "Worker manager"): the job object as JSON on
 stdin; JOB_ID, JOB_NAME and JOBSERVER_SERVER in the environment; exit 0 to
-finish (a JSON object on stdout becomes the job's data), 75 to retry
-(optionally `{"delay": S}` or `{"nextRun": "..."}` on stdout), anything else
-to fail.
+finish (a JSON object on stdout becomes the job's data; one with an
+`awaitReply` key, `{"awaitReply": {"key": K, "timeout": S}}`, makes the job
+wait for an external reply instead), 75 to retry (optionally `{"delay": S}`
+or `{"nextRun": "..."}` on stdout), anything else to fail.
 
 Exit status of the manager: 0 after a clean stop (signal or --max-iterations),
 1 after a forced stop (second signal) or when results could not be reported
@@ -288,7 +289,7 @@ class Report:
 
     job_id: int
     name: str  # printable(), for the log
-    verb: str  # "finish", "retry" or "fail": the client method is <verb>_job
+    verb: str  # "finish", "retry", "fail" or "await" (AwaitReply)
     params: dict[str, Any]
     # The connection broke during an attempt, so the server may have applied
     # it: a later 404 or 405 then means "already done", not "refused".
@@ -297,12 +298,24 @@ class Report:
     # has been handed out again since.
     lease_id: str | None = None
 
+    @property
+    def method(self) -> str:
+        """The client method that sends it."""
+        return "await_reply" if self.verb == "await" else f"{self.verb}_job"
+
+    @property
+    def command(self) -> str:
+        """The protocol command, for the log."""
+        return "AwaitReply" if self.verb == "await" else f"{self.verb.capitalize()}Job"
+
     def bare(self) -> Report | None:
         """The same report with no parameters (so nothing the server could
-        refuse: data, nextRun, delay), or None if it has none already."""
-        if not self.params:
+        refuse: data, nextRun, delay), or None if it has none already. An
+        AwaitReply keeps its key and timeout, without which it means nothing."""
+        kept = {k: v for k, v in self.params.items() if self.verb == "await" and k != "data"}
+        if kept == self.params:
             return None
-        return Report(self.job_id, self.name, self.verb, {}, self.uncertain, self.lease_id)
+        return Report(self.job_id, self.name, self.verb, kept, self.uncertain, self.lease_id)
 
 
 @dataclass
@@ -756,6 +769,8 @@ class Manager:
                     name,
                     STDOUT_LIMIT,
                 )
+            if data is not None and "awaitReply" in data:
+                return self._awaiting(job, data)
             params = {} if data is None else {"data": data}
             return Outcome(Report(job_id, name, "finish", params), "finished")
         if returncode == EX_TEMPFAIL:
@@ -764,6 +779,21 @@ class Manager:
         detail = _error_detail(returncode, stderr.content())
         how = f"signal {detail['signal']}" if "signal" in detail else f"exit status {returncode}"
         return self._failed(job, detail, f"failed ({how})")
+
+    def _awaiting(self, job: dict[str, Any], output: dict[str, Any]) -> Outcome:
+        """Exit 0 with {"awaitReply": {"key": K, "timeout": S}}: the job waits
+        for a reply (AwaitReply); the other keys, if any, become its data."""
+        job_id, name = job["jobID"], printable(job["name"])
+        request = output.pop("awaitReply")
+        key = request.get("key") if isinstance(request, dict) else None
+        timeout = request.get("timeout") if isinstance(request, dict) else None
+        if not isinstance(key, str) or not (timeout is None or type(timeout) is int):
+            reason = 'awaitReply must be {"key": "...", "timeout": seconds}'
+            return self._failed(job, reason, f"failed ({reason})")
+        params: dict[str, Any] = {"key": key, "timeout": timeout}
+        if output:
+            params["data"] = output
+        return Outcome(Report(job_id, name, "await", params), f"awaiting a reply on {key!r}")
 
     # Renewing leases.
 
@@ -865,7 +895,7 @@ class Manager:
         errors = 0
         while True:
             try:
-                await getattr(client, f"{report.verb}_job")(
+                await getattr(client, report.method)(
                     report.job_id, lease_id=report.lease_id, **report.params
                 )
             except (ConnectionFailed, ServerError) as error:
@@ -874,10 +904,10 @@ class Manager:
                     errors += 1
                     if errors >= REPORT_TRIES_ON_ERROR:
                         log.error(
-                            "job %s %s: giving up reporting %sJob %s after %d tries: %s",
+                            "job %s %s: giving up reporting %s %s after %d tries: %s",
                             report.job_id,
                             report.name,
-                            report.verb.capitalize(),
+                            report.command,
                             json.dumps(report.params),
                             errors,
                             error.status,
@@ -898,12 +928,24 @@ class Manager:
                 await trio.sleep(backoff.next())
                 continue
             except Conflict as error:
+                if report.verb == "await" and error.reason != "Lease expired":
+                    # Another job waits on the key: this job cannot wait,
+                    # and must not stay RUNNING with nobody to report it.
+                    log.warning(
+                        "job %s %s: AwaitReply refused (%s %s); failing the job",
+                        report.job_id, report.name, error.code, error.reason,
+                    )
+                    report = Report(
+                        report.job_id, report.name, "fail", {"error": error.status},
+                        report.uncertain, report.lease_id,
+                    )
+                    continue
                 log.warning(
-                    "job %s %s: %sJob refused (%s %s): another worker has the job now; "
+                    "job %s %s: %s refused (%s %s): another worker has the job now; "
                     "this result is dropped",
                     report.job_id,
                     report.name,
-                    report.verb.capitalize(),
+                    report.command,
                     error.code,
                     error.reason,
                 )
@@ -919,10 +961,10 @@ class Manager:
                     )
                 else:
                     log.warning(
-                        "job %s %s: the server refused %sJob: %s %s",
+                        "job %s %s: the server refused %s: %s %s",
                         report.job_id,
                         report.name,
-                        report.verb.capitalize(),
+                        report.command,
                         error.code,
                         error.reason,
                     )
@@ -930,10 +972,10 @@ class Manager:
             except InvalidRequest as error:
                 bare = report.bare()
                 log.warning(
-                    "job %s %s: the server refused %sJob (%s %s)%s",
+                    "job %s %s: the server refused %s (%s %s)%s",
                     report.job_id,
                     report.name,
-                    report.verb.capitalize(),
+                    report.command,
                     error.code,
                     error.reason,
                     "; sending it without data" if bare else "",
@@ -944,10 +986,10 @@ class Manager:
                 continue
             except JobServerError as error:
                 log.error(
-                    "job %s %s: the server refused %sJob: %s",
+                    "job %s %s: the server refused %s: %s",
                     report.job_id,
                     report.name,
-                    report.verb.capitalize(),
+                    report.command,
                     error.status,
                 )
                 self.given_up += 1
@@ -964,10 +1006,10 @@ class Manager:
     def _log_unreported(self) -> None:
         for report in self.reports:
             log.error(
-                "job %s %s: result not reported (the server may or may not have it): %sJob %s",
+                "job %s %s: result not reported (the server may or may not have it): %s %s",
                 report.job_id,
                 report.name,
-                report.verb.capitalize(),
+                report.command,
                 json.dumps(report.params),
             )
 

@@ -1,0 +1,154 @@
+"""Jobs that wait for an external reply (protocol.md 14.11).
+
+AwaitReply parks a handed-out job as WAITING on a correlation key, with a
+deadline; DeliverReply puts it back in the queue, due now, with the reply
+in its data under `reply`. Nothing runs while a job waits: the deadline is
+the job's nextRun, so the clock that wakes blocked GetJobs for future jobs
+also fires for it, and `expire` fails the jobs whose deadline passed.
+
+A reply that comes before its AwaitReply (the external service was faster
+than the worker) is kept for a grace period as an early reply; an
+AwaitReply on its key takes it at once. A delivered reply is remembered for
+the same period, so a second delivery of it is refused instead of kept as
+an early reply for a job that will never come.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from typing import Any
+
+from . import jsonbody, params, times
+from .context import Context
+from .errors import CommandError
+from .handout import fail_run, freed
+from .protocol import Request, Response
+from .store import Job
+
+# Long enough for an order id, a URL or a UUID with a prefix; the same as a
+# job name, so a key is never the thing that makes a request too big.
+MAX_KEY = 255
+# A day: a human approval or a slow partner answers within it.
+DEFAULT_TIMEOUT = 86400
+# Thirty days: past that, a job waiting is more likely forgotten than slow.
+MAX_TIMEOUT = 30 * 86400
+_DIGITS = re.compile(r"[0-9]{1,8}")
+
+# The data field a delivered reply goes into.
+REPLY_FIELD = "reply"
+# The last error of a job whose deadline passed with no reply.
+REPLY_TIMEOUT = "reply timeout"
+# Overdue jobs expired per clock tick: the rest follow in the next tick,
+# so a backlog (a server down for a day) never makes one long transaction.
+EXPIRE_BATCH = 500
+
+
+def await_reply(ctx: Context, request: Request) -> Response:
+    """RUNNING/RUNQUEUED -> WAITING on `key`; or back to QUEUED at once if
+    the reply came early."""
+    job = ctx.store.get(params.job_id(request))
+    if job is None:
+        raise CommandError("404 No job with this jobID")
+    lease = params.lease_id(request)
+    if lease is not None and lease != job.leaseID:
+        raise CommandError("409 Lease expired")
+    key = _key(request)
+    seconds = _timeout(request)
+    if job.state not in ("RUNNING", "RUNQUEUED"):
+        raise CommandError("405 Can only await a reply for RUNNING or RUNQUEUED jobs")
+    other = ctx.store.waiting_on(key)
+    if other is not None:
+        raise CommandError("409 Another job waits on this key")
+    new_data = params.data(request) if params.present(request, "data") else None
+    data = new_data or _run_done(job.data)
+    freed(ctx, job)
+    kept = ctx.store.reply(key, ctx.now_ms)
+    if kept is not None and kept[1] == 0:
+        ctx.store.claim_reply(key, job.jobID)
+        _requeue(ctx, job, data, kept[0])
+        return Response("200 OK", jsonbody.encode({"state": "QUEUED"}))
+    deadline = times.to_millis(ctx.now + timedelta(seconds=seconds))
+    ctx.store.update(
+        job.jobID, state="WAITING", replyKey=key, nextRun=deadline, data=data
+    )
+    # Not ready: only the clock must learn of the deadline.
+    ctx.scheduled(job.name, deadline)
+    return Response(
+        "200 OK", jsonbody.encode({"state": "WAITING", "replyDeadline": deadline})
+    )
+
+
+def deliver_reply(ctx: Context, request: Request) -> Response:
+    """Give `data` to the job waiting on `key`, or keep it as an early reply."""
+    key = _key(request)
+    if params.present(request, "data") is None:
+        raise CommandError("402 Missing data")
+    reply = params.data(request)
+    assert reply is not None
+    expires = times.to_millis(ctx.now + timedelta(seconds=ctx.store.reply_grace))
+    job = ctx.store.waiting_on(key)
+    if job is not None:
+        ctx.store.keep_reply(key, reply, ctx.now_ms, expires, job.jobID)
+        _requeue(ctx, job, job.data, reply)
+        return Response("200 OK", b'{"jobID":%d}' % job.jobID)
+    if ctx.store.reply(key, ctx.now_ms) is not None:
+        # Delivered already (to a job, or kept early): exactly one delivery.
+        raise CommandError("404 No job waits on this key")
+    ctx.store.keep_reply(key, reply, ctx.now_ms, expires, 0)
+    return Response("202 Reply kept", jsonbody.encode({"expires": expires}))
+
+
+def expire(ctx: Context) -> str | None:
+    """Fail WAITING jobs whose deadline passed, through their retry policy.
+    Runs in the writer when the clock fires; returns the next time the
+    clock must fire for a job or a deadline."""
+    overdue = ctx.store.overdue(ctx.now_ms, EXPIRE_BATCH)
+    for job in overdue:
+        fail_run(ctx, job, REPLY_TIMEOUT, replyKey="")
+    if len(overdue) == EXPIRE_BATCH:
+        ctx.wake_all()
+    return ctx.store.next_due(ctx.now_ms)
+
+
+def _requeue(ctx: Context, job: Job, data_text: str, reply: str) -> None:
+    """Back to QUEUED, due now, with the reply in its data. The wait ended
+    well, so the next run gets every attempt of its retry policy again."""
+    data = jsonbody.parse_object(data_text)
+    data[REPLY_FIELD] = jsonbody.parse(reply)
+    changes: dict[str, Any] = {
+        "state": "QUEUED", "nextRun": ctx.now_ms, "replyKey": "",
+        "data": jsonbody.compact(data),
+    }
+    if job.maxAttempts:
+        changes["attempts"] = 0
+    ctx.store.update(job.jobID, **changes)
+    ctx.scheduled(job.name, ctx.now_ms)
+
+
+def _run_done(text: str) -> str:
+    """The data of a run that ended by awaiting, when AwaitReply sends none:
+    like FinishJob, the Bedrock lease counter goes; so does the reply of an
+    earlier wait, so that a run after a timeout never sees a stale one."""
+    if '"retryAfterCount"' not in text and f'"{REPLY_FIELD}"' not in text:
+        return text
+    data = jsonbody.parse_object(text)
+    data.pop("retryAfterCount", None)
+    data.pop(REPLY_FIELD, None)
+    return jsonbody.compact(data)
+
+
+def _key(request: Request) -> str:
+    key = params.require(request, "key")
+    if len(key.encode("utf-8")) > MAX_KEY:
+        raise CommandError("402 Malformed key")
+    return key
+
+
+def _timeout(request: Request) -> int:
+    text = params.present(request, "timeout")
+    if text is None:
+        return DEFAULT_TIMEOUT
+    if not _DIGITS.fullmatch(text) or not 1 <= int(text) <= MAX_TIMEOUT:
+        raise CommandError("402 Malformed timeout")
+    return int(text)
