@@ -21,7 +21,7 @@ from pathlib import Path
 
 from jobserver.context import Context
 from jobserver.store import Store
-from jobserver.times import to_millis, utcnow
+from jobserver.times import utcnow
 
 NAMES = 100
 

@@ -129,6 +129,7 @@ class Server:
             self.waits = WaitQueue(
                 self.writer, handout.serve_waiters, handout.give_back, replies.expire
             )
+            self.writer.anyone_waiting = self.waits.anyone_waiting
             # Jobs waiting for replies before a restart: their deadlines
             # still fire (at once, for those that passed while we were down).
             self.waits.start_clock_at(self.store.first_deadline())

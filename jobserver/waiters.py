@@ -88,6 +88,10 @@ class WaitQueue:
         self._rearm = trio.Event()
         self._closed = False
 
+    def anyone_waiting(self) -> bool:
+        """Safe to call from another thread: one read of a dict's size."""
+        return bool(self._by_selector)
+
     def __len__(self) -> int:
         return sum(len(group) for group in self._by_selector.values())
 

@@ -60,6 +60,8 @@ class Writer:
         # While the thread asks the loop whom a batch wakes, the requests
         # that produces are caught here instead of queued for later.
         self._caught: list[Work] | None = None
+        # Read from the writer thread: whether any GetJob is waiting.
+        self.anyone_waiting: Callable[[], bool] = lambda: True
         self.batches = 0
         self.requests = 0
 
@@ -148,9 +150,15 @@ class Writer:
 
     def _wake_in_transaction(self, ready: set[str], due: str | None) -> _Woken:
         """Serve, before the commit, the waiting GetJobs this batch woke."""
-        woken = _Woken()
         if not (ready or due is not None):
-            return woken
+            return _Woken()
+        if not self.anyone_waiting():
+            # Nobody to serve: skip the round trip to the event loop, which
+            # hears of these names after the commit instead. A GetJob that
+            # starts waiting meanwhile tries after this commit, so it still
+            # sees the jobs.
+            return _Woken(ready=ready, due=due)
+        woken = _Woken()
         woken.works = trio.from_thread.run_sync(self._catch, ready, due, trio_token=self._token)
         if woken.works:
             results = self._run_all(woken.works, savepoints=True)

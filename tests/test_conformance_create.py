@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from conformance_helpers import (
     count,
     create,

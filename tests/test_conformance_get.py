@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
-import pytest
 from conformance_helpers import (
     count,
     create,

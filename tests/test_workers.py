@@ -8,7 +8,6 @@ deadline. Worker scripts are POSIX sh unless they need Python.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
