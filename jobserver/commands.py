@@ -196,7 +196,9 @@ def update_job(ctx: Context, request: Request) -> Response:
         next_run = next_run_from_repeat(ctx, job, rule)
     if next_run is not None:
         changes["nextRun"] = next_run
-        if job.state in ("QUEUED", "RUNQUEUED"):
+        # A waiting job's nextRun is its reply deadline: the clock must
+        # hear of it as of any other due time.
+        if job.state in ("QUEUED", "RUNQUEUED", "WAITING"):
             ctx.scheduled(job.name, next_run)
     if params.is_true(request.get("shouldClearRepeat")):
         changes["repeat"] = ""

@@ -11,6 +11,7 @@ import json
 import sqlite3
 import threading
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -384,3 +385,11 @@ async def test_the_async_client_awaits_and_delivers(server):
         assert await jobs.await_reply(job_id, "async-key") == {"state": "QUEUED"}
         again = await jobs.get_job("hook")
         assert again is not None and again["data"] == {"reply": {"early": True}}
+
+
+def test_update_job_moving_a_deadline_earlier_rearms_the_clock(server, client):
+    job_id = running_job(client)
+    ok(client.request("AwaitReply", jobID=job_id, key="moved", timeout=86400))
+    soon = (datetime.now(timezone.utc) + timedelta(seconds=1)).strftime("%Y-%m-%d %H:%M:%S")
+    ok(client.request("UpdateJob", jobID=job_id, data={}, nextRun=soon))
+    until(lambda: query(client, job_id)["state"] == "FAILED", "the moved reply deadline")
