@@ -476,6 +476,14 @@ def _failed_jobs(pattern: str, limit: int | None) -> _Call[list[dict[str, Any]]]
     return _Call("FailedJobs", {"name": pattern, "limit": limit}, _field("jobs"))
 
 
+def _set_limit(pattern: str, capacity: int) -> _Call[None]:
+    return _Call("SetLimit", {"name": pattern, "max": capacity}, _nothing)
+
+
+def _on_pattern(method: str, pattern: str) -> _Call[None]:
+    return _Call(method, {"name": pattern}, _nothing)
+
+
 def _on_job(method: str, job_id: int, **params: object) -> _Call[None]:
     return _Call(method, {"jobID": job_id, **params}, _nothing)
 
@@ -700,6 +708,17 @@ class Client(_Endpoint):
         """FAILED jobs whose name matches, oldest first, with their last error."""
         return self._call(_failed_jobs(pattern, limit))
 
+    def set_limit(self, pattern: str, capacity: int) -> None:
+        """At most `capacity` cost units of matching jobs run at once; 0 removes it."""
+        self._call(_set_limit(pattern, capacity))
+
+    def pause_jobs(self, pattern: str) -> None:
+        """Hand out no job whose name matches until resume_jobs(pattern)."""
+        self._call(_on_pattern("PauseJobs", pattern))
+
+    def resume_jobs(self, pattern: str) -> None:
+        self._call(_on_pattern("ResumeJobs", pattern))
+
     def retry_job(
         self,
         job_id: int,
@@ -895,6 +914,15 @@ class AsyncClient(_Endpoint, trio.abc.AsyncResource):
         self, pattern: str = "*", limit: int | None = None
     ) -> list[dict[str, Any]]:
         return await self._call(_failed_jobs(pattern, limit))
+
+    async def set_limit(self, pattern: str, capacity: int) -> None:
+        await self._call(_set_limit(pattern, capacity))
+
+    async def pause_jobs(self, pattern: str) -> None:
+        await self._call(_on_pattern("PauseJobs", pattern))
+
+    async def resume_jobs(self, pattern: str) -> None:
+        await self._call(_on_pattern("ResumeJobs", pattern))
 
     async def retry_job(
         self,

@@ -651,3 +651,29 @@ async def test_async_cannot_connect():
     async with AsyncClient(port=free_port(), timeout=2) as jobs:
         with pytest.raises(ConnectionFailed, match="cannot connect"):
             await jobs.ping()
+
+
+def test_flow_control_methods(server):
+    with Client("127.0.0.1", server.port, timeout=10) as jobs:
+        jobs.pause_jobs("mail/*")
+        jobs.set_limit("mail/*", 3)
+        status = jobs.status()
+        assert status["paused"] == ["mail/*"]
+        assert status["limits"]["mail/*"]["max"] == 3
+        job_id = jobs.create_job("mail/one")
+        assert jobs.get_job("mail/*") is None
+        jobs.resume_jobs("mail/*")
+        assert jobs.get_job("mail/*")["jobID"] == job_id
+        jobs.set_limit("mail/*", 0)
+        assert "mail/*" not in jobs.status()["limits"]
+        with pytest.raises(InvalidRequest):
+            jobs.set_limit("mail/*", -1)
+
+
+async def test_async_flow_control_methods(server):
+    async with AsyncClient("127.0.0.1", server.port, timeout=10) as jobs:
+        await jobs.pause_jobs("x*")
+        assert (await jobs.status())["paused"] == ["x*"]
+        await jobs.resume_jobs("x*")
+        await jobs.set_limit("x*", 2)
+        assert (await jobs.status())["limits"]["x*"]["max"] == 2

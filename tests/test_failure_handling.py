@@ -365,16 +365,18 @@ def test_an_expired_lease_counts_as_an_attempt_and_uses_the_same_limit(client):
 
 
 def test_touch_job_keeps_a_job_from_being_handed_out_again(server, client):
-    job_id = create(client, "long", retryAfter="+1 SECOND")
+    # Leases count from the start of the current second: a one-second lease
+    # renewed at x.99 would end 10 ms later, so two seconds keep at least one.
+    job_id = create(client, "long", retryAfter="+2 SECONDS")
     lease = ok(client.request("GetJob", name="long")).headers["leaseID"]
     with server.client() as other:
-        end = time.monotonic() + 2.5
+        end = time.monotonic() + 3.5
         while time.monotonic() < end:
             before = utcnow()
             reply = ok(client.request("TouchJob", jobID=job_id, leaseID=lease))
             after = utcnow()
-            # One second from now, in whole seconds.
-            assert in_seconds(before + timedelta(seconds=1), after + timedelta(seconds=1),
+            # Two seconds from now, in whole seconds.
+            assert in_seconds(before + timedelta(seconds=2), after + timedelta(seconds=2),
                               reply.json["nextRun"])
             assert query_job(client, job_id)["nextRun"] == reply.json["nextRun"]
             assert other.request("GetJob", name="long").status == "404 No job found"
