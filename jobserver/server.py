@@ -1,17 +1,14 @@
-"""The trio server: accept connections, move bytes, own the tasks.
+"""The trio server: accept connections, own the tasks, stop cleanly.
 
-Each connection is one task that reads requests, answers them strictly in
-order and writes the replies. Everything that touches the database goes to
-the writer thread; waiting GetJobs go to the wait queue. Shutdown stops
-accepting, answers waiting GetJobs, lets requests in flight finish, then
-closes the database.
+Each connection is one task (connection.py), and a failure domain: nothing
+that happens on it reaches the accept loop or another connection. Only a
+stop signal ends the server once it runs. Shutdown stops accepting, answers
+waiting GetJobs, lets requests in flight finish, then closes the database.
 """
 
 from __future__ import annotations
 
 import errno
-import hmac
-import math
 import os
 import time
 import logging
@@ -20,27 +17,22 @@ import signal
 import ssl
 import sys
 import threading
-from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import trio
 
-from . import __version__, commands, handout, params, query, replies, retention
-from .errors import CommandError
-from .handout import Handout, JobQuery
-from .protocol import Request, RequestParser, Response, encode_response
+from . import __version__, commands, handout, peer, query, replies, retention
+from .connection import Connection, serve_connection
+from .protocol import Request, Response
 from .store import DEFAULT_REPLY_GRACE, Store
-from .waiters import Selector, WaitQueue
+from .waiters import WaitQueue
 from .writer import Writer
 
 log = logging.getLogger("jobserver")
 
-# Read size per receive: a whole ordinary request, and a large one in a few reads.
-RECEIVE_SIZE = 65536
 # Query runs in worker threads; a few at once is plenty for people typing.
 QUERY_THREADS = 4
 # How long one thread may hold the GIL while another wants it.
@@ -98,6 +90,9 @@ class Server:
         self._query_limiter = trio.CapacityLimiter(QUERY_THREADS)
         self._stop = trio.Event()
         self.token: trio.lowlevel.TrioToken | None = None
+        # Built once; each connection starts TLS itself, after checking that
+        # the client speaks it (connection.py).
+        self.tls_context: ssl.SSLContext | None = None
 
     def request_stop(self) -> None:
         """Shut down as if on SIGTERM."""
@@ -113,10 +108,10 @@ class Server:
         # Signals are caught before anything is announced, so a stop sent the
         # moment the server says it listens is still a clean stop.
         with _stop_signals() as signals:
+            if config.tls_cert:
+                self.tls_context = _tls_context(config)
             listeners: list[Any] = await trio.open_tcp_listeners(config.port, host=config.host)
             port = listeners[0].socket.getsockname()[1]
-            if config.tls_cert:
-                listeners = [_tls(listener, config) for listener in listeners]
             try:
                 self.store = Store(config.db, config.synchronous, config.limits)
                 self.store.keep_finished = config.keep_finished > 0
@@ -136,7 +131,7 @@ class Server:
             # Set last: it tells an embedding program the server is ready.
             self.port = port
             address = f"{config.host}:{port}"
-            if not _is_loopback(config.host) and config.auth_token is None:
+            if not peer.is_loopback(config.host) and config.auth_token is None:
                 log.warning(
                     "serving %s without --auth-token-file: anyone who can "
                     "reach this address can create, take and delete jobs", config.host,
@@ -184,8 +179,8 @@ class Server:
         }
         return commands.ok(body)
 
-    async def query(self, request: Request, peer: str) -> Response:
-        if not (self.config.allow_remote_query or _is_loopback(peer)):
+    async def query(self, request: Request, address: str) -> Response:
+        if not (self.config.allow_remote_query or peer.is_loopback(address)):
             return Response("401 Unauthorized")
         return await trio.to_thread.run_sync(
             query.run, self.config.db, request, self.config.query_seconds,
@@ -245,183 +240,8 @@ class Server:
                     await trio.sleep(0.1)
                     continue
                 raise
-            if len(self.connections) >= self.config.max_connections:
-                conns.start_soon(_refuse, stream)
-                continue
-            conns.start_soon(Connection(self, stream).run)
-
-
-async def _refuse(stream: trio.abc.Stream) -> None:
-    with trio.move_on_after(1):
-        try:
-            await stream.send_all(encode_response(Response("503 Too many connections"), close=True))
-        except trio.BrokenResourceError:
-            pass
-    await stream.aclose()
-
-
-class Connection:
-    def __init__(self, server: Server, stream: trio.abc.Stream) -> None:
-        self.server = server
-        self.stream = stream
-        self.parser = RequestParser()
-        self.pending: deque[Request] = deque()
-        self.eof = False
-        # True while waiting for the next request: the only moment a
-        # shutdown may cut the connection without losing a reply.
-        self._idle = False
-        # Its deadline is the idle or request timeout while reading, and
-        # none while a request is answered.
-        self._scope = trio.CancelScope()
-        self._request_began: float | None = None
-        self.peer = _peer(stream)
-
-    def stop_reading(self) -> None:
-        """Shutdown: an idle connection stops waiting for its next request."""
-        if self._idle:
-            self._scope.cancel()
-
-    async def run(self) -> None:
-        self.server.connections.add(self)
-        try:
-            with self._scope:
-                await self._serve()
-            if self._scope.cancelled_caught and self.parser.buffered and not self.server.closing:
-                await self._say_and_close("408 Request timeout")
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        except OSError as error:
-            log.info("connection error: %s", error)
-        finally:
-            self.server.connections.discard(self)
-            await self.stream.aclose()
-
-    async def _serve(self) -> None:
-        while True:
-            request = await self._next_request()
-            if request is None:
-                if self.parser.error is not None:
-                    reply = Response(self.parser.error.status)
-                    await self.stream.send_all(encode_response(reply, close=True))
-                return
-            response = await self._respond(request)
-            close = request.wants_close or self.server.closing
-            delivered = await self._send(response, close)
-            if not delivered or close:
-                return
-
-    async def _next_request(self) -> Request | None:
-        while not self.pending:
-            if self.eof or self.parser.error is not None or self.server.closing:
-                return None
-            self._scope.deadline = self._read_deadline()
-            self._idle = True
-            try:
-                await self._receive()
-            finally:
-                self._idle = False
-        self._scope.deadline = math.inf
-        self._request_began = None
-        return self.pending.popleft()
-
-    def _read_deadline(self) -> float:
-        config = self.server.config
-        now = trio.current_time()
-        if not self.parser.buffered:
-            return now + config.idle_timeout
-        if self._request_began is None:
-            self._request_began = now
-        return self._request_began + config.request_timeout
-
-    async def _say_and_close(self, status: str) -> None:
-        with trio.move_on_after(1):
-            await self.stream.send_all(encode_response(Response(status), close=True))
-
-    async def _receive(self) -> None:
-        data = await self.stream.receive_some(RECEIVE_SIZE)
-        if not data:
-            self.eof = True
-            return
-        self.pending.extend(self.parser.feed(data))
-
-    async def _send(self, response: Response, close: bool) -> bool:
-        """Send a reply; False if the client is gone. Jobs in an undelivered
-        reply go back to the queue."""
-        try:
-            await self.stream.send_all(encode_response(response, close))
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            if isinstance(response, Handout):
-                self.server.waits.give_back(response.taken)
-            return False
-        except BaseException:
-            if isinstance(response, Handout):
-                self.server.waits.give_back(response.taken)
-            raise
-        self.server.commands_served += 1
-        return True
-
-    async def _respond(self, request: Request) -> Response:
-        if request.invalid_utf8:
-            return Response("400 Request is not valid UTF-8")
-        if not self._authorized(request):
-            return Response("401 Unauthorized")
-        verb = request.verb.lower()
-        try:
-            if verb == "ping":
-                return Response("200 OK")
-            if verb == "status":
-                return await self.server.status()
-            if verb in query.VERBS:
-                return await self.server.query(request, self.peer)
-            if verb not in commands.COMMANDS:
-                return Response("430 Unrecognized command")
-            if commands.wants_wait(request):
-                return await self._wait_for_jobs(request)
-            return await self.server.writer.call(partial(commands.execute, request=request))
-        except CommandError as error:
-            return Response(error.status)
-
-    def _authorized(self, request: Request) -> bool:
-        expected = self.server.config.auth_token
-        if expected is None:
-            return True
-        given = request.get("authtoken") or ""
-        # Constant time, so the reply's timing does not reveal a prefix.
-        return hmac.compare_digest(given.encode(), expected.encode())
-
-    async def _wait_for_jobs(self, request: Request) -> Response:
-        job_query, many = handout.query_for(request)
-        timeout = params.wait_seconds(request)
-        taken = await self._watching_for_hangup(job_query, timeout)
-        if taken is None:
-            return Response("404 No job found")
-        return handout.reply(taken, many)
-
-    async def _watching_for_hangup(self, job_query: JobQuery, timeout: float) -> Any:
-        """Wait for jobs while reading ahead, so a client that hangs up
-        stops waiting at once and is never handed a job."""
-        selector = Selector(job_query.pattern, frozenset(job_query.names))
-        result: list[Any] = [None]
-
-        async def wait(cancel: trio.CancelScope) -> None:
-            result[0] = await self.server.waits.wait(selector, job_query, timeout)
-            cancel.cancel()
-
-        async def read_ahead(cancel: trio.CancelScope) -> None:
-            # Reading stops at the first complete request pipelined behind
-            # this one, so a waiting connection holds at most one request
-            # and one partial head in memory.
-            while not self.eof and not self.pending and self.parser.error is None:
-                await self._receive()
-            if self.eof:
-                cancel.cancel()
-                return
-            await trio.sleep_forever()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(wait, nursery.cancel_scope)
-            nursery.start_soon(read_ahead, nursery.cancel_scope)
-        return result[0]
+            refuse = len(self.connections) >= self.config.max_connections
+            conns.start_soon(serve_connection, self, stream, refuse)
 
 
 @contextmanager
@@ -446,23 +266,14 @@ def _status_snapshot(ctx: Any) -> tuple[dict[str, int], dict[str, Any], list[str
     return store.count_by_state(), limits, sorted(store.paused), store.early_replies(ctx.now_ms)
 
 
-def _tls(listener: trio.SocketListener, config: Config) -> trio.SSLListener[trio.SocketStream]:
+def _tls_context(config: Config) -> ssl.SSLContext:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    # A client's end without close_notify (a killed worker, a half-close)
+    # is an end, as on plain TCP: OpenSSL would otherwise refuse to send
+    # the replies still owed. Lengths in every message rule out truncation.
+    context.options |= ssl.OP_IGNORE_UNEXPECTED_EOF
     context.load_cert_chain(config.tls_cert, config.tls_key)  # type: ignore[arg-type]
-    return trio.SSLListener(listener, context)
-
-
-def _peer(stream: trio.abc.Stream) -> str:
-    """The client's address; TLS streams wrap the socket stream."""
-    transport = getattr(stream, "transport_stream", stream)
-    try:
-        return str(transport.socket.getpeername()[0])
-    except (AttributeError, OSError):
-        return ""
-
-
-def _is_loopback(address: str) -> bool:
-    return address.startswith("127.") or address in ("::1", "::ffff:127.0.0.1", "localhost")
+    return context
 
 
 def _database_bytes(path: str) -> int:

@@ -119,53 +119,69 @@ class Writer:
                 return
 
     def _run_batch(self, batch: list[Work]) -> None:
+        woken = _Woken()
         try:
             outcomes, ready, due = self._execute(batch)
-            woken = self._wake_in_transaction(ready, due)
-            batch += woken.works
-            outcomes += woken.outcomes
+            self._wake_in_transaction(ready, due, woken)
             self._store.commit()
+            batch = batch + woken.works
+            outcomes += woken.outcomes
             self.batches += 1
             self.requests += len(batch)
         except Exception as error:
-            # Whatever went wrong, every request of the batch gets an answer:
-            # a caller must never wait for a commit that will not come.
-            if isinstance(error, sqlite3.Error):
-                log.error("transaction failed: %s", error)
-                status = f"503 Database unavailable: {error}"
-            else:
-                log.exception("transaction failed")
-                status = "500 Unhandled Exception"
-            self._store.rollback()
+            # Whatever went wrong, every request of the batch gets an answer,
+            # waiting GetJobs caught for it included: a caller must never
+            # wait for a commit that will not come.
+            status = self._abandon(error)
+            batch = batch + woken.works
             # One outcome each: an outcome can be unwrapped only once.
             outcomes = [outcome.Error(CommandError(status)) for _ in batch]
             woken = _Woken()
         self._token.run_sync_soon(self._deliver, batch, outcomes, woken)
 
-    def _deliver(self, batch: list[Work], outcomes: list[outcome.Outcome], woken: _Woken) -> None:
-        for work, result in zip(batch, outcomes):
-            work.done(result)
-        if woken.ready or woken.due is not None:
-            self._notify(woken.ready, woken.due)
+    def _abandon(self, error: Exception) -> str:
+        """Roll a failed transaction back; the status its requests get."""
+        if isinstance(error, sqlite3.Error):
+            log.error("transaction failed: %s", error)
+            status = f"503 Database unavailable: {error}"
+        else:
+            log.exception("transaction failed")
+            status = "500 Unhandled Exception"
+        try:
+            self._store.rollback()
+        except sqlite3.Error as rollback_error:
+            # SQLite undoes an uncommitted transaction itself when it next
+            # opens one; the thread must live on to answer the next batch.
+            log.error("rollback failed: %s", rollback_error)
+        return status
 
-    def _wake_in_transaction(self, ready: set[str], due: str | None) -> _Woken:
+    def _deliver(self, batch: list[Work], outcomes: list[outcome.Outcome], woken: _Woken) -> None:
+        """On the event loop. An exception from here would end the whole
+        trio run, so each callback's is logged and kept to itself."""
+        for work, result in zip(batch, outcomes):
+            _guarded(work.done, result)
+        if woken.ready or woken.due is not None:
+            _guarded(self._notify, woken.ready, woken.due)
+
+    def _wake_in_transaction(self, ready: set[str], due: str | None, woken: _Woken) -> None:
         """Serve, before the commit, the waiting GetJobs this batch woke."""
         if not (ready or due is not None):
-            return _Woken()
+            return
         if not self.anyone_waiting():
             # Nobody to serve: skip the round trip to the event loop, which
             # hears of these names after the commit instead. A GetJob that
             # starts waiting meanwhile tries after this commit, so it still
             # sees the jobs.
-            return _Woken(ready=ready, due=due)
-        woken = _Woken()
+            woken.ready, woken.due = ready, due
+            return
+        # Recorded before they run, so that they are answered even if the
+        # transaction fails from here on.
         woken.works = trio.from_thread.run_sync(self._catch, ready, due, trio_token=self._token)
         if woken.works:
             results = self._run_all(woken.works, savepoints=True)
             assert results is not None
             woken.outcomes = [result for result, _ in results]
             woken.ready, woken.due = _merge(ctx for _, ctx in results)
-        return woken
 
     def _catch(self, ready: set[str], due: str | None) -> list[Work]:
         """On the event loop: the requests that notifying this produces."""
@@ -239,6 +255,13 @@ class Writer:
         except Exception as error:
             log.exception("unhandled error in a request")
             return outcome.Error(CommandError(f"500 Unhandled Exception: {type(error).__name__}"))
+
+
+def _guarded(callback: Callable[..., None], *args: Any) -> None:
+    try:
+        callback(*args)
+    except Exception:
+        log.exception("a commit's callback failed")
 
 
 @dataclass

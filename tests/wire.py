@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +26,14 @@ class Reply:
 
 
 class Client:
-    def __init__(self, port: int, timeout: float = 10.0, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, port: int, timeout: float = 10.0, host: str = "127.0.0.1", tls_ca: str | None = None
+    ) -> None:
+        """`tls_ca`: speak TLS, trusting the certificates this CA file signed."""
         self.sock = socket.create_connection((host, port), timeout=timeout)
+        if tls_ca is not None:
+            context = ssl.create_default_context(cafile=tls_ca)
+            self.sock = context.wrap_socket(self.sock, server_hostname="localhost")
         self.buffer = b""
 
     def close(self) -> None:

@@ -1,0 +1,348 @@
+"""One client connection, and the boundary that makes it a failure domain.
+
+`serve_connection` is the only place a connection's task begins and ends.
+Whatever happens on the connection (a reset, a TLS error, a bug in a
+command, a group of exceptions from a waiting GetJob) ends that connection
+only: it is logged once, at DEBUG for a client that hung up and at ERROR
+for anything else, the jobs handed to it that it did not receive go back
+to the queue, and the socket is closed. Only cancellation passes through,
+which is how the server stops.
+
+A connection reads requests, answers them strictly in order and writes the
+replies. Everything that touches the database goes to the writer thread;
+waiting GetJobs go to the wait queue.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+import socket
+import ssl
+from collections import deque
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from . import commands, handout, params, peer, query
+from .errors import CommandError
+from .handout import Handout, JobQuery, Taken
+from .protocol import Request, RequestParser, Response, encode_response
+from .waiters import Selector
+
+if TYPE_CHECKING:
+    from .server import Server
+
+log = logging.getLogger("jobserver")
+
+# Read size per receive: a whole ordinary request, and a large one in a few reads.
+RECEIVE_SIZE = 65536
+# A reply is written in pieces of this size, each within the request
+# timeout: a client that stops reading in the middle of a large reply is
+# found out, while a slow link that keeps taking data is not cut off.
+SEND_PIECE = 256 * 1024
+# How long a refused or finished connection may take to accept its last
+# words and the close (a TLS close_notify needs the client to read).
+CLOSE_PATIENCE = 1.0
+# The first byte of every TLS connection: a handshake record.
+TLS_HANDSHAKE = 0x16
+# What a TLS port answers, in plain text, to a client that does not speak
+# TLS: `nc` shows it, and the client library turns it into advice.
+TLS_REQUIRED = "400 This port requires TLS"
+
+
+class ClientGone(Exception):
+    """The client closed its end before it took a reply with jobs."""
+
+
+class NotTLS(Exception):
+    """A client spoke plain text to a TLS port (it was told so)."""
+
+
+class TLSOnPlainPort(Exception):
+    """A client began a TLS handshake on a plain-text port."""
+
+
+async def serve_connection(server: Server, stream: trio.abc.Stream, refuse: bool) -> None:
+    """Run one connection from accept to close; nothing it raises leaves here
+    except cancellation."""
+    connection = Connection(server, stream)
+    server.connections.add(connection)
+    failure: BaseExceptionGroup[Exception] | None = None
+    try:
+        if refuse:
+            await connection.say_and_close("503 Too many connections")
+        else:
+            await connection.run()
+    except* Exception as group:
+        failure = group
+    finally:
+        server.connections.discard(connection)
+        connection.end(failure)
+        await connection.close()
+
+
+class Connection:
+    def __init__(self, server: Server, stream: trio.abc.Stream) -> None:
+        self.server = server
+        self.stream = stream
+        self.parser = RequestParser()
+        self.pending: deque[Request] = deque()
+        self.eof = False
+        self.peer = peer.address(stream)
+        # For the log: the client's address and port.
+        self.name = peer.describe(stream)
+        # Jobs of the reply being written: they belong to this connection
+        # until the client has them, and go back to the queue if it never does.
+        self.undelivered: list[Taken] = []
+        # True while waiting for the next request: the only moment a
+        # shutdown may cut the connection without losing a reply.
+        self._idle = False
+        # Its deadline is the idle or request timeout while reading, and
+        # none while a request is answered.
+        self._scope = trio.CancelScope()
+        self._request_began: float | None = None
+        self._received_any = False
+
+    def stop_reading(self) -> None:
+        """Shutdown: an idle connection stops waiting for its next request."""
+        if self._idle:
+            self._scope.cancel()
+
+    async def run(self) -> None:
+        with self._scope:
+            if self.server.tls_context is not None and not await self._start_tls():
+                return
+            await self._serve()
+        if self._scope.cancelled_caught and self.parser.buffered and not self.server.closing:
+            await self.say_and_close("408 Request timeout")
+
+    async def say_and_close(self, status: str) -> None:
+        """Last words before closing; a client that does not take them
+        within CLOSE_PATIENCE is not waited for."""
+        with trio.move_on_after(CLOSE_PATIENCE):
+            await self.stream.send_all(encode_response(Response(status), close=True))
+
+    def end(self, failure: BaseExceptionGroup[Exception] | None) -> None:
+        """Put back the jobs the client did not take, and log the end in one
+        line, at a level that fits its cause."""
+        taken, self.undelivered = self.undelivered, []
+        if taken:
+            self.server.waits.give_back(taken)
+        errors = _leaves(failure) if failure is not None else []
+        unexpected = [e for e in errors if not _is_hang_up(e)]
+        cause = _describe(errors[0]) if errors else "closed"
+        if unexpected:
+            log.error("connection from %s failed; closed", self.name, exc_info=unexpected[0])
+        if taken:
+            log.info(
+                "connection from %s ended (%s) before it took job%s %s: put back",
+                self.name, cause, "s" if len(taken) > 1 else "",
+                ", ".join(str(t.job.jobID) for t in taken),
+            )
+        elif unexpected:
+            return
+        elif errors and (isinstance(errors[0], (NotTLS, TLSOnPlainPort)) or _is_tls_failure(errors[0])):
+            log.info("connection from %s: %s; closed", self.name, cause)
+        elif errors:
+            log.debug("connection from %s ended: %s", self.name, cause)
+
+    async def close(self) -> None:
+        # aclose closes the socket even when its TLS goodbye is cut short.
+        with trio.move_on_after(CLOSE_PATIENCE):
+            try:
+                await self.stream.aclose()
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+
+    async def _start_tls(self) -> bool:
+        """Look at the first byte before the TLS layer takes the stream: a
+        client speaking plain text is told so in plain text."""
+        self._scope.deadline = trio.current_time() + self.server.config.idle_timeout
+        sock = peer.transport_socket(self.stream)
+        first = await sock.recv(1, socket.MSG_PEEK)
+        if not first:
+            return False
+        if first[0] != TLS_HANDSHAKE:
+            await self.say_and_close(TLS_REQUIRED)
+            raise NotTLS("plain text on a TLS port")
+        context = self.server.tls_context
+        assert context is not None
+        # Replies and requests carry their own lengths, so a connection
+        # that ends without TLS's close_notify cannot pass off a truncated
+        # message as whole: its end is read as an end, as on plain TCP.
+        self.stream = trio.SSLStream(self.stream, context, server_side=True, https_compatible=True)
+        return True
+
+    async def _serve(self) -> None:
+        while True:
+            request = await self._next_request()
+            if request is None:
+                await self._say_why_ending()
+                return
+            response = await self._respond(request)
+            close = request.wants_close or self.server.closing
+            await self._deliver(response, close)
+            if close:
+                return
+
+    async def _say_why_ending(self) -> None:
+        if self.parser.error is not None:
+            await self.say_and_close(self.parser.error.status)
+        elif self.eof and self.parser.buffered and not self.server.closing:
+            # The client closed its side in the middle of a request (often a
+            # missing blank line at the end of `printf ... | nc -N`).
+            await self.say_and_close("400 Incomplete request")
+
+    async def _next_request(self) -> Request | None:
+        while not self.pending:
+            if self.eof or self.parser.error is not None or self.server.closing:
+                return None
+            self._scope.deadline = self._read_deadline()
+            self._idle = True
+            try:
+                await self._receive()
+            finally:
+                self._idle = False
+        self._scope.deadline = math.inf
+        self._request_began = None
+        return self.pending.popleft()
+
+    def _read_deadline(self) -> float:
+        config = self.server.config
+        now = trio.current_time()
+        if not self.parser.buffered:
+            return now + config.idle_timeout
+        if self._request_began is None:
+            self._request_began = now
+        return self._request_began + config.request_timeout
+
+    async def _receive(self) -> None:
+        data = await self.stream.receive_some(RECEIVE_SIZE)
+        if not data:
+            self.eof = True
+            return
+        if not self._received_any:
+            self._received_any = True
+            if data[0] == TLS_HANDSHAKE and self.server.tls_context is None:
+                raise TLSOnPlainPort("TLS handshake on a plain-text port")
+        self.pending.extend(self.parser.feed(data))
+
+    async def _deliver(self, response: Response, close: bool) -> None:
+        """Write a reply. Jobs in it stay this connection's to give back
+        until the client can have taken them."""
+        if isinstance(response, Handout):
+            self.undelivered = response.taken
+        await self._send(encode_response(response, close))
+        if self.undelivered:
+            if not await peer.took_reply(self.stream):
+                raise ClientGone("the client closed its end before taking the reply")
+            self.undelivered = []
+        self.server.commands_served += 1
+
+    async def _send(self, data: bytes) -> None:
+        timeout = self.server.config.request_timeout
+        for start in range(0, len(data), SEND_PIECE):
+            with trio.fail_after(timeout):
+                await self.stream.send_all(data[start : start + SEND_PIECE])
+
+    async def _respond(self, request: Request) -> Response:
+        if request.invalid_utf8:
+            return Response("400 Request is not valid UTF-8")
+        if not self._authorized(request):
+            return Response("401 Unauthorized")
+        verb = request.verb.lower()
+        try:
+            if verb == "ping":
+                return Response("200 OK")
+            if verb == "status":
+                return await self.server.status()
+            if verb in query.VERBS:
+                return await self.server.query(request, self.peer)
+            if verb not in commands.COMMANDS:
+                return Response("430 Unrecognized command")
+            if commands.wants_wait(request):
+                return await self._wait_for_jobs(request)
+            return await self.server.writer.call(partial(commands.execute, request=request))
+        except CommandError as error:
+            return Response(error.status)
+
+    def _authorized(self, request: Request) -> bool:
+        expected = self.server.config.auth_token
+        if expected is None:
+            return True
+        given = request.get("authtoken") or ""
+        # Constant time, so the reply's timing does not reveal a prefix.
+        return hmac.compare_digest(given.encode(), expected.encode())
+
+    async def _wait_for_jobs(self, request: Request) -> Response:
+        job_query, many = handout.query_for(request)
+        timeout = params.wait_seconds(request)
+        await self._wait_watching_for_hangup(job_query, timeout)
+        if not self.undelivered:
+            return Response("404 No job found")
+        return handout.reply(self.undelivered, many)
+
+    async def _wait_watching_for_hangup(self, job_query: JobQuery, timeout: float) -> None:
+        """Wait for jobs while reading ahead, so a client that hangs up
+        stops waiting at once and is never handed a job. Jobs the wait
+        returns are this connection's at once, whatever else happens."""
+        selector = Selector(job_query.pattern, frozenset(job_query.names))
+
+        async def wait(cancel: trio.CancelScope) -> None:
+            self.undelivered = await self.server.waits.wait(selector, job_query, timeout) or []
+            cancel.cancel()
+
+        async def read_ahead(cancel: trio.CancelScope) -> None:
+            # Reading stops at the first complete request pipelined behind
+            # this one, so a waiting connection holds at most one request
+            # and one partial head in memory.
+            while not self.eof and not self.pending and self.parser.error is None:
+                await self._receive()
+            if self.eof:
+                cancel.cancel()
+                return
+            await trio.sleep_forever()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait, nursery.cancel_scope)
+            nursery.start_soon(read_ahead, nursery.cancel_scope)
+
+
+def _leaves(group: BaseExceptionGroup[Exception]) -> list[Exception]:
+    found: list[Exception] = []
+    for error in group.exceptions:
+        if isinstance(error, BaseExceptionGroup):
+            found += _leaves(error)
+        else:
+            found.append(error)
+    return found
+
+
+def _is_hang_up(error: BaseException) -> bool:
+    """A client that went away or misbehaved at the transport level: its
+    business, not the server's."""
+    return isinstance(
+        error,
+        (
+            trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError,
+            # TimeoutError: the kernel gave up on an unreachable client.
+            ConnectionError, TimeoutError, ssl.SSLError, ClientGone, NotTLS, TLSOnPlainPort,
+        ),
+    )
+
+
+def _is_tls_failure(error: BaseException) -> bool:
+    cause = error.__cause__ if isinstance(error, trio.BrokenResourceError) else error
+    return isinstance(cause, ssl.SSLError) and not isinstance(
+        cause, (ssl.SSLEOFError, ssl.SSLZeroReturnError)
+    )
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, trio.TooSlowError):
+        return "the client stopped taking its reply"
+    cause: Any = error.__cause__ or error
+    return str(cause) or type(cause).__name__

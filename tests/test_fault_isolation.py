@@ -1,0 +1,214 @@
+"""The two crashes that started the fault-isolation work, as they were found,
+and the other ways a connection can end that must end only that connection.
+
+Each test runs the server as users do, in its own process, so that a fault
+that reached the accept loop shows as the process exiting.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import trio
+import trustme
+
+from jobserver.store import Store
+from jobserver.writer import Work, Writer
+from procserver import poll_until, start_server  # noqa: F401  (fixture)
+from wire import Client
+
+DEADLINE = 20.0
+
+
+def alive_and_serving(server, neighbour: Client | None = None) -> None:
+    assert server.proc.poll() is None, server.log
+    with server.client() as fresh:
+        assert fresh.request("Ping").status == "200 OK"
+    if neighbour is not None:
+        assert neighbour.request("Ping").status == "200 OK"
+
+
+def waiting_get_jobs(server) -> int:
+    with server.client() as admin:
+        return admin.request("Status").json["waitingGetJobs"]
+
+
+# Crash 1: a reset while a GetJob waits stopped the server (the reset came
+# out of the read-ahead task wrapped in an ExceptionGroup).
+
+
+@pytest.mark.parametrize("verb", ["GetJob", "GetJobs\nnumResults: 2"])
+@pytest.mark.parametrize("linger", [False, True], ids=["close", "linger0"])
+def test_a_reset_while_waiting_ends_only_that_connection(start_server, verb, linger):
+    server = start_server()
+    with server.client() as neighbour:
+        assert neighbour.request("Ping").status == "200 OK"
+        victim = socket.create_connection(("127.0.0.1", server.port))
+        if linger:
+            victim.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        # The Ping's reply stays unread, so even a plain close() is a reset.
+        victim.sendall(f"Ping\n\n{verb}\nname: nothing\nConnection: wait\n\n".encode())
+        poll_until(lambda: waiting_get_jobs(server) == 1, DEADLINE, "the GetJob to wait")
+        victim.close()
+        poll_until(lambda: waiting_get_jobs(server) == 0, DEADLINE, "the wait to end")
+        alive_and_serving(server, neighbour)
+        # A job created now goes to the neighbour, not to the dead waiter.
+        assert neighbour.request("CreateJob", name="nothing").code == 200
+        assert neighbour.request("GetJob", name="nothing").code == 200
+    server.signal()
+    assert server.wait() == 0, server.log
+    assert "Traceback" not in server.log and " ERROR " not in server.log
+
+
+# Crash 2: with TLS, any client that died while waiting stopped the server
+# (SSLEOFError, no close_notify).
+
+KILLED_TLS_WORKER = textwrap.dedent(
+    """
+    import os, socket, ssl, sys
+    port, ca = int(sys.argv[1]), sys.argv[2]
+    context = ssl.create_default_context(cafile=ca)
+    sock = context.wrap_socket(socket.create_connection(("127.0.0.1", port)), server_hostname="localhost")
+    sock.sendall(b"GetJob\\r\\nname: work\\r\\nConnection: wait\\r\\n\\r\\n")
+    print("waiting", flush=True)
+    sys.stdin.readline()
+    os._exit(0)
+    """
+)
+
+
+@pytest.fixture
+def tls_files(tmp_path: Path) -> tuple[Path, Path, Path]:
+    authority = trustme.CA()
+    certificate = authority.issue_cert("localhost", "127.0.0.1")
+    cert, key, ca = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
+    certificate.cert_chain_pems[0].write_to_path(cert)
+    certificate.private_key_pem.write_to_path(key)
+    authority.cert_pem.write_to_path(ca)
+    return cert, key, ca
+
+
+def test_a_tls_worker_killed_while_waiting_ends_only_its_connection(start_server, tls_files, tmp_path):
+    cert, key, ca = tls_files
+    server = start_server(tmp_path / "jobs.db", "--tls-cert", str(cert), "--tls-key", str(key))
+    with Client(server.port, DEADLINE, tls_ca=str(ca)) as neighbour:
+        assert neighbour.request("Ping").status == "200 OK"
+        worker = subprocess.Popen(
+            [sys.executable, "-c", KILLED_TLS_WORKER, str(server.port), str(ca)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        assert worker.stdout is not None and worker.stdin is not None
+        assert worker.stdout.readline() == "waiting\n"
+        poll_until(lambda: _tls_waiting(server.port, ca) == 1, DEADLINE, "the GetJob to wait")
+        worker.stdin.write("\n")
+        worker.stdin.flush()
+        assert worker.wait(DEADLINE) == 0
+        poll_until(lambda: _tls_waiting(server.port, ca) == 0, DEADLINE, "the wait to end")
+        assert server.proc.poll() is None, server.log
+        assert neighbour.request("CreateJob", name="work").code == 200
+        reply = neighbour.request("GetJob", name="work")
+        assert reply.code == 200, reply.status
+    server.signal()
+    assert server.wait() == 0, server.log
+    assert "Traceback" not in server.log and " ERROR " not in server.log
+
+
+def _tls_waiting(port: int, ca: Path) -> int:
+    with Client(port, DEADLINE, tls_ca=str(ca)) as admin:
+        return admin.request("Status").json["waitingGetJobs"]
+
+
+# Talking the wrong transport gets a plain answer, not silence.
+
+
+def test_plain_text_to_a_tls_port_is_told_so(start_server, tls_files, tmp_path):
+    cert, key, _ = tls_files
+    server = start_server(tmp_path / "jobs.db", "--tls-cert", str(cert), "--tls-key", str(key))
+    with server.client() as plain:
+        plain.send(b"Ping\r\n\r\n")
+        reply = plain.read_reply()
+        assert reply.status == "400 This port requires TLS"
+        assert reply.headers.get("Connection") == "close"
+        assert plain.at_eof()
+    poll_until(lambda: "plain text on a TLS port" in server.log, DEADLINE, "the log")
+    assert server.proc.poll() is None
+
+
+def test_a_tls_handshake_on_a_plain_port_is_closed(start_server, tls_files):
+    server = start_server()
+    _, _, ca = tls_files
+    context = ssl.create_default_context(cafile=str(ca))
+    with socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE) as raw:
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            context.wrap_socket(raw, server_hostname="localhost")
+    poll_until(lambda: "TLS handshake on a plain-text port" in server.log, DEADLINE, "the log")
+    alive_and_serving(server)
+
+
+# A request cut short by the client closing its side gets a status line.
+
+
+def test_a_half_closed_incomplete_request_is_answered(start_server):
+    server = start_server()
+    with server.client() as client:
+        client.send(b"Ping\n")  # no blank line: the request never ends
+        client.sock.shutdown(socket.SHUT_WR)
+        reply = client.read_reply()
+        assert reply.status == "400 Incomplete request"
+        assert client.at_eof()
+
+
+# A client that stops reading in the middle of a reply is found out within
+# the request timeout, and the jobs in that reply go back to the queue.
+
+
+def test_a_client_that_stops_reading_a_reply_loses_its_jobs(start_server, tmp_path):
+    server = start_server(tmp_path / "jobs.db", "--request-timeout", "1")
+    with server.client() as admin:
+        ids = [
+            admin.request("CreateJob", name="big", data={"x": "b" * 100_000}).json["jobID"]
+            for _ in range(5)
+        ]
+        sleeper = socket.socket()
+        sleeper.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sleeper.connect(("127.0.0.1", server.port))
+        sleeper.sendall(b"GetJobs\r\nname: big\r\nnumResults: 5\r\n\r\n")
+
+        def back() -> bool:
+            states = {admin.request("QueryJob", jobID=i).json["state"] for i in ids}
+            return states == {"QUEUED"} and "put back" in server.log
+
+        poll_until(back, DEADLINE, "the jobs to come back")
+        sleeper.close()
+    assert "ended (the client stopped taking its reply)" in server.log
+    alive_and_serving(server)
+
+
+# The writer's callbacks run on the event loop; one that fails must not end
+# the trio run, and the callbacks after it still run.
+
+
+async def test_a_failing_commit_callback_stays_its_own(tmp_path):
+    store = Store(str(tmp_path / "jobs.db"))
+    writer = Writer(store, lambda ready, due: None)
+    writer.start()
+    answered = trio.Event()
+
+    def explode(result: object) -> None:
+        raise RuntimeError("a broken callback")
+
+    writer.submit(Work(lambda ctx: 1, explode))
+    writer.submit(Work(lambda ctx: 2, lambda result: answered.set()))
+    with trio.fail_after(DEADLINE):
+        await answered.wait()
+    assert await writer.call(lambda ctx: 3) == 3
+    await writer.stop()
+    store.close()
