@@ -17,7 +17,9 @@ stdin; JOB_ID, JOB_NAME and JOBSERVER_SERVER in the environment; exit 0 to
 finish (a JSON object on stdout becomes the job's data; one with an
 `awaitReply` key, `{"awaitReply": {"key": K, "timeout": S}}`, makes the job
 wait for an external reply instead), 75 to retry (optionally `{"delay": S}`
-or `{"nextRun": "..."}` on stdout), anything else to fail.
+or `{"nextRun": "..."}` on stdout), anything else to fail. A worker still
+running after --worker-timeout is killed and its job failed (a failed
+attempt for the job's retry policy).
 
 Exit status of the manager: 0 after a clean stop (signal or --max-iterations),
 1 after a forced stop (second signal) or when results could not be reported
@@ -166,7 +168,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive(float),
         default=3600.0,
         metavar="S",
-        help="kill a worker still running after S seconds and retry its job (default: 3600)",
+        help="kill a worker still running after S seconds and fail its job, a failed "
+        "attempt for its retry policy (default: 3600)",
     )
     parser.add_argument(
         "--max-iterations",
@@ -753,12 +756,16 @@ class Manager:
         self, job: dict[str, Any], returncode: int, stopped: str | None, stdout: Head, stderr: Tail
     ) -> Outcome:
         job_id, name = job["jobID"], printable(job["name"])
+        if stopped == "timeout":
+            # A failed attempt, like any failure: the job's retry policy
+            # decides (backoff, dead set), so a worker that always hangs
+            # cannot keep its job coming back forever.
+            error = f"timed out after {self.worker_timeout:g}s (worker killed)"
+            return Outcome(Report(job_id, name, "fail", {"error": error}), f"failed ({error})")
         if stopped is not None:
+            # Our shutdown, not the job's fault: it goes back as it was.
             params = {"delay": 0, "ignore_repeat": True}
-            if stopped == "timeout":
-                text = f"timed out after {self.worker_timeout:g}s, killed, retried"
-            else:
-                text = "still running at the end of the grace period, killed, retried"
+            text = "still running at the end of the grace period, killed, retried"
             return Outcome(Report(job_id, name, "retry", params), text)
         if returncode == 0:
             data = None if stdout.dropped else json_object(bytes(stdout.data))

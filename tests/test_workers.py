@@ -379,7 +379,7 @@ sys.exit(3)
     }
 
 
-def test_a_worker_past_the_timeout_is_killed_with_its_process_group_and_retried(
+def test_a_worker_past_the_timeout_is_killed_with_its_process_group_and_its_job_failed(
     server, client, workers, manager, tmp_path
 ):
     # It ignores SIGTERM (and so does its child), so only SIGKILL ends it.
@@ -397,15 +397,45 @@ wait
     stuck = create(client, "Stuck", data={"x": 1}, repeat="FINISHED, +1 DAY")
     running = manager(server.port, "--worker-timeout", "1", "--max-iterations", "1")
 
-    running.wait_for(rf"job {stuck} Stuck timed out after 1s, killed, retried in")
+    running.wait_for(rf"job {stuck} Stuck failed \(timed out after 1s \(worker killed\)\) in")
     assert running.wait() == 0
     assert not alive(int((tmp_path / "worker.pid").read_text()))
     assert not alive(int((tmp_path / "child.pid").read_text()))
-    retried = job(client, stuck)
-    # Retried now, not at the repeat's next run a day later.
-    assert retried["state"] == "QUEUED"
-    assert utc(retried["nextRun"]) < datetime.now(timezone.utc) + timedelta(seconds=5)
-    assert retried["data"] == {"x": 1}
+    # Without a retry policy a timeout fails the job like any failure,
+    # repeat or not, and leaves its data as it was.
+    failed = job(client, stuck)
+    assert (failed["state"], failed["data"]) == ("FAILED", {"x": 1})
+    [dead] = client.request("FailedJobs").json["jobs"]
+    assert (dead["jobID"], dead["lastError"]) == (stuck, "timed out after 1s (worker killed)")
+
+
+def test_a_timeout_is_a_failed_attempt_of_the_jobs_retry_policy(
+    server, client, workers, manager, tmp_path
+):
+    starts = tmp_path / "starts"
+    python_worker(
+        workers,
+        "Hangs",
+        f"""
+job = json.load(sys.stdin)
+with open("{starts}", "a") as log:
+    log.write(f"{{job['attempt']}} {{time.time()}}\\n")
+time.sleep(60)
+""",
+    )
+    hangs = create(client, "Hangs", maxAttempts=2, retryBackoff="fixed", retryDelay=3)
+    running = manager(server.port, "--worker-timeout", "0.5")
+
+    running.wait_for(rf"job {hangs} Hangs failed \(timed out after 0.5s \(worker killed\)\)", 2)
+    until(lambda: job(client, hangs)["state"] == "FAILED", "the second timeout to kill the job")
+    dead = job(client, hangs)
+    assert (dead["attempt"], dead["lastError"]) == (2, "timed out after 0.5s (worker killed)")
+    attempts = [line.split() for line in starts.read_text().splitlines()]
+    assert [attempt for attempt, _ in attempts] == ["1", "2"]
+    # The second attempt waited for the backoff after the first timed out.
+    assert float(attempts[1][1]) - float(attempts[0][1]) >= 0.5 + 3 - 0.1
+    # Dead for good: nothing runs it again.
+    assert len(re.findall(rf"job {hangs} Hangs", running.log)) == 2
 
 
 def test_missing_workers_and_unsafe_names_fail_the_job_and_run_nothing(
