@@ -68,6 +68,9 @@ FETCH_WAIT = 60.0
 # The 1-minute load average changes slowly; looking once a second while it is
 # too high costs nothing and starts work soon after it drops.
 LOAD_RECHECK = 1.0
+# While --max-load holds jobs back the log says so, but no more often than
+# this: a busy host can stay busy for hours.
+LOAD_NOTICE_INTERVAL = 60.0
 # A worker told to stop (SIGTERM) gets this long to clean up before SIGKILL.
 KILL_AFTER = 5.0
 # After a worker exits, how long its output pipes may stay open: a background
@@ -152,9 +155,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-load",
         type=_positive(float),
-        default=float(cpus),
+        default=None,
         metavar="F",
-        help=f"take no jobs while the 1-minute load average is F or more (default: {cpus})",
+        help="take no jobs while the 1-minute load average is F or more, F > 0 (default: "
+        "no load limit; --max-workers is the limit). In a container the load average is "
+        "usually the whole host's",
     )
     parser.add_argument(
         "--max-workers",
@@ -451,6 +456,21 @@ class Backoff:
         return self.delay
 
 
+class Every:
+    """Lets something happen at most once per `interval` seconds."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.last: float | None = None
+
+    def ready(self, now: float) -> bool:
+        """Whether it may happen at `now`; if so, counts it as happened."""
+        if self.last is not None and now - self.last < self.interval:
+            return False
+        self.last = now
+        return True
+
+
 class Manager:
     def __init__(
         self,
@@ -459,7 +479,7 @@ class Manager:
         port: int,
         directory: str,
         pattern: str,
-        max_load: float,
+        max_load: float | None,
         max_workers: int,
         worker_timeout: float,
         max_iterations: int | None,
@@ -473,6 +493,7 @@ class Manager:
         self.directory = directory
         self.pattern = pattern
         self.max_load = max_load
+        self.load_notice = Every(LOAD_NOTICE_INTERVAL)
         self.max_workers = max_workers
         self.worker_timeout = worker_timeout
         self.max_iterations = max_iterations
@@ -513,12 +534,12 @@ class Manager:
             await root.start(self.watch_signals, root.cancel_scope)
             log.info(
                 "worker manager started: server %s, jobs %r, workers from %s, "
-                "at most %d at once, load below %g",
+                "at most %d at once, %s",
                 self.address,
                 self.pattern,
                 self.directory,
                 self.max_workers,
-                self.max_load,
+                "no load limit" if self.max_load is None else f"load below {self.max_load:g}",
             )
             reporter_done = trio.Event()
             root.start_soon(self.report_loop, reporter_done)
@@ -631,16 +652,18 @@ class Manager:
 
     async def free_slots(self) -> int:
         """Wait until a worker may start; the number of free slots."""
-        waiting_for_load = False
         while True:
             if self.running >= self.max_workers:
                 await self.changed.wait()
                 continue
-            load = self._load()
-            if load >= self.max_load:
-                if not waiting_for_load:
-                    log.info("load average %.2f is at or above %g; waiting", load, self.max_load)
-                    waiting_for_load = True
+            if self.max_load is not None and (load := self._load()) >= self.max_load:
+                if self.load_notice.ready(trio.current_time()):
+                    log.info(
+                        "load average %.2f is at or above --max-load %g: taking no jobs "
+                        "until it drops",
+                        load,
+                        self.max_load,
+                    )
                 with trio.move_on_after(LOAD_RECHECK):
                     await self.changed.wait()
                 continue

@@ -21,8 +21,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
-from jobserver.workers import Refused, json_object, find_worker, retry_options, touch_period
+from jobserver.workers import (
+    LOAD_NOTICE_INTERVAL,
+    Every,
+    Manager,
+    Refused,
+    find_worker,
+    json_object,
+    retry_options,
+    touch_period,
+)
 from wire import Client, Reply
 
 DEADLINE = 15.0
@@ -43,8 +53,6 @@ class ManagerProcess:
                 str(worker_path),
                 "--server",
                 f"127.0.0.1:{port}",
-                "--max-load",
-                "1000",
                 *extra,
             ],
             stderr=subprocess.PIPE,
@@ -508,12 +516,66 @@ def test_no_jobs_are_taken_while_the_load_average_is_at_or_above_max_load(
     write_worker(workers, "Never", "exit 0\n")
     never = create(client, "Never")
     running = manager(server.port, "--max-load", "1e-9")
-    running.wait_for(r"load average [\d.]+ is at or above 1e-09; waiting")
+    assert re.search(r"at most \d+ at once, load below 1e-09\n", running.log)
+    running.wait_for(
+        r"load average [\d.]+ is at or above --max-load 1e-09: taking no jobs until it drops"
+    )
     assert waiting_get_jobs(client) == 0
     assert job(client, never)["state"] == "QUEUED"
     running.signal(signal.SIGTERM)
     assert running.wait() == 0
     assert job(client, never)["state"] == "QUEUED"
+
+
+def test_without_max_load_the_load_average_does_not_hold_jobs_back(
+    server, client, workers, manager
+):
+    write_worker(workers, "Runs", "cat >/dev/null; exit 0\n")
+    runs = create(client, "Runs")
+    running = manager(server.port)
+    assert re.search(r"at most \d+ at once, no load limit\n", running.log)
+    running.wait_for(rf"job {runs} Runs finished in")
+    assert "load average" not in running.log
+
+
+def test_every_lets_a_thing_happen_at_most_once_per_interval():
+    every = Every(60)
+    assert [every.ready(t) for t in (100, 100, 159.9, 160, 200, 219.9, 220.5)] == [
+        True, False, False, True, False, False, True
+    ]
+
+
+class LoadedManager(Manager):
+    """A manager on a host whose load average is `load`."""
+
+    load = 5.0
+
+    def _load(self) -> float:
+        return self.load
+
+
+async def test_the_load_notice_is_logged_at_most_once_a_minute(autojump_clock, caplog, tmp_path):
+    manager = LoadedManager(
+        host="127.0.0.1", port=1, directory=str(tmp_path), pattern="*", max_load=2.0,
+        max_workers=3, worker_timeout=60, max_iterations=None, grace=0,
+    )
+    caplog.set_level("INFO", logger="jobserver.workers")
+    started = trio.current_time()
+
+    async def load_drops_after(seconds: float) -> None:
+        await trio.sleep(seconds)
+        manager.load = 1.0
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(load_drops_after, 2.5 * LOAD_NOTICE_INTERVAL)
+        assert await manager.free_slots() == 3
+    waited = trio.current_time() - started
+    assert 2.5 * LOAD_NOTICE_INTERVAL <= waited <= 2.5 * LOAD_NOTICE_INTERVAL + 1.5
+    notices = [r.getMessage() for r in caplog.records if "load average" in r.getMessage()]
+    # At 0, 60 and 120 seconds: three in two and a half minutes, not 150.
+    assert notices == [
+        "load average 5.00 is at or above --max-load 2: taking no jobs until it drops"
+    ] * 3
 
 
 def test_a_job_created_while_the_manager_waits_starts_at_once(
