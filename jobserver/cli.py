@@ -27,6 +27,7 @@ from .client import (
     JobServerError,
     ServerError,
 )
+from .options import add_tls_arguments, tls_option
 from .server import Config, Server
 from .store import DEFAULT_REPLY_GRACE, SYNCHRONOUS_MODES, StoreError
 from .times import parse_duration
@@ -380,6 +381,7 @@ def _command_factory(sub: Any) -> Callable[[str, Action, str, str], argparse.Arg
         metavar="FILE",
         help="send the token in FILE with each request (default: $JOBSERVER_AUTH_TOKEN)",
     )
+    add_tls_arguments(common)
 
     def command(name: str, action: Action, help: str, description: str) -> argparse.ArgumentParser:
         parser: argparse.ArgumentParser = sub.add_parser(
@@ -503,7 +505,9 @@ def _failed_jobs(client: Client, args: argparse.Namespace) -> dict[str, Any]:
 def _run_client_command(args: argparse.Namespace) -> int:
     address = args.server or os.environ.get("JOBSERVER_SERVER") or DEFAULT_SERVER
     try:
-        client = Client.from_address(address, auth_token=auth_token(args.auth_token_file))
+        client = Client.from_address(
+            address, auth_token=auth_token(args.auth_token_file), tls=tls_option(args)
+        )
     except (ValueError, OSError) as error:
         print(f"jobserver: {error}", file=sys.stderr)
         return EXIT_USAGE

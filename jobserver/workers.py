@@ -23,7 +23,8 @@ attempt for the job's retry policy).
 
 Exit status of the manager: 0 after a clean stop (signal or --max-iterations),
 1 after a forced stop (second signal) or when results could not be reported
-before giving up, 2 for bad options or when the server refuses our GetJobs.
+before giving up, 2 for bad options, when the server refuses our GetJobs, or
+when TLS cannot be set up with it (TLSFailed: trying again would not help).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import logging
 import math
 import os
 import signal
+import ssl
 import subprocess
 import sys
 from collections import deque
@@ -52,8 +54,11 @@ from .client import (
     JobNotFound,
     JobServerError,
     ServerError,
+    TLSFailed,
     parse_address,
+    tls_context,
 )
+from .options import add_tls_arguments, tls_option
 from .repeat import offset_seconds
 
 log = logging.getLogger("jobserver.workers")
@@ -195,6 +200,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="send the token in FILE with each request (default: $JOBSERVER_AUTH_TOKEN)",
     )
+    add_tls_arguments(parser)
     parser.add_argument(
         "--grace",
         type=_non_negative,
@@ -231,10 +237,16 @@ def run(args: argparse.Namespace) -> int:
     except OSError as error:
         log.error("cannot read --auth-token-file: %s", error)
         return 2
+    try:
+        tls = tls_context(tls_option(args))
+    except ValueError as error:
+        log.error("cannot use --tls-ca: %s", error)
+        return 2
     manager = Manager(
         host=server[0],
         port=server[1],
         token=token,
+        tls=tls,
         directory=directory,
         pattern=args.job_name,
         max_load=args.max_load,
@@ -486,10 +498,12 @@ class Manager:
         grace: float,
         touch_interval: float = 30.0,
         token: str | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self.token = token
+        self.tls = tls
         self.directory = directory
         self.pattern = pattern
         self.max_load = max_load
@@ -525,7 +539,7 @@ class Manager:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     def client(self) -> AsyncClient:
-        return AsyncClient(self.host, self.port, auth_token=self.token)
+        return AsyncClient(self.host, self.port, auth_token=self.token, tls=self.tls)
 
     # Top level.
 
@@ -533,9 +547,10 @@ class Manager:
         async with trio.open_nursery() as root:
             await root.start(self.watch_signals, root.cancel_scope)
             log.info(
-                "worker manager started: server %s, jobs %r, workers from %s, "
+                "worker manager started: server %s%s, jobs %r, workers from %s, "
                 "at most %d at once, %s",
                 self.address,
+                " (TLS)" if self.tls else "",
                 self.pattern,
                 self.directory,
                 self.max_workers,
@@ -548,7 +563,7 @@ class Manager:
                 await self.fetch_loop(workers)
             self.reports_closed = True
             self.report_added.set()
-            if self.signalled:
+            if self.signalled or self.exit_status:
                 self.report_scope.deadline = trio.current_time() + REPORT_DRAIN
             await reporter_done.wait()
             root.cancel_scope.cancel()  # the signal watcher and the lease renewer
@@ -616,6 +631,11 @@ class Manager:
                             log.info("server %s reachable again; taking jobs", self.address)
                             backoff = Backoff()
                         jobs = await client.get_jobs(self.pattern, min(free, 1000), wait=FETCH_WAIT)
+                    except TLSFailed as error:
+                        # Trying again cannot help: the options must change.
+                        log.error("cannot get jobs: %s", error)
+                        self.exit_status = 2
+                        return
                     except (ConnectionFailed, ServerError) as error:
                         if not backoff.failing:
                             log.warning(

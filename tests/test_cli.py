@@ -19,6 +19,7 @@ import pytest
 from fake_server import FakeServer, reply
 from jobserver.cli import main
 from jobserver.client import Client
+from tls_certs import tls_server
 
 RUN_TIMEOUT = 15.0
 DEADLINE = 5.0
@@ -232,3 +233,52 @@ def test_help_documents_the_exit_statuses(capsys):
         text = capsys.readouterr().out
         assert "--server HOST:PORT" in text and "JOBSERVER_SERVER" in text
         assert "5  cannot connect" in text
+
+
+# TLS.
+
+
+@pytest.fixture
+def secure(tmp_path):
+    with tls_server(tmp_path / "tls") as pair:
+        yield pair
+
+
+def test_tls_with_a_ca_file(secure):
+    running, files = secure
+    cli = Cli(f"127.0.0.1:{running.port}")
+    assert cli.ok("create", "secure/one", "--tls-ca", str(files.ca)) == {"jobID": 1}
+    assert cli.ok("query", "1", "--tls", "--tls-ca", str(files.ca))["name"] == "secure/one"
+    by_name = Cli(f"localhost:{running.port}")
+    assert by_name.ok("status", "--tls-ca", str(files.ca))["jobs"] == {"QUEUED": 1}
+
+
+def test_an_untrusted_certificate_is_exit_5_with_a_plain_message(secure):
+    running, _ = secure
+    done = run("status", "--tls", "--server", f"127.0.0.1:{running.port}")
+    assert (done.returncode, done.stdout) == (5, "")
+    assert done.stderr.startswith(f"jobserver: cannot connect to 127.0.0.1:{running.port}: "
+                                  "the server's TLS certificate is not trusted (")
+    assert "give that CA's certificate with --tls-ca FILE" in done.stderr
+
+
+def test_a_ca_file_that_cannot_be_read_is_exit_2(tmp_path):
+    done = run("status", "--tls-ca", str(tmp_path / "missing.pem"))
+    assert (done.returncode, done.stdout) == (2, "")
+    assert f"cannot read CA certificates from {tmp_path / 'missing.pem'}" in done.stderr
+
+
+@pytest.mark.xfail(reason="needs the server's plaintext-on-TLS-port reply", strict=False)
+def test_a_plaintext_command_meeting_a_tls_server_says_to_use_tls(secure):
+    running, _ = secure
+    done = run("status", "--server", f"127.0.0.1:{running.port}")
+    assert (done.returncode, done.stdout, done.stderr) == (
+        5, "", f"jobserver: the server at 127.0.0.1:{running.port} requires TLS: use --tls\n")
+
+
+@pytest.mark.xfail(reason="needs the server's plaintext-on-TLS-port reply", strict=False)
+def test_a_tls_command_meeting_a_plaintext_server_says_it_does_not_speak_tls(server):
+    done = run("status", "--tls", "--server", f"127.0.0.1:{server.port}")
+    assert (done.returncode, done.stdout) == (5, "")
+    assert done.stderr.startswith(
+        f"jobserver: the server at 127.0.0.1:{server.port} does not speak TLS")

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import trio
 
+from jobserver.client import Client as LibraryClient
 from jobserver.workers import (
     LOAD_NOTICE_INTERVAL,
     Every,
@@ -33,6 +34,7 @@ from jobserver.workers import (
     retry_options,
     touch_period,
 )
+from tls_certs import tls_server
 from wire import Client, Reply
 
 DEADLINE = 15.0
@@ -900,3 +902,33 @@ def test_the_manager_sends_its_token_to_a_server_that_wants_one(workers, manager
             )
     finally:
         running.stop()
+
+
+def test_the_manager_speaks_tls_with_tls_ca(workers, manager, tmp_path):
+    write_worker(workers, "Done", "cat >/dev/null; echo '{\"secure\": true}'\n")
+    with tls_server(tmp_path / "tls") as (running, files):
+        with LibraryClient("127.0.0.1", running.port, timeout=10, tls=files.ca) as jobs:
+            job_id = jobs.create_job("Done", repeat="FINISHED, +1 HOUR")
+            managed = manager(running.port, "--tls-ca", str(files.ca))
+            assert f"server 127.0.0.1:{running.port} (TLS)" in managed.log
+            managed.wait_for(rf"job {job_id} Done finished in")
+            until(lambda: jobs.query_job(job_id)["data"] == {"secure": True}, "FinishJob")
+
+
+def test_a_manager_that_cannot_set_up_tls_says_why_and_exits_2(workers, tmp_path):
+    with tls_server(tmp_path / "tls") as (running, _):
+        done = subprocess.run(
+            [sys.executable, *MANAGER, "--worker-path", str(workers),
+             "--server", f"127.0.0.1:{running.port}", "--tls"],
+            capture_output=True, text=True, timeout=DEADLINE,
+        )
+    assert done.returncode == 2
+    assert "cannot get jobs: cannot connect to" in done.stderr
+    assert "certificate is not trusted" in done.stderr and "--tls-ca FILE" in done.stderr
+    missing = subprocess.run(
+        [sys.executable, *MANAGER, "--worker-path", str(workers), "--tls-ca",
+         str(tmp_path / "missing.pem")],
+        capture_output=True, text=True, timeout=DEADLINE,
+    )
+    assert missing.returncode == 2
+    assert "cannot use --tls-ca: cannot read CA certificates from" in missing.stderr
