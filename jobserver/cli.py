@@ -27,7 +27,7 @@ from .client import (
     JobServerError,
     ServerError,
 )
-from .options import add_tls_arguments, tls_option
+from .options import AUTH_TOKEN_HELP, add_tls_arguments, tls_option
 from .server import Config, Server
 from .store import DEFAULT_REPLY_GRACE, SYNCHRONOUS_MODES, StoreError
 from .times import parse_duration
@@ -285,7 +285,8 @@ def _add_client_commands(sub: Any) -> None:
         "--wait",
         type=float,
         metavar="SECONDS",
-        help="if no job is due, wait up to this long for one (at most 3600)",
+        help="if no job is due, wait up to this long for one, at most 3600 "
+        "(default: do not wait)",
     )
     _add_job_id(command("query", _query, "show a job", "Print a job, its state included."))
     finish = command(
@@ -300,16 +301,23 @@ def _add_client_commands(sub: Any) -> None:
         "--data",
         type=_json_object,
         metavar="JSON",
-        help="replace the job's data with this JSON object",
+        help="replace the job's data with this JSON object (default: keep the data)",
     )
     fail = command(
         "fail",
         _fail,
         "report a job failed",
-        "Mark a job that was handed out as FAILED; it is kept until deleted or requeued. "
-        "Prints {}.",
+        "Report a job that was handed out as failed. It becomes FAILED and is kept until "
+        "deleted or requeued (jobserver requeue); a job with a retry policy and attempts "
+        "left is queued again after its backoff instead. Prints {}.",
     )
     _add_job_id(fail)
+    fail.add_argument(
+        "--error",
+        metavar="TEXT",
+        help="why it failed: the job's last error, as 'jobserver failed' lists it "
+        "(default: none)",
+    )
     retry = command(
         "retry",
         _retry,
@@ -319,7 +327,11 @@ def _add_client_commands(sub: Any) -> None:
     )
     _add_job_id(retry)
     retry.add_argument(
-        "--delay", type=int, metavar="SECONDS", help="seconds from now before it is due again"
+        "--delay",
+        type=int,
+        metavar="SECONDS",
+        help="seconds from now before it is due again (default: at its repeat rule's next "
+        "run, or now)",
     )
     delete = command(
         "delete", _delete, "delete a job", "Delete a job that is not RUNNING or PAUSED. Prints {}."
@@ -339,7 +351,7 @@ def _add_client_commands(sub: Any) -> None:
         "Print the FAILED jobs whose name matches PATTERN (default: all), oldest "
         'first, as {"jobs": [...]}, each with its jobID, name, created, lastRun and '
         "lastError (and attempt and maxAttempts for a job with a retry policy). "
-        "Revive one with RequeueJobs.",
+        "Revive them with 'jobserver requeue ID...'.",
     )
     failed.add_argument(
         "pattern",
@@ -349,7 +361,19 @@ def _add_client_commands(sub: Any) -> None:
         help="a GLOB pattern such as 'email/*', or a comma-separated list of exact names",
     )
     failed.add_argument(
-        "--limit", type=int, metavar="N", help="list at most N jobs (default 1000, at most 10000)"
+        "--limit", type=int, metavar="N", help="list at most N jobs, at most 10000 (default: 1000)"
+    )
+    requeue = command(
+        "requeue",
+        _requeue,
+        "put jobs back in the queue, whatever their state",
+        "Put the jobs back in the queue, due now, whatever their state (RequeueJobs): "
+        "revives FAILED jobs, with all the attempts of their retry policy. IDs of jobs "
+        "that do not exist are skipped. Prints {}.",
+    )
+    requeue.add_argument("ids", type=int, nargs="+", metavar="ID", help="a jobID")
+    requeue.add_argument(
+        "--name", metavar="NAME", help="rename every listed job (default: keep their names)"
     )
     deliver = command(
         "deliver",
@@ -364,7 +388,7 @@ def _add_client_commands(sub: Any) -> None:
     deliver.add_argument("key", metavar="KEY", help="the correlation key")
     deliver.add_argument(
         "--data", type=_json_object, required=True, metavar="JSON",
-        help="the reply, a JSON object",
+        help="the reply, a JSON object (required)",
     )
 
 
@@ -376,11 +400,7 @@ def _command_factory(sub: Any) -> Callable[[str, Action, str, str], argparse.Arg
         metavar="HOST:PORT",
         help=f"the server (default: $JOBSERVER_SERVER, else {DEFAULT_SERVER})",
     )
-    common.add_argument(
-        "--auth-token-file",
-        metavar="FILE",
-        help="send the token in FILE with each request (default: $JOBSERVER_AUTH_TOKEN)",
-    )
+    common.add_argument("--auth-token-file", metavar="FILE", help=AUTH_TOKEN_HELP)
     add_tls_arguments(common)
 
     def command(name: str, action: Action, help: str, description: str) -> argparse.ArgumentParser:
@@ -409,31 +429,32 @@ def _add_create_options(create: argparse.ArgumentParser) -> None:
         "--data",
         type=_json_object,
         metavar="JSON",
-        help="the job's data: a JSON object (default {})",
+        help="the job's data: a JSON object (default: {})",
     )
     create.add_argument(
         "--first-run",
         metavar="WHEN",
-        help="when the job is first due, e.g. '2030-01-01 04:00:00' (UTC unless an offset "
-        "is given; default now)",
+        help="when the job is first due, e.g. '2030-01-01 04:00:00', UTC unless an offset "
+        "is given (default: now)",
     )
     create.add_argument(
         "--repeat",
         metavar="RULE",
-        help="run again after each run, e.g. 'FINISHED, +1 HOUR' or DAILY (protocol.md section 6)",
+        help="run again after each run, e.g. 'FINISHED, +1 HOUR' or DAILY, see protocol.md "
+        "section 6 (default: run once)",
     )
     create.add_argument(
         "--priority",
         type=int,
         choices=PRIORITIES,
         metavar="P",
-        help="0, 250, 500, 750, 850 or 1000; higher runs first (default 500)",
+        help="0, 250, 500, 750, 850 or 1000; higher runs first (default: 500)",
     )
     create.add_argument(
         "--retry-after",
         metavar="M",
         help="a lease, e.g. '+5 MINUTES': if the job is not finished, retried or failed "
-        "by then, it is handed out again",
+        "by then, it is handed out again (default: no lease)",
     )
 
 
@@ -476,7 +497,12 @@ def _finish(client: Client, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _fail(client: Client, args: argparse.Namespace) -> dict[str, Any]:
-    client.fail_job(args.id)
+    client.fail_job(args.id, error=args.error)
+    return {}
+
+
+def _requeue(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    client.requeue_jobs(args.ids, name=args.name)
     return {}
 
 

@@ -634,8 +634,9 @@ class _Endpoint:
 
 
 def auth_token(path: str | None = None) -> str | None:
-    """The token to send: the content of `path` if given, else the
-    JOBSERVER_AUTH_TOKEN environment variable, else none."""
+    """The token to send: the content of the file `path` if given, else the
+    JOBSERVER_AUTH_TOKEN environment variable, which holds the token itself
+    (not a file name), else none."""
     if path:
         with open(path, encoding="utf-8") as token_file:
             return token_file.read().strip() or None

@@ -6,6 +6,13 @@ import argparse
 
 from .client import TLS
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def log_level(text: str) -> str:
+    """--log-level: any case."""
+    return text.upper()
+
 
 def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
     """--tls and --tls-ca."""
@@ -19,10 +26,17 @@ def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
         "--tls-ca",
         metavar="FILE",
         help="speak TLS, trusting the CA certificates in FILE (PEM) instead of the "
-        "system's; implies --tls",
+        "system's; implies --tls (default: none)",
     )
 
 
 def tls_option(args: argparse.Namespace) -> TLS:
     """A client's `tls` argument from --tls and --tls-ca."""
     return args.tls_ca or args.tls
+
+
+# What $JOBSERVER_AUTH_TOKEN is, wherever --auth-token-file is offered.
+AUTH_TOKEN_HELP = (
+    "send the token in FILE with each request (default: $JOBSERVER_AUTH_TOKEN, which "
+    "holds the token itself, not a file name; else no token)"
+)

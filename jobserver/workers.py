@@ -58,7 +58,7 @@ from .client import (
     parse_address,
     tls_context,
 )
-from .options import add_tls_arguments, tls_option
+from .options import AUTH_TOKEN_HELP, LOG_LEVELS, add_tls_arguments, log_level, tls_option
 from .repeat import offset_seconds
 
 log = logging.getLogger("jobserver.workers")
@@ -149,7 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--worker-path",
         required=True,
         metavar="DIR",
-        help="directory of worker executables; job 'a/b/Name?x' runs DIR/Name",
+        help="directory of worker executables; job 'a/b/Name?x' runs DIR/Name (required)",
     )
     parser.add_argument(
         "--job-name",
@@ -195,11 +195,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="the job server (default: $JOBSERVER_SERVER or 127.0.0.1:8888)",
     )
-    parser.add_argument(
-        "--auth-token-file",
-        metavar="FILE",
-        help="send the token in FILE with each request (default: $JOBSERVER_AUTH_TOKEN)",
-    )
+    parser.add_argument("--auth-token-file", metavar="FILE", help=AUTH_TOKEN_HELP)
     add_tls_arguments(parser)
     parser.add_argument(
         "--grace",
@@ -216,7 +212,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="renew the lease of a running leased job (TouchJob) at least every S seconds, "
         "and after a third of its retryAfter if that is sooner (default: 30)",
     )
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument(
+        "--log-level",
+        type=log_level,
+        choices=LOG_LEVELS,
+        default="INFO",
+        metavar="LEVEL",
+        help="DEBUG, INFO, WARNING or ERROR (default: INFO)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -148,6 +148,30 @@ def test_finish_fail_retry_delete(cli, jobs):
     cli.refused("404 No job with this jobID", 1, "delete", str(retried))
 
 
+def test_fail_with_an_error_records_it_as_the_last_error(cli, jobs):
+    job_id = jobs.create_job("mail/send", max_attempts=2)
+    assert jobs.get_job("mail/*")["jobID"] == job_id
+    assert cli.ok("fail", str(job_id), "--error", "SMTP said 451") == {}
+    job = jobs.query_job(job_id)
+    assert (job["state"], job["lastError"]) == ("QUEUED", "SMTP said 451")
+
+
+def test_requeue_revives_failed_jobs_and_may_rename_them(cli, jobs):
+    ids = jobs.create_jobs([{"name": "w"}, {"name": "w"}, {"name": "w"}])
+    assert len(jobs.get_jobs("w", 3)) == 3
+    for job_id in ids:
+        jobs.fail_job(job_id, error="broken")
+    assert [job["jobID"] for job in cli.ok("failed")["jobs"]] == ids
+    assert cli.ok("requeue", str(ids[0]), str(ids[1]), "--name", "w2") == {}
+    assert [(j["name"], j["state"]) for j in map(jobs.query_job, ids)] == [
+        ("w2", "QUEUED"), ("w2", "QUEUED"), ("w", "FAILED")]
+    assert cli.ok("requeue", str(ids[2]), "999") == {}  # IDs of no job are skipped
+    assert jobs.query_job(ids[2])["state"] == "QUEUED"
+    done = cli("requeue")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert "the following arguments are required: ID" in done.stderr
+
+
 def test_status(cli, jobs):
     jobs.create_job("s")
     status = cli.ok("status")
@@ -225,7 +249,8 @@ def test_help_documents_the_exit_statuses(capsys):
     for line in ("1  not found (404)", "2  usage error", "3  the job's state", "4  server error",
                  "5  cannot connect"):
         assert line in done.stdout
-    for command in ("create", "get", "query", "finish", "fail", "retry", "delete", "status"):
+    for command in ("create", "get", "query", "finish", "fail", "retry", "delete", "status",
+                    "failed", "requeue", "deliver"):
         assert command in done.stdout
         with pytest.raises(SystemExit) as exit:
             main([command, "--help"])
@@ -282,3 +307,53 @@ def test_a_tls_command_meeting_a_plaintext_server_says_it_does_not_speak_tls(ser
     assert (done.returncode, done.stdout) == (5, "")
     assert done.stderr.startswith(
         f"jobserver: the server at 127.0.0.1:{server.port} does not speak TLS")
+
+
+CLIENT_COMMANDS = ("create", "get", "query", "finish", "fail", "retry", "delete", "status",
+                   "failed", "requeue", "deliver")
+
+
+def option_entries(help_text: str) -> dict[str, str]:
+    """Each option of a --help text with its help, on one line."""
+    section = help_text.split("\noptions:\n", 1)[1].split("\n\n", 1)[0]
+    entries: dict[str, str] = {}
+    for line in section.splitlines():
+        if line.startswith("  -"):
+            name, _, rest = line.strip().partition("  ")
+            entries[name] = rest.strip()
+            last = name
+        else:
+            entries[last] += " " + line.strip()
+    return entries
+
+
+@pytest.mark.parametrize("command", [*CLIENT_COMMANDS, "worker-manager"])
+def test_every_option_shows_one_sensible_default(command):
+    done = run(command, "--help")
+    assert done.returncode == 0
+    for option, text in option_entries(done.stdout).items():
+        if option == "-h, --help":
+            continue
+        if "(required)" in text:
+            assert "default" not in text, (option, text)
+        else:
+            assert text.count("default") == 1 and "(default: " in text, (option, text)
+        assert "None" not in text, (option, text)
+
+
+def test_the_help_says_what_the_token_variable_holds():
+    for command in ("status", "worker-manager"):
+        text = " ".join(run(command, "--help").stdout.split())
+        assert "$JOBSERVER_AUTH_TOKEN, which holds the token itself, not a file name" in text
+
+
+def test_failed_points_to_jobserver_requeue():
+    assert "jobserver requeue ID" in run("failed", "--help").stdout
+
+
+def test_the_managers_log_level_shows_its_default_and_is_checked():
+    text = " ".join(run("worker-manager", "--help").stdout.split())
+    assert "--log-level LEVEL DEBUG, INFO, WARNING or ERROR (default: INFO)" in text
+    done = run("worker-manager", "--worker-path", ".", "--log-level", "LOUD")
+    assert done.returncode == 2
+    assert "argument --log-level: invalid choice: 'LOUD'" in done.stderr
