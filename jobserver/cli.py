@@ -26,8 +26,17 @@ from .client import (
     JobNotFound,
     JobServerError,
     ServerError,
+    parse_address,
 )
-from .options import AUTH_TOKEN_HELP, add_tls_arguments, tls_option
+from .options import (
+    AUTH_TOKEN_HELP,
+    MAX_JOB_ID,
+    add_tls_arguments,
+    job_id,
+    number,
+    server_address,
+    tls_option,
+)
 from .server import Config, Server
 from .store import DEFAULT_REPLY_GRACE, SYNCHRONOUS_MODES, StoreError
 from .times import parse_duration
@@ -259,6 +268,12 @@ exit status of the client commands (create, get, query, ...):
 A refusal prints the server's status line on stderr, e.g. "404 No job found"."""
 
 PRIORITIES = (0, 250, 500, 750, 850, 1000)
+# What the server takes (protocol.md section 3): a waiting GetJob's timeout,
+# RetryJob's delay (8 digits), FailedJobs' limit.
+MAX_WAIT = 3600
+MAX_DELAY = 99_999_999
+MAX_FAILED_LIMIT = 10_000
+JOB_ID_HELP = f"a jobID, 1 to {MAX_JOB_ID}"
 
 Action = Callable[[Client, argparse.Namespace], Any]
 
@@ -283,9 +298,9 @@ def _add_client_commands(sub: Any) -> None:
     )
     get.add_argument(
         "--wait",
-        type=float,
+        type=number(float, 0, MAX_WAIT),
         metavar="SECONDS",
-        help="if no job is due, wait up to this long for one, at most 3600 "
+        help=f"if no job is due, wait up to this long for one, 0 to {MAX_WAIT} "
         "(default: do not wait)",
     )
     _add_job_id(command("query", _query, "show a job", "Print a job, its state included."))
@@ -328,10 +343,10 @@ def _add_client_commands(sub: Any) -> None:
     _add_job_id(retry)
     retry.add_argument(
         "--delay",
-        type=int,
+        type=number(int, 0, MAX_DELAY),
         metavar="SECONDS",
-        help="seconds from now before it is due again (default: at its repeat rule's next "
-        "run, or now)",
+        help=f"seconds from now before it is due again, 0 to {MAX_DELAY} (default: at its "
+        "repeat rule's next run, or now)",
     )
     delete = command(
         "delete", _delete, "delete a job", "Delete a job that is not RUNNING or PAUSED. Prints {}."
@@ -361,7 +376,10 @@ def _add_client_commands(sub: Any) -> None:
         help="a GLOB pattern such as 'email/*', or a comma-separated list of exact names",
     )
     failed.add_argument(
-        "--limit", type=int, metavar="N", help="list at most N jobs, at most 10000 (default: 1000)"
+        "--limit",
+        type=number(int, 1, MAX_FAILED_LIMIT),
+        metavar="N",
+        help=f"list at most N jobs, 1 to {MAX_FAILED_LIMIT} (default: 1000)",
     )
     requeue = command(
         "requeue",
@@ -371,7 +389,7 @@ def _add_client_commands(sub: Any) -> None:
         "revives FAILED jobs, with all the attempts of their retry policy. IDs of jobs "
         "that do not exist are skipped. Prints {}.",
     )
-    requeue.add_argument("ids", type=int, nargs="+", metavar="ID", help="a jobID")
+    requeue.add_argument("ids", type=job_id, nargs="+", metavar="ID", help=JOB_ID_HELP)
     requeue.add_argument(
         "--name", metavar="NAME", help="rename every listed job (default: keep their names)"
     )
@@ -397,8 +415,9 @@ def _command_factory(sub: Any) -> Callable[[str, Action, str, str], argparse.Arg
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--server",
+        type=server_address,
         metavar="HOST:PORT",
-        help=f"the server (default: $JOBSERVER_SERVER, else {DEFAULT_SERVER})",
+        help=f"the server, PORT 1 to 65535 (default: $JOBSERVER_SERVER, else {DEFAULT_SERVER})",
     )
     common.add_argument("--auth-token-file", metavar="FILE", help=AUTH_TOKEN_HELP)
     add_tls_arguments(common)
@@ -420,7 +439,7 @@ def _command_factory(sub: Any) -> Callable[[str, Action, str, str], argparse.Arg
 
 
 def _add_job_id(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("id", type=int, metavar="ID", help="the jobID")
+    parser.add_argument("id", type=job_id, metavar="ID", help=JOB_ID_HELP)
 
 
 def _add_create_options(create: argparse.ArgumentParser) -> None:
@@ -529,11 +548,16 @@ def _failed_jobs(client: Client, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_client_command(args: argparse.Namespace) -> int:
-    address = args.server or os.environ.get("JOBSERVER_SERVER") or DEFAULT_SERVER
     try:
-        client = Client.from_address(
-            address, auth_token=auth_token(args.auth_token_file), tls=tls_option(args)
+        host, port = args.server or parse_address(
+            os.environ.get("JOBSERVER_SERVER") or DEFAULT_SERVER
         )
+    except ValueError as error:
+        print(f"jobserver: $JOBSERVER_SERVER: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        token = auth_token(args.auth_token_file)
+        client = Client(host, port, auth_token=token, tls=tls_option(args))
     except (ValueError, OSError) as error:
         print(f"jobserver: {error}", file=sys.stderr)
         return EXIT_USAGE

@@ -298,7 +298,9 @@ def parse_address(address: str) -> tuple[str, int]:
     match = _ADDRESS.fullmatch(address.strip())
     port = int(match["port"] or DEFAULT_PORT) if match else 0
     if match is None or not 0 < port < 65536:
-        raise ValueError(f"not a server address (HOST, HOST:PORT or [IPV6]:PORT): {address!r}")
+        raise ValueError(
+            f"not a server address (HOST, HOST:PORT or [IPV6]:PORT, PORT 1 to 65535): {address!r}"
+        )
     return match["ipv6"] or match["host"], port
 
 

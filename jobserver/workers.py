@@ -45,6 +45,8 @@ from typing import Any
 import trio
 
 from .client import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
     AsyncClient,
     auth_token,
     Conflict,
@@ -58,10 +60,20 @@ from .client import (
     parse_address,
     tls_context,
 )
-from .options import AUTH_TOKEN_HELP, LOG_LEVELS, add_tls_arguments, log_level, tls_option
+from .options import (
+    AUTH_TOKEN_HELP,
+    LOG_LEVELS,
+    add_tls_arguments,
+    log_level,
+    number,
+    server_address,
+    tls_option,
+)
 from .repeat import offset_seconds
 
 log = logging.getLogger("jobserver.workers")
+
+DEFAULT_SERVER = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
 
 # sysexits.h: "temporary failure, the user is invited to retry" -- the one
 # exit status with that meaning that tools already use (sendmail, procmail).
@@ -118,31 +130,6 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def _positive(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        value = kind(text)
-        if not value > 0 or (isinstance(value, float) and not math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be a positive number, not {text!r}")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
-
-
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be zero or more, not {text!r}")
-    return value
-
-
-def _address(text: str) -> tuple[str, int]:
-    try:
-        return parse_address(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cpus = _cpu_count()
     parser.add_argument(
@@ -159,7 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-load",
-        type=_positive(float),
+        type=number(float, 0, above=True),
         default=None,
         metavar="F",
         help="take no jobs while the 1-minute load average is F or more, F > 0 (default: "
@@ -168,49 +155,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-workers",
-        type=_positive(int),
+        type=number(int, 1),
         default=cpus,
         metavar="N",
-        help=f"run at most N workers at once (default: {cpus}, the CPUs)",
+        help=f"run at most N workers at once, N >= 1 (default: {cpus}, the number of CPUs)",
     )
     parser.add_argument(
         "--worker-timeout",
-        type=_positive(float),
+        type=number(float, 0, above=True),
         default=3600.0,
         metavar="S",
-        help="kill a worker still running after S seconds and fail its job, a failed "
-        "attempt for its retry policy (default: 3600)",
+        help="kill a worker still running after S seconds, S > 0, and fail its job, a "
+        "failed attempt for its retry policy (default: 3600)",
     )
     parser.add_argument(
         "--max-iterations",
-        type=_positive(int),
+        type=number(int, 1),
         default=None,
         metavar="N",
-        help="exit cleanly after N GetJobs rounds (default: no limit)",
+        help="exit cleanly after N GetJobs rounds, N >= 1 (default: no limit)",
     )
     parser.add_argument(
         "--server",
-        type=_address,
-        default=os.environ.get("JOBSERVER_SERVER", "127.0.0.1:8888"),
+        type=server_address,
         metavar="HOST:PORT",
-        help="the job server (default: $JOBSERVER_SERVER or 127.0.0.1:8888)",
+        help=f"the job server, PORT 1 to 65535 (default: $JOBSERVER_SERVER, else "
+        f"{DEFAULT_SERVER})",
     )
     parser.add_argument("--auth-token-file", metavar="FILE", help=AUTH_TOKEN_HELP)
     add_tls_arguments(parser)
     parser.add_argument(
         "--grace",
-        type=_non_negative,
+        type=number(float, 0),
         default=30.0,
         metavar="S",
-        help="on SIGTERM/SIGINT, running workers get S seconds, then are killed (default: 30)",
+        help="on SIGTERM/SIGINT, running workers get S seconds, S >= 0, then are killed "
+        "(default: 30)",
     )
     parser.add_argument(
         "--touch-interval",
-        type=_positive(float),
+        type=number(float, 0, above=True),
         default=30.0,
         metavar="S",
         help="renew the lease of a running leased job (TouchJob) at least every S seconds, "
-        "and after a third of its retryAfter if that is sooner (default: 30)",
+        "S > 0, and after a third of its retryAfter if that is sooner (default: 30)",
     )
     parser.add_argument(
         "--log-level",
@@ -230,7 +218,11 @@ def run(args: argparse.Namespace) -> int:
         level=getattr(args, "log_level", "INFO").upper(),
         format="%(asctime)s jobserver %(levelname)s %(message)s",
     )
-    server = args.server if isinstance(args.server, tuple) else _address(args.server)
+    try:
+        server = args.server or parse_address(os.environ.get("JOBSERVER_SERVER") or DEFAULT_SERVER)
+    except ValueError as error:
+        log.error("$JOBSERVER_SERVER: %s", error)
+        return 2
     directory = os.path.realpath(args.worker_path)
     if not os.path.isdir(directory):
         log.error("--worker-path %s is not a directory", args.worker_path)

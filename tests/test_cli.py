@@ -357,3 +357,69 @@ def test_the_managers_log_level_shows_its_default_and_is_checked():
     done = run("worker-manager", "--worker-path", ".", "--log-level", "LOUD")
     assert done.returncode == 2
     assert "argument --log-level: invalid choice: 'LOUD'" in done.stderr
+
+
+# Option ranges: refused by the parser, before anything is sent.
+
+OUT_OF_RANGE = [
+    (["get", "x", "--wait", "-1"], "argument --wait: must be a number from 0 to 3600, not '-1'"),
+    (["get", "x", "--wait", "3600.5"], "argument --wait: must be a number from 0 to 3600"),
+    (["get", "x", "--wait", "nan"], "argument --wait: must be a number from 0 to 3600"),
+    (["failed", "--limit", "0"], "argument --limit: must be a whole number from 1 to 10000"),
+    (["failed", "--limit", "10001"], "argument --limit: must be a whole number from 1 to 10000"),
+    (["retry", "1", "--delay", "-1"], "argument --delay: must be a whole number from 0 to 99999999"),
+    (["retry", "1", "--delay", "100000000"], "argument --delay: must be a whole number from 0"),
+    (["retry", "1", "--delay", "1.5"], "argument --delay: must be a whole number from 0"),
+    (["query", "0"], "argument ID: must be a whole number from 1 to 9223372036854775807, not '0'"),
+    (["finish", "-3"], "argument ID: must be a whole number from 1"),
+    (["delete", "9223372036854775808"], "argument ID: must be a whole number from 1"),
+    (["requeue", "1", "0"], "argument ID: must be a whole number from 1"),
+    (["fail", "x"], "argument ID: must be a whole number from 1"),
+    (["create", "x", "--priority", "7"], "argument --priority: invalid choice: 7"),
+    (["status", "--server", "127.0.0.1:70000"], "argument --server: not a server address"),
+    (["status", "--server", "127.0.0.1:0"], "argument --server: not a server address"),
+    (["worker-manager", "--worker-path", ".", "--max-workers", "0"],
+     "argument --max-workers: must be a whole number of at least 1, not '0'"),
+    (["worker-manager", "--worker-path", ".", "--max-load", "0"],
+     "argument --max-load: must be a number greater than 0, not '0'"),
+    (["worker-manager", "--worker-path", ".", "--max-load", "inf"],
+     "argument --max-load: must be a number greater than 0"),
+    (["worker-manager", "--worker-path", ".", "--worker-timeout", "0"],
+     "argument --worker-timeout: must be a number greater than 0"),
+    (["worker-manager", "--worker-path", ".", "--max-iterations", "0"],
+     "argument --max-iterations: must be a whole number of at least 1"),
+    (["worker-manager", "--worker-path", ".", "--grace", "-0.5"],
+     "argument --grace: must be a number of at least 0, not '-0.5'"),
+    (["worker-manager", "--worker-path", ".", "--touch-interval", "0"],
+     "argument --touch-interval: must be a number greater than 0"),
+    (["worker-manager", "--worker-path", ".", "--server", "localhost:65536"],
+     "argument --server: not a server address"),
+]
+
+
+@pytest.mark.parametrize("args, message", OUT_OF_RANGE)
+def test_options_out_of_range_are_usage_errors(args, message):
+    done = run(*args)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert message in done.stderr, done.stderr
+    assert "usage:" in done.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["get", "nothing", "--wait", "0"],
+    ["failed", "--limit", "10000"],
+    ["query", "9223372036854775807"],
+])
+def test_options_at_the_ends_of_their_ranges_are_taken(cli, args):
+    done = cli(*args)
+    assert done.returncode in (0, 1) and "usage:" not in done.stderr, done
+
+
+def test_a_bad_server_in_the_environment_is_named():
+    env = {"JOBSERVER_SERVER": "127.0.0.1:99999"}
+    done = run("status", env=env)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith("jobserver: $JOBSERVER_SERVER: not a server address")
+    done = run("worker-manager", "--worker-path", ".", env=env)
+    assert done.returncode == 2
+    assert "$JOBSERVER_SERVER: not a server address" in done.stderr
