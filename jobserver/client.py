@@ -1084,9 +1084,10 @@ class AsyncClient(_Endpoint, trio.abc.AsyncResource):
         return await self._receive(await self._send(request), patience)
 
     async def _send(self, request: bytes) -> trio.abc.Stream:
-        if self._stream is not None and not _idle_connection_dead(_socket_of(self._stream).fileno()):
+        kept = self._stream
+        if kept is not None and not _idle_connection_dead(_socket_of(kept).fileno()):
             try:
-                return await self._send_on(self._stream, request)
+                return await self._send_on(kept, request)
             except ConnectionFailed:
                 pass  # the request's end never left, so the server ignores it
         return await self._send_on(await self._connect(), request)
@@ -1129,20 +1130,24 @@ class AsyncClient(_Endpoint, trio.abc.AsyncResource):
         except (OSError, trio.TooSlowError) as error:
             raise self._failed(_CANNOT_CONNECT, error) from error
         if self.tls is not None:
-            stream = trio.SSLStream(stream, self.tls, server_hostname=self.host)
-            try:
-                # At once rather than on the first send, so that a failure
-                # says it is about TLS rather than the request.
-                with trio.fail_after(self.timeout):
-                    await stream.do_handshake()
-            except (trio.BrokenResourceError, trio.TooSlowError) as error:
-                await trio.aclose_forcefully(stream)
-                raise self._handshake_failed(error.__cause__ or error) from error
-            except BaseException:
-                await trio.aclose_forcefully(stream)
-                raise
+            stream = await self._handshake(stream, self.tls)
         self._stream = stream
         return stream
+
+    async def _handshake(self, tcp: trio.abc.Stream, context: ssl.SSLContext) -> trio.SSLStream:
+        """TLS over `tcp`, handshaken at once rather than on the first send,
+        so that a failure is told as one of TLS rather than of the request."""
+        secure = trio.SSLStream(tcp, context, server_hostname=self.host)
+        try:
+            with trio.fail_after(self.timeout):
+                await secure.do_handshake()
+        except (trio.BrokenResourceError, trio.TooSlowError) as error:
+            await trio.aclose_forcefully(secure)
+            raise self._handshake_failed(error.__cause__ or error) from error
+        except BaseException:
+            await trio.aclose_forcefully(secure)
+            raise
+        return secure
 
 
 def _socket_of(stream: trio.abc.Stream) -> socket.socket:
