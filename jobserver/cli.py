@@ -155,8 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="take jobs and run a program for each",
         description=(
             "Take jobs from the server (blocking, never polling) and run each "
-            "as a process from --worker-path, within --max-workers and "
-            "--max-load; report each outcome. SIGTERM or SIGINT drain it."
+            "as a process from --worker-path, within --max-workers (and "
+            "--max-load, if given); report each outcome. SIGTERM or SIGINT drain it."
         ),
     )
     workers.add_arguments(manager)
