@@ -26,6 +26,16 @@ from .client import (
     JobNotFound,
     JobServerError,
     ServerError,
+    parse_address,
+)
+from .options import (
+    AUTH_TOKEN_HELP,
+    MAX_JOB_ID,
+    add_tls_arguments,
+    job_id,
+    number,
+    server_address,
+    tls_option,
 )
 from .server import Config, Server
 from .store import DEFAULT_REPLY_GRACE, SYNCHRONOUS_MODES, StoreError
@@ -145,8 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="take jobs and run a program for each",
         description=(
             "Take jobs from the server (blocking, never polling) and run each "
-            "as a process from --worker-path, within --max-workers and "
-            "--max-load; report each outcome. SIGTERM or SIGINT drain it."
+            "as a process from --worker-path, within --max-workers (and "
+            "--max-load, if given); report each outcome. SIGTERM or SIGINT drain it."
         ),
     )
     workers.add_arguments(manager)
@@ -258,6 +268,12 @@ exit status of the client commands (create, get, query, ...):
 A refusal prints the server's status line on stderr, e.g. "404 No job found"."""
 
 PRIORITIES = (0, 250, 500, 750, 850, 1000)
+# What the server takes (protocol.md section 3): a waiting GetJob's timeout,
+# RetryJob's delay (8 digits), FailedJobs' limit.
+MAX_WAIT = 3600
+MAX_DELAY = 99_999_999
+MAX_FAILED_LIMIT = 10_000
+JOB_ID_HELP = f"a jobID, 1 to {MAX_JOB_ID}"
 
 Action = Callable[[Client, argparse.Namespace], Any]
 
@@ -282,9 +298,10 @@ def _add_client_commands(sub: Any) -> None:
     )
     get.add_argument(
         "--wait",
-        type=float,
+        type=number(float, 0, MAX_WAIT),
         metavar="SECONDS",
-        help="if no job is due, wait up to this long for one (at most 3600)",
+        help=f"if no job is due, wait up to this long for one, 0 to {MAX_WAIT} "
+        "(default: do not wait)",
     )
     _add_job_id(command("query", _query, "show a job", "Print a job, its state included."))
     finish = command(
@@ -299,16 +316,23 @@ def _add_client_commands(sub: Any) -> None:
         "--data",
         type=_json_object,
         metavar="JSON",
-        help="replace the job's data with this JSON object",
+        help="replace the job's data with this JSON object (default: keep the data)",
     )
     fail = command(
         "fail",
         _fail,
         "report a job failed",
-        "Mark a job that was handed out as FAILED; it is kept until deleted or requeued. "
-        "Prints {}.",
+        "Report a job that was handed out as failed. It becomes FAILED and is kept until "
+        "deleted or requeued (jobserver requeue); a job with a retry policy and attempts "
+        "left is queued again after its backoff instead. Prints {}.",
     )
     _add_job_id(fail)
+    fail.add_argument(
+        "--error",
+        metavar="TEXT",
+        help="why it failed: the job's last error, as 'jobserver failed' lists it "
+        "(default: none)",
+    )
     retry = command(
         "retry",
         _retry,
@@ -318,7 +342,11 @@ def _add_client_commands(sub: Any) -> None:
     )
     _add_job_id(retry)
     retry.add_argument(
-        "--delay", type=int, metavar="SECONDS", help="seconds from now before it is due again"
+        "--delay",
+        type=number(int, 0, MAX_DELAY),
+        metavar="SECONDS",
+        help=f"seconds from now before it is due again, 0 to {MAX_DELAY} (default: at its "
+        "repeat rule's next run, or now)",
     )
     delete = command(
         "delete", _delete, "delete a job", "Delete a job that is not RUNNING or PAUSED. Prints {}."
@@ -338,7 +366,7 @@ def _add_client_commands(sub: Any) -> None:
         "Print the FAILED jobs whose name matches PATTERN (default: all), oldest "
         'first, as {"jobs": [...]}, each with its jobID, name, created, lastRun and '
         "lastError (and attempt and maxAttempts for a job with a retry policy). "
-        "Revive one with RequeueJobs.",
+        "Revive them with 'jobserver requeue ID...'.",
     )
     failed.add_argument(
         "pattern",
@@ -348,7 +376,22 @@ def _add_client_commands(sub: Any) -> None:
         help="a GLOB pattern such as 'email/*', or a comma-separated list of exact names",
     )
     failed.add_argument(
-        "--limit", type=int, metavar="N", help="list at most N jobs (default 1000, at most 10000)"
+        "--limit",
+        type=number(int, 1, MAX_FAILED_LIMIT),
+        metavar="N",
+        help=f"list at most N jobs, 1 to {MAX_FAILED_LIMIT} (default: 1000)",
+    )
+    requeue = command(
+        "requeue",
+        _requeue,
+        "put jobs back in the queue, whatever their state",
+        "Put the jobs back in the queue, due now, whatever their state (RequeueJobs): "
+        "revives FAILED jobs, with all the attempts of their retry policy. IDs of jobs "
+        "that do not exist are skipped. Prints {}.",
+    )
+    requeue.add_argument("ids", type=job_id, nargs="+", metavar="ID", help=JOB_ID_HELP)
+    requeue.add_argument(
+        "--name", metavar="NAME", help="rename every listed job (default: keep their names)"
     )
     deliver = command(
         "deliver",
@@ -363,7 +406,7 @@ def _add_client_commands(sub: Any) -> None:
     deliver.add_argument("key", metavar="KEY", help="the correlation key")
     deliver.add_argument(
         "--data", type=_json_object, required=True, metavar="JSON",
-        help="the reply, a JSON object",
+        help="the reply, a JSON object (required)",
     )
 
 
@@ -372,14 +415,12 @@ def _command_factory(sub: Any) -> Callable[[str, Action, str, str], argparse.Arg
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--server",
+        type=server_address,
         metavar="HOST:PORT",
-        help=f"the server (default: $JOBSERVER_SERVER, else {DEFAULT_SERVER})",
+        help=f"the server, PORT 1 to 65535 (default: $JOBSERVER_SERVER, else {DEFAULT_SERVER})",
     )
-    common.add_argument(
-        "--auth-token-file",
-        metavar="FILE",
-        help="send the token in FILE with each request (default: $JOBSERVER_AUTH_TOKEN)",
-    )
+    common.add_argument("--auth-token-file", metavar="FILE", help=AUTH_TOKEN_HELP)
+    add_tls_arguments(common)
 
     def command(name: str, action: Action, help: str, description: str) -> argparse.ArgumentParser:
         parser: argparse.ArgumentParser = sub.add_parser(
@@ -398,7 +439,7 @@ def _command_factory(sub: Any) -> Callable[[str, Action, str, str], argparse.Arg
 
 
 def _add_job_id(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("id", type=int, metavar="ID", help="the jobID")
+    parser.add_argument("id", type=job_id, metavar="ID", help=JOB_ID_HELP)
 
 
 def _add_create_options(create: argparse.ArgumentParser) -> None:
@@ -407,31 +448,32 @@ def _add_create_options(create: argparse.ArgumentParser) -> None:
         "--data",
         type=_json_object,
         metavar="JSON",
-        help="the job's data: a JSON object (default {})",
+        help="the job's data: a JSON object (default: {})",
     )
     create.add_argument(
         "--first-run",
         metavar="WHEN",
-        help="when the job is first due, e.g. '2030-01-01 04:00:00' (UTC unless an offset "
-        "is given; default now)",
+        help="when the job is first due, e.g. '2030-01-01 04:00:00', UTC unless an offset "
+        "is given (default: now)",
     )
     create.add_argument(
         "--repeat",
         metavar="RULE",
-        help="run again after each run, e.g. 'FINISHED, +1 HOUR' or DAILY (protocol.md section 6)",
+        help="run again after each run, e.g. 'FINISHED, +1 HOUR' or DAILY, see protocol.md "
+        "section 6 (default: run once)",
     )
     create.add_argument(
         "--priority",
         type=int,
         choices=PRIORITIES,
         metavar="P",
-        help="0, 250, 500, 750, 850 or 1000; higher runs first (default 500)",
+        help="0, 250, 500, 750, 850 or 1000; higher runs first (default: 500)",
     )
     create.add_argument(
         "--retry-after",
         metavar="M",
         help="a lease, e.g. '+5 MINUTES': if the job is not finished, retried or failed "
-        "by then, it is handed out again",
+        "by then, it is handed out again (default: no lease)",
     )
 
 
@@ -474,7 +516,12 @@ def _finish(client: Client, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _fail(client: Client, args: argparse.Namespace) -> dict[str, Any]:
-    client.fail_job(args.id)
+    client.fail_job(args.id, error=args.error)
+    return {}
+
+
+def _requeue(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    client.requeue_jobs(args.ids, name=args.name)
     return {}
 
 
@@ -501,9 +548,16 @@ def _failed_jobs(client: Client, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_client_command(args: argparse.Namespace) -> int:
-    address = args.server or os.environ.get("JOBSERVER_SERVER") or DEFAULT_SERVER
     try:
-        client = Client.from_address(address, auth_token=auth_token(args.auth_token_file))
+        host, port = args.server or parse_address(
+            os.environ.get("JOBSERVER_SERVER") or DEFAULT_SERVER
+        )
+    except ValueError as error:
+        print(f"jobserver: $JOBSERVER_SERVER: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        token = auth_token(args.auth_token_file)
+        client = Client(host, port, auth_token=token, tls=tls_option(args))
     except (ValueError, OSError) as error:
         print(f"jobserver: {error}", file=sys.stderr)
         return EXIT_USAGE

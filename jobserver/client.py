@@ -41,16 +41,27 @@ finish_job, retry_job, fail_job, update_job and touch_job: if the job has
 been handed to another worker since, the server refuses with `Conflict`
 (`409 Lease expired`) and changes nothing.
 
+TLS. `tls=True` speaks TLS and trusts the system's certificate
+authorities; `tls="ca.pem"` trusts the CA certificates in that PEM file
+instead (a server certificate of your own); an `ssl.SSLContext` is used as
+it is. The server's certificate must name the host the client connects to
+(the host of "host:port"), unless the context turns that check off. When
+TLS cannot be set up, `TLSFailed` (a ConnectionFailed) says why plainly:
+the certificate is not trusted, the server does not speak TLS, or the
+server requires TLS and the client was not told to use it. Nothing was
+carried out then, and sending again would fail the same way.
+
 A client is for one thread, or one trio task, at a time.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import select
-import os
 import socket
+import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -125,6 +136,12 @@ class ServerError(JobServerError):
 class ConnectionFailed(OSError):
     """The server could not be reached, or the connection broke (or its
     reply did not come in time) during a request."""
+
+
+class TLSFailed(ConnectionFailed):
+    """TLS could not be set up with the server: its certificate is not
+    trusted or not for this host, or one side speaks TLS and the other does
+    not. No request was carried out."""
 
 
 _ERRORS: dict[int, type[JobServerError]] = {
@@ -281,7 +298,9 @@ def parse_address(address: str) -> tuple[str, int]:
     match = _ADDRESS.fullmatch(address.strip())
     port = int(match["port"] or DEFAULT_PORT) if match else 0
     if match is None or not 0 < port < 65536:
-        raise ValueError(f"not a server address (HOST, HOST:PORT or [IPV6]:PORT): {address!r}")
+        raise ValueError(
+            f"not a server address (HOST, HOST:PORT or [IPV6]:PORT, PORT 1 to 65535): {address!r}"
+        )
     return match["ipv6"] or match["host"], port
 
 
@@ -520,6 +539,28 @@ def _requeue_jobs(job_ids: list[int], name: str | None) -> _Call[None]:
     return _Call("RequeueJobs", params, _nothing)
 
 
+# How a client speaks TLS (module docstring): None or False for not at all,
+# True for the system's CAs, a CA file's path, or a ready SSLContext.
+TLS = bool | str | os.PathLike[str] | ssl.SSLContext | None
+
+
+def tls_context(tls: TLS) -> ssl.SSLContext | None:
+    """The SSLContext for a client's `tls` argument, or None for plain TCP.
+    A CA file that cannot be read or holds no certificate raises ValueError."""
+    if tls is None or tls is False:
+        return None
+    if isinstance(tls, ssl.SSLContext):
+        return tls
+    if tls is True:
+        return ssl.create_default_context()
+    path = os.fspath(tls)
+    try:
+        return ssl.create_default_context(cafile=path)
+    except OSError as error:  # ssl.SSLError too: not PEM, or no certificate in it
+        reason = error.strerror or str(error)
+        raise ValueError(f"cannot read CA certificates from {path}: {reason}") from error
+
+
 class _Endpoint:
     """Where a client connects, and how it words a failure."""
 
@@ -529,12 +570,14 @@ class _Endpoint:
         port: int = DEFAULT_PORT,
         timeout: float = DEFAULT_TIMEOUT,
         auth_token: str | None = None,
+        tls: TLS = None,
     ) -> None:
         self.host = host
         self.port = port
         self.timeout = timeout
         # Sent with every request when the server runs with --auth-token-file.
         self.auth_token = auth_token
+        self.tls = tls_context(tls)
 
     @classmethod
     def from_address(
@@ -542,10 +585,11 @@ class _Endpoint:
         address: str,
         timeout: float = DEFAULT_TIMEOUT,
         auth_token: str | None = None,
+        tls: TLS = None,
     ) -> _E:
         """A client for `host:port`, `host` (port 8888) or `[ipv6]:port`."""
         host, port = parse_address(address)
-        return cls(host, port, timeout, auth_token)
+        return cls(host, port, timeout, auth_token, tls)
 
     def _encode(self, method: str, params: dict[str, object]) -> bytes:
         return encode_request(method, {**params, "authToken": self.auth_token})
@@ -557,10 +601,44 @@ class _Endpoint:
     def _failed(self, what: str, error: BaseException) -> ConnectionFailed:
         return ConnectionFailed(f"{what} {self.address}: {_describe(error)}")
 
+    def _handshake_failed(self, error: BaseException) -> ConnectionFailed:
+        """What a failed TLS handshake means, for a person to act on."""
+        if isinstance(error, ssl.SSLCertVerificationError):
+            if error.verify_code in _NAME_MISMATCH:
+                return TLSFailed(
+                    f"cannot connect to {self.address}: the server's TLS certificate is not "
+                    f"for {self.host} ({error.verify_message}); connect by a name or address "
+                    "that the certificate lists"
+                )
+            return TLSFailed(
+                f"cannot connect to {self.address}: the server's TLS certificate is not "
+                f"trusted ({error.verify_message}); if your own CA signed it, give that CA's "
+                "certificate with --tls-ca FILE"
+            )
+        if _speaks_no_tls(error):
+            how = (
+                "it closed the connection at the start of the TLS handshake"
+                if isinstance(error, _ENDED)
+                else "it answered the TLS handshake with something else"
+            )
+            return TLSFailed(
+                f"the server at {self.address} does not speak TLS ({how}); "
+                "leave out --tls and --tls-ca"
+            )
+        return ConnectionFailed(
+            f"{_CANNOT_CONNECT} {self.address}: TLS handshake failed: {_describe(error)}"
+        )
+
+    def _check_plaintext_reply(self, reply: Reply) -> None:
+        """A TLS-only port answers a plaintext client with this one reply."""
+        if self.tls is None and reply.status == _TLS_REQUIRED:
+            raise TLSFailed(f"the server at {self.address} requires TLS: use --tls")
+
 
 def auth_token(path: str | None = None) -> str | None:
-    """The token to send: the content of `path` if given, else the
-    JOBSERVER_AUTH_TOKEN environment variable, else none."""
+    """The token to send: the content of the file `path` if given, else the
+    JOBSERVER_AUTH_TOKEN environment variable, which holds the token itself
+    (not a file name), else none."""
     if path:
         with open(path, encoding="utf-8") as token_file:
             return token_file.read().strip() or None
@@ -571,6 +649,31 @@ def _describe(error: BaseException) -> str:
     if isinstance(error, (TimeoutError, trio.TooSlowError)):
         return "timed out"
     return str(error) or type(error).__name__
+
+
+# OpenSSL's verify codes for a certificate that does not name the host.
+_NAME_MISMATCH = frozenset({62, 64})  # X509_V_ERR_HOSTNAME_MISMATCH, _IP_ADDRESS_MISMATCH
+# OpenSSL's reasons when the peer answers a ClientHello with something that
+# is not TLS (a plaintext reply) or with the end of the connection.
+_NOT_TLS_REASONS = frozenset(
+    {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG",
+     "UNEXPECTED_EOF_WHILE_READING", "UNEXPECTED_RECORD"}
+)
+# A TLS port's reply to a connection that does not begin with a TLS handshake.
+_TLS_REQUIRED = "400 This port requires TLS"
+
+
+# How a peer that is not a TLS server ends a TLS handshake: by closing or
+# resetting the connection.
+_ENDED = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionError)
+
+
+def _speaks_no_tls(error: BaseException) -> bool:
+    """Whether a handshake failure means the peer is not a TLS server: it
+    closed or reset the connection, or answered with something not TLS."""
+    if isinstance(error, _ENDED):
+        return True
+    return isinstance(error, ssl.SSLError) and error.reason in _NOT_TLS_REASONS
 
 
 # Why a request failed, as ConnectionFailed says it.
@@ -759,6 +862,8 @@ class Client(_Endpoint):
         sock = self._send(request)
         try:
             return self._receive(sock, patience)
+        except TLSFailed:
+            raise
         except ConnectionFailed:
             if not _is_read_only(method):
                 raise
@@ -799,6 +904,7 @@ class Client(_Endpoint):
             raise
         if reply.closes_connection or reader.leftover:
             self.close()
+        self._check_plaintext_reply(reply)
         return reply
 
     def _connect(self) -> socket.socket:
@@ -809,6 +915,13 @@ class Client(_Endpoint):
             raise self._failed(_CANNOT_CONNECT, error) from error
         # Each request is small and waits for its reply: Nagle would only delay it.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.tls is not None:
+            try:
+                # Handshakes at once, within the socket's timeout; closes the
+                # socket if that fails.
+                sock = self.tls.wrap_socket(sock, server_hostname=self.host)
+            except OSError as error:
+                raise self._handshake_failed(error) from error
         self._sock = sock
         return sock
 
@@ -821,7 +934,7 @@ class AsyncClient(_Endpoint, trio.abc.AsyncResource):
     """The same client for trio: the methods of Client, as coroutines.
     Close it with `await client.aclose()` or `async with`."""
 
-    _stream: trio.SocketStream | None = None
+    _stream: trio.abc.Stream | None = None
 
     async def aclose(self) -> None:
         if self._stream is not None:
@@ -963,20 +1076,23 @@ class AsyncClient(_Endpoint, trio.abc.AsyncResource):
         stream = await self._send(request)
         try:
             return await self._receive(stream, patience)
+        except TLSFailed:
+            raise
         except ConnectionFailed:
             if not _is_read_only(method):
                 raise
         return await self._receive(await self._send(request), patience)
 
-    async def _send(self, request: bytes) -> trio.SocketStream:
-        if self._stream is not None and not _idle_connection_dead(self._stream.socket.fileno()):
+    async def _send(self, request: bytes) -> trio.abc.Stream:
+        kept = self._stream
+        if kept is not None and not _idle_connection_dead(_socket_of(kept).fileno()):
             try:
-                return await self._send_on(self._stream, request)
+                return await self._send_on(kept, request)
             except ConnectionFailed:
                 pass  # the request's end never left, so the server ignores it
         return await self._send_on(await self._connect(), request)
 
-    async def _send_on(self, stream: trio.SocketStream, request: bytes) -> trio.SocketStream:
+    async def _send_on(self, stream: trio.abc.Stream, request: bytes) -> trio.abc.Stream:
         try:
             with trio.fail_after(self.timeout):
                 await stream.send_all(request)
@@ -988,7 +1104,7 @@ class AsyncClient(_Endpoint, trio.abc.AsyncResource):
             raise
         return stream
 
-    async def _receive(self, stream: trio.SocketStream, patience: float) -> Reply:
+    async def _receive(self, stream: trio.abc.Stream, patience: float) -> Reply:
         reader = ReplyReader()
         try:
             with trio.fail_after(patience):
@@ -1002,14 +1118,40 @@ class AsyncClient(_Endpoint, trio.abc.AsyncResource):
             raise
         if reply.closes_connection or reader.leftover:
             await self.aclose()
+        self._check_plaintext_reply(reply)
         return reply
 
-    async def _connect(self) -> trio.SocketStream:
+    async def _connect(self) -> trio.abc.Stream:
         await self.aclose()
         try:
             # trio's streams set TCP_NODELAY themselves.
             with trio.fail_after(self.timeout):
-                self._stream = await trio.open_tcp_stream(self.host, self.port)
+                stream: trio.abc.Stream = await trio.open_tcp_stream(self.host, self.port)
         except (OSError, trio.TooSlowError) as error:
             raise self._failed(_CANNOT_CONNECT, error) from error
-        return self._stream
+        if self.tls is not None:
+            stream = await self._handshake(stream, self.tls)
+        self._stream = stream
+        return stream
+
+    async def _handshake(self, tcp: trio.abc.Stream, context: ssl.SSLContext) -> trio.SSLStream:
+        """TLS over `tcp`, handshaken at once rather than on the first send,
+        so that a failure is told as one of TLS rather than of the request."""
+        secure = trio.SSLStream(tcp, context, server_hostname=self.host)
+        try:
+            with trio.fail_after(self.timeout):
+                await secure.do_handshake()
+        except (trio.BrokenResourceError, trio.TooSlowError) as error:
+            await trio.aclose_forcefully(secure)
+            raise self._handshake_failed(error.__cause__ or error) from error
+        except BaseException:
+            await trio.aclose_forcefully(secure)
+            raise
+        return secure
+
+
+def _socket_of(stream: trio.abc.Stream) -> socket.socket:
+    """The socket under a trio stream, TLS or not."""
+    transport = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+    assert isinstance(transport, trio.SocketStream)
+    return transport.socket  # type: ignore[return-value]

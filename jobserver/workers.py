@@ -17,11 +17,14 @@ stdin; JOB_ID, JOB_NAME and JOBSERVER_SERVER in the environment; exit 0 to
 finish (a JSON object on stdout becomes the job's data; one with an
 `awaitReply` key, `{"awaitReply": {"key": K, "timeout": S}}`, makes the job
 wait for an external reply instead), 75 to retry (optionally `{"delay": S}`
-or `{"nextRun": "..."}` on stdout), anything else to fail.
+or `{"nextRun": "..."}` on stdout), anything else to fail. A worker still
+running after --worker-timeout is killed and its job failed (a failed
+attempt for the job's retry policy).
 
 Exit status of the manager: 0 after a clean stop (signal or --max-iterations),
 1 after a forced stop (second signal) or when results could not be reported
-before giving up, 2 for bad options or when the server refuses our GetJobs.
+before giving up, 2 for bad options, when the server refuses our GetJobs, or
+when TLS cannot be set up with it (TLSFailed: trying again would not help).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import logging
 import math
 import os
 import signal
+import ssl
 import subprocess
 import sys
 from collections import deque
@@ -41,6 +45,8 @@ from typing import Any
 import trio
 
 from .client import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
     AsyncClient,
     auth_token,
     Conflict,
@@ -50,11 +56,24 @@ from .client import (
     JobNotFound,
     JobServerError,
     ServerError,
+    TLSFailed,
     parse_address,
+    tls_context,
+)
+from .options import (
+    AUTH_TOKEN_HELP,
+    LOG_LEVELS,
+    add_tls_arguments,
+    log_level,
+    number,
+    server_address,
+    tls_option,
 )
 from .repeat import offset_seconds
 
 log = logging.getLogger("jobserver.workers")
+
+DEFAULT_SERVER = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
 
 # sysexits.h: "temporary failure, the user is invited to retry" -- the one
 # exit status with that meaning that tools already use (sendmail, procmail).
@@ -66,6 +85,9 @@ FETCH_WAIT = 60.0
 # The 1-minute load average changes slowly; looking once a second while it is
 # too high costs nothing and starts work soon after it drops.
 LOAD_RECHECK = 1.0
+# While --max-load holds jobs back the log says so, but no more often than
+# this: a busy host can stay busy for hours.
+LOAD_NOTICE_INTERVAL = 60.0
 # A worker told to stop (SIGTERM) gets this long to clean up before SIGKILL.
 KILL_AFTER = 5.0
 # After a worker exits, how long its output pipes may stay open: a background
@@ -108,38 +130,13 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def _positive(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        value = kind(text)
-        if not value > 0 or (isinstance(value, float) and not math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be a positive number, not {text!r}")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
-
-
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be zero or more, not {text!r}")
-    return value
-
-
-def _address(text: str) -> tuple[str, int]:
-    try:
-        return parse_address(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cpus = _cpu_count()
     parser.add_argument(
         "--worker-path",
         required=True,
         metavar="DIR",
-        help="directory of worker executables; job 'a/b/Name?x' runs DIR/Name",
+        help="directory of worker executables; job 'a/b/Name?x' runs DIR/Name (required)",
     )
     parser.add_argument(
         "--job-name",
@@ -149,60 +146,68 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-load",
-        type=_positive(float),
-        default=float(cpus),
+        type=number(float, 0, above=True),
+        default=None,
         metavar="F",
-        help=f"take no jobs while the 1-minute load average is F or more (default: {cpus})",
+        help="take no jobs while the 1-minute load average is F or more, F > 0 (default: "
+        "no load limit; --max-workers is the limit). In a container the load average is "
+        "usually the whole host's",
     )
     parser.add_argument(
         "--max-workers",
-        type=_positive(int),
+        type=number(int, 1),
         default=cpus,
         metavar="N",
-        help=f"run at most N workers at once (default: {cpus}, the CPUs)",
+        help=f"run at most N workers at once, N >= 1 (default: {cpus}, the number of CPUs)",
     )
     parser.add_argument(
         "--worker-timeout",
-        type=_positive(float),
+        type=number(float, 0, above=True),
         default=3600.0,
         metavar="S",
-        help="kill a worker still running after S seconds and retry its job (default: 3600)",
+        help="kill a worker still running after S seconds, S > 0, and fail its job, a "
+        "failed attempt for its retry policy (default: 3600)",
     )
     parser.add_argument(
         "--max-iterations",
-        type=_positive(int),
+        type=number(int, 1),
         default=None,
         metavar="N",
-        help="exit cleanly after N GetJobs rounds (default: no limit)",
+        help="exit cleanly after N GetJobs rounds, N >= 1 (default: no limit)",
     )
     parser.add_argument(
         "--server",
-        type=_address,
-        default=os.environ.get("JOBSERVER_SERVER", "127.0.0.1:8888"),
+        type=server_address,
         metavar="HOST:PORT",
-        help="the job server (default: $JOBSERVER_SERVER or 127.0.0.1:8888)",
+        help=f"the job server, PORT 1 to 65535 (default: $JOBSERVER_SERVER, else "
+        f"{DEFAULT_SERVER})",
     )
-    parser.add_argument(
-        "--auth-token-file",
-        metavar="FILE",
-        help="send the token in FILE with each request (default: $JOBSERVER_AUTH_TOKEN)",
-    )
+    parser.add_argument("--auth-token-file", metavar="FILE", help=AUTH_TOKEN_HELP)
+    add_tls_arguments(parser)
     parser.add_argument(
         "--grace",
-        type=_non_negative,
+        type=number(float, 0),
         default=30.0,
         metavar="S",
-        help="on SIGTERM/SIGINT, running workers get S seconds, then are killed (default: 30)",
+        help="on SIGTERM/SIGINT, running workers get S seconds, S >= 0, then are killed "
+        "(default: 30)",
     )
     parser.add_argument(
         "--touch-interval",
-        type=_positive(float),
+        type=number(float, 0, above=True),
         default=30.0,
         metavar="S",
         help="renew the lease of a running leased job (TouchJob) at least every S seconds, "
-        "and after a third of its retryAfter if that is sooner (default: 30)",
+        "S > 0, and after a third of its retryAfter if that is sooner (default: 30)",
     )
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument(
+        "--log-level",
+        type=log_level,
+        choices=LOG_LEVELS,
+        default="INFO",
+        metavar="LEVEL",
+        help="DEBUG, INFO, WARNING or ERROR (default: INFO)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -213,7 +218,11 @@ def run(args: argparse.Namespace) -> int:
         level=getattr(args, "log_level", "INFO").upper(),
         format="%(asctime)s jobserver %(levelname)s %(message)s",
     )
-    server = args.server if isinstance(args.server, tuple) else _address(args.server)
+    try:
+        server = args.server or parse_address(os.environ.get("JOBSERVER_SERVER") or DEFAULT_SERVER)
+    except ValueError as error:
+        log.error("$JOBSERVER_SERVER: %s", error)
+        return 2
     directory = os.path.realpath(args.worker_path)
     if not os.path.isdir(directory):
         log.error("--worker-path %s is not a directory", args.worker_path)
@@ -223,10 +232,16 @@ def run(args: argparse.Namespace) -> int:
     except OSError as error:
         log.error("cannot read --auth-token-file: %s", error)
         return 2
+    try:
+        tls = tls_context(tls_option(args))
+    except ValueError as error:
+        log.error("cannot use --tls-ca: %s", error)
+        return 2
     manager = Manager(
         host=server[0],
         port=server[1],
         token=token,
+        tls=tls,
         directory=directory,
         pattern=args.job_name,
         max_load=args.max_load,
@@ -448,6 +463,21 @@ class Backoff:
         return self.delay
 
 
+class Every:
+    """Lets something happen at most once per `interval` seconds."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.last: float | None = None
+
+    def ready(self, now: float) -> bool:
+        """Whether it may happen at `now`; if so, counts it as happened."""
+        if self.last is not None and now - self.last < self.interval:
+            return False
+        self.last = now
+        return True
+
+
 class Manager:
     def __init__(
         self,
@@ -456,20 +486,23 @@ class Manager:
         port: int,
         directory: str,
         pattern: str,
-        max_load: float,
+        max_load: float | None,
         max_workers: int,
         worker_timeout: float,
         max_iterations: int | None,
         grace: float,
         touch_interval: float = 30.0,
         token: str | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self.token = token
+        self.tls = tls
         self.directory = directory
         self.pattern = pattern
         self.max_load = max_load
+        self.load_notice = Every(LOAD_NOTICE_INTERVAL)
         self.max_workers = max_workers
         self.worker_timeout = worker_timeout
         self.max_iterations = max_iterations
@@ -501,7 +534,7 @@ class Manager:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     def client(self) -> AsyncClient:
-        return AsyncClient(self.host, self.port, auth_token=self.token)
+        return AsyncClient(self.host, self.port, auth_token=self.token, tls=self.tls)
 
     # Top level.
 
@@ -509,13 +542,14 @@ class Manager:
         async with trio.open_nursery() as root:
             await root.start(self.watch_signals, root.cancel_scope)
             log.info(
-                "worker manager started: server %s, jobs %r, workers from %s, "
-                "at most %d at once, load below %g",
+                "worker manager started: server %s%s, jobs %r, workers from %s, "
+                "at most %d at once, %s",
                 self.address,
+                " (TLS)" if self.tls else "",
                 self.pattern,
                 self.directory,
                 self.max_workers,
-                self.max_load,
+                "no load limit" if self.max_load is None else f"load below {self.max_load:g}",
             )
             reporter_done = trio.Event()
             root.start_soon(self.report_loop, reporter_done)
@@ -524,7 +558,7 @@ class Manager:
                 await self.fetch_loop(workers)
             self.reports_closed = True
             self.report_added.set()
-            if self.signalled:
+            if self.signalled or self.exit_status:
                 self.report_scope.deadline = trio.current_time() + REPORT_DRAIN
             await reporter_done.wait()
             root.cancel_scope.cancel()  # the signal watcher and the lease renewer
@@ -592,6 +626,11 @@ class Manager:
                             log.info("server %s reachable again; taking jobs", self.address)
                             backoff = Backoff()
                         jobs = await client.get_jobs(self.pattern, min(free, 1000), wait=FETCH_WAIT)
+                    except TLSFailed as error:
+                        # Trying again cannot help: the options must change.
+                        log.error("cannot get jobs: %s", error)
+                        self.exit_status = 2
+                        return
                     except (ConnectionFailed, ServerError) as error:
                         if not backoff.failing:
                             log.warning(
@@ -628,16 +667,18 @@ class Manager:
 
     async def free_slots(self) -> int:
         """Wait until a worker may start; the number of free slots."""
-        waiting_for_load = False
         while True:
             if self.running >= self.max_workers:
                 await self.changed.wait()
                 continue
-            load = self._load()
-            if load >= self.max_load:
-                if not waiting_for_load:
-                    log.info("load average %.2f is at or above %g; waiting", load, self.max_load)
-                    waiting_for_load = True
+            if self.max_load is not None and (load := self._load()) >= self.max_load:
+                if self.load_notice.ready(trio.current_time()):
+                    log.info(
+                        "load average %.2f is at or above --max-load %g: taking no jobs "
+                        "until it drops",
+                        load,
+                        self.max_load,
+                    )
                 with trio.move_on_after(LOAD_RECHECK):
                     await self.changed.wait()
                 continue
@@ -753,12 +794,16 @@ class Manager:
         self, job: dict[str, Any], returncode: int, stopped: str | None, stdout: Head, stderr: Tail
     ) -> Outcome:
         job_id, name = job["jobID"], printable(job["name"])
+        if stopped == "timeout":
+            # A failed attempt, like any failure: the job's retry policy
+            # decides (backoff, dead set), so a worker that always hangs
+            # cannot keep its job coming back forever.
+            error = f"timed out after {self.worker_timeout:g}s (worker killed)"
+            return Outcome(Report(job_id, name, "fail", {"error": error}), f"failed ({error})")
         if stopped is not None:
+            # Our shutdown, not the job's fault: it goes back as it was.
             params = {"delay": 0, "ignore_repeat": True}
-            if stopped == "timeout":
-                text = f"timed out after {self.worker_timeout:g}s, killed, retried"
-            else:
-                text = "still running at the end of the grace period, killed, retried"
+            text = "still running at the end of the grace period, killed, retried"
             return Outcome(Report(job_id, name, "retry", params), text)
         if returncode == 0:
             data = None if stdout.dropped else json_object(bytes(stdout.data))

@@ -21,8 +21,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
-from jobserver.workers import Refused, json_object, find_worker, retry_options, touch_period
+from jobserver.client import Client as LibraryClient
+from jobserver.workers import (
+    LOAD_NOTICE_INTERVAL,
+    Every,
+    Manager,
+    Refused,
+    find_worker,
+    json_object,
+    retry_options,
+    touch_period,
+)
+from tls_certs import tls_server
 from wire import Client, Reply
 
 DEADLINE = 15.0
@@ -43,8 +55,6 @@ class ManagerProcess:
                 str(worker_path),
                 "--server",
                 f"127.0.0.1:{port}",
-                "--max-load",
-                "1000",
                 *extra,
             ],
             stderr=subprocess.PIPE,
@@ -379,7 +389,7 @@ sys.exit(3)
     }
 
 
-def test_a_worker_past_the_timeout_is_killed_with_its_process_group_and_retried(
+def test_a_worker_past_the_timeout_is_killed_with_its_process_group_and_its_job_failed(
     server, client, workers, manager, tmp_path
 ):
     # It ignores SIGTERM (and so does its child), so only SIGKILL ends it.
@@ -397,15 +407,45 @@ wait
     stuck = create(client, "Stuck", data={"x": 1}, repeat="FINISHED, +1 DAY")
     running = manager(server.port, "--worker-timeout", "1", "--max-iterations", "1")
 
-    running.wait_for(rf"job {stuck} Stuck timed out after 1s, killed, retried in")
+    running.wait_for(rf"job {stuck} Stuck failed \(timed out after 1s \(worker killed\)\) in")
     assert running.wait() == 0
     assert not alive(int((tmp_path / "worker.pid").read_text()))
     assert not alive(int((tmp_path / "child.pid").read_text()))
-    retried = job(client, stuck)
-    # Retried now, not at the repeat's next run a day later.
-    assert retried["state"] == "QUEUED"
-    assert utc(retried["nextRun"]) < datetime.now(timezone.utc) + timedelta(seconds=5)
-    assert retried["data"] == {"x": 1}
+    # Without a retry policy a timeout fails the job like any failure,
+    # repeat or not, and leaves its data as it was.
+    failed = job(client, stuck)
+    assert (failed["state"], failed["data"]) == ("FAILED", {"x": 1})
+    [dead] = client.request("FailedJobs").json["jobs"]
+    assert (dead["jobID"], dead["lastError"]) == (stuck, "timed out after 1s (worker killed)")
+
+
+def test_a_timeout_is_a_failed_attempt_of_the_jobs_retry_policy(
+    server, client, workers, manager, tmp_path
+):
+    starts = tmp_path / "starts"
+    python_worker(
+        workers,
+        "Hangs",
+        f"""
+job = json.load(sys.stdin)
+with open("{starts}", "a") as log:
+    log.write(f"{{job['attempt']}} {{time.time()}}\\n")
+time.sleep(60)
+""",
+    )
+    hangs = create(client, "Hangs", maxAttempts=2, retryBackoff="fixed", retryDelay=3)
+    running = manager(server.port, "--worker-timeout", "0.5")
+
+    running.wait_for(rf"job {hangs} Hangs failed \(timed out after 0.5s \(worker killed\)\)", 2)
+    until(lambda: job(client, hangs)["state"] == "FAILED", "the second timeout to kill the job")
+    dead = job(client, hangs)
+    assert (dead["attempt"], dead["lastError"]) == (2, "timed out after 0.5s (worker killed)")
+    attempts = [line.split() for line in starts.read_text().splitlines()]
+    assert [attempt for attempt, _ in attempts] == ["1", "2"]
+    # The second attempt waited for the backoff after the first timed out.
+    assert float(attempts[1][1]) - float(attempts[0][1]) >= 0.5 + 3 - 0.1
+    # Dead for good: nothing runs it again.
+    assert len(re.findall(rf"job {hangs} Hangs", running.log)) == 2
 
 
 def test_missing_workers_and_unsafe_names_fail_the_job_and_run_nothing(
@@ -478,12 +518,66 @@ def test_no_jobs_are_taken_while_the_load_average_is_at_or_above_max_load(
     write_worker(workers, "Never", "exit 0\n")
     never = create(client, "Never")
     running = manager(server.port, "--max-load", "1e-9")
-    running.wait_for(r"load average [\d.]+ is at or above 1e-09; waiting")
+    assert re.search(r"at most \d+ at once, load below 1e-09\n", running.log)
+    running.wait_for(
+        r"load average [\d.]+ is at or above --max-load 1e-09: taking no jobs until it drops"
+    )
     assert waiting_get_jobs(client) == 0
     assert job(client, never)["state"] == "QUEUED"
     running.signal(signal.SIGTERM)
     assert running.wait() == 0
     assert job(client, never)["state"] == "QUEUED"
+
+
+def test_without_max_load_the_load_average_does_not_hold_jobs_back(
+    server, client, workers, manager
+):
+    write_worker(workers, "Runs", "cat >/dev/null; exit 0\n")
+    runs = create(client, "Runs")
+    running = manager(server.port)
+    assert re.search(r"at most \d+ at once, no load limit\n", running.log)
+    running.wait_for(rf"job {runs} Runs finished in")
+    assert "load average" not in running.log
+
+
+def test_every_lets_a_thing_happen_at_most_once_per_interval():
+    every = Every(60)
+    assert [every.ready(t) for t in (100, 100, 159.9, 160, 200, 219.9, 220.5)] == [
+        True, False, False, True, False, False, True
+    ]
+
+
+class LoadedManager(Manager):
+    """A manager on a host whose load average is `load`."""
+
+    load = 5.0
+
+    def _load(self) -> float:
+        return self.load
+
+
+async def test_the_load_notice_is_logged_at_most_once_a_minute(autojump_clock, caplog, tmp_path):
+    manager = LoadedManager(
+        host="127.0.0.1", port=1, directory=str(tmp_path), pattern="*", max_load=2.0,
+        max_workers=3, worker_timeout=60, max_iterations=None, grace=0,
+    )
+    caplog.set_level("INFO", logger="jobserver.workers")
+    started = trio.current_time()
+
+    async def load_drops_after(seconds: float) -> None:
+        await trio.sleep(seconds)
+        manager.load = 1.0
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(load_drops_after, 2.5 * LOAD_NOTICE_INTERVAL)
+        assert await manager.free_slots() == 3
+    waited = trio.current_time() - started
+    assert 2.5 * LOAD_NOTICE_INTERVAL <= waited <= 2.5 * LOAD_NOTICE_INTERVAL + 1.5
+    notices = [r.getMessage() for r in caplog.records if "load average" in r.getMessage()]
+    # At 0, 60 and 120 seconds: three in two and a half minutes, not 150.
+    assert notices == [
+        "load average 5.00 is at or above --max-load 2: taking no jobs until it drops"
+    ] * 3
 
 
 def test_a_job_created_while_the_manager_waits_starts_at_once(
@@ -808,3 +902,33 @@ def test_the_manager_sends_its_token_to_a_server_that_wants_one(workers, manager
             )
     finally:
         running.stop()
+
+
+def test_the_manager_speaks_tls_with_tls_ca(workers, manager, tmp_path):
+    write_worker(workers, "Done", "cat >/dev/null; echo '{\"secure\": true}'\n")
+    with tls_server(tmp_path / "tls") as (running, files):
+        with LibraryClient("127.0.0.1", running.port, timeout=10, tls=files.ca) as jobs:
+            job_id = jobs.create_job("Done", repeat="FINISHED, +1 HOUR")
+            managed = manager(running.port, "--tls-ca", str(files.ca))
+            assert f"server 127.0.0.1:{running.port} (TLS)" in managed.log
+            managed.wait_for(rf"job {job_id} Done finished in")
+            until(lambda: jobs.query_job(job_id)["data"] == {"secure": True}, "FinishJob")
+
+
+def test_a_manager_that_cannot_set_up_tls_says_why_and_exits_2(workers, tmp_path):
+    with tls_server(tmp_path / "tls") as (running, _):
+        done = subprocess.run(
+            [sys.executable, *MANAGER, "--worker-path", str(workers),
+             "--server", f"127.0.0.1:{running.port}", "--tls"],
+            capture_output=True, text=True, timeout=DEADLINE,
+        )
+    assert done.returncode == 2
+    assert "cannot get jobs: cannot connect to" in done.stderr
+    assert "certificate is not trusted" in done.stderr and "--tls-ca FILE" in done.stderr
+    missing = subprocess.run(
+        [sys.executable, *MANAGER, "--worker-path", str(workers), "--tls-ca",
+         str(tmp_path / "missing.pem")],
+        capture_output=True, text=True, timeout=DEADLINE,
+    )
+    assert missing.returncode == 2
+    assert "cannot use --tls-ca: cannot read CA certificates from" in missing.stderr

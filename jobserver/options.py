@@ -1,0 +1,98 @@
+"""Command-line options shared by the client commands and the worker manager:
+TLS, and value types that check their range, so that a value out of range is
+a usage error (exit status 2) naming the option, before anything runs."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+from .client import TLS, parse_address
+
+# The largest jobID (protocol.md section 3): SQLite's largest integer.
+MAX_JOB_ID = 2**63 - 1
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def number(
+    kind: type[int] | type[float],
+    low: float,
+    high: float | None = None,
+    *,
+    above: bool = False,
+) -> Callable[[str], float]:
+    """An argparse type: a finite `kind` (int or float) of at least `low`
+    (more than `low` if `above`) and at most `high`."""
+    what = "a whole number" if kind is int else "a number"
+    if high is not None:
+        bounds = f"from {_text(low)} to {_text(high)}"
+    else:
+        bounds = f"greater than {_text(low)}" if above else f"of at least {_text(low)}"
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if (
+            value is None
+            or not math.isfinite(value)
+            or value < low
+            or (above and value == low)
+            or (high is not None and value > high)
+        ):
+            raise argparse.ArgumentTypeError(f"must be {what} {bounds}, not {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__  # what argparse names in its messages
+    return parse
+
+
+def _text(bound: float) -> str:
+    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
+
+
+# A jobID argument.
+job_id = number(int, 1, MAX_JOB_ID)
+
+
+def server_address(text: str) -> tuple[str, int]:
+    """--server: HOST:PORT, HOST or [IPV6]:PORT, the port 1 to 65535."""
+    try:
+        return parse_address(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def log_level(text: str) -> str:
+    """--log-level: any case."""
+    return text.upper()
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """--tls and --tls-ca."""
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="speak TLS, trusting the system's certificate authorities; the server's "
+        "certificate must name the host of --server (default: plain TCP)",
+    )
+    parser.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        help="speak TLS, trusting the CA certificates in FILE (PEM) instead of the "
+        "system's; implies --tls (default: none)",
+    )
+
+
+def tls_option(args: argparse.Namespace) -> TLS:
+    """A client's `tls` argument from --tls and --tls-ca."""
+    return args.tls_ca or args.tls
+
+
+# What $JOBSERVER_AUTH_TOKEN is, wherever --auth-token-file is offered.
+AUTH_TOKEN_HELP = (
+    "send the token in FILE with each request (default: $JOBSERVER_AUTH_TOKEN, which "
+    "holds the token itself, not a file name; else no token)"
+)
