@@ -293,7 +293,6 @@ def test_a_ca_file_that_cannot_be_read_is_exit_2(tmp_path):
     assert f"cannot read CA certificates from {tmp_path / 'missing.pem'}" in done.stderr
 
 
-@pytest.mark.xfail(reason="needs the server's plaintext-on-TLS-port reply", strict=False)
 def test_a_plaintext_command_meeting_a_tls_server_says_to_use_tls(secure):
     running, _ = secure
     done = run("status", "--server", f"127.0.0.1:{running.port}")
@@ -301,7 +300,6 @@ def test_a_plaintext_command_meeting_a_tls_server_says_to_use_tls(secure):
         5, "", f"jobserver: the server at 127.0.0.1:{running.port} requires TLS: use --tls\n")
 
 
-@pytest.mark.xfail(reason="needs the server's plaintext-on-TLS-port reply", strict=False)
 def test_a_tls_command_meeting_a_plaintext_server_says_it_does_not_speak_tls(server):
     done = run("status", "--tls", "--server", f"127.0.0.1:{server.port}")
     assert (done.returncode, done.stdout) == (5, "")

@@ -760,12 +760,6 @@ def test_the_reply_of_a_tls_only_port_says_to_use_tls_and_is_not_sent_again(fake
     assert server.methods() == [(0, "Status")]
 
 
-NEEDS_THE_SERVER_CHANGE = pytest.mark.xfail(
-    reason="needs the server's plaintext-on-TLS-port reply", strict=False
-)
-
-
-@NEEDS_THE_SERVER_CHANGE
 def test_a_plaintext_client_meeting_the_real_tls_server_is_told_to_use_tls(secure):
     running, _ = secure
     with Client("127.0.0.1", running.port, timeout=5) as jobs:
@@ -773,7 +767,6 @@ def test_a_plaintext_client_meeting_the_real_tls_server_is_told_to_use_tls(secur
             jobs.create_job("x")
 
 
-@NEEDS_THE_SERVER_CHANGE
 def test_a_tls_client_meeting_the_real_plaintext_server_is_told_it_does_not_speak_tls(server):
     with Client("127.0.0.1", server.port, timeout=5, tls=True) as jobs:
         with pytest.raises(TLSFailed, match="does not speak TLS"):
