@@ -24,7 +24,7 @@ from typing import Any
 
 import trio
 
-from . import __version__, commands, handout, peer, query, replies, retention
+from . import __version__, commands, handout, lockfile, peer, query, replies, retention
 from .connection import Connection, serve_connection
 from .protocol import Request, Response
 from .store import DEFAULT_REPLY_GRACE, Store
@@ -110,57 +110,75 @@ class Server:
         with _stop_signals() as signals:
             if config.tls_cert:
                 self.tls_context = _tls_context(config)
-            listeners: list[Any] = await trio.open_tcp_listeners(config.port, host=config.host)
-            port = listeners[0].socket.getsockname()[1]
+            # Before listening: a second server on this file must not even
+            # take a port.
+            lock = lockfile.acquire(config.db) if config.db != ":memory:" else None
             try:
-                self.store = Store(config.db, config.synchronous, config.limits)
-                self.store.keep_finished = config.keep_finished > 0
-                self.store.reply_grace = config.reply_grace
-            except BaseException:
-                for listener in listeners:
-                    await listener.aclose()
-                raise
-            self.writer = Writer(self.store, self._notify)
-            self.waits = WaitQueue(
-                self.writer, handout.serve_waiters, handout.give_back, replies.expire
-            )
-            self.writer.anyone_waiting = self.waits.anyone_waiting
-            # Jobs waiting for replies before a restart: their deadlines
-            # still fire (at once, for those that passed while we were down).
-            self.waits.start_clock_at(self.store.first_deadline())
-            # Set last: it tells an embedding program the server is ready.
-            self.port = port
-            address = f"{config.host}:{port}"
-            if not peer.is_loopback(config.host) and config.auth_token is None:
-                log.warning(
-                    "serving %s without --auth-token-file: anyone who can "
-                    "reach this address can create, take and delete jobs", config.host,
-                )
-            log.info(
-                "listening on %s%s, database %s",
-                address, " (TLS)" if config.tls_cert else "", config.db,
-            )
-            self.writer.start()
-            try:
-                async with trio.open_nursery() as core:
-                    core.start_soon(self.waits.run_clock)
-                    if config.db != ":memory:":
-                        core.start_soon(
-                            retention.run_pruner, self.writer, config.db,
-                            config.keep_finished, config.keep_failed, config.prune_interval,
-                        )
-                    async with trio.open_nursery() as conns:
-                        accept = trio.CancelScope()
-                        conns.start_soon(self._accept, listeners, conns, accept)
-                        task_status.started(self.port)
-                        await self._wait_for_stop(signals)
-                        await self._shut_down(accept, conns)
-                    core.cancel_scope.cancel()
+                await self._run_locked(lock, signals, task_status)
             finally:
-                # Jobs given back by the last connections are written too.
-                await self.writer.stop()
-                self.store.close()
-                log.info("stopped serving %s; database %s closed", address, config.db)
+                if lock is not None:
+                    lock.release()
+
+    async def _run_locked(
+        self,
+        lock: lockfile.ServerLock | None,
+        signals: AsyncIterator[int] | None,
+        task_status: trio.TaskStatus[int],
+    ) -> None:
+        config = self.config
+        listeners: list[Any] = await trio.open_tcp_listeners(config.port, host=config.host)
+        port = listeners[0].socket.getsockname()[1]
+        try:
+            self.store = Store(config.db, config.synchronous, config.limits)
+            self.store.keep_finished = config.keep_finished > 0
+            self.store.reply_grace = config.reply_grace
+        except BaseException:
+            for listener in listeners:
+                await listener.aclose()
+            raise
+        self.writer = Writer(self.store, self._notify)
+        self.waits = WaitQueue(
+            self.writer, handout.serve_waiters, handout.give_back, replies.expire
+        )
+        self.writer.anyone_waiting = self.waits.anyone_waiting
+        # Jobs waiting for replies before a restart: their deadlines
+        # still fire (at once, for those that passed while we were down).
+        self.waits.start_clock_at(self.store.first_deadline())
+        # Set last: it tells an embedding program the server is ready.
+        self.port = port
+        address = f"{config.host}:{port}"
+        if lock is not None:
+            lock.announce(address)
+        if not peer.is_loopback(config.host) and config.auth_token is None:
+            log.warning(
+                "serving %s without --auth-token-file: anyone who can "
+                "reach this address can create, take and delete jobs", config.host,
+            )
+        log.info(
+            "listening on %s%s, database %s",
+            address, " (TLS)" if config.tls_cert else "", config.db,
+        )
+        self.writer.start()
+        try:
+            async with trio.open_nursery() as core:
+                core.start_soon(self.waits.run_clock)
+                if config.db != ":memory:":
+                    core.start_soon(
+                        retention.run_pruner, self.writer, config.db,
+                        config.keep_finished, config.keep_failed, config.prune_interval,
+                    )
+                async with trio.open_nursery() as conns:
+                    accept = trio.CancelScope()
+                    conns.start_soon(self._accept, listeners, conns, accept)
+                    task_status.started(self.port)
+                    await self._wait_for_stop(signals)
+                    await self._shut_down(accept, conns)
+                core.cancel_scope.cancel()
+        finally:
+            # Jobs given back by the last connections are written too.
+            await self.writer.stop()
+            self.store.close()
+            log.info("stopped serving %s; database %s closed", address, config.db)
 
     async def status(self) -> Response:
         counts, limits, paused, early = await self.writer.call(_status_snapshot)
