@@ -16,6 +16,8 @@ from .context import Context
 from .errors import CommandError
 from .handout import (
     PENDING_STATES,
+    RepeatStalled,
+    fail_stalled,
     freed,
     in_window,
     lease_end,
@@ -193,7 +195,10 @@ def update_job(ctx: Context, request: Request) -> Response:
     check_lease(request, job)
     changes: dict[str, Any] = {"data": data}
     if next_run is None and rule is not None:
-        next_run = next_run_from_repeat(ctx, job, rule)
+        try:
+            next_run = next_run_from_repeat(ctx, job, rule)
+        except RepeatStalled as stalled:
+            raise CommandError(f"402 Malformed repeat: {stalled.reason}") from None
     if next_run is not None:
         changes["nextRun"] = next_run
         # A waiting job's nextRun is its reply deadline: the clock must
@@ -252,7 +257,12 @@ def _finish_or_retry(ctx: Context, request: Request, retry: bool) -> Response:
         return ok()
     if retry:
         changes.update(_renamed(request))
-    next_run = _next_run(ctx, request, job, retry, use_repeat=not asks_delete)
+    try:
+        next_run = _next_run(ctx, request, job, retry, use_repeat=not asks_delete)
+    except RepeatStalled as stalled:
+        # The report is taken; the job would loop, so it ends here.
+        fail_stalled(ctx, job, stalled, **changes)
+        return ok()
     freed(ctx, job)
     if next_run is not None:
         next_run = in_window(job.timeWindows, job.timeZone, next_run)
@@ -332,7 +342,13 @@ def touch_job(ctx: Context, request: Request) -> Response:
     check_lease(request, job)
     if job.state != "RUNQUEUED":
         raise CommandError("405 Can only touch RUNQUEUED jobs")
-    next_run = lease_end(ctx, job)
+    try:
+        next_run = lease_end(ctx, job)
+    except RepeatStalled as stalled:
+        # Returned, not raised, so that the failure stays: a lease that
+        # ends at once would hand the job to another worker right away.
+        fail_stalled(ctx, job, stalled)
+        return Response(f"402 Malformed repeat: {stalled.reason}; the job failed")
     if next_run is None:
         raise CommandError("502 Failed to compute nextRun")
     ctx.store.update(job.jobID, nextRun=next_run)

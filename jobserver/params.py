@@ -155,9 +155,12 @@ def repeat_rule(params: Params) -> str | None:
     if value is None or value.strip() == "":
         return None
     try:
-        repeat.parse_repeat(value)
-    except repeat.MalformedRepeat:
-        raise CommandError("402 Malformed repeat") from None
+        repeat.check_moves_forward(repeat.parse_repeat(value))
+    except repeat.MalformedRepeat as error:
+        # A syntax error keeps Bedrock's bare status line; a rule that
+        # parses but cannot be used says why.
+        detail = f": {error.reason}" if error.reason else ""
+        raise CommandError(f"402 Malformed repeat{detail}") from None
     return value.strip().upper()
 
 

@@ -567,7 +567,10 @@ def test_finish_job_data_delete_false_keeps_a_repeating_job(client):
 
 
 def test_repeating_job_runs_again_with_the_data_it_finished_with(client):
-    job_id = create(client, "again", repeat="FINISHED, -1 MINUTE", data={"step": 1})
+    # Scheduled two days ago, daily: its next run has passed, so it is due at once.
+    two_days_ago = stamp(now() - timedelta(days=2))
+    job_id = create(client, "again", repeat="SCHEDULED, +1 DAY", firstRun=two_days_ago,
+                    data={"step": 1})
     get_job(client, "again")
     client.request("FinishJob", jobID=job_id, data={"step": 2})
     job = get_job(client, "again")
