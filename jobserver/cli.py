@@ -412,8 +412,9 @@ def _add_create_options(create: argparse.ArgumentParser) -> None:
     create.add_argument(
         "--first-run",
         metavar="WHEN",
-        help="when the job is first due, e.g. '2030-01-01 04:00:00' (UTC unless an offset "
-        "is given; default now)",
+        help="when the job is first due, year first: YYYY-MM-DD, YYYY-MM-DD HH:MM or "
+        "YYYY-MM-DD HH:MM:SS ('T' or a space between), in UTC unless it ends in an offset "
+        "such as +02:00 (default now); e.g. '2030-01-01 04:00:00'",
     )
     create.add_argument(
         "--repeat",

@@ -14,6 +14,7 @@ from typing import Any
 from . import handout, jsonbody, params, replies
 from .context import Context
 from .errors import CommandError
+from .globmatch import glob_match
 from .handout import (
     PENDING_STATES,
     RepeatStalled,
@@ -23,7 +24,7 @@ from .handout import (
     lease_end,
     next_run_from_repeat,
 )
-from .protocol import Request, Response
+from .protocol import Request, Response, escape
 from .store import Job
 
 Handler = Callable[[Context, Request], Response]
@@ -88,9 +89,10 @@ def _create(ctx: Context, request: Request) -> int:
     rule = params.repeat_rule(request)
     policy = params.retry_policy(request)
     flow = params.flow_options(request)
+    _check_cost_fits(ctx, name, flow.cost)
     parent_id = _parent_id(request)
     parent = _parent(ctx, parent_id) if parent_id else None
-    if request.get("unique") == "true":
+    if params.is_true(request.get("unique")):
         existing = ctx.store.find_by_name(name)
         if existing is not None:
             _update_unique(ctx, request, existing, parent_id, data, rule, priority)
@@ -116,6 +118,14 @@ def _create(ctx: Context, request: Request) -> int:
     if state == "QUEUED":
         ctx.scheduled(name, next_run)
     return job_id
+
+
+def _check_cost_fits(ctx: Context, name: str, cost: int) -> None:
+    """A job that costs more than a limit on its name holds can never run."""
+    for pattern, capacity in ctx.store.limits.items():
+        if cost > capacity and glob_match(pattern, name):
+            # Escaped as a header value: a pattern may hold a line break.
+            raise CommandError(f"402 Cost {cost} exceeds limit {escape(pattern)} (max {capacity})")
 
 
 def _parent_id(request: Request) -> int:
@@ -154,7 +164,8 @@ def _update_unique(
         )
     if data is None or data == existing.data:
         return
-    if request.get("overwrite") not in (None, "", "true"):
+    overwrite = params.present(request, "overwrite")
+    if overwrite is not None and not params.is_true(overwrite):
         return
     changes: dict[str, Any] = {"data": ctx.store.json_patch(existing.data, data)}
     if rule is not None:

@@ -254,13 +254,14 @@ def test_header_names_are_case_insensitive(client):
 def test_header_values_are_backslash_unescaped(client):
     # The client doubles JSON's backslashes; the server undoes one level.
     client.send(
-        b"CreateJob\r\nname: tab\\there\r\n"
+        # (A name may not hold a control character such as a tab.)
+        b"CreateJob\r\nname: back\\\\slash caf\\u00e9\r\n"
         b'data: {"q":"say \\\\"hi\\\\"","nl":"a\\\\nb","u":"\\\\u00e9"}\r\n\r\n'
     )
     reply = client.read_reply()
     assert reply.status == "200 OK", reply
     job = query(client, reply.json["jobID"])
-    assert job["name"] == "tab\there"
+    assert job["name"] == "back\\slash caf\u00e9"
     assert job["data"] == {"q": 'say "hi"', "nl": "a\nb", "u": "é"}
 
 
