@@ -357,8 +357,8 @@ def _add_client_commands(sub: Any) -> None:
         "Deliver a reply: the job waiting on KEY (AwaitReply) is queued again, due "
         'now, with the reply in its data under "reply". Prints {"jobID": N}; or, if '
         'no job waits on KEY yet, {"expires": "..."}: the reply is kept for the '
-        "grace period for a job to await it. Exits 1 with '404 No job waits on this "
-        "key' if this key's reply was delivered already.",
+        "grace period for a job to await it. Exits 1 with '404 Reply already "
+        "delivered' if this key's reply was delivered (or kept) already.",
     )
     deliver.add_argument("key", metavar="KEY", help="the correlation key")
     deliver.add_argument(
