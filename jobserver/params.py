@@ -98,7 +98,7 @@ def job_ids(params: Params, name: str = "jobIDs") -> list[int]:
 
 
 # Unicode's control characters (category Cc): C0, DEL and C1.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def name(params: Params) -> str:

@@ -61,7 +61,8 @@ def parse_user_time(text: str) -> str:
     found = _USER_TIME.fullmatch(text.strip())
     if found is None:
         raise ValueError(f"not a time (YYYY-MM-DD[ HH:MM[:SS]][+HH:MM]): {text!r}")
-    number = {k: int(v) for k, v in found.groupdict().items() if v and v.isdigit()}
+    # The groups that matched, as numbers (the sign stays text).
+    number = {k: int(v) for k, v in found.groupdict().items() if v and k != "sign"}
     try:
         moment = datetime(
             number["year"], number["month"], number["day"],
