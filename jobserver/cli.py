@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import ssl
 import sys
@@ -44,6 +45,154 @@ from .times import parse_duration
 log = logging.getLogger("jobserver")
 
 
+# The ranges of the serve options; README's serve table lists them.
+MAX_PORT = 65535
+# One file descriptor each, and the kernel's usual ceiling is 1,048,576.
+MAX_CONNECTIONS = 1_000_000
+# A Query holds a reader thread and a snapshot of the database.
+MAX_QUERY_SECONDS = 3600.0
+# A worker between jobs is idle; longer than a day, it is gone.
+MAX_IDLE_SECONDS = 86400.0
+# The largest request (4 MiB of head, 1 MiB of body) arrives within this
+# over any link still worth serving.
+MAX_REQUEST_SECONDS = 3600.0
+# Ten years: retention beyond that is an archive, not a queue.
+MAX_KEEP_SECONDS = 3650 * 86400.0
+# An early reply waits at most as long as an AwaitReply may (30 days).
+MIN_REPLY_GRACE_SECONDS = 1.0
+MAX_REPLY_GRACE_SECONDS = 30 * 86400.0
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _add_serve(sub: Any) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="run the job server",
+        description=(
+            "Run the job server in the foreground. Jobs are kept in one SQLite "
+            "file; a write is acknowledged only once it is on disk. SIGINT or "
+            "SIGTERM stop it cleanly. Try it with: nc 127.0.0.1 8888"
+        ),
+    )
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
+    )
+    serve.add_argument(
+        "--port",
+        type=_whole_number(0, MAX_PORT),
+        default=8888,
+        help=f"TCP port, 0 to {MAX_PORT}; 0 picks a free one (default: 8888)",
+    )
+    serve.add_argument(
+        "--db", default="jobs.db", help="SQLite database file, created if missing (default: jobs.db)"
+    )
+    serve.add_argument(
+        "--synchronous",
+        choices=SYNCHRONOUS_MODES,
+        default="FULL",
+        help=(
+            "SQLite synchronous mode. FULL syncs every commit to disk before "
+            "its reply. NORMAL is faster, but a power loss or OS crash (not a "
+            "server crash) can lose the last acknowledged writes (default: FULL)"
+        ),
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=_whole_number(1, MAX_CONNECTIONS),
+        default=Config.max_connections,
+        metavar="N",
+        help=f"connections beyond this, 1 to {MAX_CONNECTIONS:,}, are answered "
+        f"'503 Too many connections' (default: {Config.max_connections})",
+    )
+    serve.add_argument(
+        "--allow-remote-query",
+        action="store_true",
+        help="accept the read-only Query command from non-loopback clients (default: off)",
+    )
+    serve.add_argument(
+        "--query-timeout",
+        type=_seconds(MAX_QUERY_SECONDS),
+        default=Config.query_seconds,
+        metavar="SECONDS",
+        help=f"a Query running longer, above 0 and at most {MAX_QUERY_SECONDS:g}, is "
+        f"stopped with '555 Timeout' (default: {Config.query_seconds:g})",
+    )
+    serve.add_argument(
+        "--idle-timeout",
+        type=_seconds(MAX_IDLE_SECONDS),
+        default=Config.idle_timeout,
+        metavar="SECONDS",
+        help=f"close a connection with no request under way for this long, above 0 and "
+        f"at most {MAX_IDLE_SECONDS:g} (default: {Config.idle_timeout:g})",
+    )
+    serve.add_argument(
+        "--request-timeout",
+        type=_seconds(MAX_REQUEST_SECONDS),
+        default=Config.request_timeout,
+        metavar="SECONDS",
+        help=f"a request must arrive whole within this of its first byte, above 0 and "
+        f"at most {MAX_REQUEST_SECONDS:g}, else '408 Request timeout' and the "
+        f"connection is closed (default: {Config.request_timeout:g})",
+    )
+    serve.add_argument(
+        "--auth-token-file",
+        metavar="FILE",
+        help="require every request to carry the token in this file in an "
+        "'authToken' header; others get '401 Unauthorized' (default: no token)",
+    )
+    serve.add_argument(
+        "--limit",
+        action="append",
+        type=_limit,
+        default=[],
+        metavar="PATTERN=MAX",
+        help="a concurrency limit: jobs whose name matches the GLOB PATTERN may "
+        "together cost at most MAX (1 or more) while running; repeatable; "
+        "SetLimit changes them at run time (default: none)",
+    )
+    serve.add_argument(
+        "--keep-finished",
+        type=_duration_between(0.0, MAX_KEEP_SECONDS),
+        default=0.0,
+        metavar="DURATION",
+        help="keep finished jobs, with their final data, this long: 0 to "
+        f"{_duration_text(MAX_KEEP_SECONDS)}, such as 90s, 30m, 12h or 7d "
+        "(default: 0, deleted at once, as Bedrock does)",
+    )
+    serve.add_argument(
+        "--keep-failed",
+        type=_duration_between(0.0, MAX_KEEP_SECONDS),
+        metavar="DURATION",
+        help="delete FAILED jobs this long after they failed: 0 to "
+        f"{_duration_text(MAX_KEEP_SECONDS)} (default: kept until deleted or requeued)",
+    )
+    serve.add_argument(
+        "--reply-grace",
+        type=_duration_between(MIN_REPLY_GRACE_SECONDS, MAX_REPLY_GRACE_SECONDS),
+        default=DEFAULT_REPLY_GRACE,
+        metavar="DURATION",
+        help="keep a reply that comes before its AwaitReply this long, and remember a "
+        "delivered one as long to refuse a second delivery: "
+        f"{_duration_text(MIN_REPLY_GRACE_SECONDS)} to "
+        f"{_duration_text(MAX_REPLY_GRACE_SECONDS)} "
+        f"(default: {_duration_text(DEFAULT_REPLY_GRACE)})",
+    )
+    serve.add_argument(
+        "--tls-cert", metavar="FILE", help="serve TLS with this certificate, PEM (default: plain TCP)"
+    )
+    serve.add_argument(
+        "--tls-key", metavar="FILE", help="the private key for --tls-cert, PEM (default: none)"
+    )
+    serve.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default="INFO",
+        metavar="LEVEL",
+        help="DEBUG, INFO, WARNING or ERROR, in any case (default: INFO)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jobserver",
@@ -55,101 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    serve = sub.add_parser(
-        "serve",
-        help="run the job server",
-        description=(
-            "Run the job server in the foreground. Jobs are kept in one SQLite "
-            "file; a write is acknowledged only once it is on disk. SIGINT or "
-            "SIGTERM stop it cleanly. Try it with: nc 127.0.0.1 8888"
-        ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8888, help="TCP port (0 picks a free one)")
-    serve.add_argument("--db", default="jobs.db", help="SQLite database file")
-    serve.add_argument(
-        "--synchronous",
-        choices=SYNCHRONOUS_MODES,
-        default="FULL",
-        help=(
-            "SQLite synchronous mode. FULL syncs every commit to disk before "
-            "its reply. NORMAL is faster, but a power loss or OS crash (not a "
-            "server crash) can lose the last acknowledged writes."
-        ),
-    )
-    serve.add_argument(
-        "--max-connections",
-        type=int,
-        default=Config.max_connections,
-        help="connections beyond this are answered '503 Too many connections'",
-    )
-    serve.add_argument(
-        "--allow-remote-query",
-        action="store_true",
-        help="accept the read-only Query command from non-loopback clients",
-    )
-    serve.add_argument(
-        "--query-timeout",
-        type=float,
-        default=Config.query_seconds,
-        help="seconds a Query may run before it is stopped with '555 Timeout'",
-    )
-    serve.add_argument(
-        "--idle-timeout",
-        type=float,
-        default=Config.idle_timeout,
-        help="close a connection that sends no request for this many seconds",
-    )
-    serve.add_argument(
-        "--request-timeout",
-        type=float,
-        default=Config.request_timeout,
-        help="a request must arrive whole within this many seconds of its first "
-        "byte, else '408 Request timeout' and the connection is closed",
-    )
-    serve.add_argument(
-        "--auth-token-file",
-        metavar="FILE",
-        help="require every request to carry the token in this file in an "
-        "'authToken' header; others get '401 Unauthorized'",
-    )
-    serve.add_argument(
-        "--limit",
-        action="append",
-        type=_limit,
-        default=[],
-        metavar="PATTERN=MAX",
-        help="a concurrency limit: jobs whose name matches the GLOB PATTERN may "
-        "together cost at most MAX while running (repeatable; SetLimit changes "
-        "them at run time)",
-    )
-    serve.add_argument(
-        "--keep-finished",
-        type=_duration,
-        default=0.0,
-        metavar="DURATION",
-        help="keep finished jobs, with their final data, this long (0, 90s, 30m, "
-        "12h, 7d); 0 deletes them at once, as Bedrock does",
-    )
-    serve.add_argument(
-        "--keep-failed",
-        type=_duration,
-        default=None,
-        metavar="DURATION",
-        help="delete FAILED jobs this long after they failed; None keeps them",
-    )
-    serve.add_argument(
-        "--reply-grace",
-        type=_duration,
-        default=DEFAULT_REPLY_GRACE,
-        metavar="DURATION",
-        help="keep a reply that comes before its AwaitReply this long (default 1h); "
-        "a delivered reply is remembered as long, to refuse a second delivery",
-    )
-    serve.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this certificate (PEM)")
-    serve.add_argument("--tls-key", metavar="FILE", help="the private key for --tls-cert (PEM)")
-    serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    _add_serve(sub)
     manager = sub.add_parser(
         "worker-manager",
         help="take jobs and run a program for each",
@@ -180,11 +235,59 @@ def _limit(text: str) -> tuple[str, int]:
     return pattern, int(number)
 
 
-def _duration(text: str) -> float:
-    try:
-        return parse_duration(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+def _whole_number(low: int, high: int) -> Callable[[str], int]:
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"must be a whole number from {low} to {high}, not {text!r}"
+            )
+        return value
+
+    return convert
+
+
+def _seconds(high: float) -> Callable[[str], float]:
+    def convert(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        # NaN fails every comparison; infinity fails the upper bound.
+        if not 0 < value <= high:
+            raise argparse.ArgumentTypeError(
+                f"must be a number of seconds above 0 and at most {high:g}, not {text!r}"
+            )
+        return value
+
+    return convert
+
+
+def _duration_between(low: float, high: float) -> Callable[[str], float]:
+    def convert(text: str) -> float:
+        try:
+            value = parse_duration(text)
+        except ValueError:
+            value = math.nan
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"must be a duration from {_duration_text(low)} to {_duration_text(high)} "
+                f"(a number of seconds, or with s, m, h or d: 90s, 30m, 12h, 7d), not {text!r}"
+            )
+        return value
+
+    return convert
+
+
+def _duration_text(seconds: float) -> str:
+    """Seconds as the largest unit that writes them whole: 3600 is 1h."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds and seconds % size == 0:
+            return f"{seconds // size:g}{unit}"
+    return f"{seconds:g}s" if seconds else "0"
 
 
 def _read_token(path: str) -> str:
@@ -197,7 +300,7 @@ def _read_token(path: str) -> str:
 def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         stream=sys.stderr,
-        level=args.log_level.upper(),
+        level=args.log_level,
         format="%(asctime)s jobserver %(levelname)s %(message)s",
     )
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -400,8 +503,8 @@ def _add_client_commands(sub: Any) -> None:
         "Deliver a reply: the job waiting on KEY (AwaitReply) is queued again, due "
         'now, with the reply in its data under "reply". Prints {"jobID": N}; or, if '
         'no job waits on KEY yet, {"expires": "..."}: the reply is kept for the '
-        "grace period for a job to await it. Exits 1 with '404 No job waits on this "
-        "key' if this key's reply was delivered already.",
+        "grace period for a job to await it. Exits 1 with '404 Reply already "
+        "delivered' if this key's reply was delivered (or kept) already.",
     )
     deliver.add_argument("key", metavar="KEY", help="the correlation key")
     deliver.add_argument(
@@ -453,8 +556,9 @@ def _add_create_options(create: argparse.ArgumentParser) -> None:
     create.add_argument(
         "--first-run",
         metavar="WHEN",
-        help="when the job is first due, e.g. '2030-01-01 04:00:00', UTC unless an offset "
-        "is given (default: now)",
+        help="when the job is first due, year first, e.g. '2030-01-01 04:00:00': "
+        "YYYY-MM-DD, YYYY-MM-DD HH:MM or YYYY-MM-DD HH:MM:SS ('T' or a space between), "
+        "in UTC unless it ends in an offset such as +02:00 (default: now)",
     )
     create.add_argument(
         "--repeat",

@@ -14,14 +14,17 @@ from typing import Any
 from . import handout, jsonbody, params, replies
 from .context import Context
 from .errors import CommandError
+from .globmatch import glob_match
 from .handout import (
     PENDING_STATES,
+    RepeatStalled,
+    fail_stalled,
     freed,
     in_window,
     lease_end,
     next_run_from_repeat,
 )
-from .protocol import Request, Response
+from .protocol import Request, Response, escape
 from .store import Job
 
 Handler = Callable[[Context, Request], Response]
@@ -86,9 +89,10 @@ def _create(ctx: Context, request: Request) -> int:
     rule = params.repeat_rule(request)
     policy = params.retry_policy(request)
     flow = params.flow_options(request)
+    _check_cost_fits(ctx, name, flow.cost)
     parent_id = _parent_id(request)
     parent = _parent(ctx, parent_id) if parent_id else None
-    if request.get("unique") == "true":
+    if params.is_true(request.get("unique")):
         existing = ctx.store.find_by_name(name)
         if existing is not None:
             _update_unique(ctx, request, existing, parent_id, data, rule, priority)
@@ -114,6 +118,14 @@ def _create(ctx: Context, request: Request) -> int:
     if state == "QUEUED":
         ctx.scheduled(name, next_run)
     return job_id
+
+
+def _check_cost_fits(ctx: Context, name: str, cost: int) -> None:
+    """A job that costs more than a limit on its name holds can never run."""
+    for pattern, capacity in ctx.store.limits.items():
+        if cost > capacity and glob_match(pattern, name):
+            # Escaped as a header value: a pattern may hold a line break.
+            raise CommandError(f"402 Cost {cost} exceeds limit {escape(pattern)} (max {capacity})")
 
 
 def _parent_id(request: Request) -> int:
@@ -152,7 +164,8 @@ def _update_unique(
         )
     if data is None or data == existing.data:
         return
-    if request.get("overwrite") not in (None, "", "true"):
+    overwrite = params.present(request, "overwrite")
+    if overwrite is not None and not params.is_true(overwrite):
         return
     changes: dict[str, Any] = {"data": ctx.store.json_patch(existing.data, data)}
     if rule is not None:
@@ -193,7 +206,10 @@ def update_job(ctx: Context, request: Request) -> Response:
     check_lease(request, job)
     changes: dict[str, Any] = {"data": data}
     if next_run is None and rule is not None:
-        next_run = next_run_from_repeat(ctx, job, rule)
+        try:
+            next_run = next_run_from_repeat(ctx, job, rule)
+        except RepeatStalled as stalled:
+            raise CommandError(f"402 Malformed repeat: {stalled.reason}") from None
     if next_run is not None:
         changes["nextRun"] = next_run
         # A waiting job's nextRun is its reply deadline: the clock must
@@ -252,7 +268,12 @@ def _finish_or_retry(ctx: Context, request: Request, retry: bool) -> Response:
         return ok()
     if retry:
         changes.update(_renamed(request))
-    next_run = _next_run(ctx, request, job, retry, use_repeat=not asks_delete)
+    try:
+        next_run = _next_run(ctx, request, job, retry, use_repeat=not asks_delete)
+    except RepeatStalled as stalled:
+        # The report is taken; the job would loop, so it ends here.
+        fail_stalled(ctx, job, stalled, **changes)
+        return ok()
     freed(ctx, job)
     if next_run is not None:
         next_run = in_window(job.timeWindows, job.timeZone, next_run)
@@ -332,7 +353,13 @@ def touch_job(ctx: Context, request: Request) -> Response:
     check_lease(request, job)
     if job.state != "RUNQUEUED":
         raise CommandError("405 Can only touch RUNQUEUED jobs")
-    next_run = lease_end(ctx, job)
+    try:
+        next_run = lease_end(ctx, job)
+    except RepeatStalled as stalled:
+        # Returned, not raised, so that the failure stays: a lease that
+        # ends at once would hand the job to another worker right away.
+        fail_stalled(ctx, job, stalled)
+        return Response(f"402 Malformed repeat: {stalled.reason}; the job failed")
     if next_run is None:
         raise CommandError("502 Failed to compute nextRun")
     ctx.store.update(job.jobID, nextRun=next_run)

@@ -358,7 +358,12 @@ def _start(ctx: Context, job: Job) -> str | None:
     if count >= MAX_LEASES:
         _fail(ctx, job, f"out of leases: handed out {MAX_LEASES} times without a report")
         return None
-    next_run = lease_end(ctx, job)
+    try:
+        next_run = lease_end(ctx, job)
+    except RepeatStalled as stalled:
+        # A lease that ends at once would hand the job out again and again.
+        _fail(ctx, job, str(stalled))
+        return None
     if next_run is None:
         # A stored time SQLite cannot read (imported from elsewhere, written
         # by hand) must not block the queue: fail the job, as Bedrock does.
@@ -378,13 +383,32 @@ def _start(ctx: Context, job: Job) -> str | None:
     return lease
 
 
-def _fail(ctx: Context, job: Job, error: str) -> None:
-    ctx.store.update(job.jobID, state="FAILED", lastError=error, ended=ctx.now_s)
+class RepeatStalled(Exception):
+    """A repeat rule gave a next run that is not later than its base (a
+    rule stored before rules were checked, or one whose problem the
+    checks' sample moments did not meet)."""
+
+    def __init__(self, base: str, computed: str) -> None:
+        # As the job's lastError.
+        super().__init__(f"repeat rule did not move forward from {base} (gave {computed})")
+        # As a status line's detail, worded like CreateJob's refusal.
+        self.reason = f"does not move forward from {base} (gives {computed})"
+
+
+def _fail(ctx: Context, job: Job, error: str, **changes: Any) -> None:
+    ctx.store.update(job.jobID, state="FAILED", lastError=error, ended=ctx.now_s, **changes)
+
+
+def fail_stalled(ctx: Context, job: Job, stalled: RepeatStalled, **changes: Any) -> None:
+    """A job whose repeat would run it again for the same base moment is
+    FAILED, not queued: its retry policy would only meet the same rule."""
+    freed(ctx, job)
+    _fail(ctx, job, str(stalled), **changes)
 
 
 def lease_end(ctx: Context, job: Job) -> str | None:
     """now + retryAfter, or the next repeat if that comes first; None when
-    the job's stored times cannot be computed with."""
+    the job's stored times cannot be computed with. Raises RepeatStalled."""
     try:
         end = ctx.store.datetime_after(ctx.now_s, repeat.parse_modifiers(job.retryAfter))
         if end is not None and job.repeat:
@@ -396,7 +420,8 @@ def lease_end(ctx: Context, job: Job) -> str | None:
 
 
 def next_run_from_repeat(ctx: Context, job: Job, rule_text: str) -> str:
-    """When a job with this repeat runs next, counted from its base."""
+    """When a job with this repeat runs next, counted from its base.
+    Raises RepeatStalled when that is not later than the base."""
     rule = repeat.parse_repeat(rule_text)
     scheduled = job.nextRun
     if rule.base == "SCHEDULED" and job.retryAfter:
@@ -415,6 +440,12 @@ def next_run_from_repeat(ctx: Context, job: Job, rule_text: str) -> str:
     computed = ctx.store.datetime_after(base, rule.modifiers)
     if computed is None:
         raise CommandError("502 Failed to compute nextRun")
+    # A job must never run twice for one base. Compared as SQLite writes
+    # both (a base from the data may be written otherwise), text order is
+    # time order.
+    base = ctx.store.datetime_after(base, ()) or base
+    if computed <= base:
+        raise RepeatStalled(base, computed)
     if rule.base == "SCHEDULED" and rule.only_offsets:
         try:
             last = times.parse_stored(scheduled)

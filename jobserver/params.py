@@ -90,12 +90,22 @@ def parse_job_id(text: str, name: str = "jobID") -> int:
 
 def job_ids(params: Params, name: str = "jobIDs") -> list[int]:
     text = require(params, name)
-    return [parse_job_id(part.strip(), name) for part in text.split(",") if part.strip()]
+    ids = [parse_job_id(part.strip(), name) for part in text.split(",") if part.strip()]
+    if not ids:
+        # `,,` names no job: a client bug, not a request to do nothing.
+        raise CommandError(f"402 Malformed {name}")
+    return ids
+
+
+# Unicode's control characters (category Cc): C0, DEL and C1.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def name(params: Params) -> str:
+    """A job's name: 1 to 255 bytes of UTF-8 without control characters,
+    which logs, terminals and worker file names cannot show or hold."""
     value = require(params, "name")
-    if len(value.encode("utf-8")) > MAX_NAME:
+    if len(value.encode("utf-8")) > MAX_NAME or _CONTROL.search(value):
         raise CommandError("402 Malformed name")
     return value
 
@@ -155,9 +165,12 @@ def repeat_rule(params: Params) -> str | None:
     if value is None or value.strip() == "":
         return None
     try:
-        repeat.parse_repeat(value)
-    except repeat.MalformedRepeat:
-        raise CommandError("402 Malformed repeat") from None
+        repeat.check_moves_forward(repeat.parse_repeat(value))
+    except repeat.MalformedRepeat as error:
+        # A syntax error keeps Bedrock's bare status line; a rule that
+        # parses but cannot be used says why.
+        detail = f": {error.reason}" if error.reason else ""
+        raise CommandError(f"402 Malformed repeat{detail}") from None
     return value.strip().upper()
 
 

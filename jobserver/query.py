@@ -37,7 +37,8 @@ def run(path: str, request: Request, seconds: float = DEFAULT_SECONDS) -> Respon
     if not sql or len(sql) > MAX_QUERY:
         return Response("402 Missing query")
     if not sql.endswith(";"):
-        return Response("502 Query Missing Semicolon")
+        # Bedrock's words, but a client's mistake: 4xx, not to be retried.
+        return Response("402 Query Missing Semicolon")
     try:
         headers, rows = read_only_query(path, sql, seconds, MAX_ROWS)
     except QueryTimeout:

@@ -94,7 +94,7 @@ def deliver_reply(ctx: Context, request: Request) -> Response:
         return Response("200 OK", b'{"jobID":%d}' % job.jobID)
     if ctx.store.reply(key, ctx.now_ms) is not None:
         # Delivered already (to a job, or kept early): exactly one delivery.
-        raise CommandError("404 No job waits on this key")
+        raise CommandError("404 Reply already delivered")
     ctx.store.keep_reply(key, reply, ctx.now_ms, expires, 0)
     return Response("202 Reply kept", jsonbody.encode({"expires": expires}))
 

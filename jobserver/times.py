@@ -9,14 +9,24 @@ time, "is this job due" is a text comparison SQLite can answer from an index.
 from __future__ import annotations
 
 import re
-from datetime import datetime, timezone, tzinfo
-
-from dateutil import parser as dateparser
-from dateutil import tz
+from datetime import datetime, timedelta, timezone
 
 SECONDS_FORMAT = "%Y-%m-%d %H:%M:%S"
 
-_DEFAULTS = (datetime(2000, 1, 1), datetime(2001, 2, 2))
+# The times clients send: year first, so that no reader can take the day
+# for the month. `YYYY-MM-DD`, then optionally `T` or a space and
+# `HH[:MM[:SS[.fraction]]]`, then optionally a zone: `Z`, `UTC`, `GMT`,
+# `UT` or a numeric offset (`+02:00`, `+0200`, `-08`), after an optional
+# space. Names other than UTC's (`PST`) are refused: abbreviations mean
+# different zones in different places.
+_USER_TIME = re.compile(
+    r"(?P<year>[0-9]{4})-(?P<month>[0-9]{2})-(?P<day>[0-9]{2})"
+    r"(?:[T ](?P<hour>[0-9]{2})(?::(?P<minute>[0-9]{2})"
+    r"(?::(?P<second>[0-9]{2})(?:\.[0-9]+)?)?)?"
+    r"(?: ?(?:Z|UTC|GMT|UT"
+    r"|(?P<sign>[+-])(?P<offset_hours>[0-9]{2})(?::?(?P<offset_minutes>[0-9]{2}))?))?)?",
+    re.IGNORECASE,
+)
 
 
 def utcnow() -> datetime:
@@ -41,42 +51,41 @@ def parse_stored(text: str) -> datetime:
     return datetime.fromisoformat(text).replace(tzinfo=timezone.utc)
 
 
-def _zone(name: str | None, offset: int | None) -> tzinfo:
-    """Time zone names in a time: UTC and its aliases only. An abbreviation
-    such as `PST` means different zones in different places, so a time that
-    uses one is refused rather than silently read as UTC."""
-    if offset is not None:
-        return tz.tzoffset(name, offset)
-    if name is None or name.upper() in ("UTC", "GMT", "Z", "UT"):
-        return timezone.utc
-    raise ValueError(f"unknown time zone {name!r}")
-
-
 def parse_user_time(text: str) -> str:
-    """Parse a time a person wrote (`2026-12-01`, `2026-12-01 08:00`,
+    """Parse a time a client sent (`2026-12-01`, `2026-12-01 08:00`,
     `2026-12-01T08:00:00+02:00`, ...) into stored UTC text.
 
-    A time without an offset is taken as UTC, as Bedrock's are. Raises
-    ValueError when the text is not a time.
+    A time without a zone is UTC, as Bedrock's are; fractions of a second
+    are dropped. Raises ValueError when the text is not such a time.
     """
-    if not any(ch.isdigit() for ch in text):
-        raise ValueError(f"not a time: {text!r}")
+    found = _USER_TIME.fullmatch(text.strip())
+    if found is None:
+        raise ValueError(f"not a time (YYYY-MM-DD[ HH:MM[:SS]][+HH:MM]): {text!r}")
+    # The groups that matched, as numbers (the sign stays text).
+    number = {k: int(v) for k, v in found.groupdict().items() if v and k != "sign"}
     try:
-        moment = dateparser.parse(text, default=_DEFAULTS[0], tzinfos=_zone)
-        # dateutil fills missing fields from its default: text that names no
-        # full date ("5", "2026") parses differently with another default,
-        # and is refused rather than read as some day this month.
-        if moment != dateparser.parse(text, default=_DEFAULTS[1], tzinfos=_zone):
-            raise ValueError(f"not a complete date: {text!r}")
-        if moment.tzinfo is None:
-            moment = moment.replace(tzinfo=timezone.utc)
+        moment = datetime(
+            number["year"], number["month"], number["day"],
+            number.get("hour", 0), number.get("minute", 0), number.get("second", 0),
+            tzinfo=_zone(found, number),
+        )
         stored = to_seconds(moment)
     except (ValueError, OverflowError) as error:
-        raise ValueError(str(error)) from error
+        raise ValueError(f"not a time: {text!r} ({error})") from error
     # strftime does not pad years below 1000, and such text would not sort.
     if len(stored) != 19:
         raise ValueError(f"year out of range: {text!r}")
     return stored
+
+
+def _zone(found: re.Match[str], number: dict[str, int]) -> timezone:
+    if found["sign"] is None:
+        return timezone.utc
+    hours, minutes = number["offset_hours"], number.get("offset_minutes", 0)
+    if hours > 23 or minutes > 59:
+        raise ValueError(f"not an offset: {found['sign']}{hours:02d}:{minutes:02d}")
+    offset = timedelta(hours=hours, minutes=minutes)
+    return timezone(-offset if found["sign"] == "-" else offset)
 
 
 _DURATION = re.compile(r"([0-9]{1,9})([smhd]?)")

@@ -376,8 +376,8 @@ def raised(action: Callable[[], Any]) -> JobServerError:
     (lambda c: c.finish_job(c.create_job("q")), IllegalState,
      "405 Can only retry/finish RUNNING and RUNQUEUED jobs"),
     (lambda c: c.request("Bogus", {}), UnrecognizedCommand, "430 Unrecognized command"),
-    (lambda c: c.request("Query", {"query": "SELECT 1"}), ServerError,
-     "502 Query Missing Semicolon"),
+    (lambda c: c.request("Query", {"query": "SELECT 1"}), InvalidRequest,
+     "402 Query Missing Semicolon"),
     (lambda c: c.request("Query", {"query": "WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL "
                                    "SELECT x + 1 FROM n LIMIT 10001) SELECT x FROM n;"}),
      JobServerError, "413 Query returned more than 10000 rows"),

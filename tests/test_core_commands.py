@@ -254,13 +254,14 @@ def test_header_names_are_case_insensitive(client):
 def test_header_values_are_backslash_unescaped(client):
     # The client doubles JSON's backslashes; the server undoes one level.
     client.send(
-        b"CreateJob\r\nname: tab\\there\r\n"
+        # (A name may not hold a control character such as a tab.)
+        b"CreateJob\r\nname: back\\\\slash caf\\u00e9\r\n"
         b'data: {"q":"say \\\\"hi\\\\"","nl":"a\\\\nb","u":"\\\\u00e9"}\r\n\r\n'
     )
     reply = client.read_reply()
     assert reply.status == "200 OK", reply
     job = query(client, reply.json["jobID"])
-    assert job["name"] == "tab\there"
+    assert job["name"] == "back\\slash caf\u00e9"
     assert job["data"] == {"q": 'say "hi"', "nl": "a\nb", "u": "é"}
 
 
@@ -567,7 +568,10 @@ def test_finish_job_data_delete_false_keeps_a_repeating_job(client):
 
 
 def test_repeating_job_runs_again_with_the_data_it_finished_with(client):
-    job_id = create(client, "again", repeat="FINISHED, -1 MINUTE", data={"step": 1})
+    # Scheduled two days ago, daily: its next run has passed, so it is due at once.
+    two_days_ago = stamp(now() - timedelta(days=2))
+    job_id = create(client, "again", repeat="SCHEDULED, +1 DAY", firstRun=two_days_ago,
+                    data={"step": 1})
     get_job(client, "again")
     client.request("FinishJob", jobID=job_id, data={"step": 2})
     job = get_job(client, "again")

@@ -123,7 +123,7 @@ def test_a_reply_before_its_await_is_kept_and_taken_at_once(server, client):
     assert replies(client) == {"waiting": 0, "early": 0}
     # Claimed: a second delivery is refused.
     assert client.request("DeliverReply", key="fast", data={}).status == (
-        "404 No job waits on this key"
+        "404 Reply already delivered"
     )
 
 
@@ -177,12 +177,22 @@ def test_an_unclaimed_early_reply_expires_after_the_grace_period(tmp_path):
 # Exactly one delivery, one waiter per key.
 
 
+def test_a_second_delivery_of_a_kept_reply_says_it_was_delivered(server, client):
+    assert client.request("DeliverReply", key="early", data={"n": 1}).status == "202 Reply kept"
+    assert client.request("DeliverReply", key="early", data={"n": 2}).status == (
+        "404 Reply already delivered"
+    )
+    job_id = running_job(client)
+    ok(client.request("AwaitReply", jobID=job_id, key="early"))
+    assert query(client, job_id)["data"] == {"reply": {"n": 1}}
+
+
 def test_a_second_delivery_changes_nothing(server, client):
     job_id = running_job(client)
     ok(client.request("AwaitReply", jobID=job_id, key="once"))
     ok(client.request("DeliverReply", key="once", data={"n": 1}))
     assert client.request("DeliverReply", key="once", data={"n": 2}).status == (
-        "404 No job waits on this key"
+        "404 Reply already delivered"
     )
     assert query(client, job_id)["data"] == {"reply": {"n": 1}}
     assert replies(client) == {"waiting": 0, "early": 0}
@@ -347,7 +357,7 @@ def test_the_cli_delivers_a_reply(server, client):
     ok(client.request("AwaitReply", jobID=job_id, key="cli-key"))
     assert cli.ok("deliver", "cli-key", "--data", '{"via": "cli"}') == {"jobID": job_id}
     assert query(client, job_id)["data"] == {"reply": {"via": "cli"}}
-    cli.refused("404 No job waits on this key", 1, "deliver", "cli-key", "--data", "{}")
+    cli.refused("404 Reply already delivered", 1, "deliver", "cli-key", "--data", "{}")
 
 
 def test_a_managed_worker_awaits_and_a_second_run_gets_the_reply(

@@ -70,8 +70,36 @@ def test_query_on_the_method_line(client):
 
 
 def test_query_needs_a_semicolon_and_some_sql(client):
-    assert client.request("Query", query="SELECT 1").status == "502 Query Missing Semicolon"
+    # A client's mistake: 4xx, so that nobody retries it unchanged.
+    assert client.request("Query", query="SELECT 1").status == "402 Query Missing Semicolon"
     assert client.request("Query").status == "402 Missing query"
+
+
+def test_a_query_without_a_semicolon_on_the_method_line_is_402_too(client):
+    client.send(b"Query: SELECT 1\r\n\r\n")
+    assert client.read_reply().status == "402 Query Missing Semicolon"
+    assert client.request("Ping").status == "200 OK"
+
+
+def test_bad_query_reply_is_byte_for_byte_the_protocol_example(server):
+    # protocol.md section 2: no `Connection: close`; the connection stays open.
+    expected = (
+        b"402 Bad query\r\n"
+        b"error: no such table: nosuch\r\n"
+        b"Content-Length: 21\r\n"
+        b"\r\n"
+        b"no such table: nosuch"
+    )
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"Query: SELECT * FROM nosuch;\r\n\r\n")
+        received = b""
+        while len(received) < len(expected):
+            chunk = sock.recv(65536)
+            assert chunk, received
+            received += chunk
+        assert received == expected
+        sock.sendall(b"Ping\r\n\r\n")
+        assert sock.recv(65536) == b"200 OK\r\nContent-Length: 0\r\n\r\n"
 
 
 def test_bad_sql_says_why(client):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import warnings
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -93,17 +92,92 @@ def test_iso_time_with_any_offset_is_stored_as_utc(moment: datetime, offset: tim
     assert parse_user_time(written) == to_seconds(moment)
 
 
+# protocol.md 4.3, written out again: year first, two-digit fields.
+DOCUMENTED = re.compile(
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+    r"([Tt ][0-9]{2}(:[0-9]{2}(:[0-9]{2}(\.[0-9]+)?)?)?"
+    r"( ?([Zz]|[Uu][Tt][Cc]?|[Gg][Mm][Tt]|[+-][0-9]{2}(:?[0-9]{2})?))?)?"
+)
+
+
 @FAST
-@given(st.text(max_size=30))
-def test_any_text_is_a_stored_time_or_a_value_error(text: str) -> None:
-    with warnings.catch_warnings():
-        # dateutil warns about time zone names it does not know.
-        warnings.simplefilter("ignore")
-        try:
-            stored = parse_user_time(text)
-        except ValueError:
-            return
+@given(st.text(max_size=30) | st.from_regex(DOCUMENTED, fullmatch=True))
+def test_any_text_is_a_documented_time_or_a_value_error(text: str) -> None:
+    try:
+        stored = parse_user_time(text)
+    except ValueError:
+        return
+    assert DOCUMENTED.fullmatch(text.strip()), text
     assert SECONDS_TEXT.fullmatch(stored)
+
+
+@st.composite
+def written_times(draw: st.DrawFn) -> tuple[str, datetime]:
+    """A time in one of the documented forms, and the moment it names."""
+    moment = draw(_MOMENTS).replace(tzinfo=None)
+    precision = draw(st.sampled_from(["date", "hour", "minute", "second", "fraction"]))
+    keep = {"date": 0, "hour": 1, "minute": 2, "second": 3, "fraction": 3}[precision]
+    fields = [moment.hour, moment.minute, moment.second][:keep]
+    # Fields left out are zero; a fraction is dropped.
+    moment = datetime(moment.year, moment.month, moment.day, *fields)
+    text = f"{moment.year:04d}-{moment.month:02d}-{moment.day:02d}"
+    if precision == "date":
+        return text, moment.replace(tzinfo=timezone.utc)
+    text += draw(st.sampled_from(["T", "t", " "])) + ":".join(f"{f:02d}" for f in fields)
+    if precision == "fraction":
+        text += "." + draw(st.from_regex(r"[0-9]{1,9}", fullmatch=True))
+    zone = draw(st.sampled_from(["none", "name", "offset"]))
+    gap = draw(st.sampled_from(["", " "]))
+    if zone == "name":
+        text += gap + draw(st.sampled_from(["Z", "z", "UTC", "utc", "GMT", "UT"]))
+    if zone != "offset":
+        return text, moment.replace(tzinfo=timezone.utc)
+    minutes = draw(st.integers(-(23 * 60 + 59), 23 * 60 + 59))
+    if draw(st.booleans()):
+        minutes -= minutes % 60 if minutes >= 0 else -(-minutes % 60)
+    sign, size = ("-" if minutes < 0 else "+"), abs(minutes)
+    hours_text, minutes_text = f"{size // 60:02d}", f"{size % 60:02d}"
+    if size % 60 == 0 and draw(st.booleans()):
+        text += f"{gap}{sign}{hours_text}"
+    else:
+        text += f"{gap}{sign}{hours_text}{draw(st.sampled_from([':', '']))}{minutes_text}"
+    return text, moment.replace(tzinfo=timezone(timedelta(minutes=minutes)))
+
+
+@FAST
+@given(written_times())
+def test_every_documented_form_is_read(written: tuple[str, datetime]) -> None:
+    text, moment = written
+    assert parse_user_time(text) == to_seconds(moment)
+
+
+@FAST
+@given(st.dates(min_value=datetime(1000, 1, 1).date(), max_value=datetime(9999, 12, 31).date()))
+def test_dates_written_other_than_year_first_are_refused(day) -> None:
+    y, m, d = day.year, day.month, day.day
+    for text in (
+        f"{m}/{d}/{y}", f"{d}/{m}/{y}", f"{m:02d}/{d:02d}/{y}", f"{d:02d}.{m:02d}.{y}",
+        f"{d:02d}-{m:02d}-{y}", f"{y}/{m:02d}/{d:02d}", f"{y}{m:02d}{d:02d}",
+        day.strftime("%b %d %Y"), day.strftime("%d %B %Y"), day.strftime("%B %d, %Y 10:00"),
+    ):
+        with pytest.raises(ValueError):
+            parse_user_time(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "1/2/2030", "2/1/2030", "Jan 2 2030", "2030/01/02", "2030-1-2", "2030-01-2",
+        "2030-01-02 1:00", "2030-01-02 10:0", "2030-01-02 10:00:0", "2030-01-02  10:00",
+        "2030-01-02 10:00 PST", "2030-01-02 10:00 CET", "2030-01-02 10:00+2",
+        "2030-01-02 10:00+02:00:00", "2030-01-02 10:00 +24:00", "2030-01-02 10:00+02:60",
+        "2030-01-02Z", "2030-01-02 10:00:60", "2030-01-02 24:00", "\u0662030-01-02",
+        "\uff12030-01-02", "2030-01-02 10:00:00.", "2030-01-02T",
+    ],
+)
+def test_ambiguous_or_incomplete_forms_are_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_user_time(text.encode().decode("unicode_escape"))
 
 
 def test_formats() -> None:

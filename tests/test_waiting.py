@@ -110,7 +110,9 @@ def test_waiting_get_job_is_woken_by_update_job_making_a_job_due(server, client)
 
 
 def test_waiting_get_job_is_woken_by_finish_job_requeueing_a_due_repeat(server, client):
-    job_id = create(client, "again", repeat="FINISHED, -1 MINUTE")
+    # Scheduled two days ago, daily: its next run has passed, so it is due at once.
+    two_days_ago = (datetime.now(timezone.utc) - timedelta(days=2)).strftime("%Y-%m-%d %H:%M:%S")
+    job_id = create(client, "again", repeat="SCHEDULED, +1 DAY", firstRun=two_days_ago)
     assert handed(client.request("GetJob", name="again")) == job_id
     with start_waiting(server, "again") as worker:
         assert client.request("FinishJob", jobID=job_id).status == "200 OK"

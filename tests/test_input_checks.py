@@ -1,0 +1,243 @@
+"""Checks on what clients send: flags, job names, times, costs, jobID lists.
+
+Each is proved over the wire against a real server; the name rule is also
+checked as a grammar with hypothesis (times in tests/test_times.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import unicodedata
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import ThreadServer
+from jobserver import params
+from jobserver.errors import CommandError
+from jobserver.protocol import Request
+from wire import Client
+
+FAST = settings(max_examples=300, deadline=None)
+
+
+def create(client: Client, name: str = "job", **fields: Any) -> int:
+    reply = client.request("CreateJob", name=name, **fields)
+    assert reply.status == "200 OK", reply
+    return reply.json["jobID"]
+
+
+def running(client: Client, name: str) -> int:
+    job_id = create(client, name)
+    reply = client.request("GetJob", name=name)
+    assert reply.status == "200 OK", reply
+    return job_id
+
+
+def names(client: Client) -> list[str]:
+    reply = client.request("Query", query="SELECT name FROM jobs ORDER BY jobID;", format="json")
+    return [row[0] for row in reply.json["rows"]]
+
+
+# unique: a flag like the others.
+
+
+@pytest.mark.parametrize("flag", ["true", "True", "TRUE", " tRuE ", "1", "-3"])
+def test_unique_is_read_like_every_other_flag(client, flag):
+    first = create(client, "one", data={"a": 1})
+    assert create(client, "one", data={"b": 2}, unique=flag) == first
+    reply = client.request(
+        "CreateJobs", jobs=[{"name": "one", "unique": flag.strip()}, {"name": "one", "unique": True}]
+    )
+    assert reply.json == {"jobIDs": [first, first]}
+    assert names(client) == ["one"]
+
+
+@pytest.mark.parametrize("flag", ["false", "no", "0", "yes"])
+def test_unique_false_creates_another_job(client, flag):
+    first = create(client, "one")
+    assert create(client, "one", unique=flag) != first
+
+
+@pytest.mark.parametrize(("overwrite", "kept"), [("TRUE", False), ("1", False), ("false", True)])
+def test_overwrite_is_read_like_every_other_flag(client, overwrite, kept):
+    job_id = create(client, "one", data={"a": 1})
+    assert create(client, "one", data={"b": 2}, unique="True", overwrite=overwrite) == job_id
+    data = client.request("QueryJob", jobID=job_id).json["data"]
+    assert data == ({"a": 1} if kept else {"a": 1, "b": 2})
+
+
+# Job names: no control characters.
+
+CONTROL = ["\x00", "\x01", "\t", "\n", "\r", "\x1b", "\x1f", "\x7f", "\x80", "\x85", "\x9f"]
+
+
+def escaped(text: str) -> str:
+    """A header value that unescapes to `text` (protocol.md 1.3)."""
+    return "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in text.replace("\\", "\\\\"))
+
+
+@pytest.mark.parametrize("char", CONTROL)
+def test_create_job_refuses_a_name_with_a_control_character(client, char):
+    reply = client.request("CreateJob", name=escaped(f"job{char}x"))
+    assert reply.status == "402 Malformed name"
+    reply = client.request("CreateJobs", jobs=[{"name": "fine"}, {"name": f"job{char}x"}])
+    assert reply.status == "402 Malformed name"
+    assert names(client) == []
+
+
+@pytest.mark.parametrize("char", CONTROL)
+def test_renames_refuse_a_name_with_a_control_character(client, char):
+    job_id = running(client, "job")
+    reply = client.request("RetryJob", jobID=job_id, name=escaped(f"new{char}"))
+    assert reply.status == "402 Malformed name"
+    reply = client.request("RequeueJobs", jobIDs=job_id, name=escaped(f"new{char}"))
+    assert reply.status == "402 Malformed name"
+    assert names(client) == ["job"]
+    assert client.request("QueryJob", jobID=job_id).json["state"] == "RUNNING"
+
+
+def test_names_with_other_unusual_characters_are_fine(client):
+    for name in ["caf\u00e9", "a\u00a0b", "\u200bzero-width", "emoji \U0001f600", "a\\b"]:
+        job_id = create(client, escaped(name))
+        assert client.request("QueryJob", jobID=job_id).json["name"] == name
+
+
+@FAST
+@given(st.text(min_size=1, max_size=40))
+def test_a_name_is_refused_exactly_when_it_holds_a_control_character(text):
+    request = Request(method_line="CreateJob", headers={"name": text})
+    has_control = any(unicodedata.category(c) == "Cc" for c in text)
+    try:
+        assert params.name(request) == text
+    except CommandError as error:
+        assert error.status == "402 Malformed name"
+        assert has_control
+    else:
+        assert not has_control
+
+
+# Times: unambiguous year-first forms only.
+
+AMBIGUOUS = [
+    "1/2/2030", "2/1/2030", "01/02/2030", "Jan 2 2030", "2 Jan 2030", "2030/01/02",
+    "02-01-2030", "2030-1-2", "20300102", "2030-01-02 10:00 PST", "2030-01-02 10h",
+    "January 2, 2030 10:00",
+]
+
+
+@pytest.mark.parametrize("text", AMBIGUOUS)
+def test_times_in_other_forms_are_refused(client, text):
+    reply = client.request("CreateJob", name="t", firstRun=text)
+    assert reply.status == "402 Malformed firstRun"
+    job_id = create(client, "t")
+    reply = client.request("UpdateJob", jobID=job_id, data={}, nextRun=text)
+    assert reply.status == "402 Malformed nextRun"
+    client.request("GetJob", name="t")
+    reply = client.request("RetryJob", jobID=job_id, nextRun=text)
+    assert reply.status == "402 Malformed nextRun"
+
+
+@pytest.mark.parametrize(
+    ("text", "stored"),
+    [
+        ("2030-01-02", "2030-01-02 00:00:00"),
+        ("2030-01-02 03:04", "2030-01-02 03:04:00"),
+        ("2030-01-02T03:04:05.678Z", "2030-01-02 03:04:05"),
+        ("2030-01-02 03:04:05 UTC", "2030-01-02 03:04:05"),
+        ("2030-01-02 03:04:05+0200", "2030-01-02 01:04:05"),
+        ("2030-01-02T03:04:05-08", "2030-01-02 11:04:05"),
+    ],
+)
+def test_year_first_times_are_read(client, text, stored):
+    job_id = create(client, "t", firstRun=text)
+    assert client.request("QueryJob", jobID=job_id).json["nextRun"] == stored
+
+
+def jobserver(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    return subprocess.run(
+        [sys.executable, "-m", "jobserver", *args], capture_output=True, text=True,
+        timeout=30, env=env,
+    )
+
+
+def test_the_cli_passes_first_run_to_the_server_which_refuses_month_first(server, client):
+    done = jobserver("create", "x", "--first-run", "1/2/2030", "--server", f"127.0.0.1:{server.port}")
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", "402 Malformed firstRun\n")
+    assert names(client) == []
+
+
+def test_the_cli_says_which_first_run_forms_it_takes():
+    help_text = " ".join(jobserver("create", "--help").stdout.split())
+    assert "YYYY-MM-DD" in help_text
+    assert "YYYY-MM-DD HH:MM:SS" in help_text
+
+
+# Costs: a job that can never fit under a limit on its name.
+
+
+@pytest.fixture
+def limited(tmp_path: Path):
+    running_server = ThreadServer(tmp_path / "jobs.db", limits={"email/*": 4})
+    with running_server.client() as c:
+        yield c
+    running_server.stop()
+
+
+def test_a_cost_above_a_matching_limit_is_refused(limited):
+    reply = limited.request("CreateJob", name="email/bulk", cost=5)
+    assert reply.status == "402 Cost 5 exceeds limit email/* (max 4)"
+    reply = limited.request("CreateJobs", jobs=[{"name": "email/a"}, {"name": "email/b", "cost": 9}])
+    assert reply.status == "402 Cost 9 exceeds limit email/* (max 4)"
+    assert names(limited) == []
+    # At the capacity, or under no limit, a cost is fine.
+    create(limited, "email/bulk", cost=4)
+    create(limited, "sms/bulk", cost=5)
+
+
+def test_a_limit_set_at_run_time_counts_too(limited):
+    assert limited.request("SetLimit", name="sms/*", max=2).status == "200 OK"
+    reply = limited.request("CreateJob", name="sms/x", cost=3)
+    assert reply.status == "402 Cost 3 exceeds limit sms/* (max 2)"
+    assert limited.request("SetLimit", name="sms/*", max=0).status == "200 OK"
+    create(limited, "sms/x", cost=3)
+
+
+def test_a_pattern_with_a_line_break_is_escaped_in_the_status_line(limited):
+    # The pattern holds a line break in a character class.
+    assert limited.request("SetLimit", name="a[\\nb]*", max=1).status == "200 OK"
+    reply = limited.request("CreateJob", name="abc", cost=2)
+    assert reply.status == "402 Cost 2 exceeds limit a[\\nb]* (max 1)"
+    assert limited.request("Ping").status == "200 OK"
+
+
+def test_a_limit_lowered_below_a_queued_jobs_cost_holds_it_back(limited):
+    # protocol.md 14.7: SetLimit is not refused; the job waits, QUEUED,
+    # until the limit is raised or removed.
+    job_id = create(limited, "email/bulk", cost=4)
+    assert limited.request("SetLimit", name="email/*", max=3).status == "200 OK"
+    assert limited.request("GetJob", name="email/*").status == "404 No job found"
+    assert limited.request("QueryJob", jobID=job_id).json["state"] == "QUEUED"
+    assert limited.request("SetLimit", name="email/*", max=4).status == "200 OK"
+    assert limited.request("GetJob", name="email/*").json["jobID"] == job_id
+
+
+# RequeueJobs: a list that names no job.
+
+
+@pytest.mark.parametrize("ids", [",,", ",", " , , "])
+def test_requeue_jobs_with_no_ids_is_malformed(client, ids):
+    reply = client.request("RequeueJobs", jobIDs=ids)
+    assert reply.status == "402 Malformed jobIDs"
+
+
+def test_requeue_jobs_skips_empty_items_between_ids(client):
+    job_id = running(client, "job")
+    assert client.request("RequeueJobs", jobIDs=f",{job_id},,").status == "200 OK"
+    assert client.request("QueryJob", jobID=job_id).json["state"] == "QUEUED"

@@ -1,0 +1,113 @@
+"""`jobserver serve` checks every option's range before it opens anything.
+
+Each case runs the real command; a value out of range ends it with exit
+status 2 and argparse's message on stderr, before it creates the database
+or listens.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RUN_TIMEOUT = 30.0
+
+
+def serve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "jobserver", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
+
+
+OUT_OF_RANGE = [
+    ("--port", "70000", "must be a whole number from 0 to 65535"),
+    ("--port", "-1", "must be a whole number from 0 to 65535"),
+    ("--port", "http", "must be a whole number from 0 to 65535"),
+    ("--max-connections", "0", "must be a whole number from 1 to 1000000"),
+    ("--max-connections", "1000001", "must be a whole number from 1 to 1000000"),
+    ("--idle-timeout", "0", "must be a number of seconds above 0 and at most 86400"),
+    ("--idle-timeout", "inf", "must be a number of seconds above 0 and at most 86400"),
+    ("--idle-timeout", "86401", "must be a number of seconds above 0 and at most 86400"),
+    ("--request-timeout", "-5", "must be a number of seconds above 0 and at most 3600"),
+    ("--request-timeout", "nan", "must be a number of seconds above 0 and at most 3600"),
+    ("--request-timeout", "3601", "must be a number of seconds above 0 and at most 3600"),
+    ("--query-timeout", "-1", "must be a number of seconds above 0 and at most 3600"),
+    ("--query-timeout", "0", "must be a number of seconds above 0 and at most 3600"),
+    ("--query-timeout", "1e9", "must be a number of seconds above 0 and at most 3600"),
+    ("--keep-finished", "3651d", "must be a duration from 0 to 3650d"),
+    ("--keep-finished", "-1", "must be a duration from 0 to 3650d"),
+    ("--keep-finished", "3w", "must be a duration from 0 to 3650d"),
+    ("--keep-failed", "999999999d", "must be a duration from 0 to 3650d"),
+    ("--reply-grace", "0", "must be a duration from 1s to 30d"),
+    ("--reply-grace", "31d", "must be a duration from 1s to 30d"),
+    ("--limit", "email/*=0", "not PATTERN=MAX with MAX >= 1"),
+    ("--limit", "email/*", "not PATTERN=MAX with MAX >= 1"),
+    ("--log-level", "verbose", "invalid choice"),
+    ("--synchronous", "OFF", "invalid choice"),
+]
+
+
+@pytest.mark.parametrize(("option", "value", "message"), OUT_OF_RANGE)
+def test_an_option_out_of_range_exits_2_before_starting(tmp_path, option, value, message):
+    db = tmp_path / "jobs.db"
+    done = serve("--port", "0", "--db", str(db), f"{option}={value}")
+    assert done.returncode == 2, done
+    assert f"argument {option}: {message}" in done.stderr, done.stderr
+    assert done.stdout == ""
+    assert "listening" not in done.stderr and "Traceback" not in done.stderr
+    assert not db.exists()
+
+
+def test_values_at_the_edges_of_the_ranges_are_served(spawn):
+    proc = spawn(
+        "--max-connections", "1000000",
+        "--idle-timeout", "86400",
+        "--request-timeout", "0.5",
+        "--query-timeout", "3600",
+        "--keep-finished", "3650d",
+        "--keep-failed", "0",
+        "--reply-grace", "1s",
+        "--log-level", "debug",
+    )
+    with proc.client() as client:
+        assert client.request("Ping").status == "200 OK"
+
+
+def test_help_shows_one_sensible_default_for_every_option():
+    done = subprocess.run(
+        [sys.executable, "-m", "jobserver", "serve", "--help"],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT,
+    )
+    assert done.returncode == 0, done
+    # Each option's entry starts on a line of its own, indented by two.
+    entries = re.split(r"\n  (?=-)", done.stdout.split("options:", 1)[1])
+    options = [" ".join(entry.split()) for entry in entries if entry.startswith("--")]
+    assert len(options) >= 16
+    for entry in options:
+        assert entry.count("(default:") == 1, entry
+        for odd in ("None", "False", "[]", "3600.0"):
+            assert odd not in entry, entry
+    assert any("--keep-failed" in e and "(default: kept until deleted" in e for e in options)
+    assert any("--reply-grace" in e and "(default: 1h)" in e for e in options)
+
+
+def test_every_serve_option_is_in_the_readme_table_with_its_range():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    table = readme.split("## `jobserver serve`", 1)[1].split("\n\n", 2)[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "jobserver", "serve", "--help"],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT,
+    )
+    assert table.startswith("| option | default | range | |")
+    for option in sorted(set(re.findall(r"--[a-z][a-z-]+", done.stdout)) - {"--help"}):
+        rows = [line for line in table.splitlines() if line.startswith("|") and f"`{option}" in line]
+        assert len(rows) == 1, option
+        cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
+        assert len(cells) == 4 and cells[1] and cells[2], rows[0]
