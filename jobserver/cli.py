@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import ssl
 import sys
@@ -33,6 +32,8 @@ from .options import (
     AUTH_TOKEN_HELP,
     MAX_JOB_ID,
     add_tls_arguments,
+    duration,
+    duration_text,
     job_id,
     number,
     server_address,
@@ -40,7 +41,6 @@ from .options import (
 )
 from .server import Config, Server
 from .store import DEFAULT_REPLY_GRACE, SYNCHRONOUS_MODES, StoreError
-from .times import parse_duration
 
 log = logging.getLogger("jobserver")
 
@@ -79,7 +79,7 @@ def _add_serve(sub: Any) -> None:
     )
     serve.add_argument(
         "--port",
-        type=_whole_number(0, MAX_PORT),
+        type=number(int, 0, MAX_PORT),
         default=8888,
         help=f"TCP port, 0 to {MAX_PORT}; 0 picks a free one (default: 8888)",
     )
@@ -98,7 +98,7 @@ def _add_serve(sub: Any) -> None:
     )
     serve.add_argument(
         "--max-connections",
-        type=_whole_number(1, MAX_CONNECTIONS),
+        type=number(int, 1, MAX_CONNECTIONS),
         default=Config.max_connections,
         metavar="N",
         help=f"connections beyond this, 1 to {MAX_CONNECTIONS:,}, are answered "
@@ -111,7 +111,7 @@ def _add_serve(sub: Any) -> None:
     )
     serve.add_argument(
         "--query-timeout",
-        type=_seconds(MAX_QUERY_SECONDS),
+        type=number(float, 0, MAX_QUERY_SECONDS, above=True, unit="seconds"),
         default=Config.query_seconds,
         metavar="SECONDS",
         help=f"a Query running longer, above 0 and at most {MAX_QUERY_SECONDS:g}, is "
@@ -119,7 +119,7 @@ def _add_serve(sub: Any) -> None:
     )
     serve.add_argument(
         "--idle-timeout",
-        type=_seconds(MAX_IDLE_SECONDS),
+        type=number(float, 0, MAX_IDLE_SECONDS, above=True, unit="seconds"),
         default=Config.idle_timeout,
         metavar="SECONDS",
         help=f"close a connection with no request under way for this long, above 0 and "
@@ -127,7 +127,7 @@ def _add_serve(sub: Any) -> None:
     )
     serve.add_argument(
         "--request-timeout",
-        type=_seconds(MAX_REQUEST_SECONDS),
+        type=number(float, 0, MAX_REQUEST_SECONDS, above=True, unit="seconds"),
         default=Config.request_timeout,
         metavar="SECONDS",
         help=f"a request must arrive whole within this of its first byte, above 0 and "
@@ -152,30 +152,30 @@ def _add_serve(sub: Any) -> None:
     )
     serve.add_argument(
         "--keep-finished",
-        type=_duration_between(0.0, MAX_KEEP_SECONDS),
+        type=duration(0.0, MAX_KEEP_SECONDS),
         default=0.0,
         metavar="DURATION",
         help="keep finished jobs, with their final data, this long: 0 to "
-        f"{_duration_text(MAX_KEEP_SECONDS)}, such as 90s, 30m, 12h or 7d "
+        f"{duration_text(MAX_KEEP_SECONDS)}, such as 90s, 30m, 12h or 7d "
         "(default: 0, deleted at once, as Bedrock does)",
     )
     serve.add_argument(
         "--keep-failed",
-        type=_duration_between(0.0, MAX_KEEP_SECONDS),
+        type=duration(0.0, MAX_KEEP_SECONDS),
         metavar="DURATION",
         help="delete FAILED jobs this long after they failed: 0 to "
-        f"{_duration_text(MAX_KEEP_SECONDS)} (default: kept until deleted or requeued)",
+        f"{duration_text(MAX_KEEP_SECONDS)} (default: kept until deleted or requeued)",
     )
     serve.add_argument(
         "--reply-grace",
-        type=_duration_between(MIN_REPLY_GRACE_SECONDS, MAX_REPLY_GRACE_SECONDS),
+        type=duration(MIN_REPLY_GRACE_SECONDS, MAX_REPLY_GRACE_SECONDS),
         default=DEFAULT_REPLY_GRACE,
         metavar="DURATION",
         help="keep a reply that comes before its AwaitReply this long, and remember a "
         "delivered one as long to refuse a second delivery: "
-        f"{_duration_text(MIN_REPLY_GRACE_SECONDS)} to "
-        f"{_duration_text(MAX_REPLY_GRACE_SECONDS)} "
-        f"(default: {_duration_text(DEFAULT_REPLY_GRACE)})",
+        f"{duration_text(MIN_REPLY_GRACE_SECONDS)} to "
+        f"{duration_text(MAX_REPLY_GRACE_SECONDS)} "
+        f"(default: {duration_text(DEFAULT_REPLY_GRACE)})",
     )
     serve.add_argument(
         "--tls-cert", metavar="FILE", help="serve TLS with this certificate, PEM (default: plain TCP)"
@@ -233,61 +233,6 @@ def _limit(text: str) -> tuple[str, int]:
     if not sep or not pattern or not number.isdigit() or int(number) < 1:
         raise argparse.ArgumentTypeError(f"not PATTERN=MAX with MAX >= 1: {text!r}")
     return pattern, int(number)
-
-
-def _whole_number(low: int, high: int) -> Callable[[str], int]:
-    def convert(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = low - 1
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(
-                f"must be a whole number from {low} to {high}, not {text!r}"
-            )
-        return value
-
-    return convert
-
-
-def _seconds(high: float) -> Callable[[str], float]:
-    def convert(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        # NaN fails every comparison; infinity fails the upper bound.
-        if not 0 < value <= high:
-            raise argparse.ArgumentTypeError(
-                f"must be a number of seconds above 0 and at most {high:g}, not {text!r}"
-            )
-        return value
-
-    return convert
-
-
-def _duration_between(low: float, high: float) -> Callable[[str], float]:
-    def convert(text: str) -> float:
-        try:
-            value = parse_duration(text)
-        except ValueError:
-            value = math.nan
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(
-                f"must be a duration from {_duration_text(low)} to {_duration_text(high)} "
-                f"(a number of seconds, or with s, m, h or d: 90s, 30m, 12h, 7d), not {text!r}"
-            )
-        return value
-
-    return convert
-
-
-def _duration_text(seconds: float) -> str:
-    """Seconds as the largest unit that writes them whole: 3600 is 1h."""
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds and seconds % size == 0:
-            return f"{seconds // size:g}{unit}"
-    return f"{seconds:g}s" if seconds else "0"
 
 
 def _read_token(path: str) -> str:

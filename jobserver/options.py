@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable
 
 from .client import TLS, parse_address
+from .times import parse_duration
 
 # The largest jobID (protocol.md section 3): SQLite's largest integer.
 MAX_JOB_ID = 2**63 - 1
@@ -16,19 +17,27 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def number(
-    kind: type[int] | type[float],
+    kind: type[int | float],
     low: float,
     high: float | None = None,
     *,
     above: bool = False,
+    unit: str = "",
 ) -> Callable[[str], float]:
     """An argparse type: a finite `kind` (int or float) of at least `low`
-    (more than `low` if `above`) and at most `high`."""
+    (more than `low` if `above`) and at most `high`; `unit` names what it
+    counts in the message ("seconds")."""
     what = "a whole number" if kind is int else "a number"
-    if high is not None:
+    if unit:
+        what += f" of {unit}"
+    if above:
+        bounds = f"above {_text(low)}"
+        if high is not None:
+            bounds += f" and at most {_text(high)}"
+    elif high is not None:
         bounds = f"from {_text(low)} to {_text(high)}"
     else:
-        bounds = f"greater than {_text(low)}" if above else f"of at least {_text(low)}"
+        bounds = f"of at least {_text(low)}"
 
     def parse(text: str) -> float:
         try:
@@ -47,6 +56,34 @@ def number(
 
     parse.__name__ = kind.__name__  # what argparse names in its messages
     return parse
+
+
+def duration(low: float, high: float) -> Callable[[str], float]:
+    """An argparse type: a DURATION (`90`, `90s`, `30m`, `12h`, `7d`) from
+    `low` to `high` seconds."""
+
+    def parse(text: str) -> float:
+        try:
+            value = parse_duration(text)
+        except ValueError:
+            value = math.nan
+        # NaN fails both comparisons.
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"must be a duration from {duration_text(low)} to {duration_text(high)} "
+                f"(a number of seconds, or with s, m, h or d: 90s, 30m, 12h, 7d), not {text!r}"
+            )
+        return value
+
+    return parse
+
+
+def duration_text(seconds: float) -> str:
+    """Seconds as the largest unit that writes them whole: 3600 is 1h."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds and seconds % size == 0:
+            return f"{seconds // size:g}{unit}"
+    return f"{seconds:g}s" if seconds else "0"
 
 
 def _text(bound: float) -> str:

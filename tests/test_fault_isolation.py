@@ -7,7 +7,6 @@ that reached the accept loop shows as the process exiting.
 
 from __future__ import annotations
 
-import os
 import socket
 import ssl
 import struct

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import pytest
 import trustme
-
 from procserver import ServerProcess, locked, poll_until
 from tcpstate import queues
 from victim import STAGES
