@@ -33,14 +33,15 @@ from .options import (
     MAX_JOB_ID,
     add_tls_arguments,
     duration,
-    duration_text,
     job_id,
     number,
     server_address,
     tls_option,
 )
+from .context import DEFAULT_STALE_AFTER
 from .server import Config, Server
 from .store import DEFAULT_REPLY_GRACE, SYNCHRONOUS_MODES, StoreError
+from .times import duration_text
 
 log = logging.getLogger("jobserver")
 
@@ -178,6 +179,16 @@ def _add_serve(sub: Any) -> None:
         f"(default: {duration_text(DEFAULT_REPLY_GRACE)})",
     )
     serve.add_argument(
+        "--stale-after",
+        type=duration(0.0, MAX_KEEP_SECONDS),
+        default=DEFAULT_STALE_AFTER,
+        metavar="DURATION",
+        help="a RUNNING job with no report (FinishJob, FailJob, RetryJob, UpdateJob, "
+        "TouchJob) for this long counts as a failed attempt: retried by its retry policy, "
+        f"else FAILED; 0 (never, as Bedrock) or 1s to {duration_text(MAX_KEEP_SECONDS)} "
+        f"(default: {duration_text(DEFAULT_STALE_AFTER)})",
+    )
+    serve.add_argument(
         "--tls-cert", metavar="FILE", help="serve TLS with this certificate, PEM (default: plain TCP)"
     )
     serve.add_argument(
@@ -277,6 +288,7 @@ def _serve(args: argparse.Namespace) -> int:
         keep_finished=args.keep_finished,
         keep_failed=args.keep_failed,
         reply_grace=args.reply_grace,
+        stale_after=args.stale_after,
     )
     try:
         trio.run(Server(config).run)

@@ -222,6 +222,9 @@ def update_job(ctx: Context, request: Request) -> Response:
         changes["repeat"] = rule
     if priority is not None:
         changes["priority"] = priority
+    if job.state == "RUNNING":
+        # A report: the stale-job safety net counts from now.
+        changes["lastReport"] = ctx.now_ms
     ctx.store.update(job_id, **changes)
     return ok()
 
@@ -282,7 +285,7 @@ def _finish_or_retry(ctx: Context, request: Request, retry: bool) -> Response:
     elif parent is not None:
         ctx.store.update(job.jobID, state="FINISHED", **changes)
         _resume_parent_if_done(ctx, parent, PENDING_STATES)
-    elif ctx.store.keep_finished:
+    elif ctx.settings.keep_finished:
         # Retention (protocol.md 14.10): kept with its final data until
         # the pruner deletes it.
         ctx.store.update(job.jobID, state="FINISHED", ended=ctx.now_s, **changes)
@@ -348,11 +351,14 @@ def fail_job(ctx: Context, request: Request) -> Response:
 
 
 def touch_job(ctx: Context, request: Request) -> Response:
-    """Extend a lease: the job is due again only retryAfter from now."""
+    """Extend a lease: the job is due again only retryAfter from now. A
+    RUNNING job's report restarts the stale-job safety net's count."""
     job = load_job(ctx, request)
     check_lease(request, job)
+    if job.state == "RUNNING":
+        return _touch_running(ctx, job)
     if job.state != "RUNQUEUED":
-        raise CommandError("405 Can only touch RUNQUEUED jobs")
+        raise CommandError("405 Can only touch RUNNING or RUNQUEUED jobs")
     try:
         next_run = lease_end(ctx, job)
     except RepeatStalled as stalled:
@@ -365,6 +371,15 @@ def touch_job(ctx: Context, request: Request) -> Response:
     ctx.store.update(job.jobID, nextRun=next_run)
     ctx.scheduled(job.name, next_run)
     return ok({"nextRun": next_run})
+
+
+def _touch_running(ctx: Context, job: Job) -> Response:
+    ctx.store.update(job.jobID, lastReport=ctx.now_ms)
+    handout.watch_for_staleness(ctx)
+    seconds = ctx.settings.stale_after
+    if not seconds:
+        return ok({})
+    return ok({"staleAt": handout.retry_time(ctx, seconds)})
 
 
 def cancel_job(ctx: Context, request: Request) -> Response:

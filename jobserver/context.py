@@ -6,13 +6,34 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from . import times
-from .store import Store
+from .store import DEFAULT_REPLY_GRACE, Store
+
+# hipq's default job timeout: a day is longer than any job should run
+# without a word from its worker, and short enough that a job lost with
+# its worker still runs the same week.
+DEFAULT_STALE_AFTER = 86400.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The server's options that commands act on."""
+
+    # Retention (--keep-finished): a finished standalone job stays FINISHED
+    # until the pruner deletes it, instead of being deleted at once.
+    keep_finished: bool = False
+    # Seconds a reply is kept: early ones for a job to await, delivered ones
+    # to refuse a second delivery (--reply-grace).
+    reply_grace: float = DEFAULT_REPLY_GRACE
+    # Seconds a RUNNING job may go without a report before it counts as a
+    # failed attempt (--stale-after); 0 never.
+    stale_after: float = DEFAULT_STALE_AFTER
 
 
 @dataclass
 class Context:
     store: Store
     now: datetime
+    settings: Settings = Settings()
     # Names of jobs this request made due now; waiting GetJobs are matched
     # against them once the transaction commits.
     ready: set[str] = field(default_factory=set)
@@ -32,6 +53,12 @@ class Context:
             self.ready.add(name)
         elif self.due is None or next_run < self.due:
             self.due = next_run
+
+    def fire_at(self, moment: str) -> None:
+        """Note a time the clock must fire at, for something other than a
+        job becoming due (a running job's stale deadline)."""
+        if self.due is None or moment < self.due:
+            self.due = moment
 
     def wake_all(self) -> None:
         """Note that jobs of any name may have become available (capacity

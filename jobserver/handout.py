@@ -346,7 +346,8 @@ def _start(ctx: Context, job: Job) -> str | None:
                 return None
         changes["attempts"] = job.attempts + 1
     if not job.retryAfter:
-        ctx.store.update(job.jobID, state="RUNNING", **changes)
+        ctx.store.update(job.jobID, state="RUNNING", lastReport=ctx.now_ms, **changes)
+        watch_for_staleness(ctx)
         return lease
     data = jsonbody.parse_object(job.data)
     counted = not job.name.startswith(UNCOUNTED_PREFIX)
@@ -393,6 +394,13 @@ class RepeatStalled(Exception):
         super().__init__(f"repeat rule did not move forward from {base} (gave {computed})")
         # As a status line's detail, worded like CreateJob's refusal.
         self.reason = f"does not move forward from {base} (gives {computed})"
+
+
+def watch_for_staleness(ctx: Context) -> None:
+    """A job became RUNNING or was reported on just now: the clock must fire
+    when it would become stale (stale.py), unless it fires sooner anyway."""
+    if ctx.settings.stale_after:
+        ctx.fire_at(retry_time(ctx, ctx.settings.stale_after))
 
 
 def _fail(ctx: Context, job: Job, error: str, **changes: Any) -> None:
@@ -472,11 +480,15 @@ def serve_waiters(
 
 
 def give_back(ctx: Context, taken: list[Taken]) -> None:
-    """Undo a hand-out whose reply never reached its client."""
+    """Undo a hand-out whose reply never reached its client. A job that has
+    moved on since (its lease ran out and another worker has it, or it was
+    requeued) is left alone: only this hand-out is undone."""
     for item in taken:
         job = item.job
         current = ctx.store.get(job.jobID)
         if current is None or current.state not in ("RUNNING", "RUNQUEUED"):
+            continue
+        if current.leaseID != item.lease:
             continue
         ctx.store.update(
             job.jobID,
@@ -487,6 +499,7 @@ def give_back(ctx: Context, taken: list[Taken]) -> None:
             attempts=job.attempts,
             lastError=job.lastError,
             leaseID=job.leaseID,
+            lastReport=job.lastReport,
         )
         ctx.scheduled(job.name, job.nextRun)
         freed(ctx, current)

@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable
 
 from .client import TLS, parse_address
-from .times import parse_duration
+from .times import duration_text, parse_duration
 
 # The largest jobID (protocol.md section 3): SQLite's largest integer.
 MAX_JOB_ID = 2**63 - 1
@@ -76,14 +76,6 @@ def duration(low: float, high: float) -> Callable[[str], float]:
         return value
 
     return parse
-
-
-def duration_text(seconds: float) -> str:
-    """Seconds as the largest unit that writes them whole: 3600 is 1h."""
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds and seconds % size == 0:
-            return f"{seconds // size:g}{unit}"
-    return f"{seconds:g}s" if seconds else "0"
 
 
 def _text(bound: float) -> str:

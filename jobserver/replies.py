@@ -86,7 +86,7 @@ def deliver_reply(ctx: Context, request: Request) -> Response:
         raise CommandError("402 Missing data")
     reply = params.data(request)
     assert reply is not None
-    expires = times.to_millis(ctx.now + timedelta(seconds=ctx.store.reply_grace))
+    expires = times.to_millis(ctx.now + timedelta(seconds=ctx.settings.reply_grace))
     job = ctx.store.waiting_on(key)
     if job is not None:
         ctx.store.keep_reply(key, reply, ctx.now_ms, expires, job.jobID)
@@ -99,16 +99,14 @@ def deliver_reply(ctx: Context, request: Request) -> Response:
     return Response("202 Reply kept", jsonbody.encode({"expires": expires}))
 
 
-def expire(ctx: Context) -> str | None:
+def expire(ctx: Context) -> None:
     """Fail WAITING jobs whose deadline passed, through their retry policy.
-    Runs in the writer when the clock fires; returns the next time the
-    clock must fire for a job or a deadline."""
+    Runs in the writer when the clock fires (deadlines.tick)."""
     overdue = ctx.store.overdue(ctx.now_ms, EXPIRE_BATCH)
     for job in overdue:
         fail_run(ctx, job, REPLY_TIMEOUT, replyKey="")
     if len(overdue) == EXPIRE_BATCH:
         ctx.wake_all()
-    return ctx.store.next_due(ctx.now_ms)
 
 
 def _requeue(ctx: Context, job: Job, data_text: str, reply: str) -> None:

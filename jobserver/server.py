@@ -24,8 +24,9 @@ from typing import Any
 
 import trio
 
-from . import __version__, commands, handout, lockfile, peer, query, replies, retention
+from . import __version__, commands, deadlines, handout, lockfile, peer, query, retention
 from .connection import Connection, serve_connection
+from .context import DEFAULT_STALE_AFTER, Settings
 from .protocol import Request, Response
 from .store import DEFAULT_REPLY_GRACE, Store
 from .waiters import WaitQueue
@@ -74,6 +75,9 @@ class Config:
     # Seconds an early reply waits for its AwaitReply, and a delivered one
     # is remembered to refuse a second delivery (--reply-grace).
     reply_grace: float = DEFAULT_REPLY_GRACE
+    # Seconds a RUNNING job may go without a report before it counts as a
+    # failed attempt (--stale-after); 0 keeps Bedrock's "RUNNING forever".
+    stale_after: float = DEFAULT_STALE_AFTER
 
 
 class Server:
@@ -130,20 +134,23 @@ class Server:
         port = listeners[0].socket.getsockname()[1]
         try:
             self.store = Store(config.db, config.synchronous, config.limits)
-            self.store.keep_finished = config.keep_finished > 0
-            self.store.reply_grace = config.reply_grace
         except BaseException:
             for listener in listeners:
                 await listener.aclose()
             raise
-        self.writer = Writer(self.store, self._notify)
+        settings = Settings(
+            keep_finished=config.keep_finished > 0,
+            reply_grace=config.reply_grace,
+            stale_after=config.stale_after,
+        )
+        self.writer = Writer(self.store, self._notify, settings)
         self.waits = WaitQueue(
-            self.writer, handout.serve_waiters, handout.give_back, replies.expire
+            self.writer, handout.serve_waiters, handout.give_back, deadlines.tick
         )
         self.writer.anyone_waiting = self.waits.anyone_waiting
-        # Jobs waiting for replies before a restart: their deadlines
-        # still fire (at once, for those that passed while we were down).
-        self.waits.start_clock_at(self.store.first_deadline())
+        # Reply deadlines and running jobs from before a restart still fire
+        # (at once, for those that passed while the server was down).
+        self.waits.start_clock_at(deadlines.at_start(self.store, settings))
         # Set last: it tells an embedding program the server is ready.
         self.port = port
         address = f"{config.host}:{port}"

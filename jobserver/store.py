@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from time import monotonic
 from urllib.parse import quote
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 SYNCHRONOUS_MODES = ("FULL", "NORMAL")
 
@@ -57,7 +57,10 @@ CREATE TABLE jobs (
     ended         TEXT NOT NULL DEFAULT '',
     -- Replies (protocol.md 14.11): the key a WAITING job waits on. Its
     -- deadline is its nextRun, so the clock that wakes GetJobs sees it.
-    replyKey      TEXT NOT NULL DEFAULT ''
+    replyKey      TEXT NOT NULL DEFAULT '',
+    -- When a RUNNING job was handed out or last reported on (UpdateJob,
+    -- TouchJob): the stale-job safety net counts from it (--stale-after).
+    lastReport    TEXT NOT NULL DEFAULT ''
 );
 -- GetJob with a pattern: per priority, the due jobs in hand-out order
 -- (nextRun, name, then jobID, which every index ends with), so the first
@@ -103,6 +106,8 @@ CREATE TABLE replies (
     jobID    INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX repliesExpires ON replies (expires);
+-- The RUNNING job heard from least recently, for the stale-job deadline.
+CREATE INDEX jobsRunningReport ON jobs (lastReport) WHERE state = 'RUNNING';
 """
 
 # Statements that bring a file of version N up to N + 1. They run in one
@@ -144,12 +149,18 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "    jobID    INTEGER NOT NULL DEFAULT 0\n)",
         "CREATE INDEX repliesExpires ON replies (expires)",
     ),
+    4: (
+        "ALTER TABLE jobs ADD COLUMN lastReport TEXT NOT NULL DEFAULT ''",
+        # Running jobs count from their hand-out, the last time they were seen.
+        "UPDATE jobs SET lastReport = COALESCE(lastRun, created) WHERE state = 'RUNNING'",
+        "CREATE INDEX jobsRunningReport ON jobs (lastReport) WHERE state = 'RUNNING'",
+    ),
 }
 
 _COLUMNS = (
     "created, jobID, state, name, nextRun, lastRun, repeat, data, priority, "
     "parentJobID, retryAfter, maxAttempts, retryBackoff, retryDelay, retryMaxDelay, "
-    "attempts, lastError, leaseID, cost, timeWindows, timeZone, ended, replyKey"
+    "attempts, lastError, leaseID, cost, timeWindows, timeZone, ended, replyKey, lastReport"
 )
 
 # The columns commands may change; `update` refuses any other name, so a
@@ -157,7 +168,7 @@ _COLUMNS = (
 _UPDATABLE = frozenset(
     (
         "state", "name", "nextRun", "lastRun", "repeat", "data", "priority", "retryAfter",
-        "attempts", "lastError", "leaseID", "ended", "replyKey",
+        "attempts", "lastError", "leaseID", "ended", "replyKey", "lastReport",
     )
 )
 
@@ -201,6 +212,7 @@ class Job:
     timeZone: str = ""
     ended: str = ""
     replyKey: str = ""
+    lastReport: str = ""
 
 
 @dataclass(frozen=True)
@@ -254,12 +266,6 @@ class Store:
             # Limits given at start (--limit) are the base; those set by
             # SetLimit are stored and win.
             self._base_limits = dict(limits or {})
-            # Retention: FinishJob keeps standalone jobs as FINISHED
-            # (--keep-finished) instead of deleting them.
-            self.keep_finished = False
-            # Seconds a reply is kept: early ones for a job to await, and
-            # delivered ones to refuse a second delivery (--reply-grace).
-            self.reply_grace = DEFAULT_REPLY_GRACE
             self.limits: dict[str, int] = {}
             self.paused: frozenset[str] = frozenset()
             self._load_flow_control()
@@ -518,6 +524,25 @@ class Store:
             "SELECT MIN(nextRun) FROM jobs WHERE state = 'WAITING'"
         ).fetchone()
         return row[0]
+
+    # The stale-job safety net (--stale-after).
+
+    def oldest_report(self) -> str | None:
+        """The lastReport of the RUNNING job heard from least recently."""
+        row = self._db.execute(
+            "SELECT MIN(lastReport) FROM jobs WHERE state = 'RUNNING'"
+        ).fetchone()
+        return row[0]
+
+    def stale(self, reported_before: str, limit: int) -> list[Job]:
+        """RUNNING jobs last heard from at or before `reported_before`,
+        those heard from least recently first."""
+        rows = self._db.execute(
+            f"SELECT {_COLUMNS} FROM jobs INDEXED BY jobsRunningReport WHERE state = 'RUNNING' "
+            "AND lastReport <= ? ORDER BY lastReport LIMIT ?",
+            (reported_before, limit),
+        )
+        return [Job(*row) for row in rows]
 
     # Replies (protocol.md 14.11).
 

@@ -98,3 +98,11 @@ def parse_duration(text: str) -> float:
     if found is None:
         raise ValueError(f"not a duration: {text!r}")
     return float(int(found.group(1)) * _UNIT_SECONDS[found.group(2)])
+
+
+def duration_text(seconds: float) -> str:
+    """Seconds as the largest unit that writes them whole: 3600 is 1h."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds and seconds % size == 0:
+            return f"{seconds // size:g}{unit}"
+    return f"{seconds:g}s" if seconds else "0"

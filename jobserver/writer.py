@@ -26,7 +26,7 @@ import outcome
 import trio
 
 from . import times
-from .context import Context
+from .context import Context, Settings
 from .errors import CommandError
 from .store import Store
 
@@ -51,9 +51,10 @@ _STOP = object()
 
 
 class Writer:
-    def __init__(self, store: Store, notify: Notify) -> None:
+    def __init__(self, store: Store, notify: Notify, settings: Settings = Settings()) -> None:
         self._store = store
         self._notify = notify
+        self._settings = settings
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._token = trio.lowlevel.current_trio_token()
         self._thread = threading.Thread(target=self._loop, name="jobserver-writer", daemon=True)
@@ -219,7 +220,7 @@ class Writer:
         store = self._store
         results: list[tuple[outcome.Outcome, Context | None]] = []
         for work in batch:
-            ctx = Context(store, times.utcnow())
+            ctx = Context(store, times.utcnow(), self._settings)
             before = store.total_changes
             if savepoints:
                 store.savepoint()

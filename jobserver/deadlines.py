@@ -1,0 +1,32 @@
+"""What the clock does when it fires, and when it must fire next.
+
+The wait queue's clock (waiters.py) fires at the earliest time something
+is due: a future job, a lease's end, a reply deadline, a running job's
+stale deadline. When it fires, `tick` runs in the writer: waiting jobs whose
+reply deadline passed and running jobs past --stale-after are failed
+through their retry policies, and the next time to fire is returned.
+"""
+
+from __future__ import annotations
+
+from . import replies, stale
+from .context import Context, Settings
+from .store import Store
+
+
+def tick(ctx: Context) -> str | None:
+    replies.expire(ctx)
+    stale.expire(ctx)
+    return _earliest(
+        ctx.store.next_due(ctx.now_ms), stale.next_deadline(ctx.store, ctx.settings.stale_after)
+    )
+
+
+def at_start(store: Store, settings: Settings) -> str | None:
+    """Deadlines kept in the database, passed or not: they fire at start
+    (at once for those that passed while the server was down)."""
+    return _earliest(store.first_deadline(), stale.next_deadline(store, settings.stale_after))
+
+
+def _earliest(*moments: str | None) -> str | None:
+    return min((m for m in moments if m is not None), default=None)

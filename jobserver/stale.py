@@ -1,0 +1,59 @@
+"""The stale-job safety net (--stale-after).
+
+A job handed out without a lease (no `retryAfter`) is RUNNING until its
+worker reports. If the worker dies after it took the job, nothing would
+ever move the job again: Bedrock's behaviour, and its users' complaint.
+With --stale-after, a RUNNING job that has had no report for that long
+(FinishJob, FailJob, RetryJob, UpdateJob, TouchJob) counts as a failed
+attempt: its retry policy queues it again, or it ends FAILED.
+
+There is no scan loop. A RUNNING job's deadline is its `lastReport` plus
+the setting; the clock that wakes waiting GetJobs fires at the earliest
+one, as it does for future jobs and reply deadlines.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from . import times
+from .context import Context
+from .handout import fail_run
+from .store import Store
+
+# Jobs failed per clock tick: the rest follow in the next tick, at once,
+# so a backlog (a server down for days) never makes one long transaction.
+EXPIRE_BATCH = 500
+
+
+def lost_error(seconds: float) -> str:
+    """The lastError of a job the safety net failed."""
+    return f"no report for {times.duration_text(seconds)} (--stale-after): presumed lost with its worker"
+
+
+def expire(ctx: Context) -> None:
+    """Fail, through their retry policies, RUNNING jobs past their deadline."""
+    seconds = ctx.settings.stale_after
+    if not seconds:
+        return
+    cutoff = times.to_millis(ctx.now - timedelta(seconds=seconds))
+    stale = ctx.store.stale(cutoff, EXPIRE_BATCH)
+    for job in stale:
+        fail_run(ctx, job, lost_error(seconds))
+    if len(stale) == EXPIRE_BATCH:
+        ctx.wake_all()
+
+
+def next_deadline(store: Store, seconds: float) -> str | None:
+    """The earliest stale deadline of a RUNNING job, passed or not."""
+    if not seconds:
+        return None
+    oldest = store.oldest_report()
+    if not oldest:
+        return None
+    return deadline(oldest, seconds)
+
+
+def deadline(reported: str, seconds: float) -> str:
+    """When a job last heard from at `reported` becomes stale."""
+    return times.to_millis(times.parse_stored(reported) + timedelta(seconds=seconds))
