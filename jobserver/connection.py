@@ -53,10 +53,6 @@ TLS_HANDSHAKE = 0x16
 TLS_REQUIRED = "400 This port requires TLS"
 
 
-class ClientGone(Exception):
-    """The client closed its end before it took a reply with jobs."""
-
-
 class NotTLS(Exception):
     """A client spoke plain text to a TLS port (it was told so)."""
 
@@ -80,8 +76,11 @@ async def serve_connection(server: Server, stream: trio.abc.Stream, refuse: bool
         failure = group
     finally:
         server.connections.discard(connection)
-        connection.end(failure)
-        await connection.close()
+        # Shielded, and bounded inside: the jobs of a connection cut off by
+        # a shutdown are settled too.
+        with trio.CancelScope(shield=True):
+            await connection.end(failure)
+            await connection.close()
 
 
 class Connection:
@@ -97,6 +96,9 @@ class Connection:
         # Jobs of the reply being written: they belong to this connection
         # until the client has them, and go back to the queue if it never does.
         self.undelivered: list[Taken] = []
+        # Replies with jobs written whole, until the client's kernel has
+        # acknowledged them (peer.py).
+        self.deliveries = peer.Deliveries(stream)
         # True while waiting for the next request: the only moment a
         # shutdown may cut the connection without losing a reply.
         self._idle = False
@@ -125,10 +127,11 @@ class Connection:
         with trio.move_on_after(CLOSE_PATIENCE):
             await self.stream.send_all(encode_response(Response(status), close=True))
 
-    def end(self, failure: BaseExceptionGroup[Exception] | None) -> None:
+    async def end(self, failure: BaseExceptionGroup[Exception] | None) -> None:
         """Put back the jobs the client did not take, and log the end in one
         line, at a level that fits its cause."""
-        taken, self.undelivered = self.undelivered, []
+        taken = await self.deliveries.unreceived() + self.undelivered
+        self.undelivered = []
         if taken:
             self.server.waits.give_back(taken)
         errors = _leaves(failure) if failure is not None else []
@@ -232,14 +235,15 @@ class Connection:
 
     async def _deliver(self, response: Response, close: bool) -> None:
         """Write a reply. Jobs in it stay this connection's to give back
-        until the client can have taken them."""
+        until the client's kernel has acknowledged the whole reply."""
+        client_closed = False
         if isinstance(response, Handout):
             self.undelivered = response.taken
+            client_closed = self.deliveries.client_closed()
         await self._send(encode_response(response, close))
-        if self.undelivered:
-            if not await peer.took_reply(self.stream):
-                raise ClientGone("the client closed its end before taking the reply")
-            self.undelivered = []
+        if client_closed:
+            self.deliveries.written(self.undelivered)
+        self.undelivered = []
         self.server.commands_served += 1
 
     async def _send(self, data: bytes) -> None:
@@ -329,7 +333,7 @@ def _is_hang_up(error: BaseException) -> bool:
         (
             trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError,
             # TimeoutError: the kernel gave up on an unreachable client.
-            ConnectionError, TimeoutError, ssl.SSLError, ClientGone, NotTLS, TLSOnPlainPort,
+            ConnectionError, TimeoutError, ssl.SSLError, NotTLS, TLSOnPlainPort,
         ),
     )
 
