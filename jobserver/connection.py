@@ -69,7 +69,7 @@ async def serve_connection(server: Server, stream: trio.abc.Stream, refuse: bool
     failure: BaseExceptionGroup[Exception] | None = None
     try:
         if refuse:
-            await connection.say_and_close("503 Too many connections")
+            await connection.refuse()
         else:
             await connection.run()
     except* Exception as group:
@@ -120,6 +120,15 @@ class Connection:
             await self._serve()
         if self._scope.cancelled_caught and self.parser.buffered and not self.server.closing:
             await self.say_and_close("408 Request timeout")
+
+    async def refuse(self) -> None:
+        """503 Too many connections, in TLS on a TLS port: a TLS client that
+        got it in plain text would take the server for one that does not
+        speak TLS, and give up instead of trying again later."""
+        with trio.move_on_after(CLOSE_PATIENCE):
+            if self.server.tls_context is not None and not await self._start_tls():
+                return
+            await self.say_and_close("503 Too many connections")
 
     async def say_and_close(self, status: str) -> None:
         """Last words before closing; a client that does not take them

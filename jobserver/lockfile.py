@@ -76,6 +76,9 @@ def acquire(db: str) -> ServerLock:
                 ) from None
             raise
         if _same_file(fd, path):
+            if writable:
+                # What a killed server said of itself is no longer true.
+                os.ftruncate(fd, 0)
             return ServerLock(path, fd, writable)
         # The holder deleted the file between our open and our lock: the
         # lock we got is on a file nobody else will ever look at.

@@ -176,6 +176,12 @@ _MIDNIGHT, _MIDDAY, _LAST_SECOND = 0, _DAY // 2, _DAY - 1
 # Distinct rules whose verdict is remembered: checking one takes a few
 # milliseconds.
 _CACHED_RULES = 4096
+# The most modifiers a rule a client sends may have. Bedrock's own rules
+# use up to five. The check's samples grow with the product of WEEKDAY and
+# month steps, and its SQL nests one call per modifier, which SQLite's
+# parser refuses beyond about 25: at 8 the check stays a fraction of a
+# second in the worst case, instead of minutes or a "parser stack overflow".
+MAX_MODIFIERS = 8
 
 _local = threading.local()
 
@@ -306,8 +312,12 @@ def sample_bases(modifiers: tuple[str, ...]) -> list[str]:
 
 def check_moves_forward(rule: Repeat) -> None:
     """Raise MalformedRepeat, with the reason, if from some base the rule
-    gives a time that is not later than the base."""
-    problem = _problem(rule.modifiers)
+    gives a time that is not later than the base, or if it has more
+    modifiers than can be checked."""
+    if len(rule.modifiers) > MAX_MODIFIERS:
+        problem = f"more than {MAX_MODIFIERS} modifiers"
+    else:
+        problem = _problem(rule.modifiers)
     if problem:
         raise MalformedRepeat(", ".join((rule.base, *rule.modifiers)), problem)
 

@@ -104,5 +104,8 @@ def duration_text(seconds: float) -> str:
     """Seconds as the largest unit that writes them whole: 3600 is 1h."""
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds and seconds % size == 0:
-            return f"{seconds // size:g}{unit}"
-    return f"{seconds:g}s" if seconds else "0"
+            return f"{int(seconds // size)}{unit}"
+    if not seconds:
+        return "0"
+    # Not :g, which writes 1234567 as 1.23457e+06.
+    return f"{int(seconds)}s" if float(seconds).is_integer() else f"{seconds}s"

@@ -767,6 +767,17 @@ def test_a_plaintext_client_meeting_the_real_tls_server_is_told_to_use_tls(secur
             jobs.create_job("x")
 
 
+def test_a_full_tls_server_refuses_in_tls_so_the_client_may_try_again(tmp_path):
+    # In plain text, the 503 read as "the server does not speak TLS": a
+    # TLSFailed, on which the worker manager exits for good.
+    with tls_server(tmp_path / "tls", max_connections=1) as (running, files):
+        with Client("127.0.0.1", running.port, timeout=10, tls=files.ca) as holder:
+            holder.ping()
+            with Client("127.0.0.1", running.port, timeout=10, tls=files.ca) as refused:
+                with pytest.raises(ServerError, match="503 Too many connections"):
+                    refused.ping()
+
+
 def test_a_tls_client_meeting_the_real_plaintext_server_is_told_it_does_not_speak_tls(server):
     with Client("127.0.0.1", server.port, timeout=5, tls=True) as jobs:
         with pytest.raises(TLSFailed, match="does not speak TLS"):

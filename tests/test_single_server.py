@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ThreadServer
+from jobserver import lockfile
 from procserver import start_server  # noqa: F401  (fixture)
 
 
@@ -65,3 +66,18 @@ def test_two_servers_in_one_process_are_refused_too(tmp_path: Path) -> None:
         assert f"pid {os.getpid()}" in str(refused.value)
     finally:
         first.stop()
+
+
+def test_a_killed_servers_words_are_not_taken_for_the_new_holders(tmp_path: Path) -> None:
+    # Until the new holder announces itself (after opening the database,
+    # which can take long), a second server must not name the dead one.
+    db = tmp_path / "jobs.db"
+    (tmp_path / "jobs.db.lock").write_text("pid 999999\naddress 127.0.0.1:1\n")
+    holder = lockfile.acquire(str(db))
+    try:
+        with pytest.raises(lockfile.DatabaseInUse) as refused:
+            lockfile.acquire(str(db))
+        assert "999999" not in str(refused.value)
+        assert "it may still be starting" in str(refused.value)
+    finally:
+        holder.release()

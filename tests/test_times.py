@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jobserver import times
 from jobserver.times import parse_stored, parse_user_time, to_millis, to_seconds
 
 FAST = settings(max_examples=300, deadline=None)
@@ -225,3 +226,10 @@ def test_text_without_a_complete_date_is_refused(text: str) -> None:
     # not run on "some day this month" because of a typo.
     with pytest.raises(ValueError):
         parse_user_time(text)
+
+
+@given(st.integers(0, 3650 * 86400))
+def test_a_duration_is_written_whole_and_reads_back(seconds: int) -> None:
+    # It names --stale-after in a job's lastError: 1234567 was "1.23457e+06s".
+    text = times.duration_text(seconds)
+    assert "e" not in text and times.parse_duration(text) == seconds

@@ -31,11 +31,16 @@ def make_certificates(directory: Path, *names: str) -> Certificates:
 
 
 @contextmanager
-def tls_server(directory: Path, *names: str) -> Iterator[tuple[ThreadServer, Certificates]]:
-    """A real server speaking TLS with a certificate for `names`, and its files."""
+def tls_server(
+    directory: Path, *names: str, **options: object
+) -> Iterator[tuple[ThreadServer, Certificates]]:
+    """A real server speaking TLS with a certificate for `names`, and its
+    files; `options` are more of the server's Config."""
     directory.mkdir(exist_ok=True)
     files = make_certificates(directory, *names)
-    running = ThreadServer(directory / "tls.db", tls_cert=str(files.cert), tls_key=str(files.key))
+    running = ThreadServer(
+        directory / "tls.db", tls_cert=str(files.cert), tls_key=str(files.key), **options
+    )
     try:
         yield running, files
     finally:
