@@ -1,0 +1,62 @@
+"""Attacks on fault isolation, job ownership, the lock file and the clock.
+
+Each test here reproduces, through a real `python -m jobserver serve`
+process, a way the server was found to fail after the failure-domain work:
+a start error blamed on the port, a clock that stops for good after one
+failed transaction, jobs "put back" that stay RUNNING, an acknowledged
+UpdateJob undone, Query and retention blind to a `//` path, and connections
+left hanging past the file-descriptor limit.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+from procserver import locked, poll_until, start_server  # noqa: F401  (fixture)
+from wire import Client, encode
+
+DEADLINE = 15.0
+# A reply this large (eight jobs of almost 1 MiB each) cannot fit in the
+# kernel's buffers of a client that does not read: the server's write stalls.
+BIG_DATA = {"pad": "x" * (1024 * 1024 - 20)}
+BIG_JOBS = 8
+
+
+def stalled_hand_out(server, admin: Client, name: str) -> tuple[socket.socket, list[int]]:
+    """Jobs handed out in one reply that a client never reads: RUNNING, and
+    still owned by the server's connection until the write times out."""
+    ids = [admin.request("CreateJob", name=name, data=BIG_DATA).json["jobID"] for _ in range(BIG_JOBS)]
+    sleeper = socket.socket()
+    sleeper.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sleeper.connect(("127.0.0.1", server.port))
+    sleeper.sendall(f"GetJobs\r\nname: {name}\r\nnumResults: {BIG_JOBS}\r\n\r\n".encode())
+    poll_until(lambda: states(admin, ids) == {"RUNNING"}, DEADLINE, "the jobs to be handed out")
+    return sleeper, ids
+
+
+def states(admin: Client, ids: list[int]) -> set[str]:
+    return {admin.request("QueryJob", jobID=i).json["state"] for i in ids}
+
+
+# The lock file: a start error that is not the port's.
+
+
+def test_a_db_in_a_missing_directory_is_a_clear_start_error(start_server, tmp_path: Path) -> None:
+    db = tmp_path / "missing" / "jobs.db"
+    server = start_server(db)
+    assert server.wait(10) == 2, server.log
+    assert "cannot listen" not in server.log, server.log
+    assert str(db) in server.log, server.log
+    assert "Traceback" not in server.log
+
+
+def test_a_lock_path_that_is_a_directory_is_a_clear_start_error(start_server, tmp_path: Path) -> None:
+    (tmp_path / "jobs.db.lock").mkdir()
+    server = start_server(tmp_path / "jobs.db")
+    assert server.wait(10) == 2, server.log
+    assert "cannot listen" not in server.log, server.log
+    assert "jobs.db.lock" in server.log, server.log
