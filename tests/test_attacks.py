@@ -60,3 +60,27 @@ def test_a_lock_path_that_is_a_directory_is_a_clear_start_error(start_server, tm
     assert server.wait(10) == 2, server.log
     assert "cannot listen" not in server.log, server.log
     assert "jobs.db.lock" in server.log, server.log
+
+
+# One failed transaction must not stop the clock: waiting GetJobs, leases,
+# reply deadlines and --stale-after all hang on it.
+
+
+def test_the_clock_fires_again_after_a_tick_failed(start_server, tmp_path: Path) -> None:
+    db = tmp_path / "jobs.db"
+    server = start_server(db)
+    due = datetime.now(timezone.utc) + timedelta(seconds=2)
+    with server.client() as admin, server.client(DEADLINE + 10) as worker:
+        first_run = due.strftime("%Y-%m-%d %H:%M:%S")
+        assert admin.request("CreateJob", name="later", firstRun=first_run).code == 200
+        worker.send(encode("GetJob", {"name": "later", "Connection": "wait", "timeout": int(DEADLINE * 1000)}))
+        poll_until(lambda: admin.request("Status").json["waitingGetJobs"] == 1, DEADLINE, "the GetJob to wait")
+        # The database is locked when the job falls due: the tick that
+        # would hand it to the waiting worker fails (busy timeout).
+        with locked(db):
+            poll_until(lambda: "transaction failed" in server.log, DEADLINE, "the tick to fail")
+        began = time.monotonic()
+        reply = worker.read_reply()
+        assert reply.status == "200 OK", (reply.status, server.log)
+        assert time.monotonic() - began < DEADLINE - 5
+    assert server.proc.poll() is None
