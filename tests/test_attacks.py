@@ -84,3 +84,18 @@ def test_the_clock_fires_again_after_a_tick_failed(start_server, tmp_path: Path)
         assert reply.status == "200 OK", (reply.status, server.log)
         assert time.monotonic() - began < DEADLINE - 5
     assert server.proc.poll() is None
+
+
+# "Put back" must mean put back, also when the database was busy.
+
+
+def test_jobs_put_back_while_the_database_is_locked_come_back(start_server, tmp_path: Path) -> None:
+    db = tmp_path / "jobs.db"
+    server = start_server(db, "--request-timeout", "1")
+    with server.client() as admin:
+        sleeper, ids = stalled_hand_out(server, admin, "big")
+        with locked(db):
+            poll_until(lambda: "put back" in server.log, DEADLINE, "the write to time out")
+            poll_until(lambda: "transaction failed" in server.log, DEADLINE, "the give-back to fail")
+        poll_until(lambda: states(admin, ids) == {"QUEUED"}, DEADLINE, "the jobs to come back")
+        sleeper.close()
