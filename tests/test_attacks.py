@@ -99,3 +99,19 @@ def test_jobs_put_back_while_the_database_is_locked_come_back(start_server, tmp_
             poll_until(lambda: "transaction failed" in server.log, DEADLINE, "the give-back to fail")
         poll_until(lambda: states(admin, ids) == {"QUEUED"}, DEADLINE, "the jobs to come back")
         sleeper.close()
+
+
+# A give-back undoes the hand-out, and only the hand-out.
+
+
+def test_a_give_back_keeps_an_update_acknowledged_meanwhile(start_server, tmp_path: Path) -> None:
+    server = start_server(tmp_path / "jobs.db", "--request-timeout", "1")
+    with server.client() as admin:
+        sleeper, ids = stalled_hand_out(server, admin, "big")
+        # While the reply is stuck, someone updates a running job.
+        reply = admin.request("UpdateJob", jobID=ids[0], data={"progress": "updated"})
+        assert reply.status == "200 OK"
+        poll_until(lambda: states(admin, ids) == {"QUEUED"}, DEADLINE, "the jobs to come back")
+        job = admin.request("QueryJob", jobID=ids[0]).json
+        assert list(job["data"]) == ["progress"], "the update was undone"
+        sleeper.close()
