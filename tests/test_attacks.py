@@ -115,3 +115,17 @@ def test_a_give_back_keeps_an_update_acknowledged_meanwhile(start_server, tmp_pa
         job = admin.request("QueryJob", jobID=ids[0]).json
         assert list(job["data"]) == ["progress"], "the update was undone"
         sleeper.close()
+
+
+# Query and retention open the database by URI: a path starting with two
+# slashes must not become a URI authority.
+
+
+def test_query_works_on_a_db_path_with_a_leading_double_slash(start_server, tmp_path: Path) -> None:
+    db = Path("/" + str(tmp_path.resolve())) / "jobs.db"
+    assert str(db).startswith("//")
+    server = start_server(db)
+    with server.client() as admin:
+        assert admin.request("CreateJob", name="one").code == 200
+        reply = admin.request("Query", query="SELECT count(*) AS n FROM jobs;")
+        assert (reply.status, reply.body) == ("200 OK", b"n\n1\n"), reply
