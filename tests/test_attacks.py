@@ -129,3 +129,34 @@ def test_query_works_on_a_db_path_with_a_leading_double_slash(start_server, tmp_
         assert admin.request("CreateJob", name="one").code == 200
         reply = admin.request("Query", query="SELECT count(*) AS n FROM jobs;")
         assert (reply.status, reply.body) == ("200 OK", b"n\n1\n"), reply
+
+
+# More clients than file descriptors: each is answered, served or refused
+# with 503, not left in the listen backlog while the log fills with errors.
+
+FILE_LIMIT = 200
+NOFILE_WRAPPER = (
+    sys.executable, "-c",
+    "import os, resource, sys; "
+    f"resource.setrlimit(resource.RLIMIT_NOFILE, ({FILE_LIMIT}, {FILE_LIMIT})); "
+    "os.execv(sys.argv[1], sys.argv[1:])",
+)
+
+
+def test_clients_beyond_the_file_limit_are_refused_not_left_hanging(start_server, tmp_path: Path) -> None:
+    server = start_server(tmp_path / "jobs.db", wrapper=NOFILE_WRAPPER)
+    clients = [Client(server.port, timeout=DEADLINE) for _ in range(FILE_LIMIT + 50)]
+    try:
+        answers: dict[str, int] = {}
+        for client in clients:
+            client.send(b"Ping\r\n\r\n")
+        for client in clients:
+            status = client.read_reply().status
+            answers[status] = answers.get(status, 0) + 1
+    finally:
+        for client in clients:
+            client.close()
+    assert set(answers) == {"200 OK", "503 Too many connections"}, answers
+    assert "accept failed" not in server.log, server.log[-500:]
+    with server.client() as fresh:
+        assert fresh.request("Ping").status == "200 OK"
