@@ -11,6 +11,7 @@ left hanging past the file-descriptor limit.
 from __future__ import annotations
 
 import socket
+import struct
 import sys
 import time
 from datetime import datetime, timedelta, timezone
@@ -160,3 +161,31 @@ def test_clients_beyond_the_file_limit_are_refused_not_left_hanging(start_server
     assert "accept failed" not in server.log, server.log[-500:]
     with server.client() as fresh:
         assert fresh.request("Ping").status == "200 OK"
+
+
+# A client that took its reply keeps its job, however it closes afterwards.
+# One that half-closed (as `nc -N` does) and then resets once it has read
+# the reply (SO_LINGER 0, or unread data left behind) must not see its job
+# handed to the next worker: the reply reached it and was acknowledged.
+
+RESET_AFTER_READING_ROUNDS = 20
+
+
+def test_a_half_closed_worker_that_resets_after_reading_keeps_its_job(start_server, tmp_path: Path) -> None:
+    server = start_server(tmp_path / "jobs.db")
+    given_back = []
+    with server.client() as admin:
+        for round_ in range(RESET_AFTER_READING_ROUNDS):
+            name = f"taken-{round_}"
+            job_id = admin.request("CreateJob", name=name).json["jobID"]
+            worker = Client(server.port, timeout=DEADLINE)
+            worker.send(encode("GetJob", {"name": name}))
+            worker.sock.shutdown(socket.SHUT_WR)
+            assert worker.read_reply().json["jobID"] == job_id
+            worker.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            worker.close()
+            # The server has finished with the connection once it is gone.
+            poll_until(lambda: admin.request("Status").json["connections"] == 1, DEADLINE, "the close")
+            if admin.request("QueryJob", jobID=job_id).json["state"] != "RUNNING":
+                given_back.append(job_id)
+    assert given_back == [], f"jobs handed out again while their worker had them: {given_back}"
