@@ -28,9 +28,13 @@ ACK_PATIENCE = 5.0
 # Linux TCP states (include/net/tcp_states.h).
 _TCP_CLOSE = 7
 _TCP_CLOSE_WAIT = 8
-# struct tcp_info starts with the state byte; 104 bytes hold every field
-# this module could want on any kernel since 2.6.
-_TCP_INFO_SIZE = 104
+# struct tcp_info (include/uapi/linux/tcp.h) starts with the state byte.
+# Its byte counters, which a reset leaves as they were, are at these
+# offsets; kernels before 4.19 return a shorter struct without them.
+_TCP_INFO_SIZE = 216
+_BYTES_ACKED = 120
+_BYTES_SENT = 200
+_BYTES_RETRANS = 208
 _LINUX = sys.platform.startswith("linux")
 
 
@@ -63,15 +67,28 @@ def is_loopback(host: str) -> bool:
     return host.startswith("127.") or host in ("::1", "::ffff:127.0.0.1", "localhost")
 
 
-def _state_and_unacked(sock: Any) -> tuple[int, int]:
-    """The TCP state, and the bytes written that the client's kernel has not
-    acknowledged. Read in this order: a reset empties the send queue, and it
-    changes the state before that, so an empty queue seen before a state
-    that is not CLOSE really was acknowledged."""
+def _state_and_unacked(sock: Any) -> tuple[int, int, bytes]:
+    """The TCP state, the bytes written that the client's kernel has not
+    acknowledged, and the whole tcp_info. Read in this order: a reset
+    empties the send queue, and it changes the state before that, so an
+    empty queue seen before a state that is not CLOSE really was
+    acknowledged."""
     buffer = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, struct.pack("i", 0))
     unacked = struct.unpack("i", buffer)[0]
     info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_SIZE)
-    return info[0], unacked
+    return info[0], unacked, info
+
+
+def _acknowledged_all(info: bytes) -> bool:
+    """Whether, by the connection's byte counters, the client's kernel had
+    acknowledged every byte sent to it (before a reset that came later: a
+    client that read its reply and then closed with unread data or
+    SO_LINGER 0). False where the kernel does not keep the counters."""
+    if len(info) < _TCP_INFO_SIZE:
+        return False
+    (acked,) = struct.unpack_from("=Q", info, _BYTES_ACKED)
+    sent, retransmitted = struct.unpack_from("=QQ", info, _BYTES_SENT)
+    return acked >= sent - retransmitted
 
 
 async def took_reply(stream: trio.abc.Stream, patience: float = ACK_PATIENCE) -> bool:
@@ -89,11 +106,11 @@ async def took_reply(stream: trio.abc.Stream, patience: float = ACK_PATIENCE) ->
     with trio.move_on_after(patience):
         while True:
             try:
-                state, unacked = _state_and_unacked(sock)
+                state, unacked, info = _state_and_unacked(sock)
             except OSError:
                 return False
             if state == _TCP_CLOSE:
-                return False
+                return _acknowledged_all(info)
             if state != _TCP_CLOSE_WAIT or unacked == 0:
                 # Still open both ways (the client reads, or its later death
                 # is the lease's business), or all of it acknowledged.
