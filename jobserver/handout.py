@@ -119,7 +119,11 @@ class Taken:
     job: Job
     reply: dict[str, Any]
     # This hand-out's lease token.
-    lease: str = ""
+    lease: str
+    # The data and nextRun the hand-out wrote: a give-back restores them
+    # only if nobody changed them since (an UpdateJob it must not undo).
+    handed_data: str
+    handed_next_run: str
 
 
 @dataclass
@@ -249,9 +253,10 @@ def dequeue(ctx: Context, query: JobQuery) -> list[Taken]:
                 skipped.append(job.jobID)
                 continue
             obj = _handout_object(ctx, job)
-            lease = _start(ctx, job)
-            if lease is None:
+            started = _start(ctx, job)
+            if started is None:
                 continue
+            lease, handed_data, handed_next_run = started
             for pattern in usage:
                 if glob_match(pattern, job.name):
                     usage[pattern] += job.cost
@@ -260,7 +265,7 @@ def dequeue(ctx: Context, query: JobQuery) -> list[Taken]:
                 obj["maxAttempts"] = job.maxAttempts
             if query.include_lease_id:
                 obj["leaseID"] = lease
-            taken.append(Taken(job, obj, lease))
+            taken.append(Taken(job, obj, lease, handed_data, handed_next_run))
         if len(skipped) >= MAX_SKIPPED:
             break
     return taken
@@ -331,9 +336,9 @@ def _child(job: Job) -> dict[str, Any]:
     return {"data": Raw(job.data), "jobID": job.jobID}
 
 
-def _start(ctx: Context, job: Job) -> str | None:
-    """Mark a job as handed out and return its new lease token; None if the
-    job was failed instead."""
+def _start(ctx: Context, job: Job) -> tuple[str, str, str] | None:
+    """Mark a job as handed out; its new lease token, and the data and
+    nextRun it now has. None if the job was failed instead."""
     lease = secrets.token_hex(LEASE_BYTES)
     changes: dict[str, Any] = {"lastRun": ctx.now_s, "leaseID": lease}
     policy = job.maxAttempts > 0
@@ -348,7 +353,7 @@ def _start(ctx: Context, job: Job) -> str | None:
     if not job.retryAfter:
         ctx.store.update(job.jobID, state="RUNNING", lastReport=ctx.now_ms, **changes)
         watch_for_staleness(ctx)
-        return lease
+        return lease, job.data, job.nextRun
     data = jsonbody.parse_object(job.data)
     counted = not job.name.startswith(UNCOUNTED_PREFIX)
     # A policy's maxAttempts replaces Bedrock's counter in the data.
@@ -381,7 +386,7 @@ def _start(ctx: Context, job: Job) -> str | None:
         changes["data"] = jsonbody.compact(data)
     ctx.store.update(job.jobID, state="RUNQUEUED", nextRun=next_run, **changes)
     ctx.scheduled(job.name, next_run)
-    return lease
+    return lease, changes.get("data", job.data), next_run
 
 
 class RepeatStalled(Exception):
@@ -482,7 +487,8 @@ def serve_waiters(
 def give_back(ctx: Context, taken: list[Taken]) -> None:
     """Undo a hand-out whose reply never reached its client. A job that has
     moved on since (its lease ran out and another worker has it, or it was
-    requeued) is left alone: only this hand-out is undone."""
+    requeued) is left alone, and data or a nextRun that an UpdateJob set
+    meanwhile is kept: only this hand-out is undone."""
     for item in taken:
         job = item.job
         current = ctx.store.get(job.jobID)
@@ -490,16 +496,18 @@ def give_back(ctx: Context, taken: list[Taken]) -> None:
             continue
         if current.leaseID != item.lease:
             continue
+        data = job.data if current.data == item.handed_data else current.data
+        next_run = job.nextRun if current.nextRun == item.handed_next_run else current.nextRun
         ctx.store.update(
             job.jobID,
             state=job.state,
-            nextRun=job.nextRun,
+            nextRun=next_run,
             lastRun=job.lastRun,
-            data=job.data,
+            data=data,
             attempts=job.attempts,
             lastError=job.lastError,
             leaseID=job.leaseID,
             lastReport=job.lastReport,
         )
-        ctx.scheduled(job.name, job.nextRun)
+        ctx.scheduled(job.name, next_run)
         freed(ctx, current)

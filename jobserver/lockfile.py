@@ -74,7 +74,7 @@ def acquire(db: str) -> ServerLock:
                     f"{db!r} is in use by another jobserver ({holder}); "
                     "stop it first, or give this server its own --db"
                 ) from None
-            raise
+            raise _cannot_lock(path, error) from None
         if _same_file(fd, path):
             if writable:
                 # What a killed server said of itself is no longer true.
@@ -92,7 +92,9 @@ def _open(path: str) -> tuple[int | None, bool]:
         return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644), True
     except OSError as error:
         if error.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
-            raise
+            # A missing directory, a directory in the file's place: a
+            # mistake in --db, to be named as such (not as the port's).
+            raise _cannot_lock(path, error) from None
     # A read-only directory or file system: an existing lock file can still
     # be locked; without one, nothing can protect the database, but a
     # server that can only read it cannot harm it either.
@@ -101,6 +103,10 @@ def _open(path: str) -> tuple[int | None, bool]:
     except OSError:
         log.warning("cannot create %s: another server on this database would not be noticed", path)
         return None, False
+
+
+def _cannot_lock(path: str, error: OSError) -> StoreError:
+    return StoreError(f"cannot lock {path!r} (is --db right?): {error.strerror or error}")
 
 
 def _same_file(fd: int, path: str) -> bool:

@@ -40,6 +40,10 @@ QUERY_THREADS = 4
 GIL_SWITCH_SECONDS = 0.0005
 # Time allowed, after SIGTERM or SIGINT, for requests in flight to finish.
 SHUTDOWN_GRACE = 4.0
+# File descriptors the server needs besides its connections: the database
+# and its journal, the listener, Query's and the pruner's connections,
+# trio's own, and connections being refused with 503.
+FILE_RESERVE = 64
 
 
 @dataclass
@@ -91,6 +95,8 @@ class Server:
         self.port: int | None = None
         self.commands_served = 0
         self.started = time.monotonic()
+        # --max-connections, or fewer if the file-descriptor limit says so.
+        self.max_connections = config.max_connections
         self._query_limiter = trio.CapacityLimiter(QUERY_THREADS)
         self._stop = trio.Event()
         self.token: trio.lowlevel.TrioToken | None = None
@@ -105,7 +111,7 @@ class Server:
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         config = self.config
         self.token = trio.lowlevel.current_trio_token()
-        _raise_file_limit(config.max_connections + 64)
+        self.max_connections = _connections_allowed(config.max_connections)
         # The writer thread runs Python between its SQLite calls; by default
         # it could keep the event loop from the GIL for 5 ms at a time.
         sys.setswitchinterval(GIL_SWITCH_SECONDS)
@@ -265,7 +271,7 @@ class Server:
                     await trio.sleep(0.1)
                     continue
                 raise
-            refuse = len(self.connections) >= self.config.max_connections
+            refuse = len(self.connections) >= self.max_connections
             conns.start_soon(serve_connection, self, stream, refuse)
 
 
@@ -311,11 +317,30 @@ def _database_bytes(path: str) -> int:
     return total
 
 
-def _raise_file_limit(wanted: int) -> None:
+def _connections_allowed(wanted: int) -> int:
+    """Raise the file-descriptor limit for `wanted` connections; if the hard
+    limit does not allow that many, as many as it does. Beyond them a client
+    is refused with 503 instead of waiting in the listen backlog while
+    accept fails for lack of descriptors."""
+    soft = _raise_file_limit(wanted + FILE_RESERVE)
+    if soft == resource.RLIM_INFINITY or soft >= wanted + FILE_RESERVE:
+        return wanted
+    allowed = max(1, soft - FILE_RESERVE)
+    log.warning(
+        "the file-descriptor limit (%d) allows %d connections, not --max-connections %d; "
+        "raise it (ulimit -n) to serve more", soft, allowed, wanted,
+    )
+    return allowed
+
+
+def _raise_file_limit(wanted: int) -> int:
+    """The soft limit, raised towards `wanted` as far as the hard one allows."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
     if soft != resource.RLIM_INFINITY and soft < target:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        return target
+    return soft
 
 
 async def serve(config: Config) -> None:

@@ -782,6 +782,14 @@ class QueryTimeout(Exception):
     pass
 
 
+def _read_only_uri(path: str) -> str:
+    """A URI that opens `path` read-only. An absolute path gets an empty
+    authority (`file://` + path): after a bare `file:`, a path starting with
+    `//` would make its first directory the URI's authority."""
+    authority = "//" if path.startswith("/") else ""
+    return f"file:{authority}{quote(path)}?mode=ro"
+
+
 def read_only_query(
     path: str, sql: str, seconds: float, max_rows: int
 ) -> tuple[list[str], list[tuple[object, ...]]]:
@@ -791,7 +799,7 @@ def read_only_query(
     QueryTimeout when it runs past `seconds`, and OverflowError when it
     returns more than `max_rows` rows.
     """
-    db = sqlite3.connect(f"file:{quote(path)}?mode=ro", uri=True, isolation_level=None)
+    db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
     try:
         db.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, QUERY_MAX_LENGTH)
         db.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
@@ -820,7 +828,7 @@ def prune_pending(
     an idle server adds no transaction: a standalone job in a state of
     `before` that ended before its time there, a reply kept past its grace
     period (expired at `now`), or free pages to reclaim."""
-    db = sqlite3.connect(f"file:{quote(path)}?mode=ro", uri=True, isolation_level=None)
+    db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
     try:
         for state, cutoff in before.items():
             row = db.execute(

@@ -14,8 +14,9 @@ import itertools
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from enum import Enum
+from functools import partial
 from typing import Any
 
 import outcome
@@ -26,6 +27,11 @@ from .globmatch import glob_match
 from .writer import Work, Writer
 
 log = logging.getLogger("jobserver")
+
+# After a failed transaction (the database locked past its busy timeout, a
+# full disk), what the clock and the give-backs still owe is tried again
+# this long after: soon enough for a waiting worker, slow enough not to spin.
+RETRY_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,9 @@ class WaitQueue:
         self._next_due: str | None = None
         self._rearm = trio.Event()
         self._closed = False
+        # Give-backs whose transaction failed: tried again when the clock
+        # next fires, so no job is left RUNNING without an owner.
+        self._owed: list[Any] = []
 
     def anyone_waiting(self) -> bool:
         """Safe to call from another thread: one read of a dict's size."""
@@ -124,8 +133,18 @@ class WaitQueue:
         return waiter.jobs
 
     def give_back(self, jobs: Any) -> None:
-        """Return undeliverable jobs to the queue (through the writer)."""
-        self._writer.submit(Work(lambda ctx: self._undo(ctx, jobs), _log_failure))
+        """Return undeliverable jobs to the queue (through the writer), as
+        many times as it takes."""
+        self._writer.submit(Work(lambda ctx: self._undo(ctx, jobs), partial(self._given_back, jobs)))
+
+    def _given_back(self, jobs: Any, result: outcome.Outcome) -> None:
+        if isinstance(result, outcome.Error):
+            log.error(
+                "could not put undelivered jobs back: %s; trying again in %gs",
+                result.error, RETRY_SECONDS,
+            )
+            self._owed.append(jobs)
+            self._retry_soon()
 
     def notify(self, ready: set[str], due: str | None) -> None:
         """Called after each commit: these names became due; `due` is the
@@ -159,15 +178,24 @@ class WaitQueue:
                 await self._rearm.wait()
                 continue
             self._next_due = None
+            owed, self._owed = self._owed, []
+            for jobs in owed:
+                self.give_back(jobs)
             if self._tick is not None:
                 self._writer.submit(Work(self._tick, self._ticked))
             self._try(self._all_waiters())
 
     def _ticked(self, result: outcome.Outcome) -> None:
         if isinstance(result, outcome.Error):
-            log.error("the clock's tick failed: %s", result.error)
+            log.error("the clock's tick failed: %s; trying again in %gs", result.error, RETRY_SECONDS)
+            # The due time that fired was cleared: without this the clock
+            # would sleep until some later commit happened to write one.
+            self._retry_soon()
             return
         self._lower_due(result.value)
+
+    def _retry_soon(self) -> None:
+        self._lower_due(times.to_millis(times.utcnow() + timedelta(seconds=RETRY_SECONDS)))
 
     def _lower_due(self, due: str | None) -> None:
         if due is not None and (self._next_due is None or due < self._next_due):
@@ -210,6 +238,8 @@ class WaitQueue:
         if isinstance(result, outcome.Error):
             log.error("serving waiting GetJobs failed: %s", result.error)
             handed: list[Any] = [None] * len(batch)
+            # Whatever made them worth trying may still hold.
+            self._retry_soon()
         else:
             handed, due = result.value
             self._lower_due(due)
@@ -238,8 +268,3 @@ class WaitQueue:
 def _seconds_until(stored: str) -> float:
     moment = times.parse_stored(stored)
     return max(0.0, (moment - datetime.now(timezone.utc)).total_seconds())
-
-
-def _log_failure(result: outcome.Outcome) -> None:
-    if isinstance(result, outcome.Error):
-        log.error("could not put undelivered jobs back: %s", result.error)
