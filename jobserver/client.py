@@ -69,7 +69,7 @@ from typing import Any, Generic, TypeVar
 
 import trio
 
-from .protocol import escape, unescape
+from .protocol import TLS_REQUIRED, escape, unescape
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8888
@@ -616,14 +616,17 @@ class _Endpoint:
                 "certificate with --tls-ca FILE"
             )
         if _speaks_no_tls(error):
-            how = (
-                "it closed the connection at the start of the TLS handshake"
-                if isinstance(error, _ENDED)
-                else "it answered the TLS handshake with something else"
-            )
             return TLSFailed(
-                f"the server at {self.address} does not speak TLS ({how}); "
-                "leave out --tls and --tls-ca"
+                f"the server at {self.address} does not speak TLS (it answered the TLS "
+                "handshake with something else); leave out --tls and --tls-ca"
+            )
+        if isinstance(error, _ENDED):
+            # A server that is stopping or starting ends connections too:
+            # worth trying again, so not a TLSFailed.
+            return ConnectionFailed(
+                f"{_CANNOT_CONNECT} {self.address}: the connection ended during the TLS "
+                "handshake (the server may be restarting, or may not speak TLS: then leave "
+                "out --tls and --tls-ca)"
             )
         return ConnectionFailed(
             f"{_CANNOT_CONNECT} {self.address}: TLS handshake failed: {_describe(error)}"
@@ -631,7 +634,7 @@ class _Endpoint:
 
     def _check_plaintext_reply(self, reply: Reply) -> None:
         """A TLS-only port answers a plaintext client with this one reply."""
-        if self.tls is None and reply.status == _TLS_REQUIRED:
+        if self.tls is None and reply.status == TLS_REQUIRED:
             raise TLSFailed(f"the server at {self.address} requires TLS: use --tls")
 
 
@@ -654,25 +657,22 @@ def _describe(error: BaseException) -> str:
 # OpenSSL's verify codes for a certificate that does not name the host.
 _NAME_MISMATCH = frozenset({62, 64})  # X509_V_ERR_HOSTNAME_MISMATCH, _IP_ADDRESS_MISMATCH
 # OpenSSL's reasons when the peer answers a ClientHello with something that
-# is not TLS (a plaintext reply) or with the end of the connection.
+# is not TLS (a plain-text reply such as TLS_NOT_SPOKEN).
 _NOT_TLS_REASONS = frozenset(
-    {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG",
-     "UNEXPECTED_EOF_WHILE_READING", "UNEXPECTED_RECORD"}
+    {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "UNEXPECTED_RECORD"}
 )
-# A TLS port's reply to a connection that does not begin with a TLS handshake.
-_TLS_REQUIRED = "400 This port requires TLS"
 
 
-# How a peer that is not a TLS server ends a TLS handshake: by closing or
-# resetting the connection.
+# How a handshake ends when the connection does: a server restarting, or
+# one that does not speak TLS and said nothing.
 _ENDED = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionError)
 
 
 def _speaks_no_tls(error: BaseException) -> bool:
     """Whether a handshake failure means the peer is not a TLS server: it
-    closed or reset the connection, or answered with something not TLS."""
+    answered with something that is not TLS."""
     if isinstance(error, _ENDED):
-        return True
+        return False
     return isinstance(error, ssl.SSLError) and error.reason in _NOT_TLS_REASONS
 
 

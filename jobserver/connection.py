@@ -29,7 +29,14 @@ import trio
 from . import commands, handout, params, peer, query
 from .errors import CommandError
 from .handout import Handout, JobQuery, Taken
-from .protocol import Request, RequestParser, Response, encode_response
+from .protocol import (
+    TLS_NOT_SPOKEN,
+    TLS_REQUIRED,
+    Request,
+    RequestParser,
+    Response,
+    encode_response,
+)
 from .waiters import Selector
 
 if TYPE_CHECKING:
@@ -48,9 +55,6 @@ SEND_PIECE = 256 * 1024
 CLOSE_PATIENCE = 1.0
 # The first byte of every TLS connection: a handshake record.
 TLS_HANDSHAKE = 0x16
-# What a TLS port answers, in plain text, to a client that does not speak
-# TLS: `nc` shows it, and the client library turns it into advice.
-TLS_REQUIRED = "400 This port requires TLS"
 
 
 class NotTLS(Exception):
@@ -239,6 +243,7 @@ class Connection:
         if not self._received_any:
             self._received_any = True
             if data[0] == TLS_HANDSHAKE and self.server.tls_context is None:
+                await self.say_and_close(TLS_NOT_SPOKEN)
                 raise TLSOnPlainPort("TLS handshake on a plain-text port")
         self.pending.extend(self.parser.feed(data))
 

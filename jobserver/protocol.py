@@ -35,6 +35,14 @@ MAX_BODY = 1024 * 1024
 
 _LINE_END = re.compile(rb"\r?\n")
 
+# What a TLS port answers, in plain text, to a client that does not speak
+# TLS: `nc` shows it, and the client library turns it into advice.
+TLS_REQUIRED = "400 This port requires TLS"
+# What a plain-text port answers to a TLS handshake: not TLS, so the
+# client's TLS layer says plainly that the server does not speak it,
+# rather than seeing the connection simply end (which a restart also does).
+TLS_NOT_SPOKEN = "400 This port does not speak TLS"
+
 
 class ProtocolError(Exception):
     """The peer broke the framing; the connection cannot stay in step.

@@ -146,8 +146,13 @@ def test_a_tls_handshake_on_a_plain_port_is_closed(start_server, tls_files):
     _, _, ca = tls_files
     context = ssl.create_default_context(cafile=str(ca))
     with socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE) as raw:
-        with pytest.raises((ssl.SSLError, ConnectionError)):
+        with pytest.raises(ssl.SSLError, match="WRONG_VERSION_NUMBER"):
             context.wrap_socket(raw, server_hostname="localhost")
+    # What it was told, in plain text, had it been looking.
+    with server.client() as plain:
+        plain.send(b"\x16\x03\x01\x00\x05hello")
+        assert plain.read_reply().status == "400 This port does not speak TLS"
+        assert plain.at_eof()
     poll_until(lambda: "TLS handshake on a plain-text port" in server.log, DEADLINE, "the log")
     alive_and_serving(server)
 
