@@ -16,9 +16,6 @@ import trio
 
 from . import __version__, jsonbody, workers
 from .client import (
-    auth_token,
-    DEFAULT_HOST,
-    DEFAULT_PORT,
     Client,
     Conflict,
     ConnectionFailed,
@@ -26,19 +23,23 @@ from .client import (
     JobNotFound,
     JobServerError,
     ServerError,
+    auth_token,
     parse_address,
 )
+from .context import DEFAULT_STALE_AFTER
 from .options import (
     AUTH_TOKEN_HELP,
+    DEFAULT_SERVER,
+    LOG_LEVELS,
     MAX_JOB_ID,
     add_tls_arguments,
     duration,
     job_id,
+    log_level,
     number,
     server_address,
     tls_option,
 )
-from .context import DEFAULT_STALE_AFTER
 from .server import Config, Server
 from .store import DEFAULT_REPLY_GRACE, SYNCHRONOUS_MODES, StoreError
 from .times import duration_text
@@ -57,12 +58,12 @@ MAX_IDLE_SECONDS = 86400.0
 # The largest request (4 MiB of head, 1 MiB of body) arrives within this
 # over any link still worth serving.
 MAX_REQUEST_SECONDS = 3600.0
-# Ten years: retention beyond that is an archive, not a queue.
-MAX_KEEP_SECONDS = 3650 * 86400.0
+# Ten years: for retention, longer is an archive, not a queue; for the
+# stale-job net, longer is the same as never.
+MAX_DURATION_SECONDS = 3650 * 86400.0
 # An early reply waits at most as long as an AwaitReply may (30 days).
 MIN_REPLY_GRACE_SECONDS = 1.0
 MAX_REPLY_GRACE_SECONDS = 30 * 86400.0
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def _add_serve(sub: Any) -> None:
@@ -153,19 +154,19 @@ def _add_serve(sub: Any) -> None:
     )
     serve.add_argument(
         "--keep-finished",
-        type=duration(0.0, MAX_KEEP_SECONDS),
+        type=duration(0.0, MAX_DURATION_SECONDS),
         default=0.0,
         metavar="DURATION",
         help="keep finished jobs, with their final data, this long: 0 to "
-        f"{duration_text(MAX_KEEP_SECONDS)}, such as 90s, 30m, 12h or 7d "
+        f"{duration_text(MAX_DURATION_SECONDS)}, such as 90s, 30m, 12h or 7d "
         "(default: 0, deleted at once, as Bedrock does)",
     )
     serve.add_argument(
         "--keep-failed",
-        type=duration(0.0, MAX_KEEP_SECONDS),
+        type=duration(0.0, MAX_DURATION_SECONDS),
         metavar="DURATION",
         help="delete FAILED jobs this long after they failed: 0 to "
-        f"{duration_text(MAX_KEEP_SECONDS)} (default: kept until deleted or requeued)",
+        f"{duration_text(MAX_DURATION_SECONDS)} (default: kept until deleted or requeued)",
     )
     serve.add_argument(
         "--reply-grace",
@@ -180,12 +181,12 @@ def _add_serve(sub: Any) -> None:
     )
     serve.add_argument(
         "--stale-after",
-        type=duration(0.0, MAX_KEEP_SECONDS),
+        type=duration(0.0, MAX_DURATION_SECONDS),
         default=DEFAULT_STALE_AFTER,
         metavar="DURATION",
         help="a RUNNING job with no report (FinishJob, FailJob, RetryJob, UpdateJob, "
         "TouchJob) for this long counts as a failed attempt: retried by its retry policy, "
-        f"else FAILED; 0 (never, as Bedrock) or 1s to {duration_text(MAX_KEEP_SECONDS)} "
+        f"else FAILED; 0 (never, as Bedrock) or 1s to {duration_text(MAX_DURATION_SECONDS)} "
         f"(default: {duration_text(DEFAULT_STALE_AFTER)})",
     )
     serve.add_argument(
@@ -196,7 +197,7 @@ def _add_serve(sub: Any) -> None:
     )
     serve.add_argument(
         "--log-level",
-        type=str.upper,
+        type=log_level,
         choices=LOG_LEVELS,
         default="INFO",
         metavar="LEVEL",
@@ -308,7 +309,6 @@ def _serve(args: argparse.Namespace) -> int:
 # its result is printed as JSON, a refusal as the status line on stderr with
 # an exit status a script can test.
 
-DEFAULT_SERVER = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
 EXIT_NOT_FOUND = 1
 EXIT_USAGE = 2
 EXIT_ILLEGAL_STATE = 3

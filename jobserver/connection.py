@@ -21,8 +21,9 @@ import math
 import socket
 import ssl
 from collections import deque
+from collections.abc import Awaitable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
     from .server import Server
 
 log = logging.getLogger("jobserver")
+
+T = TypeVar("T")
 
 # Read size per receive: a whole ordinary request, and a large one in a few reads.
 RECEIVE_SIZE = 65536
@@ -103,9 +106,10 @@ class Connection:
         # Replies with jobs written whole, until the client's kernel has
         # acknowledged them (peer.py).
         self.deliveries = peer.Deliveries(stream)
-        # True while waiting for the next request: the only moment a
-        # shutdown may cut the connection without losing a reply.
-        self._idle = False
+        # Set while waiting for the next request: the only moment a shutdown
+        # may cut the connection without losing a reply. Cancelling it stops
+        # that read alone; a request that has arrived meanwhile is answered.
+        self._reading: trio.CancelScope | None = None
         # Its deadline is the idle or request timeout while reading, and
         # none while a request is answered.
         self._scope = trio.CancelScope()
@@ -114,8 +118,8 @@ class Connection:
 
     def stop_reading(self) -> None:
         """Shutdown: an idle connection stops waiting for its next request."""
-        if self._idle:
-            self._scope.cancel()
+        if self._reading is not None:
+            self._reading.cancel()
 
     async def run(self) -> None:
         with self._scope:
@@ -150,16 +154,15 @@ class Connection:
         errors = _leaves(failure) if failure is not None else []
         unexpected = [e for e in errors if not _is_hang_up(e)]
         cause = _describe(errors[0]) if errors else "closed"
-        if unexpected:
-            log.error("connection from %s failed; closed", self.name, exc_info=unexpected[0])
+        left = ""
         if taken:
-            log.info(
-                "connection from %s ended (%s) before it took job%s %s: put back",
-                self.name, cause, "s" if len(taken) > 1 else "",
-                ", ".join(str(t.job.jobID) for t in taken),
+            left = " before it took job{} {}: put back".format(
+                "s" if len(taken) > 1 else "", ", ".join(str(t.job.jobID) for t in taken)
             )
-        elif unexpected:
-            return
+        if unexpected:
+            log.error("connection from %s failed%s", self.name, left, exc_info=unexpected[0])
+        elif taken:
+            log.info("connection from %s ended (%s)%s", self.name, cause, left)
         elif errors and (isinstance(errors[0], (NotTLS, TLSOnPlainPort)) or _is_tls_failure(errors[0])):
             log.info("connection from %s: %s; closed", self.name, cause)
         elif errors:
@@ -178,7 +181,7 @@ class Connection:
         client speaking plain text is told so in plain text."""
         self._scope.deadline = trio.current_time() + self.server.config.idle_timeout
         sock = peer.transport_socket(self.stream)
-        first = await sock.recv(1, socket.MSG_PEEK)
+        first = await self._read(sock.recv(1, socket.MSG_PEEK))
         if not first:
             return False
         if first[0] != TLS_HANDSHAKE:
@@ -217,14 +220,21 @@ class Connection:
             if self.eof or self.parser.error is not None or self.server.closing:
                 return None
             self._scope.deadline = self._read_deadline()
-            self._idle = True
-            try:
-                await self._receive()
-            finally:
-                self._idle = False
+            await self._read(self._receive())
         self._scope.deadline = math.inf
         self._request_began = None
         return self.pending.popleft()
+
+    async def _read(self, reading: Awaitable[T]) -> T | None:
+        """One read that a shutdown may stop (then None)."""
+        try:
+            with trio.CancelScope() as self._reading:
+                if self.server.closing:
+                    self._reading.cancel()
+                return await reading
+        finally:
+            self._reading = None
+        return None
 
     def _read_deadline(self) -> float:
         config = self.server.config

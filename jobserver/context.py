@@ -27,6 +27,9 @@ class Settings:
     # Seconds a RUNNING job may go without a report before it counts as a
     # failed attempt (--stale-after); 0 never.
     stale_after: float = DEFAULT_STALE_AFTER
+    # When this server started (stored-time text): a worker cannot report
+    # while the server is down, so silence is counted from here at the most.
+    serving_since: str = ""
 
 
 @dataclass

@@ -18,14 +18,14 @@ def tick(ctx: Context) -> str | None:
     replies.expire(ctx)
     stale.expire(ctx)
     return _earliest(
-        ctx.store.next_due(ctx.now_ms), stale.next_deadline(ctx.store, ctx.settings.stale_after)
+        ctx.store.next_due(ctx.now_ms), stale.next_deadline(ctx.store, ctx.settings)
     )
 
 
 def at_start(store: Store, settings: Settings) -> str | None:
     """Deadlines kept in the database, passed or not: they fire at start
-    (at once for those that passed while the server was down)."""
-    return _earliest(store.first_deadline(), stale.next_deadline(store, settings.stale_after))
+    (at once for reply deadlines that passed while the server was down)."""
+    return _earliest(store.first_deadline(), stale.next_deadline(store, settings))
 
 
 def _earliest(*moments: str | None) -> str | None:

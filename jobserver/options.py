@@ -8,12 +8,15 @@ import argparse
 import math
 from collections.abc import Callable
 
-from .client import TLS, parse_address
+from .client import DEFAULT_HOST, DEFAULT_PORT, TLS, parse_address
 from .times import duration_text, parse_duration
 
 # The largest jobID (protocol.md section 3): SQLite's largest integer.
 MAX_JOB_ID = 2**63 - 1
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# Where the client commands and the worker manager look without --server
+# or $JOBSERVER_SERVER.
+DEFAULT_SERVER = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
 
 
 def number(

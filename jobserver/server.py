@@ -8,15 +8,14 @@ waiting GetJobs, lets requests in flight finish, then closes the database.
 
 from __future__ import annotations
 
-import errno
-import os
-import time
 import logging
+import os
 import resource
 import signal
 import ssl
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,7 +23,17 @@ from typing import Any
 
 import trio
 
-from . import __version__, commands, deadlines, handout, lockfile, peer, query, retention
+from . import (
+    __version__,
+    commands,
+    deadlines,
+    handout,
+    lockfile,
+    peer,
+    query,
+    retention,
+    times,
+)
 from .connection import Connection, serve_connection
 from .context import DEFAULT_STALE_AFTER, Settings
 from .protocol import Request, Response
@@ -38,6 +47,11 @@ log = logging.getLogger("jobserver")
 QUERY_THREADS = 4
 # How long one thread may hold the GIL while another wants it.
 GIL_SWITCH_SECONDS = 0.0005
+# After a failed accept (no descriptors left), the first pause before the
+# next, doubling while it keeps failing: the log says so a few times a
+# second at first and once every few seconds after.
+ACCEPT_PAUSE = 0.1
+ACCEPT_PAUSE_MAX = 5.0
 # Time allowed, after SIGTERM or SIGINT, for requests in flight to finish.
 SHUTDOWN_GRACE = 4.0
 # File descriptors the server needs besides its connections: the database
@@ -148,6 +162,7 @@ class Server:
             keep_finished=config.keep_finished > 0,
             reply_grace=config.reply_grace,
             stale_after=config.stale_after,
+            serving_since=times.to_millis(times.utcnow()),
         )
         self.writer = Writer(self.store, self._notify, settings)
         self.waits = WaitQueue(
@@ -262,15 +277,19 @@ class Server:
             await listener.aclose()
 
     async def _accept_loop(self, listener: Any, conns: trio.Nursery) -> None:
+        pause = ACCEPT_PAUSE
         while True:
             try:
                 stream = await listener.accept()
             except OSError as error:
-                if error.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    log.error("accept failed: %s", error)
-                    await trio.sleep(0.1)
-                    continue
-                raise
+                # Out of descriptors or memory, or stranger: the connections
+                # already open are served meanwhile, and only a stop signal
+                # ends the server.
+                log.error("accept failed: %s; trying again in %gs", error, pause)
+                await trio.sleep(pause)
+                pause = min(pause * 2, ACCEPT_PAUSE_MAX)
+                continue
+            pause = ACCEPT_PAUSE
             refuse = len(self.connections) >= self.max_connections
             conns.start_soon(serve_connection, self, stream, refuse)
 

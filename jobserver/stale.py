@@ -17,7 +17,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from . import times
-from .context import Context
+from .context import Context, Settings
 from .handout import fail_run
 from .store import Store
 
@@ -37,6 +37,9 @@ def expire(ctx: Context) -> None:
     if not seconds:
         return
     cutoff = times.to_millis(ctx.now - timedelta(seconds=seconds))
+    if ctx.settings.serving_since > cutoff:
+        # Not up that long: no worker can have been silent that long to us.
+        return
     stale = ctx.store.stale(cutoff, EXPIRE_BATCH)
     for job in stale:
         fail_run(ctx, job, lost_error(seconds))
@@ -44,14 +47,14 @@ def expire(ctx: Context) -> None:
         ctx.wake_all()
 
 
-def next_deadline(store: Store, seconds: float) -> str | None:
+def next_deadline(store: Store, settings: Settings) -> str | None:
     """The earliest stale deadline of a RUNNING job, passed or not."""
-    if not seconds:
+    if not settings.stale_after:
         return None
     oldest = store.oldest_report()
-    if not oldest:
+    if oldest is None:
         return None
-    return deadline(oldest, seconds)
+    return deadline(max(oldest, settings.serving_since), settings.stale_after)
 
 
 def deadline(reported: str, seconds: float) -> str:

@@ -152,7 +152,8 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     4: (
         "ALTER TABLE jobs ADD COLUMN lastReport TEXT NOT NULL DEFAULT ''",
         # Running jobs count from their hand-out, the last time they were seen.
-        "UPDATE jobs SET lastReport = COALESCE(lastRun, created) WHERE state = 'RUNNING'",
+        "UPDATE jobs SET lastReport = COALESCE(NULLIF(lastRun, ''), created) "
+        "WHERE state = 'RUNNING'",
         "CREATE INDEX jobsRunningReport ON jobs (lastReport) WHERE state = 'RUNNING'",
     ),
 }
@@ -529,10 +530,13 @@ class Store:
 
     def oldest_report(self) -> str | None:
         """The lastReport of the RUNNING job heard from least recently."""
+        # A RUNNING job without a report time (which should not exist) must
+        # not hide the others' deadlines; stale() takes it at the next tick.
         row = self._db.execute(
-            "SELECT MIN(lastReport) FROM jobs WHERE state = 'RUNNING'"
+            "SELECT lastReport FROM jobs INDEXED BY jobsRunningReport WHERE state = 'RUNNING' "
+            "AND lastReport > '' ORDER BY lastReport LIMIT 1"
         ).fetchone()
-        return row[0]
+        return row[0] if row else None
 
     def stale(self, reported_before: str, limit: int) -> list[Job]:
         """RUNNING jobs last heard from at or before `reported_before`,

@@ -45,10 +45,7 @@ from typing import Any
 import trio
 
 from .client import (
-    DEFAULT_HOST,
-    DEFAULT_PORT,
     AsyncClient,
-    auth_token,
     Conflict,
     ConnectionFailed,
     IllegalState,
@@ -57,11 +54,13 @@ from .client import (
     JobServerError,
     ServerError,
     TLSFailed,
+    auth_token,
     parse_address,
     tls_context,
 )
 from .options import (
     AUTH_TOKEN_HELP,
+    DEFAULT_SERVER,
     LOG_LEVELS,
     add_tls_arguments,
     log_level,
@@ -73,7 +72,6 @@ from .repeat import offset_seconds
 
 log = logging.getLogger("jobserver.workers")
 
-DEFAULT_SERVER = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
 
 # sysexits.h: "temporary failure, the user is invited to retry" -- the one
 # exit status with that meaning that tools already use (sendmail, procmail).

@@ -166,13 +166,11 @@ class Writer:
 
     def _wake_in_transaction(self, ready: set[str], due: str | None, woken: _Woken) -> None:
         """Serve, before the commit, the waiting GetJobs this batch woke."""
-        if not (ready or due is not None):
-            return
-        if not self.anyone_waiting():
-            # Nobody to serve: skip the round trip to the event loop, which
-            # hears of these names after the commit instead. A GetJob that
-            # starts waiting meanwhile tries after this commit, so it still
-            # sees the jobs.
+        if not ready or not self.anyone_waiting():
+            # Nobody to serve now (only a later due time, or no waiter):
+            # skip the round trip to the event loop, which hears of this
+            # after the commit instead. A GetJob that starts waiting
+            # meanwhile tries after this commit, so it still sees the jobs.
             woken.ready, woken.due = ready, due
             return
         # Recorded before they run, so that they are answered even if the
@@ -185,13 +183,16 @@ class Writer:
             woken.ready, woken.due = _merge(ctx for _, ctx in results)
 
     def _catch(self, ready: set[str], due: str | None) -> list[Work]:
-        """On the event loop: the requests that notifying this produces."""
+        """On the event loop: the requests that notifying this produces,
+        all of them even if notifying fails part way: each must be
+        answered, or its waiting GetJob would wait for it forever."""
         self._caught = []
         try:
             self._notify(ready, due)
-            return self._caught
-        finally:
-            self._caught = None
+        except Exception:
+            log.exception("notifying waiting GetJobs failed")
+        caught, self._caught = self._caught, None
+        return caught
 
     def _execute(self, batch: list[Work]) -> tuple[list[outcome.Outcome], set[str], str | None]:
         """Run a batch's requests in one open transaction (not committed).

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import trustme
 from procserver import ServerProcess, poll_until
+from tls_certs import make_certificates
 from wire import Client
 
 CHAOS_CLIENT = Path(__file__).with_name("chaos_client.py")
@@ -209,14 +209,8 @@ def _check_one_holder_at_a_time(job_id: int, events: list[tuple[float, Chaos, st
 def transport(request, tmp_path: Path) -> tuple[list[str], str | None]:
     if request.param == "plain":
         return [], None
-    authority = trustme.CA()
-    certificate = authority.issue_cert("localhost", "127.0.0.1")
-    certificate.cert_chain_pems[0].write_to_path(tmp_path / "cert.pem")
-    certificate.private_key_pem.write_to_path(tmp_path / "key.pem")
-    authority.cert_pem.write_to_path(tmp_path / "ca.pem")
-    return ["--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem")], str(
-        tmp_path / "ca.pem"
-    )
+    files = make_certificates(tmp_path)
+    return ["--tls-cert", str(files.cert), "--tls-key", str(files.key)], str(files.ca)
 
 
 def test_chaos(tmp_path: Path, transport) -> None:

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import trio
-import trustme
+from procserver import poll_until, start_server  # noqa: F401  (fixture)
+from tls_certs import make_certificates
+from wire import Client
 
 from jobserver.store import Store
 from jobserver.writer import Work, Writer
-from procserver import poll_until, start_server  # noqa: F401  (fixture)
-from wire import Client
 
 DEADLINE = 20.0
 
@@ -86,13 +86,8 @@ KILLED_TLS_WORKER = textwrap.dedent(
 
 @pytest.fixture
 def tls_files(tmp_path: Path) -> tuple[Path, Path, Path]:
-    authority = trustme.CA()
-    certificate = authority.issue_cert("localhost", "127.0.0.1")
-    cert, key, ca = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
-    certificate.cert_chain_pems[0].write_to_path(cert)
-    certificate.private_key_pem.write_to_path(key)
-    authority.cert_pem.write_to_path(ca)
-    return cert, key, ca
+    files = make_certificates(tmp_path)
+    return files.cert, files.key, files.ca
 
 
 def test_a_tls_worker_killed_while_waiting_ends_only_its_connection(start_server, tls_files, tmp_path):

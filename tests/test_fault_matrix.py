@@ -28,9 +28,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import trustme
 from procserver import ServerProcess, locked, poll_until
 from tcpstate import queues
+from tls_certs import make_certificates
 from victim import STAGES
 from wire import Client
 
@@ -73,13 +73,9 @@ def matrix_server(request, tmp_path_factory) -> Iterator[MatrixServer]:
     extra: list[str] = ["--log-level", "DEBUG"]
     ca = None
     if request.param == "tls":
-        authority = trustme.CA()
-        certificate = authority.issue_cert("localhost", "127.0.0.1")
-        certificate.cert_chain_pems[0].write_to_path(folder / "cert.pem")
-        certificate.private_key_pem.write_to_path(folder / "key.pem")
-        authority.cert_pem.write_to_path(folder / "ca.pem")
-        extra += ["--tls-cert", str(folder / "cert.pem"), "--tls-key", str(folder / "key.pem")]
-        ca = str(folder / "ca.pem")
+        files = make_certificates(folder)
+        extra += ["--tls-cert", str(files.cert), "--tls-key", str(files.key)]
+        ca = str(files.ca)
     proc = ServerProcess(folder / "jobs.db", *extra)
     try:
         yield MatrixServer(proc, ca)
