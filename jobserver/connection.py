@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
-from . import commands, handout, params, peer, query
+from . import commands, handout, params, peer, query, repeat
 from .errors import CommandError
 from .handout import Handout, JobQuery, Taken
 from .protocol import (
@@ -293,9 +293,27 @@ class Connection:
                 return Response("430 Unrecognized command")
             if commands.wants_wait(request):
                 return await self._wait_for_jobs(request)
+            await self._check_repeats_first(request, verb)
             return await self.server.writer.call(partial(commands.execute, request=request))
         except CommandError as error:
             return Response(error.status)
+
+    async def _check_repeats_first(self, request: Request, verb: str) -> None:
+        """Repeat rules are checked by computing them from many moments
+        (repeat.py), which can take tens of milliseconds: done here, one
+        request at a time, in a thread that does not hold up the writer."""
+        texts = []
+        if verb == "createjobs":
+            jobs = request.get("jobs") or ""
+            if '"repeat"' in jobs.lower():
+                texts = repeat.rules_in(jobs)
+        elif verb in ("createjob", "updatejob"):
+            text = request.get("repeat")
+            texts = [text] if text else []
+        if texts:
+            await trio.to_thread.run_sync(
+                repeat.warm, texts, limiter=self.server.rule_check_limiter
+            )
 
     def _authorized(self, request: Request) -> bool:
         expected = self.server.config.auth_token

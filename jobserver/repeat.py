@@ -310,6 +310,36 @@ def sample_bases(modifiers: tuple[str, ...]) -> list[str]:
     return bases
 
 
+def rules_in(request_text: str) -> list[str]:
+    """Repeat rules a CreateJobs `jobs` value holds, found without parsing
+    more than its JSON; [] when it is not what CreateJobs wants."""
+    try:
+        elements = json.loads(request_text)
+    except ValueError:
+        return []
+    if not isinstance(elements, list):
+        return []
+    found = []
+    for element in elements:
+        if isinstance(element, dict):
+            found += [v for k, v in element.items() if k.lower() == "repeat" and isinstance(v, str)]
+    return found
+
+
+def warm(texts: list[str]) -> None:
+    """Check these rules now, so that the verdicts are cached before the
+    writer asks: the check can take tens of milliseconds, and the writer
+    thread serves everyone. Run in a thread of its own; errors are the
+    writer's to report."""
+    for text in texts:
+        try:
+            rule = parse_repeat(text)
+        except MalformedRepeat:
+            continue
+        if len(rule.modifiers) <= MAX_MODIFIERS:
+            _problem(rule.modifiers)
+
+
 def check_moves_forward(rule: Repeat) -> None:
     """Raise MalformedRepeat, with the reason, if from some base the rule
     gives a time that is not later than the base, or if it has more

@@ -112,6 +112,10 @@ class Server:
         # --max-connections, or fewer if the file-descriptor limit says so.
         self.max_connections = config.max_connections
         self._query_limiter = trio.CapacityLimiter(QUERY_THREADS)
+        # Repeat rules are checked one at a time outside the writer
+        # (connection.py): many clients sending new rules take one core at
+        # the most, and never the writer's time.
+        self.rule_check_limiter = trio.CapacityLimiter(1)
         self._stop = trio.Event()
         self.token: trio.lowlevel.TrioToken | None = None
         # Built once; each connection starts TLS itself, after checking that

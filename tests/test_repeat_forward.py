@@ -309,3 +309,23 @@ def test_the_check_does_not_mistake_another_spelling_of_the_base(server, client)
     assert job["state"] == "QUEUED"
     expected = datetime.fromisoformat(base) + timedelta(hours=1)
     assert job["nextRun"] == expected.strftime("%Y-%m-%d %H:%M:%S")
+
+
+# The check costs milliseconds; it must not cost them in the writer thread,
+# which every other request waits for.
+
+
+@pytest.mark.parametrize(
+    "method, params",
+    [
+        ("CreateJob", {"name": "warm", "repeat": "STARTED, +1 MONTH, WEEKDAY 3, +5 HOURS"}),
+        ("CreateJobs", {"jobs": [{"name": "warm", "repeat": "SCHEDULED, +2 MONTHS, WEEKDAY 4"}]}),
+    ],
+)
+def test_a_new_rule_is_checked_before_the_writer_sees_it(server, client, method, params):
+    repeat._problem.cache_clear()
+    reply = client.request(method, **params)
+    assert reply.code == 200, reply.status
+    info = repeat._problem.cache_info()
+    # Computed once, in the checking thread; the writer found it done.
+    assert (info.misses, info.hits) == (1, 1)
