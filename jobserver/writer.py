@@ -36,6 +36,10 @@ log = logging.getLogger("jobserver")
 # first request of a batch is not kept waiting long for the last.
 MAX_BATCH = 256
 
+# Rounds of late work a stopping writer runs (see Writer.stop): each one is
+# what the previous round's outcomes asked for, so two or three suffice.
+STOP_ROUNDS = 5
+
 # notify(ready names, earliest future nextRun): runs on the event loop.
 Notify = Callable[[set[str], "str | None"], None]
 
@@ -94,10 +98,23 @@ class Writer:
     async def stop(self) -> None:
         """Finish everything queued, then stop the thread. While another
         process holds the database, what is left fails fast instead of each
-        batch waiting out the busy timeout."""
+        batch waiting out the busy timeout.
+
+        The last batches' outcomes are delivered on the event loop, and
+        what they submit (jobs given back by a waiting GetJob that left)
+        would queue behind the stop: so the writer runs again for it,
+        until a round submits nothing, or STOP_ROUNDS have passed."""
         self._store.stopping = True
-        self._queue.put(_STOP)
-        await trio.to_thread.run_sync(self._thread.join)
+        for _ in range(STOP_ROUNDS):
+            self._queue.put(_STOP)
+            await trio.to_thread.run_sync(self._thread.join)
+            # The outcomes delivered after the last batch run now.
+            await trio.sleep(0)
+            if self._queue.empty():
+                return
+            self._thread = threading.Thread(target=self._loop, name="jobserver-writer", daemon=True)
+            self._thread.start()
+        log.error("the writer was still given work after %d rounds of stopping", STOP_ROUNDS)
 
     def _loop(self) -> None:
         while True:

@@ -211,3 +211,26 @@ async def test_a_failing_commit_callback_stays_its_own(tmp_path):
     assert await writer.call(lambda ctx: 3) == 3
     await writer.stop()
     store.close()
+
+
+# What the last outcomes submit while the writer stops (a waiting GetJob's
+# jobs given back) still runs: no job is left RUNNING by a shutdown.
+
+
+async def test_work_submitted_while_the_writer_stops_still_runs(tmp_path):
+    store = Store(str(tmp_path / "jobs.db"))
+    writer = Writer(store, lambda ready, due: None)
+    writer.start()
+    ran: list[str] = []
+
+    def late(ctx: object) -> None:
+        ran.append("late")
+
+    def then_submit(result: object) -> None:
+        writer.submit(Work(late, lambda result: None))
+
+    writer.submit(Work(lambda ctx: ran.append("first"), then_submit))
+    with trio.fail_after(DEADLINE):
+        await writer.stop()
+    assert ran == ["first", "late"]
+    store.close()
