@@ -147,6 +147,9 @@ class Deliveries:
         return [job for _, jobs in self._pending for job in jobs]
 
     def _counters(self) -> tuple[int, int]:
+        """Bytes the client acknowledged so far, and the TCP state."""
+        if self._sock is None:
+            raise OSError("no TCP socket")
         info = self._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_SIZE)
         return struct.unpack_from("Q", info, _BYTES_ACKED_AT)[0], info[0]
 

@@ -170,7 +170,7 @@ class RequestParser:
         """Bytes received but not yet part of a complete request."""
         return len(self._buffer)
 
-    def feed(self, data: bytes) -> list[Request]:
+    def feed(self, data: bytes | bytearray) -> list[Request]:
         if self.error is not None:
             return []
         self._buffer += data

@@ -19,7 +19,7 @@ import pytest
 from fake_server import FakeServer, reply
 from jobserver.cli import main
 from jobserver.client import Client
-from tls_certs import tls_server
+from tls_certs import secure  # noqa: F401  (a fixture)
 
 RUN_TIMEOUT = 15.0
 DEADLINE = 5.0
@@ -261,12 +261,6 @@ def test_help_documents_the_exit_statuses(capsys):
 
 
 # TLS.
-
-
-@pytest.fixture
-def secure(tmp_path):
-    with tls_server(tmp_path / "tls") as pair:
-        yield pair
 
 
 def test_tls_with_a_ca_file(secure):

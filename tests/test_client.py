@@ -36,7 +36,7 @@ from jobserver.client import (
     parse_address,
 )
 from jobserver.protocol import RequestParser
-from tls_certs import tls_server
+from tls_certs import secure, tls_server  # noqa: F401  (secure: a fixture)
 
 DEADLINE = 5.0
 
@@ -683,13 +683,6 @@ async def test_async_flow_control_methods(server):
 
 
 # TLS.
-
-
-@pytest.fixture
-def secure(tmp_path):
-    """A real server speaking TLS, and its certificate files."""
-    with tls_server(tmp_path / "tls") as pair:
-        yield pair
 
 
 def test_tls_trusting_a_ca_file_on_one_kept_connection(secure):

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import trustme
 
 from conftest import ThreadServer
@@ -45,3 +46,10 @@ def tls_server(
         yield running, files
     finally:
         running.stop()
+
+
+@pytest.fixture
+def secure(tmp_path: Path) -> Iterator[tuple[ThreadServer, Certificates]]:
+    """A real server speaking TLS, and its certificate files."""
+    with tls_server(tmp_path / "tls") as pair:
+        yield pair
