@@ -82,12 +82,14 @@ async def serve_connection(server: Server, stream: trio.abc.Stream, refuse: bool
     except* Exception as group:
         failure = group
     finally:
-        server.connections.discard(connection)
         # Shielded, and bounded inside: the jobs of a connection cut off by
-        # a shutdown are settled too.
+        # a shutdown are settled too. It counts against --max-connections
+        # until its socket is closed: until then it holds a descriptor.
         with trio.CancelScope(shield=True):
             await connection.end(failure)
             await connection.close()
+        server.connections.discard(connection)
+        server.connection_ended()
 
 
 class Connection:

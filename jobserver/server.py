@@ -58,6 +58,9 @@ SHUTDOWN_GRACE = 4.0
 # and its journal, the listener, Query's and the pruner's connections,
 # trio's own, and connections being refused with 503.
 FILE_RESERVE = 64
+# Connections being refused with 503 at once, within FILE_RESERVE: enough
+# for a burst of clients to be told, and leaves half the reserve.
+REFUSALS_AT_ONCE = 32
 
 
 @dataclass
@@ -121,6 +124,7 @@ class Server:
         # Built once; each connection starts TLS itself, after checking that
         # the client speaks it (connection.py).
         self.tls_context: ssl.SSLContext | None = None
+        self._connection_ended = trio.Event()
 
     def request_stop(self) -> None:
         """Shut down as if on SIGTERM."""
@@ -283,6 +287,10 @@ class Server:
     async def _accept_loop(self, listener: Any, conns: trio.Nursery) -> None:
         pause = ACCEPT_PAUSE
         while True:
+            # Refusing takes a descriptor too: past a few refusals at once,
+            # new clients wait in the listen backlog until a connection ends.
+            while len(self.connections) >= self.max_connections + REFUSALS_AT_ONCE:
+                await self._connection_ended.wait()
             try:
                 stream = await listener.accept()
             except OSError as error:
@@ -296,6 +304,11 @@ class Server:
             pause = ACCEPT_PAUSE
             refuse = len(self.connections) >= self.max_connections
             conns.start_soon(serve_connection, self, stream, refuse)
+
+    def connection_ended(self) -> None:
+        """A connection's socket is closed: its descriptor is free."""
+        self._connection_ended.set()
+        self._connection_ended = trio.Event()
 
 
 @contextmanager
