@@ -234,3 +234,31 @@ async def test_work_submitted_while_the_writer_stops_still_runs(tmp_path):
         await writer.stop()
     assert ran == ["first", "late"]
     store.close()
+
+
+# Waiting GetJobs tried inside a transaction are answered even if waking
+# them fails part way: a try that never reports back would hold its
+# GetJob for good.
+
+
+async def test_tries_caught_before_notifying_failed_are_still_answered(tmp_path):
+    store = Store(str(tmp_path / "jobs.db"))
+    answered = trio.Event()
+
+    def notify(ready: set[str], due: str | None) -> None:
+        if ready:
+            writer.submit(Work(lambda ctx: "tried", lambda result: answered.set()))
+            raise RuntimeError("a broken wait queue")
+
+    writer = Writer(store, notify)
+    writer.anyone_waiting = lambda: True
+    writer.start()
+
+    def make_ready(ctx) -> None:
+        ctx.scheduled("ready", ctx.now_ms)
+
+    writer.submit(Work(make_ready, lambda result: None))
+    with trio.fail_after(DEADLINE):
+        await answered.wait()
+    await writer.stop()
+    store.close()
