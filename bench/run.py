@@ -38,6 +38,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import scale  # noqa: E402
+
 PAYLOAD = b"x" * 100
 
 

@@ -19,9 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from jobserver.context import Context
-from jobserver.store import Store
-from jobserver.times import utcnow
+from jobserver.core.context import Context
+from jobserver.core.times import utcnow
+from jobserver.storage.sqlite import Store
 
 NAMES = 100
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from jobserver.server import Config, Server
+from jobserver.server.app import Config, Server
 
 sys.path.insert(0, str(Path(__file__).parent))
 from wire import Client  # noqa: E402

@@ -19,7 +19,7 @@ import sys
 import atheris
 
 with atheris.instrument_imports():
-    from jobserver.protocol import RequestParser
+    from jobserver.wire.framing import RequestParser
 
 FRAMING_ERRORS = {
     "400 Malformed Content-Length",

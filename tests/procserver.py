@@ -20,7 +20,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-
 from wire import Client
 
 START_TIMEOUT = 15.0

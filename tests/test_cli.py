@@ -15,11 +15,11 @@ from datetime import datetime, timezone
 from typing import Any
 
 import pytest
-
 from fake_server import FakeServer, reply
+from tls_certs import secure  # noqa: F401  (a fixture)
+
 from jobserver.cli import main
 from jobserver.client import Client
-from tls_certs import secure  # noqa: F401  (a fixture)
 
 RUN_TIMEOUT = 15.0
 DEADLINE = 5.0

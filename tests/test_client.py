@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 import trio
+from fake_server import HANG_UP, NO_REPLY, OK, FakeServer, reply
 from hypothesis import given
 from hypothesis import strategies as st
+from tls_certs import secure, tls_server  # noqa: F401  (secure: a fixture)
 
-from fake_server import HANG_UP, NO_REPLY, OK, FakeServer, reply
 from jobserver.client import (
     AsyncClient,
     Client,
@@ -35,8 +36,7 @@ from jobserver.client import (
     encode_request,
     parse_address,
 )
-from jobserver.protocol import RequestParser
-from tls_certs import secure, tls_server  # noqa: F401  (secure: a fixture)
+from jobserver.wire.framing import RequestParser
 
 DEADLINE = 5.0
 

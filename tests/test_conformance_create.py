@@ -24,7 +24,6 @@ from conformance_helpers import (
 )
 
 
-
 def _assert_new_row(job: dict, job_id: int, name: str) -> None:
     assert job["jobID"] == job_id
     assert job["state"] == "QUEUED"

@@ -13,7 +13,6 @@ import json
 from datetime import datetime, timedelta
 
 import pytest
-
 from conformance_helpers import (
     count,
     create,

@@ -12,9 +12,9 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-
-from jobserver.protocol import MAX_BODY, MAX_HEADERS, MAX_LINE
 from wire import Client, Reply, encode
+
+from jobserver.wire.framing import MAX_BODY, MAX_HEADERS, MAX_LINE
 
 QUERY_KEYS = {
     "created", "data", "jobID", "lastRun", "name", "nextRun",

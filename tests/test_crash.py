@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from jobserver.client import Client as JobClient
-from jobserver.client import ConnectionFailed, JobServerError
 from procserver import poll_until, start_server  # noqa: F401
 from wire import encode
+
+from jobserver.client import Client as JobClient
+from jobserver.client import ConnectionFailed, JobServerError
 
 THREADS = 8
 RESTARTS = 20

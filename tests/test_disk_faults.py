@@ -19,7 +19,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-
 from procserver import ServerProcess, locked, start_server  # noqa: F401
 from wire import Client, encode
 

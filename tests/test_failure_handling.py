@@ -18,15 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-
 from conformance_helpers import in_seconds, parse_time, query, row, utcnow
 from conftest import ThreadServer
-from jobserver import handout
-from jobserver.repeat import offset_seconds
-from jobserver.store import SCHEMA_VERSION, Job, Store, StoreError
+from hypothesis import given
+from hypothesis import strategies as st
 from wire import Client, Reply
+
+from jobserver.core import handout
+from jobserver.core.repeat import offset_seconds
+from jobserver.storage.sqlite import SCHEMA_VERSION, Job, Store, StoreError
 
 DEADLINE = 10.0
 POLL = 0.05

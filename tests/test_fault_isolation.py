@@ -21,8 +21,8 @@ from procserver import poll_until, start_server  # noqa: F401  (fixture)
 from tls_certs import make_certificates
 from wire import Client
 
-from jobserver.store import Store
-from jobserver.writer import Work, Writer
+from jobserver.core.writer import Work, Writer
+from jobserver.storage.sqlite import Store
 
 DEADLINE = 20.0
 

@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import ThreadServer
-from jobserver import cli, windows
-from jobserver.store import SCHEMA_VERSION, Store
-from jobserver.times import parse_duration, to_millis, to_seconds
 from test_failure_handling import layout, v1_file
 from wire import Client, Reply
+
+from jobserver import cli
+from jobserver.core import windows
+from jobserver.core.times import parse_duration, to_millis, to_seconds
+from jobserver.storage.sqlite import SCHEMA_VERSION, Store
 
 DEADLINE = 10.0
 POLL = 0.02

@@ -14,11 +14,17 @@ import re
 import socket
 
 import pytest
+from conftest import ThreadServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import ThreadServer
-from jobserver.protocol import MAX_HEADERS, ProtocolError, Request, RequestParser, escape
+from jobserver.wire.framing import (
+    MAX_HEADERS,
+    ProtocolError,
+    Request,
+    RequestParser,
+    escape,
+)
 
 FRAMING_ERRORS = {
     "400 Malformed Content-Length",

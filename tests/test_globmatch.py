@@ -9,7 +9,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from jobserver.globmatch import glob_match
+from jobserver.core.globmatch import glob_match
 
 _db = sqlite3.connect(":memory:")
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import trio
 import trio.testing
 
-from jobserver import commands
-from jobserver.context import Context
-from jobserver.errors import CommandError
-from jobserver.protocol import Request
-from jobserver.store import Store
-from jobserver.writer import Writer
+from jobserver.core import commands
+from jobserver.core.context import Context
+from jobserver.core.errors import CommandError
+from jobserver.core.writer import Writer
+from jobserver.storage.sqlite import Store
+from jobserver.wire.framing import Request
 
 
 def create(name: str, **headers: str) -> Request:

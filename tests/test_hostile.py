@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import trustme
-
 from conftest import ThreadServer
 from wire import Client
 
@@ -252,7 +251,8 @@ def test_the_client_cli_and_manager_send_the_token(make_server, tmp_path, monkey
     import subprocess
     import sys
 
-    from jobserver.client import Client as Library, MalformedRequest
+    from jobserver.client import Client as Library
+    from jobserver.client import MalformedRequest
 
     running = make_server(auth_token="t0k")
     with Library("127.0.0.1", running.port, auth_token="t0k") as good:

@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import ThreadServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from conftest import ThreadServer
-from jobserver import params
-from jobserver.errors import CommandError
-from jobserver.protocol import Request
 from wire import Client
+
+from jobserver.core import params
+from jobserver.core.errors import CommandError
+from jobserver.wire.framing import Request
 
 FAST = settings(max_examples=300, deadline=None)
 

@@ -20,11 +20,10 @@ from datetime import datetime, timedelta, timezone
 from fnmatch import fnmatchcase
 from pathlib import Path
 
+from conftest import ThreadServer
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
-from conftest import ThreadServer
 from wire import Reply
 
 NAMES = ["a", "b", "c/x", "c/y"]

@@ -16,7 +16,6 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-
 from wire import Client, Reply
 
 RUN_TIMEOUT = 15.0

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobserver.protocol import (
+from jobserver.wire.framing import (
     MAX_BODY,
     MAX_HEAD,
     MAX_HEADERS,

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobserver.repeat import (
+from jobserver.core.repeat import (
     REANCHOR_LIMIT_SECONDS,
     START_OF_HOUR,
     MalformedRepeat,

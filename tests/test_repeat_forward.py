@@ -11,12 +11,12 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 import pytest
+from conformance_helpers import create, force, get_job, ok, utcnow
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from conformance_helpers import create, force, get_job, ok, utcnow
-from jobserver import repeat
-from jobserver.store import Store
+from jobserver.core import repeat
+from jobserver.storage.sqlite import Store
 
 FAST = settings(max_examples=400, deadline=None)
 

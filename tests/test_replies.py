@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import ThreadServer
-from jobserver import client as jobclient
-from jobserver.store import _MIGRATIONS, SCHEMA_VERSION, Store
 from test_cli import Cli
 from test_flow_control import Waiter, v2_file
 from test_workers import manager, python_worker, workers  # noqa: F401 (fixtures)
 from wire import Client, Reply
+
+from jobserver import client as jobclient
+from jobserver.storage.sqlite import _MIGRATIONS, SCHEMA_VERSION, Store
 
 DEADLINE = 10.0
 

@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from procserver import locked, poll_until, start_server  # noqa: F401
 from wire import Client, Reply, encode
 

@@ -7,10 +7,10 @@ import signal
 from pathlib import Path
 
 import pytest
-
 from conftest import ThreadServer
-from jobserver import lockfile
 from procserver import start_server  # noqa: F401  (fixture)
+
+from jobserver.storage import lockfile
 
 
 def test_a_second_server_on_the_same_file_refuses_to_start(start_server, tmp_path: Path) -> None:

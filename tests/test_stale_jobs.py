@@ -15,12 +15,13 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from conftest import ThreadServer
-from jobserver import times
-from jobserver.context import Context, Settings
-from jobserver.stale import expire, lost_error
-from jobserver.store import _MIGRATIONS, SCHEMA_VERSION, Store
 from procserver import poll_until, start_server  # noqa: F401  (fixture)
 from test_replies import schema, v3_file
+
+from jobserver.core import times
+from jobserver.core.context import Context, Settings
+from jobserver.core.stale import expire, lost_error
+from jobserver.storage.sqlite import _MIGRATIONS, SCHEMA_VERSION, Store
 
 STALE = 2.0
 DEADLINE = 30.0

@@ -15,7 +15,6 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-
 from wire import Client, Reply, encode
 
 LONG_WAIT_MS = 20_000

@@ -16,8 +16,9 @@ import sys
 import time
 from datetime import datetime, timezone
 
-from jobserver.client import Client as JobClient
 from procserver import poll_until
+
+from jobserver.client import Client as JobClient
 
 WORKER = """
 import json, sys, time

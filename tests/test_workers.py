@@ -22,8 +22,10 @@ from typing import Any
 
 import pytest
 import trio
-
 from conformance_helpers import force
+from tls_certs import tls_server
+from wire import Client, Reply
+
 from jobserver.client import Client as LibraryClient
 from jobserver.workers import (
     LOAD_NOTICE_INTERVAL,
@@ -35,8 +37,6 @@ from jobserver.workers import (
     retry_options,
     touch_period,
 )
-from tls_certs import tls_server
-from wire import Client, Reply
 
 DEADLINE = 15.0
 # The manager as users run it.

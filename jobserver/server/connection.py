@@ -27,10 +27,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
-from . import commands, handout, params, peer, query, repeat
-from .errors import CommandError
-from .handout import Handout, JobQuery, Taken
-from .protocol import (
+from jobserver.core import commands, handout, params, repeat
+from jobserver.core.errors import CommandError
+from jobserver.core.handout import Handout, JobQuery, Taken
+from jobserver.core.waiters import Selector
+from jobserver.server import peer, query
+from jobserver.wire.framing import (
     TLS_NOT_SPOKEN,
     TLS_REQUIRED,
     Request,
@@ -38,10 +40,9 @@ from .protocol import (
     Response,
     encode_response,
 )
-from .waiters import Selector
 
 if TYPE_CHECKING:
-    from .server import Server
+    from jobserver.server.app import Server
 
 log = logging.getLogger("jobserver")
 

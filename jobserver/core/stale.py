@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from . import times
-from .context import Context, Settings
-from .handout import fail_run
-from .store import Store
+from jobserver.core import times
+from jobserver.core.context import Context, Settings
+from jobserver.core.handout import fail_run
+from jobserver.storage.sqlite import Store
 
 # Jobs failed per clock tick: the rest follow in the next tick, at once,
 # so a backlog (a server down for days) never makes one long transaction.

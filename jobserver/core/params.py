@@ -6,10 +6,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from . import jsonbody, repeat, times, windows
-from .errors import CommandError
-from .protocol import Request
-from .store import PLAIN, FlowOptions, RetryPolicy
+from jobserver.core import repeat, times, windows
+from jobserver.core.errors import CommandError
+from jobserver.storage.sqlite import PLAIN, FlowOptions, RetryPolicy
+from jobserver.wire import jsonbody
+from jobserver.wire.framing import Request
 
 PRIORITIES = (1000, 850, 750, 500, 250, 0)
 DEFAULT_PRIORITY = 500

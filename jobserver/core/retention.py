@@ -14,11 +14,11 @@ from datetime import datetime, timedelta
 
 import trio
 
-from . import times
-from .context import Context
-from .errors import CommandError
-from .store import prune_pending
-from .writer import Writer
+from jobserver.core import times
+from jobserver.core.context import Context
+from jobserver.core.errors import CommandError
+from jobserver.core.writer import Writer
+from jobserver.storage.sqlite import prune_pending
 
 log = logging.getLogger("jobserver")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from . import times
-from .store import DEFAULT_REPLY_GRACE, Store
+from jobserver.core import times
+from jobserver.storage.sqlite import DEFAULT_REPLY_GRACE, Store
 
 # hipq's default job timeout: a day is longer than any job should run
 # without a word from its worker, and short enough that a job lost with

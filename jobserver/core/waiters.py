@@ -22,9 +22,9 @@ from typing import Any
 import outcome
 import trio
 
-from . import times
-from .globmatch import glob_match
-from .writer import Work, Writer
+from jobserver.core import times
+from jobserver.core.globmatch import glob_match
+from jobserver.core.writer import Work, Writer
 
 log = logging.getLogger("jobserver")
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 import sqlite3
 
-from . import jsonbody
-from .protocol import Request, Response
-from .store import QueryTimeout, read_only_query
+from jobserver.storage.sqlite import QueryTimeout, read_only_query
+from jobserver.wire import jsonbody
+from jobserver.wire.framing import Request, Response
 
 MAX_QUERY = 1024 * 1024
 # A query that runs longer than this holds a reader thread and the

@@ -22,13 +22,14 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
-from . import jsonbody, params, repeat, times, windows
-from .context import Context
-from .errors import CommandError
-from .globmatch import glob_match
-from .jsonbody import Raw
-from .protocol import Request, Response
-from .store import Job
+from jobserver.core import params, repeat, times, windows
+from jobserver.core.context import Context
+from jobserver.core.errors import CommandError
+from jobserver.core.globmatch import glob_match
+from jobserver.storage.sqlite import Job
+from jobserver.wire import jsonbody
+from jobserver.wire.framing import Request, Response
+from jobserver.wire.jsonbody import Raw
 
 # Bedrock's limit: a job whose lease expired this many times without a
 # report is failed instead of being handed out again.

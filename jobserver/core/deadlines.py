@@ -9,9 +9,9 @@ through their retry policies, and the next time to fire is returned.
 
 from __future__ import annotations
 
-from . import replies, stale
-from .context import Context, Settings
-from .store import Store
+from jobserver.core import replies, stale
+from jobserver.core.context import Context, Settings
+from jobserver.storage.sqlite import Store
 
 
 def tick(ctx: Context) -> str | None:

@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import handout, jsonbody, params, replies
-from .context import Context
-from .errors import CommandError
-from .globmatch import glob_match
-from .handout import (
+from jobserver.core import handout, params, replies
+from jobserver.core.context import Context
+from jobserver.core.errors import CommandError
+from jobserver.core.globmatch import glob_match
+from jobserver.core.handout import (
     PENDING_STATES,
     RepeatStalled,
     fail_stalled,
@@ -24,8 +24,9 @@ from .handout import (
     lease_end,
     next_run_from_repeat,
 )
-from .protocol import Request, Response, escape
-from .store import Job
+from jobserver.storage.sqlite import Job
+from jobserver.wire import jsonbody
+from jobserver.wire.framing import Request, Response, escape
 
 Handler = Callable[[Context, Request], Response]
 

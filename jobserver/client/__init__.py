@@ -69,7 +69,7 @@ from typing import Any, Generic, TypeVar
 
 import trio
 
-from .protocol import TLS_REQUIRED, escape, unescape
+from jobserver.wire.framing import TLS_REQUIRED, escape, unescape
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8888

@@ -23,23 +23,16 @@ from typing import Any
 
 import trio
 
-from . import (
-    __version__,
-    commands,
-    deadlines,
-    handout,
-    lockfile,
-    peer,
-    query,
-    retention,
-    times,
-)
-from .connection import Connection, serve_connection
-from .context import DEFAULT_STALE_AFTER, Settings
-from .protocol import Request, Response
-from .store import DEFAULT_REPLY_GRACE, Store
-from .waiters import WaitQueue
-from .writer import Writer
+from jobserver import __version__
+from jobserver.core import commands, deadlines, handout, retention, times
+from jobserver.core.context import DEFAULT_STALE_AFTER, Settings
+from jobserver.core.waiters import WaitQueue
+from jobserver.core.writer import Writer
+from jobserver.server import peer, query
+from jobserver.server.connection import Connection, serve_connection
+from jobserver.storage import lockfile
+from jobserver.storage.sqlite import DEFAULT_REPLY_GRACE, Store
+from jobserver.wire.framing import Request, Response
 
 log = logging.getLogger("jobserver")
 

@@ -17,7 +17,7 @@ import fcntl
 import logging
 import os
 
-from .store import StoreError
+from jobserver.storage.sqlite import StoreError
 
 log = logging.getLogger("jobserver")
 

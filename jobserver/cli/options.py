@@ -8,8 +8,8 @@ import argparse
 import math
 from collections.abc import Callable
 
-from .client import DEFAULT_HOST, DEFAULT_PORT, TLS, parse_address
-from .times import duration_text, parse_duration
+from jobserver.client import DEFAULT_HOST, DEFAULT_PORT, TLS, parse_address
+from jobserver.core.times import duration_text, parse_duration
 
 # The largest jobID (protocol.md section 3): SQLite's largest integer.
 MAX_JOB_ID = 2**63 - 1

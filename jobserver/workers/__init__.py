@@ -44,7 +44,17 @@ from typing import Any
 
 import trio
 
-from .client import (
+from jobserver.cli.options import (
+    AUTH_TOKEN_HELP,
+    DEFAULT_SERVER,
+    LOG_LEVELS,
+    add_tls_arguments,
+    log_level,
+    number,
+    server_address,
+    tls_option,
+)
+from jobserver.client import (
     AsyncClient,
     Conflict,
     ConnectionFailed,
@@ -58,17 +68,7 @@ from .client import (
     parse_address,
     tls_context,
 )
-from .options import (
-    AUTH_TOKEN_HELP,
-    DEFAULT_SERVER,
-    LOG_LEVELS,
-    add_tls_arguments,
-    log_level,
-    number,
-    server_address,
-    tls_option,
-)
-from .repeat import offset_seconds
+from jobserver.core.repeat import offset_seconds
 
 log = logging.getLogger("jobserver.workers")
 

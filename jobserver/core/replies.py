@@ -19,12 +19,13 @@ import re
 from datetime import timedelta
 from typing import Any
 
-from . import jsonbody, params, times
-from .context import Context
-from .errors import CommandError
-from .handout import fail_run, freed
-from .protocol import Request, Response
-from .store import Job
+from jobserver.core import params, times
+from jobserver.core.context import Context
+from jobserver.core.errors import CommandError
+from jobserver.core.handout import fail_run, freed
+from jobserver.storage.sqlite import Job
+from jobserver.wire import jsonbody
+from jobserver.wire.framing import Request, Response
 
 # Long enough for an order id, a URL or a UUID with a prefix; the same as a
 # job name, so a key is never the thing that makes a request too big.

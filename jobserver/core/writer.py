@@ -25,10 +25,10 @@ from typing import Any
 import outcome
 import trio
 
-from . import times
-from .context import Context, Settings
-from .errors import CommandError
-from .store import Store
+from jobserver.core import times
+from jobserver.core.context import Context, Settings
+from jobserver.core.errors import CommandError
+from jobserver.storage.sqlite import Store
 
 log = logging.getLogger("jobserver")
 

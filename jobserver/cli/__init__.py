@@ -14,20 +14,8 @@ from typing import Any
 
 import trio
 
-from . import __version__, jsonbody, workers
-from .client import (
-    Client,
-    Conflict,
-    ConnectionFailed,
-    IllegalState,
-    JobNotFound,
-    JobServerError,
-    ServerError,
-    auth_token,
-    parse_address,
-)
-from .context import DEFAULT_STALE_AFTER
-from .options import (
+from jobserver import __version__, workers
+from jobserver.cli.options import (
     AUTH_TOKEN_HELP,
     DEFAULT_SERVER,
     LOG_LEVELS,
@@ -40,9 +28,22 @@ from .options import (
     server_address,
     tls_option,
 )
-from .server import Config, Server
-from .store import DEFAULT_REPLY_GRACE, SYNCHRONOUS_MODES, StoreError
-from .times import duration_text
+from jobserver.client import (
+    Client,
+    Conflict,
+    ConnectionFailed,
+    IllegalState,
+    JobNotFound,
+    JobServerError,
+    ServerError,
+    auth_token,
+    parse_address,
+)
+from jobserver.core.context import DEFAULT_STALE_AFTER
+from jobserver.core.times import duration_text
+from jobserver.server.app import Config, Server
+from jobserver.storage.sqlite import DEFAULT_REPLY_GRACE, SYNCHRONOUS_MODES, StoreError
+from jobserver.wire import jsonbody
 
 log = logging.getLogger("jobserver")
 

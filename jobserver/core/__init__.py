@@ -1,0 +1,1 @@
+"""The job queue itself: lifecycle, commands, scheduling, waiting, group commit."""

@@ -1,0 +1,1 @@
+"""The trio server: listening, connections, shutdown."""

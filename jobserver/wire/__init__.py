@@ -1,0 +1,1 @@
+"""The text protocol on the wire: framing, escaping, limits; no I/O."""
