@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from jobserver.core.context import Context
+from jobserver.core.jobs import NewJob
 from jobserver.core.times import utcnow
 from jobserver.storage.sqlite import Store
 
@@ -33,10 +34,9 @@ def fill(db: Path, jobs: int) -> None:
     now = Context(store, utcnow())
     store.begin()
     for n in range(jobs):
-        store.insert(
-            created=now.now_s, state="QUEUED", name=f"bulk{n % NAMES}",
-            next_run=now.now_ms, repeat="", data='{"p":"' + "x" * 90 + '"}', priority=500,
-        )
+        new = NewJob(name=f"bulk{n % NAMES}", next_run=now.now_ms,
+                     data='{"p":"' + "x" * 90 + '"}', priority=500)
+        store.insert(new, created=now.now_s, state="QUEUED")
     store.commit()
     store.close()
 

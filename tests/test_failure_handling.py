@@ -24,9 +24,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from wire import Client, Reply
 
-from jobserver.core import handout
+from jobserver.core import lifecycle, schedule
+from jobserver.core.jobs import Job
 from jobserver.core.repeat import offset_seconds
-from jobserver.storage.sqlite import SCHEMA_VERSION, Job, Store, StoreError
+from jobserver.storage.sqlite import SCHEMA_VERSION, Store, StoreError
 
 DEADLINE = 10.0
 POLL = 0.05
@@ -97,22 +98,22 @@ def policy_job(backoff: str, delay: float, max_delay: float = 3600.0) -> Job:
 
 def test_fixed_backoff_is_the_delay_every_time_without_jitter():
     job = policy_job("fixed", 7.5)
-    assert [handout.backoff_delay(job, n, rng=lambda: 0.99) for n in (1, 2, 10)] == [7.5] * 3
+    assert [schedule.backoff_delay(job, n, rng=lambda: 0.99) for n in (1, 2, 10)] == [7.5] * 3
 
 
 def test_exponential_backoff_doubles_from_the_base():
     job = policy_job("exponential", 1.5)
-    schedule = [handout.backoff_delay(job, n, rng=lambda: 0.0) for n in range(1, 6)]
-    assert schedule == [1.5, 3.0, 6.0, 12.0, 24.0]
+    delays = [schedule.backoff_delay(job, n, rng=lambda: 0.0) for n in range(1, 6)]
+    assert delays == [1.5, 3.0, 6.0, 12.0, 24.0]
 
 
 def test_exponential_backoff_is_capped_at_an_hour_by_default_or_at_retry_max_delay():
     job = policy_job("exponential", 1000)
-    assert [handout.backoff_delay(job, n, rng=lambda: 0.0) for n in (2, 3, 4)] == [
+    assert [schedule.backoff_delay(job, n, rng=lambda: 0.0) for n in (2, 3, 4)] == [
         2000, 3600, 3600]
-    assert handout.backoff_delay(policy_job("exponential", 1, 5), 4, rng=lambda: 0.0) == 5
+    assert schedule.backoff_delay(policy_job("exponential", 1, 5), 4, rng=lambda: 0.0) == 5
     # A huge attempt number does not overflow.
-    assert handout.backoff_delay(job, 10_000, rng=lambda: 0.0) == 3600
+    assert schedule.backoff_delay(job, 10_000, rng=lambda: 0.0) == 3600
 
 
 @given(
@@ -124,9 +125,9 @@ def test_exponential_backoff_is_capped_at_an_hour_by_default_or_at_retry_max_del
 def test_jitter_adds_at_most_ten_percent(base, attempt, cap, draw):
     job = policy_job("exponential", base, cap)
     delay = min(base * 2.0 ** min(attempt - 1, 64), cap)
-    jittered = handout.backoff_delay(job, attempt, rng=lambda: draw)
+    jittered = schedule.backoff_delay(job, attempt, rng=lambda: draw)
     assert delay <= jittered <= delay * 1.1
-    assert delay <= handout.backoff_delay(job, attempt) <= delay * 1.1
+    assert delay <= schedule.backoff_delay(job, attempt) <= delay * 1.1
 
 
 @pytest.mark.parametrize("text, seconds", [
@@ -347,7 +348,7 @@ def test_an_expired_lease_counts_as_an_attempt_and_uses_the_same_limit(client):
     assert second.json["attempt"] == 2
     assert second.json["leaseID"] != first.json["leaseID"]
     job = query_job(client, job_id)
-    assert (job["lastError"], job["data"]) == (handout.LEASE_EXPIRED, {})
+    assert (job["lastError"], job["data"]) == (lifecycle.LEASE_EXPIRED, {})
 
     def dead() -> bool:
         reply = client.request("GetJob", name="lost")
@@ -356,7 +357,7 @@ def test_an_expired_lease_counts_as_an_attempt_and_uses_the_same_limit(client):
 
     until(dead, "the second lease to expire")
     job = query_job(client, job_id)
-    assert (job["attempt"], job["lastError"]) == (2, handout.LEASE_EXPIRED)
+    assert (job["attempt"], job["lastError"]) == (2, lifecycle.LEASE_EXPIRED)
     # The policy replaces Bedrock's counter.
     assert "retryAfterCount" not in job["data"]
 

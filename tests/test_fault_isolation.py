@@ -21,6 +21,7 @@ from procserver import poll_until, start_server  # noqa: F401  (fixture)
 from tls_certs import make_certificates
 from wire import Client
 
+from jobserver.core.clock import SystemClock
 from jobserver.core.writer import Work, Writer
 from jobserver.storage.sqlite import Store
 
@@ -197,7 +198,7 @@ def test_a_client_that_stops_reading_a_reply_loses_its_jobs(start_server, tmp_pa
 
 async def test_a_failing_commit_callback_stays_its_own(tmp_path):
     store = Store(str(tmp_path / "jobs.db"))
-    writer = Writer(store, lambda ready, due: None)
+    writer = Writer(store, lambda ready, due: None, SystemClock())
     writer.start()
     answered = trio.Event()
 
@@ -219,7 +220,7 @@ async def test_a_failing_commit_callback_stays_its_own(tmp_path):
 
 async def test_work_submitted_while_the_writer_stops_still_runs(tmp_path):
     store = Store(str(tmp_path / "jobs.db"))
-    writer = Writer(store, lambda ready, due: None)
+    writer = Writer(store, lambda ready, due: None, SystemClock())
     writer.start()
     ran: list[str] = []
 
@@ -250,7 +251,7 @@ async def test_tries_caught_before_notifying_failed_are_still_answered(tmp_path)
             writer.submit(Work(lambda ctx: "tried", lambda result: answered.set()))
             raise RuntimeError("a broken wait queue")
 
-    writer = Writer(store, notify)
+    writer = Writer(store, notify, SystemClock())
     writer.anyone_waiting = lambda: True
     writer.start()
 

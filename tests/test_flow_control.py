@@ -24,6 +24,7 @@ from wire import Client, Reply
 
 from jobserver import cli
 from jobserver.core import windows
+from jobserver.core.jobs import NewJob
 from jobserver.core.times import parse_duration, to_millis, to_seconds
 from jobserver.storage.sqlite import SCHEMA_VERSION, Store
 
@@ -401,9 +402,9 @@ def test_a_drained_database_shrinks_back(make_server, tmp_path):
     ended = "2026-01-01 00:00:00"
     store.begin()
     for i in range(100_000):
-        store.insert(created=ended, state="FINISHED", name=f"bulk/{i % 100}", next_run=ended,
-                     repeat="", data='{"payload":"' + "x" * 100 + '"}', priority=500,
-                     ended=ended)
+        new = NewJob(name=f"bulk/{i % 100}", next_run=ended,
+                     data='{"payload":"' + "x" * 100 + '"}', priority=500)
+        store.insert(new, created=ended, state="FINISHED", ended=ended)
     store.commit()
     store.close()
     full = os.path.getsize(path)

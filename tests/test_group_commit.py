@@ -9,6 +9,7 @@ import trio
 import trio.testing
 
 from jobserver.core import commands
+from jobserver.core.clock import SystemClock
 from jobserver.core.context import Context
 from jobserver.core.errors import CommandError
 from jobserver.core.writer import Writer
@@ -21,14 +22,14 @@ def create(name: str, **headers: str) -> Request:
 
 
 def fails_after_writing(ctx: Context) -> None:
-    commands.execute(ctx, create("half-done"))
+    commands.create_job(ctx, create("half-done"))
     raise CommandError("402 Changed my mind")
 
 
 async def test_a_batch_commits_once_and_a_failure_undoes_only_itself(tmp_path: Path) -> None:
     store = Store(str(tmp_path / "jobs.db"))
     notified: list[set[str]] = []
-    writer = Writer(store, lambda ready, due: notified.append(ready))
+    writer = Writer(store, lambda ready, due: notified.append(ready), SystemClock())
     writer.start()
     try:
         # Hold the writer thread so that everything below queues up behind
@@ -55,9 +56,9 @@ async def test_a_batch_commits_once_and_a_failure_undoes_only_itself(tmp_path: P
 
             for n in range(20):
                 good = create(f"good{n}")
-                nursery.start_soon(run, f"good{n}", lambda ctx, r=good: commands.execute(ctx, r))
+                nursery.start_soon(run, f"good{n}", lambda ctx, r=good: commands.create_job(ctx, r))
             nursery.start_soon(run, "bad", fails_after_writing)
-            nursery.start_soon(run, "invalid", lambda ctx: commands.execute(ctx, create("x", priority="7")))
+            nursery.start_soon(run, "invalid", lambda ctx: commands.create_job(ctx, create("x", priority="7")))
             await trio.testing.wait_all_tasks_blocked()
             release.set()
         # The held request's batch, then everything else in one more.

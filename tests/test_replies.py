@@ -23,7 +23,8 @@ from test_workers import manager, python_worker, workers  # noqa: F401 (fixtures
 from wire import Client, Reply
 
 from jobserver import client as jobclient
-from jobserver.storage.sqlite import _MIGRATIONS, SCHEMA_VERSION, Store
+from jobserver.storage.sqlite import SCHEMA_VERSION, Store
+from jobserver.storage.sqlite_schema import MIGRATIONS
 
 DEADLINE = 10.0
 
@@ -301,7 +302,7 @@ def test_nothing_is_lost_when_the_server_is_killed_while_a_job_waits(spawn):
 def v3_file(path: Path) -> Path:
     v2_file(path)
     db = sqlite3.connect(path)
-    for statement in _MIGRATIONS[2]:
+    for statement in MIGRATIONS[2]:
         db.execute(statement)
     db.execute("PRAGMA user_version = 3")
     db.commit()

@@ -20,8 +20,10 @@ from test_replies import schema, v3_file
 
 from jobserver.core import times
 from jobserver.core.context import Context, Settings
+from jobserver.core.jobs import NewJob
 from jobserver.core.stale import expire, lost_error
-from jobserver.storage.sqlite import _MIGRATIONS, SCHEMA_VERSION, Store
+from jobserver.storage.sqlite import SCHEMA_VERSION, Store
+from jobserver.storage.sqlite_schema import MIGRATIONS
 
 STALE = 2.0
 DEADLINE = 30.0
@@ -104,8 +106,8 @@ def test_leased_waiting_and_paused_jobs_are_left_to_their_own_rules(tmp_path: Pa
     long_ago = "2000-01-01 00:00:00"
     for state in ("RUNQUEUED", "WAITING", "PAUSED", "QUEUED", "RUNNING"):
         job_id = store.insert(
-            created=long_ago, state=state, name=state, next_run="2999-01-01 00:00:00",
-            repeat="", data="{}", priority=500,
+            NewJob(name=state, next_run="2999-01-01 00:00:00", priority=500),
+            created=long_ago, state=state,
         )
         store.update(job_id, lastReport=long_ago, lastRun=long_ago)
     ctx = Context(store, times.utcnow(), Settings(stale_after=STALE))
@@ -123,8 +125,8 @@ def test_leased_waiting_and_paused_jobs_are_left_to_their_own_rules(tmp_path: Pa
 def test_stale_after_0_keeps_bedrocks_running_forever(tmp_path: Path) -> None:
     store = Store(str(tmp_path / "jobs.db"))
     job_id = store.insert(
-        created="2000-01-01 00:00:00", state="RUNNING", name="forever",
-        next_run="2000-01-01 00:00:00", repeat="", data="{}", priority=500,
+        NewJob(name="forever", next_run="2000-01-01 00:00:00", priority=500),
+        created="2000-01-01 00:00:00", state="RUNNING",
     )
     store.update(job_id, lastReport="2000-01-01 00:00:00")
     store.begin()
@@ -162,7 +164,7 @@ def test_time_the_server_was_down_does_not_count_against_workers(start_server, t
 def test_a_version_4_file_is_migrated_to_version_5(tmp_path: Path) -> None:
     old = v3_file(tmp_path / "old.db")
     with sqlite3.connect(old) as db:
-        for statement in _MIGRATIONS[3]:
+        for statement in MIGRATIONS[3]:
             db.execute(statement)
         db.execute("PRAGMA user_version = 4")
         db.execute(

@@ -39,10 +39,10 @@ from jobserver.client import (
     auth_token,
     parse_address,
 )
-from jobserver.core.context import DEFAULT_STALE_AFTER
+from jobserver.core.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER
 from jobserver.core.times import duration_text
 from jobserver.server.app import Config, Server
-from jobserver.storage.sqlite import DEFAULT_REPLY_GRACE, SYNCHRONOUS_MODES, StoreError
+from jobserver.storage.sqlite import SYNCHRONOUS_MODES, StoreError
 from jobserver.wire import jsonbody
 
 log = logging.getLogger("jobserver")

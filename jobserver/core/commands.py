@@ -1,38 +1,27 @@
-"""One function per command: check the request, use the store, build the reply.
+"""One function per job command: check the request, act, build the reply.
 
 Handlers run inside a transaction that the writer owns; they never commit
 and never touch a socket. A handler returns a `Response` or raises
 `CommandError`, whose status line is the reply and whose raise undoes every
-change the handler made. Status lines are Bedrock's, word for word.
+change the handler made. Status lines are Bedrock's, word for word. Every
+change of a job's state goes through lifecycle.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from jobserver.core import handout, params, replies
+from jobserver.core import lifecycle, params, schedule
 from jobserver.core.context import Context
 from jobserver.core.errors import CommandError
 from jobserver.core.globmatch import glob_match
-from jobserver.core.handout import (
-    PENDING_STATES,
-    RepeatStalled,
-    fail_stalled,
-    freed,
-    in_window,
-    lease_end,
-    next_run_from_repeat,
-)
-from jobserver.storage.sqlite import Job
+from jobserver.core.jobs import ACTIVE, PENDING, Job, NewJob, State
+from jobserver.core.schedule import RepeatStalled
+from jobserver.core.selection import name_selector
+from jobserver.core.sqlite_functions import json_patch
+from jobserver.core.views import failed_object, job_object, ok
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request, Response, escape
-
-Handler = Callable[[Context, Request], Response]
-
-
-def ok(body: Any = None) -> Response:
-    return Response("200 OK", b"" if body is None else jsonbody.encode(body))
 
 
 def load_job(ctx: Context, request: Request) -> Job:
@@ -100,12 +89,8 @@ def _create(ctx: Context, request: Request) -> int:
             return existing.jobID
     next_run = first_run or ctx.now_ms
     if flow.windows:
-        next_run = in_window(flow.windows, flow.zone, next_run)
-    # A child of a running parent waits until the parent finishes.
-    state = "PAUSED" if parent is not None and parent.state != "PAUSED" else "QUEUED"
-    job_id = ctx.store.insert(
-        created=ctx.now_s,
-        state=state,
+        next_run = schedule.in_window(flow.windows, flow.zone, next_run)
+    new = NewJob(
         name=name,
         next_run=next_run,
         repeat=rule or "",
@@ -116,9 +101,7 @@ def _create(ctx: Context, request: Request) -> int:
         policy=policy,
         flow=flow,
     )
-    if state == "QUEUED":
-        ctx.scheduled(name, next_run)
-    return job_id
+    return lifecycle.create(ctx, new, parent)
 
 
 def _check_cost_fits(ctx: Context, name: str, cost: int) -> None:
@@ -140,7 +123,7 @@ def _parent(ctx: Context, parent_id: int) -> Job:
     parent = ctx.store.get(parent_id)
     if parent is None:
         raise CommandError("404 parentJobID does not exist")
-    if parent.state not in ("RUNNING", "RUNQUEUED", "PAUSED"):
+    if parent.state not in (*ACTIVE, State.PAUSED):
         raise CommandError(
             "405 Can only create child job when parent is RUNNING, RUNQUEUED or PAUSED"
         )
@@ -168,7 +151,7 @@ def _update_unique(
     overwrite = params.present(request, "overwrite")
     if overwrite is not None and not params.is_true(overwrite):
         return
-    changes: dict[str, Any] = {"data": ctx.store.json_patch(existing.data, data)}
+    changes: dict[str, Any] = {"data": json_patch(existing.data, data)}
     if rule is not None:
         changes["repeat"] = rule
     if priority is not None:
@@ -179,18 +162,8 @@ def _update_unique(
 # Handing out and looking at jobs.
 
 
-def get_job(ctx: Context, request: Request) -> Response:
-    query, many = handout.query_for(request)
-    taken = handout.dequeue(ctx, query)
-    if not taken:
-        # Returned, not raised: jobs failed on the way (out of leases) must
-        # stay failed, and raising would roll that back.
-        return Response("404 No job found")
-    return handout.reply(taken, many)
-
-
 def query_job(ctx: Context, request: Request) -> Response:
-    return ok(handout.job_object(load_job(ctx, request), with_state=True))
+    return ok(job_object(load_job(ctx, request), with_state=True))
 
 
 def update_job(ctx: Context, request: Request) -> Response:
@@ -208,25 +181,16 @@ def update_job(ctx: Context, request: Request) -> Response:
     changes: dict[str, Any] = {"data": data}
     if next_run is None and rule is not None:
         try:
-            next_run = next_run_from_repeat(ctx, job, rule)
+            next_run = schedule.next_run_from_repeat(ctx, job, rule)
         except RepeatStalled as stalled:
             raise CommandError(f"402 Malformed repeat: {stalled.reason}") from None
-    if next_run is not None:
-        changes["nextRun"] = next_run
-        # A waiting job's nextRun is its reply deadline: the clock must
-        # hear of it as of any other due time.
-        if job.state in ("QUEUED", "RUNQUEUED", "WAITING"):
-            ctx.scheduled(job.name, next_run)
     if params.is_true(request.get("shouldClearRepeat")):
         changes["repeat"] = ""
     elif rule is not None:
         changes["repeat"] = rule
     if priority is not None:
         changes["priority"] = priority
-    if job.state == "RUNNING":
-        # A report: the stale-job safety net counts from now.
-        changes["lastReport"] = ctx.now_ms
-    ctx.store.update(job_id, **changes)
+    lifecycle.update(ctx, job, next_run, **changes)
     return ok()
 
 
@@ -244,16 +208,16 @@ def retry_job(ctx: Context, request: Request) -> Response:
 def _finish_or_retry(ctx: Context, request: Request, retry: bool) -> Response:
     job = load_job(ctx, request)
     check_lease(request, job)
-    if job.state not in ("RUNNING", "RUNQUEUED"):
+    if job.state not in ACTIVE:
         raise CommandError("405 Can only retry/finish RUNNING and RUNQUEUED jobs")
     parent = ctx.store.get(job.parentJobID) if job.parentJobID else None
-    if parent is not None and parent.state != "PAUSED":
+    if parent is not None and parent.state != State.PAUSED:
         raise CommandError("405 Can only retry/finish child job when parent is PAUSED")
     new_data = params.data(request) if params.present(request, "data") else None
     # Most jobs never have children: one look spares the two child queries.
     has_children = ctx.store.has_children(job.jobID)
     if has_children:
-        ctx.store.delete_children(job.jobID, ("FINISHED", "CANCELLED"))
+        lifecycle.delete_ended_children(ctx, job)
     text = new_data or job.data
     asks_delete = False
     # Parsed only when it may hold what this step looks at or removes.
@@ -267,8 +231,8 @@ def _finish_or_retry(ctx: Context, request: Request, retry: bool) -> Response:
         # A run that ended well, or that its worker chose to retry, did not
         # fail: the next run gets every attempt again.
         changes["attempts"] = 0
-    if not retry and has_children and ctx.store.has_children(job.jobID, PENDING_STATES):
-        _pause_for_children(ctx, job, changes)
+    if not retry and has_children and ctx.store.has_children(job.jobID, PENDING):
+        lifecycle.pause_for_children(ctx, job, **changes)
         return ok()
     if retry:
         changes.update(_renamed(request))
@@ -276,38 +240,13 @@ def _finish_or_retry(ctx: Context, request: Request, retry: bool) -> Response:
         next_run = _next_run(ctx, request, job, retry, use_repeat=not asks_delete)
     except RepeatStalled as stalled:
         # The report is taken; the job would loop, so it ends here.
-        fail_stalled(ctx, job, stalled, **changes)
+        lifecycle.fail(ctx, job, str(stalled), **changes)
         return ok()
-    freed(ctx, job)
     if next_run is not None:
-        next_run = in_window(job.timeWindows, job.timeZone, next_run)
-        ctx.store.update(job.jobID, state="QUEUED", nextRun=next_run, **changes)
-        ctx.scheduled(changes.get("name", job.name), next_run)
-    elif parent is not None:
-        ctx.store.update(job.jobID, state="FINISHED", **changes)
-        _resume_parent_if_done(ctx, parent, PENDING_STATES)
-    elif ctx.settings.keep_finished:
-        # Retention (protocol.md 14.10): kept with its final data until
-        # the pruner deletes it.
-        ctx.store.update(job.jobID, state="FINISHED", ended=ctx.now_s, **changes)
+        lifecycle.retry(ctx, job, next_run, **changes)
     else:
-        ctx.store.delete(job.jobID)
+        lifecycle.finish(ctx, job, parent, **changes)
     return ok()
-
-
-def _pause_for_children(ctx: Context, job: Job, changes: dict[str, Any]) -> None:
-    """A parent that finishes waits, PAUSED, for its children to run."""
-    next_run = job.lastRun or ctx.now_s
-    ctx.store.update(job.jobID, state="PAUSED", nextRun=next_run, **changes)
-    for child in ctx.store.children(job.jobID, ("PAUSED",)):
-        ctx.store.update(child.jobID, state="QUEUED")
-        ctx.scheduled(child.name, child.nextRun)
-
-
-def _resume_parent_if_done(ctx: Context, parent: Job, pending: tuple[str, ...]) -> None:
-    if parent.state == "PAUSED" and not ctx.store.has_children(parent.jobID, pending):
-        ctx.store.update(parent.jobID, state="QUEUED")
-        ctx.scheduled(parent.name, parent.nextRun)
 
 
 def _renamed(request: Request) -> dict[str, Any]:
@@ -326,16 +265,13 @@ def _next_run(
 ) -> str | None:
     """Precedence: the job's repeat, then RetryJob's nextRun, then its delay."""
     if job.repeat and use_repeat and not (retry and params.is_true(request.get("ignoreRepeat"))):
-        return next_run_from_repeat(ctx, job, job.repeat)
+        return schedule.next_run_from_repeat(ctx, job, job.repeat)
     if not retry:
         return None
     next_run = params.time(request, "nextRun")
     if next_run is not None:
         return next_run
-    delay = params.delay_seconds(request)
-    later = ctx.store.datetime_after(ctx.now_s, [f"+{delay} SECONDS"])
-    assert later is not None
-    return later
+    return schedule.seconds_later(ctx, params.delay_seconds(request))
 
 
 def fail_job(ctx: Context, request: Request) -> Response:
@@ -343,11 +279,11 @@ def fail_job(ctx: Context, request: Request) -> Response:
     again after its backoff delay."""
     job = load_job(ctx, request)
     check_lease(request, job)
-    if job.state not in ("RUNNING", "RUNQUEUED"):
+    if job.state not in ACTIVE:
         raise CommandError("405 Can only fail RUNNING or RUNQUEUED jobs")
     data = params.data(request) if params.present(request, "data") else None
     error = params.error_text(request, data)
-    handout.fail_run(ctx, job, error, **({} if data is None else {"data": data}))
+    lifecycle.fail_attempt(ctx, job, error, **({} if data is None else {"data": data}))
     return ok()
 
 
@@ -356,31 +292,29 @@ def touch_job(ctx: Context, request: Request) -> Response:
     RUNNING job's report restarts the stale-job safety net's count."""
     job = load_job(ctx, request)
     check_lease(request, job)
-    if job.state == "RUNNING":
+    if job.state == State.RUNNING:
         return _touch_running(ctx, job)
-    if job.state != "RUNQUEUED":
+    if job.state != State.RUNQUEUED:
         raise CommandError("405 Can only touch RUNNING or RUNQUEUED jobs")
     try:
-        next_run = lease_end(ctx, job)
+        next_run = schedule.lease_end(ctx, job)
     except RepeatStalled as stalled:
         # Returned, not raised, so that the failure stays: a lease that
         # ends at once would hand the job to another worker right away.
-        fail_stalled(ctx, job, stalled)
+        lifecycle.fail(ctx, job, str(stalled))
         return Response(f"402 Malformed repeat: {stalled.reason}; the job failed")
     if next_run is None:
         raise CommandError("502 Failed to compute nextRun")
-    ctx.store.update(job.jobID, nextRun=next_run)
-    ctx.scheduled(job.name, next_run)
+    lifecycle.extend_lease(ctx, job, next_run)
     return ok({"nextRun": next_run})
 
 
 def _touch_running(ctx: Context, job: Job) -> Response:
-    ctx.store.update(job.jobID, lastReport=ctx.now_ms)
-    handout.watch_for_staleness(ctx)
+    lifecycle.note_report(ctx, job)
     seconds = ctx.settings.stale_after
     if not seconds:
         return ok({})
-    return ok({"staleAt": handout.retry_time(ctx, seconds)})
+    return ok({"staleAt": schedule.retry_time(ctx, seconds)})
 
 
 def cancel_job(ctx: Context, request: Request) -> Response:
@@ -389,24 +323,23 @@ def cancel_job(ctx: Context, request: Request) -> Response:
         raise CommandError("404 Invalid jobID - Cannot cancel a job with children")
     if not job.parentJobID:
         raise CommandError("404 Invalid jobID - Cannot cancel a job without a parent")
-    if job.state in ("FINISHED", "RUNNING", "PAUSED"):
+    if job.state in (State.FINISHED, State.RUNNING, State.PAUSED):
         return ok()
-    ctx.store.update(job.jobID, state="CANCELLED")
+    lifecycle.cancel(ctx, job)
     parent = ctx.store.get(job.parentJobID)
     if parent is not None:
         # PAUSED siblings do not hold the parent back here, as in Bedrock.
-        _resume_parent_if_done(ctx, parent, ("QUEUED", "RUNQUEUED", "RUNNING"))
+        lifecycle.resume_parent_if_done(ctx, parent, (State.QUEUED, *ACTIVE))
     return ok()
 
 
 def delete_job(ctx: Context, request: Request) -> Response:
     job = load_job(ctx, request)
-    if job.state == "RUNNING":
+    if job.state == State.RUNNING:
         raise CommandError("405 Can't delete a RUNNING job")
-    if job.state == "PAUSED":
+    if job.state == State.PAUSED:
         raise CommandError("405 Can't delete a parent jobs with children running")
-    freed(ctx, job)
-    ctx.store.delete(job.jobID)
+    lifecycle.delete(ctx, job)
     return ok()
 
 
@@ -421,33 +354,15 @@ def requeue_jobs(ctx: Context, request: Request) -> Response:
         job = ctx.store.get(job_id)
         if job is None:
             continue
-        # A revived job gets every attempt of its retry policy again.
-        next_run = in_window(job.timeWindows, job.timeZone, job.created)
-        ctx.store.update(job_id, state="QUEUED", nextRun=next_run, attempts=0, **changes)
-        ctx.scheduled(changes.get("name", job.name), next_run)
-        freed(ctx, job)
+        lifecycle.requeue(ctx, job, **changes)
     return ok()
 
 
 def failed_jobs(ctx: Context, request: Request) -> Response:
     """The dead set: FAILED jobs whose name matches, with their last error."""
-    pattern, names = handout.name_selector(params.present(request, "name") or "*")
+    pattern, names = name_selector(params.present(request, "name") or "*")
     found = ctx.store.failed(pattern=pattern, names=names, limit=params.limit(request))
-    return ok({"jobs": [_failed_object(job) for job in found]})
-
-
-def _failed_object(job: Job) -> dict[str, Any]:
-    obj: dict[str, Any] = {
-        "created": job.created,
-        "jobID": job.jobID,
-        "lastError": job.lastError,
-        "lastRun": job.lastRun or "",
-        "name": job.name,
-    }
-    if job.maxAttempts:
-        obj["attempt"] = job.attempts
-        obj["maxAttempts"] = job.maxAttempts
-    return obj
+    return ok({"jobs": [failed_object(job) for job in found]})
 
 
 # Flow control (protocol.md 14.7 to 14.9).
@@ -472,39 +387,3 @@ def resume_jobs(ctx: Context, request: Request) -> Response:
     if ctx.store.resume(params.pattern(request)):
         ctx.wake_all()
     return ok()
-
-
-COMMANDS: dict[str, Handler] = {
-    "createjob": create_job,
-    "createjobs": create_jobs,
-    "getjob": get_job,
-    "getjobs": get_job,
-    "queryjob": query_job,
-    "updatejob": update_job,
-    "finishjob": finish_job,
-    "retryjob": retry_job,
-    "failjob": fail_job,
-    "canceljob": cancel_job,
-    "deletejob": delete_job,
-    "requeuejobs": requeue_jobs,
-    "touchjob": touch_job,
-    "failedjobs": failed_jobs,
-    "setlimit": set_limit,
-    "pausejobs": pause_jobs,
-    "resumejobs": resume_jobs,
-    "awaitreply": replies.await_reply,
-    "deliverreply": replies.deliver_reply,
-}
-
-WAITABLE = ("getjob", "getjobs")
-
-
-def wants_wait(request: Request) -> bool:
-    return request.verb.lower() in WAITABLE and (
-        (request.get("connection") or "").lower() == "wait"
-    )
-
-
-def execute(ctx: Context, request: Request) -> Response:
-    """Run one request in the writer."""
-    return COMMANDS[request.verb.lower()](ctx, request)

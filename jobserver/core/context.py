@@ -6,12 +6,15 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from jobserver.core import times
-from jobserver.storage.sqlite import DEFAULT_REPLY_GRACE, Store
+from jobserver.storage.interface import Storage
 
 # hipq's default job timeout: a day is longer than any job should run
 # without a word from its worker, and short enough that a job lost with
 # its worker still runs the same week.
 DEFAULT_STALE_AFTER = 86400.0
+# An hour: far longer than any worker takes between sending a request and
+# committing its AwaitReply, short enough that unclaimed replies do not pile up.
+DEFAULT_REPLY_GRACE = 3600.0
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ class Settings:
 
 @dataclass
 class Context:
-    store: Store
+    store: Storage
     now: datetime
     settings: Settings = Settings()
     # Names of jobs this request made due now; waiting GetJobs are matched

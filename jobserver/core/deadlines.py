@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from jobserver.core import replies, stale
 from jobserver.core.context import Context, Settings
-from jobserver.storage.sqlite import Store
+from jobserver.storage.interface import Storage
 
 
 def tick(ctx: Context) -> str | None:
@@ -22,7 +22,7 @@ def tick(ctx: Context) -> str | None:
     )
 
 
-def at_start(store: Store, settings: Settings) -> str | None:
+def at_start(store: Storage, settings: Settings) -> str | None:
     """Deadlines kept in the database, passed or not: they fire at start
     (at once for reply deadlines that passed while the server was down)."""
     return _earliest(store.first_deadline(), stale.next_deadline(store, settings))

@@ -8,7 +8,7 @@ from typing import Any
 
 from jobserver.core import repeat, times, windows
 from jobserver.core.errors import CommandError
-from jobserver.storage.sqlite import PLAIN, FlowOptions, RetryPolicy
+from jobserver.core.jobs import PLAIN, FlowOptions, RetryPolicy
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request
 

@@ -4,7 +4,7 @@ A repeat is a base and one or more SQLite date modifiers:
 `FINISHED, +1 HOUR`, `SCHEDULED, +1 DAY, START OF DAY, +4 HOURS`. Every part
 is checked against a whitelist here and normalised, so what reaches SQLite
 is always one of a handful of known shapes, passed as a bound parameter.
-The store does the arithmetic with SQLite's own `DATETIME()`.
+SQLite's own `DATETIME()` does the arithmetic (sqlite_functions.py).
 
 A rule must also move forward: a repeating job never runs twice for the
 same base moment. `check_moves_forward` computes the rule, the way the
@@ -18,11 +18,11 @@ from __future__ import annotations
 import calendar
 import json
 import re
-import sqlite3
-import threading
 from dataclasses import dataclass
 from datetime import date, datetime
 from functools import lru_cache
+
+from jobserver.core import sqlite_functions
 
 BASES = ("SCHEDULED", "STARTED", "FINISHED")
 
@@ -41,8 +41,7 @@ _OFFSET = re.compile(
 _START_OF = re.compile(r"START OF (DAY|MONTH|YEAR)")
 _WEEKDAY = re.compile(r"WEEKDAY ([0-6])")
 
-# Not an SQLite modifier; the store truncates to the hour itself.
-START_OF_HOUR = "START OF HOUR"
+START_OF_HOUR = sqlite_functions.START_OF_HOUR
 
 # A SCHEDULED repeat that fell behind catches up by whole intervals when the
 # interval is shorter than this, instead of running once per missed slot.
@@ -183,20 +182,9 @@ _CACHED_RULES = 4096
 # second in the worst case, instead of minutes or a "parser stack overflow".
 MAX_MODIFIERS = 8
 
-_local = threading.local()
-
-
-def _sqlite() -> sqlite3.Connection:
-    """An in-memory database per thread, only for its date functions."""
-    db: sqlite3.Connection | None = getattr(_local, "db", None)
-    if db is None:
-        db = _local.db = sqlite3.connect(":memory:")
-    return db
-
-
 def _expression(modifiers: tuple[str, ...], base: str) -> tuple[str, list[str]]:
     """SQL computing `base` with the modifiers applied one by one, as
-    `Store.datetime_after` does (NULL where SQLite cannot), and its
+    `sqlite_functions.datetime_after` does (NULL where SQLite cannot), and its
     parameters."""
     sql, parameters = base, []
     for modifier in modifiers:
@@ -302,7 +290,7 @@ def sample_bases(modifiers: tuple[str, ...]) -> list[str]:
     for undo in jumps.undo_before_month_steps:
         for before in ("-0 SECONDS", "-1 SECONDS"):
             sql, parameters = _expression((*undo, before), "value")
-            rows = _sqlite().execute(
+            rows = sqlite_functions.connection().execute(
                 f"SELECT {sql} FROM json_each(?)", (*parameters, json.dumps(_MONTH_STARTS))
             )
             # Years before 0000 do not sort as text: out of the sample.
@@ -370,7 +358,7 @@ def first_not_later(modifiers: tuple[str, ...], bases: list[str]) -> tuple[str, 
     base moves forward."""
     sql, parameters = _expression(modifiers, "value")
     # Text order is time order for the years 0000 to 9999, SQLite's range.
-    found = _sqlite().execute(
+    found = sqlite_functions.connection().execute(
         f"SELECT value, result FROM (SELECT value, {sql} AS result FROM json_each(?)) "
         "WHERE result IS NULL OR result <= value LIMIT 1",
         (*parameters, json.dumps(bases)),

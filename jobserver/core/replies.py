@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import re
 from datetime import timedelta
-from typing import Any
 
-from jobserver.core import params, times
+from jobserver.core import lifecycle, params, times
+from jobserver.core.commands import check_lease, load_job
 from jobserver.core.context import Context
 from jobserver.core.errors import CommandError
-from jobserver.core.handout import fail_run, freed
-from jobserver.storage.sqlite import Job
+from jobserver.core.jobs import ACTIVE, State
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request, Response
 
@@ -48,35 +47,26 @@ EXPIRE_BATCH = 500
 def await_reply(ctx: Context, request: Request) -> Response:
     """RUNNING/RUNQUEUED -> WAITING on `key`; or back to QUEUED at once if
     the reply came early."""
-    job = ctx.store.get(params.job_id(request))
-    if job is None:
-        raise CommandError("404 No job with this jobID")
-    lease = params.lease_id(request)
-    if lease is not None and lease != job.leaseID:
-        raise CommandError("409 Lease expired")
+    job = load_job(ctx, request)
+    check_lease(request, job)
     key = _key(request)
     seconds = _timeout(request)
-    if job.state not in ("RUNNING", "RUNQUEUED"):
+    if job.state not in ACTIVE:
         raise CommandError("405 Can only await a reply for RUNNING or RUNQUEUED jobs")
     other = ctx.store.waiting_on(key)
     if other is not None:
         raise CommandError("409 Another job waits on this key")
     new_data = params.data(request) if params.present(request, "data") else None
     data = new_data or _run_done(job.data)
-    freed(ctx, job)
     kept = ctx.store.reply(key, ctx.now_ms)
     if kept is not None and kept[1] == 0:
         ctx.store.claim_reply(key, job.jobID)
-        _requeue(ctx, job, data, kept[0])
-        return Response("200 OK", jsonbody.encode({"state": "QUEUED"}))
+        lifecycle.deliver_reply(ctx, job, _with_reply(data, kept[0]))
+        return Response("200 OK", jsonbody.encode({"state": State.QUEUED}))
     deadline = times.to_millis(ctx.now + timedelta(seconds=seconds))
-    ctx.store.update(
-        job.jobID, state="WAITING", replyKey=key, nextRun=deadline, data=data
-    )
-    # Not ready: only the clock must learn of the deadline.
-    ctx.scheduled(job.name, deadline)
+    lifecycle.wait_for_reply(ctx, job, key, deadline, data)
     return Response(
-        "200 OK", jsonbody.encode({"state": "WAITING", "replyDeadline": deadline})
+        "200 OK", jsonbody.encode({"state": State.WAITING, "replyDeadline": deadline})
     )
 
 
@@ -91,7 +81,7 @@ def deliver_reply(ctx: Context, request: Request) -> Response:
     job = ctx.store.waiting_on(key)
     if job is not None:
         ctx.store.keep_reply(key, reply, ctx.now_ms, expires, job.jobID)
-        _requeue(ctx, job, job.data, reply)
+        lifecycle.deliver_reply(ctx, job, _with_reply(job.data, reply))
         return Response("200 OK", b'{"jobID":%d}' % job.jobID)
     if ctx.store.reply(key, ctx.now_ms) is not None:
         # Delivered already (to a job, or kept early): exactly one delivery.
@@ -105,24 +95,16 @@ def expire(ctx: Context) -> None:
     Runs in the writer when the clock fires (deadlines.tick)."""
     overdue = ctx.store.overdue(ctx.now_ms, EXPIRE_BATCH)
     for job in overdue:
-        fail_run(ctx, job, REPLY_TIMEOUT, replyKey="")
+        lifecycle.fail_attempt(ctx, job, REPLY_TIMEOUT, replyKey="")
     if len(overdue) == EXPIRE_BATCH:
         ctx.wake_all()
 
 
-def _requeue(ctx: Context, job: Job, data_text: str, reply: str) -> None:
-    """Back to QUEUED, due now, with the reply in its data. The wait ended
-    well, so the next run gets every attempt of its retry policy again."""
+def _with_reply(data_text: str, reply: str) -> str:
+    """The job's data with the reply in it."""
     data = jsonbody.parse_object(data_text)
     data[REPLY_FIELD] = jsonbody.parse(reply)
-    changes: dict[str, Any] = {
-        "state": "QUEUED", "nextRun": ctx.now_ms, "replyKey": "",
-        "data": jsonbody.compact(data),
-    }
-    if job.maxAttempts:
-        changes["attempts"] = 0
-    ctx.store.update(job.jobID, **changes)
-    ctx.scheduled(job.name, ctx.now_ms)
+    return jsonbody.compact(data)
 
 
 def _run_done(text: str) -> str:

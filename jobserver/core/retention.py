@@ -15,21 +15,18 @@ from datetime import datetime, timedelta
 import trio
 
 from jobserver.core import times
+from jobserver.core.clock import Clock
 from jobserver.core.context import Context
 from jobserver.core.errors import CommandError
+from jobserver.core.jobs import State
 from jobserver.core.writer import Writer
-from jobserver.storage.sqlite import prune_pending
+from jobserver.storage.interface import Storage
 
 log = logging.getLogger("jobserver")
 
 # Jobs deleted per transaction: a few milliseconds of work, so a request
 # that arrives meanwhile waits no longer than for an ordinary batch.
 PRUNE_BATCH = 500
-# Free pages worth a vacuum on their own: 1 MiB of 4 KiB pages. Below
-# that, the next jobs will reuse them anyway.
-RECLAIM_MIN_PAGES = 256
-# Pages given back per transaction: 8 MiB of 4 KiB pages, bounded work.
-RECLAIM_PAGES = 2048
 # How often the pruner looks, by default: "a few seconds" late is nothing
 # for a retention counted in minutes or days.
 PRUNE_INTERVAL = 5.0
@@ -38,9 +35,9 @@ PRUNE_INTERVAL = 5.0
 def cutoffs(now: datetime, keep_finished: float, keep_failed: float | None) -> dict[str, str]:
     """For each state the pruner deletes, the `ended` before which a job goes.
     FAILED jobs are kept forever unless `keep_failed` is set."""
-    found = {"FINISHED": times.to_seconds(now - timedelta(seconds=keep_finished))}
+    found = {State.FINISHED: times.to_seconds(now - timedelta(seconds=keep_finished))}
     if keep_failed is not None:
-        found["FAILED"] = times.to_seconds(now - timedelta(seconds=keep_failed))
+        found[State.FAILED] = times.to_seconds(now - timedelta(seconds=keep_failed))
     return found
 
 
@@ -59,23 +56,24 @@ def prune_step(ctx: Context, before: dict[str, str]) -> bool:
     expired = store.prune_replies(ctx.now_ms, PRUNE_BATCH)
     pruned += expired
     more = more or expired == PRUNE_BATCH
-    free = store.free_pages()
-    if free >= RECLAIM_MIN_PAGES or (pruned and free):
-        store.reclaim(RECLAIM_PAGES)
-        more = more or free > RECLAIM_PAGES
-    return more
+    return store.reclaim_space(pruned > 0) or more
 
 
 async def run_pruner(
-    writer: Writer, path: str, keep_finished: float, keep_failed: float | None, interval: float
+    writer: Writer,
+    store: Storage,
+    clock: Clock,
+    keep_finished: float,
+    keep_failed: float | None,
+    interval: float,
 ) -> None:
     while True:
         await trio.sleep(interval)
-        now = times.utcnow()
+        now = clock.now()
         before = cutoffs(now, keep_finished, keep_failed)
         try:
             pending = await trio.to_thread.run_sync(
-                prune_pending, path, before, RECLAIM_MIN_PAGES, times.to_millis(now)
+                store.prune_pending, before, times.to_millis(now)
             )
         except Exception as error:
             log.warning("pruner cannot read the database: %s", error)

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from jobserver.core import times
+from jobserver.core import lifecycle, times
 from jobserver.core.context import Context, Settings
-from jobserver.core.handout import fail_run
-from jobserver.storage.sqlite import Store
+from jobserver.storage.interface import Storage
 
 # Jobs failed per clock tick: the rest follow in the next tick, at once,
 # so a backlog (a server down for days) never makes one long transaction.
@@ -42,12 +41,12 @@ def expire(ctx: Context) -> None:
         return
     stale = ctx.store.stale(cutoff, EXPIRE_BATCH)
     for job in stale:
-        fail_run(ctx, job, lost_error(seconds))
+        lifecycle.fail_attempt(ctx, job, lost_error(seconds))
     if len(stale) == EXPIRE_BATCH:
         ctx.wake_all()
 
 
-def next_deadline(store: Store, settings: Settings) -> str | None:
+def next_deadline(store: Storage, settings: Settings) -> str | None:
     """The earliest stale deadline of a RUNNING job, passed or not."""
     if not settings.stale_after:
         return None

@@ -14,7 +14,7 @@ import itertools
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from enum import Enum
 from functools import partial
 from typing import Any
@@ -23,6 +23,7 @@ import outcome
 import trio
 
 from jobserver.core import times
+from jobserver.core.clock import Clock, seconds_until
 from jobserver.core.globmatch import glob_match
 from jobserver.core.writer import Work, Writer
 
@@ -80,9 +81,10 @@ Tick = Callable[[Any], "str | None"]
 
 class WaitQueue:
     def __init__(
-        self, writer: Writer, serve: Serve, undo: Undo, tick: Tick | None = None
+        self, writer: Writer, clock: Clock, serve: Serve, undo: Undo, tick: Tick | None = None
     ) -> None:
         self._writer = writer
+        self._clock = clock
         self._serve = serve
         self._undo = undo
         self._tick = tick
@@ -174,7 +176,7 @@ class WaitQueue:
             if due is None:
                 await self._rearm.wait()
                 continue
-            with trio.move_on_after(_seconds_until(due)):
+            with trio.move_on_after(seconds_until(self._clock, due)):
                 await self._rearm.wait()
                 continue
             self._next_due = None
@@ -195,7 +197,7 @@ class WaitQueue:
         self._lower_due(result.value)
 
     def _retry_soon(self) -> None:
-        self._lower_due(times.to_millis(times.utcnow() + timedelta(seconds=RETRY_SECONDS)))
+        self._lower_due(times.to_millis(self._clock.now() + timedelta(seconds=RETRY_SECONDS)))
 
     def _lower_due(self, due: str | None) -> None:
         if due is not None and (self._next_due is None or due < self._next_due):
@@ -264,7 +266,3 @@ class WaitQueue:
         if again:
             self._try(again)
 
-
-def _seconds_until(stored: str) -> float:
-    moment = times.parse_stored(stored)
-    return max(0.0, (moment - datetime.now(timezone.utc)).total_seconds())

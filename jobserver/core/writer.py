@@ -10,13 +10,16 @@ keeps serving connections and gathering the next batch meanwhile.
 Before committing, the thread asks the event loop which waiting GetJobs the
 batch made ready and serves them in the same transaction, so a worker
 blocked in GetJob gets a new job with the same fsync that stored it.
+
+The writer can also run its batches on the event loop itself, without a
+thread (`threaded=False`): for tests on trio's MockClock, which may move
+time forward only when every task waits, and cannot see a thread's work.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-import sqlite3
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -25,10 +28,10 @@ from typing import Any
 import outcome
 import trio
 
-from jobserver.core import times
+from jobserver.core.clock import Clock
 from jobserver.core.context import Context, Settings
 from jobserver.core.errors import CommandError
-from jobserver.storage.sqlite import Store
+from jobserver.storage.interface import Storage
 
 log = logging.getLogger("jobserver")
 
@@ -55,13 +58,25 @@ _STOP = object()
 
 
 class Writer:
-    def __init__(self, store: Store, notify: Notify, settings: Settings = Settings()) -> None:
+    def __init__(
+        self,
+        store: Storage,
+        notify: Notify,
+        clock: Clock,
+        settings: Settings = Settings(),
+        threaded: bool = True,
+    ) -> None:
         self._store = store
         self._notify = notify
-        self._settings = settings
+        self._clock = clock
+        self.settings = settings
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._token = trio.lowlevel.current_trio_token()
+        self._threaded = threaded
         self._thread = threading.Thread(target=self._loop, name="jobserver-writer", daemon=True)
+        # Without a thread: work waiting for the next batch on the event loop.
+        self._pending: list[Work] = []
+        self._drain_due = False
         # While the thread asks the loop whom a batch wakes, the requests
         # that produces are caught here instead of queued for later.
         self._caught: list[Work] | None = None
@@ -71,13 +86,26 @@ class Writer:
         self.requests = 0
 
     def start(self) -> None:
-        self._thread.start()
+        if self._threaded:
+            self._thread.start()
 
     def submit(self, work: Work) -> None:
         if self._caught is not None:
             self._caught.append(work)
-        else:
+        elif self._threaded:
             self._queue.put(work)
+        else:
+            self._pending.append(work)
+            if not self._drain_due:
+                self._drain_due = True
+                self._token.run_sync_soon(self._drain)
+
+    def _drain(self) -> None:
+        """Without a thread: run what was submitted, in batches."""
+        self._drain_due = False
+        while self._pending:
+            batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
+            self._run_batch(batch)
 
     async def call(self, run: Callable[[Context], Any]) -> Any:
         """Run `run` in the writer and return its committed result."""
@@ -104,7 +132,11 @@ class Writer:
         what they submit (jobs given back by a waiting GetJob that left)
         would queue behind the stop: so the writer runs again for it,
         until a round submits nothing, or STOP_ROUNDS have passed."""
-        self._store.stopping = True
+        self._store.stop_waiting_long()
+        if not self._threaded:
+            for _ in range(STOP_ROUNDS):
+                await trio.sleep(0)
+            return
         for _ in range(STOP_ROUNDS):
             self._queue.put(_STOP)
             await trio.to_thread.run_sync(self._thread.join)
@@ -159,7 +191,7 @@ class Writer:
 
     def _abandon(self, error: Exception) -> str:
         """Roll a failed transaction back; the status its requests get."""
-        if isinstance(error, sqlite3.Error):
+        if isinstance(error, self._store.errors):
             log.error("transaction failed: %s", error)
             status = f"503 Database unavailable: {error}"
         else:
@@ -167,7 +199,7 @@ class Writer:
             status = "500 Unhandled Exception"
         try:
             self._store.rollback()
-        except sqlite3.Error as rollback_error:
+        except self._store.errors as rollback_error:
             # SQLite undoes an uncommitted transaction itself when it next
             # opens one; the thread must live on to answer the next batch.
             log.error("rollback failed: %s", rollback_error)
@@ -192,7 +224,10 @@ class Writer:
             return
         # Recorded before they run, so that they are answered even if the
         # transaction fails from here on.
-        woken.works = trio.from_thread.run_sync(self._catch, ready, due, trio_token=self._token)
+        if self._threaded:
+            woken.works = trio.from_thread.run_sync(self._catch, ready, due, trio_token=self._token)
+        else:
+            woken.works = self._catch(ready, due)
         if woken.works:
             results = self._run_all(woken.works, savepoints=True)
             assert results is not None
@@ -238,7 +273,7 @@ class Writer:
         store = self._store
         results: list[tuple[outcome.Outcome, Context | None]] = []
         for work in batch:
-            ctx = Context(store, times.utcnow(), self._settings)
+            ctx = Context(store, self._clock.now(), self.settings)
             before = store.total_changes
             if savepoints:
                 store.savepoint()
@@ -268,7 +303,7 @@ class Writer:
             return outcome.Value(work.run(ctx))
         except CommandError as error:
             return outcome.Error(error)
-        except sqlite3.Error as error:
+        except self._store.errors as error:
             log.error("query failed: %s", error)
             return outcome.Error(CommandError(f"502 Query failed: {error}"))
         except Exception as error:

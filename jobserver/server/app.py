@@ -4,18 +4,19 @@ Each connection is one task (connection.py), and a failure domain: nothing
 that happens on it reaches the accept loop or another connection. Only a
 stop signal ends the server once it runs. Shutdown stops accepting, answers
 waiting GetJobs, lets requests in flight finish, then closes the database.
+
+What a request means is the core's business: the server builds the core
+(storage, writer, wait queue, dispatcher) and hands it each request.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import resource
 import signal
 import ssl
 import sys
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,21 +24,20 @@ from typing import Any
 
 import trio
 
-from jobserver import __version__
-from jobserver.core import commands, deadlines, handout, retention, times
-from jobserver.core.context import DEFAULT_STALE_AFTER, Settings
+from jobserver.core import deadlines, retention, selection
+from jobserver.core.clock import SystemClock
+from jobserver.core.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER, Settings
+from jobserver.core.dispatch import Access, Dispatcher, is_loopback
+from jobserver.core.query import DEFAULT_SECONDS as DEFAULT_QUERY_SECONDS
+from jobserver.core.times import to_millis
 from jobserver.core.waiters import WaitQueue
 from jobserver.core.writer import Writer
-from jobserver.server import peer, query
 from jobserver.server.connection import Connection, serve_connection
 from jobserver.storage import lockfile
-from jobserver.storage.sqlite import DEFAULT_REPLY_GRACE, Store
-from jobserver.wire.framing import Request, Response
+from jobserver.storage.sqlite import Store
 
 log = logging.getLogger("jobserver")
 
-# Query runs in worker threads; a few at once is plenty for people typing.
-QUERY_THREADS = 4
 # How long one thread may hold the GIL while another wants it.
 GIL_SWITCH_SECONDS = 0.0005
 # After a failed accept (no descriptors left), the first pause before the
@@ -66,7 +66,7 @@ class Config:
     max_connections: int = 16384
     # Query reads the whole database; by default only local users may.
     allow_remote_query: bool = False
-    query_seconds: float = query.DEFAULT_SECONDS
+    query_seconds: float = DEFAULT_QUERY_SECONDS
     # A connection with no request under way is closed after this long:
     # long enough for a worker between jobs, short enough that abandoned
     # connections do not pile up for months.
@@ -100,18 +100,13 @@ class Server:
         self.store: Store | None = None
         self.writer: Writer
         self.waits: WaitQueue
+        self.dispatcher: Dispatcher
         self.connections: set[Connection] = set()
         self.closing = False
         self.port: int | None = None
         self.commands_served = 0
-        self.started = time.monotonic()
         # --max-connections, or fewer if the file-descriptor limit says so.
         self.max_connections = config.max_connections
-        self._query_limiter = trio.CapacityLimiter(QUERY_THREADS)
-        # Repeat rules are checked one at a time outside the writer
-        # (connection.py): many clients sending new rules take one core at
-        # the most, and never the writer's time.
-        self.rule_check_limiter = trio.CapacityLimiter(1)
         self._stop = trio.Event()
         self.token: trio.lowlevel.TrioToken | None = None
         # Built once; each connection starts TLS itself, after checking that
@@ -159,26 +154,16 @@ class Server:
             for listener in listeners:
                 await listener.aclose()
             raise
-        settings = Settings(
-            keep_finished=config.keep_finished > 0,
-            reply_grace=config.reply_grace,
-            stale_after=config.stale_after,
-            serving_since=times.to_millis(times.utcnow()),
-        )
-        self.writer = Writer(self.store, self._notify, settings)
-        self.waits = WaitQueue(
-            self.writer, handout.serve_waiters, handout.give_back, deadlines.tick
-        )
-        self.writer.anyone_waiting = self.waits.anyone_waiting
+        self._build_core(self.store)
         # Reply deadlines and running jobs from before a restart still fire
         # (at once, for those that passed while the server was down).
-        self.waits.start_clock_at(deadlines.at_start(self.store, settings))
+        self.waits.start_clock_at(deadlines.at_start(self.store, self.writer.settings))
         # Set last: it tells an embedding program the server is ready.
         self.port = port
         address = f"{config.host}:{port}"
         if lock is not None:
             lock.announce(address)
-        if not peer.is_loopback(config.host) and config.auth_token is None:
+        if not is_loopback(config.host) and config.auth_token is None:
             log.warning(
                 "serving %s without --auth-token-file: anyone who can "
                 "reach this address can create, take and delete jobs", config.host,
@@ -193,7 +178,7 @@ class Server:
                 core.start_soon(self.waits.run_clock)
                 if config.db != ":memory:":
                     core.start_soon(
-                        retention.run_pruner, self.writer, config.db,
+                        retention.run_pruner, self.writer, self.store, self.clock,
                         config.keep_finished, config.keep_failed, config.prune_interval,
                     )
                 async with trio.open_nursery() as conns:
@@ -209,32 +194,26 @@ class Server:
             self.store.close()
             log.info("stopped serving %s; database %s closed", address, config.db)
 
-    async def status(self) -> Response:
-        counts, limits, paused, early = await self.writer.call(_status_snapshot)
-        body = {
-            "version": __version__,
-            "uptime": round(time.monotonic() - self.started, 3),
-            "database": {"path": self.config.db, "bytes": _database_bytes(self.config.db)},
-            "jobs": counts,
-            "waitingGetJobs": len(self.waits),
-            "connections": len(self.connections),
-            "commandsServed": self.commands_served,
-            "transactions": self.writer.batches,
-            "limits": limits,
-            "paused": paused,
-            "replies": {"waiting": counts.get("WAITING", 0), "early": early},
-        }
-        return commands.ok(body)
-
-    async def query(self, request: Request, address: str) -> Response:
-        if not (self.config.allow_remote_query or peer.is_loopback(address)):
-            return Response("401 Unauthorized")
-        return await trio.to_thread.run_sync(
-            query.run, self.config.db, request, self.config.query_seconds,
-            limiter=self._query_limiter,
-            # A shutdown does not wait for a query; it stops itself at its deadline.
-            abandon_on_cancel=True,
+    def _build_core(self, store: Store) -> None:
+        config = self.config
+        self.clock = SystemClock()
+        settings = Settings(
+            keep_finished=config.keep_finished > 0,
+            reply_grace=config.reply_grace,
+            stale_after=config.stale_after,
+            serving_since=to_millis(self.clock.now()),
         )
+        self.writer = Writer(store, self._notify, self.clock, settings)
+        self.waits = WaitQueue(
+            self.writer, self.clock, selection.serve_waiters, selection.give_back, deadlines.tick
+        )
+        self.writer.anyone_waiting = self.waits.anyone_waiting
+        access = Access(config.auth_token, config.allow_remote_query, config.query_seconds)
+        self.dispatcher = Dispatcher(store, self.writer, self.waits, self, access)
+
+    @property
+    def open_connections(self) -> int:
+        return len(self.connections)
 
     def _notify(self, ready: set[str], due: str | None) -> None:
         self.waits.notify(ready, due)
@@ -315,17 +294,6 @@ def _stop_signals() -> Iterator[AsyncIterator[int] | None]:
         yield signals
 
 
-def _status_snapshot(ctx: Any) -> tuple[dict[str, int], dict[str, Any], list[str], int]:
-    """Job counts, each concurrency limit with what running jobs use of it,
-    the paused patterns, and the early replies not yet awaited."""
-    store = ctx.store
-    limits = {
-        pattern: {"max": capacity, "running": store.usage(pattern, ctx.now_ms)}
-        for pattern, capacity in sorted(store.limits.items())
-    }
-    return store.count_by_state(), limits, sorted(store.paused), store.early_replies(ctx.now_ms)
-
-
 def _tls_context(config: Config) -> ssl.SSLContext:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     # A client's end without close_notify (a killed worker, a half-close)
@@ -334,16 +302,6 @@ def _tls_context(config: Config) -> ssl.SSLContext:
     context.options |= ssl.OP_IGNORE_UNEXPECTED_EOF
     context.load_cert_chain(config.tls_cert, config.tls_key)  # type: ignore[arg-type]
     return context
-
-
-def _database_bytes(path: str) -> int:
-    total = 0
-    for suffix in ("", "-wal"):
-        try:
-            total += os.path.getsize(path + suffix)
-        except OSError:
-            pass
-    return total
 
 
 def _connections_allowed(wanted: int) -> int:

@@ -8,30 +8,26 @@ for anything else, the jobs handed to it that it did not receive go back
 to the queue, and the socket is closed. Only cancellation passes through,
 which is how the server stops.
 
-A connection reads requests, answers them strictly in order and writes the
-replies. Everything that touches the database goes to the writer thread;
-waiting GetJobs go to the wait queue.
+A connection reads requests, gives each to the dispatcher (core/dispatch.py)
+and writes the replies, strictly in order. What the dispatcher returns it
+applies: an Answer is written; a WaitForJobs is awaited while the
+connection reads ahead, so that a client that hangs up stops the wait.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import math
 import socket
 import ssl
 from collections import deque
 from collections.abc import Awaitable
-from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
-from jobserver.core import commands, handout, params, repeat
-from jobserver.core.errors import CommandError
-from jobserver.core.handout import Handout, JobQuery, Taken
-from jobserver.core.waiters import Selector
-from jobserver.server import peer, query
+from jobserver.core.dispatch import Answer, Undo, WaitForJobs
+from jobserver.server import peer
 from jobserver.wire.framing import (
     TLS_NOT_SPOKEN,
     TLS_REQUIRED,
@@ -103,9 +99,10 @@ class Connection:
         self.peer = peer.address(stream)
         # For the log: the client's address and port.
         self.name = peer.describe(stream)
-        # Jobs of the reply being written: they belong to this connection
-        # until the client has them, and go back to the queue if it never does.
-        self.undelivered: list[Taken] = []
+        # The jobs of the reply being written: they belong to this
+        # connection until the client has them, and go back to the queue
+        # if it never does.
+        self.undelivered: Undo | None = None
         # Replies with jobs written whole, until the client's kernel has
         # acknowledged them (peer.py).
         self.deliveries = peer.Deliveries(stream)
@@ -150,17 +147,20 @@ class Connection:
     async def end(self, failure: BaseExceptionGroup[Exception] | None) -> None:
         """Put back the jobs the client did not take, and log the end in one
         line, at a level that fits its cause."""
-        taken = await self.deliveries.unreceived() + self.undelivered
-        self.undelivered = []
-        if taken:
-            self.server.waits.give_back(taken)
+        undos = await self.deliveries.unreceived()
+        if self.undelivered is not None:
+            undos.append(self.undelivered)
+            self.undelivered = None
+        for undo in undos:
+            undo.run()
+        taken = [job_id for undo in undos for job_id in undo.job_ids]
         errors = _leaves(failure) if failure is not None else []
         unexpected = [e for e in errors if not _is_hang_up(e)]
         cause = _describe(errors[0]) if errors else "closed"
         left = ""
         if taken:
             left = " before it took job{} {}: put back".format(
-                "s" if len(taken) > 1 else "", ", ".join(str(t.job.jobID) for t in taken)
+                "s" if len(taken) > 1 else "", ", ".join(str(job_id) for job_id in taken)
             )
         if unexpected:
             log.error("connection from %s failed%s", self.name, left, exc_info=unexpected[0])
@@ -204,9 +204,9 @@ class Connection:
             if request is None:
                 await self._say_why_ending()
                 return
-            response = await self._respond(request)
+            answer = await self._respond(request)
             close = request.wants_close or self.server.closing
-            await self._deliver(response, close)
+            await self._deliver(answer, close)
             if close:
                 return
 
@@ -260,17 +260,17 @@ class Connection:
                 raise TLSOnPlainPort("TLS handshake on a plain-text port")
         self.pending.extend(self.parser.feed(data))
 
-    async def _deliver(self, response: Response, close: bool) -> None:
+    async def _deliver(self, answer: Answer, close: bool) -> None:
         """Write a reply. Jobs in it stay this connection's to give back
         until the client's kernel has acknowledged the whole reply."""
         client_closed = False
-        if isinstance(response, Handout):
-            self.undelivered = response.taken
+        if answer.undo is not None:
+            self.undelivered = answer.undo
             client_closed = self.deliveries.client_closed()
-        await self._send(encode_response(response, close))
-        if client_closed:
-            self.deliveries.written(self.undelivered)
-        self.undelivered = []
+        await self._send(encode_response(answer.response, close))
+        if client_closed and self.undelivered is not None:
+            self.deliveries.written([self.undelivered])
+        self.undelivered = None
         self.server.commands_served += 1
 
     async def _send(self, data: bytes) -> None:
@@ -279,69 +279,22 @@ class Connection:
             with trio.fail_after(timeout):
                 await self.stream.send_all(data[start : start + SEND_PIECE])
 
-    async def _respond(self, request: Request) -> Response:
-        if request.invalid_utf8:
-            return Response("400 Request is not valid UTF-8")
-        if not self._authorized(request):
-            return Response("401 Unauthorized")
-        verb = request.verb.lower()
-        try:
-            if verb == "ping":
-                return Response("200 OK")
-            if verb == "status":
-                return await self.server.status()
-            if verb in query.VERBS:
-                return await self.server.query(request, self.peer)
-            if verb not in commands.COMMANDS:
-                return Response("430 Unrecognized command")
-            if commands.wants_wait(request):
-                return await self._wait_for_jobs(request)
-            await self._check_repeats_first(request, verb)
-            return await self.server.writer.call(partial(commands.execute, request=request))
-        except CommandError as error:
-            return Response(error.status)
+    async def _respond(self, request: Request) -> Answer:
+        action = await self.server.dispatcher.dispatch(request, self.peer)
+        if isinstance(action, WaitForJobs):
+            return await self._wait_watching_for_hangup(action)
+        return action
 
-    async def _check_repeats_first(self, request: Request, verb: str) -> None:
-        """Repeat rules are checked by computing them from many moments
-        (repeat.py), which can take tens of milliseconds: done here, one
-        request at a time, in a thread that does not hold up the writer."""
-        texts = []
-        if verb == "createjobs":
-            jobs = request.get("jobs") or ""
-            if '"repeat"' in jobs.lower():
-                texts = repeat.rules_in(jobs)
-        elif verb in ("createjob", "updatejob"):
-            text = request.get("repeat")
-            texts = [text] if text else []
-        if texts:
-            await trio.to_thread.run_sync(
-                repeat.warm, texts, limiter=self.server.rule_check_limiter
-            )
-
-    def _authorized(self, request: Request) -> bool:
-        expected = self.server.config.auth_token
-        if expected is None:
-            return True
-        given = request.get("authtoken") or ""
-        # Constant time, so the reply's timing does not reveal a prefix.
-        return hmac.compare_digest(given.encode(), expected.encode())
-
-    async def _wait_for_jobs(self, request: Request) -> Response:
-        job_query, many = handout.query_for(request)
-        timeout = params.wait_seconds(request)
-        await self._wait_watching_for_hangup(job_query, timeout)
-        if not self.undelivered:
-            return Response("404 No job found")
-        return handout.reply(self.undelivered, many)
-
-    async def _wait_watching_for_hangup(self, job_query: JobQuery, timeout: float) -> None:
+    async def _wait_watching_for_hangup(self, wait: WaitForJobs) -> Answer:
         """Wait for jobs while reading ahead, so a client that hangs up
-        stops waiting at once and is never handed a job. Jobs the wait
+        stops waiting at once and is never handed a job. The jobs the wait
         returns are this connection's at once, whatever else happens."""
-        selector = Selector(job_query.pattern, frozenset(job_query.names))
+        answer = Answer(Response("404 No job found"))
 
-        async def wait(cancel: trio.CancelScope) -> None:
-            self.undelivered = await self.server.waits.wait(selector, job_query, timeout) or []
+        async def take(cancel: trio.CancelScope) -> None:
+            nonlocal answer
+            answer = await wait.take()
+            self.undelivered = answer.undo
             cancel.cancel()
 
         async def read_ahead(cancel: trio.CancelScope) -> None:
@@ -356,8 +309,9 @@ class Connection:
             await trio.sleep_forever()
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(wait, nursery.cancel_scope)
+            nursery.start_soon(take, nursery.cancel_scope)
             nursery.start_soon(read_ahead, nursery.cancel_scope)
+        return answer
 
 
 def _leaves(group: BaseExceptionGroup[Exception]) -> list[Exception]:

@@ -79,10 +79,6 @@ def describe(stream: trio.abc.Stream) -> str:
     return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
 
 
-def is_loopback(host: str) -> bool:
-    return host.startswith("127.") or host in ("::1", "::ffff:127.0.0.1", "localhost")
-
-
 class Deliveries:
     """Replies with jobs written to a client that had closed its side,
     until the client's kernel has acknowledged every byte of them."""

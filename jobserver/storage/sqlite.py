@@ -1,4 +1,5 @@
-"""The job store: the only module that speaks SQL.
+"""The SQLite backend of storage (interface.py): the only module that
+writes SQL for the writer.
 
 One SQLite file, one `jobs` table, WAL mode. The store never decides what a
 command means; it offers named operations on rows and the transaction
@@ -8,155 +9,16 @@ reaches SQLite as a bound parameter.
 
 from __future__ import annotations
 
+import os
 import sqlite3
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from time import monotonic
-from urllib.parse import quote
+from collections.abc import Mapping, Sequence
 
-SCHEMA_VERSION = 5
+from jobserver.core.jobs import PLAIN, Job, NewJob
+from jobserver.storage import sqlite_readers
+from jobserver.storage.interface import QueryResult
+from jobserver.storage.sqlite_schema import MIGRATIONS, SCHEMA, SCHEMA_VERSION
 
 SYNCHRONOUS_MODES = ("FULL", "NORMAL")
-
-READY_STATES = ("QUEUED", "RUNQUEUED")
-
-# An hour: far longer than any worker takes between sending a request and
-# committing its AwaitReply, short enough that unclaimed replies do not pile up.
-DEFAULT_REPLY_GRACE = 3600.0
-
-_SCHEMA = """
-CREATE TABLE jobs (
-    created     TEXT NOT NULL,
-    jobID       INTEGER PRIMARY KEY AUTOINCREMENT,
-    state       TEXT NOT NULL,
-    name        TEXT NOT NULL,
-    nextRun     TEXT NOT NULL,
-    lastRun     TEXT,
-    repeat      TEXT NOT NULL DEFAULT '',
-    data        TEXT NOT NULL DEFAULT '{}',
-    priority    INTEGER NOT NULL DEFAULT 500,
-    parentJobID INTEGER NOT NULL DEFAULT 0,
-    retryAfter  TEXT NOT NULL DEFAULT '',
-    -- The retry policy (protocol.md, "Extensions beyond Bedrock"): with
-    -- maxAttempts 0 there is none, and the job behaves exactly as in Bedrock.
-    maxAttempts   INTEGER NOT NULL DEFAULT 0,
-    retryBackoff  TEXT NOT NULL DEFAULT '',
-    retryDelay    REAL NOT NULL DEFAULT 0,
-    retryMaxDelay REAL NOT NULL DEFAULT 3600,
-    -- Hand-outs of the current run of a job with a policy.
-    attempts      INTEGER NOT NULL DEFAULT 0,
-    lastError     TEXT NOT NULL DEFAULT '',
-    -- The token of the latest hand-out, for fencing late reports.
-    leaseID       TEXT NOT NULL DEFAULT '',
-    -- Flow control (protocol.md 14.7 to 14.10): what the job counts
-    -- against concurrency limits, the daily windows it may run in, and when
-    -- it became FINISHED or FAILED, for retention.
-    cost          INTEGER NOT NULL DEFAULT 1,
-    timeWindows   TEXT NOT NULL DEFAULT '',
-    timeZone      TEXT NOT NULL DEFAULT '',
-    ended         TEXT NOT NULL DEFAULT '',
-    -- Replies (protocol.md 14.11): the key a WAITING job waits on. Its
-    -- deadline is its nextRun, so the clock that wakes GetJobs sees it.
-    replyKey      TEXT NOT NULL DEFAULT '',
-    -- When a RUNNING job was handed out or last reported on (UpdateJob,
-    -- TouchJob): the stale-job safety net counts from it (--stale-after).
-    lastReport    TEXT NOT NULL DEFAULT ''
-);
--- GetJob with a pattern: per priority, the due jobs in hand-out order
--- (nextRun, name, then jobID, which every index ends with), so the first
--- job is read straight from the index with no sort of jobs due together.
-CREATE INDEX jobsReadyPriority ON jobs (priority, nextRun, name)
-    WHERE state IN ('QUEUED', 'RUNQUEUED');
--- GetJob with exact names, and GLOB patterns with a literal prefix.
-CREATE INDEX jobsReadyName ON jobs (name, priority, nextRun)
-    WHERE state IN ('QUEUED', 'RUNQUEUED');
--- The earliest future job, for the timer that wakes waiting GetJobs.
-CREATE INDEX jobsReadyNextRun ON jobs (nextRun)
-    WHERE state IN ('QUEUED', 'RUNQUEUED');
--- unique=true lookups by name in any state.
-CREATE INDEX jobsName ON jobs (name);
-CREATE INDEX jobsParentJobIDState ON jobs (parentJobID, state)
-    WHERE parentJobID != 0;
--- FailedJobs: the dead set, which is small next to the queue.
-CREATE INDEX jobsFailedName ON jobs (name) WHERE state = 'FAILED';
--- What running jobs of a name use of a concurrency limit.
-CREATE INDEX jobsActive ON jobs (name, state, nextRun, cost)
-    WHERE state IN ('RUNNING', 'RUNQUEUED');
--- Retention: the oldest ended standalone jobs, for the pruner.
-CREATE INDEX jobsEnded ON jobs (state, ended)
-    WHERE state IN ('FINISHED', 'FAILED') AND parentJobID = 0;
-CREATE TABLE limits (
-    pattern  TEXT PRIMARY KEY,
-    capacity INTEGER NOT NULL
-);
-CREATE TABLE paused (
-    pattern TEXT PRIMARY KEY
-);
--- One job at most waits on a key.
-CREATE UNIQUE INDEX jobsReplyKey ON jobs (replyKey) WHERE state = 'WAITING';
--- The earliest reply deadline, for the clock.
-CREATE INDEX jobsWaiting ON jobs (nextRun) WHERE state = 'WAITING';
--- Replies kept for the grace period: early ones (jobID 0) until a job
--- awaits them, delivered ones (the jobID) to refuse a second delivery.
-CREATE TABLE replies (
-    replyKey TEXT PRIMARY KEY,
-    data     TEXT NOT NULL,
-    received TEXT NOT NULL,
-    expires  TEXT NOT NULL,
-    jobID    INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX repliesExpires ON replies (expires);
--- The RUNNING job heard from least recently, for the stale-job deadline.
-CREATE INDEX jobsRunningReport ON jobs (lastReport) WHERE state = 'RUNNING';
-"""
-
-# Statements that bring a file of version N up to N + 1. They run in one
-# transaction together with the new user_version, so a file is either
-# wholly migrated or untouched. The result must equal _SCHEMA (a test
-# compares the two).
-_MIGRATIONS: dict[int, tuple[str, ...]] = {
-    1: (
-        "ALTER TABLE jobs ADD COLUMN maxAttempts INTEGER NOT NULL DEFAULT 0",
-        "ALTER TABLE jobs ADD COLUMN retryBackoff TEXT NOT NULL DEFAULT ''",
-        "ALTER TABLE jobs ADD COLUMN retryDelay REAL NOT NULL DEFAULT 0",
-        "ALTER TABLE jobs ADD COLUMN retryMaxDelay REAL NOT NULL DEFAULT 3600",
-        "ALTER TABLE jobs ADD COLUMN attempts INTEGER NOT NULL DEFAULT 0",
-        "ALTER TABLE jobs ADD COLUMN lastError TEXT NOT NULL DEFAULT ''",
-        "ALTER TABLE jobs ADD COLUMN leaseID TEXT NOT NULL DEFAULT ''",
-        "CREATE INDEX jobsFailedName ON jobs (name) WHERE state = 'FAILED'",
-    ),
-    2: (
-        "ALTER TABLE jobs ADD COLUMN cost INTEGER NOT NULL DEFAULT 1",
-        "ALTER TABLE jobs ADD COLUMN timeWindows TEXT NOT NULL DEFAULT ''",
-        "ALTER TABLE jobs ADD COLUMN timeZone TEXT NOT NULL DEFAULT ''",
-        "ALTER TABLE jobs ADD COLUMN ended TEXT NOT NULL DEFAULT ''",
-        # Jobs that failed before retention existed count from their last run.
-        "UPDATE jobs SET ended = COALESCE(lastRun, created) WHERE state IN ('FINISHED', 'FAILED')",
-        # Written as in _SCHEMA: the stored text of an index is compared.
-        "CREATE INDEX jobsActive ON jobs (name, state, nextRun, cost)\n"
-        "    WHERE state IN ('RUNNING', 'RUNQUEUED')",
-        "CREATE INDEX jobsEnded ON jobs (state, ended)\n"
-        "    WHERE state IN ('FINISHED', 'FAILED') AND parentJobID = 0",
-        "CREATE TABLE limits (\n    pattern  TEXT PRIMARY KEY,\n    capacity INTEGER NOT NULL\n)",
-        "CREATE TABLE paused (\n    pattern TEXT PRIMARY KEY\n)",
-    ),
-    3: (
-        "ALTER TABLE jobs ADD COLUMN replyKey TEXT NOT NULL DEFAULT ''",
-        "CREATE UNIQUE INDEX jobsReplyKey ON jobs (replyKey) WHERE state = 'WAITING'",
-        "CREATE INDEX jobsWaiting ON jobs (nextRun) WHERE state = 'WAITING'",
-        "CREATE TABLE replies (\n    replyKey TEXT PRIMARY KEY,\n    data     TEXT NOT NULL,\n"
-        "    received TEXT NOT NULL,\n    expires  TEXT NOT NULL,\n"
-        "    jobID    INTEGER NOT NULL DEFAULT 0\n)",
-        "CREATE INDEX repliesExpires ON replies (expires)",
-    ),
-    4: (
-        "ALTER TABLE jobs ADD COLUMN lastReport TEXT NOT NULL DEFAULT ''",
-        # Running jobs count from their hand-out, the last time they were seen.
-        "UPDATE jobs SET lastReport = COALESCE(NULLIF(lastRun, ''), created) "
-        "WHERE state = 'RUNNING'",
-        "CREATE INDEX jobsRunningReport ON jobs (lastReport) WHERE state = 'RUNNING'",
-    ),
-}
 
 _COLUMNS = (
     "created, jobID, state, name, nextRun, lastRun, repeat, data, priority, "
@@ -183,61 +45,15 @@ BUSY_MS = 2000
 # shutdown past its few seconds.
 STOPPING_BUSY_MS = 100
 
+# Free pages worth a vacuum on their own: 1 MiB of 4 KiB pages. Below
+# that, the next jobs will reuse them anyway.
+RECLAIM_MIN_PAGES = 256
+# Pages given back per transaction: 8 MiB of 4 KiB pages, bounded work.
+RECLAIM_PAGES = 2048
+
 
 class StoreError(Exception):
     """The database file cannot be used (wrong file, newer schema, ...)."""
-
-
-@dataclass
-class Job:
-    created: str
-    jobID: int
-    state: str
-    name: str
-    nextRun: str
-    lastRun: str | None
-    repeat: str
-    data: str
-    priority: int
-    parentJobID: int
-    retryAfter: str
-    maxAttempts: int
-    retryBackoff: str
-    retryDelay: float
-    retryMaxDelay: float
-    attempts: int
-    lastError: str
-    leaseID: str
-    cost: int = 1
-    timeWindows: str = ""
-    timeZone: str = ""
-    ended: str = ""
-    replyKey: str = ""
-    lastReport: str = ""
-
-
-@dataclass(frozen=True)
-class FlowOptions:
-    """What CreateJob's cost, timeWindows and timeZone ask for; the
-    defaults are a plain Bedrock job."""
-
-    cost: int = 1
-    windows: str = ""
-    zone: str = ""
-
-
-PLAIN = FlowOptions()
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """What CreateJob's maxAttempts, retryBackoff, retryDelay and
-    retryMaxDelay ask for."""
-
-    max_attempts: int
-    backoff: str
-    delay: float
-    max_delay: float
 
 
 class Store:
@@ -247,8 +63,9 @@ class Store:
         if synchronous not in SYNCHRONOUS_MODES:
             raise ValueError(f"synchronous must be one of {SYNCHRONOUS_MODES}")
         self.path = path
-        # Set by the writer when the server stops (see STOPPING_BUSY_MS).
-        self.stopping = False
+        self.errors: tuple[type[Exception], ...] = (sqlite3.Error,)
+        # Set when the server stops (see STOPPING_BUSY_MS).
+        self._stopping = False
         self._short_wait = False
         try:
             self._db = sqlite3.connect(
@@ -322,7 +139,7 @@ class Store:
                 self._create_schema()
             else:
                 for step in range(version, SCHEMA_VERSION):
-                    for statement in _MIGRATIONS[step]:
+                    for statement in MIGRATIONS[step]:
                         db.execute(statement)
             # PRAGMA takes no parameters; the value is our own constant.
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
@@ -339,12 +156,15 @@ class Store:
         if tables:
             raise StoreError(f"{self.path!r} has a jobs table this server did not create")
         # The schema's comments hold no semicolons, so each piece is one statement.
-        for statement in _SCHEMA.split(";"):
+        for statement in SCHEMA.split(";"):
             if statement.strip():
                 self._db.execute(statement)
 
     def close(self) -> None:
         self._db.close()
+
+    def stop_waiting_long(self) -> None:
+        self._stopping = True
 
     # Transactions. The writer opens one, gives each request a savepoint so
     # that a failing request undoes only its own changes, and commits once.
@@ -358,7 +178,7 @@ class Store:
         return self._db.in_transaction
 
     def begin(self) -> None:
-        if self.stopping and not self._short_wait:
+        if self._stopping and not self._short_wait:
             self._db.execute(f"PRAGMA busy_timeout = {STOPPING_BUSY_MS}")
             self._short_wait = True
         self._db.execute("BEGIN IMMEDIATE")
@@ -384,31 +204,18 @@ class Store:
 
     # Rows.
 
-    def insert(
-        self,
-        *,
-        created: str,
-        state: str,
-        name: str,
-        next_run: str,
-        repeat: str,
-        data: str,
-        priority: int,
-        parent_id: int = 0,
-        retry_after: str = "",
-        policy: RetryPolicy | None = None,
-        flow: FlowOptions = PLAIN,
-        ended: str = "",
-    ) -> int:
+    def insert(self, new: NewJob, *, created: str, state: str, ended: str = "") -> int:
+        policy, flow = new.policy, new.flow
+        row = (
+            created, state, new.name, new.next_run, new.repeat, new.data, new.priority,
+            new.parent_id, new.retry_after,
+        )
         if flow != PLAIN or ended:
             cursor = self._db.execute(
                 "INSERT INTO jobs (created, state, name, nextRun, repeat, data, "
                 "priority, parentJobID, retryAfter, cost, timeWindows, timeZone, ended) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    created, state, name, next_run, repeat, data, priority, parent_id,
-                    retry_after, flow.cost, flow.windows, flow.zone, ended,
-                ),
+                (*row, flow.cost, flow.windows, flow.zone, ended),
             )
             if policy is not None:
                 self._db.execute(
@@ -421,20 +228,16 @@ class Store:
             cursor = self._db.execute(
                 "INSERT INTO jobs (created, state, name, nextRun, repeat, data, "
                 "priority, parentJobID, retryAfter) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (created, state, name, next_run, repeat, data, priority, parent_id, retry_after),
+                row,
             )
         else:
             cursor = self._db.execute(
                 "INSERT INTO jobs (created, state, name, nextRun, repeat, data, "
                 "priority, parentJobID, retryAfter, maxAttempts, retryBackoff, retryDelay, "
                 "retryMaxDelay) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    created, state, name, next_run, repeat, data, priority, parent_id,
-                    retry_after, policy.max_attempts, policy.backoff, policy.delay,
-                    policy.max_delay,
-                ),
+                (*row, policy.max_attempts, policy.backoff, policy.delay, policy.max_delay),
             )
-        self._priorities.add(priority)
+        self._priorities.add(new.priority)
         assert cursor.lastrowid is not None
         return cursor.lastrowid
 
@@ -604,27 +407,6 @@ class Store:
         )
         return cursor.rowcount
 
-    def datetime_after(self, start: str, modifiers: Iterable[str]) -> str | None:
-        """Apply SQLite date modifiers to `start`, one bound parameter each.
-
-        `START OF HOUR` is not an SQLite modifier, so it is a STRFTIME step.
-        Returns None when SQLite cannot compute the time.
-        """
-        current: str | None = start
-        for modifier in modifiers:
-            if current is None:
-                return None
-            if modifier == "START OF HOUR":
-                row = self._db.execute(
-                    "SELECT STRFTIME('%Y-%m-%d %H:00:00', ?)", (current,)
-                ).fetchone()
-            else:
-                row = self._db.execute("SELECT DATETIME(?, ?)", (current, modifier)).fetchone()
-            current = row[0]
-        if current is None:
-            return None
-        return self._db.execute("SELECT DATETIME(?)", (current,)).fetchone()[0]
-
     def failed(self, *, pattern: str | None, names: Sequence[str], limit: int) -> list[Job]:
         """FAILED jobs whose name matches a GLOB `pattern` or is one of
         `names`, oldest first."""
@@ -687,10 +469,6 @@ class Store:
             (name,),
         ).fetchone()
         return Job(*row) if row else None
-
-    def json_patch(self, target: str, patch: str) -> str:
-        """RFC 7396 merge of two JSON objects, by SQLite's JSON_PATCH."""
-        return self._db.execute("SELECT JSON_PATCH(?, ?)", (target, patch)).fetchone()[0]
 
     # Flow control: concurrency limits and paused patterns. The tables are
     # tiny; the in-memory copies are reloaded whenever a transaction or a
@@ -755,104 +533,38 @@ class Store:
         )
         return cursor.rowcount
 
-    def free_pages(self) -> int:
+    def reclaim_space(self, pruned: bool) -> bool:
+        free = self._free_pages()
+        if free >= RECLAIM_MIN_PAGES or (pruned and free):
+            self._reclaim(RECLAIM_PAGES)
+            return free > RECLAIM_PAGES
+        return False
+
+    def _free_pages(self) -> int:
         return int(self._db.execute("PRAGMA freelist_count").fetchone()[0])
 
-    def reclaim(self, pages: int) -> None:
+    def _reclaim(self, pages: int) -> None:
         """Give up to `pages` free pages back to the file system (files
         created with auto_vacuum INCREMENTAL; a no-op on others)."""
         # Python's sqlite3 steps this PRAGMA once, and each step gives back
         # one page whatever the argument, so it is run once per page; inside
         # the open transaction that costs microseconds each.
-        for _ in range(min(pages, self.free_pages())):
+        for _ in range(min(pages, self._free_pages())):
             self._db.execute("PRAGMA incremental_vacuum(1)")
 
+    # Connections of their own, for other threads.
 
-# Read-only SQL for the `Query` command. It runs on its own connection,
-# opened read-only, with an authorizer that allows nothing but reading and a
-# progress handler that stops it at its deadline.
+    def prune_pending(self, before: Mapping[str, str], now: str) -> bool:
+        return sqlite_readers.prune_pending(self.path, before, RECLAIM_MIN_PAGES, now)
 
-# Longest text or blob a query may build: enough for any row of the jobs
-# table, small enough that a hostile zeroblob() or printf() cannot exhaust
-# memory.
-QUERY_MAX_LENGTH = 16 * 1024 * 1024
+    def run_query(self, sql: str, seconds: float, max_rows: int) -> QueryResult:
+        return sqlite_readers.read_only_query(self.path, sql, seconds, max_rows)
 
-_QUERY_ALLOWED = frozenset(
-    (sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE)
-)
-
-
-class QueryTimeout(Exception):
-    pass
-
-
-def _read_only_uri(path: str) -> str:
-    """A URI that opens `path` read-only. An absolute path gets an empty
-    authority (`file://` + path): after a bare `file:`, a path starting with
-    `//` would make its first directory the URI's authority."""
-    authority = "//" if path.startswith("/") else ""
-    return f"file:{authority}{quote(path)}?mode=ro"
-
-
-def read_only_query(
-    path: str, sql: str, seconds: float, max_rows: int
-) -> tuple[list[str], list[tuple[object, ...]]]:
-    """Run one read-only statement; return column names and rows.
-
-    Raises sqlite3.Error for bad SQL or anything that is not a read,
-    QueryTimeout when it runs past `seconds`, and OverflowError when it
-    returns more than `max_rows` rows.
-    """
-    db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
-    try:
-        db.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, QUERY_MAX_LENGTH)
-        db.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
-        db.set_authorizer(_authorize)
-        deadline = monotonic() + seconds
-        db.set_progress_handler(lambda: monotonic() > deadline, 1000)
-        try:
-            cursor = db.execute(sql)
-            rows = cursor.fetchmany(max_rows + 1)
-        except sqlite3.OperationalError as error:
-            if monotonic() > deadline and "interrupt" in str(error):
-                raise QueryTimeout() from error
-            raise
-        if len(rows) > max_rows:
-            raise OverflowError(max_rows)
-        headers = [column[0] for column in cursor.description or ()]
-        return headers, rows
-    finally:
-        db.close()
-
-
-def prune_pending(
-    path: str, before: Mapping[str, str], min_free_pages: int, now: str
-) -> bool:
-    """Whether the pruner has work, asked on a connection of its own so that
-    an idle server adds no transaction: a standalone job in a state of
-    `before` that ended before its time there, a reply kept past its grace
-    period (expired at `now`), or free pages to reclaim."""
-    db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
-    try:
-        for state, cutoff in before.items():
-            row = db.execute(
-                "SELECT 1 FROM jobs INDEXED BY jobsEnded WHERE state IN ('FINISHED', 'FAILED') "
-                "AND parentJobID = 0 AND state = ? AND ended < ? LIMIT 1",
-                (state, cutoff),
-            ).fetchone()
-            if row is not None:
-                return True
-        row = db.execute("SELECT 1 FROM replies WHERE expires <= ? LIMIT 1", (now,)).fetchone()
-        if row is not None:
-            return True
-        return int(db.execute("PRAGMA freelist_count").fetchone()[0]) >= min_free_pages
-    finally:
-        db.close()
-
-
-def _authorize(action: int, arg1: str | None, arg2: str | None, *_: object) -> int:
-    if action not in _QUERY_ALLOWED:
-        return sqlite3.SQLITE_DENY
-    if action == sqlite3.SQLITE_FUNCTION and arg2 and arg2.lower() == "load_extension":
-        return sqlite3.SQLITE_DENY
-    return sqlite3.SQLITE_OK
+    def size_bytes(self) -> int:
+        total = 0
+        for suffix in ("", "-wal"):
+            try:
+                total += os.path.getsize(self.path + suffix)
+            except OSError:
+                pass
+        return total

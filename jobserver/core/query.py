@@ -2,16 +2,15 @@
 
 `Query` takes its SQL from a `query` header, or from the method line itself
 (`Query: SELECT * FROM jobs;`, as on the Bedrock::Jobs page). Output is
-sqlite3's list format with a header row, or `format: json`. Nothing can be
-written through it; see `store.read_only_query`.
+sqlite3's list format with a header row, or `format: json`. The storage
+runs the SQL (Storage.run_query) so that nothing can be written through it.
 """
 
 from __future__ import annotations
 
 import math
-import sqlite3
 
-from jobserver.storage.sqlite import QueryTimeout, read_only_query
+from jobserver.storage.interface import BadQuery, QueryTimeout, Storage
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request, Response
 
@@ -31,7 +30,7 @@ def sql_of(request: Request) -> str | None:
     return request.get("query")
 
 
-def run(path: str, request: Request, seconds: float = DEFAULT_SECONDS) -> Response:
+def run(store: Storage, request: Request, seconds: float = DEFAULT_SECONDS) -> Response:
     """Answer a Query request (blocking: call it from a worker thread)."""
     sql = (sql_of(request) or "").strip()
     if not sql or len(sql) > MAX_QUERY:
@@ -40,12 +39,12 @@ def run(path: str, request: Request, seconds: float = DEFAULT_SECONDS) -> Respon
         # Bedrock's words, but a client's mistake: 4xx, not to be retried.
         return Response("402 Query Missing Semicolon")
     try:
-        headers, rows = read_only_query(path, sql, seconds, MAX_ROWS)
+        headers, rows = store.run_query(sql, seconds, MAX_ROWS)
     except QueryTimeout:
         return Response("555 Timeout")
     except OverflowError:
         return Response(f"413 Query returned more than {MAX_ROWS} rows")
-    except (sqlite3.Error, sqlite3.Warning, ValueError) as error:
+    except BadQuery as error:
         return Response("402 Bad query", body=str(error).encode(), headers={"error": str(error)})
     if (request.get("format") or "").lower() == "json":
         body = jsonbody.encode({"headers": headers, "rows": [[_json(v) for v in r] for r in rows]})

@@ -1,0 +1,274 @@
+"""Every command, routed from one table; what the server is to do with it.
+
+The server gives each parsed request to `Dispatcher.dispatch` and gets back
+one of two things:
+
+- an `Answer`: the reply to write. If the reply hands out jobs it carries
+  an `Undo`, which the server runs if the reply never reaches the client;
+- a `WaitForJobs`: a GetJob that waits (`Connection: wait`). The server
+  awaits its `take()` while it watches the client, and writes the Answer
+  that comes back; a client that hangs up cancels the wait.
+
+The server moves bytes and owns tasks; which command runs where (the
+writer's transaction, a thread for Query, nowhere for Ping) is decided here.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+
+import trio
+
+from jobserver import __version__
+from jobserver.core import commands, params, query, repeat, replies, selection
+from jobserver.core.context import Context
+from jobserver.core.errors import CommandError
+from jobserver.core.jobs import State
+from jobserver.core.selection import JobQuery, Taken
+from jobserver.core.views import ok
+from jobserver.core.waiters import Selector, WaitQueue
+from jobserver.core.writer import Writer
+from jobserver.storage.interface import Storage
+from jobserver.wire.framing import Request, Response
+
+# Query runs in worker threads; a few at once is plenty for people typing.
+QUERY_THREADS = 4
+
+
+def is_loopback(host: str) -> bool:
+    """Whether an address (or a --host) is this machine's own."""
+    return host.startswith("127.") or host in ("::1", "::ffff:127.0.0.1", "localhost")
+
+
+@dataclass(frozen=True)
+class Undo:
+    """What to do if a reply never reaches its client: the jobs it hands
+    out go back to the queue."""
+
+    job_ids: tuple[int, ...]
+    run: Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Answer:
+    response: Response
+    undo: Undo | None = None
+
+
+@dataclass(frozen=True)
+class WaitForJobs:
+    """Wait for jobs by awaiting `take()`; the Answer it returns is the
+    reply, and its jobs are the caller's from the moment it returns."""
+
+    take: Callable[[], Awaitable[Answer]]
+
+
+class ServerGauges(Protocol):
+    """What Status reports of the server around the core."""
+
+    @property
+    def open_connections(self) -> int: ...
+
+    @property
+    def commands_served(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who may do what (--auth-token-file, --allow-remote-query)."""
+
+    auth_token: str | None = None
+    allow_remote_query: bool = False
+    query_seconds: float = query.DEFAULT_SECONDS
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        store: Storage,
+        writer: Writer,
+        waits: WaitQueue,
+        gauges: ServerGauges,
+        access: Access,
+    ) -> None:
+        self.store = store
+        self.writer = writer
+        self.waits = waits
+        self.gauges = gauges
+        self.access = access
+        self.started = time.monotonic()
+        self._query_limiter = trio.CapacityLimiter(QUERY_THREADS)
+        # Repeat rules are checked one at a time outside the writer: many
+        # clients sending new rules take one core at the most, and never
+        # the writer's time.
+        self._rule_check_limiter = trio.CapacityLimiter(1)
+
+    async def dispatch(self, request: Request, peer: str) -> Answer | WaitForJobs:
+        """What to do about one request from a client at address `peer`."""
+        if request.invalid_utf8:
+            return Answer(Response("400 Request is not valid UTF-8"))
+        if not self._authorized(request):
+            return Answer(Response("401 Unauthorized"))
+        route = ROUTES.get(request.verb.lower())
+        if route is None:
+            return Answer(Response("430 Unrecognized command"))
+        try:
+            return await route(self, request, peer)
+        except CommandError as error:
+            return Answer(Response(error.status))
+
+    def _authorized(self, request: Request) -> bool:
+        expected = self.access.auth_token
+        if expected is None:
+            return True
+        given = request.get("authtoken") or ""
+        # Constant time, so the reply's timing does not reveal a prefix.
+        return hmac.compare_digest(given.encode(), expected.encode())
+
+    # Routes.
+
+    async def in_writer(self, handler: Callable[[Context, Request], Response], request: Request) -> Answer:
+        await self._check_repeats_first(request)
+        return Answer(await self.writer.call(partial(handler, request=request)))
+
+    async def get_jobs(self, request: Request) -> Answer | WaitForJobs:
+        job_query = selection.query_of(request)
+        if (request.get("connection") or "").lower() == "wait":
+            timeout = params.wait_seconds(request)
+            return WaitForJobs(partial(self._wait_for_jobs, job_query, timeout))
+        taken = await self.writer.call(partial(selection.take, query=job_query))
+        if not taken:
+            # Jobs failed on the way (out of leases) stay failed.
+            return Answer(Response("404 No job found"))
+        return self._handing_out(job_query, taken)
+
+    async def _wait_for_jobs(self, job_query: JobQuery, timeout: float) -> Answer:
+        selector = Selector(job_query.pattern, frozenset(job_query.names))
+        taken = await self.waits.wait(selector, job_query, timeout)
+        if not taken:
+            return Answer(Response("404 No job found"))
+        return self._handing_out(job_query, taken)
+
+    def _handing_out(self, job_query: JobQuery, taken: list[Taken]) -> Answer:
+        try:
+            response = selection.reply(job_query, taken)
+        except BaseException:
+            self.waits.give_back(taken)
+            raise
+        ids = tuple(t.job.jobID for t in taken)
+        return Answer(response, Undo(ids, partial(self.waits.give_back, taken)))
+
+    async def status(self) -> Answer:
+        counts, limits, paused, early = await self.writer.call(_status_snapshot)
+        body = {
+            "version": __version__,
+            "uptime": round(time.monotonic() - self.started, 3),
+            "database": {"path": self.store.path, "bytes": self.store.size_bytes()},
+            "jobs": counts,
+            "waitingGetJobs": len(self.waits),
+            "connections": self.gauges.open_connections,
+            "commandsServed": self.gauges.commands_served,
+            "transactions": self.writer.batches,
+            "limits": limits,
+            "paused": paused,
+            "replies": {"waiting": counts.get(State.WAITING, 0), "early": early},
+        }
+        return Answer(ok(body))
+
+    async def query(self, request: Request, peer: str) -> Answer:
+        if not (self.access.allow_remote_query or is_loopback(peer)):
+            return Answer(Response("401 Unauthorized"))
+        response = await trio.to_thread.run_sync(
+            query.run, self.store, request, self.access.query_seconds,
+            limiter=self._query_limiter,
+            # A shutdown does not wait for a query; it stops itself at its deadline.
+            abandon_on_cancel=True,
+        )
+        return Answer(response)
+
+    async def _check_repeats_first(self, request: Request) -> None:
+        """Repeat rules are checked by computing them from many moments
+        (repeat.py), which can take tens of milliseconds: done here, one
+        request at a time, in a thread that does not hold up the writer,
+        which then finds the verdict cached."""
+        texts = []
+        verb = request.verb.lower()
+        if verb == "createjobs":
+            jobs = request.get("jobs") or ""
+            if '"repeat"' in jobs.lower():
+                texts = repeat.rules_in(jobs)
+        elif verb in ("createjob", "updatejob"):
+            text = request.get("repeat")
+            texts = [text] if text else []
+        if texts:
+            await trio.to_thread.run_sync(repeat.warm, texts, limiter=self._rule_check_limiter)
+
+
+def _status_snapshot(ctx: Context) -> tuple[dict[str, int], dict[str, Any], list[str], int]:
+    """Job counts, each concurrency limit with what running jobs use of it,
+    the paused patterns, and the early replies not yet awaited."""
+    store = ctx.store
+    limits = {
+        pattern: {"max": capacity, "running": store.usage(pattern, ctx.now_ms)}
+        for pattern, capacity in sorted(store.limits.items())
+    }
+    return store.count_by_state(), limits, sorted(store.paused), store.early_replies(ctx.now_ms)
+
+
+Route = Callable[[Dispatcher, Request, str], Awaitable[Answer | WaitForJobs]]
+
+
+def _in_writer(handler: Callable[[Context, Request], Response]) -> Route:
+    async def route(d: Dispatcher, request: Request, peer: str) -> Answer:
+        return await d.in_writer(handler, request)
+
+    return route
+
+
+async def _ping(d: Dispatcher, request: Request, peer: str) -> Answer:
+    return Answer(Response("200 OK"))
+
+
+async def _status(d: Dispatcher, request: Request, peer: str) -> Answer:
+    return await d.status()
+
+
+async def _query(d: Dispatcher, request: Request, peer: str) -> Answer:
+    return await d.query(request, peer)
+
+
+async def _get_jobs(d: Dispatcher, request: Request, peer: str) -> Answer | WaitForJobs:
+    return await d.get_jobs(request)
+
+
+# Every verb, lower-cased (protocol.md section 5 and 14).
+ROUTES: dict[str, Route] = {
+    "ping": _ping,
+    "status": _status,
+    "query": _query,
+    "query:": _query,
+    "createjob": _in_writer(commands.create_job),
+    "createjobs": _in_writer(commands.create_jobs),
+    "getjob": _get_jobs,
+    "getjobs": _get_jobs,
+    "queryjob": _in_writer(commands.query_job),
+    "updatejob": _in_writer(commands.update_job),
+    "finishjob": _in_writer(commands.finish_job),
+    "retryjob": _in_writer(commands.retry_job),
+    "failjob": _in_writer(commands.fail_job),
+    "canceljob": _in_writer(commands.cancel_job),
+    "deletejob": _in_writer(commands.delete_job),
+    "requeuejobs": _in_writer(commands.requeue_jobs),
+    "touchjob": _in_writer(commands.touch_job),
+    "failedjobs": _in_writer(commands.failed_jobs),
+    "setlimit": _in_writer(commands.set_limit),
+    "pausejobs": _in_writer(commands.pause_jobs),
+    "resumejobs": _in_writer(commands.resume_jobs),
+    "awaitreply": _in_writer(replies.await_reply),
+    "deliverreply": _in_writer(replies.deliver_reply),
+}

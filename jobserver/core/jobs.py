@@ -1,0 +1,103 @@
+"""What a job is: its states, its row, and the options it is created with.
+
+Plain data, shared by the core and every storage backend. How a job moves
+from state to state is lifecycle.py's business alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class State(StrEnum):
+    """A job's state, stored as its name (protocol.md section 4.2)."""
+
+    QUEUED = "QUEUED"
+    RUNNING = "RUNNING"
+    RUNQUEUED = "RUNQUEUED"
+    PAUSED = "PAUSED"
+    FINISHED = "FINISHED"
+    CANCELLED = "CANCELLED"
+    FAILED = "FAILED"
+    WAITING = "WAITING"
+
+
+# Due jobs in these states are handed out.
+READY = (State.QUEUED, State.RUNQUEUED)
+# Handed out to a worker: they hold capacity of concurrency limits.
+ACTIVE = (State.RUNNING, State.RUNQUEUED)
+# Children in these states hold their parent back; a WAITING child
+# (protocol.md 14.12) holds it like a running one.
+PENDING = (State.QUEUED, State.RUNQUEUED, State.RUNNING, State.PAUSED, State.WAITING)
+# Children that ended, kept for their parent.
+ENDED_CHILDREN = (State.FINISHED, State.CANCELLED)
+
+
+@dataclass
+class Job:
+    """One row of the jobs table (protocol.md section 4.1)."""
+
+    created: str
+    jobID: int
+    state: str
+    name: str
+    nextRun: str
+    lastRun: str | None
+    repeat: str
+    data: str
+    priority: int
+    parentJobID: int
+    retryAfter: str
+    maxAttempts: int
+    retryBackoff: str
+    retryDelay: float
+    retryMaxDelay: float
+    attempts: int
+    lastError: str
+    leaseID: str
+    cost: int = 1
+    timeWindows: str = ""
+    timeZone: str = ""
+    ended: str = ""
+    replyKey: str = ""
+    lastReport: str = ""
+
+
+@dataclass(frozen=True)
+class FlowOptions:
+    """What CreateJob's cost, timeWindows and timeZone ask for; the
+    defaults are a plain Bedrock job."""
+
+    cost: int = 1
+    windows: str = ""
+    zone: str = ""
+
+
+PLAIN = FlowOptions()
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """What CreateJob's maxAttempts, retryBackoff, retryDelay and
+    retryMaxDelay ask for."""
+
+    max_attempts: int
+    backoff: str
+    delay: float
+    max_delay: float
+
+
+@dataclass(frozen=True)
+class NewJob:
+    """Everything CreateJob stores about a job, before it has an ID."""
+
+    name: str
+    next_run: str
+    priority: int
+    repeat: str = ""
+    data: str = "{}"
+    parent_id: int = 0
+    retry_after: str = ""
+    policy: RetryPolicy | None = None
+    flow: FlowOptions = PLAIN

@@ -1,0 +1,394 @@
+"""A job's life: every move between states, and nothing else.
+
+This is the only module that sets a job's `state` or `nextRun` (the
+storage's SQL aside: it creates the schema and prunes). Each transition is
+a named function that commands call; it checks that the move is legal
+(`MOVES`, the table protocol.md section 4.2 prints), writes the row, and
+does the bookkeeping that wakes waiting GetJobs:
+
+- a job that becomes due, or due later, is noted on the Context
+  (`scheduled`), so the wait queue tries matching waiters after the commit
+  or arms its clock for the later time;
+- a job that stops running may have freed capacity of a concurrency limit,
+  so every waiting GetJob is tried again (`wake_all`);
+- a job that starts running, or is reported on, sets the clock for its
+  stale deadline (stale.py).
+
+An illegal move is a bug in the caller: it raises IllegalMove, which the
+writer turns into a `500` that undoes the request.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from itertools import product
+from typing import Any
+
+from jobserver.core import schedule
+from jobserver.core.context import Context
+from jobserver.core.globmatch import glob_match
+from jobserver.core.jobs import (
+    ACTIVE,
+    ENDED_CHILDREN,
+    PENDING,
+    READY,
+    Job,
+    NewJob,
+    State,
+)
+from jobserver.wire import jsonbody
+
+# The two ends of a life that are not states: before CreateJob stores a
+# job, and after it is deleted (a finished job without a parent is not
+# kept, protocol.md 4.2).
+NEW = "new"
+GONE = "deleted"
+
+# Bedrock's limit: a job whose lease expired this many times without a
+# report is failed instead of being handed out again.
+MAX_LEASES = 10
+# Names with this prefix are retried forever and never counted, as in Bedrock.
+UNCOUNTED_PREFIX = "manual"
+# Random bytes per lease token: 2^64 tokens make a collision between two
+# hand-outs of one job practically impossible.
+LEASE_BYTES = 8
+# The last error of a job whose lease ran out without a report.
+LEASE_EXPIRED = "lease expired without a report"
+
+ALL = tuple(State)
+
+
+@dataclass(frozen=True)
+class Move:
+    """A named transition: the (from, to) pairs it may make, and whether it
+    can end a run (so capacity of a concurrency limit may be free)."""
+
+    pairs: frozenset[tuple[str, str]]
+    ends_run: bool = True
+
+
+def _between(sources: tuple[str, ...], targets: tuple[str, ...], ends_run: bool = True) -> Move:
+    return Move(frozenset(product(sources, targets)), ends_run)
+
+
+def _in_place(states: tuple[str, ...]) -> Move:
+    """A move that changes when a job runs, not its state."""
+    return Move(frozenset((s, s) for s in states), ends_run=False)
+
+
+MOVES: dict[str, Move] = {
+    "create": _between((NEW,), (State.QUEUED, State.PAUSED), ends_run=False),
+    "hand out": _between(READY, ACTIVE, ends_run=False),
+    "expire a lease": _between(READY, (State.FAILED,), ends_run=False),
+    "wait for a window": _in_place(READY),
+    "extend a lease": _in_place((State.RUNQUEUED,)),
+    "reschedule": _in_place(ALL),
+    "finish": _between(ACTIVE, (State.FINISHED, GONE)),
+    "retry": _between(ACTIVE, (State.QUEUED,)),
+    "fail an attempt": _between((*ACTIVE, State.WAITING), (State.FAILED, State.QUEUED)),
+    "fail": _between(ACTIVE, (State.FAILED,)),
+    "wait for a reply": _between(ACTIVE, (State.WAITING,)),
+    "deliver a reply": _between((*ACTIVE, State.WAITING), (State.QUEUED,)),
+    "requeue": _between(ALL, (State.QUEUED,)),
+    "pause for children": _between(ACTIVE, (State.PAUSED,)),
+    "release a child": _between((State.PAUSED,), (State.QUEUED,)),
+    "resume a parent": _between((State.PAUSED,), (State.QUEUED,)),
+    "cancel": _between(
+        (State.QUEUED, State.RUNQUEUED, State.FAILED, State.CANCELLED, State.WAITING),
+        (State.CANCELLED,),
+    ),
+    "delete": _between(tuple(s for s in ALL if s not in (State.RUNNING, State.PAUSED)), (GONE,)),
+    "delete ended children": _between(ENDED_CHILDREN, (GONE,)),
+    "give back": _between(ACTIVE, READY),
+    # Retention: done by the storage's SQL (Storage.prune), listed for the table.
+    "prune": _between((State.FINISHED, State.FAILED), (GONE,), ends_run=False),
+}
+
+
+class IllegalMove(Exception):
+    """A transition was asked of a job in a state it cannot leave that way."""
+
+
+def legal_moves(source: str, target: str) -> list[str]:
+    """The names of the moves from `source` to `target`, in table order."""
+    return [name for name, move in MOVES.items() if (source, target) in move.pairs]
+
+
+def _move(ctx: Context, job: Job, name: str, target: str, /, **changes: Any) -> None:
+    move = MOVES[name]
+    if (job.state, target) not in move.pairs:
+        raise IllegalMove(f"{name}: job {job.jobID} cannot go from {job.state} to {target}")
+    if move.ends_run:
+        _freed(ctx, job)
+    if target == GONE:
+        ctx.store.delete(job.jobID)
+        return
+    ctx.store.update(job.jobID, state=target, **changes)
+    if target in READY or target == State.WAITING:
+        # A WAITING job's nextRun is its reply deadline: the clock must
+        # hear of it as of any other due time.
+        ctx.scheduled(changes.get("name", job.name), changes.get("nextRun", job.nextRun))
+    elif target == State.RUNNING and "lastReport" in changes:
+        _watch_for_staleness(ctx)
+
+
+def _freed(ctx: Context, job: Job) -> None:
+    """A job stops running: if it held capacity of a concurrency limit,
+    every waiting GetJob may now get a job."""
+    limits = ctx.store.limits
+    if job.state in ACTIVE and limits:
+        if any(glob_match(pattern, job.name) for pattern in limits):
+            ctx.wake_all()
+
+
+def _watch_for_staleness(ctx: Context) -> None:
+    """A job became RUNNING or was reported on just now: the clock must fire
+    when it would become stale (stale.py), unless it fires sooner anyway."""
+    if ctx.settings.stale_after:
+        ctx.fire_at(schedule.retry_time(ctx, ctx.settings.stale_after))
+
+
+# Creating.
+
+
+def create(ctx: Context, new: NewJob, parent: Job | None) -> int:
+    """Store a new job: QUEUED, or PAUSED while its parent runs (a child of
+    a running parent waits until the parent finishes)."""
+    state = State.PAUSED if parent is not None and parent.state != State.PAUSED else State.QUEUED
+    job_id = ctx.store.insert(new, created=ctx.now_s, state=state)
+    if state == State.QUEUED:
+        ctx.scheduled(new.name, new.next_run)
+    return job_id
+
+
+# Handing out.
+
+
+@dataclass(frozen=True)
+class Lease:
+    """What a hand-out wrote: its lease token, and the job's data and
+    nextRun after it (a give-back restores the job only if nobody changed
+    them since)."""
+
+    token: str
+    data: str
+    next_run: str
+
+
+def hand_out(ctx: Context, job: Job) -> Lease | None:
+    """Mark a due job as handed out: RUNNING, or RUNQUEUED until the end of
+    its lease (retryAfter). None if the job was failed instead: out of
+    leases or attempts, or a lease that cannot be computed."""
+    lease = secrets.token_hex(LEASE_BYTES)
+    changes: dict[str, Any] = {"lastRun": ctx.now_s, "leaseID": lease}
+    policy = job.maxAttempts > 0
+    if policy:
+        if job.state == State.RUNQUEUED:
+            # Due while still leased: the last attempt's lease ran out.
+            changes["lastError"] = LEASE_EXPIRED
+            if job.attempts >= job.maxAttempts:
+                _expire(ctx, job, LEASE_EXPIRED)
+                return None
+        changes["attempts"] = job.attempts + 1
+    if not job.retryAfter:
+        _move(ctx, job, "hand out", State.RUNNING, lastReport=ctx.now_ms, **changes)
+        return Lease(lease, job.data, job.nextRun)
+    data = jsonbody.parse_object(job.data)
+    counted = not job.name.startswith(UNCOUNTED_PREFIX)
+    # A policy's maxAttempts replaces Bedrock's counter in the data.
+    count_leases = counted and not policy
+    count = data.get("retryAfterCount", 0) if count_leases else 0
+    if not isinstance(count, int) or isinstance(count, bool):
+        count = 0
+    if count >= MAX_LEASES:
+        _expire(ctx, job, f"out of leases: handed out {MAX_LEASES} times without a report")
+        return None
+    try:
+        next_run = schedule.lease_end(ctx, job)
+    except schedule.RepeatStalled as stalled:
+        # A lease that ends at once would hand the job out again and again.
+        _expire(ctx, job, str(stalled))
+        return None
+    if next_run is None:
+        # A stored time SQLite cannot read (imported from elsewhere, written
+        # by hand) must not block the queue: fail the job, as Bedrock does.
+        _expire(ctx, job, "cannot compute the end of the lease")
+        return None
+    if count_leases:
+        data["retryAfterCount"] = count + 1
+    scheduled = counted and "SCHEDULED" in job.repeat
+    if scheduled:
+        data["originalNextRun"] = job.nextRun
+    # A plain leased job's data is written back at every hand-out, as it
+    # always was; a policy job's only when it records originalNextRun.
+    if not policy or scheduled:
+        changes["data"] = jsonbody.compact(data)
+    _move(ctx, job, "hand out", State.RUNQUEUED, nextRun=next_run, **changes)
+    return Lease(lease, changes.get("data", job.data), next_run)
+
+
+def _expire(ctx: Context, job: Job, error: str) -> None:
+    _move(ctx, job, "expire a lease", State.FAILED, lastError=error, ended=ctx.now_s)
+
+
+def wait_for_window(ctx: Context, job: Job, start: str) -> None:
+    """A due job outside its time windows moves to the next one's start."""
+    _move(ctx, job, "wait for a window", job.state, nextRun=start)
+
+
+def give_back(ctx: Context, job: Job, lease: Lease) -> None:
+    """Undo a hand-out whose reply never reached its client; `job` is the
+    row as it was before. A job that has moved on since (its lease ran out
+    and another worker has it, or it was requeued) is left alone, and data
+    or a nextRun that an UpdateJob set meanwhile is kept: only this
+    hand-out is undone."""
+    current = ctx.store.get(job.jobID)
+    if current is None or current.state not in ACTIVE or current.leaseID != lease.token:
+        return
+    _move(
+        ctx,
+        current,
+        "give back",
+        job.state,
+        nextRun=job.nextRun if current.nextRun == lease.next_run else current.nextRun,
+        lastRun=job.lastRun,
+        data=job.data if current.data == lease.data else current.data,
+        attempts=job.attempts,
+        lastError=job.lastError,
+        leaseID=job.leaseID,
+        lastReport=job.lastReport,
+    )
+
+
+# Reports on a running job.
+
+
+def extend_lease(ctx: Context, job: Job, next_run: str) -> None:
+    """TouchJob on a leased job: due again only at `next_run`."""
+    _move(ctx, job, "extend a lease", State.RUNQUEUED, nextRun=next_run)
+
+
+def note_report(ctx: Context, job: Job) -> None:
+    """A RUNNING job was reported on: the stale-job safety net counts from now."""
+    ctx.store.update(job.jobID, lastReport=ctx.now_ms)
+    _watch_for_staleness(ctx)
+
+
+def update(ctx: Context, job: Job, next_run: str | None, **changes: Any) -> None:
+    """UpdateJob: new data, priority or repeat, and a new nextRun (in
+    whatever state the job is) if `next_run` is given. On a RUNNING job it
+    is a report: the stale-job safety net counts from now."""
+    if job.state == State.RUNNING:
+        changes["lastReport"] = ctx.now_ms
+    if next_run is None:
+        ctx.store.update(job.jobID, **changes)
+    else:
+        _move(ctx, job, "reschedule", job.state, nextRun=next_run, **changes)
+
+
+def finish(ctx: Context, job: Job, parent: Job | None, **changes: Any) -> None:
+    """A run ended well and the job does not run again: a child is kept
+    FINISHED for its parent (which may now resume); a standalone job is
+    kept for retention (--keep-finished) or deleted."""
+    if parent is not None:
+        _move(ctx, job, "finish", State.FINISHED, **changes)
+        resume_parent_if_done(ctx, parent)
+    elif ctx.settings.keep_finished:
+        # Retention (protocol.md 14.10): kept with its final data until
+        # the pruner deletes it.
+        _move(ctx, job, "finish", State.FINISHED, ended=ctx.now_s, **changes)
+    else:
+        _move(ctx, job, "finish", GONE)
+
+
+def retry(ctx: Context, job: Job, next_run: str, **changes: Any) -> None:
+    """A run ended and the job runs again at `next_run` (RetryJob, or a
+    repeat), or at the start of its next time window after that."""
+    next_run = schedule.in_window(job.timeWindows, job.timeZone, next_run)
+    _move(ctx, job, "retry", State.QUEUED, nextRun=next_run, **changes)
+
+
+def fail_attempt(ctx: Context, job: Job, error: str, **changes: Any) -> None:
+    """A run of `job` failed with `error`: FAILED; or, with a retry policy
+    that has attempts left, QUEUED again after its backoff delay."""
+    if job.maxAttempts and job.attempts < job.maxAttempts:
+        delay = schedule.backoff_delay(job, job.attempts)
+        next_run = schedule.in_window(
+            job.timeWindows, job.timeZone, schedule.retry_time(ctx, delay)
+        )
+        _move(ctx, job, "fail an attempt", State.QUEUED, nextRun=next_run, lastError=error, **changes)
+        return
+    _move(
+        ctx, job, "fail an attempt", State.FAILED, lastError=error, ended=ctx.now_s, **changes
+    )
+
+
+def fail(ctx: Context, job: Job, error: str, **changes: Any) -> None:
+    """FAILED whatever its retry policy: a repeat that would run the job
+    again for the same base moment would only meet the same rule."""
+    _move(ctx, job, "fail", State.FAILED, lastError=error, ended=ctx.now_s, **changes)
+
+
+# Replies (protocol.md 14.12).
+
+
+def wait_for_reply(ctx: Context, job: Job, key: str, deadline: str, data: str) -> None:
+    """WAITING on `key` until `deadline`, which is its nextRun, so the clock
+    that wakes GetJobs fires for it too."""
+    _move(ctx, job, "wait for a reply", State.WAITING, replyKey=key, nextRun=deadline, data=data)
+
+
+def deliver_reply(ctx: Context, job: Job, data: str) -> None:
+    """Back to QUEUED, due now, with `data` holding the reply. The wait
+    ended well, so the next run gets every attempt of its policy again."""
+    changes: dict[str, Any] = {"nextRun": ctx.now_ms, "replyKey": "", "data": data}
+    if job.maxAttempts:
+        changes["attempts"] = 0
+    _move(ctx, job, "deliver a reply", State.QUEUED, **changes)
+
+
+# Operators' moves.
+
+
+def requeue(ctx: Context, job: Job, **changes: Any) -> None:
+    """QUEUED again, due at its creation time (or its next window after),
+    with every attempt of its retry policy."""
+    next_run = schedule.in_window(job.timeWindows, job.timeZone, job.created)
+    _move(ctx, job, "requeue", State.QUEUED, nextRun=next_run, attempts=0, **changes)
+
+
+def cancel(ctx: Context, job: Job) -> None:
+    _move(ctx, job, "cancel", State.CANCELLED)
+
+
+def delete(ctx: Context, job: Job) -> None:
+    _move(ctx, job, "delete", GONE)
+
+
+# Parents and children (protocol.md section 8).
+
+
+def pause_for_children(ctx: Context, job: Job, **changes: Any) -> None:
+    """A parent that finishes waits, PAUSED, for its children to run; its
+    PAUSED children are queued."""
+    next_run = job.lastRun or ctx.now_s
+    _move(ctx, job, "pause for children", State.PAUSED, nextRun=next_run, **changes)
+    for child in ctx.store.children(job.jobID, (State.PAUSED,)):
+        _move(ctx, child, "release a child", State.QUEUED)
+
+
+def resume_parent_if_done(
+    ctx: Context, parent: Job, pending: tuple[str, ...] | None = None
+) -> None:
+    """A PAUSED parent is queued again once no child in `pending` states is
+    left (by default every state that holds a parent back)."""
+    if parent.state == State.PAUSED and not ctx.store.has_children(
+        parent.jobID, pending if pending is not None else PENDING
+    ):
+        _move(ctx, parent, "resume a parent", State.QUEUED)
+
+
+def delete_ended_children(ctx: Context, parent: Job) -> None:
+    """A parent's run ended: its FINISHED and CANCELLED children go."""
+    ctx.store.delete_children(parent.jobID, ENDED_CHILDREN)

@@ -1,0 +1,170 @@
+"""What the core needs from storage: exactly this, and nothing of SQL.
+
+SQLite (sqlite.py) is the one backend today. A backend keeps jobs, limits,
+paused patterns and replies; offers the transaction steps the writer uses
+to commit many requests at once; and answers the few questions the clock,
+the pruner and the Query command ask. It never decides what a command
+means, and it never sets a job's state on its own, except where this
+interface says so (pruning, deleting the ended children of a parent).
+
+Date arithmetic and the merge of JSON data are not the backend's: they
+follow SQLite's semantics everywhere (core/sqlite_functions.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from jobserver.core.jobs import Job, NewJob
+
+# How the SQL of the Query command may run (its dialect is the backend's).
+QueryResult = tuple[list[str], list[tuple[object, ...]]]
+
+
+class QueryTimeout(Exception):
+    """A Query ran past its time."""
+
+
+class BadQuery(Exception):
+    """A Query's SQL cannot run: not valid, or not a read. Its text says why."""
+
+
+class Storage(Protocol):
+    """The jobs database, used by one thread at a time (the writer's),
+    except where a method says it opens a connection of its own."""
+
+    # What a human reads in logs and Status: a file path, or a URL.
+    path: str
+    # Exceptions that mean the database itself failed (locked, disk full,
+    # I/O): the writer answers `503` and rolls back.
+    errors: tuple[type[Exception], ...]
+    # Flow control, read on every hand-out: kept in memory, in step with
+    # what is stored (reloaded whenever a transaction is rolled back).
+    limits: dict[str, int]
+    paused: frozenset[str]
+
+    def close(self) -> None: ...
+
+    def stop_waiting_long(self) -> None:
+        """The server stops: waits for another process's lock are cut short."""
+
+    # Transactions: one per batch, a savepoint per request where needed.
+
+    @property
+    def total_changes(self) -> int: ...
+
+    @property
+    def in_transaction(self) -> bool: ...
+
+    def begin(self) -> None: ...
+
+    def commit(self) -> None: ...
+
+    def rollback(self) -> None: ...
+
+    def savepoint(self) -> None: ...
+
+    def release(self) -> None: ...
+
+    def rollback_savepoint(self) -> None: ...
+
+    # Jobs.
+
+    def insert(self, new: NewJob, *, created: str, state: str, ended: str = "") -> int: ...
+
+    def get(self, job_id: int) -> Job | None: ...
+
+    def update(self, job_id: int, **fields: object) -> None: ...
+
+    def delete(self, job_id: int) -> None: ...
+
+    def find_ready(
+        self,
+        *,
+        now: str,
+        priorities: Sequence[int],
+        limit: int,
+        pattern: str | None = None,
+        names: Sequence[str] = (),
+        blocked: Sequence[str] = (),
+        skipped: Sequence[int] = (),
+    ) -> list[Job]:
+        """Due QUEUED/RUNQUEUED jobs in hand-out order (protocol.md 4.4),
+        matching a GLOB `pattern` or one of `names`, except names matching
+        a `blocked` GLOB and the `skipped` jobIDs."""
+
+    def find_by_name(self, name: str) -> Job | None:
+        """The oldest job with exactly this name that is not history."""
+
+    def failed(self, *, pattern: str | None, names: Sequence[str], limit: int) -> list[Job]: ...
+
+    def count_by_state(self) -> dict[str, int]: ...
+
+    def children(self, parent_id: int, states: Sequence[str]) -> list[Job]: ...
+
+    def has_children(self, parent_id: int, states: Sequence[str] | None = None) -> bool: ...
+
+    def delete_children(self, parent_id: int, states: Sequence[str]) -> None: ...
+
+    # The clock.
+
+    def next_due(self, after: str) -> str | None:
+        """The earliest nextRun later than `after` of a job waiting to run,
+        or reply deadline of a WAITING job."""
+
+    def first_deadline(self) -> str | None:
+        """The earliest reply deadline, passed or not."""
+
+    def oldest_report(self) -> str | None:
+        """The lastReport of the RUNNING job heard from least recently."""
+
+    def stale(self, reported_before: str, limit: int) -> list[Job]: ...
+
+    # Replies (protocol.md 14.12).
+
+    def waiting_on(self, key: str) -> Job | None: ...
+
+    def overdue(self, now: str, limit: int) -> list[Job]: ...
+
+    def reply(self, key: str, now: str) -> tuple[str, int] | None: ...
+
+    def keep_reply(self, key: str, data: str, received: str, expires: str, job_id: int) -> None: ...
+
+    def claim_reply(self, key: str, job_id: int) -> None: ...
+
+    def early_replies(self, now: str) -> int: ...
+
+    # Flow control (protocol.md 14.7 to 14.9).
+
+    def set_limit(self, pattern: str, capacity: int) -> None: ...
+
+    def usage(self, pattern: str, now: str) -> int: ...
+
+    def pause(self, pattern: str) -> None: ...
+
+    def resume(self, pattern: str) -> bool: ...
+
+    # Retention (protocol.md 14.10).
+
+    def prune(self, state: str, ended_before: str, batch: int) -> int: ...
+
+    def prune_replies(self, now: str, batch: int) -> int: ...
+
+    def reclaim_space(self, pruned: bool) -> bool:
+        """Give freed space back to the system, a bounded step; True when
+        more is left."""
+
+    def prune_pending(self, before: Mapping[str, str], now: str) -> bool:
+        """Whether the pruner has work; asked on a connection of its own
+        (from another thread), so that an idle server opens no transaction."""
+
+    # Outside the writer.
+
+    def run_query(self, sql: str, seconds: float, max_rows: int) -> QueryResult:
+        """Run a client's read-only SQL on a connection of its own (from
+        another thread). Raises QueryTimeout past `seconds`, OverflowError
+        past `max_rows` rows, and BadQuery for SQL that is not a read."""
+
+    def size_bytes(self) -> int:
+        """What the database takes on disk, for Status."""

@@ -1,0 +1,100 @@
+"""Read-only SQLite connections of their own: the `Query` command's
+sandbox, and the pruner's look for work. Both run in threads outside the
+writer, and neither can write."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Mapping
+from time import monotonic
+from urllib.parse import quote
+
+from jobserver.storage.interface import BadQuery, QueryResult, QueryTimeout
+
+# Read-only SQL for the `Query` command. It runs on its own connection,
+# opened read-only, with an authorizer that allows nothing but reading and a
+# progress handler that stops it at its deadline.
+
+# Longest text or blob a query may build: enough for any row of the jobs
+# table, small enough that a hostile zeroblob() or printf() cannot exhaust
+# memory.
+QUERY_MAX_LENGTH = 16 * 1024 * 1024
+
+_QUERY_ALLOWED = frozenset(
+    (sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE)
+)
+
+
+def _read_only_uri(path: str) -> str:
+    """A URI that opens `path` read-only. An absolute path gets an empty
+    authority (`file://` + path): after a bare `file:`, a path starting with
+    `//` would make its first directory the URI's authority."""
+    authority = "//" if path.startswith("/") else ""
+    return f"file:{authority}{quote(path)}?mode=ro"
+
+
+def read_only_query(path: str, sql: str, seconds: float, max_rows: int) -> QueryResult:
+    """Run one read-only statement; return column names and rows.
+
+    Raises BadQuery for bad SQL or anything that is not a read,
+    QueryTimeout when it runs past `seconds`, and OverflowError when it
+    returns more than `max_rows` rows.
+    """
+    try:
+        db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
+    except sqlite3.Error as error:
+        raise BadQuery(str(error)) from error
+    try:
+        db.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, QUERY_MAX_LENGTH)
+        db.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
+        db.set_authorizer(_authorize)
+        deadline = monotonic() + seconds
+        db.set_progress_handler(lambda: monotonic() > deadline, 1000)
+        try:
+            cursor = db.execute(sql)
+            rows = cursor.fetchmany(max_rows + 1)
+        except sqlite3.OperationalError as error:
+            if monotonic() > deadline and "interrupt" in str(error):
+                raise QueryTimeout() from error
+            raise BadQuery(str(error)) from error
+        except (sqlite3.Error, sqlite3.Warning, ValueError) as error:
+            raise BadQuery(str(error)) from error
+        if len(rows) > max_rows:
+            raise OverflowError(max_rows)
+        headers = [column[0] for column in cursor.description or ()]
+        return headers, rows
+    finally:
+        db.close()
+
+
+def prune_pending(
+    path: str, before: Mapping[str, str], min_free_pages: int, now: str
+) -> bool:
+    """Whether the pruner has work, asked on a connection of its own so that
+    an idle server adds no transaction: a standalone job in a state of
+    `before` that ended before its time there, a reply kept past its grace
+    period (expired at `now`), or free pages to reclaim."""
+    db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
+    try:
+        for state, cutoff in before.items():
+            row = db.execute(
+                "SELECT 1 FROM jobs INDEXED BY jobsEnded WHERE state IN ('FINISHED', 'FAILED') "
+                "AND parentJobID = 0 AND state = ? AND ended < ? LIMIT 1",
+                (state, cutoff),
+            ).fetchone()
+            if row is not None:
+                return True
+        row = db.execute("SELECT 1 FROM replies WHERE expires <= ? LIMIT 1", (now,)).fetchone()
+        if row is not None:
+            return True
+        return int(db.execute("PRAGMA freelist_count").fetchone()[0]) >= min_free_pages
+    finally:
+        db.close()
+
+
+def _authorize(action: int, arg1: str | None, arg2: str | None, *_: object) -> int:
+    if action not in _QUERY_ALLOWED:
+        return sqlite3.SQLITE_DENY
+    if action == sqlite3.SQLITE_FUNCTION and arg2 and arg2.lower() == "load_extension":
+        return sqlite3.SQLITE_DENY
+    return sqlite3.SQLITE_OK

@@ -1,0 +1,140 @@
+"""The SQLite schema of the jobs database, and the steps that bring older
+files up to date (schema version in `PRAGMA user_version`)."""
+
+from __future__ import annotations
+
+SCHEMA_VERSION = 5
+
+SCHEMA = """
+CREATE TABLE jobs (
+    created     TEXT NOT NULL,
+    jobID       INTEGER PRIMARY KEY AUTOINCREMENT,
+    state       TEXT NOT NULL,
+    name        TEXT NOT NULL,
+    nextRun     TEXT NOT NULL,
+    lastRun     TEXT,
+    repeat      TEXT NOT NULL DEFAULT '',
+    data        TEXT NOT NULL DEFAULT '{}',
+    priority    INTEGER NOT NULL DEFAULT 500,
+    parentJobID INTEGER NOT NULL DEFAULT 0,
+    retryAfter  TEXT NOT NULL DEFAULT '',
+    -- The retry policy (protocol.md, "Extensions beyond Bedrock"): with
+    -- maxAttempts 0 there is none, and the job behaves exactly as in Bedrock.
+    maxAttempts   INTEGER NOT NULL DEFAULT 0,
+    retryBackoff  TEXT NOT NULL DEFAULT '',
+    retryDelay    REAL NOT NULL DEFAULT 0,
+    retryMaxDelay REAL NOT NULL DEFAULT 3600,
+    -- Hand-outs of the current run of a job with a policy.
+    attempts      INTEGER NOT NULL DEFAULT 0,
+    lastError     TEXT NOT NULL DEFAULT '',
+    -- The token of the latest hand-out, for fencing late reports.
+    leaseID       TEXT NOT NULL DEFAULT '',
+    -- Flow control (protocol.md 14.7 to 14.10): what the job counts
+    -- against concurrency limits, the daily windows it may run in, and when
+    -- it became FINISHED or FAILED, for retention.
+    cost          INTEGER NOT NULL DEFAULT 1,
+    timeWindows   TEXT NOT NULL DEFAULT '',
+    timeZone      TEXT NOT NULL DEFAULT '',
+    ended         TEXT NOT NULL DEFAULT '',
+    -- Replies (protocol.md 14.11): the key a WAITING job waits on. Its
+    -- deadline is its nextRun, so the clock that wakes GetJobs sees it.
+    replyKey      TEXT NOT NULL DEFAULT '',
+    -- When a RUNNING job was handed out or last reported on (UpdateJob,
+    -- TouchJob): the stale-job safety net counts from it (--stale-after).
+    lastReport    TEXT NOT NULL DEFAULT ''
+);
+-- GetJob with a pattern: per priority, the due jobs in hand-out order
+-- (nextRun, name, then jobID, which every index ends with), so the first
+-- job is read straight from the index with no sort of jobs due together.
+CREATE INDEX jobsReadyPriority ON jobs (priority, nextRun, name)
+    WHERE state IN ('QUEUED', 'RUNQUEUED');
+-- GetJob with exact names, and GLOB patterns with a literal prefix.
+CREATE INDEX jobsReadyName ON jobs (name, priority, nextRun)
+    WHERE state IN ('QUEUED', 'RUNQUEUED');
+-- The earliest future job, for the timer that wakes waiting GetJobs.
+CREATE INDEX jobsReadyNextRun ON jobs (nextRun)
+    WHERE state IN ('QUEUED', 'RUNQUEUED');
+-- unique=true lookups by name in any state.
+CREATE INDEX jobsName ON jobs (name);
+CREATE INDEX jobsParentJobIDState ON jobs (parentJobID, state)
+    WHERE parentJobID != 0;
+-- FailedJobs: the dead set, which is small next to the queue.
+CREATE INDEX jobsFailedName ON jobs (name) WHERE state = 'FAILED';
+-- What running jobs of a name use of a concurrency limit.
+CREATE INDEX jobsActive ON jobs (name, state, nextRun, cost)
+    WHERE state IN ('RUNNING', 'RUNQUEUED');
+-- Retention: the oldest ended standalone jobs, for the pruner.
+CREATE INDEX jobsEnded ON jobs (state, ended)
+    WHERE state IN ('FINISHED', 'FAILED') AND parentJobID = 0;
+CREATE TABLE limits (
+    pattern  TEXT PRIMARY KEY,
+    capacity INTEGER NOT NULL
+);
+CREATE TABLE paused (
+    pattern TEXT PRIMARY KEY
+);
+-- One job at most waits on a key.
+CREATE UNIQUE INDEX jobsReplyKey ON jobs (replyKey) WHERE state = 'WAITING';
+-- The earliest reply deadline, for the clock.
+CREATE INDEX jobsWaiting ON jobs (nextRun) WHERE state = 'WAITING';
+-- Replies kept for the grace period: early ones (jobID 0) until a job
+-- awaits them, delivered ones (the jobID) to refuse a second delivery.
+CREATE TABLE replies (
+    replyKey TEXT PRIMARY KEY,
+    data     TEXT NOT NULL,
+    received TEXT NOT NULL,
+    expires  TEXT NOT NULL,
+    jobID    INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX repliesExpires ON replies (expires);
+-- The RUNNING job heard from least recently, for the stale-job deadline.
+CREATE INDEX jobsRunningReport ON jobs (lastReport) WHERE state = 'RUNNING';
+"""
+
+# Statements that bring a file of version N up to N + 1. They run in one
+# transaction together with the new user_version, so a file is either
+# wholly migrated or untouched. The result must equal _SCHEMA (a test
+# compares the two).
+MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: (
+        "ALTER TABLE jobs ADD COLUMN maxAttempts INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE jobs ADD COLUMN retryBackoff TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE jobs ADD COLUMN retryDelay REAL NOT NULL DEFAULT 0",
+        "ALTER TABLE jobs ADD COLUMN retryMaxDelay REAL NOT NULL DEFAULT 3600",
+        "ALTER TABLE jobs ADD COLUMN attempts INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE jobs ADD COLUMN lastError TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE jobs ADD COLUMN leaseID TEXT NOT NULL DEFAULT ''",
+        "CREATE INDEX jobsFailedName ON jobs (name) WHERE state = 'FAILED'",
+    ),
+    2: (
+        "ALTER TABLE jobs ADD COLUMN cost INTEGER NOT NULL DEFAULT 1",
+        "ALTER TABLE jobs ADD COLUMN timeWindows TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE jobs ADD COLUMN timeZone TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE jobs ADD COLUMN ended TEXT NOT NULL DEFAULT ''",
+        # Jobs that failed before retention existed count from their last run.
+        "UPDATE jobs SET ended = COALESCE(lastRun, created) WHERE state IN ('FINISHED', 'FAILED')",
+        # Written as in _SCHEMA: the stored text of an index is compared.
+        "CREATE INDEX jobsActive ON jobs (name, state, nextRun, cost)\n"
+        "    WHERE state IN ('RUNNING', 'RUNQUEUED')",
+        "CREATE INDEX jobsEnded ON jobs (state, ended)\n"
+        "    WHERE state IN ('FINISHED', 'FAILED') AND parentJobID = 0",
+        "CREATE TABLE limits (\n    pattern  TEXT PRIMARY KEY,\n    capacity INTEGER NOT NULL\n)",
+        "CREATE TABLE paused (\n    pattern TEXT PRIMARY KEY\n)",
+    ),
+    3: (
+        "ALTER TABLE jobs ADD COLUMN replyKey TEXT NOT NULL DEFAULT ''",
+        "CREATE UNIQUE INDEX jobsReplyKey ON jobs (replyKey) WHERE state = 'WAITING'",
+        "CREATE INDEX jobsWaiting ON jobs (nextRun) WHERE state = 'WAITING'",
+        "CREATE TABLE replies (\n    replyKey TEXT PRIMARY KEY,\n    data     TEXT NOT NULL,\n"
+        "    received TEXT NOT NULL,\n    expires  TEXT NOT NULL,\n"
+        "    jobID    INTEGER NOT NULL DEFAULT 0\n)",
+        "CREATE INDEX repliesExpires ON replies (expires)",
+    ),
+    4: (
+        "ALTER TABLE jobs ADD COLUMN lastReport TEXT NOT NULL DEFAULT ''",
+        # Running jobs count from their hand-out, the last time they were seen.
+        "UPDATE jobs SET lastReport = COALESCE(NULLIF(lastRun, ''), created) "
+        "WHERE state = 'RUNNING'",
+        "CREATE INDEX jobsRunningReport ON jobs (lastReport) WHERE state = 'RUNNING'",
+    ),
+}
