@@ -81,6 +81,8 @@ class GetJobsRefused(Exception):
 
 
 class Manager:
+    """One worker manager: its options, and the state of a run (serve())."""
+
     def __init__(
         self,
         *,

@@ -114,19 +114,26 @@ GIVING_UP = _JOB + "giving up reporting %(command)s %(params)s after %(tries)d t
 
 # The reporting policy: the first row that matches the answer wins.
 POLICY: tuple[Rule, ...] = (
-    # The server may have applied it: that marks the report uncertain (below).
+    # No answer: the server may be restarting. (A broken connection also
+    # marks the report uncertain: the server may have applied it.)
     Rule(ConnectionFailed, _always, Action.SEND_AGAIN, logging.WARNING, HOLDING),
+    # "Unavailable": the server says it will take it later.
     Rule(ServerError, _unavailable, Action.SEND_AGAIN, logging.WARNING, HOLDING),
+    # Any other 5xx may be the same forever (502 Failed to compute nextRun).
     Rule(ServerError, _always, Action.SEND_AGAIN_OR_GIVE_UP, logging.WARNING, HOLDING),
+    # Another job waits on the key: this one cannot wait, and must not stay
+    # RUNNING with nobody to report it.
     Rule(
         Conflict, _await_key_taken, Action.FAIL_INSTEAD, logging.WARNING,
         _JOB + "AwaitReply refused (%(code)s %(reason)s); failing the job",
     ),
+    # The lease moved on: another worker has the job, and reports it.
     Rule(
         Conflict, _always, Action.DROP, logging.WARNING,
         _JOB + "%(command)s refused (%(code)s %(reason)s): another worker has the job now; "
         "this result is dropped",
     ),
+    # No such job, or not RUNNING: after a lost reply, our own earlier try.
     Rule(
         (JobNotFound, IllegalState), _uncertain, Action.DROP, logging.INFO,
         _JOB + "already reported (%(code)s %(reason)s after a reply was lost)",
@@ -135,6 +142,8 @@ POLICY: tuple[Rule, ...] = (
         (JobNotFound, IllegalState), _always, Action.DROP, logging.WARNING,
         _JOB + "the server refused %(command)s: %(code)s %(reason)s",
     ),
+    # A parameter refused (data over 1 MiB, a bad nextRun): the result
+    # still counts without it.
     Rule(
         InvalidRequest, _has_parameters, Action.SEND_BARE, logging.WARNING,
         _JOB + "the server refused %(command)s (%(code)s %(reason)s); sending it without data",
@@ -143,6 +152,7 @@ POLICY: tuple[Rule, ...] = (
         InvalidRequest, _always, Action.DROP, logging.WARNING,
         _JOB + "the server refused %(command)s (%(code)s %(reason)s)",
     ),
+    # Anything else the server will never take: the result is lost.
     Rule(
         JobServerError, _always, Action.GIVE_UP, logging.ERROR,
         _JOB + "the server refused %(command)s: %(status)s",
@@ -151,8 +161,8 @@ POLICY: tuple[Rule, ...] = (
 
 
 def rule_for(report: Report, error: Failure) -> Rule:
-    """The POLICY row for this answer; the first and last rows match every
-    failure, so there always is one."""
+    """The POLICY row for this answer: there always is one, as both kinds
+    of Failure have a row that takes them all."""
     return next(rule for rule in POLICY if rule.matches(report, error))
 
 
@@ -217,6 +227,8 @@ class Reporter:
                 await _send(link, delivery.report)
             except (ConnectionFailed, JobServerError) as error:
                 if isinstance(error, ConnectionFailed):
+                    # The server may have applied it before the connection
+                    # broke: a later 404 or 405 may mean it did.
                     delivery.report.uncertain = True
                 if await self._follow(rule_for(delivery.report, error), delivery, error, link):
                     continue
@@ -249,11 +261,13 @@ class Reporter:
         log.log(rule.level, rule.message, fields)
         if rule.action is Action.SEND_BARE:
             delivery.report = report.bare()
-        elif rule.action is Action.FAIL_INSTEAD:
+            return True
+        if rule.action is Action.FAIL_INSTEAD:
             delivery.report = report.failing(fields["status"])
-        elif rule.action is Action.GIVE_UP:
+            return True
+        if rule.action is Action.GIVE_UP:
             self.given_up += 1
-        return rule.action in (Action.SEND_BARE, Action.FAIL_INSTEAD)
+        return False  # dropped or given up: done with it
 
     def log_unreported(self) -> None:
         for report in self.pending:
