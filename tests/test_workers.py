@@ -27,16 +27,9 @@ from tls_certs import tls_server
 from wire import Client, Reply
 
 from jobserver.client import Client as LibraryClient
-from jobserver.workers import (
-    LOAD_NOTICE_INTERVAL,
-    Every,
-    Manager,
-    Refused,
-    find_worker,
-    json_object,
-    retry_options,
-    touch_period,
-)
+from jobserver.workers.contract import Refused, find_worker, json_object, retry_options
+from jobserver.workers.leases import touch_period
+from jobserver.workers.manager import LOAD_NOTICE_INTERVAL, Every, Manager
 
 DEADLINE = 15.0
 # The manager as users run it.

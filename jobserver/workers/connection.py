@@ -1,0 +1,81 @@
+"""How the worker manager reaches the server: its address, new connections
+in place of broken ones, and the backoff between tries while it is down.
+
+Fetching jobs, reporting results and renewing leases each use a connection
+of their own, so that none waits behind another (a blocking GetJobs can
+take a minute to answer)."""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+
+import trio
+
+from jobserver.client import AsyncClient
+
+# Retrying an unreachable server: quick at first (a restart takes a moment),
+# then no more often than every 5 s, so a long outage costs nothing.
+BACKOFF_FIRST = 0.1
+BACKOFF_MAX = 5.0
+
+
+@dataclass(frozen=True)
+class Server:
+    """The job server the manager works for."""
+
+    host: str
+    port: int
+    token: str | None = None
+    tls: ssl.SSLContext | None = None
+
+    @property
+    def address(self) -> str:
+        """`host:port`, IPv6 hosts in brackets: for the log and for workers."""
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def client(self) -> AsyncClient:
+        """A new client; it connects on its first request."""
+        return AsyncClient(self.host, self.port, auth_token=self.token, tls=self.tls)
+
+
+async def close(client: AsyncClient) -> None:
+    """Close `client` even while the caller is being cancelled: a connection
+    left mid-request tells the server nothing until it is closed."""
+    with trio.CancelScope(shield=True):
+        await client.aclose()
+
+
+class Backoff:
+    """Exponential waits while the server cannot be reached."""
+
+    def __init__(self) -> None:
+        self.delay = 0.0
+
+    @property
+    def failing(self) -> bool:
+        return self.delay > 0
+
+    def next(self) -> float:
+        self.delay = min(self.delay * 2, BACKOFF_MAX) if self.delay else BACKOFF_FIRST
+        return self.delay
+
+    def reset(self) -> None:
+        """The server answered: the next outage starts from the first wait."""
+        self.delay = 0.0
+
+
+class Link:
+    """A connection that outlives its breakages: after each one, it is closed
+    and replaced by a new one."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.client = server.client()
+
+    async def reconnect(self) -> None:
+        await close(self.client)
+        self.client = self.server.client()
+
+    async def aclose(self) -> None:
+        await close(self.client)

@@ -1,0 +1,136 @@
+"""Lease renewal: while a leased job's worker runs, its lease is renewed
+(TouchJob) after a third of it or every --touch-interval seconds, whichever
+is sooner, so that a worker may run longer than the lease without its job
+being handed out twice. Renewals go over a connection of their own."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from jobserver.client import ConnectionFailed, JobServerError, ServerError
+from jobserver.core.repeat import offset_seconds
+from jobserver.workers.connection import Link, Server
+from jobserver.workers.contract import printable
+
+log = logging.getLogger("jobserver.workers")
+
+# A lease is renewed after a third of it has passed: two more tries fit
+# before it runs out if the server does not answer one.
+TOUCH_FRACTION = 1 / 3
+# The server counts a lease from the start of the current second, so it can
+# be up to this much shorter than its retryAfter says.
+LEASE_ROUNDING = 1.0
+# Renewing more often than this is only load, whatever the lease.
+MIN_TOUCH_INTERVAL = 0.1
+
+
+@dataclass
+class Lease:
+    """A running job's lease, renewed while its worker runs."""
+
+    job_id: int
+    name: str  # printable(), for the log
+    lease_id: str
+    period: float  # seconds between renewals
+    due: float  # trio time of the next renewal
+
+
+def touch_period(retry_after: str, interval: float) -> float:
+    """How often to renew a lease of `retry_after`: after a third of its
+    shortest length, at most every `interval` seconds (also when its length
+    depends on the moment)."""
+    length = offset_seconds(retry_after)
+    if length is None:
+        return interval
+    shortest = length - LEASE_ROUNDING
+    return max(min(interval, shortest * TOUCH_FRACTION), MIN_TOUCH_INTERVAL)
+
+
+class Leases:
+    """The leases of the running jobs, and the task that renews them."""
+
+    def __init__(self, server: Server, touch_interval: float) -> None:
+        self.server = server
+        self.touch_interval = touch_interval
+        self.held: dict[str, Lease] = {}  # by lease token
+        self.changed = trio.Event()  # set (and replaced) when a lease is taken on
+        self.failing = False  # the last renewal could not reach the server
+
+    def hold(self, job: dict[str, Any]) -> str | None:
+        """Renew this job's lease while it runs; its token, or None for a
+        job without a lease."""
+        lease_id, retry_after = job.get("leaseID"), job.get("retryAfter")
+        if not (isinstance(lease_id, str) and lease_id):
+            return None
+        if not (isinstance(retry_after, str) and retry_after):
+            return None
+        period = touch_period(retry_after, self.touch_interval)
+        name = printable(job["name"])
+        self.held[lease_id] = Lease(
+            job["jobID"], name, lease_id, period, trio.current_time() + period
+        )
+        self.changed.set()
+        return lease_id
+
+    def release(self, lease_id: str) -> None:
+        """Stop renewing a lease: its job has ended."""
+        self.held.pop(lease_id, None)
+
+    async def renew_loop(self) -> None:
+        """Renew each held lease when it is due; runs until cancelled."""
+        link = Link(self.server)
+        try:
+            while True:
+                lease = await self._next_due()
+                lease.due = trio.current_time() + lease.period
+                await self._renew(lease, link)
+        finally:
+            await link.aclose()
+
+    async def _next_due(self) -> Lease:
+        """Wait until a held lease is due for renewal; that lease."""
+        while True:
+            self.changed = trio.Event()
+            if not self.held:
+                await self.changed.wait()
+                continue
+            lease = min(self.held.values(), key=lambda held: held.due)
+            if lease.due <= trio.current_time():
+                return lease
+            with trio.move_on_at(lease.due):
+                await self.changed.wait()
+
+    async def _renew(self, lease: Lease, link: Link) -> None:
+        try:
+            await link.client.touch_job(lease.job_id, lease_id=lease.lease_id)
+        except (ConnectionFailed, ServerError) as error:
+            if not self.failing:
+                log.warning(
+                    "cannot renew the lease of job %s (%s); trying again in %gs",
+                    lease.job_id,
+                    error,
+                    lease.period,
+                )
+                self.failing = True
+            await link.reconnect()
+            return
+        except JobServerError as error:
+            # Unless the job ended meanwhile (its report is on its way), the
+            # lease is gone: 409 when another worker has the job now. The
+            # worker runs on; its result will be refused if so.
+            if self.held.pop(lease.lease_id, None) is not None:
+                log.warning(
+                    "job %s %s: lost its lease (%s %s); the worker runs on",
+                    lease.job_id,
+                    lease.name,
+                    error.code,
+                    error.reason,
+                )
+            return
+        if self.failing:
+            log.info("server %s reachable again; renewing leases", self.server.address)
+            self.failing = False

@@ -1,0 +1,329 @@
+"""The Manager: takes jobs from the server and runs each one as a worker
+process, tying the parts together.
+
+One trio task asks the server for work with a blocking GetJobs, but only
+when there is a free worker slot and the load average allows it; each job
+it gets runs in a task of its own (supervision.py, its meaning contract.py);
+one more task reports results in order (reporting.py), and another renews
+the leases of running jobs (leases.py), each over a connection of its own.
+So waiting for jobs, waiting for workers and reporting all happen at once,
+and nothing polls.
+
+Exit status: 0 after a clean stop (signal or --max-iterations); 1 after a
+forced stop (second signal) or when results could not be reported before
+giving up; 2 when the server refuses our GetJobs, or when TLS cannot be set
+up with it (TLSFailed: trying again would not help). arguments.py adds 2
+for bad options.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import ssl
+from typing import Any
+
+import trio
+
+from jobserver.client import ConnectionFailed, JobServerError, ServerError, TLSFailed
+from jobserver.workers.connection import BACKOFF_MAX, Backoff, Link, Server
+from jobserver.workers.contract import (
+    Outcome,
+    Refused,
+    cannot_start,
+    failed,
+    find_worker,
+    outcome,
+    printable,
+    put_back,
+    worker_environment,
+    worker_input,
+)
+from jobserver.workers.leases import Leases
+from jobserver.workers.reporting import Reporter
+from jobserver.workers.supervision import Supervisor, spawn
+
+log = logging.getLogger("jobserver.workers")
+
+# A blocking GetJobs is sent again after this long without a job: well under
+# the server's one-hour cap, and a silently dead connection is noticed within
+# a minute.
+FETCH_WAIT = 60.0
+# The 1-minute load average changes slowly; looking once a second while it is
+# too high costs nothing and starts work soon after it drops.
+LOAD_RECHECK = 1.0
+# While --max-load holds jobs back the log says so, but no more often than
+# this: a busy host can stay busy for hours.
+LOAD_NOTICE_INTERVAL = 60.0
+# After a signalled stop, results still unreported once the workers are done
+# get this long for the server to come back before the manager gives up.
+REPORT_DRAIN = 10.0
+
+
+class Every:
+    """Lets something happen at most once per `interval` seconds."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.last: float | None = None
+
+    def ready(self, now: float) -> bool:
+        """Whether it may happen at `now`; if so, counts it as happened."""
+        if self.last is not None and now - self.last < self.interval:
+            return False
+        self.last = now
+        return True
+
+
+class GetJobsRefused(Exception):
+    """The server refused GetJobs in a way that trying again cannot mend."""
+
+
+class Manager:
+    """One worker manager: its options, and the state of a run (serve())."""
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        directory: str,
+        pattern: str,
+        max_load: float | None,
+        max_workers: int,
+        worker_timeout: float,
+        max_iterations: int | None,
+        grace: float,
+        touch_interval: float = 30.0,
+        token: str | None = None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        self.server = Server(host, port, token, tls)
+        self.directory = directory
+        self.pattern = pattern
+        self.max_load = max_load
+        self.load_notice = Every(LOAD_NOTICE_INTERVAL)
+        self.max_workers = max_workers
+        self.worker_timeout = worker_timeout
+        self.max_iterations = max_iterations
+        self.grace = grace
+
+        self.running = 0  # worker tasks started and not yet ended
+        self.changed = trio.Event()  # set (and replaced) whenever a worker ends
+        self.stopping = False
+        self.signalled = False
+        self.forced = False
+        self.exit_status = 0
+        self.fetch_scope = trio.CancelScope()
+
+        self.supervisor = Supervisor(worker_timeout)
+        self.reporter = Reporter(self.server)
+        self.leases = Leases(self.server, touch_interval)
+
+    # Top level.
+
+    async def serve(self) -> int:
+        """Run until stopped; the exit status (module docstring)."""
+        async with trio.open_nursery() as root:
+            await root.start(self.watch_signals, root.cancel_scope)
+            self._log_start()
+            reporter_done = trio.Event()
+            root.start_soon(self.reporter.deliver_loop, reporter_done)
+            root.start_soon(self.leases.renew_loop)
+            async with trio.open_nursery() as workers:
+                await self.fetch_loop(workers)
+            self.reporter.close()
+            if self.signalled or self.exit_status:
+                self.reporter.give_up_in(REPORT_DRAIN)
+            await reporter_done.wait()
+            root.cancel_scope.cancel()  # the signal watcher and the lease renewer
+        return self._stopped()
+
+    def _log_start(self) -> None:
+        log.info(
+            "worker manager started: server %s%s, jobs %r, workers from %s, "
+            "at most %d at once, %s",
+            self.server.address,
+            " (TLS)" if self.server.tls else "",
+            self.pattern,
+            self.directory,
+            self.max_workers,
+            "no load limit" if self.max_load is None else f"load below {self.max_load:g}",
+        )
+
+    def _stopped(self) -> int:
+        """Log what the stop left undone; the exit status."""
+        if self.forced:
+            for job_id, name in self.supervisor.live.values():
+                log.error(
+                    "job %s %s abandoned: worker killed, job still RUNNING on the server",
+                    job_id,
+                    name,
+                )
+        self.reporter.log_unreported()
+        if self.forced or self.reporter.pending or self.reporter.given_up:
+            log.error("worker manager stopped; results were lost (logged above)")
+            return 1
+        log.info("worker manager stopped")
+        return self.exit_status
+
+    async def watch_signals(
+        self, root: trio.CancelScope, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """The first SIGTERM or SIGINT stops the manager cleanly; a second
+        one ends it at once (cancelling `root`)."""
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            task_status.started()
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                if not self.signalled:
+                    self.signalled = True
+                    log.info(
+                        "received %s: taking no more jobs; %d running workers get %gs to finish",
+                        name,
+                        self.running,
+                        self.grace,
+                    )
+                    self.stop(grace=self.grace)
+                    if self.reporter.closed:
+                        self.reporter.give_up_in(REPORT_DRAIN)
+                else:
+                    log.warning("received %s again: killing all workers and exiting now", name)
+                    self.forced = True
+                    root.cancel()
+                    return
+
+    def stop(self, grace: float) -> None:
+        """Take no more jobs; running workers get `grace` more seconds."""
+        self.stopping = True
+        self.fetch_scope.cancel()
+        self.supervisor.stop(grace)
+
+    # Fetching.
+
+    async def fetch_loop(self, workers: trio.Nursery) -> None:
+        """Take jobs and start their workers in `workers` until stopped,
+        refused, or --max-iterations rounds are done."""
+        rounds = 0
+        link, backoff = Link(self.server), Backoff()
+        try:
+            with self.fetch_scope:
+                while self.max_iterations is None or rounds < self.max_iterations:
+                    jobs = await self._get_jobs(link, backoff, await self.free_slots())
+                    if jobs is None:
+                        continue  # no answer; asked again after a backoff wait
+                    rounds += 1
+                    for job in jobs:
+                        self.running += 1
+                        workers.start_soon(self.run_job, job)
+            if self.max_iterations is not None and rounds >= self.max_iterations:
+                log.info(
+                    "%d GetJobs rounds done; waiting for %d running workers", rounds, self.running
+                )
+        except GetJobsRefused:
+            self.exit_status = 2
+        finally:
+            # A cancelled GetJobs leaves the connection mid-request; closing it
+            # tells the server, which puts back any job it took for us.
+            await link.aclose()
+
+    async def _get_jobs(
+        self, link: Link, backoff: Backoff, free: int
+    ) -> list[dict[str, Any]] | None:
+        """One GetJobs for up to `free` jobs; None if the server could not
+        be reached (after the next backoff wait)."""
+        try:
+            if backoff.failing:
+                # A blocking GetJobs may not answer for a minute: make sure
+                # the server is back, and say so, first.
+                await link.client.ping()
+                log.info("server %s reachable again; taking jobs", self.server.address)
+                backoff.reset()
+            return await link.client.get_jobs(self.pattern, min(free, 1000), wait=FETCH_WAIT)
+        except TLSFailed as error:
+            # Trying again cannot help: the options must change.
+            log.error("cannot get jobs: %s", error)
+            raise GetJobsRefused from error
+        except (ConnectionFailed, ServerError) as error:
+            if not backoff.failing:
+                log.warning(
+                    "cannot get jobs (%s); running workers carry on, "
+                    "retrying with backoff up to %gs",
+                    error,
+                    BACKOFF_MAX,
+                )
+            await link.reconnect()
+            await trio.sleep(backoff.next())
+            return None
+        except JobServerError as error:
+            log.error(
+                "the server refused GetJobs for %r: %s %s", self.pattern, error.code, error.reason
+            )
+            raise GetJobsRefused from error
+
+    async def free_slots(self) -> int:
+        """Wait until a worker may start; the number of free slots."""
+        while True:
+            if self.running >= self.max_workers:
+                await self.changed.wait()
+                continue
+            if self.max_load is not None and (load := self._load()) >= self.max_load:
+                if self.load_notice.ready(trio.current_time()):
+                    log.info(
+                        "load average %.2f is at or above --max-load %g: taking no jobs "
+                        "until it drops",
+                        load,
+                        self.max_load,
+                    )
+                with trio.move_on_after(LOAD_RECHECK):
+                    await self.changed.wait()
+                continue
+            return self.max_workers - self.running
+
+    @staticmethod
+    def _load() -> float:
+        try:
+            return os.getloadavg()[0]
+        except OSError:
+            return 0.0  # no load average on this system: no limit
+
+    # Running one job.
+
+    async def run_job(self, job: dict[str, Any]) -> None:
+        """Run the job's worker, log how it ended, and queue its report."""
+        started = trio.current_time()
+        job_id, name = job["jobID"], printable(job["name"])
+        try:
+            result = await self._run(job, started)
+        finally:
+            self.running -= 1
+            self.changed.set()
+            self.changed = trio.Event()
+        duration = trio.current_time() - started
+        log.info("job %s %s %s in %.3fs", job_id, name, printable(result.text), duration)
+        result.report.lease_id = job.get("leaseID")
+        self.reporter.add(result.report)
+
+    async def _run(self, job: dict[str, Any], started: float) -> Outcome:
+        if self.stopping:
+            return put_back(job, "returned to the queue (stopping)")
+        try:
+            path = find_worker(self.directory, job["name"])
+        except Refused as refusal:
+            return failed(job, str(refusal), f"failed ({refusal})")
+        held = self.leases.hold(job)
+        try:
+            return await self._run_worker(job, path, started)
+        finally:
+            if held is not None:
+                self.leases.release(held)
+
+    async def _run_worker(self, job: dict[str, Any], path: str, started: float) -> Outcome:
+        try:
+            proc = await spawn(path, worker_environment(job, self.server.address))
+        except OSError as error:
+            return cannot_start(job, path, error)
+        label = (job["jobID"], printable(job["name"]))
+        ended = await self.supervisor.supervise(proc, worker_input(job), label, started)
+        return outcome(job, ended, self.worker_timeout)

@@ -1,0 +1,300 @@
+"""Delivering reports (FinishJob, RetryJob, FailJob, AwaitReply) to the
+server: one task sends them in order, over a connection of its own, holding
+them while the server cannot be reached.
+
+What happens to a report after each attempt is decided by POLICY below:
+the server's answer (or the lack of one) -> what to do with the report, and
+what to log. Every report carries its job's lease token, so a result for a
+job that has since been handed to another worker is refused (409) and
+dropped."""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+import trio
+
+from jobserver.client import (
+    Conflict,
+    ConnectionFailed,
+    IllegalState,
+    InvalidRequest,
+    JobNotFound,
+    JobServerError,
+    ServerError,
+)
+from jobserver.workers.connection import BACKOFF_MAX, Backoff, Link, Server
+from jobserver.workers.contract import Report
+
+log = logging.getLogger("jobserver.workers")
+
+# A report refused with a 5xx other than 503 (the server's "unavailable") may
+# be refused the same way forever (502 Failed to compute nextRun): after this
+# many tries it is given up, so that it does not hold up the reports behind it.
+REPORT_TRIES_ON_ERROR = 5
+
+# What an attempt can end with, besides success.
+Failure: TypeAlias = ConnectionFailed | JobServerError
+
+
+class Action(enum.Enum):
+    """What to do with a report the server did not take."""
+
+    # Hold it (and those behind it), reconnect, and send it again after the
+    # next backoff wait. Logged on the first failure of an outage only.
+    SEND_AGAIN = enum.auto()
+    # The same, but give it up (GIVING_UP, and count it lost) at the
+    # REPORT_TRIES_ON_ERROR-th such answer.
+    SEND_AGAIN_OR_GIVE_UP = enum.auto()
+    # Send it again at once without the parameters the server refused.
+    SEND_BARE = enum.auto()
+    # Send a FailJob instead, with the refusal as the job's last error.
+    FAIL_INSTEAD = enum.auto()
+    # Forget it: the server has it already, or another worker has the job.
+    DROP = enum.auto()
+    # Forget it, and count it lost: the manager exits with status 1.
+    GIVE_UP = enum.auto()
+
+
+def _always(report: Report, error: Failure) -> bool:
+    return True
+
+
+def _unavailable(report: Report, error: Failure) -> bool:
+    """503: the server is stopping or overloaded, and says so."""
+    return isinstance(error, ServerError) and error.code == 503
+
+
+def _await_key_taken(report: Report, error: Failure) -> bool:
+    """A 409 to an AwaitReply that is not about the lease: another job waits
+    on the key, so this job cannot wait, and must not stay RUNNING with
+    nobody to report it."""
+    return (
+        report.verb == "await" and isinstance(error, Conflict) and error.reason != "Lease expired"
+    )
+
+
+def _uncertain(report: Report, error: Failure) -> bool:
+    """An earlier attempt may have been applied before its connection broke."""
+    return report.uncertain
+
+
+def _has_parameters(report: Report, error: Failure) -> bool:
+    return report.bare() != report
+
+
+@dataclass(frozen=True)
+class Rule:
+    """For answers of type `answer` when `when` holds: the action, and the
+    log line (a %-format over the fields of _fields())."""
+
+    answer: type[Exception] | tuple[type[Exception], ...]
+    when: Callable[[Report, Failure], bool]
+    action: Action
+    level: int
+    message: str
+
+    def matches(self, report: Report, error: Failure) -> bool:
+        return isinstance(error, self.answer) and self.when(report, error)
+
+
+_JOB = "job %(job)s %(name)s: "
+# The first failure of an outage; then nothing until the server is back.
+HOLDING = (
+    "cannot report job %(job)s (%(error)s); holding %(held)d results, "
+    "retrying with backoff up to %(backoff_max)gs"
+)
+GIVING_UP = _JOB + "giving up reporting %(command)s %(params)s after %(tries)d tries: %(status)s"
+
+# The reporting policy: the first row that matches the answer wins.
+POLICY: tuple[Rule, ...] = (
+    # No answer: the server may be restarting. (A broken connection also
+    # marks the report uncertain: the server may have applied it.)
+    Rule(ConnectionFailed, _always, Action.SEND_AGAIN, logging.WARNING, HOLDING),
+    # "Unavailable": the server says it will take it later.
+    Rule(ServerError, _unavailable, Action.SEND_AGAIN, logging.WARNING, HOLDING),
+    # Any other 5xx may be the same forever (502 Failed to compute nextRun).
+    Rule(ServerError, _always, Action.SEND_AGAIN_OR_GIVE_UP, logging.WARNING, HOLDING),
+    # Another job waits on the key: this one cannot wait, and must not stay
+    # RUNNING with nobody to report it.
+    Rule(
+        Conflict, _await_key_taken, Action.FAIL_INSTEAD, logging.WARNING,
+        _JOB + "AwaitReply refused (%(code)s %(reason)s); failing the job",
+    ),
+    # The lease moved on: another worker has the job, and reports it.
+    Rule(
+        Conflict, _always, Action.DROP, logging.WARNING,
+        _JOB + "%(command)s refused (%(code)s %(reason)s): another worker has the job now; "
+        "this result is dropped",
+    ),
+    # No such job, or not RUNNING: after a lost reply, our own earlier try.
+    Rule(
+        (JobNotFound, IllegalState), _uncertain, Action.DROP, logging.INFO,
+        _JOB + "already reported (%(code)s %(reason)s after a reply was lost)",
+    ),
+    Rule(
+        (JobNotFound, IllegalState), _always, Action.DROP, logging.WARNING,
+        _JOB + "the server refused %(command)s: %(code)s %(reason)s",
+    ),
+    # A parameter refused (data over 1 MiB, a bad nextRun): the result
+    # still counts without it.
+    Rule(
+        InvalidRequest, _has_parameters, Action.SEND_BARE, logging.WARNING,
+        _JOB + "the server refused %(command)s (%(code)s %(reason)s); sending it without data",
+    ),
+    Rule(
+        InvalidRequest, _always, Action.DROP, logging.WARNING,
+        _JOB + "the server refused %(command)s (%(code)s %(reason)s)",
+    ),
+    # Anything else the server will never take: the result is lost.
+    Rule(
+        JobServerError, _always, Action.GIVE_UP, logging.ERROR,
+        _JOB + "the server refused %(command)s: %(status)s",
+    ),
+)
+
+
+def rule_for(report: Report, error: Failure) -> Rule:
+    """The POLICY row for this answer: there always is one, as both kinds
+    of Failure have a row that takes them all."""
+    return next(rule for rule in POLICY if rule.matches(report, error))
+
+
+@dataclass
+class Delivery:
+    """One report on its way, through all its attempts."""
+
+    report: Report
+    backoff: Backoff = field(default_factory=Backoff)
+    started: float = field(default_factory=trio.current_time)
+    server_errors: int = 0  # 5xx answers other than 503
+
+
+class Reporter:
+    """The queue of reports, and the task that delivers them."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.pending: deque[Report] = deque()  # the first is being delivered
+        self.added = trio.Event()  # set (and replaced) when a report is queued
+        self.closed = False  # no more reports will come
+        self.scope = trio.CancelScope()  # its deadline ends delivery early
+        self.given_up = 0  # reports the server would not take
+
+    def add(self, report: Report) -> None:
+        self.pending.append(report)
+        self.added.set()
+
+    def close(self) -> None:
+        """No more reports will come: deliver_loop returns once the queue is empty."""
+        self.closed = True
+        self.added.set()
+
+    def give_up_in(self, seconds: float) -> None:
+        """Stop delivering after `seconds`, whatever is still queued."""
+        self.scope.deadline = trio.current_time() + seconds
+
+    async def deliver_loop(self, done: trio.Event) -> None:
+        """Deliver the reports in order until closed and empty (or the
+        scope's deadline); `done` is set at the end."""
+        link = Link(self.server)
+        try:
+            with self.scope:
+                while True:
+                    if not self.pending:
+                        if self.closed:
+                            return
+                        self.added = trio.Event()
+                        await self.added.wait()
+                        continue
+                    await self.deliver(self.pending[0], link)
+                    self.pending.popleft()
+        finally:
+            await link.aclose()
+            done.set()
+
+    async def deliver(self, report: Report, link: Link) -> None:
+        """Send `report` until POLICY says it is done with it."""
+        delivery = Delivery(report)
+        while True:
+            try:
+                await _send(link, delivery.report)
+            except (ConnectionFailed, JobServerError) as error:
+                if isinstance(error, ConnectionFailed):
+                    # The server may have applied it before the connection
+                    # broke: a later 404 or 405 may mean it did.
+                    delivery.report.uncertain = True
+                if await self._follow(rule_for(delivery.report, error), delivery, error, link):
+                    continue
+                return
+            if delivery.backoff.failing:
+                log.info(
+                    "server %s reachable again; reported job %s after %.1fs",
+                    self.server.address,
+                    report.job_id,
+                    trio.current_time() - delivery.started,
+                )
+            return
+
+    async def _follow(self, rule: Rule, delivery: Delivery, error: Failure, link: Link) -> bool:
+        """Do what `rule` says with the report; whether to send it again."""
+        report = delivery.report
+        fields = _fields(report, error) | {"held": len(self.pending)}
+        if rule.action is Action.SEND_AGAIN_OR_GIVE_UP:
+            delivery.server_errors += 1
+            if delivery.server_errors >= REPORT_TRIES_ON_ERROR:
+                log.error(GIVING_UP, fields | {"tries": delivery.server_errors})
+                self.given_up += 1
+                return False
+        if rule.action in (Action.SEND_AGAIN, Action.SEND_AGAIN_OR_GIVE_UP):
+            if not delivery.backoff.failing:
+                log.log(rule.level, rule.message, fields)
+            await link.reconnect()
+            await trio.sleep(delivery.backoff.next())
+            return True
+        log.log(rule.level, rule.message, fields)
+        if rule.action is Action.SEND_BARE:
+            delivery.report = report.bare()
+            return True
+        if rule.action is Action.FAIL_INSTEAD:
+            delivery.report = report.failing(fields["status"])
+            return True
+        if rule.action is Action.GIVE_UP:
+            self.given_up += 1
+        return False  # dropped or given up: done with it
+
+    def log_unreported(self) -> None:
+        for report in self.pending:
+            log.error(
+                "job %s %s: result not reported (the server may or may not have it): %s %s",
+                report.job_id,
+                report.name,
+                report.command,
+                json.dumps(report.params),
+            )
+
+
+async def _send(link: Link, report: Report) -> None:
+    send = getattr(link.client, report.method)
+    await send(report.job_id, lease_id=report.lease_id, **report.params)
+
+
+def _fields(report: Report, error: Failure) -> dict[str, Any]:
+    """What the log lines of POLICY may name."""
+    fields: dict[str, Any] = {
+        "job": report.job_id,
+        "name": report.name,
+        "command": report.command,
+        "params": json.dumps(report.params),
+        "error": error,
+        "backoff_max": BACKOFF_MAX,
+    }
+    if isinstance(error, JobServerError):
+        fields |= {"code": error.code, "reason": error.reason, "status": error.status}
+    return fields
