@@ -11,9 +11,13 @@ from jobserver.core.errors import CommandError
 from jobserver.storage.sqlite import PLAIN, FlowOptions, RetryPolicy
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request
-
-PRIORITIES = (1000, 850, 750, 500, 250, 0)
-DEFAULT_PRIORITY = 500
+from jobserver.wire.limits import (
+    DEFAULT_PRIORITY,  # noqa: F401  (commands reads it as params.DEFAULT_PRIORITY)
+    DEFAULT_WAIT_MS,
+    MAX_DELAY_DIGITS,
+    MAX_WAIT_MS,
+    PRIORITIES,
+)
 
 MAX_NAME = 255
 # Bedrock's limit for a GetJob pattern, which may list many names.
@@ -23,14 +27,6 @@ MAX_DATA = 1024 * 1024
 # GetJobs hands out at most this many jobs at once: a batch larger than a
 # worker pool can start only holds jobs back from other workers.
 MAX_RESULTS = 1000
-# RetryJob's delay has at most 8 digits of seconds (three years), as in Bedrock.
-MAX_DELAY_DIGITS = 8
-# How long a GetJob with `Connection: wait` waits when it names no timeout:
-# Bedrock's default, chosen so clients can use a two-minute socket timeout.
-DEFAULT_WAIT_MS = 110_000
-# A longer wait is cut to this: an hour is longer than any client should
-# hold a socket without hearing back.
-MAX_WAIT_MS = 3_600_000
 
 # Retry policies (protocol.md, "Extensions beyond Bedrock").
 BACKOFFS = ("fixed", "exponential")

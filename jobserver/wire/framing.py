@@ -18,20 +18,7 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-# Limits. Each one bounds what a single connection can make the server hold.
-#
-# Job data travels in a header value, as in Bedrock, whose own limit for a
-# `data` value is 1 MiB; CreateJobs carries a whole batch in one `jobs`
-# line, and 2 MiB is a thousand jobs of ordinary size.
-MAX_LINE = 2 * 1024 * 1024
-# A whole head: room for one maximal line and ordinary headers beside it.
-MAX_HEAD = 4 * 1024 * 1024
-# Bedrock requests carry about a dozen headers; 100 leaves room for any real
-# client while a header flood is cut off early.
-MAX_HEADERS = 100
-# Commands take their parameters from headers, so a body is never needed;
-# 1 MiB lets a client send one without letting it fill memory.
-MAX_BODY = 1024 * 1024
+from jobserver.wire.limits import MAX_BODY, MAX_HEAD, MAX_HEADERS, MAX_LINE
 
 _LINE_END = re.compile(rb"\r?\n")
 
