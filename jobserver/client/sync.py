@@ -62,7 +62,7 @@ class Client(Endpoint):
         return self._call(
             calls.create_job(
                 name, data, first_run, repeat, priority, retry_after, unique, parent_job_id,
-                max_attempts, retry_backoff, retry_delay, retry_max_delay,
+                max_attempts, retry_backoff, retry_delay, retry_max_delay
             )
         )
 

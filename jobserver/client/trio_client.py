@@ -63,7 +63,7 @@ class AsyncClient(Endpoint, trio.abc.AsyncResource):
         return await self._call(
             calls.create_job(
                 name, data, first_run, repeat, priority, retry_after, unique, parent_job_id,
-                max_attempts, retry_backoff, retry_delay, retry_max_delay,
+                max_attempts, retry_backoff, retry_delay, retry_max_delay
             )
         )
 
@@ -135,7 +135,9 @@ class AsyncClient(Endpoint, trio.abc.AsyncResource):
         return await self._call(calls.touch_job(job_id, lease_id))
 
     @documented_by(calls.failed_jobs)
-    async def failed_jobs(self, pattern: str = "*", limit: int | None = None) -> list[dict[str, Any]]:
+    async def failed_jobs(
+        self, pattern: str = "*", limit: int | None = None
+    ) -> list[dict[str, Any]]:
         return await self._call(calls.failed_jobs(pattern, limit))
 
     @documented_by(calls.set_limit)

@@ -87,9 +87,9 @@ def unescape(value: str) -> str:
     """Undo the backslash escaping clients apply to header values.
 
     `\\n`, `\\r`, `\\t`, `\\b`, `\\f` become control characters, `\\uXXXX` the
-    code point (U+FFFD for a lone surrogate), a backslash before anything else yields that character, and a
-    trailing lone backslash is kept. So JSON sent in a header has its own
-    backslashes doubled by the client.
+    code point (U+FFFD for a lone surrogate), a backslash before anything
+    else yields that character, and a trailing lone backslash is kept. So
+    JSON sent in a header has its own backslashes doubled by the client.
     """
     if "\\" not in value:
         return value
