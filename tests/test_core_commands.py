@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from wire import Client, Reply, encode
 
-from jobserver.wire.framing import MAX_BODY, MAX_HEADERS, MAX_LINE
+from jobserver.wire.limits import MAX_BODY, MAX_HEADERS, MAX_LINE
 
 QUERY_KEYS = {
     "created", "data", "jobID", "lastRun", "name", "nextRun",

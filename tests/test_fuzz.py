@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobserver.wire.framing import (
-    MAX_HEADERS,
     ProtocolError,
     Request,
     RequestParser,
     escape,
 )
+from jobserver.wire.limits import MAX_HEADERS
 
 FRAMING_ERRORS = {
     "400 Malformed Content-Length",

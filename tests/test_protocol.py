@@ -10,10 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jobserver.wire.framing import (
-    MAX_BODY,
-    MAX_HEAD,
-    MAX_HEADERS,
-    MAX_LINE,
     Request,
     RequestParser,
     Response,
@@ -21,6 +17,7 @@ from jobserver.wire.framing import (
     escape,
     unescape,
 )
+from jobserver.wire.limits import MAX_BODY, MAX_HEAD, MAX_HEADERS, MAX_LINE
 
 # Hypothesis runs each property many times; a few hundred examples find the
 # framing bugs quickly and keep the whole file to a few seconds.

@@ -8,11 +8,10 @@ import argparse
 import math
 from collections.abc import Callable
 
-from jobserver.client import DEFAULT_HOST, DEFAULT_PORT, TLS, parse_address
+from jobserver.client import TLS, parse_address
 from jobserver.core.times import duration_text, parse_duration
+from jobserver.wire.limits import DEFAULT_HOST, DEFAULT_PORT, MAX_JOB_ID
 
-# The largest jobID (protocol.md section 3): SQLite's largest integer.
-MAX_JOB_ID = 2**63 - 1
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # Where the client commands and the worker manager look without --server
 # or $JOBSERVER_SERVER.

@@ -22,6 +22,7 @@ from jobserver.core.sqlite_functions import json_patch
 from jobserver.core.views import failed_object, job_object, ok
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request, Response, escape
+from jobserver.wire.limits import DEFAULT_PRIORITY
 
 
 def load_job(ctx: Context, request: Request) -> Job:
@@ -95,7 +96,7 @@ def _create(ctx: Context, request: Request) -> int:
         next_run=next_run,
         repeat=rule or "",
         data=data if data is not None else "{}",
-        priority=params.DEFAULT_PRIORITY if priority is None else priority,
+        priority=DEFAULT_PRIORITY if priority is None else priority,
         parent_id=parent_id,
         retry_after=retry_after,
         policy=policy,

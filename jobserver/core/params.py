@@ -11,9 +11,15 @@ from jobserver.core.errors import CommandError
 from jobserver.core.jobs import PLAIN, FlowOptions, RetryPolicy
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request
-
-PRIORITIES = (1000, 850, 750, 500, 250, 0)
-DEFAULT_PRIORITY = 500
+from jobserver.wire.limits import (
+    DEFAULT_LISTED,
+    DEFAULT_WAIT_MS,
+    MAX_DELAY_DIGITS,
+    MAX_JOB_ID,
+    MAX_LISTED,
+    MAX_WAIT_MS,
+    PRIORITIES,
+)
 
 MAX_NAME = 255
 # Bedrock's limit for a GetJob pattern, which may list many names.
@@ -23,14 +29,6 @@ MAX_DATA = 1024 * 1024
 # GetJobs hands out at most this many jobs at once: a batch larger than a
 # worker pool can start only holds jobs back from other workers.
 MAX_RESULTS = 1000
-# RetryJob's delay has at most 8 digits of seconds (three years), as in Bedrock.
-MAX_DELAY_DIGITS = 8
-# How long a GetJob with `Connection: wait` waits when it names no timeout:
-# Bedrock's default, chosen so clients can use a two-minute socket timeout.
-DEFAULT_WAIT_MS = 110_000
-# A longer wait is cut to this: an hour is longer than any client should
-# hold a socket without hearing back.
-MAX_WAIT_MS = 3_600_000
 
 # Retry policies (protocol.md, "Extensions beyond Bedrock").
 BACKOFFS = ("fixed", "exponential")
@@ -46,10 +44,6 @@ MAX_ATTEMPTS = 10_000
 _SECONDS = re.compile(r"[0-9]{1,8}(?:\.[0-9]{1,3})?")
 # An error text is for people reading the dead set: a traceback fits.
 MAX_ERROR = 64 * 1024
-# FailedJobs lists at most this many jobs, as Query returns at most this
-# many rows.
-MAX_LISTED = 10_000
-DEFAULT_LISTED = 1000
 
 # A job's cost against concurrency limits (protocol.md 14.7): a million
 # is far above any sensible capacity, and keeps sums of costs small.
@@ -84,7 +78,7 @@ def parse_job_id(text: str, name: str = "jobID") -> int:
         number = int(text)
     except ValueError:
         raise CommandError(f"402 Malformed {name}") from None
-    if str(number) != text or not 0 < number < 2**63:
+    if str(number) != text or not 0 < number <= MAX_JOB_ID:
         raise CommandError(f"402 Malformed {name}")
     return number
 

@@ -1,9 +1,10 @@
 """The wire protocol, without any IO.
 
-Bytes go in through `RequestParser.feed`, requests come out; a `Response`
-turns into bytes with `encode_response`. Nothing here knows about sockets,
-so the same code serves the server, the client and tests that feed it
-byte strings.
+The server's side: bytes go in through `RequestParser.feed`, requests come
+out; a `Response` turns into bytes with `encode_response`. The client's
+side: `encode_request` turns a command into bytes, and `ReplyReader` turns
+bytes into `Reply` objects. Nothing here knows about sockets, so the same
+code serves the server, both clients and tests that feed it byte strings.
 
 A request is a method line, `Name: value` header lines, a blank line and an
 optional body of `Content-Length` bytes. Lines may end in `\\r\\n` or `\\n`
@@ -14,24 +15,13 @@ last, a blank line and the body.
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-# Limits. Each one bounds what a single connection can make the server hold.
-#
-# Job data travels in a header value, as in Bedrock, whose own limit for a
-# `data` value is 1 MiB; CreateJobs carries a whole batch in one `jobs`
-# line, and 2 MiB is a thousand jobs of ordinary size.
-MAX_LINE = 2 * 1024 * 1024
-# A whole head: room for one maximal line and ordinary headers beside it.
-MAX_HEAD = 4 * 1024 * 1024
-# Bedrock requests carry about a dozen headers; 100 leaves room for any real
-# client while a header flood is cut off early.
-MAX_HEADERS = 100
-# Commands take their parameters from headers, so a body is never needed;
-# 1 MiB lets a client send one without letting it fill memory.
-MAX_BODY = 1024 * 1024
+from jobserver.wire.limits import MAX_BODY, MAX_HEAD, MAX_HEADERS, MAX_LINE
 
 _LINE_END = re.compile(rb"\r?\n")
 
@@ -97,9 +87,9 @@ def unescape(value: str) -> str:
     """Undo the backslash escaping clients apply to header values.
 
     `\\n`, `\\r`, `\\t`, `\\b`, `\\f` become control characters, `\\uXXXX` the
-    code point (U+FFFD for a lone surrogate), a backslash before anything else yields that character, and a
-    trailing lone backslash is kept. So JSON sent in a header has its own
-    backslashes doubled by the client.
+    code point (U+FFFD for a lone surrogate), a backslash before anything
+    else yields that character, and a trailing lone backslash is kept. So
+    JSON sent in a header has its own backslashes doubled by the client.
     """
     if "\\" not in value:
         return value
@@ -176,28 +166,28 @@ class RequestParser:
         self._buffer += data
         requests: list[Request] = []
         try:
-            for request in self._drain():
+            while (request := self._next_request()) is not None:
                 requests.append(request)
         except ProtocolError as error:
+            # The requests before the break are still answered.
             self.error = error
             self._buffer.clear()
         return requests
 
-    def _drain(self) -> Iterator[Request]:
-        while True:
+    def _next_request(self) -> Request | None:
+        """The next complete request, or None until more bytes arrive."""
+        if self._head is None:
+            self._head = self._take_head()
             if self._head is None:
-                head = self._take_head()
-                if head is None:
-                    return
-                self._head = head
-            if len(self._buffer) < self._body_length:
-                return
-            request = self._head
-            request.body = bytes(self._buffer[: self._body_length])
-            del self._buffer[: self._body_length]
-            self._head = None
-            self._body_length = 0
-            yield request
+                return None
+        if len(self._buffer) < self._body_length:
+            return None
+        request = self._head
+        request.body = bytes(self._buffer[: self._body_length])
+        del self._buffer[: self._body_length]
+        self._head = None
+        self._body_length = 0
+        return request
 
     def _take_head(self) -> Request | None:
         self._skip_leading_blank_lines()
@@ -326,3 +316,139 @@ def encode_response(response: Response, close: bool = False) -> bytes:
         parts += [name, ": ", escape(headers[name]), "\r\n"]
     parts += ["Content-Length: ", str(len(response.body)), "\r\n\r\n"]
     return "".join(parts).encode("utf-8") + response.body
+
+
+# The client's side: requests out, replies in.
+
+
+def encode_request(method: str, params: Mapping[str, object]) -> bytes:
+    """A request's bytes: the method line, a `Name: value` line for each
+    parameter that is not None, and a blank line (protocol.md 1.2)."""
+    if not method or method[0] in " \t" or "\r" in method or "\n" in method:
+        raise ValueError(f"not a method line: {method!r}")
+    lines = [method]
+    for name, value in params.items():
+        if value is None:
+            continue
+        if not _NAME.fullmatch(name):
+            raise ValueError(f"not a parameter name: {name!r}")
+        lines.append(f"{name}: {encode_value(value)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8")
+
+
+_NAME = re.compile(r"[^\s:]+")
+
+
+def encode_value(value: object) -> str:
+    """A parameter value, escaped so that the server's unescaping gives it
+    back exactly (protocol.md 1.3). Dicts and lists are sent as compact JSON."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, str):
+        return _escape_text(value)
+    if isinstance(value, (dict, list, tuple)):
+        # Compact JSON holds no raw line breaks; escaping doubles its backslashes.
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return escape(text)
+    raise TypeError(f"cannot send a {type(value).__name__} as a parameter value")
+
+
+# The server trims spaces around a value before unescaping it, so spaces
+# that belong to the value travel as an escape.
+_SPACE = "\\u0020"
+
+
+def _escape_text(text: str) -> str:
+    escaped = escape(text)
+    rest = escaped.lstrip(" ")
+    core = rest.rstrip(" ")
+    return _SPACE * (len(escaped) - len(rest)) + core + _SPACE * (len(rest) - len(core))
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One reply as a client reads it. Header names are lower-cased (they
+    are case-insensitive) and their values unescaped."""
+
+    status: str
+    headers: dict[str, str]
+    body: bytes
+
+    @property
+    def code(self) -> int:
+        return int(self.status[:3])
+
+    @property
+    def closes_connection(self) -> bool:
+        return self.headers.get("connection", "").lower() == "close"
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+# A reply head is a status line and a few short headers; a peer that sends
+# a megabyte without ending its head is not a jobserver.
+_MAX_REPLY_HEAD = 1024 * 1024
+
+
+class ReplyReader:
+    """Bytes in, replies out, without any IO (protocol.md 2).
+
+    `feed` the bytes as they arrive, `b""` at the end of the stream; `reply`
+    returns the next Reply once it is complete. Malformed input raises
+    ValueError.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        # Status line, headers and body length, once the head is complete.
+        self._head: tuple[str, dict[str, str], int] | None = None
+
+    def feed(self, data: bytes | bytearray) -> None:
+        if not data:
+            raise ValueError("the server closed the connection before its reply was complete")
+        self._buffer += data
+
+    def reply(self) -> Reply | None:
+        if self._head is None:
+            end = self._buffer.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self._buffer) > _MAX_REPLY_HEAD:
+                    raise ValueError("reply head too large: not a jobserver?")
+                return None
+            self._head = _parse_reply_head(bytes(self._buffer[:end]))
+            del self._buffer[: end + 4]
+        status, headers, length = self._head
+        if len(self._buffer) < length:
+            return None
+        body = bytes(self._buffer[:length])
+        del self._buffer[:length]
+        self._head = None
+        return Reply(status, headers, body)
+
+    @property
+    def leftover(self) -> int:
+        """Bytes received beyond the replies taken out."""
+        return len(self._buffer)
+
+
+_STATUS_LINE = re.compile(r"[0-9]{3} .*")
+_DIGITS = re.compile(r"[0-9]+")
+
+
+def _parse_reply_head(raw: bytes) -> tuple[str, dict[str, str], int]:
+    status, *lines = raw.decode("utf-8").split("\r\n")
+    if not _STATUS_LINE.fullmatch(status):
+        raise ValueError(f"not a status line: {status[:100]!r}")
+    headers: dict[str, str] = {}
+    for line in lines:
+        name, colon, value = line.partition(":")
+        if not colon:
+            raise ValueError(f"not a header line: {line[:100]!r}")
+        headers[name.strip().lower()] = unescape(value.strip(" "))
+    length = headers.get("content-length", "")
+    if not _DIGITS.fullmatch(length):
+        raise ValueError(f"bad or missing Content-Length: {length[:100]!r}")
+    return status, headers, int(length)

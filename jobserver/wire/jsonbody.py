@@ -63,7 +63,8 @@ def parse_object(text: str) -> dict[str, Any]:
     """Parse a JSON object; raises ValueError for anything else."""
     value = parse(text)
     if not isinstance(value, dict):
-        raise ValueError("not a JSON object")
+        # The text is malformed, not the argument's type: callers catch ValueError.
+        raise ValueError("not a JSON object")  # noqa: TRY004
     return value
 
 

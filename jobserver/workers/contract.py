@@ -35,6 +35,7 @@ import signal
 from dataclasses import dataclass
 from typing import Any
 
+from jobserver.wire.limits import MAX_DELAY
 from jobserver.workers.supervision import STDOUT_LIMIT, Ended
 
 log = logging.getLogger("jobserver.workers")
@@ -42,8 +43,6 @@ log = logging.getLogger("jobserver.workers")
 # sysexits.h: "temporary failure, the user is invited to retry" -- the one
 # exit status with that meaning that tools already use (sendmail, procmail).
 EX_TEMPFAIL = 75
-# RetryJob's delay is at most 8 digits (protocol.md section 3).
-MAX_DELAY = 99_999_999
 # How much of stderr goes into a failed job's data: enough for a traceback,
 # small enough to keep the job readable in QueryJob.
 STDERR_IN_DATA = 2000

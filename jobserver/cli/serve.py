@@ -1,0 +1,247 @@
+"""The `serve` subcommand: its options, and running the server with them."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import ssl
+import sys
+from typing import Any
+
+import trio
+
+from jobserver.cli.options import LOG_LEVELS, duration, log_level, number
+from jobserver.core.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER
+from jobserver.core.times import duration_text
+from jobserver.server.app import Config, Server
+from jobserver.storage.sqlite import SYNCHRONOUS_MODES, StoreError
+from jobserver.wire.limits import DEFAULT_HOST, DEFAULT_PORT
+
+log = logging.getLogger("jobserver")
+
+
+# The ranges of the serve options; README's serve table lists them.
+MAX_PORT = 65535
+# One file descriptor each, and the kernel's usual ceiling is 1,048,576.
+MAX_CONNECTIONS = 1_000_000
+# A Query holds a reader thread and a snapshot of the database.
+MAX_QUERY_SECONDS = 3600.0
+# A worker between jobs is idle; longer than a day, it is gone.
+MAX_IDLE_SECONDS = 86400.0
+# The largest request (4 MiB of head, 1 MiB of body) arrives within this
+# over any link still worth serving.
+MAX_REQUEST_SECONDS = 3600.0
+# Ten years: for retention, longer is an archive, not a queue; for the
+# stale-job net, longer is the same as never.
+MAX_DURATION_SECONDS = 3650 * 86400.0
+# An early reply waits at most as long as an AwaitReply may (30 days).
+MIN_REPLY_GRACE_SECONDS = 1.0
+MAX_REPLY_GRACE_SECONDS = 30 * 86400.0
+
+
+def add_parser(sub: Any) -> None:
+    """The serve subcommand and its options."""
+    serve = sub.add_parser(
+        "serve",
+        help="run the job server",
+        description=(
+            "Run the job server in the foreground. Jobs are kept in one SQLite "
+            "file; a write is acknowledged only once it is on disk. SIGINT or "
+            f"SIGTERM stop it cleanly. Try it with: nc {DEFAULT_HOST} {DEFAULT_PORT}"
+        ),
+    )
+    serve.add_argument(
+        "--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST})"
+    )
+    serve.add_argument(
+        "--port",
+        type=number(int, 0, MAX_PORT),
+        default=DEFAULT_PORT,
+        help=f"TCP port, 0 to {MAX_PORT}; 0 picks a free one (default: {DEFAULT_PORT})",
+    )
+    serve.add_argument(
+        "--db", default="jobs.db", help="SQLite database file, created if missing (default: jobs.db)"
+    )
+    serve.add_argument(
+        "--synchronous",
+        choices=SYNCHRONOUS_MODES,
+        default="FULL",
+        help=(
+            "SQLite synchronous mode. FULL syncs every commit to disk before "
+            "its reply. NORMAL is faster, but a power loss or OS crash (not a "
+            "server crash) can lose the last acknowledged writes (default: FULL)"
+        ),
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=number(int, 1, MAX_CONNECTIONS),
+        default=Config.max_connections,
+        metavar="N",
+        help=f"connections beyond this, 1 to {MAX_CONNECTIONS:,}, are answered "
+        f"'503 Too many connections' (default: {Config.max_connections})",
+    )
+    serve.add_argument(
+        "--allow-remote-query",
+        action="store_true",
+        help="accept the read-only Query command from non-loopback clients (default: off)",
+    )
+    serve.add_argument(
+        "--query-timeout",
+        type=number(float, 0, MAX_QUERY_SECONDS, above=True, unit="seconds"),
+        default=Config.query_seconds,
+        metavar="SECONDS",
+        help=f"a Query running longer, above 0 and at most {MAX_QUERY_SECONDS:g}, is "
+        f"stopped with '555 Timeout' (default: {Config.query_seconds:g})",
+    )
+    serve.add_argument(
+        "--idle-timeout",
+        type=number(float, 0, MAX_IDLE_SECONDS, above=True, unit="seconds"),
+        default=Config.idle_timeout,
+        metavar="SECONDS",
+        help=f"close a connection with no request under way for this long, above 0 and "
+        f"at most {MAX_IDLE_SECONDS:g} (default: {Config.idle_timeout:g})",
+    )
+    serve.add_argument(
+        "--request-timeout",
+        type=number(float, 0, MAX_REQUEST_SECONDS, above=True, unit="seconds"),
+        default=Config.request_timeout,
+        metavar="SECONDS",
+        help=f"a request must arrive whole within this of its first byte, above 0 and "
+        f"at most {MAX_REQUEST_SECONDS:g}, else '408 Request timeout' and the "
+        f"connection is closed (default: {Config.request_timeout:g})",
+    )
+    serve.add_argument(
+        "--auth-token-file",
+        metavar="FILE",
+        help="require every request to carry the token in this file in an "
+        "'authToken' header; others get '401 Unauthorized' (default: no token)",
+    )
+    serve.add_argument(
+        "--limit",
+        action="append",
+        type=_limit,
+        default=[],
+        metavar="PATTERN=MAX",
+        help="a concurrency limit: jobs whose name matches the GLOB PATTERN may "
+        "together cost at most MAX (1 or more) while running; repeatable; "
+        "SetLimit changes them at run time (default: none)",
+    )
+    serve.add_argument(
+        "--keep-finished",
+        type=duration(0.0, MAX_DURATION_SECONDS),
+        default=0.0,
+        metavar="DURATION",
+        help="keep finished jobs, with their final data, this long: 0 to "
+        f"{duration_text(MAX_DURATION_SECONDS)}, such as 90s, 30m, 12h or 7d "
+        "(default: 0, deleted at once, as Bedrock does)",
+    )
+    serve.add_argument(
+        "--keep-failed",
+        type=duration(0.0, MAX_DURATION_SECONDS),
+        metavar="DURATION",
+        help="delete FAILED jobs this long after they failed: 0 to "
+        f"{duration_text(MAX_DURATION_SECONDS)} (default: kept until deleted or requeued)",
+    )
+    serve.add_argument(
+        "--reply-grace",
+        type=duration(MIN_REPLY_GRACE_SECONDS, MAX_REPLY_GRACE_SECONDS),
+        default=DEFAULT_REPLY_GRACE,
+        metavar="DURATION",
+        help="keep a reply that comes before its AwaitReply this long, and remember a "
+        "delivered one as long to refuse a second delivery: "
+        f"{duration_text(MIN_REPLY_GRACE_SECONDS)} to "
+        f"{duration_text(MAX_REPLY_GRACE_SECONDS)} "
+        f"(default: {duration_text(DEFAULT_REPLY_GRACE)})",
+    )
+    serve.add_argument(
+        "--stale-after",
+        type=duration(0.0, MAX_DURATION_SECONDS),
+        default=DEFAULT_STALE_AFTER,
+        metavar="DURATION",
+        help="a RUNNING job with no report (FinishJob, FailJob, RetryJob, UpdateJob, "
+        "TouchJob) for this long counts as a failed attempt: retried by its retry policy, "
+        f"else FAILED; 0 (never, as Bedrock) or 1s to {duration_text(MAX_DURATION_SECONDS)} "
+        f"(default: {duration_text(DEFAULT_STALE_AFTER)})",
+    )
+    serve.add_argument(
+        "--tls-cert", metavar="FILE", help="serve TLS with this certificate, PEM (default: plain TCP)"
+    )
+    serve.add_argument(
+        "--tls-key", metavar="FILE", help="the private key for --tls-cert, PEM (default: none)"
+    )
+    serve.add_argument(
+        "--log-level",
+        type=log_level,
+        choices=LOG_LEVELS,
+        default="INFO",
+        metavar="LEVEL",
+        help="DEBUG, INFO, WARNING or ERROR, in any case (default: INFO)",
+    )
+
+
+def _limit(text: str) -> tuple[str, int]:
+    pattern, sep, number = text.rpartition("=")
+    if not sep or not pattern or not number.isdigit() or int(number) < 1:
+        raise argparse.ArgumentTypeError(f"not PATTERN=MAX with MAX >= 1: {text!r}")
+    return pattern, int(number)
+
+
+def _read_token(path: str) -> str:
+    with open(path, encoding="utf-8") as token_file:
+        token = token_file.read().strip()
+    if not token:
+        raise ValueError(f"{path} is empty")
+    return token
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the server until it is stopped; the exit status."""
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=args.log_level,
+        format="%(asctime)s jobserver %(levelname)s %(message)s",
+    )
+    if bool(args.tls_cert) != bool(args.tls_key):
+        log.error("--tls-cert and --tls-key go together")
+        return 2
+    for path in filter(None, (args.tls_cert, args.tls_key)):
+        if not os.path.isfile(path):
+            log.error("no such TLS file: %s", path)
+            return 2
+    try:
+        token = _read_token(args.auth_token_file) if args.auth_token_file else None
+    except (OSError, ValueError) as error:
+        log.error("cannot use --auth-token-file: %s", error)
+        return 2
+    config = Config(
+        host=args.host,
+        port=args.port,
+        db=args.db,
+        synchronous=args.synchronous,
+        max_connections=args.max_connections,
+        allow_remote_query=args.allow_remote_query,
+        query_seconds=args.query_timeout,
+        idle_timeout=args.idle_timeout,
+        request_timeout=args.request_timeout,
+        auth_token=token,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        limits=dict(args.limit),
+        keep_finished=args.keep_finished,
+        keep_failed=args.keep_failed,
+        reply_grace=args.reply_grace,
+        stale_after=args.stale_after,
+    )
+    try:
+        trio.run(Server(config).run)
+    except StoreError as error:
+        log.error("%s", error)
+        return 2
+    except ssl.SSLError as error:
+        log.error("cannot use the TLS certificate or key: %s", error)
+        return 2
+    except OSError as error:
+        log.error("cannot listen on %s:%d: %s", config.host, config.port, error)
+        return 1
+    return 0

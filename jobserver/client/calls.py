@@ -1,0 +1,324 @@
+"""What each command sends and what its reply means, shared by both clients.
+
+Each function here builds the `Call` for the client method of the same
+name; its docstring is that method's, on Client and AsyncClient alike
+(`documented_by`), so the two halves say the same thing from one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Generic, TypeVar
+
+from jobserver.client.errors import error_for
+from jobserver.wire.framing import Reply
+from jobserver.wire.limits import DEFAULT_WAIT_MS, MAX_WAIT_MS
+
+T = TypeVar("T")
+Method = TypeVar("Method", bound=Callable[..., Any])
+# A time for firstRun or nextRun: text the server reads (protocol.md 4.3),
+# or a timezone-aware datetime.
+When = str | datetime
+
+# Commands that change nothing, so sending one twice does no harm.
+_READ_ONLY = frozenset({"queryjob", "ping", "status", "query"})
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One request, and how to turn its reply into the method's result."""
+
+    method: str
+    params: dict[str, object]
+    result: Callable[[Reply], T]
+    # GetJob/GetJobs: what `404 No job found`, an empty queue, returns.
+    none_found: Callable[[], T] | None = None
+
+    def outcome(self, reply: Reply) -> T:
+        if reply.code == 404 and self.none_found is not None:
+            return self.none_found()
+        if not 200 <= reply.code <= 299:
+            raise error_for(reply.status)
+        return self.result(reply)
+
+    @property
+    def read_only(self) -> bool:
+        """Whether sending it twice does no harm."""
+        return self.method.split(" ", 1)[0].lower() in _READ_ONLY
+
+    @property
+    def wait_seconds(self) -> float:
+        """How long the server may hold this request before it answers."""
+        lowered = {name.lower(): value for name, value in self.params.items()}
+        if str(lowered.get("connection")).lower() != "wait":
+            return 0.0
+        timeout = lowered.get("timeout")
+        if timeout is None or timeout == "":
+            return DEFAULT_WAIT_MS / 1000
+        try:
+            millis = int(str(timeout))
+        except ValueError:
+            return 0.0  # refused at once with 402 Malformed timeout
+        return min(max(millis, 0), MAX_WAIT_MS) / 1000
+
+
+def documented_by(build: Callable[..., Call[Any]]) -> Callable[[Method], Method]:
+    """Give a client method the docstring of the function building its call."""
+
+    def document(method: Method) -> Method:
+        method.__doc__ = build.__doc__
+        return method
+
+    return document
+
+
+def _reply(reply: Reply) -> Reply:
+    return reply
+
+
+def _nothing(reply: Reply) -> None:
+    return None
+
+
+def _body(reply: Reply) -> Any:
+    return reply.json()
+
+
+def _field(name: str) -> Callable[[Reply], Any]:
+    return lambda reply: reply.json()[name]
+
+
+def _no_job() -> None:
+    return None
+
+
+def _time_text(when: When | None) -> str | None:
+    if not isinstance(when, datetime):
+        return when
+    if when.tzinfo is None:
+        raise ValueError("a naive datetime is ambiguous: give one with a time zone")
+    return when.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _wait_params(wait: float | None) -> dict[str, object]:
+    if wait is None:
+        return {}
+    return {"Connection": "wait", "timeout": round(wait * 1000)}
+
+
+def _on_job(method: str, job_id: int, **params: object) -> Call[None]:
+    return Call(method, {"jobID": job_id, **params}, _nothing)
+
+
+def request(method: str, params: Mapping[str, object]) -> Call[Reply]:
+    """Send any command; parameters that are None are left out. Returns
+    a 2xx reply and raises JobServerError for any other."""
+    return Call(method, dict(params), _reply)
+
+
+def create_job(
+    name: str,
+    data: dict[str, Any] | None,
+    first_run: When | None,
+    repeat: str | None,
+    priority: int | None,
+    retry_after: str | None,
+    unique: bool,
+    parent_job_id: int | None,
+    max_attempts: int | None,
+    retry_backoff: str | None,
+    retry_delay: float | None,
+    retry_max_delay: float | None,
+) -> Call[int]:
+    """Create a job; returns its jobID. `max_attempts` gives it a retry
+    policy: FailJob queues it again after `retry_delay` seconds
+    (`retry_backoff` "fixed" or "exponential", the latter capped at
+    `retry_max_delay`) until that many attempts have failed."""
+    params: dict[str, object] = {
+        "name": name,
+        "data": data,
+        "firstRun": _time_text(first_run),
+        "repeat": repeat,
+        "jobPriority": priority,
+        "retryAfter": retry_after,
+        # Flags that are off are left out: absent means false to the server.
+        "unique": unique or None,
+        "parentJobID": parent_job_id,
+        "maxAttempts": max_attempts,
+        "retryBackoff": retry_backoff,
+        "retryDelay": retry_delay,
+        "retryMaxDelay": retry_max_delay,
+    }
+    return Call("CreateJob", params, _field("jobID"))
+
+
+def create_jobs(jobs: list[dict[str, Any]]) -> Call[list[int]]:
+    """Create several jobs, all or none. Each dict holds CreateJob's
+    parameters by their protocol names (`name`, `data`, `jobPriority`...)."""
+    return Call("CreateJobs", {"jobs": jobs}, _field("jobIDs"))
+
+
+def get_job(name: str, wait: float | None, priority: int | None) -> Call[dict[str, Any] | None]:
+    """Take a due job whose name matches the pattern; None if there is
+    none. With `wait`, wait up to that many seconds for one."""
+    params = {"name": name, "jobPriority": priority, "includeLeaseID": True, **_wait_params(wait)}
+    return Call("GetJob", params, _body, _no_job)
+
+
+def get_jobs(
+    name: str, num_results: int, wait: float | None, priority: int | None
+) -> Call[list[dict[str, Any]]]:
+    """Take up to `num_results` due jobs; an empty list if there are none."""
+    params: dict[str, object] = {
+        "name": name,
+        "numResults": num_results,
+        "jobPriority": priority,
+        "includeLeaseID": True,
+    }
+    params.update(_wait_params(wait))
+    return Call("GetJobs", params, _field("jobs"), list)
+
+
+def update_job(
+    job_id: int,
+    data: dict[str, Any],
+    repeat: str | None,
+    priority: int | None,
+    next_run: When | None,
+    lease_id: str | None,
+) -> Call[None]:
+    """Replace a job's data; optionally its repeat, priority and next run."""
+    params: dict[str, object] = {
+        "jobID": job_id,
+        "data": data,
+        "repeat": repeat,
+        "jobPriority": priority,
+        "nextRun": _time_text(next_run),
+        "leaseID": lease_id,
+    }
+    return Call("UpdateJob", params, _nothing)
+
+
+def query_job(job_id: int) -> Call[dict[str, Any]]:
+    """A job as it is, state included."""
+    return Call("QueryJob", {"jobID": job_id}, _body)
+
+
+def finish_job(job_id: int, data: dict[str, Any] | None, lease_id: str | None) -> Call[None]:
+    """Report a handed-out job done: it is deleted, or queued for its next
+    run if it repeats. `data` replaces its data."""
+    return _on_job("FinishJob", job_id, data=data, leaseID=lease_id)
+
+
+def fail_job(
+    job_id: int, data: dict[str, Any] | None, lease_id: str | None, error: str | None
+) -> Call[None]:
+    """Report a job failed; `error` becomes its last error. With a retry
+    policy and attempts left, the server queues it again."""
+    return _on_job("FailJob", job_id, data=data, error=error, leaseID=lease_id)
+
+
+def await_reply(
+    job_id: int,
+    key: str,
+    timeout: int | None,
+    lease_id: str | None,
+    data: dict[str, Any] | None,
+) -> Call[dict[str, Any]]:
+    """Park a handed-out job until a reply for `key` is delivered, or
+    `timeout` seconds (default a day) pass. Returns {"state": "WAITING",
+    "replyDeadline": ...}, or {"state": "QUEUED"} when the reply had
+    already come. Conflict (409) if another job waits on `key`."""
+    params = {"jobID": job_id, "key": key, "timeout": timeout, "leaseID": lease_id, "data": data}
+    return Call("AwaitReply", params, _body)
+
+
+def deliver_reply(key: str, data: dict[str, Any]) -> Call[dict[str, Any]]:
+    """Deliver the reply for `key`: {"jobID": N} for the job that waited
+    on it, or {"expires": ...} when it is kept for a job to await it.
+    JobNotFound (404) if this key's reply was delivered already."""
+    return Call("DeliverReply", {"key": key, "data": data}, _body)
+
+
+def touch_job(job_id: int, lease_id: str | None) -> Call[str]:
+    """Extend a leased job's lease to retryAfter from now; returns the
+    new end of the lease (its nextRun)."""
+    return Call("TouchJob", {"jobID": job_id, "leaseID": lease_id}, _field("nextRun"))
+
+
+def failed_jobs(pattern: str, limit: int | None) -> Call[list[dict[str, Any]]]:
+    """FAILED jobs whose name matches, oldest first, with their last error."""
+    return Call("FailedJobs", {"name": pattern, "limit": limit}, _field("jobs"))
+
+
+def set_limit(pattern: str, capacity: int) -> Call[None]:
+    """At most `capacity` cost units of matching jobs run at once; 0 removes it."""
+    return Call("SetLimit", {"name": pattern, "max": capacity}, _nothing)
+
+
+def pause_jobs(pattern: str) -> Call[None]:
+    """Hand out no job whose name matches until resume_jobs(pattern)."""
+    return Call("PauseJobs", {"name": pattern}, _nothing)
+
+
+def resume_jobs(pattern: str) -> Call[None]:
+    """Hand out the jobs that pause_jobs(pattern) held back; other paused
+    patterns that match the same jobs still hold them."""
+    return Call("ResumeJobs", {"name": pattern}, _nothing)
+
+
+def retry_job(
+    job_id: int,
+    delay: int | None,
+    next_run: When | None,
+    data: dict[str, Any] | None,
+    name: str | None,
+    priority: int | None,
+    ignore_repeat: bool,
+    lease_id: str | None,
+) -> Call[None]:
+    """Put a handed-out job back in the queue, after `delay` seconds or at `next_run`."""
+    return _on_job(
+        "RetryJob",
+        job_id,
+        delay=delay,
+        nextRun=_time_text(next_run),
+        data=data,
+        name=name,
+        jobPriority=priority,
+        ignoreRepeat=ignore_repeat or None,
+        leaseID=lease_id,
+    )
+
+
+def cancel_job(job_id: int) -> Call[None]:
+    """Cancel a child job: a QUEUED, RUNQUEUED or FAILED child becomes
+    CANCELLED, and a PAUSED parent left with nothing to wait for is queued.
+    A FINISHED, RUNNING or PAUSED child is left as it is."""
+    return _on_job("CancelJob", job_id)
+
+
+def delete_job(job_id: int) -> Call[None]:
+    """Delete a job that is not RUNNING or PAUSED; its children stay."""
+    return _on_job("DeleteJob", job_id)
+
+
+def requeue_jobs(job_ids: list[int], name: str | None) -> Call[None]:
+    """Put jobs back in the queue, due now, whatever their state; a job with
+    a retry policy gets all its attempts back. `name` renames them all.
+    IDs of jobs that do not exist are skipped."""
+    params: dict[str, object] = {"jobIDs": ",".join(map(str, job_ids)), "name": name}
+    return Call("RequeueJobs", params, _nothing)
+
+
+def ping() -> Call[None]:
+    """Check that the server answers."""
+    return Call("Ping", {}, _nothing)
+
+
+def status() -> Call[dict[str, Any]]:
+    """The server's status: jobs per state, waiting GetJobs, connections,
+    database size, uptime and version (protocol.md 5.14)."""
+    return Call("Status", {}, _body)

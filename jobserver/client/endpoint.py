@@ -1,0 +1,192 @@
+"""Where a client connects, how it speaks TLS, and how it words a failure:
+what Client and AsyncClient share besides the calls."""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import ssl
+from typing import Any, Self
+
+import trio
+
+from jobserver.client.calls import Call
+from jobserver.client.errors import ConnectionFailed, TLSFailed
+from jobserver.wire.framing import TLS_REQUIRED, Reply, encode_request
+from jobserver.wire.limits import DEFAULT_HOST, DEFAULT_PORT
+
+# Seconds to connect, to send, and to wait for a reply that is not a
+# waiting GetJob's. Ordinary replies take milliseconds; a busy server's
+# commits and a Query (5 s at most) fit well within this.
+DEFAULT_TIMEOUT = 30.0
+# How much of a reply to read at once.
+RECEIVE_SIZE = 65536
+
+# How a client speaks TLS (jobserver.client's docstring): None or False for
+# not at all, True for the system's CAs, a CA file's path, or a ready SSLContext.
+TLS = bool | str | os.PathLike[str] | ssl.SSLContext | None
+
+_ADDRESS = re.compile(r"(?:\[(?P<ipv6>[^\[\]]+)\]|(?P<host>[^:\[\]\s]+))(?::(?P<port>[0-9]{1,5}))?")
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """`host:port`, `host`, `[ipv6]:port` or `[ipv6]` -> (host, port); the
+    port is 8888 when not given."""
+    match = _ADDRESS.fullmatch(address.strip())
+    port = int(match["port"] or DEFAULT_PORT) if match else 0
+    if match is None or not 0 < port < 65536:
+        raise ValueError(
+            f"not a server address (HOST, HOST:PORT or [IPV6]:PORT, PORT 1 to 65535): {address!r}"
+        )
+    return match["ipv6"] or match["host"], port
+
+
+def tls_context(tls: TLS) -> ssl.SSLContext | None:
+    """The SSLContext for a client's `tls` argument, or None for plain TCP.
+    A CA file that cannot be read or holds no certificate raises ValueError."""
+    if tls is None or tls is False:
+        return None
+    if isinstance(tls, ssl.SSLContext):
+        return tls
+    if tls is True:
+        return ssl.create_default_context()
+    path = os.fspath(tls)
+    try:
+        return ssl.create_default_context(cafile=path)
+    except OSError as error:  # ssl.SSLError too: not PEM, or no certificate in it
+        reason = error.strerror or str(error)
+        raise ValueError(f"cannot read CA certificates from {path}: {reason}") from error
+
+
+def auth_token(path: str | None = None) -> str | None:
+    """The token to send: the content of the file `path` if given, else the
+    JOBSERVER_AUTH_TOKEN environment variable, which holds the token itself
+    (not a file name), else none."""
+    if path:
+        with open(path, encoding="utf-8") as token_file:
+            return token_file.read().strip() or None
+    return os.environ.get("JOBSERVER_AUTH_TOKEN") or None
+
+
+def idle_connection_dead(fileno: int) -> bool:
+    """Whether a connection with no request outstanding is unusable.
+
+    The server sends nothing unasked, so if there is anything to read it has
+    closed the connection (end of stream, reset) or is out of step.
+    """
+    # poll, unlike select, works for descriptors numbered above 1023.
+    poller = select.poll()
+    poller.register(fileno, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+# Why a request failed, as ConnectionFailed says it.
+CANNOT_CONNECT = "cannot connect to"
+CANNOT_SEND = "cannot send to"
+NO_REPLY = "no reply (the request may have been carried out) from"
+
+
+class Endpoint:
+    """Where a client connects, and how it words a failure."""
+
+    def __init__(
+        self,
+        host: str = DEFAULT_HOST,
+        port: int = DEFAULT_PORT,
+        timeout: float = DEFAULT_TIMEOUT,
+        auth_token: str | None = None,
+        tls: TLS = None,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.timeout = timeout
+        # Sent with every request when the server runs with --auth-token-file.
+        self.auth_token = auth_token
+        self.tls = tls_context(tls)
+
+    @classmethod
+    def from_address(
+        cls,
+        address: str,
+        timeout: float = DEFAULT_TIMEOUT,
+        auth_token: str | None = None,
+        tls: TLS = None,
+    ) -> Self:
+        """A client for `host:port`, `host` (port 8888) or `[ipv6]:port`."""
+        host, port = parse_address(address)
+        return cls(host, port, timeout, auth_token, tls)
+
+    def _encode(self, call: Call[Any]) -> bytes:
+        return encode_request(call.method, {**call.params, "authToken": self.auth_token})
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def _failed(self, what: str, error: BaseException) -> ConnectionFailed:
+        return ConnectionFailed(f"{what} {self.address}: {_describe(error)}")
+
+    def _handshake_failed(self, error: BaseException) -> ConnectionFailed:
+        """What a failed TLS handshake means, for a person to act on."""
+        if isinstance(error, ssl.SSLCertVerificationError):
+            if error.verify_code in _NAME_MISMATCH:
+                return TLSFailed(
+                    f"cannot connect to {self.address}: the server's TLS certificate is not "
+                    f"for {self.host} ({error.verify_message}); connect by a name or address "
+                    "that the certificate lists"
+                )
+            return TLSFailed(
+                f"cannot connect to {self.address}: the server's TLS certificate is not "
+                f"trusted ({error.verify_message}); if your own CA signed it, give that CA's "
+                "certificate with --tls-ca FILE"
+            )
+        if _speaks_no_tls(error):
+            return TLSFailed(
+                f"the server at {self.address} does not speak TLS (it answered the TLS "
+                "handshake with something else); leave out --tls and --tls-ca"
+            )
+        if isinstance(error, _ENDED):
+            # A server that is stopping or starting ends connections too:
+            # worth trying again, so not a TLSFailed.
+            return ConnectionFailed(
+                f"{CANNOT_CONNECT} {self.address}: the connection ended during the TLS "
+                "handshake (the server may be restarting, or may not speak TLS: then leave "
+                "out --tls and --tls-ca)"
+            )
+        return ConnectionFailed(
+            f"{CANNOT_CONNECT} {self.address}: TLS handshake failed: {_describe(error)}"
+        )
+
+    def _check_plaintext_reply(self, reply: Reply) -> None:
+        """A TLS-only port answers a plaintext client with this one reply."""
+        if self.tls is None and reply.status == TLS_REQUIRED:
+            raise TLSFailed(f"the server at {self.address} requires TLS: use --tls")
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, (TimeoutError, trio.TooSlowError)):
+        return "timed out"
+    return str(error) or type(error).__name__
+
+
+# OpenSSL's verify codes for a certificate that does not name the host.
+_NAME_MISMATCH = frozenset({62, 64})  # X509_V_ERR_HOSTNAME_MISMATCH, _IP_ADDRESS_MISMATCH
+# OpenSSL's reasons when the peer answers a ClientHello with something that
+# is not TLS (a plain-text reply such as TLS_NOT_SPOKEN).
+_NOT_TLS_REASONS = frozenset(
+    {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "UNEXPECTED_RECORD"}
+)
+
+
+# How a handshake ends when the connection does: a server restarting, or
+# one that does not speak TLS and said nothing.
+_ENDED = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionError)
+
+
+def _speaks_no_tls(error: BaseException) -> bool:
+    """Whether a handshake failure means the peer is not a TLS server: it
+    answered with something that is not TLS."""
+    if isinstance(error, _ENDED):
+        return False
+    return isinstance(error, ssl.SSLError) and error.reason in _NOT_TLS_REASONS

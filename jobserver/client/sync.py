@@ -1,0 +1,258 @@
+"""`Client`: the client on plain blocking sockets."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from typing import Any, Self, TypeVar
+
+from jobserver.client import calls
+from jobserver.client.calls import Call, When, documented_by
+from jobserver.client.endpoint import (
+    CANNOT_CONNECT,
+    CANNOT_SEND,
+    NO_REPLY,
+    RECEIVE_SIZE,
+    Endpoint,
+    idle_connection_dead,
+)
+from jobserver.client.errors import ConnectionFailed, TLSFailed
+from jobserver.wire.framing import Reply, ReplyReader
+
+T = TypeVar("T")
+
+
+class Client(Endpoint):
+    """A blocking client on one persistent connection, opened lazily."""
+
+    _sock: socket.socket | None = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection, if one is open; the next request opens another."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    @documented_by(calls.request)
+    def request(self, method: str, params: Mapping[str, object]) -> Reply:
+        return self._call(calls.request(method, params))
+
+    @documented_by(calls.create_job)
+    def create_job(
+        self,
+        name: str,
+        data: dict[str, Any] | None = None,
+        first_run: When | None = None,
+        repeat: str | None = None,
+        priority: int | None = None,
+        retry_after: str | None = None,
+        unique: bool = False,
+        parent_job_id: int | None = None,
+        max_attempts: int | None = None,
+        retry_backoff: str | None = None,
+        retry_delay: float | None = None,
+        retry_max_delay: float | None = None,
+    ) -> int:
+        return self._call(
+            calls.create_job(
+                name, data, first_run, repeat, priority, retry_after, unique, parent_job_id,
+                max_attempts, retry_backoff, retry_delay, retry_max_delay
+            )
+        )
+
+    @documented_by(calls.create_jobs)
+    def create_jobs(self, jobs: list[dict[str, Any]]) -> list[int]:
+        return self._call(calls.create_jobs(jobs))
+
+    @documented_by(calls.get_job)
+    def get_job(
+        self, name: str, wait: float | None = None, priority: int | None = None
+    ) -> dict[str, Any] | None:
+        return self._call(calls.get_job(name, wait, priority))
+
+    @documented_by(calls.get_jobs)
+    def get_jobs(
+        self, name: str, num_results: int, wait: float | None = None, priority: int | None = None
+    ) -> list[dict[str, Any]]:
+        return self._call(calls.get_jobs(name, num_results, wait, priority))
+
+    @documented_by(calls.update_job)
+    def update_job(
+        self,
+        job_id: int,
+        data: dict[str, Any],
+        repeat: str | None = None,
+        priority: int | None = None,
+        next_run: When | None = None,
+        lease_id: str | None = None,
+    ) -> None:
+        self._call(calls.update_job(job_id, data, repeat, priority, next_run, lease_id))
+
+    @documented_by(calls.query_job)
+    def query_job(self, job_id: int) -> dict[str, Any]:
+        return self._call(calls.query_job(job_id))
+
+    @documented_by(calls.finish_job)
+    def finish_job(
+        self, job_id: int, data: dict[str, Any] | None = None, lease_id: str | None = None
+    ) -> None:
+        self._call(calls.finish_job(job_id, data, lease_id))
+
+    @documented_by(calls.fail_job)
+    def fail_job(
+        self,
+        job_id: int,
+        data: dict[str, Any] | None = None,
+        lease_id: str | None = None,
+        error: str | None = None,
+    ) -> None:
+        self._call(calls.fail_job(job_id, data, lease_id, error))
+
+    @documented_by(calls.await_reply)
+    def await_reply(
+        self,
+        job_id: int,
+        key: str,
+        timeout: int | None = None,
+        lease_id: str | None = None,
+        data: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        return self._call(calls.await_reply(job_id, key, timeout, lease_id, data))
+
+    @documented_by(calls.deliver_reply)
+    def deliver_reply(self, key: str, data: dict[str, Any]) -> dict[str, Any]:
+        return self._call(calls.deliver_reply(key, data))
+
+    @documented_by(calls.touch_job)
+    def touch_job(self, job_id: int, lease_id: str | None = None) -> str:
+        return self._call(calls.touch_job(job_id, lease_id))
+
+    @documented_by(calls.failed_jobs)
+    def failed_jobs(self, pattern: str = "*", limit: int | None = None) -> list[dict[str, Any]]:
+        return self._call(calls.failed_jobs(pattern, limit))
+
+    @documented_by(calls.set_limit)
+    def set_limit(self, pattern: str, capacity: int) -> None:
+        self._call(calls.set_limit(pattern, capacity))
+
+    @documented_by(calls.pause_jobs)
+    def pause_jobs(self, pattern: str) -> None:
+        self._call(calls.pause_jobs(pattern))
+
+    @documented_by(calls.resume_jobs)
+    def resume_jobs(self, pattern: str) -> None:
+        self._call(calls.resume_jobs(pattern))
+
+    @documented_by(calls.retry_job)
+    def retry_job(
+        self,
+        job_id: int,
+        delay: int | None = None,
+        next_run: When | None = None,
+        data: dict[str, Any] | None = None,
+        name: str | None = None,
+        priority: int | None = None,
+        ignore_repeat: bool = False,
+        lease_id: str | None = None,
+    ) -> None:
+        self._call(
+            calls.retry_job(job_id, delay, next_run, data, name, priority, ignore_repeat, lease_id)
+        )
+
+    @documented_by(calls.cancel_job)
+    def cancel_job(self, job_id: int) -> None:
+        self._call(calls.cancel_job(job_id))
+
+    @documented_by(calls.delete_job)
+    def delete_job(self, job_id: int) -> None:
+        self._call(calls.delete_job(job_id))
+
+    @documented_by(calls.requeue_jobs)
+    def requeue_jobs(self, job_ids: list[int], name: str | None = None) -> None:
+        self._call(calls.requeue_jobs(job_ids, name))
+
+    @documented_by(calls.ping)
+    def ping(self) -> None:
+        self._call(calls.ping())
+
+    @documented_by(calls.status)
+    def status(self) -> dict[str, Any]:
+        return self._call(calls.status())
+
+    def _call(self, call: Call[T]) -> T:
+        return call.outcome(self._exchange(call))
+
+    def _exchange(self, call: Call[Any]) -> Reply:
+        request = self._encode(call)
+        patience = self.timeout + call.wait_seconds
+        sock = self._send(request)
+        try:
+            return self._receive(sock, patience)
+        except TLSFailed:
+            raise
+        except ConnectionFailed:
+            if not call.read_only:
+                raise
+        return self._receive(self._send(request), patience)
+
+    def _send(self, request: bytes) -> socket.socket:
+        """Send on the kept connection or, if it has died, on a new one."""
+        if self._sock is not None and not idle_connection_dead(self._sock.fileno()):
+            try:
+                return self._send_on(self._sock, request)
+            except ConnectionFailed:
+                pass  # the request's end never left, so the server ignores it
+        return self._send_on(self._connect(), request)
+
+    def _send_on(self, sock: socket.socket, request: bytes) -> socket.socket:
+        try:
+            sock.settimeout(self.timeout)
+            sock.sendall(request)
+        except OSError as error:
+            self.close()
+            raise self._failed(CANNOT_SEND, error) from error
+        except BaseException:
+            self.close()
+            raise
+        return sock
+
+    def _receive(self, sock: socket.socket, patience: float) -> Reply:
+        reader = ReplyReader()
+        try:
+            sock.settimeout(patience)
+            while (reply := reader.reply()) is None:
+                reader.feed(sock.recv(RECEIVE_SIZE))
+        except (OSError, ValueError) as error:
+            self.close()
+            raise self._failed(NO_REPLY, error) from error
+        except BaseException:
+            self.close()
+            raise
+        if reply.closes_connection or reader.leftover:
+            self.close()
+        self._check_plaintext_reply(reply)
+        return reply
+
+    def _connect(self) -> socket.socket:
+        self.close()
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+        except OSError as error:
+            raise self._failed(CANNOT_CONNECT, error) from error
+        # Each request is small and waits for its reply: Nagle would only delay it.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.tls is not None:
+            try:
+                # Handshakes at once, within the socket's timeout; closes the
+                # socket if that fails.
+                sock = self.tls.wrap_socket(sock, server_hostname=self.host)
+            except OSError as error:
+                raise self._handshake_failed(error) from error
+        self._sock = sock
+        return sock

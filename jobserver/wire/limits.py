@@ -1,0 +1,49 @@
+"""The protocol's numbers (protocol.md section 3), defined once.
+
+The server enforces them, the client library and the command line check
+against them before sending, so each lives here and nowhere else.
+"""
+
+from __future__ import annotations
+
+# Where a server listens, and a client looks, unless told otherwise.
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8888
+
+# Framing. Each limit bounds what a single connection can make the server hold.
+#
+# Job data travels in a header value, as in Bedrock, whose own limit for a
+# `data` value is 1 MiB; CreateJobs carries a whole batch in one `jobs`
+# line, and 2 MiB is a thousand jobs of ordinary size.
+MAX_LINE = 2 * 1024 * 1024
+# A whole head: room for one maximal line and ordinary headers beside it.
+MAX_HEAD = 4 * 1024 * 1024
+# Bedrock requests carry about a dozen headers; 100 leaves room for any real
+# client while a header flood is cut off early.
+MAX_HEADERS = 100
+# Commands take their parameters from headers, so a body is never needed;
+# 1 MiB lets a client send one without letting it fill memory.
+MAX_BODY = 1024 * 1024
+
+# Bedrock's priorities, highest first: the order in which jobs are handed out.
+PRIORITIES = (1000, 850, 750, 500, 250, 0)
+DEFAULT_PRIORITY = 500
+
+# The largest jobID: SQLite's largest integer, Bedrock's int64.
+MAX_JOB_ID = 2**63 - 1
+
+# RetryJob's delay has at most 8 digits of seconds (three years), as in Bedrock.
+MAX_DELAY_DIGITS = 8
+MAX_DELAY = 10**MAX_DELAY_DIGITS - 1
+
+# How long a GetJob with `Connection: wait` waits when it names no timeout:
+# Bedrock's default, chosen so clients can use a two-minute socket timeout.
+DEFAULT_WAIT_MS = 110_000
+# A longer wait is cut to this: an hour is longer than any client should
+# hold a socket without hearing back.
+MAX_WAIT_MS = 3_600_000
+
+# FailedJobs lists at most this many jobs, as Query returns at most this
+# many rows, and this many when it names no limit.
+MAX_LISTED = 10_000
+DEFAULT_LISTED = 1000
