@@ -15,6 +15,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from helpers import ok
 from wire import Client, Reply
 
 SECONDS = "%Y-%m-%d %H:%M:%S"
@@ -26,18 +27,6 @@ POLL_SECONDS = 0.1
 
 
 # Replies.
-
-
-def ok(reply: Reply) -> Reply:
-    assert reply.status == "200 OK", f"{reply.status} {reply.body!r}"
-    return reply
-
-
-def create(client: Client, name: str, **params: Any) -> int:
-    reply = ok(client.request("CreateJob", name=name, **params))
-    job_id = reply.json["jobID"]
-    assert isinstance(job_id, int) and job_id > 0
-    return job_id
 
 
 def get_job(client: Client, name: str, **params: Any) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from procserver import locked, poll_until, start_server  # noqa: F401  (fixture)
+from helpers import locked, until
 from wire import Client, encode
 
 DEADLINE = 15.0
@@ -35,7 +35,7 @@ def stalled_hand_out(server, admin: Client, name: str) -> tuple[socket.socket, l
     sleeper.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sleeper.connect(("127.0.0.1", server.port))
     sleeper.sendall(f"GetJobs\r\nname: {name}\r\nnumResults: {BIG_JOBS}\r\n\r\n".encode())
-    poll_until(lambda: states(admin, ids) == {"RUNNING"}, DEADLINE, "the jobs to be handed out")
+    until(lambda: states(admin, ids) == {"RUNNING"}, DEADLINE, "the jobs to be handed out")
     return sleeper, ids
 
 
@@ -75,11 +75,13 @@ def test_the_clock_fires_again_after_a_tick_failed(start_server, tmp_path: Path)
         first_run = due.strftime("%Y-%m-%d %H:%M:%S")
         assert admin.request("CreateJob", name="later", firstRun=first_run).code == 200
         worker.send(encode("GetJob", {"name": "later", "Connection": "wait", "timeout": int(DEADLINE * 1000)}))
-        poll_until(lambda: admin.request("Status").json["waitingGetJobs"] == 1, DEADLINE, "the GetJob to wait")
+        until(
+            lambda: admin.request("Status").json["waitingGetJobs"] == 1, DEADLINE, "the GetJob to wait"
+        )
         # The database is locked when the job falls due: the tick that
         # would hand it to the waiting worker fails (busy timeout).
         with locked(db):
-            poll_until(lambda: "transaction failed" in server.log, DEADLINE, "the tick to fail")
+            until(lambda: "transaction failed" in server.log, DEADLINE, "the tick to fail")
         began = time.monotonic()
         reply = worker.read_reply()
         assert reply.status == "200 OK", (reply.status, server.log)
@@ -96,9 +98,9 @@ def test_jobs_put_back_while_the_database_is_locked_come_back(start_server, tmp_
     with server.client() as admin:
         sleeper, ids = stalled_hand_out(server, admin, "big")
         with locked(db):
-            poll_until(lambda: "put back" in server.log, DEADLINE, "the write to time out")
-            poll_until(lambda: "transaction failed" in server.log, DEADLINE, "the give-back to fail")
-        poll_until(lambda: states(admin, ids) == {"QUEUED"}, DEADLINE, "the jobs to come back")
+            until(lambda: "put back" in server.log, DEADLINE, "the write to time out")
+            until(lambda: "transaction failed" in server.log, DEADLINE, "the give-back to fail")
+        until(lambda: states(admin, ids) == {"QUEUED"}, DEADLINE, "the jobs to come back")
         sleeper.close()
 
 
@@ -112,7 +114,7 @@ def test_a_give_back_keeps_an_update_acknowledged_meanwhile(start_server, tmp_pa
         # While the reply is stuck, someone updates a running job.
         reply = admin.request("UpdateJob", jobID=ids[0], data={"progress": "updated"})
         assert reply.status == "200 OK"
-        poll_until(lambda: states(admin, ids) == {"QUEUED"}, DEADLINE, "the jobs to come back")
+        until(lambda: states(admin, ids) == {"QUEUED"}, DEADLINE, "the jobs to come back")
         job = admin.request("QueryJob", jobID=ids[0]).json
         assert list(job["data"]) == ["progress"], "the update was undone"
         sleeper.close()
@@ -165,7 +167,7 @@ def test_clients_beyond_the_file_limit_are_refused_not_left_hanging(start_server
         with server.client() as fresh:
             return fresh.request("Ping").status == "200 OK"
 
-    poll_until(served, DEADLINE, "a fresh connection to be served")
+    until(served, DEADLINE, "a fresh connection to be served")
 
 
 # A client that took its reply keeps its job, however it closes afterwards.
@@ -190,7 +192,7 @@ def test_a_half_closed_worker_that_resets_after_reading_keeps_its_job(start_serv
             worker.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             worker.close()
             # The server has finished with the connection once it is gone.
-            poll_until(lambda: admin.request("Status").json["connections"] == 1, DEADLINE, "the close")
+            until(lambda: admin.request("Status").json["connections"] == 1, DEADLINE, "the close")
             if admin.request("QueryJob", jobID=job_id).json["state"] != "RUNNING":
                 given_back.append(job_id)
     assert given_back == [], f"jobs handed out again while their worker had them: {given_back}"

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from procserver import ServerProcess, poll_until
+from harness import ServerProcess
+from helpers import until
 from tls_certs import make_certificates
 from wire import Client
 
@@ -252,6 +253,6 @@ def test_chaos(tmp_path: Path, transport) -> None:
         def nothing_running() -> bool:
             return all(state != "RUNNING" for state, _ in job_states(restarted.port, ca).values())
 
-        poll_until(nothing_running, DEADLINE, "the safety net to return every RUNNING job")
+        until(nothing_running, DEADLINE, "the safety net to return every RUNNING job")
     finally:
         restarted.kill()

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 from fake_server import FakeServer, reply
-from tls_certs import secure  # noqa: F401  (a fixture)
 
 from jobserver.cli import main
 from jobserver.client import Client

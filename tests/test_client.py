@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 import trio
 from fake_server import HANG_UP, NO_REPLY, OK, FakeServer, reply
+from helpers import until
 from hypothesis import given
 from hypothesis import strategies as st
-from tls_certs import secure, tls_server  # noqa: F401  (secure: a fixture)
+from tls_certs import tls_server
 
 from jobserver.client import (
     AsyncClient,
@@ -39,13 +40,6 @@ from jobserver.client import (
 from jobserver.wire.framing import RequestParser
 
 DEADLINE = 5.0
-
-
-def eventually(condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + DEADLINE
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 def free_port() -> int:
@@ -424,7 +418,7 @@ def test_waiting_get_job_is_woken_by_a_create(server, jobs):
     worker = threading.Thread(target=lambda: got.append(jobs.get_job("wake/*", wait=20)))
     worker.start()
     with Client(port=server.port, timeout=10) as other:
-        eventually(lambda: other.status()["waitingGetJobs"] == 1)
+        until(lambda: other.status()["waitingGetJobs"] == 1, DEADLINE, "the GetJob to wait")
         job_id = other.create_job("wake/up")
     worker.join(DEADLINE)
     assert not worker.is_alive()
@@ -436,7 +430,7 @@ def test_waiting_get_jobs_is_woken_by_a_create(server, jobs):
     worker = threading.Thread(target=lambda: got.append(jobs.get_jobs("batch", 10, wait=20)))
     worker.start()
     with Client(port=server.port, timeout=10) as other:
-        eventually(lambda: other.status()["waitingGetJobs"] == 1)
+        until(lambda: other.status()["waitingGetJobs"] == 1, DEADLINE, "the GetJob to wait")
         ids = other.create_jobs([{"name": "batch"}, {"name": "batch"}])
     worker.join(DEADLINE)
     assert not worker.is_alive()
@@ -469,13 +463,13 @@ def test_cannot_connect():
 
 
 @pytest.mark.parametrize("stop", ["terminate", "kill"])
-def test_reconnects_after_a_server_restart(spawn, stop):
-    first = spawn()
+def test_reconnects_after_a_server_restart(start_server, stop):
+    first = start_server()
     with Client(port=first.port, timeout=10) as client:
         job_id = client.create_job("survivor")
         getattr(first.proc, stop)()
         first.wait()
-        spawn("--port", str(first.port), db=first.db)
+        start_server(first.db, "--port", str(first.port))
         # A write, which is never sent twice: it succeeds only if the dead
         # connection was replaced before sending.
         assert client.create_job("after") == job_id + 1

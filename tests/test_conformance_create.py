@@ -10,18 +10,17 @@ import json
 
 from conformance_helpers import (
     count,
-    create,
     finish,
     fmt,
     get_job,
     no_job,
-    ok,
     poll,
     row,
     seconds_between,
     state,
     utcnow,
 )
+from helpers import create, ok
 
 
 def _assert_new_row(job: dict, job_id: int, name: str) -> None:

@@ -13,14 +13,12 @@ from datetime import timedelta
 
 from conformance_helpers import (
     count,
-    create,
     finish,
     fmt,
     force,
     get_job,
     in_seconds,
     no_job,
-    ok,
     parse_time,
     poll,
     query,
@@ -31,6 +29,7 @@ from conformance_helpers import (
     utcnow,
     wait_until_due,
 )
+from helpers import create, ok
 
 JOB_KEYS = {"created", "data", "jobID", "lastRun", "name", "nextRun", "priority", "repeat",
             "retryAfter"}

@@ -15,18 +15,17 @@ from datetime import datetime, timedelta
 import pytest
 from conformance_helpers import (
     count,
-    create,
     finish,
     fmt,
     force,
     get_job,
-    ok,
     parse_time,
     row,
     seconds_between,
     state,
     utcnow,
 )
+from helpers import create, ok
 
 
 def _running(client, name: str = "job", **params) -> int:

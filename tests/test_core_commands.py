@@ -12,6 +12,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
+from helpers import create
 from wire import Client, Reply, encode
 
 from jobserver.wire.limits import MAX_BODY, MAX_HEADERS, MAX_LINE
@@ -37,13 +38,6 @@ def stamp(moment: datetime) -> str:
 
 def now() -> datetime:
     return datetime.now(timezone.utc)
-
-
-def create(client: Client, name: str = "job", **params: Any) -> int:
-    reply = client.request("CreateJob", name=name, **params)
-    assert reply.status == "200 OK", reply
-    assert set(reply.json) == {"jobID"}
-    return reply.json["jobID"]
 
 
 def query(client: Client, job_id: int) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from procserver import poll_until, start_server  # noqa: F401
+from helpers import until
 from wire import encode
 
 from jobserver.client import Client as JobClient
@@ -310,7 +310,7 @@ def test_kill_9_under_load_loses_nothing_and_hands_out_nothing_twice(start_serve
             server.wait()
             assert server.proc.returncode == -signal.SIGKILL
             assert "Traceback" not in server.log and " ERROR " not in server.log, server.log
-            poll_until(gate.all_parked, 15, "the client threads to notice the crash")
+            until(gate.all_parked, 15, "the client threads to notice the crash")
             assert not ledger.errors, ledger.errors
             server = start_server(db)
             assert server.started, server.log

@@ -19,7 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from procserver import ServerProcess, locked, start_server  # noqa: F401
+from harness import ServerProcess
+from helpers import locked
 from wire import Client, encode
 
 # The server waits this long for another process's lock (store.py: BUSY_MS).

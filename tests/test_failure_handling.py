@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 from conformance_helpers import in_seconds, parse_time, query, row, utcnow
-from conftest import ThreadServer
+from harness import ThreadServer
+from helpers import create, ok, until
 from hypothesis import given
 from hypothesis import strategies as st
 from wire import Client, Reply
@@ -38,15 +39,6 @@ BEDROCK_GET_KEYS = {
 BEDROCK_QUERY_KEYS = BEDROCK_GET_KEYS | {"state"}
 
 
-def ok(reply: Reply) -> Reply:
-    assert reply.status == "200 OK", reply
-    return reply
-
-
-def create(client: Client, name: str, **params: Any) -> int:
-    return ok(client.request("CreateJob", name=name, **params)).json["jobID"]
-
-
 def query_job(client: Client, job_id: int) -> dict[str, Any]:
     return ok(client.request("QueryJob", jobID=job_id)).json
 
@@ -60,13 +52,6 @@ def poll_job(client: Client, name: str, **params: Any) -> Reply:
             return reply
         assert reply.status == "404 No job found", reply
         assert time.monotonic() < end, f"no {name} job within {DEADLINE}s"
-        time.sleep(POLL)
-
-
-def until(predicate, what: str) -> None:
-    end = time.monotonic() + DEADLINE
-    while not predicate():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
         time.sleep(POLL)
 
 
@@ -355,7 +340,7 @@ def test_an_expired_lease_counts_as_an_attempt_and_uses_the_same_limit(client):
         assert reply.status == "404 No job found", reply
         return query_job(client, job_id)["state"] == "FAILED"
 
-    until(dead, "the second lease to expire")
+    until(dead, DEADLINE, "the second lease to expire")
     job = query_job(client, job_id)
     assert (job["attempt"], job["lastError"]) == (2, lifecycle.LEASE_EXPIRED)
     # The policy replaces Bedrock's counter.

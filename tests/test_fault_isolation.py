@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from procserver import poll_until, start_server  # noqa: F401  (fixture)
+from helpers import until
 from tls_certs import make_certificates
 from wire import Client
 
@@ -56,9 +56,9 @@ def test_a_reset_while_waiting_ends_only_that_connection(start_server, verb, lin
             victim.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         # The Ping's reply stays unread, so even a plain close() is a reset.
         victim.sendall(f"Ping\n\n{verb}\nname: nothing\nConnection: wait\n\n".encode())
-        poll_until(lambda: waiting_get_jobs(server) == 1, DEADLINE, "the GetJob to wait")
+        until(lambda: waiting_get_jobs(server) == 1, DEADLINE, "the GetJob to wait")
         victim.close()
-        poll_until(lambda: waiting_get_jobs(server) == 0, DEADLINE, "the wait to end")
+        until(lambda: waiting_get_jobs(server) == 0, DEADLINE, "the wait to end")
         alive_and_serving(server, neighbour)
         # A job created now goes to the neighbour, not to the dead waiter.
         assert neighbour.request("CreateJob", name="nothing").code == 200
@@ -102,11 +102,11 @@ def test_a_tls_worker_killed_while_waiting_ends_only_its_connection(start_server
         )
         assert worker.stdout is not None and worker.stdin is not None
         assert worker.stdout.readline() == "waiting\n"
-        poll_until(lambda: _tls_waiting(server.port, ca) == 1, DEADLINE, "the GetJob to wait")
+        until(lambda: _tls_waiting(server.port, ca) == 1, DEADLINE, "the GetJob to wait")
         worker.stdin.write("\n")
         worker.stdin.flush()
         assert worker.wait(DEADLINE) == 0
-        poll_until(lambda: _tls_waiting(server.port, ca) == 0, DEADLINE, "the wait to end")
+        until(lambda: _tls_waiting(server.port, ca) == 0, DEADLINE, "the wait to end")
         assert server.proc.poll() is None, server.log
         assert neighbour.request("CreateJob", name="work").code == 200
         reply = neighbour.request("GetJob", name="work")
@@ -133,7 +133,7 @@ def test_plain_text_to_a_tls_port_is_told_so(start_server, tls_files, tmp_path):
         assert reply.status == "400 This port requires TLS"
         assert reply.headers.get("Connection") == "close"
         assert plain.at_eof()
-    poll_until(lambda: "plain text on a TLS port" in server.log, DEADLINE, "the log")
+    until(lambda: "plain text on a TLS port" in server.log, DEADLINE, "the log")
     assert server.proc.poll() is None
 
 
@@ -149,7 +149,7 @@ def test_a_tls_handshake_on_a_plain_port_is_closed(start_server, tls_files):
         plain.send(b"\x16\x03\x01\x00\x05hello")
         assert plain.read_reply().status == "400 This port does not speak TLS"
         assert plain.at_eof()
-    poll_until(lambda: "TLS handshake on a plain-text port" in server.log, DEADLINE, "the log")
+    until(lambda: "TLS handshake on a plain-text port" in server.log, DEADLINE, "the log")
     alive_and_serving(server)
 
 
@@ -186,7 +186,7 @@ def test_a_client_that_stops_reading_a_reply_loses_its_jobs(start_server, tmp_pa
             states = {admin.request("QueryJob", jobID=i).json["state"] for i in ids}
             return states == {"QUEUED"} and "put back" in server.log
 
-        poll_until(back, DEADLINE, "the jobs to come back")
+        until(back, DEADLINE, "the jobs to come back")
         sleeper.close()
     assert "ended (the client stopped taking its reply)" in server.log
     alive_and_serving(server)

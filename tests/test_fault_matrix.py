@@ -28,7 +28,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from procserver import ServerProcess, locked, poll_until
+from harness import ServerProcess
+from helpers import create, locked, until
 from tcpstate import queues
 from tls_certs import make_certificates
 from victim import STAGES
@@ -83,14 +84,10 @@ def matrix_server(request, tmp_path_factory) -> Iterator[MatrixServer]:
         proc.kill()
 
 
-def create(server: MatrixServer, name: str, count: int, **params: object) -> list[int]:
+def create_jobs(server: MatrixServer, name: str, count: int, **params: object) -> list[int]:
+    """`count` jobs named `name`, created over a connection of their own."""
     with server.client() as admin:
-        ids = []
-        for _ in range(count):
-            reply = admin.request("CreateJob", name=name, **params)
-            assert reply.code == 200, reply.status
-            ids.append(reply.json["jobID"])
-        return ids
+        return [create(admin, name, **params) for _ in range(count)]
 
 
 def states(server: MatrixServer, ids: list[int]) -> dict[int, str]:
@@ -147,20 +144,20 @@ def wait_for_stage(server: MatrixServer, victim: Victim, stage: str, jobs: list[
         return queues(server.port, victim.port)
 
     if stage in ("waiting-getjob", "waiting-getjobs"):
-        poll_until(lambda: server.status()["waitingGetJobs"] == 1, DEADLINE, "the GetJob to wait")
+        until(lambda: server.status()["waitingGetJobs"] == 1, DEADLINE, "the GetJob to wait")
     elif stage in ("large-reply", "pipelined"):
         def stuck() -> bool:
             sending, receiving = server_side(), queues(victim.port, server.port)
             return bool(sending and receiving and sending.send > 0 and receiving.receive > 0)
 
-        poll_until(stuck, DEADLINE, "the server to be stuck writing")
+        until(stuck, DEADLINE, "the server to be stuck writing")
     else:
         def read() -> bool:
             # All sent by the client, acknowledged, and taken by the server.
             sending, receiving = queues(victim.port, server.port), server_side()
             return bool(sending and receiving and sending.send == 0 and receiving.receive == 0)
 
-        poll_until(read, DEADLINE, "the server to read what the client sent")
+        until(read, DEADLINE, "the server to read what the client sent")
 
 
 @pytest.mark.parametrize("ending", ENDINGS)
@@ -171,11 +168,11 @@ def test_a_fault_ends_only_its_own_connection(matrix_server, stage, ending):
     log_before = len(server.proc.log)
     jobs: list[int] = []
     if stage == "before-reply":
-        jobs = create(server, name, 1)
+        jobs = create_jobs(server, name, 1)
     elif stage == "large-reply":
-        jobs = create(server, name, LARGE_JOBS, data={"x": "a" * LARGE_DATA})
+        jobs = create_jobs(server, name, LARGE_JOBS, data={"x": "a" * LARGE_DATA})
     elif stage == "pipelined":
-        jobs = create(
+        jobs = create_jobs(
             server, name, PIPELINED_JOBS, data={"x": "p" * PIPELINED_DATA}, retryAfter="+1 HOUR"
         )
 
@@ -190,9 +187,9 @@ def test_a_fault_ends_only_its_own_connection(matrix_server, stage, ending):
                 lock.release()
             victim.finish()
         if stage == "waiting-getjob":
-            jobs = create(server, name, 1)
+            jobs = create_jobs(server, name, 1)
         elif stage == "waiting-getjobs":
-            jobs = create(server, name, 3)
+            jobs = create_jobs(server, name, 3)
 
         assert server.alive(), server.proc.log[log_before:]
         received = victim.received["jobIDs"]
@@ -212,7 +209,7 @@ def test_a_fault_ends_only_its_own_connection(matrix_server, stage, ending):
             return True
 
         try:
-            poll_until(settled, DEADLINE, f"the jobs of {name} to settle")
+            until(settled, DEADLINE, f"the jobs of {name} to settle")
         except AssertionError as error:
             raise AssertionError(
                 f"{error}: {states(server, jobs)}; the client got {victim.received}; "
@@ -238,7 +235,7 @@ def test_a_fault_ends_only_its_own_connection(matrix_server, stage, ending):
             assert sorted(job["jobID"] for job in reply.json["jobs"]) == queued
 
         # The server has closed its end of the victim's connection.
-        poll_until(lambda: server.status()["connections"] == baseline, DEADLINE, "the close")
+        until(lambda: server.status()["connections"] == baseline, DEADLINE, "the close")
     _check_log(server, log_before, victim, stage, ending, jobs, received)
 
 

@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ThreadServer
+from harness import ThreadServer
+from helpers import create, ok, until
 from test_failure_handling import layout, v1_file
-from wire import Client, Reply
+from wire import Reply
 
 from jobserver import cli
 from jobserver.core import windows
@@ -29,24 +30,7 @@ from jobserver.core.times import parse_duration, to_millis, to_seconds
 from jobserver.storage.sqlite import SCHEMA_VERSION, Store
 
 DEADLINE = 10.0
-POLL = 0.02
 UTC = timezone.utc
-
-
-def ok(reply: Reply) -> Reply:
-    assert reply.status == "200 OK", reply
-    return reply
-
-
-def create(client: Client, name: str, **params: Any) -> int:
-    return ok(client.request("CreateJob", name=name, **params)).json["jobID"]
-
-
-def until(predicate: Any, what: str) -> None:
-    end = time.monotonic() + DEADLINE
-    while not predicate():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(POLL)
 
 
 def status(server: ThreadServer) -> dict[str, Any]:
@@ -63,7 +47,7 @@ class Waiter:
         self.thread = threading.Thread(target=self._run, args=(name, timeout_ms), daemon=True)
         before = status(server)["waitingGetJobs"]
         self.thread.start()
-        until(lambda: status(server)["waitingGetJobs"] > before, "the GetJob to wait")
+        until(lambda: status(server)["waitingGetJobs"] > before, DEADLINE, "the GetJob to wait")
 
     def _run(self, name: str, timeout_ms: int) -> None:
         self.reply = self.client.request(
@@ -392,8 +376,8 @@ def test_kept_finished_jobs_show_their_final_data_until_they_expire(make_server)
         assert (job["state"], job["data"]) == ("FINISHED", {"step": 2})
         # A kept job is history: unique=true makes a new job.
         assert create(client, "r/done", unique=True) != done
-        until(lambda: client.request("QueryJob", jobID=done).code == 404, "pruning FINISHED")
-        until(lambda: client.request("QueryJob", jobID=failed).code == 404, "pruning FAILED")
+        until(lambda: client.request("QueryJob", jobID=done).code == 404, DEADLINE, "pruning FINISHED")
+        until(lambda: client.request("QueryJob", jobID=failed).code == 404, DEADLINE, "pruning FAILED")
 
 
 def test_a_drained_database_shrinks_back(make_server, tmp_path):
@@ -413,8 +397,8 @@ def test_a_drained_database_shrinks_back(make_server, tmp_path):
     with server.client() as client:
         # Requests are served while the pruner works.
         create(client, "live")
-        until(lambda: status(server)["jobs"] == {"QUEUED": 1}, "the pruner to drain")
-        until(lambda: free_pages(path) < 256, "the pruner to reclaim the pages")
+        until(lambda: status(server)["jobs"] == {"QUEUED": 1}, DEADLINE, "the pruner to drain")
+        until(lambda: free_pages(path) < 256, DEADLINE, "the pruner to reclaim the pages")
     server.stop()
     assert os.path.getsize(path) < full / 10
 

@@ -14,7 +14,7 @@ import re
 import socket
 
 import pytest
-from conftest import ThreadServer
+from harness import ThreadServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import trustme
-from conftest import ThreadServer
+from harness import ThreadServer
 from wire import Client
 
 DEADLINE = 10.0
@@ -235,13 +235,13 @@ def test_tls_with_a_certificate_made_now(make_server, tmp_path):
 # Binding to other addresses.
 
 
-def test_binding_beyond_loopback_without_a_token_warns(spawn, tmp_path):
-    proc = spawn("--host", "0.0.0.0")
-    assert any("without --auth-token-file" in line for line in proc.log)
+def test_binding_beyond_loopback_without_a_token_warns(start_server, tmp_path):
+    proc = start_server(tmp_path / "jobs.db", "--host", "0.0.0.0")
+    assert "without --auth-token-file" in proc.log
     token = tmp_path / "token"
     token.write_text("t0ken\n")
-    quiet = spawn("--host", "0.0.0.0", "--auth-token-file", str(token), db=tmp_path / "b.db")
-    assert not any("without --auth-token-file" in line for line in quiet.log)
+    quiet = start_server(tmp_path / "b.db", "--host", "0.0.0.0", "--auth-token-file", str(token))
+    assert "without --auth-token-file" not in quiet.log
     with quiet.client() as c:
         assert c.request("Ping").status == "401 Unauthorized"
         assert c.request("Ping", authToken="t0ken").status == "200 OK"

@@ -11,10 +11,10 @@ import subprocess
 import sys
 import unicodedata
 from pathlib import Path
-from typing import Any
 
 import pytest
-from conftest import ThreadServer
+from harness import ThreadServer
+from helpers import create
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from wire import Client
@@ -24,12 +24,6 @@ from jobserver.core.errors import CommandError
 from jobserver.wire.framing import Request
 
 FAST = settings(max_examples=300, deadline=None)
-
-
-def create(client: Client, name: str = "job", **fields: Any) -> int:
-    reply = client.request("CreateJob", name=name, **fields)
-    assert reply.status == "200 OK", reply
-    return reply.json["jobID"]
 
 
 def running(client: Client, name: str) -> int:

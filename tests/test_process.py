@@ -1,7 +1,7 @@
 """The server as users run it: `python -m jobserver serve` in its own process.
 
-The `spawn` fixture starts the real command on a free port and a temporary
-database and returns once it has logged that it is listening.
+The `start_server` fixture starts the real command on a free port and a
+temporary database and returns once it has logged that it is listening.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def ready(proc) -> None:
 # The sample session of the Bedrock::Jobs page.
 
 
-def test_sample_session_of_the_bedrock_jobs_page(spawn):
-    proc = spawn()
+def test_sample_session_of_the_bedrock_jobs_page(start_server):
+    proc = start_server()
     with proc.client() as nc:
         reply = netcat(
             nc,
@@ -131,36 +131,36 @@ def test_sample_session_of_the_bedrock_jobs_page(spawn):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_stop_signal_shuts_down_cleanly_and_logs_start_and_stop(spawn, tmp_path, signum):
+def test_stop_signal_shuts_down_cleanly_and_logs_start_and_stop(start_server, tmp_path, signum):
     db = tmp_path / "signal.db"
-    proc = spawn(db=db)
+    proc = start_server(db)
     ready(proc)
     proc.proc.send_signal(signum)
     assert proc.wait(5) == 0
-    log = "".join(proc.log)
+    log = proc.log
     assert "Traceback" not in log
     assert f"received {signum.name}" in log
-    start = [line for line in proc.log if "listening" in line]
+    start = [line for line in log.splitlines() if "listening" in line]
     assert len(start) == 1
     assert f"127.0.0.1:{proc.port}" in start[0]
     assert str(db) in start[0]
-    stop = [line for line in proc.log if "stopped" in line]
+    stop = [line for line in log.splitlines() if "stopped" in line]
     assert len(stop) == 1
     assert f"127.0.0.1:{proc.port}" in stop[0]
     assert str(db) in stop[0]
 
 
-def test_stop_signal_right_after_the_listening_line_shuts_down_cleanly(spawn, tmp_path):
+def test_stop_signal_right_after_the_listening_line_shuts_down_cleanly(start_server, tmp_path):
     codes = []
     for n, signum in enumerate([signal.SIGTERM, signal.SIGINT] * 4):
-        proc = spawn(db=tmp_path / f"early{n}.db")
+        proc = start_server(tmp_path / f"early{n}.db")
         proc.proc.send_signal(signum)
         codes.append(proc.wait(5))
     assert codes == [0] * len(codes)
 
 
-def test_stop_answers_a_waiting_get_job(spawn):
-    proc = spawn()
+def test_stop_answers_a_waiting_get_job(start_server):
+    proc = start_server()
     with proc.client() as worker:
         # The Ping's reply shows the connection is being served; the GetJob
         # sent with it is then already read, and waits.
@@ -177,8 +177,8 @@ def test_stop_answers_a_waiting_get_job(spawn):
     assert proc.wait(5) == 0
 
 
-def test_stop_closes_idle_connections(spawn):
-    proc = spawn()
+def test_stop_closes_idle_connections(start_server):
+    proc = start_server()
     with proc.client() as idle:
         assert idle.request("Ping").status == "200 OK"
         proc.proc.send_signal(signal.SIGTERM)
@@ -189,9 +189,9 @@ def test_stop_closes_idle_connections(spawn):
 # Durability.
 
 
-def test_acknowledged_job_survives_kill_9_and_restart(spawn, tmp_path):
+def test_acknowledged_job_survives_kill_9_and_restart(start_server, tmp_path):
     db = tmp_path / "durable.db"
-    first = spawn(db=db)
+    first = start_server(db)
     with first.client() as client:
         reply = client.request("CreateJob", name="survivor", data={"keep": True}, jobPriority=1000)
         assert reply.status == "200 OK"
@@ -201,7 +201,7 @@ def test_acknowledged_job_survives_kill_9_and_restart(spawn, tmp_path):
     first.kill()
     assert first.proc.returncode == -signal.SIGKILL
 
-    second = spawn(db=db)
+    second = start_server(db)
     with second.client() as client:
         job = client.request("QueryJob", jobID=job_id).json
         assert (job["name"], job["data"], job["priority"], job["state"]) == (

@@ -11,7 +11,8 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 import pytest
-from conformance_helpers import create, force, get_job, ok, utcnow
+from conformance_helpers import force, get_job, utcnow
+from helpers import create, ok
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 

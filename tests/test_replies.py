@@ -10,16 +10,16 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ThreadServer
+from harness import ThreadServer
+from helpers import create, ok, until
 from test_cli import Cli
 from test_flow_control import Waiter, v2_file
-from test_workers import manager, python_worker, workers  # noqa: F401 (fixtures)
+from test_workers import python_worker
 from wire import Client, Reply
 
 from jobserver import client as jobclient
@@ -27,15 +27,6 @@ from jobserver.storage.sqlite import SCHEMA_VERSION, Store
 from jobserver.storage.sqlite_schema import MIGRATIONS
 
 DEADLINE = 10.0
-
-
-def ok(reply: Reply) -> Reply:
-    assert reply.status == "200 OK", reply
-    return reply
-
-
-def create(client: Client, name: str, **params: Any) -> int:
-    return ok(client.request("CreateJob", name=name, **params)).json["jobID"]
 
 
 def take(client: Client, name: str, **params: Any) -> dict[str, Any]:
@@ -48,13 +39,6 @@ def query(client: Client, job_id: int) -> dict[str, Any]:
 
 def replies(client: Client) -> dict[str, int]:
     return ok(client.request("Status")).json["replies"]
-
-
-def until(predicate: Any, what: str, deadline: float = DEADLINE) -> None:
-    end = time.monotonic() + deadline
-    while not predicate():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def running_job(client: Client, name: str = "hook", **params: Any) -> int:
@@ -167,7 +151,7 @@ def test_an_unclaimed_early_reply_expires_after_the_grace_period(tmp_path):
         with server.client() as client:
             assert client.request("DeliverReply", key="late", data={}).code == 202
             assert replies(client)["early"] == 1
-            until(lambda: replies(client)["early"] == 0, "the early reply to expire")
+            until(lambda: replies(client)["early"] == 0, DEADLINE, "the early reply to expire")
             job_id = running_job(client)
             reply = ok(client.request("AwaitReply", jobID=job_id, key="late"))
             assert reply.json["state"] == "WAITING"
@@ -251,7 +235,7 @@ def test_a_timeout_without_a_policy_fails_the_job(server, client):
     job_id = running_job(client)
     ok(client.request("AwaitReply", jobID=job_id, key="never", timeout=1))
     # Nobody waits in GetJob: the clock fires for the deadline on its own.
-    until(lambda: query(client, job_id)["state"] == "FAILED", "the reply timeout")
+    until(lambda: query(client, job_id)["state"] == "FAILED", DEADLINE, "the reply timeout")
     failed = ok(client.request("FailedJobs")).json["jobs"]
     assert [(j["jobID"], j["lastError"]) for j in failed] == [(job_id, "reply timeout")]
     assert client.request("DeliverReply", key="never", data={}).code == 202
@@ -265,14 +249,14 @@ def test_a_timeout_goes_through_the_retry_policy(server, client):
     assert (again["jobID"], again["attempt"]) == (job_id, 2)
     assert query(client, job_id)["lastError"] == "reply timeout"
     ok(client.request("AwaitReply", jobID=job_id, key="slow", timeout=1))
-    until(lambda: query(client, job_id)["state"] == "FAILED", "the last attempt to fail")
+    until(lambda: query(client, job_id)["state"] == "FAILED", DEADLINE, "the last attempt to fail")
 
 
 # Durability.
 
 
-def test_nothing_is_lost_when_the_server_is_killed_while_a_job_waits(spawn):
-    first = spawn()
+def test_nothing_is_lost_when_the_server_is_killed_while_a_job_waits(start_server):
+    first = start_server()
     with first.client() as client:
         waiting = running_job(client, "a")
         ok(client.request("AwaitReply", jobID=waiting, key="a-key", timeout=600))
@@ -283,7 +267,7 @@ def test_nothing_is_lost_when_the_server_is_killed_while_a_job_waits(spawn):
     first.proc.kill()
     first.proc.wait(DEADLINE)
 
-    second = spawn()
+    second = start_server()
     with second.client() as client:
         assert query(client, waiting)["state"] == "WAITING"
         assert replies(client) == {"waiting": 2, "early": 1}
@@ -296,7 +280,7 @@ def test_nothing_is_lost_when_the_server_is_killed_while_a_job_waits(spawn):
         }
         assert take(client, "b")["data"] == {"reply": {"b": 1}}
         # A deadline set before the restart still fires after it.
-        until(lambda: query(client, timing_out)["state"] == "FAILED", "the reply timeout")
+        until(lambda: query(client, timing_out)["state"] == "FAILED", DEADLINE, "the reply timeout")
 
 
 def v3_file(path: Path) -> Path:
@@ -362,7 +346,7 @@ def test_the_cli_delivers_a_reply(server, client):
 
 
 def test_a_managed_worker_awaits_and_a_second_run_gets_the_reply(
-    server, client, workers, manager, tmp_path  # noqa: F811
+    server, client, workers, manager, tmp_path
 ):
     out = tmp_path / "second-run.json"
     python_worker(
@@ -380,10 +364,10 @@ else:
     job_id = create(client, "Webhook", data={"url": "https://example.test"})
     running = manager(server.port)
     running.wait_for(rf"job {job_id} Webhook awaiting a reply")
-    until(lambda: query(client, job_id)["state"] == "WAITING", "AwaitReply")
+    until(lambda: query(client, job_id)["state"] == "WAITING", DEADLINE, "AwaitReply")
     assert query(client, job_id)["data"] == {"sent": True}
     ok(client.request("DeliverReply", key=f"hook-{job_id}", data={"status": "done"}))
-    until(lambda: client.request("QueryJob", jobID=job_id).code == 404, "FinishJob")
+    until(lambda: client.request("QueryJob", jobID=job_id).code == 404, DEADLINE, "FinishJob")
     assert json.loads(out.read_text()) == {"sent": True, "reply": {"status": "done"}}
 
 
@@ -403,4 +387,4 @@ def test_update_job_moving_a_deadline_earlier_rearms_the_clock(server, client):
     ok(client.request("AwaitReply", jobID=job_id, key="moved", timeout=86400))
     soon = (datetime.now(timezone.utc) + timedelta(seconds=1)).strftime("%Y-%m-%d %H:%M:%S")
     ok(client.request("UpdateJob", jobID=job_id, data={}, nextRun=soon))
-    until(lambda: query(client, job_id)["state"] == "FAILED", "the moved reply deadline")
+    until(lambda: query(client, job_id)["state"] == "FAILED", DEADLINE, "the moved reply deadline")

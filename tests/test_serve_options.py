@@ -65,8 +65,9 @@ def test_an_option_out_of_range_exits_2_before_starting(tmp_path, option, value,
     assert not db.exists()
 
 
-def test_values_at_the_edges_of_the_ranges_are_served(spawn):
-    proc = spawn(
+def test_values_at_the_edges_of_the_ranges_are_served(start_server, tmp_path):
+    proc = start_server(
+        tmp_path / "jobs.db",
         "--max-connections", "1000000",
         "--idle-timeout", "86400",
         "--request-timeout", "0.5",

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from procserver import locked, poll_until, start_server  # noqa: F401
+from helpers import locked, until
 from wire import Client, Reply, encode
 
 WAITERS = 100
@@ -104,11 +104,11 @@ def test_sigterm_with_waiters_and_writes_in_flight(start_server, tmp_path: Path)
     try:
         for waiter in waiters:
             waiter.send(encode("GetJob", {"name": "shutdown/never", "Connection": "wait", "timeout": 60000}))
-        poll_until(lambda: status(port)["waitingGetJobs"] == WAITERS, 10, "all GetJobs to wait")
+        until(lambda: status(port)["waitingGetJobs"] == WAITERS, 10, "all GetJobs to wait")
 
         for thread in threads:
             thread.start()
-        poll_until(lambda: len(writes.acknowledged) >= 200, 10, "CreateJobs to be acknowledged")
+        until(lambda: len(writes.acknowledged) >= 200, 10, "CreateJobs to be acknowledged")
 
         signalled = time.monotonic()
         server.signal(signal.SIGTERM)

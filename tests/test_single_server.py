@@ -7,8 +7,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import ThreadServer
-from procserver import start_server  # noqa: F401  (fixture)
+from harness import ThreadServer
 
 from jobserver.storage import lockfile
 

@@ -14,8 +14,8 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from conftest import ThreadServer
-from procserver import poll_until, start_server  # noqa: F401  (fixture)
+from harness import ThreadServer
+from helpers import until
 from test_replies import schema, v3_file
 
 from jobserver.core import times
@@ -44,7 +44,7 @@ def test_a_running_job_with_no_report_fails_after_stale_after(tmp_path: Path) ->
             assert client.request("GetJob", name="lost").code == 200
             # Bedrock clients see an ordinary RUNNING job until the deadline.
             assert query(client, job_id)["state"] == "RUNNING"
-            poll_until(lambda: query(client, job_id)["state"] == "FAILED", DEADLINE, "the net")
+            until(lambda: query(client, job_id)["state"] == "FAILED", DEADLINE, "the net")
             assert time.monotonic() - handed >= STALE - 0.01  # times are kept to the millisecond
             failed = client.request("FailedJobs").json["jobs"]
             assert [(j["jobID"], j["lastError"]) for j in failed] == [(job_id, lost_error(STALE))]
@@ -71,7 +71,7 @@ def test_a_stale_job_with_a_retry_policy_is_retried_and_counted(tmp_path: Path) 
             late = client.request("FinishJob", jobID=job_id, leaseID=first.headers["leaseID"])
             assert late.status == "409 Lease expired"
             # The last attempt lost as well: the job is dead.
-            poll_until(lambda: query(client, job_id)["state"] == "FAILED", DEADLINE, "the end")
+            until(lambda: query(client, job_id)["state"] == "FAILED", DEADLINE, "the end")
     finally:
         server.stop()
 
@@ -89,7 +89,7 @@ def test_reports_restart_the_count(tmp_path: Path) -> None:
             assert touch.code == 200 and set(touch.json) == {"staleAt"}
             assert client.request("UpdateJob", jobID=updated_id, data={"progress": 1}).code == 200
             for job_id in (touched_id, updated_id):
-                poll_until(lambda: query(client, job_id)["state"] == "FAILED", DEADLINE, "the net")
+                until(lambda: query(client, job_id)["state"] == "FAILED", DEADLINE, "the net")
             assert time.monotonic() - reported >= STALE - 0.01  # times are kept to the millisecond
             # A finished job is none of the net's business.
             done = client.request("CreateJob", name="done").json["jobID"]
@@ -155,7 +155,7 @@ def test_time_the_server_was_down_does_not_count_against_workers(start_server, t
         assert query(client, job_id)["state"] == "RUNNING"
         # Silence is counted from the start: the deadline still fires by
         # itself, with nobody waiting and nothing else due.
-        poll_until(lambda: query(client, job_id)["state"] == "FAILED", DEADLINE, "the net")
+        until(lambda: query(client, job_id)["state"] == "FAILED", DEADLINE, "the net")
         assert time.monotonic() - before_start >= STALE - 0.01  # times are kept to the millisecond
         [failed] = client.request("FailedJobs").json["jobs"]
         assert failed["lastError"].startswith("no report for 2s")
@@ -197,11 +197,11 @@ def test_a_late_give_back_does_not_undo_a_newer_hand_out(start_server, tmp_path:
         stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         stuck.connect(("127.0.0.1", server.port))
         stuck.sendall(b"GetJob\r\nname: leased\r\n\r\n")
-        poll_until(lambda: query(admin, job_id)["state"] == "RUNQUEUED", DEADLINE, "the hand-out")
+        until(lambda: query(admin, job_id)["state"] == "RUNQUEUED", DEADLINE, "the hand-out")
         taken = second.request("GetJob", name="leased", Connection="wait", timeout=int(DEADLINE * 1000))
         assert taken.code == 200, taken.status
         lease = taken.headers["leaseID"]
-        poll_until(lambda: "put back" in server.log, DEADLINE, "the stuck reply to time out")
+        until(lambda: "put back" in server.log, DEADLINE, "the stuck reply to time out")
         # Written by the same writer thread: a QueryJob now sees its result.
         job = query(admin, job_id)
         assert job["state"] == "RUNQUEUED" and taken.json["jobID"] == job_id

@@ -6,14 +6,9 @@ import socket
 import time
 
 import pytest
-from conftest import ThreadServer
+from harness import ThreadServer
+from helpers import create
 from wire import Client
-
-
-def create(client: Client, name: str, **params: object) -> int:
-    reply = client.request("CreateJob", name=name, **params)
-    assert reply.status == "200 OK", reply
-    return reply.json["jobID"]
 
 
 def test_ping(client):

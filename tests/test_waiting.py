@@ -15,6 +15,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
+from helpers import create
 from wire import Client, Reply, encode
 
 LONG_WAIT_MS = 20_000
@@ -48,12 +49,6 @@ def start_waiting(server, name: str, timeout_ms: int = LONG_WAIT_MS, **params: A
     worker.send(wait_request(name, timeout_ms, **params))
     until_waiting(server, before + 1)
     return worker
-
-
-def create(client: Client, name: str, **params: Any) -> int:
-    reply = client.request("CreateJob", name=name, **params)
-    assert reply.status == "200 OK", reply
-    return reply.json["jobID"]
 
 
 def state(client: Client, job_id: int) -> str:
@@ -323,16 +318,16 @@ def test_job_goes_to_the_next_waiter_when_the_first_hangs_up(server, client):
     assert state(client, job_id) == "RUNNING"
 
 
-def test_future_job_from_before_a_restart_is_handed_to_a_waiter_when_due(spawn, tmp_path):
+def test_future_job_from_before_a_restart_is_handed_to_a_waiter_when_due(start_server, tmp_path):
     # After a restart only the database knows the job is coming: no commit
     # of this process has announced it.
     db = tmp_path / "restart.db"
-    first = spawn(db=db)
+    first = start_server(db)
     first_run, due = soon()
     with first.client() as client:
         job_id = create(client, "timed", firstRun=first_run)
     first.kill()
-    second = spawn(db=db)
+    second = start_server(db)
     with second.client() as worker:
         worker.send(wait_request("timed"))
         assert handed(worker.read_reply()) == job_id

@@ -16,7 +16,7 @@ import sys
 import time
 from datetime import datetime, timezone
 
-from procserver import poll_until
+from helpers import until
 
 from jobserver.client import Client as JobClient
 
@@ -100,7 +100,7 @@ def test_job_of_a_killed_worker_without_a_lease_stays_running(server) -> None:
         # Once the server has seen the worker's connection close: the reply
         # was delivered before the worker died, so the job stays its
         # worker's, RUNNING until someone requeues it.
-        poll_until(lambda: jobs.status()["connections"] == 1, 10, "the worker's connection to close")
+        until(lambda: jobs.status()["connections"] == 1, 10, "the worker's connection to close")
         assert jobs.get_job("death/*") is None
         assert jobs.query_job(job_id)["state"] == "RUNNING"
         jobs.requeue_jobs([job_id])
@@ -111,10 +111,10 @@ def test_a_worker_killed_while_waiting_takes_nothing(server) -> None:
     with JobClient("127.0.0.1", server.port, timeout=10) as jobs:
         worker = start_worker(server.port, "death/late")
         try:
-            poll_until(lambda: jobs.status()["waitingGetJobs"] == 1, 10, "the worker to wait")
+            until(lambda: jobs.status()["waitingGetJobs"] == 1, 10, "the worker to wait")
             worker.kill()
             worker.wait(10)
-            poll_until(lambda: jobs.status()["waitingGetJobs"] == 0, 10, "the wait to end")
+            until(lambda: jobs.status()["waitingGetJobs"] == 0, 10, "the wait to end")
         finally:
             if worker.poll() is None:
                 worker.kill()

@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 import trio
 from conformance_helpers import force
+from harness import MANAGER, ThreadServer
+from helpers import create, until
 from tls_certs import tls_server
 from wire import Client, Reply
 
@@ -32,109 +34,7 @@ from jobserver.workers.leases import touch_period
 from jobserver.workers.manager import LOAD_NOTICE_INTERVAL, Every, Manager
 
 DEADLINE = 15.0
-# The manager as users run it.
-MANAGER = ["-m", "jobserver", "worker-manager"]
 REPO = Path(__file__).resolve().parent.parent
-
-
-class ManagerProcess:
-    """`jobserver worker-manager` in a subprocess, with its log collected."""
-
-    def __init__(self, port: int, worker_path: Path, *extra: str) -> None:
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                *MANAGER,
-                "--worker-path",
-                str(worker_path),
-                "--server",
-                f"127.0.0.1:{port}",
-                *extra,
-            ],
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self.lines: list[str] = []
-        self.changed = threading.Condition()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            with self.changed:
-                self.lines.append(line)
-                self.changed.notify_all()
-
-    @property
-    def log(self) -> str:
-        with self.changed:
-            return "".join(self.lines)
-
-    def wait_for(self, pattern: str, count: int = 1, deadline: float = DEADLINE) -> list[str]:
-        """The first `count` log lines matching `pattern`, waiting for them."""
-        end = time.monotonic() + deadline
-        with self.changed:
-            while True:
-                found = [line for line in self.lines if re.search(pattern, line)]
-                if len(found) >= count:
-                    return found[:count]
-                left = end - time.monotonic()
-                if left <= 0 or (self.proc.poll() is not None and not self.reader.is_alive()):
-                    raise AssertionError(
-                        f"no {count} lines matching {pattern!r} in:\n{''.join(self.lines)}"
-                    )
-                self.changed.wait(min(left, 0.1))
-
-    def started(self) -> ManagerProcess:
-        self.wait_for("worker manager started")
-        return self
-
-    def signal(self, signum: int) -> None:
-        self.proc.send_signal(signum)
-
-    def wait(self, deadline: float = DEADLINE) -> int:
-        code = self.proc.wait(deadline)
-        self.reader.join(deadline)
-        return code
-
-    def stop(self) -> None:
-        """Teardown: a second signal makes the manager kill its workers and
-        exit. (Two signals sent at once would be seen as one.)"""
-        if self.proc.poll() is None:
-            self.signal(signal.SIGTERM)
-            try:
-                self.wait_for("received SIGTERM", deadline=5)
-            except AssertionError:
-                pass
-            self.signal(signal.SIGTERM)
-            try:
-                self.proc.wait(DEADLINE)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-@pytest.fixture
-def workers(tmp_path: Path) -> Path:
-    path = tmp_path / "workers"
-    path.mkdir()
-    return path
-
-
-@pytest.fixture
-def manager(workers: Path):
-    started: list[ManagerProcess] = []
-
-    def start(port: int, *extra: str, worker_path: Path = workers) -> ManagerProcess:
-        proc = ManagerProcess(port, worker_path, *extra)
-        started.append(proc)
-        return proc.started()
-
-    yield start
-    for proc in started:
-        proc.stop()
 
 
 def write_worker(directory: Path, name: str, body: str, shell: str = "/bin/sh") -> Path:
@@ -158,12 +58,6 @@ def python_worker(directory: Path, name: str, body: str) -> Path:
     )
 
 
-def create(client: Client, name: str, **params: Any) -> int:
-    reply = client.request("CreateJob", name=name, **params)
-    assert reply.status == "200 OK", reply
-    return reply.json["jobID"]
-
-
 def query(client: Client, job_id: int) -> Reply:
     return client.request("QueryJob", jobID=job_id)
 
@@ -176,13 +70,6 @@ def job(client: Client, job_id: int) -> dict[str, Any]:
 
 def utc(text: str) -> datetime:
     return datetime.fromisoformat(text).replace(tzinfo=timezone.utc)
-
-
-def until(predicate, what: str, deadline: float = DEADLINE) -> None:
-    end = time.monotonic() + deadline
-    while not predicate():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def waiting_get_jobs(client: Client) -> int:
@@ -313,7 +200,7 @@ print(json.dumps({"seen": job["data"], "id": os.environ["JOB_ID"], "name": os.en
     assert line
     running.wait_for(rf"job {plain} Plain finished in")
     running.wait_for(rf"job {once} Echo finished in")
-    until(lambda: job(client, echo)["data"] != {"n": 1}, "FinishJob of the repeating job")
+    until(lambda: job(client, echo)["data"] != {"n": 1}, DEADLINE, "FinishJob of the repeating job")
     assert job(client, echo)["data"] == {
         "seen": {"n": 1},
         "id": str(echo),
@@ -321,9 +208,9 @@ print(json.dumps({"seen": job["data"], "id": os.environ["JOB_ID"], "name": os.en
         "server": f"127.0.0.1:{server.port}",
     }
     assert job(client, echo)["state"] == "QUEUED"
-    until(lambda: job(client, plain)["state"] == "QUEUED", "FinishJob of Plain")
+    until(lambda: job(client, plain)["state"] == "QUEUED", DEADLINE, "FinishJob of Plain")
     assert job(client, plain)["data"] == {"keep": True}
-    until(lambda: query(client, once).code == 404, "the non-repeating job to be deleted")
+    until(lambda: query(client, once).code == 404, DEADLINE, "the non-repeating job to be deleted")
 
 
 def test_exit_75_retries_with_the_delay_or_next_run_from_stdout(server, client, workers, manager):
@@ -340,13 +227,13 @@ def test_exit_75_retries_with_the_delay_or_next_run_from_stdout(server, client, 
 
     running.wait_for(rf"job {later} Later retried \(delay 30s\) in")
     running.wait_for(rf"job {tomorrow} Tomorrow retried \(nextRun 2030-01-01 04:00:00\) in")
-    until(lambda: job(client, later)["state"] == "QUEUED", "RetryJob of Later")
+    until(lambda: job(client, later)["state"] == "QUEUED", DEADLINE, "RetryJob of Later")
     retried = job(client, later)
     assert retried["data"] == {"a": 1}
     # The worker's delay wins over the job's repeat (+1 DAY).
     ahead = utc(retried["nextRun"]) - before
     assert timedelta(seconds=25) < ahead < timedelta(seconds=40)
-    until(lambda: job(client, tomorrow)["state"] == "QUEUED", "RetryJob of Tomorrow")
+    until(lambda: job(client, tomorrow)["state"] == "QUEUED", DEADLINE, "RetryJob of Tomorrow")
     assert job(client, tomorrow)["nextRun"] == "2030-01-01 04:00:00"
 
 
@@ -371,13 +258,13 @@ sys.exit(3)
 
     running.wait_for(rf"job {crash} Crash failed \(exit status 3\) in")
     running.wait_for(rf"job {segv} Segfault failed \(signal SIGSEGV\) in")
-    until(lambda: job(client, crash)["state"] == "FAILED", "FailJob of Crash")
+    until(lambda: job(client, crash)["state"] == "FAILED", DEADLINE, "FailJob of Crash")
     data = job(client, crash)["data"]
     assert data["orig"] == 1
     assert data["error"]["exitStatus"] == 3
     assert data["error"]["stderr"].endswith("noise Traceback: it broke")
     assert len(data["error"]["stderr"]) == 2000
-    until(lambda: job(client, segv)["state"] == "FAILED", "FailJob of Segfault")
+    until(lambda: job(client, segv)["state"] == "FAILED", DEADLINE, "FailJob of Segfault")
     assert job(client, segv)["data"] == {
         "error": {"signal": "SIGSEGV", "stderr": "about to crash\n"}
     }
@@ -402,7 +289,7 @@ wait
     running = manager(server.port, "--worker-timeout", "1", "--max-iterations", "1")
 
     running.wait_for(rf"job {stuck} Stuck failed \(timed out after 1s \(worker killed\)\) in")
-    assert running.wait() == 0
+    assert running.wait(DEADLINE) == 0
     assert not alive(int((tmp_path / "worker.pid").read_text()))
     assert not alive(int((tmp_path / "child.pid").read_text()))
     # Without a retry policy a timeout fails the job like any failure,
@@ -431,7 +318,9 @@ time.sleep(60)
     running = manager(server.port, "--worker-timeout", "0.5")
 
     running.wait_for(rf"job {hangs} Hangs failed \(timed out after 0.5s \(worker killed\)\)", 2)
-    until(lambda: job(client, hangs)["state"] == "FAILED", "the second timeout to kill the job")
+    until(
+        lambda: job(client, hangs)["state"] == "FAILED", DEADLINE, "the second timeout to kill the job"
+    )
     dead = job(client, hangs)
     assert (dead["attempt"], dead["lastError"]) == (2, "timed out after 0.5s (worker killed)")
     attempts = [line.split() for line in starts.read_text().splitlines()]
@@ -477,7 +366,7 @@ def test_missing_workers_and_unsafe_names_fail_the_job_and_run_nothing(
         force(server.db, "UPDATE jobs SET name = ? WHERE jobID = ?", (name, job_id))
         ids[job_id] = reason
     running = manager(server.port, "--max-workers", "16", "--max-iterations", "1")
-    assert running.wait() == 0
+    assert running.wait(DEADLINE) == 0
     for job_id, reason in ids.items():
         failed = job(client, job_id)
         assert failed["state"] == "FAILED", failed
@@ -527,7 +416,7 @@ def test_no_jobs_are_taken_while_the_load_average_is_at_or_above_max_load(
     assert waiting_get_jobs(client) == 0
     assert job(client, never)["state"] == "QUEUED"
     running.signal(signal.SIGTERM)
-    assert running.wait() == 0
+    assert running.wait(DEADLINE) == 0
     assert job(client, never)["state"] == "QUEUED"
 
 
@@ -588,11 +477,11 @@ def test_a_job_created_while_the_manager_waits_starts_at_once(
     started = tmp_path / "started"
     python_worker(workers, "Quick", f'open("{started}", "w").write(str(time.time()))\n')
     manager(server.port)
-    until(lambda: waiting_get_jobs(client) == 1, "the manager's blocking GetJobs")
+    until(lambda: waiting_get_jobs(client) == 1, DEADLINE, "the manager's blocking GetJobs")
     created = time.time()
     create(client, "Quick")
-    until(started.exists, "the worker to start", deadline=5)
-    until(lambda: started.read_text() != "", "the worker to write its start time")
+    until(started.exists, 5, "the worker to start")
+    until(lambda: started.read_text() != "", DEADLINE, "the worker to write its start time")
     assert float(started.read_text()) - created < 1.0
 
 
@@ -615,13 +504,13 @@ echo '{{"drained": true}}'
     )
     drain = create(client, "Drain", repeat="FINISHED, +1 HOUR")
     running = manager(server.port, "--grace", "20")
-    until(started.exists, "the worker to start")
+    until(started.exists, DEADLINE, "the worker to start")
     running.signal(signal.SIGTERM)
     running.wait_for("received SIGTERM: taking no more jobs")
-    until(lambda: waiting_get_jobs(client) == 0, "the blocking GetJobs to be cancelled")
+    until(lambda: waiting_get_jobs(client) == 0, DEADLINE, "the blocking GetJobs to be cancelled")
     late = create(client, "Drain")
     proceed.touch()
-    assert running.wait() == 0
+    assert running.wait(DEADLINE) == 0
     assert job(client, drain)["data"] == {"drained": True}
     assert job(client, late)["state"] == "QUEUED"
     assert re.search(rf"job {drain} Drain finished in", running.log)
@@ -644,9 +533,9 @@ wait
     )
     long = create(client, "Long", data={"x": 1})
     running = manager(server.port, "--grace", "0.5")
-    until(started.exists, "the worker to start")
+    until(started.exists, DEADLINE, "the worker to start")
     running.signal(signal.SIGTERM)
-    assert running.wait() == 0
+    assert running.wait(DEADLINE) == 0
     assert termed.exists()  # it got SIGTERM first
     assert re.search(
         rf"job {long} Long still running at the end of the grace period, killed, retried",
@@ -672,11 +561,11 @@ wait
     )
     forever = create(client, "Forever")
     running = manager(server.port, "--grace", "60")
-    until(pids.exists, "the worker to start")
+    until(pids.exists, DEADLINE, "the worker to start")
     running.signal(signal.SIGTERM)
     running.wait_for("received SIGTERM")
     running.signal(signal.SIGINT)
-    assert running.wait(deadline=5) == 1
+    assert running.wait(5) == 1
     assert not any(alive(int(pid)) for pid in pids.read_text().split())
     assert re.search(rf"job {forever} Forever abandoned", running.log)
     assert job(client, forever)["state"] == "RUNNING"
@@ -693,7 +582,7 @@ def test_data_the_server_refuses_is_left_out_rather_than_losing_the_result(
         rf"job {big} Big: the server refused FailJob \(402 Malformed data\); "
         "sending it without data"
     )
-    until(lambda: job(client, big)["state"] == "FAILED", "the bare FailJob")
+    until(lambda: job(client, big)["state"] == "FAILED", DEADLINE, "the bare FailJob")
     assert job(client, big)["data"] == {"blob": "x" * (1024 * 1024 - 20)}
 
 
@@ -701,7 +590,7 @@ def test_data_the_server_refuses_is_left_out_rather_than_losing_the_result(
 
 
 def test_results_are_held_while_the_server_is_down_and_reported_once_it_is_back(
-    spawn, tmp_path, workers, manager
+    start_server, tmp_path, workers, manager
 ):
     started, proceed = tmp_path / "started", tmp_path / "proceed"
     write_worker(
@@ -715,12 +604,12 @@ echo '{{"after": "restart"}}'
 """,
     )
     write_worker(workers, "Next", "cat >/dev/null; echo '{\"next\": true}'\n")
-    first = spawn()
+    first = start_server()
     port, db = first.port, first.db
     with first.client() as c:
         survivor = create(c, "Survivor", repeat="FINISHED, +1 HOUR")
     running = manager(port, "--max-workers", "2")
-    until(started.exists, "the worker to start")
+    until(started.exists, DEADLINE, "the worker to start")
 
     first.kill()
     running.wait_for(r"cannot get jobs \(.*\); running workers carry on, retrying with backoff")
@@ -728,7 +617,7 @@ echo '{{"after": "restart"}}'
     running.wait_for(rf"job {survivor} Survivor finished in")
     running.wait_for(rf"cannot report job {survivor} .*holding 1 results")
 
-    second = spawn("--port", str(port), db=db)
+    second = start_server(db, "--port", str(port))
     running.wait_for(rf"server 127.0.0.1:{port} reachable again; reported job {survivor}")
     running.wait_for(rf"server 127.0.0.1:{port} reachable again; taking jobs")
     with second.client() as c:
@@ -737,7 +626,11 @@ echo '{{"after": "restart"}}'
         # Fetching came back too.
         after = create(c, "Next", repeat="FINISHED, +1 HOUR")
         running.wait_for(rf"job {after} Next finished in")
-        until(lambda: job(c, after)["data"] == {"next": True}, "the job created after the restart")
+        until(
+            lambda: job(c, after)["data"] == {"next": True},
+            DEADLINE,
+            "the job created after the restart",
+        )
     assert "already reported" not in running.log
     assert len(re.findall(rf"job {survivor} Survivor finished", running.log)) == 1
 
@@ -753,7 +646,7 @@ def test_the_example_workers(server, client, manager):
     resize = create(client, "ResizeImage", data={"path": "/nonexistent/cat.png"})
     before = datetime.now(timezone.utc)
     running = manager(server.port, "--max-iterations", "1", worker_path=examples)
-    assert running.wait() == 0
+    assert running.wait(DEADLINE) == 0
     sent = job(client, email)
     assert sent["data"]["to"] == "ann@example.com"
     assert "sentAt" in sent["data"]
@@ -841,14 +734,14 @@ def test_the_lease_of_a_long_running_worker_is_renewed_until_it_reports(
     write_worker(workers, "Slow", "cat >/dev/null; sleep 3.5; echo '{\"done\": true}'\n")
     job_id = create(client, "Slow", retryAfter="+2 SECONDS", repeat="FINISHED, +1 HOUR")
     running = manager(server.port, "--max-workers", "1")
-    until(lambda: job(client, job_id)["state"] == "RUNQUEUED", "the job to be handed out")
+    until(lambda: job(client, job_id)["state"] == "RUNQUEUED", DEADLINE, "the job to be handed out")
     # The lease is two seconds (one to two, as the server counts from the
     # start of the second); the worker runs for 3.5: only renewals keep the
     # job from being handed to someone else meanwhile.
     while not re.search(rf"job {job_id} Slow finished", running.log):
         assert client.request("GetJob", name="Slow").status == "404 No job found"
         time.sleep(0.05)
-    until(lambda: job(client, job_id)["state"] == "QUEUED", "FinishJob")
+    until(lambda: job(client, job_id)["state"] == "QUEUED", DEADLINE, "FinishJob")
     assert job(client, job_id)["data"] == {"done": True}
     assert "lost its lease" not in running.log and "cannot renew" not in running.log
     assert "refused" not in running.log
@@ -862,7 +755,7 @@ def test_a_result_for_a_job_another_worker_has_now_is_dropped(
     job_id = create(client, "Gated")
     running = manager(server.port, "--max-workers", "1")
     until(lambda: json_object(stdin.read_bytes()) if stdin.exists() else False,
-          "the worker to read its job")
+          DEADLINE, "the worker to read its job")
     assert len(json_object(stdin.read_bytes())["leaseID"]) == 16
     # Requeued and taken by someone else while the worker still runs.
     assert client.request("RequeueJobs", jobIDs=str(job_id)).status == "200 OK"
@@ -887,8 +780,6 @@ def test_leases_are_renewed_after_a_third_of_their_shortest_length(retry_after, 
 
 
 def test_the_manager_sends_its_token_to_a_server_that_wants_one(workers, manager, tmp_path):
-    from conftest import ThreadServer
-
     running = ThreadServer(tmp_path / "auth.db", auth_token="w0rk")
     try:
         token = tmp_path / "token"
@@ -900,6 +791,7 @@ def test_the_manager_sends_its_token_to_a_server_that_wants_one(workers, manager
             managed.wait_for(rf"job {job_id} Done finished in")
             until(
                 lambda: c.request("QueryJob", jobID=job_id, authToken="w0rk").code == 404,
+                DEADLINE,
                 "the job to be finished and deleted",
             )
     finally:
@@ -914,7 +806,7 @@ def test_the_manager_speaks_tls_with_tls_ca(workers, manager, tmp_path):
             managed = manager(running.port, "--tls-ca", str(files.ca))
             assert f"server 127.0.0.1:{running.port} (TLS)" in managed.log
             managed.wait_for(rf"job {job_id} Done finished in")
-            until(lambda: jobs.query_job(job_id)["data"] == {"secure": True}, "FinishJob")
+            until(lambda: jobs.query_job(job_id)["data"] == {"secure": True}, DEADLINE, "FinishJob")
 
 
 def test_a_manager_that_cannot_set_up_tls_says_why_and_exits_2(workers, tmp_path):

@@ -7,9 +7,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 import trustme
-from conftest import ThreadServer
+from harness import ThreadServer
 
 
 @dataclass(frozen=True)
@@ -46,9 +45,3 @@ def tls_server(
     finally:
         running.stop()
 
-
-@pytest.fixture
-def secure(tmp_path: Path) -> Iterator[tuple[ThreadServer, Certificates]]:
-    """A real server speaking TLS, and its certificate files."""
-    with tls_server(tmp_path / "tls") as pair:
-        yield pair

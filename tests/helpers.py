@@ -1,0 +1,79 @@
+"""Helpers the tests share: requests that must succeed, waiting for a
+condition, and another process holding a database's write lock."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from wire import Client, Reply
+
+T = TypeVar("T")
+
+# How often `until` looks again: often enough not to slow tests down, seldom
+# enough not to load the server it asks.
+POLL_INTERVAL = 0.01
+
+
+def ok(reply: Reply) -> Reply:
+    """The reply, which must be `200 OK`."""
+    assert reply.status == "200 OK", f"{reply.status} {reply.body!r}"
+    return reply
+
+
+def create(client: Client, name: str = "job", **params: Any) -> int:
+    """CreateJob, which must succeed; the new job's ID."""
+    reply = ok(client.request("CreateJob", name=name, **params))
+    assert set(reply.json) == {"jobID"}, reply.json
+    job_id = reply.json["jobID"]
+    assert isinstance(job_id, int) and job_id > 0, job_id
+    return job_id
+
+
+def until(check: Callable[[], T], timeout: float, what: str) -> T:
+    """Call `check` until it returns something true, and return that; fail
+    after `timeout` seconds, saying `what` was waited for."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(POLL_INTERVAL)
+
+
+LOCKER = """
+import sqlite3, sys
+db = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=0)
+db.execute("BEGIN EXCLUSIVE")
+print("locked", flush=True)
+sys.stdin.readline()
+db.execute("ROLLBACK")
+print("released", flush=True)
+"""
+
+
+@contextmanager
+def locked(db: Path) -> Iterator[subprocess.Popen[str]]:
+    """Another process holds the database's write lock until the block ends."""
+    locker = subprocess.Popen(
+        [sys.executable, "-c", LOCKER, str(db)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert locker.stdout is not None and locker.stdin is not None
+    try:
+        assert locker.stdout.readline() == "locked\n"
+        yield locker
+        locker.stdin.write("\n")
+        locker.stdin.flush()
+        assert locker.stdout.readline() == "released\n"
+        assert locker.wait(10) == 0
+    finally:
+        if locker.poll() is None:
+            locker.kill()
+            locker.wait()
