@@ -28,7 +28,8 @@ from wire import Client, Reply
 from jobserver.core import lifecycle, schedule
 from jobserver.core.jobs import Job
 from jobserver.core.repeat import offset_seconds
-from jobserver.storage.sqlite import SCHEMA_VERSION, Store, StoreError
+from jobserver.storage.sqlite import Store
+from jobserver.storage.sqlite_schema import SCHEMA_VERSION, StoreError
 
 DEADLINE = 10.0
 POLL = 0.05

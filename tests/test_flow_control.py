@@ -27,7 +27,8 @@ from jobserver import cli
 from jobserver.core import windows
 from jobserver.core.jobs import NewJob
 from jobserver.core.times import parse_duration, to_millis, to_seconds
-from jobserver.storage.sqlite import SCHEMA_VERSION, Store
+from jobserver.storage.sqlite import Store
+from jobserver.storage.sqlite_schema import SCHEMA_VERSION
 
 DEADLINE = 10.0
 UTC = timezone.utc

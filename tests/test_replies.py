@@ -23,8 +23,8 @@ from test_workers import python_worker
 from wire import Client, Reply
 
 from jobserver import client as jobclient
-from jobserver.storage.sqlite import SCHEMA_VERSION, Store
-from jobserver.storage.sqlite_schema import MIGRATIONS
+from jobserver.storage.sqlite import Store
+from jobserver.storage.sqlite_schema import MIGRATIONS, SCHEMA_VERSION
 
 DEADLINE = 10.0
 

@@ -22,8 +22,8 @@ from jobserver.core import times
 from jobserver.core.context import Context, Settings
 from jobserver.core.jobs import NewJob
 from jobserver.core.stale import expire, lost_error
-from jobserver.storage.sqlite import SCHEMA_VERSION, Store
-from jobserver.storage.sqlite_schema import MIGRATIONS
+from jobserver.storage.sqlite import Store
+from jobserver.storage.sqlite_schema import MIGRATIONS, SCHEMA_VERSION
 
 STALE = 2.0
 DEADLINE = 30.0

@@ -15,7 +15,8 @@ from jobserver.cli.options import LOG_LEVELS, duration, log_level, number
 from jobserver.core.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER
 from jobserver.core.times import duration_text
 from jobserver.server.app import Config, Server
-from jobserver.storage.sqlite import SYNCHRONOUS_MODES, StoreError
+from jobserver.storage.sqlite import SYNCHRONOUS_MODES
+from jobserver.storage.sqlite_schema import StoreError
 from jobserver.wire.limits import DEFAULT_HOST, DEFAULT_PORT
 
 log = logging.getLogger("jobserver")

@@ -17,7 +17,7 @@ import fcntl
 import logging
 import os
 
-from jobserver.storage.sqlite import StoreError
+from jobserver.storage.sqlite_schema import StoreError
 
 log = logging.getLogger("jobserver")
 

@@ -14,9 +14,9 @@ import sqlite3
 from collections.abc import Mapping, Sequence
 
 from jobserver.core.jobs import PLAIN, Job, NewJob
-from jobserver.storage import sqlite_readers
+from jobserver.storage import sqlite_readers, sqlite_schema
 from jobserver.storage.interface import QueryResult
-from jobserver.storage.sqlite_schema import MIGRATIONS, SCHEMA, SCHEMA_VERSION
+from jobserver.storage.sqlite_schema import StoreError
 
 SYNCHRONOUS_MODES = ("FULL", "NORMAL")
 
@@ -52,10 +52,6 @@ RECLAIM_MIN_PAGES = 256
 RECLAIM_PAGES = 2048
 
 
-class StoreError(Exception):
-    """The database file cannot be used (wrong file, newer schema, ...)."""
-
-
 class Store:
     def __init__(
         self, path: str, synchronous: str = "FULL", limits: Mapping[str, int] | None = None
@@ -71,9 +67,7 @@ class Store:
             self._db = sqlite3.connect(
                 path, isolation_level=None, check_same_thread=False
             )
-            self._configure(synchronous)
-            self._check()
-            self._migrate()
+            sqlite_schema.prepare(self._db, path, synchronous, BUSY_MS)
             # Every priority a job has had since the file was opened: a
             # superset of those with waiting jobs, so GetJob skips the rest.
             self._priorities = {
@@ -89,76 +83,6 @@ class Store:
             self._load_flow_control()
         except sqlite3.DatabaseError as error:
             raise StoreError(f"cannot use {path!r} as a job database: {error}") from error
-
-    def _configure(self, synchronous: str) -> None:
-        db = self._db
-        # Another process holding the write lock is waited for, not failed;
-        # every request waits with it, so not for long.
-        db.execute(f"PRAGMA busy_timeout = {BUSY_MS}")
-        # Pages freed by deleted jobs go back to the file system when the
-        # pruner asks (incremental_vacuum). It only takes effect on a new
-        # file, before its first table; older files keep their setting, and
-        # are not written to here (one may be read-only).
-        if db.execute("PRAGMA page_count").fetchone()[0] == 0:
-            db.execute("PRAGMA auto_vacuum = INCREMENTAL")
-        mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-        if mode.lower() != "wal" and self.path != ":memory:":
-            raise StoreError(f"cannot switch {self.path!r} to WAL mode (got {mode})")
-        # PRAGMA takes no parameters; the value was checked against a whitelist.
-        db.execute(f"PRAGMA synchronous = {synchronous}")
-
-    def _check(self) -> None:
-        """Refuse a damaged file at start rather than fail writes later.
-        quick_check reads every page once: seconds for millions of jobs."""
-        try:
-            problems = [row[0] for row in self._db.execute("PRAGMA quick_check")]
-        except sqlite3.OperationalError as error:
-            if "readonly" not in str(error):
-                raise
-            # A read-only file with a journal left by a crash cannot be
-            # checked; it is served for reading all the same.
-            return
-        if problems != ["ok"]:
-            raise StoreError(f"{self.path!r} is damaged: {'; '.join(problems[:3])}")
-
-    def _migrate(self) -> None:
-        db = self._db
-        if db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
-            return
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            # Read again under the write lock: another process may have
-            # migrated the file in the meantime.
-            version = db.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise StoreError(
-                    f"{self.path!r} has schema version {version}; this server knows "
-                    f"up to {SCHEMA_VERSION}"
-                )
-            if version == 0:
-                self._create_schema()
-            else:
-                for step in range(version, SCHEMA_VERSION):
-                    for statement in MIGRATIONS[step]:
-                        db.execute(statement)
-            # PRAGMA takes no parameters; the value is our own constant.
-            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
-
-    def _create_schema(self) -> None:
-        tables = self._db.execute(
-            "SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'jobs'"
-        ).fetchall()
-        if tables:
-            raise StoreError(f"{self.path!r} has a jobs table this server did not create")
-        # The schema's comments hold no semicolons, so each piece is one statement.
-        for statement in SCHEMA.split(";"):
-            if statement.strip():
-                self._db.execute(statement)
 
     def close(self) -> None:
         self._db.close()

@@ -1,9 +1,23 @@
-"""The SQLite schema of the jobs database, and the steps that bring older
-files up to date (schema version in `PRAGMA user_version`)."""
+"""Opening a SQLite jobs database: its settings, a check that it is whole,
+its schema, and the steps that bring older files up to date (the schema
+version is `PRAGMA user_version`)."""
 
 from __future__ import annotations
 
+import sqlite3
+
 SCHEMA_VERSION = 5
+
+
+class StoreError(Exception):
+    """The database file cannot be used (wrong file, newer schema, ...)."""
+
+
+def prepare(db: sqlite3.Connection, path: str, synchronous: str, busy_ms: int) -> None:
+    """Configure a new connection, check the file and bring it up to date."""
+    _configure(db, path, synchronous, busy_ms)
+    _check(db, path)
+    _migrate(db, path)
 
 SCHEMA = """
 CREATE TABLE jobs (
@@ -138,3 +152,72 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "CREATE INDEX jobsRunningReport ON jobs (lastReport) WHERE state = 'RUNNING'",
     ),
 }
+
+
+def _configure(db: sqlite3.Connection, path: str, synchronous: str, busy_ms: int) -> None:
+    # Another process holding the write lock is waited for, not failed;
+    # every request waits with it, so not for long.
+    db.execute(f"PRAGMA busy_timeout = {busy_ms}")
+    # Pages freed by deleted jobs go back to the file system when the
+    # pruner asks (incremental_vacuum). It only takes effect on a new
+    # file, before its first table; older files keep their setting, and
+    # are not written to here (one may be read-only).
+    if db.execute("PRAGMA page_count").fetchone()[0] == 0:
+        db.execute("PRAGMA auto_vacuum = INCREMENTAL")
+    mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+    if mode.lower() != "wal" and path != ":memory:":
+        raise StoreError(f"cannot switch {path!r} to WAL mode (got {mode})")
+    # PRAGMA takes no parameters; the value was checked against a whitelist.
+    db.execute(f"PRAGMA synchronous = {synchronous}")
+
+def _check(db: sqlite3.Connection, path: str) -> None:
+    """Refuse a damaged file at start rather than fail writes later.
+    quick_check reads every page once: seconds for millions of jobs."""
+    try:
+        problems = [row[0] for row in db.execute("PRAGMA quick_check")]
+    except sqlite3.OperationalError as error:
+        if "readonly" not in str(error):
+            raise
+        # A read-only file with a journal left by a crash cannot be
+        # checked; it is served for reading all the same.
+        return
+    if problems != ["ok"]:
+        raise StoreError(f"{path!r} is damaged: {'; '.join(problems[:3])}")
+
+def _migrate(db: sqlite3.Connection, path: str) -> None:
+    if db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
+        return
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        # Read again under the write lock: another process may have
+        # migrated the file in the meantime.
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"{path!r} has schema version {version}; this server knows "
+                f"up to {SCHEMA_VERSION}"
+            )
+        if version == 0:
+            _create_schema(db, path)
+        else:
+            for step in range(version, SCHEMA_VERSION):
+                for statement in MIGRATIONS[step]:
+                    db.execute(statement)
+        # PRAGMA takes no parameters; the value is our own constant.
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        db.execute("COMMIT")
+    except BaseException:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise
+
+def _create_schema(db: sqlite3.Connection, path: str) -> None:
+    tables = db.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'jobs'"
+    ).fetchall()
+    if tables:
+        raise StoreError(f"{path!r} has a jobs table this server did not create")
+    # The schema's comments hold no semicolons, so each piece is one statement.
+    for statement in SCHEMA.split(";"):
+        if statement.strip():
+            db.execute(statement)
