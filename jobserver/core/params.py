@@ -51,24 +51,23 @@ MAX_COST = 1_000_000
 # A concurrency limit's capacity, likewise.
 MAX_CAPACITY = 1_000_000_000
 
-Params = Request
 
 
-def present(params: Params, name: str) -> str | None:
+def present(request: Request, name: str) -> str | None:
     """The value of a parameter, or None when absent or empty."""
-    value = params.get(name)
+    value = request.get(name)
     return None if value is None or value == "" else value
 
 
-def require(params: Params, name: str) -> str:
-    value = present(params, name)
+def require(request: Request, name: str) -> str:
+    value = present(request, name)
     if value is None:
         raise CommandError(f"402 Missing {name}")
     return value
 
 
-def job_id(params: Params, name: str = "jobID") -> int:
-    return parse_job_id(require(params, name), name)
+def job_id(request: Request, name: str = "jobID") -> int:
+    return parse_job_id(require(request, name), name)
 
 
 def parse_job_id(text: str, name: str = "jobID") -> int:
@@ -83,8 +82,8 @@ def parse_job_id(text: str, name: str = "jobID") -> int:
     return number
 
 
-def job_ids(params: Params, name: str = "jobIDs") -> list[int]:
-    text = require(params, name)
+def job_ids(request: Request, name: str = "jobIDs") -> list[int]:
+    text = require(request, name)
     ids = [parse_job_id(part.strip(), name) for part in text.split(",") if part.strip()]
     if not ids:
         # `,,` names no job: a client bug, not a request to do nothing.
@@ -96,18 +95,18 @@ def job_ids(params: Params, name: str = "jobIDs") -> list[int]:
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
-def name(params: Params) -> str:
+def name(request: Request) -> str:
     """A job's name: 1 to 255 bytes of UTF-8 without control characters,
     which logs, terminals and worker file names cannot show or hold."""
-    value = require(params, "name")
+    value = require(request, "name")
     if len(value.encode("utf-8")) > MAX_NAME or _CONTROL.search(value):
         raise CommandError("402 Malformed name")
     return value
 
 
-def priority(params: Params, *names: str) -> int | None:
+def priority(request: Request, *names: str) -> int | None:
     for header in names:
-        value = present(params, header)
+        value = present(request, header)
         if value is not None:
             try:
                 number = int(value)
@@ -119,9 +118,9 @@ def priority(params: Params, *names: str) -> int | None:
     return None
 
 
-def data(params: Params, header: str = "data") -> str | None:
+def data(request: Request, header: str = "data") -> str | None:
     """A JSON object parameter as compact JSON text, or None when absent."""
-    value = params.get(header)
+    value = request.get(header)
     if value is None:
         return None
     if len(value.encode("utf-8")) > MAX_DATA:
@@ -144,8 +143,8 @@ def parse_data(text: str) -> str:
 _BLANKS = frozenset(" \t\r\n")
 
 
-def time(params: Params, header: str) -> str | None:
-    value = present(params, header)
+def time(request: Request, header: str) -> str | None:
+    value = present(request, header)
     if value is None or value.strip() == "":
         return None
     try:
@@ -154,9 +153,9 @@ def time(params: Params, header: str) -> str | None:
         raise CommandError(f"402 Malformed {header}") from None
 
 
-def repeat_rule(params: Params) -> str | None:
+def repeat_rule(request: Request) -> str | None:
     """The repeat as stored (upper case), or None when absent or empty."""
-    value = present(params, "repeat")
+    value = present(request, "repeat")
     if value is None or value.strip() == "":
         return None
     try:
@@ -169,9 +168,9 @@ def repeat_rule(params: Params) -> str | None:
     return value.strip().upper()
 
 
-def retry_after(params: Params) -> str:
+def retry_after(request: Request) -> str:
     """The retryAfter modifiers as stored, or "" for none."""
-    value = present(params, "retryAfter")
+    value = present(request, "retryAfter")
     if value is None or value.strip() == "":
         return ""
     try:
@@ -181,8 +180,8 @@ def retry_after(params: Params) -> str:
     return value.strip()
 
 
-def delay_seconds(params: Params) -> int:
-    value = present(params, "delay")
+def delay_seconds(request: Request) -> int:
+    value = present(request, "delay")
     if value is None:
         return 0
     try:
@@ -196,12 +195,12 @@ def delay_seconds(params: Params) -> int:
     return seconds
 
 
-def retry_policy(params: Params) -> RetryPolicy | None:
+def retry_policy(request: Request) -> RetryPolicy | None:
     """CreateJob's retry policy, or None when it asks for none."""
-    attempts_text = present(params, "maxAttempts")
-    backoff_text = present(params, "retryBackoff")
-    delay_text = present(params, "retryDelay")
-    max_delay_text = present(params, "retryMaxDelay")
+    attempts_text = present(request, "maxAttempts")
+    backoff_text = present(request, "retryBackoff")
+    delay_text = present(request, "retryDelay")
+    max_delay_text = present(request, "retryMaxDelay")
     if attempts_text is None:
         if backoff_text is not None or delay_text is not None or max_delay_text is not None:
             raise CommandError("402 Missing maxAttempts")
@@ -226,16 +225,16 @@ def _seconds(text: str | None, header: str, default: float) -> float:
     return float(text)
 
 
-def lease_id(params: Params) -> str | None:
+def lease_id(request: Request) -> str | None:
     """The leaseID a report carries, or None when it carries none."""
-    return present(params, "leaseID")
+    return present(request, "leaseID")
 
 
-def error_text(params: Params, data: str | None) -> str:
+def error_text(request: Request, data: str | None) -> str:
     """What FailJob records as the job's last error: the `error` parameter,
     else the `error` key of the data it sends (a string as it is, anything
     else as compact JSON), else nothing."""
-    text = present(params, "error")
+    text = present(request, "error")
     if text is not None:
         if len(text.encode("utf-8")) > MAX_ERROR:
             raise CommandError("402 Malformed error")
@@ -251,8 +250,8 @@ def error_text(params: Params, data: str | None) -> str:
     return text.encode("utf-8", "replace")[:MAX_ERROR].decode("utf-8", "ignore")
 
 
-def limit(params: Params) -> int:
-    value = present(params, "limit")
+def limit(request: Request) -> int:
+    value = present(request, "limit")
     if value is None:
         return DEFAULT_LISTED
     try:
@@ -262,8 +261,8 @@ def limit(params: Params) -> int:
     return min(max(number, 1), MAX_LISTED)
 
 
-def num_results(params: Params) -> int:
-    value = require(params, "numResults")
+def num_results(request: Request) -> int:
+    value = require(request, "numResults")
     try:
         number = int(value)
     except ValueError:
@@ -283,9 +282,9 @@ def is_true(value: str | None) -> bool:
         return False
 
 
-def wait_seconds(params: Params) -> float:
+def wait_seconds(request: Request) -> float:
     """The `timeout` of a waiting GetJob, in seconds."""
-    value = present(params, "timeout")
+    value = present(request, "timeout")
     if value is None:
         return DEFAULT_WAIT_MS / 1000
     try:
@@ -297,7 +296,7 @@ def wait_seconds(params: Params) -> float:
     return min(millis, MAX_WAIT_MS) / 1000
 
 
-def from_json(element: Mapping[str, Any]) -> Params:
+def from_json(element: Mapping[str, Any]) -> Request:
     """One element of CreateJobs as request parameters.
 
     Keys are case-insensitive, as header names are; objects stay JSON text;
@@ -321,14 +320,14 @@ def from_json(element: Mapping[str, Any]) -> Params:
     return Request(method_line="CreateJob", headers=headers)
 
 
-def flow_options(params: Params) -> FlowOptions:
+def flow_options(request: Request) -> FlowOptions:
     """CreateJob's cost, timeWindows and timeZone (protocol.md 14.7, 14.8)."""
-    cost_text = present(params, "cost")
+    cost_text = present(request, "cost")
     cost = 1 if cost_text is None else parse_job_id(cost_text, "cost")
     if cost > MAX_COST:
         raise CommandError("402 Malformed cost")
-    windows_text = present(params, "timeWindows")
-    zone_text = present(params, "timeZone")
+    windows_text = present(request, "timeWindows")
+    zone_text = present(request, "timeZone")
     if windows_text is None:
         if zone_text is not None:
             raise CommandError("402 Missing timeWindows")
@@ -345,9 +344,9 @@ def flow_options(params: Params) -> FlowOptions:
     return FlowOptions(cost=cost, windows=parsed, zone=zone)
 
 
-def capacity(params: Params) -> int:
+def capacity(request: Request) -> int:
     """SetLimit's `max`: 0 (remove the limit) or a positive capacity."""
-    text = require(params, "max")
+    text = require(request, "max")
     if text == "0":
         return 0
     number = parse_job_id(text, "max")
@@ -356,9 +355,9 @@ def capacity(params: Params) -> int:
     return number
 
 
-def pattern(params: Params) -> str:
+def pattern(request: Request) -> str:
     """The one GLOB pattern of SetLimit, PauseJobs and ResumeJobs."""
-    value = require(params, "name")
+    value = require(request, "name")
     if len(value.encode("utf-8")) > MAX_NAME:
         raise CommandError("402 Malformed name")
     return value
