@@ -30,7 +30,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -207,7 +207,9 @@ def _put_worker(kind: str, port: int, count: int, start: float, out: multiproces
     out.put((count, time.perf_counter() - began))
 
 
-def _take_worker(kind: str, port: int, count: int, start: float, out: multiprocessing.Queue) -> None:
+def _take_worker(
+    kind: str, port: int, count: int, start: float, out: multiprocessing.Queue
+) -> None:
     client = CLIENTS[kind](port)
     while time.time() < start:
         time.sleep(0.001)
@@ -235,7 +237,9 @@ def _parallel(target: Callable, kind: str, port: int, clients: int, per_client: 
     return total / max(t for _, t in results)
 
 
-def _wake_waiter(kind: str, port: int, rounds: int, ready: multiprocessing.Queue, out: multiprocessing.Queue) -> None:
+def _wake_waiter(
+    kind: str, port: int, rounds: int, ready: multiprocessing.Queue, out: multiprocessing.Queue
+) -> None:
     client = CLIENTS[kind](port)
     for _ in range(rounds):
         ready.put(None)
@@ -480,7 +484,7 @@ def main() -> int:
     else:
         scaling = {}
     report = table(results) + ("\n\n" + scaling_table(scaling) if scaling else "")
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"\n{stamp}; {machine()}; `{command}`\n\n{report}\n")
     if not (args.no_record or args.only):
         with open(HERE / "RESULTS.md", "a") as results_file:

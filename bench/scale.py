@@ -93,7 +93,7 @@ def blocked_waiters(port: int, pid: int, count: int) -> tuple[int, float]:
     """Open `count` connections blocked in GetJob, then create as many
     jobs: return how many waiters got exactly one distinct job, and the
     server's RSS (MB) while they all waited."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, count + 1024), hard))
     request = b"GetJob\r\nname: blocked\r\nConnection: wait\r\ntimeout: 120000\r\n\r\n"
     socks = []

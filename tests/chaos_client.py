@@ -77,7 +77,10 @@ class Worker:
             self.look()
 
     def create(self) -> None:
-        params: dict[str, object] = {"name": self.rng.choice(NAMES), "data": {"n": self.rng.random()}}
+        params: dict[str, object] = {
+            "name": self.rng.choice(NAMES),
+            "data": {"n": self.rng.random()},
+        }
         if self.rng.random() < 0.4:
             params["retryAfter"] = LEASE
         if self.rng.random() < 0.3:
@@ -90,7 +93,10 @@ class Worker:
 
     def take(self) -> None:
         count = self.rng.choice([1, 1, 3])
-        params: dict[str, object] = {"name": self.rng.choice([*NAMES, "chaos/*"]), "includeLeaseID": "true"}
+        params: dict[str, object] = {
+            "name": self.rng.choice([*NAMES, "chaos/*"]),
+            "includeLeaseID": "true",
+        }
         if count > 1:
             params["numResults"] = count
         if self.rng.random() < 0.5:
@@ -123,7 +129,9 @@ class Worker:
         if self.rng.random() < 0.5:
             self.conn.request("TouchJob", jobID=job_id, leaseID=self.held[job_id])
         else:
-            self.conn.request("UpdateJob", jobID=job_id, leaseID=self.held[job_id], data={"progress": 1})
+            self.conn.request(
+                "UpdateJob", jobID=job_id, leaseID=self.held[job_id], data={"progress": 1}
+            )
         say(e="r")
 
     def pipeline(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ def no_job(client: Client, name: str) -> None:
 def query(client: Client, sql: str) -> list[dict[str, Any]]:
     reply = ok(client.request("Query", query=sql, format="json"))
     body = reply.json
-    return [dict(zip(body["headers"], row)) for row in body["rows"]]
+    return [dict(zip(body["headers"], row, strict=True)) for row in body["rows"]]
 
 
 def row(client: Client, job_id: int) -> dict[str, Any] | None:
@@ -88,16 +88,16 @@ def force(db: Path | str, sql: str, params: tuple[Any, ...] = ()) -> None:
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def parse_time(text: str) -> datetime:
     """A stored time, `YYYY-MM-DD HH:MM:SS` with optional `.mmm`, as UTC."""
-    return datetime.fromisoformat(text).replace(tzinfo=timezone.utc)
+    return datetime.fromisoformat(text).replace(tzinfo=UTC)
 
 
 def fmt(moment: datetime) -> str:
-    return moment.astimezone(timezone.utc).strftime(SECONDS)
+    return moment.astimezone(UTC).strftime(SECONDS)
 
 
 def seconds_between(later: str, earlier: str) -> float:

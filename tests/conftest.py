@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import ManagerProcess, ServerProcess, ThreadServer  # noqa: E402
-from tls_certs import Certificates, tls_server  # noqa: E402
-from wire import Client  # noqa: E402
+from harness import ManagerProcess, ServerProcess, ThreadServer
+from tls_certs import Certificates, tls_server
+from wire import Client
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ them, each in its own process (ServerProcess, ManagerProcess)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -15,9 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import trio
-from wire import Client
 
 from jobserver.server.app import Config, Server
+from wire import Client
 
 START_TIMEOUT = 15.0
 # How long a manager is given to log a line a test waits for, or to stop.
@@ -46,7 +47,7 @@ class ThreadServer:
     def _run(self) -> None:
         try:
             trio.run(self.server.run)
-        except BaseException as error:  # reported to the test
+        except BaseException as error:  # noqa: BLE001 - reported to the test
             self.error = error
 
     def client(self, timeout: float = 10.0) -> Client:
@@ -55,10 +56,8 @@ class ThreadServer:
     def stop(self) -> None:
         token = self.server.token
         if token is not None and self.thread.is_alive():
-            try:
+            with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(self.server.request_stop)
-            except trio.RunFinishedError:
-                pass
         self.thread.join(15)
         assert not self.thread.is_alive(), "server did not stop"
         if self.error is not None:
@@ -170,7 +169,9 @@ class ManagerProcess(LoggedProcess):
             ]
         )
 
-    def wait_for(self, pattern: str, count: int = 1, deadline: float = MANAGER_TIMEOUT) -> list[str]:
+    def wait_for(
+        self, pattern: str, count: int = 1, deadline: float = MANAGER_TIMEOUT
+    ) -> list[str]:
         """The first `count` log lines matching `pattern`, waiting for them."""
         found = self.matching(pattern, count, deadline)
         if len(found) < count:
@@ -186,10 +187,8 @@ class ManagerProcess(LoggedProcess):
         exit. (Two signals sent at once would be seen as one.)"""
         if self.proc.poll() is None:
             self.signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(AssertionError):
                 self.wait_for("received SIGTERM", deadline=5)
-            except AssertionError:
-                pass
             self.signal(signal.SIGTERM)
             try:
                 self.proc.wait(MANAGER_TIMEOUT)

@@ -63,7 +63,10 @@ print("released", flush=True)
 def locked(db: Path) -> Iterator[subprocess.Popen[str]]:
     """Another process holds the database's write lock until the block ends."""
     locker = subprocess.Popen(
-        [sys.executable, "-c", LOCKER, str(db)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", LOCKER, str(db)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert locker.stdout is not None and locker.stdin is not None
     try:

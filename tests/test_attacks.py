@@ -14,7 +14,7 @@ import socket
 import struct
 import sys
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from helpers import locked, until
@@ -30,7 +30,9 @@ BIG_JOBS = 8
 def stalled_hand_out(server, admin: Client, name: str) -> tuple[socket.socket, list[int]]:
     """Jobs handed out in one reply that a client never reads: RUNNING, and
     still owned by the server's connection until the write times out."""
-    ids = [admin.request("CreateJob", name=name, data=BIG_DATA).json["jobID"] for _ in range(BIG_JOBS)]
+    ids = [
+        admin.request("CreateJob", name=name, data=BIG_DATA).json["jobID"] for _ in range(BIG_JOBS)
+    ]
     sleeper = socket.socket()
     sleeper.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sleeper.connect(("127.0.0.1", server.port))
@@ -55,7 +57,9 @@ def test_a_db_in_a_missing_directory_is_a_clear_start_error(start_server, tmp_pa
     assert "Traceback" not in server.log
 
 
-def test_a_lock_path_that_is_a_directory_is_a_clear_start_error(start_server, tmp_path: Path) -> None:
+def test_a_lock_path_that_is_a_directory_is_a_clear_start_error(
+    start_server, tmp_path: Path
+) -> None:
     (tmp_path / "jobs.db.lock").mkdir()
     server = start_server(tmp_path / "jobs.db")
     assert server.wait(10) == 2, server.log
@@ -70,13 +74,19 @@ def test_a_lock_path_that_is_a_directory_is_a_clear_start_error(start_server, tm
 def test_the_clock_fires_again_after_a_tick_failed(start_server, tmp_path: Path) -> None:
     db = tmp_path / "jobs.db"
     server = start_server(db)
-    due = datetime.now(timezone.utc) + timedelta(seconds=2)
+    due = datetime.now(UTC) + timedelta(seconds=2)
     with server.client() as admin, server.client(DEADLINE + 10) as worker:
         first_run = due.strftime("%Y-%m-%d %H:%M:%S")
         assert admin.request("CreateJob", name="later", firstRun=first_run).code == 200
-        worker.send(encode("GetJob", {"name": "later", "Connection": "wait", "timeout": int(DEADLINE * 1000)}))
+        worker.send(
+            encode(
+                "GetJob", {"name": "later", "Connection": "wait", "timeout": int(DEADLINE * 1000)}
+            )
+        )
         until(
-            lambda: admin.request("Status").json["waitingGetJobs"] == 1, DEADLINE, "the GetJob to wait"
+            lambda: admin.request("Status").json["waitingGetJobs"] == 1,
+            DEADLINE,
+            "the GetJob to wait",
         )
         # The database is locked when the job falls due: the tick that
         # would hand it to the waiting worker fails (busy timeout).
@@ -146,7 +156,9 @@ NOFILE_WRAPPER = (
 )
 
 
-def test_clients_beyond_the_file_limit_are_refused_not_left_hanging(start_server, tmp_path: Path) -> None:
+def test_clients_beyond_the_file_limit_are_refused_not_left_hanging(
+    start_server, tmp_path: Path
+) -> None:
     server = start_server(tmp_path / "jobs.db", wrapper=NOFILE_WRAPPER)
     clients = [Client(server.port, timeout=DEADLINE) for _ in range(FILE_LIMIT + 50)]
     try:
@@ -178,7 +190,9 @@ def test_clients_beyond_the_file_limit_are_refused_not_left_hanging(start_server
 RESET_AFTER_READING_ROUNDS = 20
 
 
-def test_a_half_closed_worker_that_resets_after_reading_keeps_its_job(start_server, tmp_path: Path) -> None:
+def test_a_half_closed_worker_that_resets_after_reading_keeps_its_job(
+    start_server, tmp_path: Path
+) -> None:
     server = start_server(tmp_path / "jobs.db")
     given_back = []
     with server.client() as admin:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
 from harness import ServerProcess
 from helpers import until
 from tls_certs import make_certificates
@@ -107,7 +108,9 @@ def job_states(port: int, ca: str | None) -> dict[int, tuple[str, str]]:
 def check_clients(clients: list[Chaos]) -> None:
     for client in clients:
         if client.killed_at is None:
-            assert client.proc.returncode == 0, client.proc.stderr.read() if client.proc.stderr else ""
+            assert client.proc.returncode == 0, (
+                client.proc.stderr.read() if client.proc.stderr else ""
+            )
             assert client.events and client.events[-1]["e"] == "done", client.events[-3:]
 
 
@@ -174,7 +177,9 @@ def check_jobs(clients: list[Chaos], states: dict[int, tuple[str, str]]) -> None
             # Handed to a worker that died holding it, or whose report the
             # kill cut short before it reached the server.
             continue
-        assert last != "got", f"job {job_id} is RUNNING while client {holder.index}, alive, holds it"
+        assert last != "got", (
+            f"job {job_id} is RUNNING while client {holder.index}, alive, holds it"
+        )
         # Reported and then handed out again, to a killed client that died
         # before it could log the reply.
         unexplained.append(job_id)
@@ -234,7 +239,9 @@ def test_chaos(tmp_path: Path, transport) -> None:
             check_jobs(clients, states)
         except AssertionError as error:
             raise AssertionError(f"{error}\nserver log:\n{server.log[-5000:]}") from None
-        requests = sum(1 for c in clients for e in c.events if e["e"] in ("r", "created", "got", "reported"))
+        requests = sum(
+            1 for c in clients for e in c.events if e["e"] in ("r", "created", "got", "reported")
+        )
         kills = sum(1 for c in clients if c.killed_at is not None)
         print(
             f"\nchaos ({'tls' if ca else 'plain'}, seed {seed}): {len(clients)} clients, "

@@ -11,12 +11,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from fake_server import FakeServer, reply
 
+from fake_server import FakeServer, reply
 from jobserver.cli import main
 from jobserver.client import Client
 
@@ -141,7 +141,7 @@ def test_finish_fail_retry_delete(cli, jobs):
     assert cli.ok("retry", str(retried), "--delay", "3600") == {}
     job = jobs.query_job(retried)
     assert job["state"] == "QUEUED"
-    assert job["nextRun"] > datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    assert job["nextRun"] > datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S")
 
     assert cli.ok("delete", str(retried)) == {}
     cli.refused("404 No job with this jobID", 1, "delete", str(retried))

@@ -9,17 +9,16 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
 import trio
-from fake_server import HANG_UP, NO_REPLY, OK, FakeServer, reply
-from helpers import until
 from hypothesis import given
 from hypothesis import strategies as st
-from tls_certs import tls_server
 
+from fake_server import HANG_UP, NO_REPLY, OK, FakeServer, reply
+from helpers import until
 from jobserver.client import (
     AsyncClient,
     Client,
@@ -38,6 +37,7 @@ from jobserver.client import (
     parse_address,
 )
 from jobserver.wire.framing import RequestParser
+from tls_certs import tls_server
 
 DEADLINE = 5.0
 
@@ -193,7 +193,9 @@ def test_parse_address(address, expected):
     assert (client.host, client.port, client.timeout) == (*expected, 2)
 
 
-@pytest.mark.parametrize("address", ["", "::1", "host:", "host:http", "host:0", "host:70000", "[::1"])
+@pytest.mark.parametrize(
+    "address", ["", "::1", "host:", "host:http", "host:0", "host:70000", "[::1"]
+)
 def test_parse_address_refuses(address):
     with pytest.raises(ValueError):
         parse_address(address)
@@ -240,7 +242,9 @@ def test_unique_returns_the_existing_job(jobs):
 
 
 def test_create_jobs(jobs):
-    ids = jobs.create_jobs([{"name": "thumb", "data": {"img": 1}}, {"name": "thumb", "jobPriority": 1000}])
+    ids = jobs.create_jobs(
+        [{"name": "thumb", "data": {"img": 1}}, {"name": "thumb", "jobPriority": 1000}]
+    )
     assert ids == [ids[0], ids[0] + 1]
     assert jobs.query_job(ids[1])["priority"] == 1000
 
@@ -288,7 +292,7 @@ def test_fail_job(jobs):
 def test_retry_job(jobs):
     job_id = jobs.create_job("r", repeat="FINISHED, +1 DAY")
     jobs.get_job("r")
-    next_run = datetime(2032, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    next_run = datetime(2032, 1, 2, 3, 4, 5, tzinfo=UTC)
     jobs.retry_job(job_id, next_run=next_run, data={"n": 1}, name="r2", priority=750,
                    ignore_repeat=True)
     job = jobs.query_job(job_id)
@@ -297,7 +301,7 @@ def test_retry_job(jobs):
     jobs.update_job(job_id, {}, next_run="2000-01-01")
     jobs.get_job("r2")
     jobs.retry_job(job_id, delay=3600, ignore_repeat=True)
-    assert jobs.query_job(job_id)["nextRun"] > datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M")
+    assert jobs.query_job(job_id)["nextRun"] > datetime.now(UTC).strftime("%Y-%m-%d %H:%M")
 
 
 def test_cancel_delete_and_requeue(jobs):
@@ -457,9 +461,11 @@ def test_reply_to_a_wait_is_awaited_for_the_wait_plus_the_timeout(fake):
 
 
 def test_cannot_connect():
-    with Client(port=free_port(), timeout=2) as client:
-        with pytest.raises(ConnectionFailed, match="cannot connect"):
-            client.ping()
+    with (
+        Client(port=free_port(), timeout=2) as client,
+        pytest.raises(ConnectionFailed, match="cannot connect"),
+    ):
+        client.ping()
 
 
 @pytest.mark.parametrize("stop", ["terminate", "kill"])
@@ -535,9 +541,11 @@ SENT_ONCE = {
 @pytest.mark.parametrize("method", SENT_ONCE)
 def test_a_request_that_may_have_run_is_not_sent_again(fake, method):
     server = fake([NO_REPLY], [OK])
-    with fake_client(server) as client:
-        with pytest.raises(ConnectionFailed, match="may have been carried out"):
-            SENT_ONCE[method](client)
+    with (
+        fake_client(server) as client,
+        pytest.raises(ConnectionFailed, match="may have been carried out"),
+    ):
+        SENT_ONCE[method](client)
     assert server.methods() == [(0, method)]
 
 
@@ -555,9 +563,8 @@ def test_read_only_requests_are_sent_once_more(fake, method, action):
 
 def test_read_only_requests_are_sent_only_once_more(fake):
     server = fake([NO_REPLY], [NO_REPLY], [OK])
-    with fake_client(server) as client:
-        with pytest.raises(ConnectionFailed):
-            client.ping()
+    with fake_client(server) as client, pytest.raises(ConnectionFailed):
+        client.ping()
     assert server.methods() == [(0, "Ping"), (1, "Ping")]
 
 
@@ -616,7 +623,7 @@ async def test_async_waiting_get_job_is_woken_by_a_create(server):
     async with AsyncClient(port=server.port) as jobs, trio.open_nursery() as nursery:
         nursery.start_soon(wait_for_job)
         with trio.fail_after(DEADLINE):
-            while (await jobs.status())["waitingGetJobs"] != 1:
+            while (await jobs.status())["waitingGetJobs"] != 1:  # noqa: ASYNC110 - only the server knows
                 await trio.sleep(0.01)
         job_id = await jobs.create_job("wake")
     assert got[0] is not None and got[0]["jobID"] == job_id
@@ -627,7 +634,7 @@ async def test_async_cancelled_wait_drops_the_connection(server):
         with trio.move_on_after(0.2):
             await jobs.get_job("later", wait=20)
         with trio.fail_after(DEADLINE):
-            while (await jobs.status())["waitingGetJobs"] != 0:
+            while (await jobs.status())["waitingGetJobs"] != 0:  # noqa: ASYNC110 - only the server knows
                 await trio.sleep(0.01)
         job_id = await jobs.create_job("later")
         assert (await jobs.get_job("later"))["jobID"] == job_id
@@ -705,22 +712,26 @@ def test_tls_by_host_name_and_with_a_context_of_ones_own(secure):
 
 def test_an_untrusted_certificate_is_refused_and_says_what_to_do(secure):
     running, files = secure
-    with Client("127.0.0.1", running.port, timeout=10, tls=True) as jobs:
-        with pytest.raises(TLSFailed, match=r"certificate is not trusted .*--tls-ca FILE"):
-            jobs.create_job("never")
+    with (
+        Client("127.0.0.1", running.port, timeout=10, tls=True) as jobs,
+        pytest.raises(TLSFailed, match=r"certificate is not trusted .*--tls-ca FILE"),
+    ):
+        jobs.create_job("never")
     with Client("127.0.0.1", running.port, timeout=10, tls=files.ca) as jobs:
         assert jobs.status()["jobs"] == {}
 
 
 def test_a_certificate_for_another_name_is_refused(tmp_path):
-    with tls_server(tmp_path / "tls", "example.org") as (running, files):
-        with Client("127.0.0.1", running.port, timeout=10, tls=files.ca) as jobs:
-            with pytest.raises(TLSFailed, match="certificate is not for 127.0.0.1"):
-                jobs.ping()
+    with (
+        tls_server(tmp_path / "tls", "example.org") as (running, files),
+        Client("127.0.0.1", running.port, timeout=10, tls=files.ca) as jobs,
+        pytest.raises(TLSFailed, match=r"certificate is not for 127.0.0.1"),
+    ):
+        jobs.ping()
 
 
 def test_a_ca_file_that_cannot_be_used_is_refused_at_once(tmp_path):
-    with pytest.raises(ValueError, match="cannot read CA certificates from .*nope.pem"):
+    with pytest.raises(ValueError, match=r"cannot read CA certificates from .*nope.pem"):
         Client(tls=tmp_path / "nope.pem")
     garbage = tmp_path / "garbage.pem"
     garbage.write_text("not a certificate")
@@ -732,9 +743,11 @@ def test_a_handshake_that_ends_is_worth_trying_again(fake):
     # A server that is restarting ends connections too: not a TLSFailed, on
     # which the worker manager gives up for good.
     server = fake([HANG_UP])
-    with Client("127.0.0.1", server.port, timeout=5, tls=True) as jobs:
-        with pytest.raises(ConnectionFailed) as failure:
-            jobs.create_job("x")
+    with (
+        Client("127.0.0.1", server.port, timeout=5, tls=True) as jobs,
+        pytest.raises(ConnectionFailed) as failure,
+    ):
+        jobs.create_job("x")
     assert not isinstance(failure.value, TLSFailed)
     assert "the connection ended during the TLS handshake" in str(failure.value)
     assert "may not speak TLS" in str(failure.value)
@@ -742,35 +755,42 @@ def test_a_handshake_that_ends_is_worth_trying_again(fake):
 
 def test_the_reply_of_a_tls_only_port_says_to_use_tls_and_is_not_sent_again(fake):
     server = fake([reply("400 This port requires TLS", b"", "Connection: close")])
-    with fake_client(server) as jobs:
-        with pytest.raises(TLSFailed) as failure:
-            jobs.status()  # read-only: it would be sent once more after a broken connection
+    with fake_client(server) as jobs, pytest.raises(TLSFailed) as failure:
+        jobs.status()  # read-only: it would be sent once more after a broken connection
     assert str(failure.value) == f"the server at 127.0.0.1:{server.port} requires TLS: use --tls"
     assert server.methods() == [(0, "Status")]
 
 
 def test_a_plaintext_client_meeting_the_real_tls_server_is_told_to_use_tls(secure):
     running, _ = secure
-    with Client("127.0.0.1", running.port, timeout=5) as jobs:
-        with pytest.raises(TLSFailed, match="requires TLS: use --tls"):
-            jobs.create_job("x")
+    with (
+        Client("127.0.0.1", running.port, timeout=5) as jobs,
+        pytest.raises(TLSFailed, match="requires TLS: use --tls"),
+    ):
+        jobs.create_job("x")
 
 
 def test_a_full_tls_server_refuses_in_tls_so_the_client_may_try_again(tmp_path):
     # In plain text, the 503 read as "the server does not speak TLS": a
     # TLSFailed, on which the worker manager exits for good.
-    with tls_server(tmp_path / "tls", max_connections=1) as (running, files):
-        with Client("127.0.0.1", running.port, timeout=10, tls=files.ca) as holder:
-            holder.ping()
-            with Client("127.0.0.1", running.port, timeout=10, tls=files.ca) as refused:
-                with pytest.raises(ServerError, match="503 Too many connections"):
-                    refused.ping()
+    with (
+        tls_server(tmp_path / "tls", max_connections=1) as (running, files),
+        Client("127.0.0.1", running.port, timeout=10, tls=files.ca) as holder,
+    ):
+        holder.ping()
+        with (
+            Client("127.0.0.1", running.port, timeout=10, tls=files.ca) as refused,
+            pytest.raises(ServerError, match="503 Too many connections"),
+        ):
+            refused.ping()
 
 
 def test_a_tls_client_meeting_the_real_plaintext_server_is_told_it_does_not_speak_tls(server):
-    with Client("127.0.0.1", server.port, timeout=5, tls=True) as jobs:
-        with pytest.raises(TLSFailed, match="does not speak TLS"):
-            jobs.ping()
+    with (
+        Client("127.0.0.1", server.port, timeout=5, tls=True) as jobs,
+        pytest.raises(TLSFailed, match="does not speak TLS"),
+    ):
+        jobs.ping()
 
 
 async def test_async_client_over_tls(secure):

@@ -145,7 +145,9 @@ def request(verb: str, **headers: object) -> Request:
 
 
 @asynccontextmanager
-async def running_core(tmp_path: Path, stale_after: float = DEFAULT_STALE_AFTER) -> AsyncIterator[Core]:
+async def running_core(
+    tmp_path: Path, stale_after: float = DEFAULT_STALE_AFTER
+) -> AsyncIterator[Core]:
     started = time.monotonic()
     # NORMAL: these tests are about time, not about surviving a power cut.
     store = Store(str(tmp_path / "jobs.db"), "NORMAL")

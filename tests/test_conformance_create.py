@@ -145,7 +145,9 @@ def test_create_job__create_with_bad_repeat(client):
 def test_create_job__create_child_with_queued_parent(client):
     parent_id = create(client, "parent")
     reply = client.request("CreateJob", name="child", parentJobID=parent_id)
-    assert reply.status == "405 Can only create child job when parent is RUNNING, RUNQUEUED or PAUSED"
+    assert (
+        reply.status == "405 Can only create child job when parent is RUNNING, RUNQUEUED or PAUSED"
+    )
     assert count(client) == 1
 
 
@@ -255,7 +257,9 @@ def test_create_job__retry_lifecycle(client):
 def test_create_job__retry_with_children(client):
     job_id = create(client, "testRetryable", retryAfter="+5 SECONDS")
     reply = client.request("CreateJob", name="testRetryableChild", parentJobID=job_id)
-    assert reply.status == "405 Can only create child job when parent is RUNNING, RUNQUEUED or PAUSED"
+    assert (
+        reply.status == "405 Can only create child job when parent is RUNNING, RUNQUEUED or PAUSED"
+    )
     assert count(client) == 1
 
 
@@ -290,7 +294,8 @@ def _assert_two_created(client, reply) -> None:
     first, second = row(client, ids[0]), row(client, ids[1])
     assert (first["name"], first["data"], first["repeat"]) == (
         "testCreate", '{"blabla":"blabla"}', "SCHEDULED, +1 HOUR")
-    assert (second["name"], second["data"], second["repeat"]) == ("testCreate2", '{"nope":"nope"}', "")
+    assert (second["name"], second["data"], second["repeat"]) == (
+        "testCreate2", '{"nope":"nope"}', "")
     assert first["state"] == second["state"] == "QUEUED"
 
 
@@ -313,7 +318,9 @@ def test_create_jobs__create_with_parent_id_not_running(client):
     jobs = _two_jobs()
     jobs[0]["parentJobID"] = parent_id
     reply = client.request("CreateJobs", jobs=jobs)
-    assert reply.status == "405 Can only create child job when parent is RUNNING, RUNQUEUED or PAUSED"
+    assert (
+        reply.status == "405 Can only create child job when parent is RUNNING, RUNQUEUED or PAUSED"
+    )
     # All or nothing: the second element was not created either.
     assert count(client) == 1
 

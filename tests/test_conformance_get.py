@@ -92,7 +92,9 @@ def test_get_job__test_priorities(client):
         for name, priority in (("low_5", "0"), ("high_1", "1000"), ("medium_3", "500"),
                                ("high_2", "1000"), ("medium_4", "500"))
     ]
-    distinct = query(client, f"SELECT DISTINCT nextRun FROM jobs WHERE jobID IN ({','.join(map(str, ids))});")
+    distinct = query(
+        client, f"SELECT DISTINCT nextRun FROM jobs WHERE jobID IN ({','.join(map(str, ids))});"
+    )
     assert len(distinct) == 1
 
     names = [get_job(client, "*")["name"] for _ in range(5)]
@@ -112,7 +114,9 @@ def test_get_job__test_priorities_with_different_next_run_times(client):
         create(client, name, priority=priority, firstRun=fmt(base + timedelta(seconds=offset)))
         for name, priority, offset in plan
     ]
-    distinct = query(client, f"SELECT DISTINCT nextRun FROM jobs WHERE jobID IN ({','.join(map(str, ids))});")
+    distinct = query(
+        client, f"SELECT DISTINCT nextRun FROM jobs WHERE jobID IN ({','.join(map(str, ids))});"
+    )
     assert len(distinct) == 6
     # Everything was created before the first job became due.
     assert utcnow() < base
@@ -159,10 +163,17 @@ def test_get_job__test_with_finished_and_cancelled_children(client):
     assert parent["jobID"] == parent_id
     assert parent["name"] == "parent"
     assert parent["data"] == json.loads(parent_data)
-    assert parent["finishedChildJobs"] == [{"data": json.loads(finished_data), "jobID": finished_id}]
-    assert parent["cancelledChildJobs"] == [{"data": json.loads(cancelled_data), "jobID": cancelled_id}]
+    assert parent["finishedChildJobs"] == [
+        {"data": json.loads(finished_data), "jobID": finished_id}
+    ]
+    assert parent["cancelledChildJobs"] == [
+        {"data": json.loads(cancelled_data), "jobID": cancelled_id}
+    ]
     # Child entries are {"data":...,"jobID":...}, data embedded as it is.
-    assert f'"finishedChildJobs":[{{"data":{finished_data},"jobID":{finished_id}}}]' in reply.body.decode()
+    assert (
+        f'"finishedChildJobs":[{{"data":{finished_data},"jobID":{finished_id}}}]'
+        in reply.body.decode()
+    )
 
 
 def test_get_job__test_priorities_with_run_queued(client):
@@ -200,7 +211,9 @@ def test_get_job__test_multiple_names(client):
     create(client, "medium", priority="500")
 
     assert get_job(client, "medium,high")["name"] == "high"
-    assert query(client, "SELECT DISTINCT state FROM jobs WHERE name = 'high';") == [{"state": "RUNNING"}]
+    assert query(client, "SELECT DISTINCT state FROM jobs WHERE name = 'high';") == [
+        {"state": "RUNNING"}
+    ]
 
     assert get_job(client, "low,medium,high")["name"] == "medium"
     assert count(client, "name = 'medium' AND state = 'RUNNING'") == 1

@@ -13,6 +13,7 @@ import json
 from datetime import datetime, timedelta
 
 import pytest
+
 from conformance_helpers import (
     count,
     finish,
@@ -333,8 +334,11 @@ def test_retry_job__has_repeat_start_of_hour(client):
 
 
 def test_retry_job__has_repeat_start_of_hour_not_last(client):
-    job_id = create(client, "job",
-                    repeat="SCHEDULED, +1 DAY, START OF DAY, +30 MINUTES, START OF HOUR, +5 MINUTES")
+    job_id = create(
+        client,
+        "job",
+        repeat="SCHEDULED, +1 DAY, START OF DAY, +30 MINUTES, START OF HOUR, +5 MINUTES",
+    )
     scheduled = row(client, job_id)["nextRun"]
     get_job(client, "job")
     _retry(client, job_id)
@@ -379,7 +383,9 @@ def test_retry_job__has_repeat_scheduled_long_interval_not_reanchored(client):
 
 def test_retry_job__has_repeat_scheduled_snapping_modifier_not_reanchored(client):
     first_run_at = (utcnow() - timedelta(hours=3)).replace(minute=17, second=23, microsecond=0)
-    job = _retry_with_repeat(client, "SCHEDULED, +1 HOUR, START OF HOUR", firstRun=fmt(first_run_at))
+    job = _retry_with_repeat(
+        client, "SCHEDULED, +1 HOUR, START OF HOUR", firstRun=fmt(first_run_at)
+    )
     expected = (first_run_at + timedelta(hours=1)).replace(minute=0, second=0)
     assert job["nextRun"] == fmt(expected)
 
@@ -513,7 +519,7 @@ def test_cancel_job__cancel_finished_job(client):
 
 
 def test_cancel_job__cancel_paused_job(client):
-    parent_id, (child_id,) = _parent_with_children(client, "child")
+    _parent_id, (child_id,) = _parent_with_children(client, "child")
     assert state(client, child_id) == "PAUSED"
     ok(client.request("CancelJob", jobID=child_id))
     assert state(client, child_id) == "PAUSED"

@@ -8,14 +8,14 @@ checked as JSON; status lines are checked exactly.
 from __future__ import annotations
 
 import socket
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from helpers import create
-from wire import Client, Reply, encode
 
+from helpers import create
 from jobserver.wire.limits import MAX_BODY, MAX_HEADERS, MAX_LINE
+from wire import Client, Reply, encode
 
 QUERY_KEYS = {
     "created", "data", "jobID", "lastRun", "name", "nextRun",
@@ -29,15 +29,15 @@ GET_KEYS = QUERY_KEYS - {"state"}
 
 def utc(text: str) -> datetime:
     """A time as the server writes it (`YYYY-MM-DD HH:MM:SS[.mmm]`, UTC)."""
-    return datetime.fromisoformat(text).replace(tzinfo=timezone.utc)
+    return datetime.fromisoformat(text).replace(tzinfo=UTC)
 
 
 def stamp(moment: datetime) -> str:
-    return moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def query(client: Client, job_id: int) -> dict[str, Any]:
@@ -188,7 +188,14 @@ def test_create_job_data_not_a_json_object_is_402(client, data):
 
 @pytest.mark.parametrize(
     "repeat",
-    ["bogus", "FINISHED", "FINISHED,", "LATER, +1 HOUR", "FINISHED, +1 FORTNIGHT", "FINISHED, 1 HOUR"],
+    [
+        "bogus",
+        "FINISHED",
+        "FINISHED,",
+        "LATER, +1 HOUR",
+        "FINISHED, +1 FORTNIGHT",
+        "FINISHED, 1 HOUR",
+    ],
 )
 def test_create_job_malformed_repeat_is_402(client, repeat):
     assert_error(client.request("CreateJob", name="r", repeat=repeat), "402 Malformed repeat")

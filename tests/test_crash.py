@@ -18,6 +18,7 @@ Run with -s to see the figures.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import signal
@@ -25,14 +26,13 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from helpers import until
-from wire import encode
-
 from jobserver.client import Client as JobClient
 from jobserver.client import ConnectionFailed, JobServerError
+from wire import encode
 
 THREADS = 8
 RESTARTS = 20
@@ -123,7 +123,7 @@ def client_thread(index: int, gate: Gate, ledger: Ledger) -> None:
                         one_step(index, rng, jobs, ledger, pending_finish)
                 except ConnectionFailed:
                     pass  # the server is gone: park until it is back
-    except BaseException as error:  # reported by the test
+    except BaseException as error:  # noqa: BLE001 - reported by the test
         with ledger.lock:
             ledger.errors.append(f"thread {index}: {error!r}")
         with gate.cond:
@@ -131,7 +131,9 @@ def client_thread(index: int, gate: Gate, ledger: Ledger) -> None:
             gate.cond.notify_all()
 
 
-def one_step(index: int, rng: random.Random, jobs: JobClient, ledger: Ledger, pending: list[int]) -> None:
+def one_step(
+    index: int, rng: random.Random, jobs: JobClient, ledger: Ledger, pending: list[int]
+) -> None:
     if pending:
         finish(jobs, ledger, pending[0], pending, retrying=True)
         return
@@ -165,7 +167,9 @@ def one_step(index: int, rng: random.Random, jobs: JobClient, ledger: Ledger, pe
         finish(jobs, ledger, job["jobID"], pending, retrying=False)
 
 
-def finish(jobs: JobClient, ledger: Ledger, job_id: int, pending: list[int], retrying: bool) -> None:
+def finish(
+    jobs: JobClient, ledger: Ledger, job_id: int, pending: list[int], retrying: bool
+) -> None:
     try:
         jobs.finish_job(job_id)
     except ConnectionFailed as error:
@@ -186,8 +190,8 @@ def finish(jobs: JobClient, ledger: Ledger, job_id: int, pending: list[int], ret
             # A leased job may also have been handed to someone else
             # (405/409 once it was failed or fenced).
             if not (
-                error.code == 404 and (retrying or leased)
-                or error.code in (405, 409) and leased
+                (error.code == 404 and (retrying or leased))
+                or (error.code in (405, 409) and leased)
             ):
                 ledger.anomalies.append(f"FinishJob {job_id} refused: {error.status}")
         return
@@ -252,7 +256,7 @@ def verify(port: int, ledger: Ledger) -> None:
 
 
 def stored_time(text: str) -> float:
-    return datetime.fromisoformat(text).replace(tzinfo=timezone.utc).timestamp()
+    return datetime.fromisoformat(text).replace(tzinfo=UTC).timestamp()
 
 
 def duplicates(ledger: Ledger) -> tuple[list[str], int]:
@@ -266,11 +270,13 @@ def duplicates(ledger: Ledger) -> tuple[list[str], int]:
     for job_id, handouts in by_job.items():
         handouts.sort(key=lambda h: h.received)
         done = ledger.finished.get(job_id)
-        for later in handouts:
-            # Nothing comes back once its FinishJob was acknowledged.
-            if done is not None and later.sent > done:
-                illegal.append(f"job {job_id} handed out after its FinishJob was acknowledged")
-        for first, second in zip(handouts, handouts[1:]):
+        # Nothing comes back once its FinishJob was acknowledged.
+        illegal.extend(
+            f"job {job_id} handed out after its FinishJob was acknowledged"
+            for later in handouts
+            if done is not None and later.sent > done
+        )
+        for first, second in itertools.pairwise(handouts):
             if not first.leased:
                 illegal.append(f"job {job_id} without a lease handed out twice: {first} / {second}")
                 continue
@@ -279,7 +285,9 @@ def duplicates(ledger: Ledger) -> tuple[list[str], int]:
             # happened at or before `received`.
             earliest = math.floor(first.sent) + LEASE_SECONDS
             if second.received < earliest - EPSILON:
-                illegal.append(f"job {job_id} handed out again within its lease: {first} / {second}")
+                illegal.append(
+                    f"job {job_id} handed out again within its lease: {first} / {second}"
+                )
             elif second.received < stored_time(second.next_run) - EPSILON:
                 illegal.append(f"job {job_id} handed out before its nextRun: {second}")
             else:
@@ -287,7 +295,9 @@ def duplicates(ledger: Ledger) -> tuple[list[str], int]:
     return illegal, legal
 
 
-def test_kill_9_under_load_loses_nothing_and_hands_out_nothing_twice(start_server, tmp_path: Path) -> None:
+def test_kill_9_under_load_loses_nothing_and_hands_out_nothing_twice(
+    start_server, tmp_path: Path
+) -> None:
     db = tmp_path / "crash.db"
     ledger = Ledger()
     gate = Gate(THREADS)
@@ -336,10 +346,13 @@ def test_kill_9_under_load_loses_nothing_and_hands_out_nothing_twice(start_serve
     print(
         f"\ncrash test: {restarts} SIGKILL restarts survived in {time.monotonic() - began:.1f}s; "
         f"CreateJob sent {ledger.creates_sent}, acknowledged {acknowledged} "
-        f"({sum(ledger.created.values())} with retryAfter), unknown outcome {ledger.creates_unknown}; "
+        f"({sum(ledger.created.values())} with retryAfter), "
+        f"unknown outcome {ledger.creates_unknown}; "
         f"hand-outs {len(ledger.handouts)}, FinishJob acknowledged {len(ledger.finished)}, "
-        f"FinishJob unknown outcome {len(ledger.finish_unknown)}, refused {len(ledger.finish_refused)}; "
-        f"lost {lost}; legal second hand-outs (lease ended) {legal}; illegal duplicates {len(illegal)}"
+        f"FinishJob unknown outcome {len(ledger.finish_unknown)}, "
+        f"refused {len(ledger.finish_refused)}; "
+        f"lost {lost}; legal second hand-outs (lease ended) {legal}; "
+        f"illegal duplicates {len(illegal)}"
     )
     assert restarts == RESTARTS
     assert acknowledged > 0 and ledger.handouts and ledger.finished
@@ -362,7 +375,9 @@ def drain(port: int, ledger: Ledger) -> None:
                 break
             with ledger.lock:
                 ledger.handouts.append(
-                    Handout(job["jobID"], job["retryAfter"] != "", sent, received, job["nextRun"], -1)
+                    Handout(
+                        job["jobID"], job["retryAfter"] != "", sent, received, job["nextRun"], -1
+                    )
                 )
             finish(jobs, ledger, job["jobID"], [], retrying=False)
 

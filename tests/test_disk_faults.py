@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
 from harness import ServerProcess
 from helpers import locked
 from wire import Client, encode
@@ -60,7 +61,9 @@ def assert_clean(log: str) -> None:
 # (a) Disk full.
 
 
-def test_disk_full_refuses_writes_with_5xx_keeps_reading_and_recovers(start_server, tmp_path: Path) -> None:
+def test_disk_full_refuses_writes_with_5xx_keeps_reading_and_recovers(
+    start_server, tmp_path: Path
+) -> None:
     with tmpfs(tmp_path / "small", "2m") as fs:
         db = fs / "jobs.db"
         filler = fs / "filler"
@@ -74,7 +77,9 @@ def test_disk_full_refuses_writes_with_5xx_keeps_reading_and_recovers(start_serv
         with Client(port, timeout=30) as client:
             for n in range(500):
                 name = f"fill/{n}"
-                reply = client.request("CreateJob", name=name, data={"pad": "x" * (1 + n % 4) * 20_000})
+                reply = client.request(
+                    "CreateJob", name=name, data={"pad": "x" * (1 + n % 4) * 20_000}
+                )
                 if reply.code != 200:
                     refused[name] = reply.status
                     break
@@ -102,11 +107,10 @@ def test_disk_full_refuses_writes_with_5xx_keeps_reading_and_recovers(start_serv
             acked["after/freed"] = reply.json["jobID"]
 
             # Full once more, to the last byte, and stopped while full.
-            with pytest.raises(OSError):
-                with open(fs / "filler2", "wb") as fill:
-                    while True:
-                        fill.write(b"\0" * 65536)
-                        fill.flush()
+            with pytest.raises(OSError), open(fs / "filler2", "wb") as fill:
+                while True:
+                    fill.write(b"\0" * 65536)
+                    fill.flush()
             for n in range(50):
                 name = f"after/full/{n}"
                 reply = client.request("CreateJob", name=name, data={"pad": "z" * 20_000})
@@ -136,13 +140,18 @@ def test_disk_full_refuses_writes_with_5xx_keeps_reading_and_recovers(start_serv
             assert stored == set(acked), (sorted(stored - set(acked)), sorted(set(acked) - stored))
             assert client.request("CreateJob", name="after/restart").status == "200 OK"
         assert_clean(again.log)
-        print(f"\ndisk full: {len(acked)} writes acknowledged and kept, refused: {sorted(set(refused.values()))}")
+        print(
+            f"\ndisk full: {len(acked)} writes acknowledged and kept, "
+            f"refused: {sorted(set(refused.values()))}"
+        )
 
 
 # (b) Read-only database.
 
 
-def test_read_only_filesystem_after_a_clean_stop_refuses_to_start(start_server, tmp_path: Path) -> None:
+def test_read_only_filesystem_after_a_clean_stop_refuses_to_start(
+    start_server, tmp_path: Path
+) -> None:
     with tmpfs(tmp_path / "ro", "4m") as fs:
         db = fs / "jobs.db"
         first = start_server(db)
@@ -162,7 +171,9 @@ def test_read_only_filesystem_after_a_clean_stop_refuses_to_start(start_server, 
         assert db.read_bytes() == before
 
 
-def test_read_only_filesystem_after_a_crash_serves_reads_and_refuses_writes(start_server, tmp_path: Path) -> None:
+def test_read_only_filesystem_after_a_crash_serves_reads_and_refuses_writes(
+    start_server, tmp_path: Path
+) -> None:
     with tmpfs(tmp_path / "ro", "4m") as fs:
         db = fs / "jobs.db"
         first = start_server(db)
@@ -367,7 +378,7 @@ def good_db(tmp_path_factory: pytest.TempPathFactory) -> bytes:
         with server.client() as client:
             for n in range(300):
                 client.send(encode("CreateJob", {"name": f"job{n}", "data": {"pad": "y" * 500}}))
-            for n in range(300):
+            for _ in range(300):
                 assert client.read_reply().status == "200 OK"
         server.signal(signal.SIGTERM)
         assert server.wait(10) == 0
@@ -384,9 +395,13 @@ def root_pages(content: bytes, tmp_path: Path) -> dict[str, int]:
     with sqlite3.connect(copy) as db:
         pages = dict(db.execute("SELECT name, rootpage FROM sqlite_master"))
         try:
-            leaves = [row[0] for row in db.execute(
-                "SELECT pageno FROM dbstat WHERE name = 'jobs' AND pagetype = 'leaf' ORDER BY pageno"
-            )]
+            leaves = [
+                row[0]
+                for row in db.execute(
+                    "SELECT pageno FROM dbstat WHERE name = 'jobs' AND pagetype = 'leaf' "
+                    "ORDER BY pageno"
+                )
+            ]
         except sqlite3.OperationalError:  # SQLite built without dbstat
             leaves = []
     copy.unlink()
@@ -405,11 +420,13 @@ CORRUPTIONS = {
     "truncated to its header": lambda good, roots: good[:100],
     "truncated to one page": lambda good, roots: good[:4096],
     "truncated to half": lambda good, roots: good[: len(good) // 2],
-    "first page garbled after the header": lambda good, roots: good[:100]
-    + random.Random(1).randbytes(4096 - 100)
-    + good[4096:],
+    "first page garbled after the header": lambda good, roots: (
+        good[:100] + random.Random(1).randbytes(4096 - 100) + good[4096:]
+    ),
     "jobs table root page garbled": lambda good, roots: with_garbage_page(good, roots["jobs"], 2),
-    "a page of job rows garbled": lambda good, roots: with_garbage_page(good, roots["jobs leaf"], 3),
+    "a page of job rows garbled": lambda good, roots: with_garbage_page(
+        good, roots["jobs leaf"], 3
+    ),
     "all zeros": lambda good, roots: bytes(len(good)),
 }
 

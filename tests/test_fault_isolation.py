@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import trio
-from helpers import until
-from tls_certs import make_certificates
-from wire import Client
 
+from helpers import until
 from jobserver.core.clock import SystemClock
 from jobserver.core.writer import Work, Writer
 from jobserver.storage.sqlite import Store
+from tls_certs import make_certificates
+from wire import Client
 
 DEADLINE = 20.0
 
@@ -76,7 +76,9 @@ KILLED_TLS_WORKER = textwrap.dedent(
     import os, socket, ssl, sys
     port, ca = int(sys.argv[1]), sys.argv[2]
     context = ssl.create_default_context(cafile=ca)
-    sock = context.wrap_socket(socket.create_connection(("127.0.0.1", port)), server_hostname="localhost")
+    sock = context.wrap_socket(
+        socket.create_connection(("127.0.0.1", port)), server_hostname="localhost"
+    )
     sock.sendall(b"GetJob\\r\\nname: work\\r\\nConnection: wait\\r\\n\\r\\n")
     print("waiting", flush=True)
     sys.stdin.readline()
@@ -91,7 +93,9 @@ def tls_files(tmp_path: Path) -> tuple[Path, Path, Path]:
     return files.cert, files.key, files.ca
 
 
-def test_a_tls_worker_killed_while_waiting_ends_only_its_connection(start_server, tls_files, tmp_path):
+def test_a_tls_worker_killed_while_waiting_ends_only_its_connection(
+    start_server, tls_files, tmp_path
+):
     cert, key, ca = tls_files
     server = start_server(tmp_path / "jobs.db", "--tls-cert", str(cert), "--tls-key", str(key))
     with Client(server.port, DEADLINE, tls_ca=str(ca)) as neighbour:
@@ -141,9 +145,11 @@ def test_a_tls_handshake_on_a_plain_port_is_closed(start_server, tls_files):
     server = start_server()
     _, _, ca = tls_files
     context = ssl.create_default_context(cafile=str(ca))
-    with socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE) as raw:
-        with pytest.raises(ssl.SSLError, match="WRONG_VERSION_NUMBER"):
-            context.wrap_socket(raw, server_hostname="localhost")
+    with (
+        socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE) as raw,
+        pytest.raises(ssl.SSLError, match="WRONG_VERSION_NUMBER"),
+    ):
+        context.wrap_socket(raw, server_hostname="localhost")
     # What it was told, in plain text, had it been looking.
     with server.client() as plain:
         plain.send(b"\x16\x03\x01\x00\x05hello")

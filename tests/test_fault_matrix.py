@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from harness import ServerProcess
 from helpers import create, locked, until
 from tcpstate import queues

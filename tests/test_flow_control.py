@@ -13,25 +13,25 @@ import random
 import sqlite3
 import threading
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from test_failure_handling import layout, v1_file
+
 from harness import ThreadServer
 from helpers import create, ok, until
-from test_failure_handling import layout, v1_file
-from wire import Reply
-
 from jobserver import cli
 from jobserver.core import windows
 from jobserver.core.jobs import NewJob
 from jobserver.core.times import parse_duration, to_millis, to_seconds
 from jobserver.storage.sqlite import Store
 from jobserver.storage.sqlite_schema import SCHEMA_VERSION
+from wire import Reply
 
 DEADLINE = 10.0
-UTC = timezone.utc
+UTC = UTC
 
 
 def status(server: ThreadServer) -> dict[str, Any]:
@@ -144,7 +144,7 @@ def test_costs_never_take_a_limit_over_capacity_under_eight_workers(make_server)
     def worker() -> None:
         try:
             work()
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - reported by the test
             errors.append(repr(error))
 
     def work() -> None:
@@ -377,8 +377,12 @@ def test_kept_finished_jobs_show_their_final_data_until_they_expire(make_server)
         assert (job["state"], job["data"]) == ("FINISHED", {"step": 2})
         # A kept job is history: unique=true makes a new job.
         assert create(client, "r/done", unique=True) != done
-        until(lambda: client.request("QueryJob", jobID=done).code == 404, DEADLINE, "pruning FINISHED")
-        until(lambda: client.request("QueryJob", jobID=failed).code == 404, DEADLINE, "pruning FAILED")
+        until(
+            lambda: client.request("QueryJob", jobID=done).code == 404, DEADLINE, "pruning FINISHED"
+        )
+        until(
+            lambda: client.request("QueryJob", jobID=failed).code == 404, DEADLINE, "pruning FAILED"
+        )
 
 
 def test_a_drained_database_shrinks_back(make_server, tmp_path):

@@ -14,10 +14,10 @@ import re
 import socket
 
 import pytest
-from harness import ThreadServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from harness import ThreadServer
 from jobserver.wire.framing import (
     ProtocolError,
     Request,
@@ -81,7 +81,7 @@ def mutated(draw: st.DrawFn) -> bytes:
 def feed_in_pieces(stream: bytes, cuts: list[int]) -> tuple[list[Request], RequestParser]:
     parser = RequestParser()
     requests: list[Request] = []
-    for start, end in zip([0, *cuts], [*cuts, len(stream)]):
+    for start, end in zip([0, *cuts], [*cuts, len(stream)], strict=True):
         got = parser.feed(stream[start:end])
         assert isinstance(got, list)
         requests += got
@@ -130,7 +130,9 @@ def test_mutated_requests_never_make_the_parser_raise(stream: bytes, cuts: list[
 @given(
     line=st.integers(0, 3 * 1024 * 1024),
     headers=st.integers(0, 150),
-    length=st.sampled_from([b"", b"0", b"1048576", b"1048577", b"999999999999", b"1" * 13, b"x", b"-0"]),
+    length=st.sampled_from(
+        [b"", b"0", b"1048576", b"1048577", b"999999999999", b"1" * 13, b"x", b"-0"]
+    ),
 )
 def test_near_the_limits_the_parser_raises_nothing(line: int, headers: int, length: bytes) -> None:
     head = b"CreateJob\n" + b"data: " + b"a" * line + b"\n" + b"h: v\n" * headers
@@ -186,7 +188,9 @@ def status_lines(received: bytes) -> list[str]:
     return lines
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(garbage=st.one_of(st.binary(min_size=1, max_size=2000), mutated()))
 def test_garbage_on_one_connection_never_hurts_the_server(fuzz_server, garbage: bytes) -> None:
     received = send_garbage(fuzz_server.port, garbage)

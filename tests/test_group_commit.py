@@ -58,7 +58,9 @@ async def test_a_batch_commits_once_and_a_failure_undoes_only_itself(tmp_path: P
                 good = create(f"good{n}")
                 nursery.start_soon(run, f"good{n}", lambda ctx, r=good: commands.create_job(ctx, r))
             nursery.start_soon(run, "bad", fails_after_writing)
-            nursery.start_soon(run, "invalid", lambda ctx: commands.create_job(ctx, create("x", priority="7")))
+            nursery.start_soon(
+                run, "invalid", lambda ctx: commands.create_job(ctx, create("x", priority="7"))
+            )
             await trio.testing.wait_all_tasks_blocked()
             release.set()
         # The held request's batch, then everything else in one more.

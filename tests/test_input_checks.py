@@ -13,15 +13,15 @@ import unicodedata
 from pathlib import Path
 
 import pytest
-from harness import ThreadServer
-from helpers import create
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from wire import Client
 
+from harness import ThreadServer
+from helpers import create
 from jobserver.core import params
 from jobserver.core.errors import CommandError
 from jobserver.wire.framing import Request
+from wire import Client
 
 FAST = settings(max_examples=300, deadline=None)
 
@@ -46,7 +46,8 @@ def test_unique_is_read_like_every_other_flag(client, flag):
     first = create(client, "one", data={"a": 1})
     assert create(client, "one", data={"b": 2}, unique=flag) == first
     reply = client.request(
-        "CreateJobs", jobs=[{"name": "one", "unique": flag.strip()}, {"name": "one", "unique": True}]
+        "CreateJobs",
+        jobs=[{"name": "one", "unique": flag.strip()}, {"name": "one", "unique": True}],
     )
     assert reply.json == {"jobIDs": [first, first]}
     assert names(client) == ["one"]
@@ -162,7 +163,9 @@ def jobserver(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_cli_passes_first_run_to_the_server_which_refuses_month_first(server, client):
-    done = jobserver("create", "x", "--first-run", "1/2/2030", "--server", f"127.0.0.1:{server.port}")
+    done = jobserver(
+        "create", "x", "--first-run", "1/2/2030", "--server", f"127.0.0.1:{server.port}"
+    )
     assert (done.returncode, done.stdout, done.stderr) == (2, "", "402 Malformed firstRun\n")
     assert names(client) == []
 
@@ -187,7 +190,9 @@ def limited(tmp_path: Path):
 def test_a_cost_above_a_matching_limit_is_refused(limited):
     reply = limited.request("CreateJob", name="email/bulk", cost=5)
     assert reply.status == "402 Cost 5 exceeds limit email/* (max 4)"
-    reply = limited.request("CreateJobs", jobs=[{"name": "email/a"}, {"name": "email/b", "cost": 9}])
+    reply = limited.request(
+        "CreateJobs", jobs=[{"name": "email/a"}, {"name": "email/b", "cost": 9}]
+    )
     assert reply.status == "402 Cost 9 exceeds limit email/* (max 4)"
     assert names(limited) == []
     # At the capacity, or under no limit, a cost is fine.

@@ -66,7 +66,7 @@ def test_a_move_outside_the_table_is_refused_before_it_writes(tmp_path):
     job = store.get(job_id)
     assert job is not None and job.state == State.QUEUED
     # A QUEUED job was never handed out: it can be neither finished nor failed.
-    with pytest.raises(IllegalMove, match="finish: job .* from QUEUED to deleted"):
+    with pytest.raises(IllegalMove, match=r"finish: job .* from QUEUED to deleted"):
         lifecycle.finish(ctx, job, None)
     with pytest.raises(IllegalMove):
         lifecycle.fail_attempt(ctx, job, "no")

@@ -16,14 +16,15 @@ from __future__ import annotations
 import shutil
 import tempfile
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-from harness import ThreadServer
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from harness import ThreadServer
 from wire import Reply
 
 NAMES = ["a", "b", "c/x", "c/y"]
@@ -60,7 +61,7 @@ def matches(pattern: str, name: str) -> bool:
 
 
 def now_text() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    return datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
 class JobQueueModel(RuleBasedStateMachine):
@@ -101,8 +102,9 @@ class JobQueueModel(RuleBasedStateMachine):
 
     def check_handed_out(self, objects: list[dict], expected: list[Job]) -> None:
         assert [obj["jobID"] for obj in objects] == [job.job_id for job in expected]
-        for obj, job in zip(objects, expected):
-            assert (obj["name"], obj["priority"], obj["repeat"]) == (job.name, job.priority, job.repeat)
+        for obj, job in zip(objects, expected, strict=True):
+            expected_fields = (job.name, job.priority, job.repeat)
+            assert (obj["name"], obj["priority"], obj["repeat"]) == expected_fields
             assert obj["data"] == {} and obj["retryAfter"] == ""
             assert obj["lastRun"] == "", "a job handed out for the first time has no lastRun yet"
             job.state = "RUNNING"
@@ -241,15 +243,17 @@ class JobQueueModel(RuleBasedStateMachine):
             assert got["nextRun"] == job.next_run
         else:
             # Retried with a delay of an hour, or repeating an hour after it finished.
-            later = datetime.fromisoformat(got["nextRun"]).replace(tzinfo=timezone.utc)
-            assert later > datetime.now(timezone.utc) + timedelta(minutes=59)
+            later = datetime.fromisoformat(got["nextRun"]).replace(tzinfo=UTC)
+            assert later > datetime.now(UTC) + timedelta(minutes=59)
 
     # After every step: the whole table is the model.
 
     @invariant()
     def table_matches_the_model(self) -> None:
         reply = self.ask(
-            0, "Query", query="SELECT jobID, state, name, priority, repeat, nextRun FROM jobs ORDER BY jobID;",
+            0,
+            "Query",
+            query="SELECT jobID, state, name, priority, repeat, nextRun FROM jobs ORDER BY jobID;",
             format="json",
         )
         assert reply.status == "200 OK", reply.status

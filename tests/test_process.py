@@ -12,10 +12,11 @@ import signal
 import socket
 import subprocess
 import sys
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+
 from wire import Client, Reply
 
 RUN_TIMEOUT = 15.0
@@ -37,7 +38,7 @@ def jobserver(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def utc(text: str) -> datetime:
-    return datetime.fromisoformat(text).replace(tzinfo=timezone.utc)
+    return datetime.fromisoformat(text).replace(tzinfo=UTC)
 
 
 def ready(proc) -> None:
@@ -86,7 +87,7 @@ def test_sample_session_of_the_bedrock_jobs_page(start_server):
         assert job["lastRun"] != ""
         assert utc(job["created"]) <= utc(job["lastRun"])
 
-        before = datetime.now(timezone.utc).replace(microsecond=0)
+        before = datetime.now(UTC).replace(microsecond=0)
         reply = netcat(
             nc, "FinishJob", "jobID: 1", 'data: {"url":"http://bedrockdb.com","failCount":1}'
         )
@@ -104,12 +105,12 @@ def test_sample_session_of_the_bedrock_jobs_page(start_server):
             "repeat", "data", "priority", "parentJobID",
         ]
         assert len(rows) == 1
-        row = dict(zip(columns, rows[0].split("|")))
+        row = dict(zip(columns, rows[0].split("|"), strict=True))
         assert (row["jobID"], row["state"], row["name"]) == ("1", "QUEUED", "CheckLiveness")
         assert row["repeat"] == "FINISHED, +1 MINUTE"
         assert json.loads(row["data"]) == {"url": "http://bedrockdb.com", "failCount": 1}
         next_run = utc(row["nextRun"])
-        after = datetime.now(timezone.utc)
+        after = datetime.now(UTC)
         assert before + timedelta(minutes=1) <= next_run <= after + timedelta(minutes=1)
 
         # Blocking, not polling: a worker waits, another process queues.

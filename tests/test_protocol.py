@@ -357,7 +357,7 @@ def test_any_split_gives_the_same_requests(
 ) -> None:
     expected, stream = case
     cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=8)))
-    chunks = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
+    chunks = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
     requests, parser = feed_all(*chunks)
     assert parser.error is None
     assert summary(requests) == expected
@@ -369,7 +369,7 @@ def test_any_split_gives_the_same_requests(
 def test_any_split_of_arbitrary_bytes_parses_alike(stream: bytes, data: st.DataObject) -> None:
     # Whatever the bytes, the split never changes the requests or the error.
     cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=6)))
-    chunks = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
+    chunks = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
     whole, whole_parser = feed_all(stream)
     split, split_parser = feed_all(*chunks)
     assert split == whole

@@ -198,7 +198,7 @@ def test_only_offsets() -> None:
 
 def random_case(draw: st.DrawFn, text: str) -> str:
     flips = draw(st.lists(st.booleans(), min_size=len(text), max_size=len(text)))
-    return "".join(c.lower() if flip else c for c, flip in zip(text, flips))
+    return "".join(c.lower() if flip else c for c, flip in zip(text, flips, strict=True))
 
 
 _GAP = st.sampled_from([" ", "  ", "\t", " \t "])

@@ -11,11 +11,11 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 import pytest
-from conformance_helpers import force, get_job, utcnow
-from helpers import create, ok
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from conformance_helpers import force, get_job, utcnow
+from helpers import create, ok
 from jobserver.core import repeat, sqlite_functions
 
 FAST = settings(max_examples=400, deadline=None)

@@ -10,21 +10,21 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import ThreadServer
-from helpers import create, ok, until
 from test_cli import Cli
 from test_flow_control import Waiter, v2_file
 from test_workers import python_worker
-from wire import Client, Reply
 
+from harness import ThreadServer
+from helpers import create, ok, until
 from jobserver import client as jobclient
 from jobserver.storage.sqlite import Store
 from jobserver.storage.sqlite_schema import MIGRATIONS, SCHEMA_VERSION
+from wire import Client, Reply
 
 DEADLINE = 10.0
 
@@ -385,6 +385,6 @@ async def test_the_async_client_awaits_and_delivers(server):
 def test_update_job_moving_a_deadline_earlier_rearms_the_clock(server, client):
     job_id = running_job(client)
     ok(client.request("AwaitReply", jobID=job_id, key="moved", timeout=86400))
-    soon = (datetime.now(timezone.utc) + timedelta(seconds=1)).strftime("%Y-%m-%d %H:%M:%S")
+    soon = (datetime.now(UTC) + timedelta(seconds=1)).strftime("%Y-%m-%d %H:%M:%S")
     ok(client.request("UpdateJob", jobID=job_id, data={}, nextRun=soon))
     until(lambda: query(client, job_id)["state"] == "FAILED", DEADLINE, "the moved reply deadline")

@@ -108,7 +108,9 @@ def test_every_serve_option_is_in_the_readme_table_with_its_range():
     )
     assert table.startswith("| option | default | range | |")
     for option in sorted(set(re.findall(r"--[a-z][a-z-]+", done.stdout)) - {"--help"}):
-        rows = [line for line in table.splitlines() if line.startswith("|") and f"`{option}" in line]
+        rows = [
+            line for line in table.splitlines() if line.startswith("|") and f"`{option}" in line
+        ]
         assert len(rows) == 1, option
         cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
         assert len(cells) == 4 and cells[1] and cells[2], rows[0]

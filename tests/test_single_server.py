@@ -7,8 +7,8 @@ import signal
 from pathlib import Path
 
 import pytest
-from harness import ThreadServer
 
+from harness import ThreadServer
 from jobserver.storage import lockfile
 
 

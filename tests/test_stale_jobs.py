@@ -11,13 +11,13 @@ import signal
 import socket
 import sqlite3
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+
+from test_replies import schema, v3_file
 
 from harness import ThreadServer
 from helpers import until
-from test_replies import schema, v3_file
-
 from jobserver.core import times
 from jobserver.core.context import Context, Settings
 from jobserver.core.jobs import NewJob
@@ -48,7 +48,10 @@ def test_a_running_job_with_no_report_fails_after_stale_after(tmp_path: Path) ->
             assert time.monotonic() - handed >= STALE - 0.01  # times are kept to the millisecond
             failed = client.request("FailedJobs").json["jobs"]
             assert [(j["jobID"], j["lastError"]) for j in failed] == [(job_id, lost_error(STALE))]
-            assert lost_error(STALE) == "no report for 2s (--stale-after): presumed lost with its worker"
+            assert (
+                lost_error(STALE)
+                == "no report for 2s (--stale-after): presumed lost with its worker"
+            )
     finally:
         server.stop()
 
@@ -63,7 +66,9 @@ def test_a_stale_job_with_a_retry_policy_is_retried_and_counted(tmp_path: Path) 
             first = client.request("GetJob", name="flaky", includeLeaseID="true")
             assert first.json["attempt"] == 1
             # The second attempt goes to a waiting worker when the first is lost.
-            second = worker.request("GetJob", name="flaky", Connection="wait", timeout=int(DEADLINE * 1000))
+            second = worker.request(
+                "GetJob", name="flaky", Connection="wait", timeout=int(DEADLINE * 1000)
+            )
             assert second.code == 200 and second.json["jobID"] == job_id
             assert second.json["attempt"] == 2
             assert query(client, job_id)["lastError"] == lost_error(STALE)
@@ -89,7 +94,11 @@ def test_reports_restart_the_count(tmp_path: Path) -> None:
             assert touch.code == 200 and set(touch.json) == {"staleAt"}
             assert client.request("UpdateJob", jobID=updated_id, data={"progress": 1}).code == 200
             for job_id in (touched_id, updated_id):
-                until(lambda: query(client, job_id)["state"] == "FAILED", DEADLINE, "the net")
+                until(
+                    lambda job_id=job_id: query(client, job_id)["state"] == "FAILED",
+                    DEADLINE,
+                    "the net",
+                )
             assert time.monotonic() - reported >= STALE - 0.01  # times are kept to the millisecond
             # A finished job is none of the net's business.
             done = client.request("CreateJob", name="done").json["jobID"]
@@ -137,7 +146,9 @@ def test_stale_after_0_keeps_bedrocks_running_forever(tmp_path: Path) -> None:
     store.close()
 
 
-def test_time_the_server_was_down_does_not_count_against_workers(start_server, tmp_path: Path) -> None:
+def test_time_the_server_was_down_does_not_count_against_workers(
+    start_server, tmp_path: Path
+) -> None:
     db = tmp_path / "jobs.db"
     first = start_server(db, "--stale-after", "0")
     with first.client() as client:
@@ -146,7 +157,7 @@ def test_time_the_server_was_down_does_not_count_against_workers(start_server, t
     first.signal(signal.SIGTERM)
     assert first.wait() == 0
     # The server is down for a day: its worker could not have reported.
-    yesterday = (datetime.now(timezone.utc) - timedelta(days=1)).strftime("%Y-%m-%d %H:%M:%S")
+    yesterday = (datetime.now(UTC) - timedelta(days=1)).strftime("%Y-%m-%d %H:%M:%S")
     with sqlite3.connect(db) as raw:
         raw.execute("UPDATE jobs SET lastReport = ? WHERE jobID = ?", (yesterday, job_id))
     before_start = time.monotonic()
@@ -198,7 +209,9 @@ def test_a_late_give_back_does_not_undo_a_newer_hand_out(start_server, tmp_path:
         stuck.connect(("127.0.0.1", server.port))
         stuck.sendall(b"GetJob\r\nname: leased\r\n\r\n")
         until(lambda: query(admin, job_id)["state"] == "RUNQUEUED", DEADLINE, "the hand-out")
-        taken = second.request("GetJob", name="leased", Connection="wait", timeout=int(DEADLINE * 1000))
+        taken = second.request(
+            "GetJob", name="leased", Connection="wait", timeout=int(DEADLINE * 1000)
+        )
         assert taken.code == 200, taken.status
         lease = taken.headers["leaseID"]
         until(lambda: "put back" in server.log, DEADLINE, "the stuck reply to time out")

@@ -6,6 +6,7 @@ import socket
 import time
 
 import pytest
+
 from harness import ThreadServer
 from helpers import create
 from wire import Client

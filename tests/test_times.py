@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 from hypothesis import given, settings
@@ -81,7 +81,7 @@ def test_years_outside_four_digits_are_rejected(text: str) -> None:
 # Aware datetimes in the years whose text sorts; kept a day clear of the
 # ends so an offset cannot move them out.
 _MOMENTS = st.datetimes(
-    min_value=datetime(1000, 1, 2), max_value=datetime(9999, 12, 30), timezones=st.just(timezone.utc)
+    min_value=datetime(1000, 1, 2), max_value=datetime(9999, 12, 30), timezones=st.just(UTC)
 )
 _OFFSETS = st.integers(-23 * 60 - 59, 23 * 60 + 59).map(lambda m: timezone(timedelta(minutes=m)))
 
@@ -123,7 +123,7 @@ def written_times(draw: st.DrawFn) -> tuple[str, datetime]:
     moment = datetime(moment.year, moment.month, moment.day, *fields)
     text = f"{moment.year:04d}-{moment.month:02d}-{moment.day:02d}"
     if precision == "date":
-        return text, moment.replace(tzinfo=timezone.utc)
+        return text, moment.replace(tzinfo=UTC)
     text += draw(st.sampled_from(["T", "t", " "])) + ":".join(f"{f:02d}" for f in fields)
     if precision == "fraction":
         text += "." + draw(st.from_regex(r"[0-9]{1,9}", fullmatch=True))
@@ -132,7 +132,7 @@ def written_times(draw: st.DrawFn) -> tuple[str, datetime]:
     if zone == "name":
         text += gap + draw(st.sampled_from(["Z", "z", "UTC", "utc", "GMT", "UT"]))
     if zone != "offset":
-        return text, moment.replace(tzinfo=timezone.utc)
+        return text, moment.replace(tzinfo=UTC)
     minutes = draw(st.integers(-(23 * 60 + 59), 23 * 60 + 59))
     if draw(st.booleans()):
         minutes -= minutes % 60 if minutes >= 0 else -(-minutes % 60)
@@ -182,7 +182,7 @@ def test_ambiguous_or_incomplete_forms_are_refused(text: str) -> None:
 
 
 def test_formats() -> None:
-    moment = datetime(2026, 3, 4, 5, 6, 7, 890123, tzinfo=timezone.utc)
+    moment = datetime(2026, 3, 4, 5, 6, 7, 890123, tzinfo=UTC)
     assert to_seconds(moment) == "2026-03-04 05:06:07"
     assert to_millis(moment) == "2026-03-04 05:06:07.890"
 

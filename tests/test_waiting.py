@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import socket
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+
 from helpers import create
 from wire import Client, Reply, encode
 
@@ -63,12 +64,12 @@ def handed(reply: Reply) -> int:
 
 
 def stamp(moment: datetime) -> str:
-    return moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def soon() -> tuple[str, float]:
     """A firstRun one to two seconds ahead, and when it falls (epoch seconds)."""
-    moment = (datetime.now(timezone.utc) + timedelta(seconds=2)).replace(microsecond=0)
+    moment = (datetime.now(UTC) + timedelta(seconds=2)).replace(microsecond=0)
     return stamp(moment), moment.timestamp()
 
 
@@ -105,7 +106,7 @@ def test_waiting_get_job_is_woken_by_update_job_making_a_job_due(server, client)
 
 def test_waiting_get_job_is_woken_by_finish_job_requeueing_a_due_repeat(server, client):
     # Scheduled two days ago, daily: its next run has passed, so it is due at once.
-    two_days_ago = (datetime.now(timezone.utc) - timedelta(days=2)).strftime("%Y-%m-%d %H:%M:%S")
+    two_days_ago = (datetime.now(UTC) - timedelta(days=2)).strftime("%Y-%m-%d %H:%M:%S")
     job_id = create(client, "again", repeat="SCHEDULED, +1 DAY", firstRun=two_days_ago)
     assert handed(client.request("GetJob", name="again")) == job_id
     with start_waiting(server, "again") as worker:

@@ -14,10 +14,9 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from helpers import until
-
 from jobserver.client import Client as JobClient
 
 WORKER = """
@@ -45,7 +44,7 @@ def start_worker(port: int, pattern: str) -> subprocess.Popen[str]:
 
 
 def stored_time(text: str) -> float:
-    return datetime.fromisoformat(text).replace(tzinfo=timezone.utc).timestamp()
+    return datetime.fromisoformat(text).replace(tzinfo=UTC).timestamp()
 
 
 def test_job_of_a_killed_worker_comes_back_after_its_lease(server) -> None:

@@ -16,22 +16,22 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
+
 from conformance_helpers import force
 from harness import MANAGER, ThreadServer
 from helpers import create, until
-from tls_certs import tls_server
-from wire import Client, Reply
-
 from jobserver.client import Client as LibraryClient
 from jobserver.workers.contract import Refused, find_worker, json_object, retry_options
 from jobserver.workers.leases import touch_period
 from jobserver.workers.manager import LOAD_NOTICE_INTERVAL, Every, Manager
+from tls_certs import tls_server
+from wire import Client, Reply
 
 DEADLINE = 15.0
 REPO = Path(__file__).resolve().parent.parent
@@ -69,7 +69,7 @@ def job(client: Client, job_id: int) -> dict[str, Any]:
 
 
 def utc(text: str) -> datetime:
-    return datetime.fromisoformat(text).replace(tzinfo=timezone.utc)
+    return datetime.fromisoformat(text).replace(tzinfo=UTC)
 
 
 def waiting_get_jobs(client: Client) -> int:
@@ -222,7 +222,7 @@ def test_exit_75_retries_with_the_delay_or_next_run_from_stdout(server, client, 
     )
     later = create(client, "Later", data={"a": 1}, repeat="FINISHED, +1 DAY")
     tomorrow = create(client, "Tomorrow")
-    before = datetime.now(timezone.utc)
+    before = datetime.now(UTC)
     running = manager(server.port)
 
     running.wait_for(rf"job {later} Later retried \(delay 30s\) in")
@@ -319,7 +319,9 @@ time.sleep(60)
 
     running.wait_for(rf"job {hangs} Hangs failed \(timed out after 0.5s \(worker killed\)\)", 2)
     until(
-        lambda: job(client, hangs)["state"] == "FAILED", DEADLINE, "the second timeout to kill the job"
+        lambda: job(client, hangs)["state"] == "FAILED",
+        DEADLINE,
+        "the second timeout to kill the job",
     )
     dead = job(client, hangs)
     assert (dead["attempt"], dead["lastError"]) == (2, "timed out after 0.5s (worker killed)")
@@ -644,7 +646,7 @@ def test_the_example_workers(server, client, manager):
         client, "www-prod/SendEmail", data={"to": "ann@example.com"}, repeat="FINISHED, +1 HOUR"
     )
     resize = create(client, "ResizeImage", data={"path": "/nonexistent/cat.png"})
-    before = datetime.now(timezone.utc)
+    before = datetime.now(UTC)
     running = manager(server.port, "--max-iterations", "1", worker_path=examples)
     assert running.wait(DEADLINE) == 0
     sent = job(client, email)
@@ -800,13 +802,15 @@ def test_the_manager_sends_its_token_to_a_server_that_wants_one(workers, manager
 
 def test_the_manager_speaks_tls_with_tls_ca(workers, manager, tmp_path):
     write_worker(workers, "Done", "cat >/dev/null; echo '{\"secure\": true}'\n")
-    with tls_server(tmp_path / "tls") as (running, files):
-        with LibraryClient("127.0.0.1", running.port, timeout=10, tls=files.ca) as jobs:
-            job_id = jobs.create_job("Done", repeat="FINISHED, +1 HOUR")
-            managed = manager(running.port, "--tls-ca", str(files.ca))
-            assert f"server 127.0.0.1:{running.port} (TLS)" in managed.log
-            managed.wait_for(rf"job {job_id} Done finished in")
-            until(lambda: jobs.query_job(job_id)["data"] == {"secure": True}, DEADLINE, "FinishJob")
+    with (
+        tls_server(tmp_path / "tls") as (running, files),
+        LibraryClient("127.0.0.1", running.port, timeout=10, tls=files.ca) as jobs,
+    ):
+        job_id = jobs.create_job("Done", repeat="FINISHED, +1 HOUR")
+        managed = manager(running.port, "--tls-ca", str(files.ca))
+        assert f"server 127.0.0.1:{running.port} (TLS)" in managed.log
+        managed.wait_for(rf"job {job_id} Done finished in")
+        until(lambda: jobs.query_job(job_id)["data"] == {"secure": True}, DEADLINE, "FinishJob")
 
 
 def test_a_manager_that_cannot_set_up_tls_says_why_and_exits_2(workers, tmp_path):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import trustme
+
 from harness import ThreadServer
 
 

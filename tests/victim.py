@@ -14,6 +14,7 @@ instead kill it with SIGKILL at any point after `ready`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import ssl
@@ -52,12 +53,16 @@ def set_up(sock: socket.socket, stage: str, name: str) -> None:
     if stage == "mid-head":
         sock.sendall(b"GetJob\r\nname: " + name.encode())
     elif stage == "mid-body":
-        sock.sendall(b"CreateJob\r\nname: " + name.encode() + b"\r\nContent-Length: 100\r\n\r\n0123456789")
+        sock.sendall(
+            b"CreateJob\r\nname: " + name.encode() + b"\r\nContent-Length: 100\r\n\r\n0123456789"
+        )
     elif stage in ("before-reply", "large-reply"):
         verb = b"GetJobs\r\nnumResults: 100" if stage == "large-reply" else b"GetJob"
         sock.sendall(verb + b"\r\nname: " + name.encode() + b"\r\n\r\n")
     elif stage == "waiting-getjob":
-        sock.sendall(b"GetJob\r\nname: " + name.encode() + b"\r\nConnection: wait\r\ntimeout: 60000\r\n\r\n")
+        sock.sendall(
+            b"GetJob\r\nname: " + name.encode() + b"\r\nConnection: wait\r\ntimeout: 60000\r\n\r\n"
+        )
     elif stage == "waiting-getjobs":
         sock.sendall(
             b"GetJobs\r\nname: " + name.encode()
@@ -85,7 +90,9 @@ def read_all(sock: socket.socket) -> dict[str, list]:
     while b"\r\n\r\n" in buffer:
         head, rest = buffer.split(b"\r\n\r\n", 1)
         lines = head.decode().split("\r\n")
-        length = next(int(l.split(": ", 1)[1]) for l in lines if l.startswith("Content-Length"))
+        length = next(
+            int(line.split(": ", 1)[1]) for line in lines if line.startswith("Content-Length")
+        )
         if len(rest) < length:
             break
         body, buffer = rest[:length], rest[length:]
@@ -101,10 +108,8 @@ def drain(sock: socket.socket) -> None:
     """Read what has arrived, once: reading on would take a reply the
     stage means to leave unread."""
     sock.setblocking(False)
-    try:
+    with contextlib.suppress(BlockingIOError, ssl.SSLWantReadError, ssl.SSLError, ConnectionError):
         sock.recv(1 << 20)
-    except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLError, ConnectionError):
-        pass
 
 
 def end(sock: socket.socket, how: str) -> None:

@@ -39,7 +39,7 @@ class Client:
     def close(self) -> None:
         self.sock.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:

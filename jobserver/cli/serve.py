@@ -62,7 +62,9 @@ def add_parser(sub: Any) -> None:
         help=f"TCP port, 0 to {MAX_PORT}; 0 picks a free one (default: {DEFAULT_PORT})",
     )
     serve.add_argument(
-        "--db", default="jobs.db", help="SQLite database file, created if missing (default: jobs.db)"
+        "--db",
+        default="jobs.db",
+        help="SQLite database file, created if missing (default: jobs.db)",
     )
     serve.add_argument(
         "--synchronous",
@@ -166,7 +168,9 @@ def add_parser(sub: Any) -> None:
         f"(default: {duration_text(DEFAULT_STALE_AFTER)})",
     )
     serve.add_argument(
-        "--tls-cert", metavar="FILE", help="serve TLS with this certificate, PEM (default: plain TCP)"
+        "--tls-cert",
+        metavar="FILE",
+        help="serve TLS with this certificate, PEM (default: plain TCP)",
     )
     serve.add_argument(
         "--tls-key", metavar="FILE", help="the private key for --tls-cert, PEM (default: none)"

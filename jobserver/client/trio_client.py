@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import ssl
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -120,7 +119,7 @@ class AsyncClient(Endpoint, trio.abc.AsyncResource):
         self,
         job_id: int,
         key: str,
-        timeout: int | None = None,
+        timeout: int | None = None,  # noqa: ASYNC109 - AwaitReply's parameter, sent to the server
         lease_id: str | None = None,
         data: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
@@ -271,8 +270,8 @@ class AsyncClient(Endpoint, trio.abc.AsyncResource):
         return secure
 
 
-def _socket_of(stream: trio.abc.Stream) -> socket.socket:
+def _socket_of(stream: trio.abc.Stream) -> trio.socket.SocketType:
     """The socket under a trio stream, TLS or not."""
     transport = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
     assert isinstance(transport, trio.SocketStream)
-    return transport.socket  # type: ignore[return-value]
+    return transport.socket

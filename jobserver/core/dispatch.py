@@ -68,6 +68,13 @@ class WaitForJobs:
     take: Callable[[], Awaitable[Answer]]
 
 
+class Command(Protocol):
+    """A command run in the writer. It takes `request` by that name: the
+    writer calls it with the context alone, the request bound by keyword."""
+
+    def __call__(self, ctx: Context, request: Request) -> Response: ...
+
+
 class ServerGauges(Protocol):
     """What Status reports of the server around the core."""
 
@@ -132,7 +139,7 @@ class Dispatcher:
 
     # Routes.
 
-    async def in_writer(self, handler: Callable[[Context, Request], Response], request: Request) -> Answer:
+    async def in_writer(self, handler: Command, request: Request) -> Answer:
         await self._check_repeats_first(request)
         return Answer(await self.writer.call(partial(handler, request=request)))
 
@@ -147,7 +154,8 @@ class Dispatcher:
             return Answer(Response("404 No job found"))
         return self._handing_out(job_query, taken)
 
-    async def _wait_for_jobs(self, job_query: JobQuery, timeout: float) -> Answer:
+    # The timeout is GetJob's: it ends in a 404 reply, not in a cancellation.
+    async def _wait_for_jobs(self, job_query: JobQuery, timeout: float) -> Answer:  # noqa: ASYNC109
         selector = Selector(job_query.pattern, frozenset(job_query.names))
         taken = await self.waits.wait(selector, job_query, timeout)
         if not taken:
@@ -223,7 +231,7 @@ def _status_snapshot(ctx: Context) -> tuple[dict[str, int], dict[str, Any], list
 Route = Callable[[Dispatcher, Request, str], Awaitable[Answer | WaitForJobs]]
 
 
-def _in_writer(handler: Callable[[Context, Request], Response]) -> Route:
+def _in_writer(handler: Command) -> Route:
     async def route(d: Dispatcher, request: Request, peer: str) -> Answer:
         return await d.in_writer(handler, request)
 

@@ -78,7 +78,7 @@ def _compile(pattern: str) -> tuple[_Token, ...]:
 def _token_matches(token: _Token, ch: str) -> bool:
     if isinstance(token, _CharSet):
         return token.matches(ch)
-    return token == _ONE or token == ch
+    return token in (_ONE, ch)
 
 
 def glob_match(pattern: str, text: str) -> bool:

@@ -137,9 +137,8 @@ def _freed(ctx: Context, job: Job) -> None:
     """A job stops running: if it held capacity of a concurrency limit,
     every waiting GetJob may now get a job."""
     limits = ctx.store.limits
-    if job.state in ACTIVE and limits:
-        if any(glob_match(pattern, job.name) for pattern in limits):
-            ctx.wake_all()
+    if job.state in ACTIVE and limits and any(glob_match(pattern, job.name) for pattern in limits):
+        ctx.wake_all()
 
 
 def _watch_for_staleness(ctx: Context) -> None:
@@ -317,7 +316,9 @@ def fail_attempt(ctx: Context, job: Job, error: str, **changes: Any) -> None:
         next_run = schedule.in_window(
             job.timeWindows, job.timeZone, schedule.retry_time(ctx, delay)
         )
-        _move(ctx, job, "fail an attempt", State.QUEUED, nextRun=next_run, lastError=error, **changes)
+        _move(
+            ctx, job, "fail an attempt", State.QUEUED, nextRun=next_run, lastError=error, **changes
+        )
         return
     _move(
         ctx, job, "fail an attempt", State.FAILED, lastError=error, ended=ctx.now_s, **changes

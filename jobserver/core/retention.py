@@ -1,5 +1,6 @@
 """Retention: deleting finished and failed jobs once they are old enough,
-replies once their grace period is over, and giving the freed pages back to the file system (protocol.md 14.10).
+replies once their grace period is over, and giving the freed pages back to
+the file system (protocol.md 14.10).
 
 A background task looks every few seconds, on a read-only connection of
 its own, whether there is anything to do. If there is, it deletes in small
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime, timedelta
+from functools import partial
 
 import trio
 
@@ -35,7 +37,9 @@ PRUNE_INTERVAL = 5.0
 def cutoffs(now: datetime, keep_finished: float, keep_failed: float | None) -> dict[str, str]:
     """For each state the pruner deletes, the `ended` before which a job goes.
     FAILED jobs are kept forever unless `keep_failed` is set."""
-    found = {State.FINISHED: times.to_seconds(now - timedelta(seconds=keep_finished))}
+    found: dict[str, str] = {
+        State.FINISHED: times.to_seconds(now - timedelta(seconds=keep_finished))
+    }
     if keep_failed is not None:
         found[State.FAILED] = times.to_seconds(now - timedelta(seconds=keep_failed))
     return found
@@ -75,12 +79,12 @@ async def run_pruner(
             pending = await trio.to_thread.run_sync(
                 store.prune_pending, before, times.to_millis(now)
             )
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - the pruner lives on and looks again later
             log.warning("pruner cannot read the database: %s", error)
             continue
         while pending:
             try:
-                pending = await writer.call(lambda ctx: prune_step(ctx, before))
+                pending = await writer.call(partial(prune_step, before=before))
             except CommandError as error:
                 log.warning("pruning failed: %s", error.status)
                 break

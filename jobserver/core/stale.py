@@ -27,7 +27,10 @@ EXPIRE_BATCH = 500
 
 def lost_error(seconds: float) -> str:
     """The lastError of a job the safety net failed."""
-    return f"no report for {times.duration_text(seconds)} (--stale-after): presumed lost with its worker"
+    return (
+        f"no report for {times.duration_text(seconds)} (--stale-after):"
+        " presumed lost with its worker"
+    )
 
 
 def expire(ctx: Context) -> None:

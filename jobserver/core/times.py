@@ -9,7 +9,7 @@ time, "is this job due" is a text comparison SQLite can answer from an index.
 from __future__ import annotations
 
 import re
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 
 SECONDS_FORMAT = "%Y-%m-%d %H:%M:%S"
 
@@ -30,16 +30,16 @@ _USER_TIME = re.compile(
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def to_seconds(moment: datetime) -> str:
-    return moment.astimezone(timezone.utc).strftime(SECONDS_FORMAT)
+    return moment.astimezone(UTC).strftime(SECONDS_FORMAT)
 
 
 def to_millis(moment: datetime) -> str:
     # Built by hand: this runs for every request, and strftime is slow.
-    t = moment.astimezone(timezone.utc)
+    t = moment.astimezone(UTC)
     return (
         f"{t.year:04d}-{t.month:02d}-{t.day:02d} "
         f"{t.hour:02d}:{t.minute:02d}:{t.second:02d}.{t.microsecond // 1000:03d}"
@@ -48,7 +48,7 @@ def to_millis(moment: datetime) -> str:
 
 def parse_stored(text: str) -> datetime:
     """Read back a time this server wrote (seconds or milliseconds)."""
-    return datetime.fromisoformat(text).replace(tzinfo=timezone.utc)
+    return datetime.fromisoformat(text).replace(tzinfo=UTC)
 
 
 def parse_user_time(text: str) -> str:
@@ -80,7 +80,7 @@ def parse_user_time(text: str) -> str:
 
 def _zone(found: re.Match[str], number: dict[str, int]) -> timezone:
     if found["sign"] is None:
-        return timezone.utc
+        return UTC
     hours, minutes = number["offset_hours"], number.get("offset_minutes", 0)
     if hours > 23 or minutes > 59:
         raise ValueError(f"not an offset: {found['sign']}{hours:02d}:{minutes:02d}")

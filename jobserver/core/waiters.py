@@ -106,7 +106,8 @@ class WaitQueue:
     def __len__(self) -> int:
         return sum(len(group) for group in self._by_selector.values())
 
-    async def wait(self, selector: Selector, query: Any, timeout: float) -> Any:
+    # The timeout is GetJob's: it ends in None (a 404 reply), not in a cancellation.
+    async def wait(self, selector: Selector, query: Any, timeout: float) -> Any:  # noqa: ASYNC109
         """Wait up to `timeout` seconds for jobs; None if none came.
 
         Jobs that are returned have been taken: if the caller cannot deliver
@@ -137,9 +138,11 @@ class WaitQueue:
     def give_back(self, jobs: Any) -> None:
         """Return undeliverable jobs to the queue (through the writer), as
         many times as it takes."""
-        self._writer.submit(Work(lambda ctx: self._undo(ctx, jobs), partial(self._given_back, jobs)))
+        self._writer.submit(
+            Work(lambda ctx: self._undo(ctx, jobs), partial(self._given_back, jobs))
+        )
 
-    def _given_back(self, jobs: Any, result: outcome.Outcome) -> None:
+    def _given_back(self, jobs: Any, result: outcome.Maybe[Any]) -> None:
         if isinstance(result, outcome.Error):
             log.error(
                 "could not put undelivered jobs back: %s; trying again in %gs",
@@ -187,9 +190,11 @@ class WaitQueue:
                 self._writer.submit(Work(self._tick, self._ticked))
             self._try(self._all_waiters())
 
-    def _ticked(self, result: outcome.Outcome) -> None:
+    def _ticked(self, result: outcome.Maybe[Any]) -> None:
         if isinstance(result, outcome.Error):
-            log.error("the clock's tick failed: %s; trying again in %gs", result.error, RETRY_SECONDS)
+            log.error(
+                "the clock's tick failed: %s; trying again in %gs", result.error, RETRY_SECONDS
+            )
             # The due time that fired was cleared: without this the clock
             # would sleep until some later commit happened to write one.
             self._retry_soon()
@@ -236,7 +241,7 @@ class WaitQueue:
                 Work(lambda ctx: self._serve(ctx, queries), lambda o: self._served(batch, o))
             )
 
-    def _served(self, batch: list[Waiter], result: outcome.Outcome) -> None:
+    def _served(self, batch: list[Waiter], result: outcome.Maybe[Any]) -> None:
         if isinstance(result, outcome.Error):
             log.error("serving waiting GetJobs failed: %s", result.error)
             handed: list[Any] = [None] * len(batch)
@@ -246,7 +251,7 @@ class WaitQueue:
             handed, due = result.value
             self._lower_due(due)
         again: list[Waiter] = []
-        for waiter, jobs in zip(batch, handed):
+        for waiter, jobs in zip(batch, handed, strict=False):
             waiter.tried.set()
             if jobs is not None:
                 waiter.state = _State.DONE

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import date, datetime, time, timedelta, timezone, tzinfo
+from datetime import UTC, date, datetime, time, timedelta, tzinfo
 
 from dateutil import tz
 
@@ -61,7 +61,7 @@ def format_windows(windows: tuple[Window, ...]) -> str:
 def parse_zone(name: str) -> tzinfo:
     """An IANA zone name -> tzinfo; ValueError for anything else."""
     if name.upper() == "UTC":
-        return timezone.utc
+        return UTC
     zone = tz.gettz(name) if _ZONE.fullmatch(name) else None
     if not isinstance(zone, tz.tzfile):
         raise ValueError(f"unknown time zone {name!r}")
@@ -75,7 +75,7 @@ def _local(day: date, at: time, zone: tzinfo) -> datetime:
     # Gaps last at most a few hours (usually one): walk to their end.
     while not tz.datetime_exists(moment):
         moment = (moment + timedelta(minutes=1)).replace(second=0)
-    return moment.astimezone(timezone.utc)
+    return moment.astimezone(UTC)
 
 
 def _intervals(

@@ -51,7 +51,7 @@ Notify = Callable[[set[str], "str | None"], None]
 class Work:
     run: Callable[[Context], Any]
     # Called on the event loop with the outcome once it is committed.
-    done: Callable[[outcome.Outcome], None]
+    done: Callable[[outcome.Maybe[Any]], None]
 
 
 _STOP = object()
@@ -110,9 +110,9 @@ class Writer:
     async def call(self, run: Callable[[Context], Any]) -> Any:
         """Run `run` in the writer and return its committed result."""
         done = trio.Event()
-        result: list[outcome.Outcome] = []
+        result: list[outcome.Maybe[Any]] = []
 
-        def finished(value: outcome.Outcome) -> None:
+        def finished(value: outcome.Maybe[Any]) -> None:
             result.append(value)
             done.set()
 
@@ -135,13 +135,13 @@ class Writer:
         self._store.stop_waiting_long()
         if not self._threaded:
             for _ in range(STOP_ROUNDS):
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
             return
         for _ in range(STOP_ROUNDS):
             self._queue.put(_STOP)
             await trio.to_thread.run_sync(self._thread.join)
             # The outcomes delivered after the last batch run now.
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
             if self._queue.empty():
                 return
             self._thread = threading.Thread(target=self._loop, name="jobserver-writer", daemon=True)
@@ -178,7 +178,7 @@ class Writer:
             outcomes += woken.outcomes
             self.batches += 1
             self.requests += len(batch)
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - a boundary: see below
             # Whatever went wrong, every request of the batch gets an answer,
             # waiting GetJobs caught for it included: a caller must never
             # wait for a commit that will not come.
@@ -205,10 +205,12 @@ class Writer:
             log.error("rollback failed: %s", rollback_error)
         return status
 
-    def _deliver(self, batch: list[Work], outcomes: list[outcome.Outcome], woken: _Woken) -> None:
+    def _deliver(
+        self, batch: list[Work], outcomes: list[outcome.Maybe[Any]], woken: _Woken
+    ) -> None:
         """On the event loop. An exception from here would end the whole
         trio run, so each callback's is logged and kept to itself."""
-        for work, result in zip(batch, outcomes):
+        for work, result in zip(batch, outcomes, strict=False):
             _guarded(work.done, result)
         if woken.ready or woken.due is not None:
             _guarded(self._notify, woken.ready, woken.due)
@@ -246,7 +248,7 @@ class Writer:
         caught, self._caught = self._caught, None
         return caught
 
-    def _execute(self, batch: list[Work]) -> tuple[list[outcome.Outcome], set[str], str | None]:
+    def _execute(self, batch: list[Work]) -> tuple[list[outcome.Maybe[Any]], set[str], str | None]:
         """Run a batch's requests in one open transaction (not committed).
 
         Most requests either succeed or fail before they write anything, so
@@ -267,11 +269,11 @@ class Writer:
 
     def _run_all(
         self, batch: list[Work], savepoints: bool
-    ) -> list[tuple[outcome.Outcome, Context | None]] | None:
+    ) -> list[tuple[outcome.Maybe[Any], Context | None]] | None:
         """Each request's outcome and, if it succeeded, its context. None
         when, without savepoints, a failed request left changes behind."""
         store = self._store
-        results: list[tuple[outcome.Outcome, Context | None]] = []
+        results: list[tuple[outcome.Maybe[Any], Context | None]] = []
         for work in batch:
             ctx = Context(store, self._clock.now(), self.settings)
             before = store.total_changes
@@ -298,7 +300,7 @@ class Writer:
             results.append((result, None))
         return results
 
-    def _run_one(self, work: Work, ctx: Context) -> outcome.Outcome:
+    def _run_one(self, work: Work, ctx: Context) -> outcome.Maybe[Any]:
         try:
             return outcome.Value(work.run(ctx))
         except CommandError as error:
@@ -323,7 +325,7 @@ class _Woken:
     """Waiting GetJobs served inside a transaction, and what they changed."""
 
     works: list[Work] = field(default_factory=list)
-    outcomes: list[outcome.Outcome] = field(default_factory=list)
+    outcomes: list[outcome.Maybe[Any]] = field(default_factory=list)
     ready: set[str] = field(default_factory=set)
     due: str | None = None
 

@@ -16,6 +16,7 @@ connection reads ahead, so that a client that hangs up stops the wait.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import socket
@@ -76,7 +77,7 @@ async def serve_connection(server: Server, stream: trio.abc.Stream, refuse: bool
             await connection.refuse()
         else:
             await connection.run()
-    except* Exception as group:
+    except* Exception as group:  # noqa: BLE001 - the boundary of one connection
         failure = group
     finally:
         # Shielded, and bounded inside: the jobs of a connection cut off by
@@ -166,7 +167,9 @@ class Connection:
             log.error("connection from %s failed%s", self.name, left, exc_info=unexpected[0])
         elif taken:
             log.info("connection from %s ended (%s)%s", self.name, cause, left)
-        elif errors and (isinstance(errors[0], (NotTLS, TLSOnPlainPort)) or _is_tls_failure(errors[0])):
+        elif errors and (
+            isinstance(errors[0], (NotTLS, TLSOnPlainPort)) or _is_tls_failure(errors[0])
+        ):
             log.info("connection from %s: %s; closed", self.name, cause)
         elif errors:
             log.debug("connection from %s ended: %s", self.name, cause)
@@ -174,10 +177,8 @@ class Connection:
     async def close(self) -> None:
         # aclose closes the socket even when its TLS goodbye is cut short.
         with trio.move_on_after(CLOSE_PATIENCE):
-            try:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 await self.stream.aclose()
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                pass
 
     async def _start_tls(self) -> bool:
         """Look at the first byte before the TLS layer takes the stream: a

@@ -12,6 +12,7 @@ lock behind.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -49,10 +50,8 @@ class ServerLock:
         if self._fd is None:
             return
         if self._writable:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(self.path)
-            except OSError:
-                pass
         os.close(self._fd)
         self._fd = None
 

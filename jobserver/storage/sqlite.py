@@ -9,6 +9,7 @@ reaches SQLite as a bound parameter.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 from collections.abc import Mapping, Sequence
@@ -176,6 +177,7 @@ class Store:
         if unknown:
             raise ValueError(f"not updatable: {sorted(unknown)}")
         if "priority" in fields:
+            # A column value is any object to the interface; this one is a number.
             self._priorities.add(int(fields["priority"]))  # type: ignore[call-overload]
         assignments = ", ".join(f"{column} = ?" for column in fields)
         self._db.execute(
@@ -204,6 +206,8 @@ class Store:
         Jobs whose name matches a `blocked` GLOB, and the `skipped` jobIDs,
         are left out.
         """
+        # What the name clause binds: names or GLOBs, then jobIDs.
+        name_args: Sequence[str | int]
         if pattern is not None and not _GLOB_SPECIALS.isdisjoint(pattern):
             source, name_clause, name_args = "jobs", "name GLOB ?", [pattern]
         else:
@@ -358,7 +362,8 @@ class Store:
         """Children of a job in these states, oldest first."""
         marks = ", ".join("?" for _ in states)
         rows = self._db.execute(
-            f"SELECT {_COLUMNS} FROM jobs WHERE parentJobID != 0 AND parentJobID = ? AND state IN ({marks}) "
+            f"SELECT {_COLUMNS} FROM jobs "
+            f"WHERE parentJobID != 0 AND parentJobID = ? AND state IN ({marks}) "
             "ORDER BY jobID",
             (parent_id, *states),
         ).fetchall()
@@ -367,12 +372,14 @@ class Store:
     def has_children(self, parent_id: int, states: Sequence[str] | None = None) -> bool:
         if states is None:
             row = self._db.execute(
-                "SELECT 1 FROM jobs WHERE parentJobID != 0 AND parentJobID = ? LIMIT 1", (parent_id,)
+                "SELECT 1 FROM jobs WHERE parentJobID != 0 AND parentJobID = ? LIMIT 1",
+                (parent_id,),
             ).fetchone()
         else:
             marks = ", ".join("?" for _ in states)
             row = self._db.execute(
-                f"SELECT 1 FROM jobs WHERE parentJobID != 0 AND parentJobID = ? AND state IN ({marks}) LIMIT 1",
+                "SELECT 1 FROM jobs "
+                f"WHERE parentJobID != 0 AND parentJobID = ? AND state IN ({marks}) LIMIT 1",
                 (parent_id, *states),
             ).fetchone()
         return row is not None
@@ -487,8 +494,6 @@ class Store:
     def size_bytes(self) -> int:
         total = 0
         for suffix in ("", "-wal"):
-            try:
+            with contextlib.suppress(OSError):
                 total += os.path.getsize(self.path + suffix)
-            except OSError:
-                pass
         return total

@@ -64,7 +64,7 @@ def parse_object(text: str) -> dict[str, Any]:
     value = parse(text)
     if not isinstance(value, dict):
         # The text is malformed, not the argument's type: callers catch ValueError.
-        raise ValueError("not a JSON object")  # noqa: TRY004
+        raise ValueError("not a JSON object")
     return value
 
 

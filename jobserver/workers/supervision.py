@@ -8,6 +8,7 @@ module only reports how the process ended (`Ended`)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -197,7 +198,6 @@ async def _reap(proc: trio.Process) -> int:
 
 
 def _signal_group(pid: int, signum: int) -> None:
-    try:
+    # ProcessLookupError or PermissionError: the group is gone already.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass  # the group is gone already
