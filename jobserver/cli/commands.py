@@ -76,6 +76,13 @@ Action = Callable[[Client, argparse.Namespace], Any]
 def add_parsers(sub: Any) -> None:
     """The client subcommands, each one call of jobserver.client."""
     command = _command_factory(sub)
+    _add_taking(command)
+    _add_reporting(command)
+    _add_operating(command)
+
+
+def _add_taking(command: Callable[[str, Action, str, str], argparse.ArgumentParser]) -> None:
+    """Creating, taking and looking at jobs."""
     _add_create_options(
         command("create", _create, "create a job", 'Create a job and print {"jobID": N}.')
     )
@@ -100,6 +107,10 @@ def add_parsers(sub: Any) -> None:
         "(default: do not wait)",
     )
     _add_job_id(command("query", _query, "show a job", "Print a job, its state included."))
+
+
+def _add_reporting(command: Callable[[str, Action, str, str], argparse.ArgumentParser]) -> None:
+    """Reporting on a job, or removing it."""
     finish = command(
         "finish",
         _finish,
@@ -148,6 +159,10 @@ def add_parsers(sub: Any) -> None:
         "delete", _delete, "delete a job", "Delete a job that is not RUNNING or PAUSED. Prints {}."
     )
     _add_job_id(delete)
+
+
+def _add_operating(command: Callable[[str, Action, str, str], argparse.ArgumentParser]) -> None:
+    """An operator's commands: the server's state, the dead set, replies."""
     command(
         "status",
         _status,
@@ -204,8 +219,6 @@ def add_parsers(sub: Any) -> None:
         "--data", type=_json_object, required=True, metavar="JSON",
         help="the reply, a JSON object (required)",
     )
-
-
 def _command_factory(sub: Any) -> Callable[[str, Action, str, str], argparse.ArgumentParser]:
     """Adds a client subcommand: --server, the exit statuses, and what it runs."""
     common = argparse.ArgumentParser(add_help=False)

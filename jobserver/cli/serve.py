@@ -52,6 +52,14 @@ def add_parser(sub: Any) -> None:
             f"SIGTERM stop it cleanly. Try it with: nc {DEFAULT_HOST} {DEFAULT_PORT}"
         ),
     )
+    _add_storage_options(serve)
+    _add_client_options(serve)
+    _add_job_options(serve)
+    _add_security_and_log_options(serve)
+
+
+def _add_storage_options(serve: argparse.ArgumentParser) -> None:
+    """Where it listens and where it keeps jobs."""
     serve.add_argument(
         "--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST})"
     )
@@ -84,6 +92,10 @@ def add_parser(sub: Any) -> None:
         help=f"connections beyond this, 1 to {MAX_CONNECTIONS:,}, are answered "
         f"'503 Too many connections' (default: {Config.max_connections})",
     )
+
+
+def _add_client_options(serve: argparse.ArgumentParser) -> None:
+    """What clients may do and how long they may take."""
     serve.add_argument(
         "--allow-remote-query",
         action="store_true",
@@ -120,6 +132,10 @@ def add_parser(sub: Any) -> None:
         help="require every request to carry the token in this file in an "
         "'authToken' header; others get '401 Unauthorized' (default: no token)",
     )
+
+
+def _add_job_options(serve: argparse.ArgumentParser) -> None:
+    """Concurrency limits, retention, replies and stale jobs."""
     serve.add_argument(
         "--limit",
         action="append",
@@ -167,6 +183,10 @@ def add_parser(sub: Any) -> None:
         f"else FAILED; 0 (never, as Bedrock) or 1s to {duration_text(MAX_DURATION_SECONDS)} "
         f"(default: {duration_text(DEFAULT_STALE_AFTER)})",
     )
+
+
+def _add_security_and_log_options(serve: argparse.ArgumentParser) -> None:
+    """TLS and the log."""
     serve.add_argument(
         "--tls-cert",
         metavar="FILE",

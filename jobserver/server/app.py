@@ -35,6 +35,7 @@ from jobserver.core.writer import Writer
 from jobserver.server.connection import Connection, serve_connection
 from jobserver.storage import lockfile
 from jobserver.storage.sqlite import Store
+from jobserver.wire.limits import DEFAULT_HOST, DEFAULT_PORT
 
 log = logging.getLogger("jobserver")
 
@@ -58,8 +59,8 @@ REFUSALS_AT_ONCE = 32
 
 @dataclass
 class Config:
-    host: str = "127.0.0.1"
-    port: int = 8888
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
     db: str = "jobs.db"
     synchronous: str = "FULL"
     # One file descriptor each; the default fits ten thousand waiting workers.
