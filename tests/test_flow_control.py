@@ -466,3 +466,23 @@ def test_serve_options_for_flow_control():
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(["serve", *bad])
     assert [parse_duration(t) for t in ("0", "90", "90s", "30m")] == [0, 90, 90, 1800]
+
+
+# A move that ends a run frees the job's capacity, whatever the move: here
+# a parent that finishes and waits, PAUSED, for its children. Its child's
+# name matches no waiter, so only the freed capacity can wake this one.
+
+
+def test_a_parent_pausing_for_its_children_frees_its_capacity_for_waiters(server, client):
+    ok(client.request("SetLimit", name="team/*", max=1))
+    parent = create(client, "team/parent")
+    assert client.request("GetJob", name="team/parent").code == 200
+    create(client, "solo/child", parentJobID=parent)
+    other = create(client, "team/other")
+    waiter = Waiter(server, "team/other", timeout_ms=10_000)
+    started = time.monotonic()
+    ok(client.request("FinishJob", jobID=parent))
+    reply = waiter.result()
+    assert reply.code == 200 and reply.json["jobID"] == other
+    # Woken by the freed capacity, not by the end of the wait.
+    assert time.monotonic() - started < 8
