@@ -161,7 +161,6 @@ async def running_core(
     # As the server's _build_core wires them, with the writer on the event loop.
     writer = Writer(store, notify, clock, settings, threaded=False)
     waits = WaitQueue(writer, clock, selection.serve_waiters, selection.give_back, deadlines.tick)
-    writer.anyone_waiting = waits.anyone_waiting
     writer.start()
     dispatcher = Dispatcher(store, writer, waits, Gauges(), Access())
     try:

@@ -258,7 +258,6 @@ async def test_tries_caught_before_notifying_failed_are_still_answered(tmp_path)
             raise RuntimeError("a broken wait queue")
 
     writer = Writer(store, notify, SystemClock())
-    writer.anyone_waiting = lambda: True
     writer.start()
 
     def make_ready(ctx) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from functools import partial
 from pathlib import Path
 
 import trio
@@ -32,8 +33,8 @@ async def test_a_batch_commits_once_and_a_failure_undoes_only_itself(tmp_path: P
     writer = Writer(store, lambda ready, due: notified.append(ready), SystemClock())
     writer.start()
     try:
-        # Hold the writer thread so that everything below queues up behind
-        # it and is taken as one batch.
+        # Hold the writer with a heavy request (its batch runs in a thread)
+        # so that everything below queues up behind it as one batch.
         release = threading.Event()
         holding = trio.Event()
         token = trio.lowlevel.current_trio_token()
@@ -43,7 +44,7 @@ async def test_a_batch_commits_once_and_a_failure_undoes_only_itself(tmp_path: P
             release.wait(10)
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(writer.call, hold)
+            nursery.start_soon(partial(writer.call, hold, heavy=True))
             await holding.wait()
             before = writer.batches
             results: dict[str, object] = {}

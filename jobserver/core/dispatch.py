@@ -39,6 +39,13 @@ from jobserver.wire.framing import Request, Response
 # Query runs in worker threads; a few at once is plenty for people typing.
 QUERY_THREADS = 4
 
+# A request this large (a CreateJobs of hundreds of jobs) runs long enough
+# to hold up every other connection: its batch runs in a thread.
+HEAVY_REQUEST_BYTES = 16 * 1024
+# Commands whose work has no small bound (every job of a pattern, a long
+# list): always heavy.
+HEAVY_VERBS = frozenset(("requeuejobs", "failedjobs"))
+
 
 def is_loopback(host: str) -> bool:
     """Whether an address (or a --host) is this machine's own."""
@@ -141,7 +148,8 @@ class Dispatcher:
 
     async def in_writer(self, handler: Command, request: Request) -> Answer:
         await self._check_repeats_first(request)
-        return Answer(await self.writer.call(partial(handler, request=request)))
+        response = await self.writer.call(partial(handler, request=request), _is_heavy(request))
+        return Answer(response)
 
     async def get_jobs(self, request: Request) -> Answer | WaitForJobs:
         job_query = selection.query_of(request)
@@ -197,6 +205,8 @@ class Dispatcher:
             # A shutdown does not wait for a query; it stops itself at its deadline.
             abandon_on_cancel=True,
         )
+        # Its own connection may have read commits not yet on disk.
+        await self.writer.settled()
         return Answer(response)
 
     async def _check_repeats_first(self, request: Request) -> None:
@@ -215,6 +225,12 @@ class Dispatcher:
             texts = [text] if text else []
         if texts:
             await trio.to_thread.run_sync(repeat.warm, texts, limiter=self._rule_check_limiter)
+
+
+def _is_heavy(request: Request) -> bool:
+    if request.verb.lower() in HEAVY_VERBS:
+        return True
+    return sum(map(len, request.headers.values())) > HEAVY_REQUEST_BYTES
 
 
 def _status_snapshot(ctx: Context) -> tuple[dict[str, int], dict[str, Any], list[str], int]:

@@ -84,7 +84,7 @@ async def run_pruner(
             continue
         while pending:
             try:
-                pending = await writer.call(partial(prune_step, before=before))
+                pending = await writer.call(partial(prune_step, before=before), heavy=True)
             except CommandError as error:
                 log.warning("pruning failed: %s", error.status)
                 break

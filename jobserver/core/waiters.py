@@ -99,10 +99,6 @@ class WaitQueue:
         # next fires, so no job is left RUNNING without an owner.
         self._owed: list[Any] = []
 
-    def anyone_waiting(self) -> bool:
-        """Safe to call from another thread: one read of a dict's size."""
-        return bool(self._by_selector)
-
     def __len__(self) -> int:
         return sum(len(group) for group in self._by_selector.values())
 

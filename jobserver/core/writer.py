@@ -1,26 +1,33 @@
-"""Group commit: one thread runs every database request, many per transaction.
+"""Group commit, pipelined: many requests per transaction, and the next
+transaction runs while the previous one is being synced to disk.
 
-Requests from all connections queue up while a transaction commits; the
-next transaction takes everything waiting (up to `MAX_BATCH`), runs the
-requests, commits once (one fsync for the whole batch) and only then
-reports each outcome back to the event loop. So a `200` is never sent for a
-write that is not on disk, and the event loop never waits for the disk: it
-keeps serving connections and gathering the next batch meanwhile.
+Requests from all connections queue up; the writer task takes everything
+waiting (up to `MAX_BATCH`), runs it in one transaction on the event loop
+and commits without waiting for the disk. The batch then goes to the
+durability stage (durability.py), which makes it durable with one sync of
+the log in a thread, while the event loop goes on serving connections and
+runs the next batch. Each request's outcome is reported only once a sync
+that began after its commit has returned: a `200` is never sent for a write
+that would not survive a power cut.
 
-Before committing, the thread asks the event loop which waiting GetJobs the
-batch made ready and serves them in the same transaction, so a worker
-blocked in GetJob gets a new job with the same fsync that stored it.
+A batch runs in a worker thread instead when one of its requests is heavy
+(a thousand jobs in one request, the pruner's deletions), so that the event
+loop goes on answering meanwhile, or when another process holds the
+database's lock, so that the event loop never waits for it.
 
-The writer can also run its batches on the event loop itself, without a
-thread (`threaded=False`): for tests on trio's MockClock, which may move
-time forward only when every task waits, and cannot see a thread's work.
+Before committing, the writer serves the waiting GetJobs the batch made
+ready, in the same transaction: a worker blocked in GetJob gets a new job
+with the same sync that stored it.
+
+Without threads (`threaded=False`) every batch, and its sync, runs on the
+event loop: for tests on trio's MockClock, which may move time forward only
+when every task waits, and cannot see a thread's work.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,13 +37,14 @@ import trio
 
 from jobserver.core.clock import Clock
 from jobserver.core.context import Context, Settings
+from jobserver.core.durability import Durability
 from jobserver.core.errors import CommandError
 from jobserver.storage.interface import Storage
 
 log = logging.getLogger("jobserver")
 
-# Enough requests to amortise one fsync over many, few enough that the
-# first request of a batch is not kept waiting long for the last.
+# Enough requests to amortise one transaction over many, few enough that
+# the first request of a batch is not kept waiting long for the last.
 MAX_BATCH = 256
 
 # Rounds of late work a stopping writer runs (see Writer.stop): each one is
@@ -47,14 +55,21 @@ STOP_ROUNDS = 5
 Notify = Callable[[set[str], "str | None"], None]
 
 
-@dataclass
+@dataclass(eq=False, slots=True)
 class Work:
     run: Callable[[Context], Any]
-    # Called on the event loop with the outcome once it is committed.
-    done: Callable[[outcome.Maybe[Any]], None]
+    # Called on the event loop with the outcome once it is durable.
+    done: Callable[[outcome.Maybe[Any]], None] | None = None
+    # Or the task that waits for it in `call`, woken with the outcome.
+    task: trio.lowlevel.Task | None = None
+    # Runs long enough to hold up the event loop: its batch goes to a thread.
+    heavy: bool = False
 
 
-_STOP = object()
+def _refuse_abort(raise_cancel: Any) -> trio.lowlevel.Abort:
+    # A request handed to the writer is on its way to the disk: waiting for
+    # its answer survives a cancellation, so nothing is left half-reported.
+    return trio.lowlevel.Abort.FAILED
 
 
 class Writer:
@@ -70,124 +85,149 @@ class Writer:
         self._notify = notify
         self._clock = clock
         self.settings = settings
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._token = trio.lowlevel.current_trio_token()
         self._threaded = threaded
-        self._thread = threading.Thread(target=self._loop, name="jobserver-writer", daemon=True)
-        # Without a thread: work waiting for the next batch on the event loop.
-        self._pending: list[Work] = []
-        self._drain_due = False
-        # While the thread asks the loop whom a batch wakes, the requests
-        # that produces are caught here instead of queued for later.
+        self._pending: deque[Work] = deque()
+        # Set while the writer task sleeps for want of work.
+        self._wakeup: trio.Event | None = None
+        self._running = False
+        self._stopping = False
+        self._finished = trio.Event()
+        self._batch_ended = trio.Event()
+        self._durability = Durability(store, self._deliver, threaded)
+        # While notifying inside a transaction, the requests that produces
+        # are caught here instead of queued for the next batch.
         self._caught: list[Work] | None = None
-        # Read from the writer thread: whether any GetJob is waiting.
-        self.anyone_waiting: Callable[[], bool] = lambda: True
         self.batches = 0
         self.requests = 0
 
     def start(self) -> None:
-        if self._threaded:
-            self._thread.start()
+        self._durability.start()
+        trio.lowlevel.spawn_system_task(self._run, name="jobserver-writer")
 
     def submit(self, work: Work) -> None:
         if self._caught is not None:
             self._caught.append(work)
-        elif self._threaded:
-            self._queue.put(work)
-        else:
-            self._pending.append(work)
-            if not self._drain_due:
-                self._drain_due = True
-                self._token.run_sync_soon(self._drain)
+            return
+        self._pending.append(work)
+        if self._wakeup is not None:
+            self._wakeup.set()
 
-    def _drain(self) -> None:
-        """Without a thread: run what was submitted, in batches."""
-        self._drain_due = False
-        while self._pending:
-            batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
-            self._run_batch(batch)
+    async def call(self, run: Callable[[Context], Any], heavy: bool = False) -> Any:
+        """Run `run` in the writer and return its result once durable."""
+        self.submit(Work(run, task=trio.lowlevel.current_task(), heavy=heavy))
+        return await trio.lowlevel.wait_task_rescheduled(_refuse_abort)
 
-    async def call(self, run: Callable[[Context], Any]) -> Any:
-        """Run `run` in the writer and return its committed result."""
-        done = trio.Event()
-        result: list[outcome.Maybe[Any]] = []
-
-        def finished(value: outcome.Maybe[Any]) -> None:
-            result.append(value)
-            done.set()
-
-        self.submit(Work(run, finished))
-        # The request is already on its way to the disk; waiting for its
-        # answer must survive a shutdown so nothing is left half-reported.
-        with trio.CancelScope(shield=True):
-            await done.wait()
-        return result[0].unwrap()
+    async def settled(self) -> None:
+        """Until every commit made so far is durable: for replies that read
+        the database some other way (Query's own connection)."""
+        await self._durability.settled()
 
     async def stop(self) -> None:
-        """Finish everything queued, then stop the thread. While another
-        process holds the database, what is left fails fast instead of each
-        batch waiting out the busy timeout.
+        """Finish everything queued, then stop. While another process holds
+        the database, what is left fails fast instead of each batch
+        waiting out the busy timeout.
 
         The last batches' outcomes are delivered on the event loop, and
         what they submit (jobs given back by a waiting GetJob that left)
-        would queue behind the stop: so the writer runs again for it,
-        until a round submits nothing, or STOP_ROUNDS have passed."""
+        queues behind them: so the writer goes on until a round submits
+        nothing, or STOP_ROUNDS have passed."""
         self._store.stop_waiting_long()
-        if not self._threaded:
-            for _ in range(STOP_ROUNDS):
-                await trio.lowlevel.checkpoint()
-            return
         for _ in range(STOP_ROUNDS):
-            self._queue.put(_STOP)
-            await trio.to_thread.run_sync(self._thread.join)
-            # The outcomes delivered after the last batch run now.
+            await self._quiet()
+            # The callbacks of the last deliveries run now.
             await trio.lowlevel.checkpoint()
-            if self._queue.empty():
-                return
-            self._thread = threading.Thread(target=self._loop, name="jobserver-writer", daemon=True)
-            self._thread.start()
-        log.error("the writer was still given work after %d rounds of stopping", STOP_ROUNDS)
+            if not self._pending:
+                break
+        else:
+            log.error("the writer was still given work after %d rounds of stopping", STOP_ROUNDS)
+        self._stopping = True
+        if self._wakeup is not None:
+            self._wakeup.set()
+        await self._finished.wait()
+        await self._durability.stop()
 
-    def _loop(self) -> None:
-        while True:
-            first = self._queue.get()
-            if first is _STOP:
-                return
-            batch = [first]
-            stop = False
-            while len(batch) < MAX_BATCH:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is _STOP:
-                    stop = True
-                    break
-                batch.append(item)
-            self._run_batch(batch)
-            if stop:
-                return
+    async def _quiet(self) -> None:
+        """Until nothing is queued or running, and all of it is durable."""
+        while self._pending or self._running:
+            self._batch_ended = trio.Event()
+            await self._batch_ended.wait()
+        await self._durability.settled()
 
-    def _run_batch(self, batch: list[Work]) -> None:
-        woken = _Woken()
+    async def _run(self) -> None:
         try:
+            while self._pending or not self._stopping:
+                if not self._pending:
+                    self._wakeup = trio.Event()
+                    await self._wakeup.wait()
+                    self._wakeup = None
+                    # Let every task that is ready to run submit its request
+                    # first, so they share this batch.
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                    continue
+                # While the disk is behind, requests gather into a larger batch.
+                await self._durability.room()
+                count = min(len(self._pending), MAX_BATCH)
+                batch = [self._pending.popleft() for _ in range(count)]
+                self._running = True
+                try:
+                    await self._run_batch(batch)
+                finally:
+                    self._running = False
+                    self._batch_ended.set()
+        finally:
+            self._finished.set()
+
+    async def _run_batch(self, batch: list[Work]) -> None:
+        if not self._threaded:
+            committed = self._transact(batch, begun=False, wake=True)
+        elif any(work.heavy for work in batch) or not self._try_begin():
+            # Waiting for another process's lock, or a long run, happens off
+            # the event loop. Waiters it wakes are served by the next batch.
+            committed = await trio.to_thread.run_sync(self._transact, batch, False, False)
+        else:
+            committed = self._transact(batch, begun=True, wake=True)
+        self.batches += 1
+        self.requests += len(committed.works)
+        # Waiting GetJobs hear of new jobs at once: the batch that serves
+        # them is synced after this one, so nothing is handed out early.
+        if committed.ready or committed.due is not None:
+            _guarded(self._notify, committed.ready, committed.due)
+        if committed.ok:
+            self._durability.committed(committed.works, committed.outcomes)
+        else:
+            self._deliver(committed.works, committed.outcomes)
+
+    def _try_begin(self) -> bool:
+        """Open the transaction at once, if no other process holds the lock."""
+        try:
+            return self._store.try_begin()
+        except self._store.errors:
+            # Tried again in the thread, which reports what goes wrong.
+            return False
+
+    def _transact(self, batch: list[Work], begun: bool, wake: bool) -> _Batch:
+        """Run a batch and commit it (not yet durable). Whatever goes wrong,
+        every request gets an outcome, waiting GetJobs caught for it
+        included: a caller must never wait for a commit that will not come."""
+        store = self._store
+        caught: list[Work] = []
+        try:
+            if not begun:
+                store.begin()
             outcomes, ready, due = self._execute(batch)
-            self._wake_in_transaction(ready, due, woken)
-            self._store.commit()
-            batch = batch + woken.works
-            outcomes += woken.outcomes
-            self.batches += 1
-            self.requests += len(batch)
-        except Exception as error:  # noqa: BLE001 - a boundary: see below
-            # Whatever went wrong, every request of the batch gets an answer,
-            # waiting GetJobs caught for it included: a caller must never
-            # wait for a commit that will not come.
+            if wake and ready:
+                caught, caught_outcomes, ready, due = self._wake_in_transaction(ready, due)
+                outcomes += caught_outcomes
+            store.commit()
+            return _Batch(batch + caught, outcomes, True, ready, due)
+        except Exception as error:  # noqa: BLE001 - a boundary: see above
             status = self._abandon(error)
-            batch = batch + woken.works
+            works = batch + caught
             # One outcome each: an outcome can be unwrapped only once.
-            outcomes = [outcome.Error(CommandError(status)) for _ in batch]
-            woken = _Woken()
-        self._token.run_sync_soon(self._deliver, batch, outcomes, woken)
+            failed: list[outcome.Maybe[Any]] = [
+                outcome.Error(CommandError(status)) for _ in works
+            ]
+            return _Batch(works, failed, False)
 
     def _abandon(self, error: Exception) -> str:
         """Roll a failed transaction back; the status its requests get."""
@@ -201,55 +241,44 @@ class Writer:
             self._store.rollback()
         except self._store.errors as rollback_error:
             # SQLite undoes an uncommitted transaction itself when it next
-            # opens one; the thread must live on to answer the next batch.
+            # opens one; the writer must live on to answer the next batch.
             log.error("rollback failed: %s", rollback_error)
         return status
 
-    def _deliver(
-        self, batch: list[Work], outcomes: list[outcome.Maybe[Any]], woken: _Woken
-    ) -> None:
+    def _deliver(self, works: list[Work], outcomes: list[outcome.Maybe[Any]]) -> None:
         """On the event loop. An exception from here would end the whole
         trio run, so each callback's is logged and kept to itself."""
-        for work, result in zip(batch, outcomes, strict=False):
-            _guarded(work.done, result)
-        if woken.ready or woken.due is not None:
-            _guarded(self._notify, woken.ready, woken.due)
+        reschedule = trio.lowlevel.reschedule
+        for work, result in zip(works, outcomes, strict=True):
+            if work.task is not None:
+                reschedule(work.task, result)
+            elif work.done is not None:
+                _guarded(work.done, result)
 
-    def _wake_in_transaction(self, ready: set[str], due: str | None, woken: _Woken) -> None:
-        """Serve, before the commit, the waiting GetJobs this batch woke."""
-        if not ready or not self.anyone_waiting():
-            # Nobody to serve now (only a later due time, or no waiter):
-            # skip the round trip to the event loop, which hears of this
-            # after the commit instead. A GetJob that starts waiting
-            # meanwhile tries after this commit, so it still sees the jobs.
-            woken.ready, woken.due = ready, due
-            return
+    def _wake_in_transaction(
+        self, ready: set[str], due: str | None
+    ) -> tuple[list[Work], list[outcome.Maybe[Any]], set[str], str | None]:
+        """Serve, before the commit, the waiting GetJobs this batch woke:
+        the requests caught, their outcomes, and what they in turn made
+        ready or due (heard of after the commit)."""
         # Recorded before they run, so that they are answered even if the
         # transaction fails from here on.
-        if self._threaded:
-            woken.works = trio.from_thread.run_sync(self._catch, ready, due, trio_token=self._token)
-        else:
-            woken.works = self._catch(ready, due)
-        if woken.works:
-            results = self._run_all(woken.works, savepoints=True)
-            assert results is not None
-            woken.outcomes = [result for result, _ in results]
-            woken.ready, woken.due = _merge(ctx for _, ctx in results)
-
-    def _catch(self, ready: set[str], due: str | None) -> list[Work]:
-        """On the event loop: the requests that notifying this produces,
-        all of them even if notifying fails part way: each must be
-        answered, or its waiting GetJob would wait for it forever."""
         self._caught = []
         try:
             self._notify(ready, due)
         except Exception:
             log.exception("notifying waiting GetJobs failed")
-        caught, self._caught = self._caught, None
-        return caught
+        finally:
+            caught, self._caught = self._caught, None
+        if not caught:
+            return [], [], set(), None
+        results = self._run_all(caught, savepoints=True)
+        assert results is not None
+        later_ready, later_due = _merge(ctx for _, ctx in results)
+        return caught, [result for result, _ in results], later_ready, later_due
 
     def _execute(self, batch: list[Work]) -> tuple[list[outcome.Maybe[Any]], set[str], str | None]:
-        """Run a batch's requests in one open transaction (not committed).
+        """Run a batch's requests in the open transaction (not committed).
 
         Most requests either succeed or fail before they write anything, so
         the batch first runs without a savepoint per request. Only if a
@@ -257,7 +286,6 @@ class Writer:
         with savepoints, so that each request undoes only itself.
         """
         store = self._store
-        store.begin()
         results = self._run_all(batch, savepoints=False)
         if results is None:
             store.rollback()
@@ -273,9 +301,11 @@ class Writer:
         """Each request's outcome and, if it succeeded, its context. None
         when, without savepoints, a failed request left changes behind."""
         store = self._store
+        settings = self.settings
+        now = self._clock.now
         results: list[tuple[outcome.Maybe[Any], Context | None]] = []
         for work in batch:
-            ctx = Context(store, self._clock.now(), self.settings)
+            ctx = Context(store, now(), settings)
             before = store.total_changes
             if savepoints:
                 store.savepoint()
@@ -321,11 +351,14 @@ def _guarded(callback: Callable[..., None], *args: Any) -> None:
 
 
 @dataclass
-class _Woken:
-    """Waiting GetJobs served inside a transaction, and what they changed."""
+class _Batch:
+    """A batch after its transaction: every request that ran in it (waiting
+    GetJobs served in it included), their outcomes, whether it committed,
+    and what it made ready or due."""
 
-    works: list[Work] = field(default_factory=list)
-    outcomes: list[outcome.Maybe[Any]] = field(default_factory=list)
+    works: list[Work]
+    outcomes: list[outcome.Maybe[Any]]
+    ok: bool
     ready: set[str] = field(default_factory=set)
     due: str | None = None
 

@@ -123,8 +123,8 @@ class Server:
         config = self.config
         self.token = trio.lowlevel.current_trio_token()
         self.max_connections = _connections_allowed(config.max_connections)
-        # The writer thread runs Python between its SQLite calls; by default
-        # it could keep the event loop from the GIL for 5 ms at a time.
+        # Heavy batches and Query run Python in threads; by default one
+        # could keep the event loop from the GIL for 5 ms at a time.
         sys.setswitchinterval(GIL_SWITCH_SECONDS)
         # Signals are caught before anything is announced, so a stop sent the
         # moment the server says it listens is still a clean stop.
@@ -208,7 +208,6 @@ class Server:
         self.waits = WaitQueue(
             self.writer, self.clock, selection.serve_waiters, selection.give_back, deadlines.tick
         )
-        self.writer.anyone_waiting = self.waits.anyone_waiting
         access = Access(config.auth_token, config.allow_remote_query, config.query_seconds)
         self.dispatcher = Dispatcher(store, self.writer, self.waits, self, access)
 

@@ -32,7 +32,8 @@ class BadQuery(Exception):
 
 class Storage(Protocol):
     """The jobs database, used by one thread at a time (the writer's),
-    except where a method says it opens a connection of its own."""
+    except where a method says it opens a connection of its own or may be
+    called from another thread."""
 
     # What a human reads in logs and Status: a file path, or a URL.
     path: str
@@ -43,6 +44,10 @@ class Storage(Protocol):
     # what is stored (reloaded whenever a transaction is rolled back).
     limits: dict[str, int]
     paused: frozenset[str]
+    # Whether a commit is durable only once `sync` has returned (the
+    # writer then delivers outcomes after a sync); False when commits are
+    # not to be synced one by one (--synchronous NORMAL, a memory database).
+    needs_sync: bool
 
     def close(self) -> None: ...
 
@@ -57,9 +62,24 @@ class Storage(Protocol):
     @property
     def in_transaction(self) -> bool: ...
 
-    def begin(self) -> None: ...
+    def begin(self) -> None:
+        """Open a write transaction, waiting for another process's lock
+        up to the busy timeout."""
 
-    def commit(self) -> None: ...
+    def try_begin(self) -> bool:
+        """Open a write transaction if that needs no waiting; False if
+        another process holds the lock."""
+
+    def commit(self) -> None:
+        """Commit, not necessarily durably: see `sync`."""
+
+    def sync(self) -> None:
+        """Make every commit so far durable. Called from another thread
+        while the writer goes on; raises OSError if the disk fails."""
+
+    def checkpoint_if_due(self) -> None:
+        """Keep the log of commits short; called after syncs, from the
+        same thread as `sync`."""
 
     def rollback(self) -> None: ...
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
+import time
 from collections.abc import Mapping, Sequence
 
 from jobserver.core.jobs import PLAIN, Job, NewJob
@@ -46,6 +47,11 @@ BUSY_MS = 2000
 # shutdown past its few seconds.
 STOPPING_BUSY_MS = 100
 
+# How often the sync thread moves the log's pages into the database file (a
+# checkpoint, which syncs that file too): often enough that the log, and
+# every read's search of it, stays short; rarely enough to cost little.
+CHECKPOINT_SECONDS = 0.25
+
 # Free pages worth a vacuum on their own: 1 MiB of 4 KiB pages. Below
 # that, the next jobs will reuse them anyway.
 RECLAIM_MIN_PAGES = 256
@@ -63,12 +69,13 @@ class Store:
         self.errors: tuple[type[Exception], ...] = (sqlite3.Error,)
         # Set when the server stops (see STOPPING_BUSY_MS).
         self._stopping = False
-        self._short_wait = False
         try:
             self._db = sqlite3.connect(
                 path, isolation_level=None, check_same_thread=False
             )
-            sqlite_schema.prepare(self._db, path, synchronous, BUSY_MS)
+            # The schema and its migrations are synced by SQLite itself.
+            sqlite_schema.prepare(self._db, path, "FULL", BUSY_MS)
+            self._commit_without_syncing(synchronous)
             # Every priority a job has had since the file was opened: a
             # superset of those with waiting jobs, so GetJob skips the rest.
             self._priorities = {
@@ -85,7 +92,29 @@ class Store:
         except sqlite3.DatabaseError as error:
             raise StoreError(f"cannot use {path!r} as a job database: {error}") from error
 
+    def _commit_without_syncing(self, synchronous: str) -> None:
+        """In WAL mode with synchronous NORMAL a commit appends to the log
+        without syncing it; SQLite syncs the log and the file only at a
+        checkpoint. With FULL, `sync` makes each commit durable instead,
+        from the writer's sync thread, which also runs the checkpoints, so
+        that no commit stops to copy pages. The connection never waits for
+        a lock by itself: `begin` says how long to wait."""
+        self.needs_sync = synchronous == "FULL" and self.path != ":memory:"
+        self._db.execute("PRAGMA synchronous = NORMAL")
+        if self.needs_sync:
+            self._db.execute("PRAGMA wal_autocheckpoint = 0")
+        self._db.execute("PRAGMA busy_timeout = 0")
+        self._log_fd: int | None = None
+        self._checkpointer: sqlite3.Connection | None = None
+        self._last_checkpoint = time.monotonic()
+
     def close(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+        if self._log_fd is not None:
+            os.close(self._log_fd)
+        # The last connection to close checkpoints the log into the file,
+        # syncs it, and removes the log.
         self._db.close()
 
     def stop_waiting_long(self) -> None:
@@ -103,13 +132,50 @@ class Store:
         return self._db.in_transaction
 
     def begin(self) -> None:
-        if self._stopping and not self._short_wait:
-            self._db.execute(f"PRAGMA busy_timeout = {STOPPING_BUSY_MS}")
-            self._short_wait = True
-        self._db.execute("BEGIN IMMEDIATE")
+        wait_ms = STOPPING_BUSY_MS if self._stopping else BUSY_MS
+        self._db.execute(f"PRAGMA busy_timeout = {wait_ms}")
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+        finally:
+            self._db.execute("PRAGMA busy_timeout = 0")
+
+    def try_begin(self) -> bool:
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as error:
+            # The primary code, whatever the extended one (BUSY_RECOVERY...).
+            if error.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY:
+                return False
+            raise
+        return True
 
     def commit(self) -> None:
         self._db.execute("COMMIT")
+
+    def sync(self) -> None:
+        if not self.needs_sync:
+            return
+        if self._log_fd is None:
+            # The log lives as long as this connection: SQLite removes it
+            # only when the last connection closes.
+            self._log_fd = os.open(self.path + "-wal", os.O_RDONLY | os.O_CLOEXEC)
+            # Its name in the directory must survive a power cut too.
+            _sync_directory(os.path.dirname(os.path.abspath(self.path)))
+        _datasync(self._log_fd)
+
+    def checkpoint_if_due(self) -> None:
+        if not self.needs_sync or time.monotonic() - self._last_checkpoint < CHECKPOINT_SECONDS:
+            return
+        self._last_checkpoint = time.monotonic()
+        if self._checkpointer is None:
+            # A connection of its own, so the writer's goes on meanwhile;
+            # its synchronous FULL makes the checkpoint sync the log before
+            # copying it, and the file after.
+            self._checkpointer = sqlite3.connect(
+                self.path, isolation_level=None, check_same_thread=False
+            )
+        # PASSIVE: copies what no reader still needs, and never waits.
+        self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
 
     def rollback(self) -> None:
         if self._db.in_transaction:
@@ -497,3 +563,17 @@ class Store:
             with contextlib.suppress(OSError):
                 total += os.path.getsize(self.path + suffix)
         return total
+
+
+def _datasync(fd: int) -> None:
+    # fdatasync where the system has it: the log's size and content, not
+    # its times. Both release the GIL while they wait.
+    getattr(os, "fdatasync", os.fsync)(fd)
+
+
+def _sync_directory(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

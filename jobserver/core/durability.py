@@ -1,0 +1,156 @@
+"""The durability stage: committed batches wait here until they are on disk.
+
+The writer commits without waiting for the disk. Each committed batch is
+handed here; a thread syncs the database's log once for every batch
+committed since its previous sync began, and only then are their outcomes
+delivered on the event loop. While one sync is in flight the writer runs
+and commits the next batches, which the following sync covers: one sync
+per round of work however many batches it holds, and the event loop never
+waits for the disk.
+
+A batch's outcomes are delivered in commit order, and only after a sync
+that began after its commit returned. If the sync fails, the outcomes
+become `503`: the writes may or may not be on disk, so none is confirmed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import outcome
+import trio
+
+from jobserver.core.errors import CommandError
+from jobserver.storage.interface import Storage
+
+log = logging.getLogger("jobserver")
+
+# A batch, once committed: the requests that ran in it and their outcomes.
+Batch = tuple[list[Any], list[outcome.Maybe[Any]]]
+# deliver(requests, outcomes): on the event loop.
+Deliver = Callable[[list[Any], list[outcome.Maybe[Any]]], None]
+
+# Committed batches that may wait for the disk at once: the one a sync is
+# writing, and the next. More would only make batches smaller (and each
+# request cost more): what arrives meanwhile waits to join a larger one.
+MAX_UNSYNCED = 2
+
+_STOP = object()
+
+
+class Durability:
+    def __init__(self, store: Storage, deliver: Deliver, threaded: bool) -> None:
+        self._store = store
+        self._deliver = deliver
+        # With --synchronous NORMAL nothing is synced: outcomes go out at
+        # the commit, and SQLite syncs at its checkpoints only.
+        self._syncs = store.needs_sync
+        self._threaded = threaded
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="jobserver-sync", daemon=True)
+        self._token = trio.lowlevel.current_trio_token()
+        self._committed = 0
+        self._durable = 0
+        # (batches that must be durable, event): callers of `settled`.
+        self._settling: list[tuple[int, trio.Event]] = []
+        self._room = trio.Event()
+
+    def start(self) -> None:
+        if self._syncs and self._threaded:
+            self._thread.start()
+
+    def committed(self, works: list[Any], outcomes: list[outcome.Maybe[Any]]) -> None:
+        """A batch was committed; deliver its outcomes once it is durable."""
+        self._committed += 1
+        if not self._syncs:
+            self._done([(works, outcomes)], None)
+        elif not self._threaded:
+            error = self._sync()
+            self._done([(works, outcomes)], error)
+            self._maintain()
+        else:
+            self._queue.put((works, outcomes))
+
+    async def room(self) -> None:
+        """Until another batch may be committed (see MAX_UNSYNCED)."""
+        while self._committed - self._durable >= MAX_UNSYNCED:
+            self._room = trio.Event()
+            await self._room.wait()
+
+    async def settled(self) -> None:
+        """Until every batch committed so far is durable and delivered."""
+        target = self._committed
+        if self._durable >= target:
+            return
+        event = trio.Event()
+        self._settling.append((target, event))
+        await event.wait()
+
+    async def stop(self) -> None:
+        """After the last batch: let the thread finish and end."""
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            await trio.to_thread.run_sync(self._thread.join)
+
+    def _loop(self) -> None:
+        """The sync thread: take every batch committed so far, sync once,
+        hand them back to the event loop, then keep the log short."""
+        while True:
+            first = self._queue.get()
+            if first is _STOP:
+                return
+            batches: list[Batch] = [first]
+            stop = False
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is _STOP:
+                    stop = True
+                    break
+                batches.append(item)
+            error = self._sync()
+            self._token.run_sync_soon(self._done, batches, error)
+            self._maintain()
+            if stop:
+                return
+
+    def _sync(self) -> Exception | None:
+        try:
+            self._store.sync()
+        except Exception as error:  # noqa: BLE001 - reported to each request instead
+            log.error("syncing the database to disk failed: %s", error)
+            return error
+        return None
+
+    def _maintain(self) -> None:
+        try:
+            self._store.checkpoint_if_due()
+        except Exception:
+            # A checkpoint that fails is tried again after a later sync; the
+            # log grows meanwhile, nothing is lost.
+            log.exception("checkpointing the database failed")
+
+    def _done(self, batches: list[Batch], error: Exception | None) -> None:
+        """On the event loop: these batches are durable (or failed to be)."""
+        for works, outcomes in batches:
+            if error is None:
+                self._deliver(works, outcomes)
+            else:
+                status = f"503 Database unavailable: cannot sync to disk: {error}"
+                self._deliver(works, [outcome.Error(CommandError(status)) for _ in works])
+        self._durable += len(batches)
+        self._room.set()
+        if self._settling:
+            waiting = []
+            for target, event in self._settling:
+                if target <= self._durable:
+                    event.set()
+                else:
+                    waiting.append((target, event))
+            self._settling = waiting
