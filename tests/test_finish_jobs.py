@@ -16,6 +16,15 @@ from hypothesis import strategies as st
 
 from conformance_helpers import force, state
 from helpers import create, ok, until
+from jobserver.client import (
+    AsyncClient,
+    Conflict,
+    Finish,
+    FinishResult,
+    IllegalState,
+    JobNotFound,
+)
+from jobserver.client import Client as LibraryClient
 from jobserver.wire.limits import MAX_FINISH_JOBS
 from wire import Client, Reply, encode
 
@@ -315,6 +324,61 @@ def test_each_element_is_finished_exactly_as_finish_job_would_finish_it(client, 
         reply: Reply = client.request("FinishJob", headers=_headers(element))
         assert got["status"] == reply.status, (spec, element)
     assert [_state(client, j) for j in batch_ids] == [_state(client, j) for j in twin_ids]
+
+
+# The client library: finish_jobs on Client and AsyncClient.
+
+
+def _refusals(results: list[FinishResult]) -> list[type[Exception] | None]:
+    return [None if r.ok else type(r.error()) for r in results]
+
+
+def test_the_client_reports_each_job_with_its_own_typed_result(server):
+    with LibraryClient("127.0.0.1", server.port, timeout=10) as jobs:
+        done = jobs.create_job("lib", {"a": 1})
+        again = jobs.create_job("lib", repeat="FINISHED, +1 HOUR")
+        stolen = jobs.create_job("lib")
+        leases = {job["jobID"]: job["leaseID"] for job in jobs.get_jobs("lib", 3)}
+        idle = jobs.create_job("idle")
+        results = jobs.finish_jobs([
+            Finish(done, leases[done]),
+            (again, leases[again], {"b": 2}),
+            Finish(stolen, lease_id="0000000000000000"),
+            Finish(idle),
+            Finish(UNKNOWN, data={}),
+            Finish(done),
+        ])
+        assert [r.job_id for r in results] == [done, again, stolen, idle, UNKNOWN, done]
+        assert [r.status for r in results][:3] == ["200 OK", "200 OK", "409 Lease expired"]
+        assert [r.ok for r in results] == [True, True, False, False, False, False]
+        assert _refusals(results) == [None, None, Conflict, IllegalState, JobNotFound, JobNotFound]
+        assert results[0] == FinishResult(done, "200 OK") and results[0].error() is None
+        assert jobs.query_job(again)["data"] == {"b": 2}
+        assert jobs.query_job(stolen)["state"] == "RUNNING"
+
+
+def test_the_client_refuses_an_empty_or_over_long_list_before_sending(server):
+    with LibraryClient("127.0.0.1", server.port, timeout=10) as jobs:
+        job_id = jobs.create_job("unsent")
+        jobs.get_job("unsent")
+        for count in (0, MAX_FINISH_JOBS + 1):
+            with pytest.raises(ValueError, match=f"1 to {MAX_FINISH_JOBS} jobs"):
+                jobs.finish_jobs([Finish(job_id)] * count)
+        assert jobs.query_job(job_id)["state"] == "RUNNING"
+        assert jobs.status()["commandsServed"] == 3
+
+
+async def test_the_trio_client_reports_many_jobs_at_once(server):
+    async with AsyncClient("127.0.0.1", server.port, timeout=10) as jobs:
+        ids = await jobs.create_jobs([{"name": "async"}] * 3)
+        taken = await jobs.get_jobs("async", 3)
+        reports = [Finish(job["jobID"], job["leaseID"], {"n": 1}) for job in taken]
+        results = await jobs.finish_jobs([*reports, Finish(ids[0])])
+        assert [(r.job_id, r.status) for r in results] == [
+            *((j["jobID"], "200 OK") for j in taken), (ids[0], "404 No job with this jobID")
+        ]
+        assert isinstance(results[-1].error(), JobNotFound)
+        assert (await jobs.status())["jobs"] == {}
 
 
 # A GetJob waiting on its own connection.
