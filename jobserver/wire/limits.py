@@ -45,7 +45,8 @@ MAX_WAIT_MS = 3_600_000
 
 # FinishJobs takes at most this many jobs: as many as one GetJobs hands out
 # (core/params.MAX_RESULTS), so a worker reports a whole batch at once, and
-# few enough that one request holds the writer for milliseconds, not seconds.
+# few enough that one request holds the writer for tens of milliseconds
+# (about 30 for a thousand), not seconds.
 MAX_FINISH_JOBS = 1000
 
 # FailedJobs lists at most this many jobs, as Query returns at most this
