@@ -1,7 +1,7 @@
 """A model of the job queue, checked against a real server step by step.
 
-Hypothesis drives CreateJob, GetJob, GetJobs, FinishJob, RetryJob, FailJob,
-DeleteJob and QueryJob from three connections against one server per test
+Hypothesis drives CreateJob, GetJob, GetJobs, FinishJob, FinishJobs,
+RetryJob, FailJob, DeleteJob and QueryJob from three connections against one server per test
 case, and keeps a Python model of every job's state. Each answer (status
 line, which jobs are handed out and in what order) must be the model's, and
 after every step the whole jobs table must match the model.
@@ -166,22 +166,34 @@ class JobQueueModel(RuleBasedStateMachine):
         assert reply.status == "200 OK", reply.status
         self.check_handed_out(reply.json["jobs"], expected)
 
+    def finish(self, job_id: int) -> str:
+        """FinishJob of `job_id` in the model; the status line it gets."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            return NO_JOB
+        if job.state != "RUNNING":
+            return NOT_RUNNING
+        if job.repeat:
+            job.state, job.due = "QUEUED", False
+        else:
+            del self.jobs[job_id]
+        return "200 OK"
+
     @precondition(lambda self: self.ever)
     @rule(client=st.integers(0, CLIENTS - 1), data=st.data())
     def finish_job(self, client: int, data: st.DataObject) -> None:
         job_id = self.pick_id(data)
-        job = self.jobs.get(job_id)
         reply = self.ask(client, "FinishJob", jobID=job_id)
-        if job is None:
-            assert reply.status == NO_JOB
-        elif job.state != "RUNNING":
-            assert reply.status == NOT_RUNNING
-        else:
-            assert reply.status == "200 OK"
-            if job.repeat:
-                job.state, job.due = "QUEUED", False
-            else:
-                del self.jobs[job_id]
+        assert reply.status == self.finish(job_id)
+
+    @precondition(lambda self: self.ever)
+    @rule(client=st.integers(0, CLIENTS - 1), data=st.data())
+    def finish_jobs(self, client: int, data: st.DataObject) -> None:
+        ids = data.draw(st.lists(st.sampled_from([*self.ever, MISSING]), min_size=1, max_size=4))
+        reply = self.ask(client, "FinishJobs", jobs=[{"jobID": job_id} for job_id in ids])
+        assert reply.status == "200 OK", reply.status
+        expected = [{"jobID": job_id, "status": self.finish(job_id)} for job_id in ids]
+        assert reply.json == {"results": expected}
 
     @precondition(lambda self: self.ever)
     @rule(client=st.integers(0, CLIENTS - 1), data=st.data())

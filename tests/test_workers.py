@@ -8,6 +8,7 @@ deadline. Worker scripts are POSIX sh unless they need Python.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -25,8 +27,9 @@ import trio
 
 from conformance_helpers import force
 from harness import MANAGER, ThreadServer
-from helpers import create, until
+from helpers import create, ok, until
 from jobserver.client import Client as LibraryClient
+from jobserver.wire.framing import RequestParser
 from jobserver.workers.contract import Refused, find_worker, json_object, retry_options
 from jobserver.workers.leases import touch_period
 from jobserver.workers.manager import LOAD_NOTICE_INTERVAL, Every, Manager
@@ -658,17 +661,24 @@ def test_the_example_workers(server, client, manager):
     assert re.search(rf"job {resize} ResizeImage retried \(delay 5s\)", running.log)
 
 
-class ReplyDropper:
-    """A TCP proxy in front of the server that forwards the first FinishJob
-    of each job, waits for the server's reply, and then cuts the connection
-    instead of passing the reply on: the report was carried out, but the
-    manager cannot know."""
+def reported(request: bytes) -> tuple[str, list[int]]:
+    """The verb of a request, and the jobs it reports finished."""
+    [parsed] = RequestParser().feed(request)
+    if parsed.verb == "FinishJob":
+        return parsed.verb, [int(parsed.headers["jobid"])]
+    if parsed.verb == "FinishJobs":
+        return parsed.verb, [element["jobID"] for element in json.loads(parsed.headers["jobs"])]
+    return parsed.verb, []
+
+
+class Relay:
+    """A TCP proxy in front of the server: each request of a connection is
+    passed on and its reply passed back, one at a time, through `exchange`."""
 
     def __init__(self, port: int) -> None:
         self.target = port
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
-        self.dropped: list[int] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -690,17 +700,77 @@ class ReplyDropper:
                         return
                     requests += chunk
                 request, requests = requests.split(b"\r\n\r\n", 1)
-                upstream.sendall(request + b"\r\n\r\n")
-                reply = replies.read_reply()
-                found = re.match(rb"FinishJob\r\n(?:.*\r\n)*?jobID: (\d+)", request + b"\r\n")
-                if found and int(found.group(1)) not in self.dropped:
-                    self.dropped.append(int(found.group(1)))
+                request += b"\r\n\r\n"
+
+                def forward(request: bytes = request) -> Reply:
+                    upstream.sendall(request)
+                    return replies.read_reply()
+
+                answer = self.exchange(request, forward)
+                if answer is None:
                     return
-                head = [reply.status] + [f"{k}: {v}" for k, v in reply.headers.items()]
-                downstream.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + reply.body)
+                head = [answer.status] + [f"{k}: {v}" for k, v in answer.headers.items()]
+                downstream.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + answer.body)
+
+    def exchange(self, request: bytes, forward: Callable[[], Reply]) -> Reply | None:
+        """The reply to pass back, or None to cut the connection."""
+        return forward()
 
     def close(self) -> None:
         self.listener.close()
+
+
+class ReplyDropper(Relay):
+    """Forwards the first report of each finished job (FinishJob or
+    FinishJobs), waits for the server's reply, and then cuts the connection
+    instead of passing the reply on: the report was carried out, but the
+    manager cannot know."""
+
+    def __init__(self, port: int) -> None:
+        self.dropped: list[int] = []
+        super().__init__(port)
+
+    def exchange(self, request: bytes, forward: Callable[[], Reply]) -> Reply | None:
+        reply = forward()
+        _, jobs = reported(request)
+        if any(job_id not in self.dropped for job_id in jobs):
+            self.dropped.extend(jobs)
+            return None
+        return reply
+
+
+class ReportGate(Relay):
+    """Holds the first FinishJob until `open()`, so that the results of
+    jobs that end meanwhile wait together; records every report. With
+    `knows_finish_jobs` false it answers FinishJobs as an older server
+    would, without passing it on; with `lose_batch`, it cuts the connection
+    instead of passing on the reply to the first FinishJobs."""
+
+    def __init__(self, port: int, knows_finish_jobs: bool = True, lose_batch: bool = False) -> None:
+        self.knows_finish_jobs = knows_finish_jobs
+        self.lose_batch = lose_batch
+        self.reports: list[tuple[str, list[int]]] = []
+        self.held = threading.Event()  # the first FinishJob has arrived
+        self.opened = threading.Event()
+        super().__init__(port)
+
+    def open(self) -> None:
+        self.opened.set()
+
+    def exchange(self, request: bytes, forward: Callable[[], Reply]) -> Reply | None:
+        verb, jobs = reported(request)
+        if jobs:
+            self.reports.append((verb, jobs))
+        if verb == "FinishJob" and not self.held.is_set():
+            self.held.set()
+            assert self.opened.wait(DEADLINE), "the gate was never opened"
+        if verb == "FinishJobs" and not self.knows_finish_jobs:
+            return Reply("430 Unrecognized command", {"Content-Length": "0"}, b"")
+        reply = forward()
+        if verb == "FinishJobs" and self.lose_batch:
+            self.lose_batch = False
+            return None
+        return reply
 
 
 def test_a_report_whose_reply_was_lost_is_sent_again_and_not_applied_twice(
@@ -724,6 +794,110 @@ def test_a_report_whose_reply_was_lost_is_sent_again_and_not_applied_twice(
     assert query(client, once).code == 404
     assert job(client, repeating)["data"] == {"done": 1}
     assert job(client, repeating)["state"] == "QUEUED"
+    assert "refused" not in running.log
+
+
+# Results that wait together go as one FinishJobs.
+
+
+def _gated_jobs(client: Client, workers: Path, release: Path) -> tuple[int, list[int]]:
+    """A job whose worker ends at once, and three whose workers end when
+    `release` exists, each leaving its jobID in its data."""
+    write_worker(workers, "Quick", "cat >/dev/null\n")
+    held_body = wait_for_file(release) + 'echo "{\\"held\\": $JOB_ID}"\n'
+    write_worker(workers, "Held", "cat >/dev/null\n" + held_body)
+    quick = create(client, "Quick")
+    return quick, [create(client, "Held", repeat="FINISHED, +1 HOUR") for _ in range(3)]
+
+
+def test_results_that_wait_together_are_reported_in_one_finish_jobs(
+    server, client, workers, manager, tmp_path
+):
+    release = tmp_path / "release"
+    quick, held = _gated_jobs(client, workers, release)
+    gate = ReportGate(server.port)
+    try:
+        running = manager(gate.port, "--max-workers", "4", "--job-name", "Quick,Held")
+        assert gate.held.wait(DEADLINE), "no FinishJob came"
+        until(lambda: all(job(client, j)["state"] == "RUNNING" for j in held), DEADLINE,
+              "the held jobs to run")
+        # Meanwhile another worker takes one of them (renamed, so that the
+        # manager's free slot does not): its result will be refused.
+        ok(client.request("RequeueJobs", jobIDs=str(held[0]), name="Stolen"))
+        assert ok(client.request("GetJob", name="Stolen")).json["jobID"] == held[0]
+        release.touch()
+        running.wait_for(r"job \d+ Held finished in", count=3)
+        gate.open()
+        running.wait_for(
+            rf"job {held[0]} Held: FinishJob refused \(409 Lease expired\): another worker"
+        )
+        for taken in held[1:]:
+            until(lambda taken=taken: job(client, taken)["data"] == {"held": taken}, DEADLINE,
+                  "the batch to be finished")
+    finally:
+        gate.open()
+        gate.close()
+    assert gate.reports[0] == ("FinishJob", [quick])
+    [(verb, batch)] = gate.reports[1:]
+    assert verb == "FinishJobs" and sorted(batch) == held
+    assert job(client, held[0])["state"] == "RUNNING"
+    assert query(client, quick).code == 404
+
+
+def test_a_finish_jobs_whose_reply_was_lost_is_sent_again_and_not_applied_twice(
+    server, client, workers, manager, tmp_path
+):
+    release = tmp_path / "release"
+    _, held = _gated_jobs(client, workers, release)
+    gate = ReportGate(server.port, lose_batch=True)
+    try:
+        running = manager(gate.port, "--max-workers", "4")
+        assert gate.held.wait(DEADLINE), "no FinishJob came"
+        release.touch()
+        running.wait_for(r"job \d+ Held finished in", count=3)
+        gate.open()
+        running.wait_for(r"cannot report job \d+ .*holding 3 results")
+        # Each job, queued again for its next run by the first FinishJobs:
+        running.wait_for(
+            r"job \d+ Held: already reported "
+            r"\(405 Can only retry/finish RUNNING and RUNQUEUED jobs after a reply was lost\)",
+            count=3,
+        )
+    finally:
+        gate.open()
+        gate.close()
+    [first, again] = gate.reports[1:]
+    assert first == again and first[0] == "FinishJobs" and sorted(first[1]) == held
+    for taken in held:
+        assert job(client, taken)["data"] == {"held": taken}
+    assert "refused" not in running.log
+
+
+def test_a_server_without_finish_jobs_gets_each_result_alone(
+    server, client, workers, manager, tmp_path
+):
+    release = tmp_path / "release"
+    quick, held = _gated_jobs(client, workers, release)
+    gate = ReportGate(server.port, knows_finish_jobs=False)
+    try:
+        running = manager(gate.port, "--max-workers", "4")
+        assert gate.held.wait(DEADLINE), "no FinishJob came"
+        release.touch()
+        running.wait_for(r"job \d+ Held finished in", count=3)
+        gate.open()
+        running.wait_for(
+            r"does not take FinishJobs \(430 Unrecognized command\); reporting each job alone"
+        )
+        for taken in held:
+            until(lambda taken=taken: job(client, taken)["data"] == {"held": taken}, DEADLINE,
+                  "each result to be reported")
+    finally:
+        gate.open()
+        gate.close()
+    assert gate.reports[0] == ("FinishJob", [quick])
+    verbs = [verb for verb, _ in gate.reports]
+    assert verbs == ["FinishJob", "FinishJobs", "FinishJob", "FinishJob", "FinishJob"]
+    assert [jobs for _, jobs in gate.reports[2:]] == [[j] for j in gate.reports[1][1]]
     assert "refused" not in running.log
 
 

@@ -41,7 +41,9 @@ Leases. Every GetJob and GetJobs asks for the lease token (`includeLeaseID`),
 so each job dict carries `leaseID`. Pass it back as `lease_id` to
 finish_job, retry_job, fail_job, update_job and touch_job: if the job has
 been handed to another worker since, the server refuses with `Conflict`
-(`409 Lease expired`) and changes nothing.
+(`409 Lease expired`) and changes nothing. finish_jobs reports many jobs
+in one request, each `Finish(job_id, lease_id, data)` with its own
+`FinishResult`: a refused job is a result, not an exception.
 
 TLS. `tls=True` speaks TLS and trusts the system's certificate
 authorities; `tls="ca.pem"` trusts the CA certificates in that PEM file
@@ -58,7 +60,7 @@ A client is for one thread, or one trio task, at a time.
 
 from __future__ import annotations
 
-from jobserver.client.calls import When
+from jobserver.client.calls import Finish, FinishResult, When
 from jobserver.client.endpoint import (
     DEFAULT_TIMEOUT,
     TLS,
@@ -93,6 +95,8 @@ __all__ = [
     "Client",
     "Conflict",
     "ConnectionFailed",
+    "Finish",
+    "FinishResult",
     "IllegalState",
     "InvalidRequest",
     "JobNotFound",

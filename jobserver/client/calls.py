@@ -7,14 +7,14 @@ name; its docstring is that method's, on Client and AsyncClient alike
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
-from jobserver.client.errors import error_for
+from jobserver.client.errors import JobServerError, error_for
 from jobserver.wire.framing import Reply
-from jobserver.wire.limits import DEFAULT_WAIT_MS, MAX_WAIT_MS
+from jobserver.wire.limits import DEFAULT_WAIT_MS, MAX_FINISH_JOBS, MAX_WAIT_MS
 
 T = TypeVar("T")
 Method = TypeVar("Method", bound=Callable[..., Any])
@@ -210,6 +210,68 @@ def finish_job(job_id: int, data: dict[str, Any] | None, lease_id: str | None) -
     """Report a handed-out job done: it is deleted, or queued for its next
     run if it repeats. `data` replaces its data."""
     return _on_job("FinishJob", job_id, data=data, leaseID=lease_id)
+
+
+class Finish(NamedTuple):
+    """One job for finish_jobs: as finish_job's job_id, lease_id and data.
+    A plain (job_id, lease_id, data) tuple does as well."""
+
+    job_id: int
+    lease_id: str | None = None
+    data: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class FinishResult:
+    """What finish_jobs did with one job. `status` is the status line that
+    finish_job would have had for it; `job_id` the jobID as the server read
+    it (None if it was not an integer)."""
+
+    job_id: int | None
+    status: str
+
+    @property
+    def code(self) -> int:
+        return int(self.status[:3])
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.code <= 299
+
+    def error(self) -> JobServerError | None:
+        """The exception finish_job would have raised, or None for success."""
+        return None if self.ok else error_for(self.status)
+
+
+def _finish_element(
+    job_id: int, lease_id: str | None, data: dict[str, Any] | None
+) -> dict[str, Any]:
+    element: dict[str, Any] = {"jobID": job_id}
+    if lease_id is not None:
+        element["leaseID"] = lease_id
+    if data is not None:
+        element["data"] = data
+    return element
+
+
+def _finish_results(reply: Reply) -> list[FinishResult]:
+    return [FinishResult(r["jobID"], r["status"]) for r in reply.json()["results"]]
+
+
+def finish_jobs(
+    jobs: Sequence[tuple[int, str | None, dict[str, Any] | None]],
+) -> Call[list[FinishResult]]:
+    """Report many handed-out jobs done in one request: each Finish(job_id,
+    lease_id, data) as finish_job would report it, in order, 1 to 1,000 of
+    them (ValueError otherwise, before sending). Returns a FinishResult per
+    job, in the same order. A job the server refuses does not stop the
+    others: its result is not `ok`, and `error()` is what finish_job would
+    have raised (Conflict for a lease that moved on, JobNotFound...); the
+    call itself raises only when the whole request fails."""
+    if not 1 <= len(jobs) <= MAX_FINISH_JOBS:
+        raise ValueError(f"finish_jobs takes 1 to {MAX_FINISH_JOBS} jobs, not {len(jobs)}")
+    elements = [_finish_element(*job) for job in jobs]
+    return Call("FinishJobs", {"jobs": elements}, _finish_results)
 
 
 def fail_job(

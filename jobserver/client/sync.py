@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Self, TypeVar
 
 from jobserver.client import calls
-from jobserver.client.calls import Call, When, documented_by
+from jobserver.client.calls import Call, FinishResult, When, documented_by
 from jobserver.client.endpoint import (
     CANNOT_CONNECT,
     CANNOT_SEND,
@@ -103,6 +103,12 @@ class Client(Endpoint):
         self, job_id: int, data: dict[str, Any] | None = None, lease_id: str | None = None
     ) -> None:
         self._call(calls.finish_job(job_id, data, lease_id))
+
+    @documented_by(calls.finish_jobs)
+    def finish_jobs(
+        self, jobs: Sequence[tuple[int, str | None, dict[str, Any] | None]]
+    ) -> list[FinishResult]:
+        return self._call(calls.finish_jobs(jobs))
 
     @documented_by(calls.fail_job)
     def fail_job(

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import ssl
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import trio
 
 from jobserver.client import calls
-from jobserver.client.calls import Call, When, documented_by
+from jobserver.client.calls import Call, FinishResult, When, documented_by
 from jobserver.client.endpoint import (
     CANNOT_CONNECT,
     CANNOT_SEND,
@@ -103,6 +103,12 @@ class AsyncClient(Endpoint, trio.abc.AsyncResource):
         self, job_id: int, data: dict[str, Any] | None = None, lease_id: str | None = None
     ) -> None:
         await self._call(calls.finish_job(job_id, data, lease_id))
+
+    @documented_by(calls.finish_jobs)
+    async def finish_jobs(
+        self, jobs: Sequence[tuple[int, str | None, dict[str, Any] | None]]
+    ) -> list[FinishResult]:
+        return await self._call(calls.finish_jobs(jobs))
 
     @documented_by(calls.fail_job)
     async def fail_job(

@@ -22,7 +22,7 @@ from jobserver.core.sqlite_functions import json_patch
 from jobserver.core.views import failed_object, job_object, ok
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request, Response, escape
-from jobserver.wire.limits import DEFAULT_PRIORITY
+from jobserver.wire.limits import DEFAULT_PRIORITY, MAX_FINISH_JOBS
 
 
 def load_job(ctx: Context, request: Request) -> Job:
@@ -54,7 +54,7 @@ def create_jobs(ctx: Context, request: Request) -> Response:
     for element in elements:
         if not any(key.lower() == "name" for key in element):
             raise CommandError("402 Missing name")
-        ids.append(_create(ctx, params.from_json(element)))
+        ids.append(_create(ctx, params.from_json(element, "CreateJob")))
     return ok({"jobIDs": ids})
 
 
@@ -204,6 +204,37 @@ def finish_job(ctx: Context, request: Request) -> Response:
 
 def retry_job(ctx: Context, request: Request) -> Response:
     return _finish_or_retry(ctx, request, retry=True)
+
+
+# The savepoint of one FinishJobs element, inside the writer's own.
+_ELEMENT = "element"
+
+
+def finish_jobs(ctx: Context, request: Request) -> Response:
+    """FinishJob for each element of `jobs`, in order, each with its own
+    outcome: an element that fails undoes its own writes and no others."""
+    elements = _job_list(request)
+    if len(elements) > MAX_FINISH_JOBS:
+        raise CommandError(f"413 Too many jobs (max {MAX_FINISH_JOBS})")
+    return ok({"results": [_finish_element(ctx, element) for element in elements]})
+
+
+def _finish_element(ctx: Context, element: dict[str, Any]) -> dict[str, Any]:
+    request = params.from_json(element, "FinishJob")
+    part = ctx.part()
+    ctx.store.savepoint(_ELEMENT)
+    # Only FinishJob's answers are an element's own. Anything else (the
+    # database failing, a bug) fails the whole request, and the writer
+    # undoes all of it, this savepoint included.
+    try:
+        status = finish_job(part, request).status
+    except CommandError as error:
+        ctx.store.rollback_savepoint(_ELEMENT)
+        status = error.status
+    else:
+        ctx.store.release(_ELEMENT)
+        ctx.join(part)
+    return {"jobID": params.given_job_id(request), "status": status}
 
 
 def _finish_or_retry(ctx: Context, request: Request, retry: bool) -> Response:

@@ -72,3 +72,14 @@ class Context:
         clock try every waiting GetJob as soon as this commits."""
         if self.due is None or self.now_ms < self.due:
             self.due = self.now_ms
+
+    def part(self) -> Context:
+        """A context for one part of this request that may fail on its own
+        (an element of FinishJobs): what it notes counts only once joined."""
+        return Context(self.store, self.now, self.settings)
+
+    def join(self, part: Context) -> None:
+        """Count what a part that succeeded noted as this request's own."""
+        self.ready |= part.ready
+        if part.due is not None:
+            self.fire_at(part.due)

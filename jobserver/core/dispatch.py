@@ -283,6 +283,7 @@ ROUTES: dict[str, Route] = {
     "queryjob": _in_writer(commands.query_job),
     "updatejob": _in_writer(commands.update_job),
     "finishjob": _in_writer(commands.finish_job),
+    "finishjobs": _in_writer(commands.finish_jobs),
     "retryjob": _in_writer(commands.retry_job),
     "failjob": _in_writer(commands.fail_job),
     "canceljob": _in_writer(commands.cancel_job),

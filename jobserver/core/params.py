@@ -82,6 +82,22 @@ def parse_job_id(text: str, name: str = "jobID") -> int:
     return number
 
 
+# An integer in canonical decimal form, in or out of a jobID's range.
+_INTEGER = re.compile(r"-?(?:0|[1-9][0-9]*)")
+
+
+def given_job_id(request: Request) -> int | None:
+    """The jobID a request names, as a number even if it is out of range;
+    None when it names none, or something that is not an integer."""
+    text = present(request, "jobID")
+    if text is None or not _INTEGER.fullmatch(text):
+        return None
+    try:
+        return int(text)
+    except ValueError:  # more digits than Python converts
+        return None
+
+
 def job_ids(request: Request, name: str = "jobIDs") -> list[int]:
     text = require(request, name)
     ids = [parse_job_id(part.strip(), name) for part in text.split(",") if part.strip()]
@@ -296,8 +312,9 @@ def wait_seconds(request: Request) -> float:
     return min(millis, MAX_WAIT_MS) / 1000
 
 
-def from_json(element: Mapping[str, Any]) -> Request:
-    """One element of CreateJobs as request parameters.
+def from_json(element: Mapping[str, Any], verb: str) -> Request:
+    """One element of a batch (CreateJobs, FinishJobs) as the parameters
+    of a request `verb` (CreateJob, FinishJob).
 
     Keys are case-insensitive, as header names are; objects stay JSON text;
     `data: []` is how PHP writes an empty object, so it means `{}`.
@@ -317,7 +334,7 @@ def from_json(element: Mapping[str, Any]) -> Request:
         else:
             text = str(value)
         headers[key.lower()] = text
-    return Request(method_line="CreateJob", headers=headers)
+    return Request(method_line=verb, headers=headers)
 
 
 def flow_options(request: Request) -> FlowOptions:

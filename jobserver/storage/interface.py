@@ -55,6 +55,8 @@ class Storage(Protocol):
         """The server stops: waits for another process's lock are cut short."""
 
     # Transactions: one per batch, a savepoint per request where needed.
+    # Savepoints nest: a request may open one of its own, by another name,
+    # inside the writer's (FinishJobs undoes a failed element alone).
 
     @property
     def total_changes(self) -> int: ...
@@ -83,11 +85,12 @@ class Storage(Protocol):
 
     def rollback(self) -> None: ...
 
-    def savepoint(self) -> None: ...
+    def savepoint(self, name: str = "request") -> None: ...
 
-    def release(self) -> None: ...
+    def release(self, name: str = "request") -> None: ...
 
-    def rollback_savepoint(self) -> None: ...
+    def rollback_savepoint(self, name: str = "request") -> None:
+        """Undo what was written since savepoint `name`, and close it."""
 
     # Jobs.
 

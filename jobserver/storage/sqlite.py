@@ -182,15 +182,17 @@ class Store:
             self._db.execute("ROLLBACK")
         self._load_flow_control()
 
-    def savepoint(self) -> None:
-        self._db.execute("SAVEPOINT request")
+    # Savepoint names are the core's own constants, quoted as identifiers.
 
-    def release(self) -> None:
-        self._db.execute("RELEASE request")
+    def savepoint(self, name: str = "request") -> None:
+        self._db.execute(f'SAVEPOINT "{name}"')
 
-    def rollback_savepoint(self) -> None:
-        self._db.execute("ROLLBACK TO request")
-        self._db.execute("RELEASE request")
+    def release(self, name: str = "request") -> None:
+        self._db.execute(f'RELEASE "{name}"')
+
+    def rollback_savepoint(self, name: str = "request") -> None:
+        self._db.execute(f'ROLLBACK TO "{name}"')
+        self._db.execute(f'RELEASE "{name}"')
         self._load_flow_control()
 
     # Rows.

@@ -43,6 +43,12 @@ DEFAULT_WAIT_MS = 110_000
 # hold a socket without hearing back.
 MAX_WAIT_MS = 3_600_000
 
+# FinishJobs takes at most this many jobs: as many as one GetJobs hands out
+# (core/params.MAX_RESULTS), so a worker reports a whole batch at once, and
+# few enough that one request holds the writer for tens of milliseconds
+# (about 30 for a thousand), not seconds.
+MAX_FINISH_JOBS = 1000
+
 # FailedJobs lists at most this many jobs, as Query returns at most this
 # many rows, and this many when it names no limit.
 MAX_LISTED = 10_000

@@ -6,7 +6,17 @@ What happens to a report after each attempt is decided by POLICY below:
 the server's answer (or the lack of one) -> what to do with the report, and
 what to log. Every report carries its job's lease token, so a result for a
 job that has since been handed to another worker is refused (409) and
-dropped."""
+dropped.
+
+FinishJob reports that wait together at the head of the queue (jobs that
+ended while a report was on its way, or while the server was down) go as
+one FinishJobs. The server answers each job on its own, and each answer
+that is not a success goes through POLICY as the answer to that job's own
+FinishJob would. For the request as a whole, POLICY decides as for its
+first report: a SEND_AGAIN sends it again after the backoff wait, with the
+reports that joined the queue meanwhile; anything else sends its reports
+one at a time. A server that does not know FinishJobs (430) gets every
+report alone from then on."""
 
 from __future__ import annotations
 
@@ -23,12 +33,15 @@ import trio
 from jobserver.client import (
     Conflict,
     ConnectionFailed,
+    Finish,
     IllegalState,
     InvalidRequest,
     JobNotFound,
     JobServerError,
     ServerError,
+    UnrecognizedCommand,
 )
+from jobserver.wire.limits import MAX_FINISH_JOBS
 from jobserver.workers.connection import BACKOFF_MAX, Backoff, Link, Server
 from jobserver.workers.contract import Report
 
@@ -186,6 +199,7 @@ class Reporter:
         self.closed = False  # no more reports will come
         self.scope = trio.CancelScope()  # its deadline ends delivery early
         self.given_up = 0  # reports the server would not take
+        self.batching = True  # whether the server takes FinishJobs
 
     def add(self, report: Report) -> None:
         self.pending.append(report)
@@ -213,39 +227,109 @@ class Reporter:
                         self.added = trio.Event()
                         await self.added.wait()
                         continue
+                    if len(self._finishes()) > 1:
+                        await self.deliver_finishes(link)
+                        continue
                     await self.deliver(self.pending[0], link)
                     self.pending.popleft()
         finally:
             await link.aclose()
             done.set()
 
-    async def deliver(self, report: Report, link: Link) -> None:
-        """Send `report` until POLICY says it is done with it."""
+    async def deliver(
+        self, report: Report, link: Link, refused: JobServerError | None = None
+    ) -> None:
+        """Send `report` until POLICY says it is done with it. `refused`: the
+        server's answer to it as part of a FinishJobs, to act on first."""
         delivery = Delivery(report)
+        error: Failure | None = refused
         while True:
+            if error is None:
+                try:
+                    await _send(link, delivery.report)
+                except (ConnectionFailed, JobServerError) as failure:
+                    error = failure
+                else:
+                    self._log_back(delivery, f"job {report.job_id}")
+                    return
+            if isinstance(error, ConnectionFailed):
+                # The server may have applied it before the connection
+                # broke: a later 404 or 405 may mean it did.
+                delivery.report.uncertain = True
+            if not await self._follow(rule_for(delivery.report, error), delivery, error, link):
+                return
+            error = None
+
+    def _finishes(self) -> list[Report]:
+        """The FinishJob reports at the head of the queue, as many as one
+        FinishJobs takes: sent together, they keep their order."""
+        batch: list[Report] = []
+        if self.batching:
+            for report in self.pending:
+                if not _batchable(report) or len(batch) == MAX_FINISH_JOBS:
+                    break
+                batch.append(report)
+        return batch
+
+    async def deliver_finishes(self, link: Link) -> None:
+        """Send the FinishJob reports at the head of the queue as one
+        FinishJobs, then each the server refused as POLICY says; remove
+        them from the queue as each is done with."""
+        delivery = Delivery(self.pending[0])
+        while True:
+            batch = self._finishes()
             try:
-                await _send(link, delivery.report)
+                results = await link.client.finish_jobs([_finish(r) for r in batch])
             except (ConnectionFailed, JobServerError) as error:
                 if isinstance(error, ConnectionFailed):
-                    # The server may have applied it before the connection
-                    # broke: a later 404 or 405 may mean it did.
-                    delivery.report.uncertain = True
-                if await self._follow(rule_for(delivery.report, error), delivery, error, link):
+                    for report in batch:
+                        report.uncertain = True
+                rule = rule_for(batch[0], error)
+                if rule.action is Action.SEND_AGAIN:
+                    if not delivery.backoff.failing:
+                        log.log(rule.level, rule.message, self._fields(batch[0], error))
+                    await link.reconnect()
+                    await trio.sleep(delivery.backoff.next())
                     continue
+                self._stop_batching_if_unknown(error)
+                for report in batch:
+                    await self.deliver(report, link)
+                    self.pending.popleft()
                 return
-            if delivery.backoff.failing:
-                log.info(
-                    "server %s reachable again; reported job %s after %.1fs",
-                    self.server.address,
-                    report.job_id,
-                    trio.current_time() - delivery.started,
-                )
+            self._log_back(delivery, f"job {batch[0].job_id} and {len(batch) - 1} more")
+            for report, result in zip(batch, results, strict=True):
+                refused = result.error()
+                if refused is not None:
+                    await self.deliver(report, link, refused)
+                self.pending.popleft()
             return
+
+    def _stop_batching_if_unknown(self, error: Failure) -> None:
+        if isinstance(error, UnrecognizedCommand):
+            log.warning(
+                "server %s does not take FinishJobs (%s); reporting each job alone",
+                self.server.address,
+                error.status,
+            )
+            self.batching = False
+
+    def _log_back(self, delivery: Delivery, what: str) -> None:
+        """After an outage, say that the server took reports again."""
+        if delivery.backoff.failing:
+            log.info(
+                "server %s reachable again; reported %s after %.1fs",
+                self.server.address,
+                what,
+                trio.current_time() - delivery.started,
+            )
+
+    def _fields(self, report: Report, error: Failure) -> dict[str, Any]:
+        return _fields(report, error) | {"held": len(self.pending)}
 
     async def _follow(self, rule: Rule, delivery: Delivery, error: Failure, link: Link) -> bool:
         """Do what `rule` says with the report; whether to send it again."""
         report = delivery.report
-        fields = _fields(report, error) | {"held": len(self.pending)}
+        fields = self._fields(report, error)
         if rule.action is Action.SEND_AGAIN_OR_GIVE_UP:
             delivery.server_errors += 1
             if delivery.server_errors >= REPORT_TRIES_ON_ERROR:
@@ -278,6 +362,15 @@ class Reporter:
                 report.command,
                 json.dumps(report.params),
             )
+
+
+def _batchable(report: Report) -> bool:
+    """A FinishJob report, with no parameter that FinishJobs cannot carry."""
+    return report.verb == "finish" and set(report.params) <= {"data"}
+
+
+def _finish(report: Report) -> Finish:
+    return Finish(report.job_id, report.lease_id, report.params.get("data"))
 
 
 async def _send(link: Link, report: Report) -> None:
