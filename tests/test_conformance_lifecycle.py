@@ -26,6 +26,7 @@ from conformance_helpers import (
     state,
     utcnow,
 )
+from harness import ThreadServer
 from helpers import create, ok
 
 
@@ -674,3 +675,25 @@ def test_requeue_jobs__test_next_run_time(client):
     job = row(client, job_id)
     assert job["nextRun"] == job["created"]
     assert job["state"] == "QUEUED"
+
+
+def test_children_stored_before_a_restart_are_still_found(tmp_path):
+    """The server keeps in memory which jobs have children, to spare the
+    query for all others; one started on a file must know those stored."""
+    first = ThreadServer(tmp_path / "jobs.db")
+    with first.client() as client:
+        parent = create(client, "parent")
+        ok(client.request("GetJob", name="parent"))
+        child = create(client, "child", parentJobID=parent, data='{"n":1}')
+        ok(client.request("FinishJob", jobID=parent))
+        ok(client.request("GetJob", name="child"))
+        ok(client.request("FinishJob", jobID=child))
+    first.stop()
+    second = ThreadServer(tmp_path / "jobs.db")
+    with second.client() as client:
+        handed = ok(client.request("GetJob", name="parent")).json
+        assert handed["finishedChildJobs"] == [{"data": {"n": 1}, "jobID": child}]
+        ok(client.request("FinishJob", jobID=parent))
+        # Its ended children went with it.
+        assert client.request("QueryJob", jobID=child).status == "404 No job with this jobID"
+    second.stop()

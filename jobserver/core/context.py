@@ -45,12 +45,15 @@ class Context:
     ready: set[str] = field(default_factory=set)
     # The earliest future nextRun this request wrote, for the wake-up timer.
     due: str | None = None
+    # `now` as stored text; the writer formats it once for a whole batch,
+    # whose requests share one moment as they share one commit.
+    now_ms: str = ""
     now_s: str = field(init=False)
-    now_ms: str = field(init=False)
 
     def __post_init__(self) -> None:
         # Formatted once: handlers compare against these many times.
-        self.now_ms = times.to_millis(self.now)
+        if not self.now_ms:
+            self.now_ms = times.to_millis(self.now)
         self.now_s = self.now_ms[:19]
 
     def scheduled(self, name: str, next_run: str) -> None:
@@ -76,7 +79,7 @@ class Context:
     def part(self) -> Context:
         """A context for one part of this request that may fail on its own
         (an element of FinishJobs): what it notes counts only once joined."""
-        return Context(self.store, self.now, self.settings)
+        return Context(self.store, self.now, self.settings, now_ms=self.now_ms)
 
     def join(self, part: Context) -> None:
         """Count what a part that succeeded noted as this request's own."""

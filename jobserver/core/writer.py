@@ -35,6 +35,7 @@ from typing import Any
 import outcome
 import trio
 
+from jobserver.core import times
 from jobserver.core.clock import Clock
 from jobserver.core.context import Context, Settings
 from jobserver.core.durability import Durability
@@ -302,10 +303,11 @@ class Writer:
         when, without savepoints, a failed request left changes behind."""
         store = self._store
         settings = self.settings
-        now = self._clock.now
+        now = self._clock.now()
+        now_ms = times.to_millis(now)
         results: list[tuple[outcome.Maybe[Any], Context | None]] = []
         for work in batch:
-            ctx = Context(store, now(), settings)
+            ctx = Context(store, now, settings, now_ms=now_ms)
             before = store.total_changes
             if savepoints:
                 store.savepoint()

@@ -81,6 +81,15 @@ class Store:
             self._priorities = {
                 row[0] for row in self._db.execute("SELECT DISTINCT priority FROM jobs")
             }
+            # Every job named as a parent since the file was opened: a
+            # superset of the jobs with children, so that handing out or
+            # finishing any other job asks nothing about children.
+            self._parents = {
+                row[0]
+                for row in self._db.execute(
+                    "SELECT DISTINCT parentJobID FROM jobs WHERE parentJobID != 0"
+                )
+            }
             # Flow control, read on every hand-out: kept in memory, so that
             # a GetJob costs nothing more when no limit or pause is set.
             # Limits given at start (--limit) are the base; those set by
@@ -231,6 +240,8 @@ class Store:
                 (*row, policy.max_attempts, policy.backoff, policy.delay, policy.max_delay),
             )
         self._priorities.add(new.priority)
+        if new.parent_id:
+            self._parents.add(new.parent_id)
         assert cursor.lastrowid is not None
         return cursor.lastrowid
 
@@ -428,6 +439,8 @@ class Store:
 
     def children(self, parent_id: int, states: Sequence[str]) -> list[Job]:
         """Children of a job in these states, oldest first."""
+        if parent_id not in self._parents:
+            return []
         marks = ", ".join("?" for _ in states)
         rows = self._db.execute(
             f"SELECT {_COLUMNS} FROM jobs "
@@ -438,6 +451,8 @@ class Store:
         return [Job(*row) for row in rows]
 
     def has_children(self, parent_id: int, states: Sequence[str] | None = None) -> bool:
+        if parent_id not in self._parents:
+            return False
         if states is None:
             row = self._db.execute(
                 "SELECT 1 FROM jobs WHERE parentJobID != 0 AND parentJobID = ? LIMIT 1",
