@@ -160,10 +160,9 @@ class Writer:
                 if not self._pending:
                     self._wakeup = trio.Event()
                     await self._wakeup.wait()
+                    # The task that woke the writer ran in the same round as
+                    # every other task ready then: their requests are all here.
                     self._wakeup = None
-                    # Let every task that is ready to run submit its request
-                    # first, so they share this batch.
-                    await trio.lowlevel.cancel_shielded_checkpoint()
                     continue
                 # While the disk is behind, requests gather into a larger batch.
                 await self._durability.room()
@@ -175,6 +174,10 @@ class Writer:
                 finally:
                     self._running = False
                     self._batch_ended.set()
+                if self._pending:
+                    # Work that followed this batch (what its notice asked
+                    # for) waits a round, so connections are never starved.
+                    await trio.lowlevel.cancel_shielded_checkpoint()
         finally:
             self._finished.set()
 
