@@ -75,3 +75,56 @@ async def test_a_batch_commits_once_and_a_failure_undoes_only_itself(tmp_path: P
     finally:
         await writer.stop()
         store.close()
+
+
+# Durability: an outcome goes out only after a sync that covers its commit.
+# The store's sync is held here (a real fdatasync follows), so what waits
+# for it shows.
+
+
+class HeldSync:
+    """Wraps a store's sync so a test decides when it may proceed."""
+
+    def __init__(self, store: Store) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self._sync = store.sync
+        store.sync = self  # type: ignore[method-assign]
+
+    def __call__(self) -> None:
+        self.entered.set()
+        assert self.release.wait(10), "the test never released the sync"
+        self._sync()
+
+
+async def test_no_outcome_before_the_sync_that_covers_it(tmp_path: Path) -> None:
+    store = Store(str(tmp_path / "jobs.db"))
+    held = HeldSync(store)
+    writer = Writer(store, lambda ready, due: None, SystemClock())
+    writer.start()
+    order: list[str] = []
+
+    async def call(label: str, work) -> None:
+        await writer.call(work)
+        order.append(label)
+
+    def count(ctx: Context) -> int:
+        return ctx.store.count_by_state().get("QUEUED", 0)
+
+    try:
+        # Nothing waits for the disk: a batch that only reads needs no sync.
+        with trio.fail_after(10):
+            assert await writer.call(count) == 0
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call, "write", lambda ctx: commands.create_job(ctx, create("a")))
+            await trio.to_thread.run_sync(held.entered.wait, 10)
+            # A read after an unsynced write may see it: it waits too.
+            nursery.start_soon(call, "read", count)
+            await trio.testing.wait_all_tasks_blocked()
+            assert order == []
+            held.release.set()
+        assert order == ["write", "read"]
+    finally:
+        held.release.set()
+        await writer.stop()
+        store.close()

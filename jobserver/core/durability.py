@@ -63,8 +63,15 @@ class Durability:
         if self._syncs and self._threaded:
             self._thread.start()
 
-    def committed(self, works: list[Any], outcomes: list[outcome.Maybe[Any]]) -> None:
-        """A batch was committed; deliver its outcomes once it is durable."""
+    def committed(
+        self, works: list[Any], outcomes: list[outcome.Maybe[Any]], wrote: bool = True
+    ) -> None:
+        """A batch was committed; deliver its outcomes once it is durable.
+        One that only read is as durable as the batches before it: if they
+        all are, its outcomes go out at once, with no sync."""
+        if not wrote and self._durable == self._committed:
+            self._deliver(works, outcomes)
+            return
         self._committed += 1
         if not self._syncs:
             self._done([(works, outcomes)], None)

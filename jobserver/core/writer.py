@@ -197,7 +197,7 @@ class Writer:
         if committed.ready or committed.due is not None:
             _guarded(self._notify, committed.ready, committed.due)
         if committed.ok:
-            self._durability.committed(committed.works, committed.outcomes)
+            self._durability.committed(committed.works, committed.outcomes, committed.wrote)
         else:
             self._deliver(committed.works, committed.outcomes)
 
@@ -218,12 +218,14 @@ class Writer:
         try:
             if not begun:
                 store.begin()
+            changes_before = store.total_changes
             outcomes, ready, due = self._execute(batch)
             if wake and ready:
                 caught, caught_outcomes, ready, due = self._wake_in_transaction(ready, due)
                 outcomes += caught_outcomes
             store.commit()
-            return _Batch(batch + caught, outcomes, True, ready, due)
+            wrote = store.total_changes != changes_before
+            return _Batch(batch + caught, outcomes, True, ready, due, wrote)
         except Exception as error:  # noqa: BLE001 - a boundary: see above
             status = self._abandon(error)
             works = batch + caught
@@ -366,6 +368,8 @@ class _Batch:
     ok: bool
     ready: set[str] = field(default_factory=set)
     due: str | None = None
+    # Whether it changed anything: a batch of reads needs no sync of its own.
+    wrote: bool = True
 
 
 def _merge(contexts: Iterable[Context | None]) -> tuple[set[str], str | None]:
