@@ -16,8 +16,10 @@ become `503`: the writes may or may not be on disk, so none is confirmed.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +41,15 @@ Deliver = Callable[[list[Any], list[outcome.Maybe[Any]]], None]
 # request cost more): what arrives meanwhile waits to join a larger one.
 MAX_UNSYNCED = 2
 
+# A sync this quick may run on the event loop when it has nothing else to do
+# (see _sync_here): a fast disk's sync is shorter than a trip to a thread.
+SYNC_HERE_SECONDS = 0.0005
+
+# How often syncs made on the event loop ask the thread for a checkpoint.
+MAINTAIN_SECONDS = 0.25
+
 _STOP = object()
+_MAINTAIN = object()
 
 
 class Durability:
@@ -58,6 +68,9 @@ class Durability:
         # (batches that must be durable, event): callers of `settled`.
         self._settling: list[tuple[int, trio.Event]] = []
         self._room = trio.Event()
+        # How long the last sync took; the first is done by the thread.
+        self._last_sync = math.inf
+        self._asked_maintain = time.monotonic()
 
     def start(self) -> None:
         if self._syncs and self._threaded:
@@ -79,8 +92,25 @@ class Durability:
             error = self._sync()
             self._done([(works, outcomes)], error)
             self._maintain()
+        elif self._sync_here():
+            error = self._sync()
+            self._done([(works, outcomes)], error)
+            # Checkpoints stay the thread's: they take longer than a sync.
+            if time.monotonic() - self._asked_maintain >= MAINTAIN_SECONDS:
+                self._asked_maintain = time.monotonic()
+                self._queue.put(_MAINTAIN)
         else:
             self._queue.put((works, outcomes))
+
+    def _sync_here(self) -> bool:
+        """Whether to sync on the event loop: when nothing else is in flight
+        or ready to run, and syncs are quick, handing the sync to the thread
+        and back costs more than the sync itself."""
+        return (
+            self._committed - self._durable == 1
+            and self._last_sync < SYNC_HERE_SECONDS
+            and trio.lowlevel.current_statistics().tasks_runnable == 0
+        )
 
     async def room(self) -> None:
         """Until another batch may be committed (see MAX_UNSYNCED)."""
@@ -110,6 +140,9 @@ class Durability:
             first = self._queue.get()
             if first is _STOP:
                 return
+            if first is _MAINTAIN:
+                self._maintain()
+                continue
             batches: list[Batch] = [first]
             stop = False
             while True:
@@ -120,7 +153,8 @@ class Durability:
                 if item is _STOP:
                     stop = True
                     break
-                batches.append(item)
+                if item is not _MAINTAIN:
+                    batches.append(item)
             error = self._sync()
             self._token.run_sync_soon(self._done, batches, error)
             self._maintain()
@@ -128,11 +162,13 @@ class Durability:
                 return
 
     def _sync(self) -> Exception | None:
+        began = time.perf_counter()
         try:
             self._store.sync()
         except Exception as error:  # noqa: BLE001 - reported to each request instead
             log.error("syncing the database to disk failed: %s", error)
             return error
+        self._last_sync = time.perf_counter() - began
         return None
 
     def _maintain(self) -> None:
