@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from clients import JobserverClient
+
 from jobserver.core.context import Context
 from jobserver.core.jobs import NewJob
 from jobserver.core.times import utcnow
@@ -50,8 +52,6 @@ def start_server(db: Path, port: int, root: Path) -> subprocess.Popen:
 
 
 def _taker(port: int, name: str, count: int, start: float, out: multiprocessing.Queue) -> None:
-    from run import JobserverClient
-
     client = JobserverClient(port)
     while time.time() < start:
         time.sleep(0.001)
@@ -103,8 +103,6 @@ def blocked_waiters(port: int, pid: int, count: int) -> tuple[int, float]:
         socks.append(sock)
     _wait_for_waiters(port, count)
     rss = rss_mb(pid)
-    from run import JobserverClient
-
     producer = JobserverClient(port)
     batch = 500
     for first in range(0, count, batch):
@@ -128,8 +126,6 @@ def blocked_waiters(port: int, pid: int, count: int) -> tuple[int, float]:
 
 
 def _wait_for_waiters(port: int, count: int) -> None:
-    from run import JobserverClient
-
     client = JobserverClient(port)
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -141,8 +137,6 @@ def _wait_for_waiters(port: int, count: int) -> None:
 
 
 def _batcher(port: int, stop_at: float) -> None:
-    from run import JobserverClient
-
     client = JobserverClient(port)
     jobs = ",".join('{"name":"load","data":{"p":"' + "x" * 90 + '"}}' for _ in range(1000))
     request = b"CreateJobs\r\njobs: [" + jobs.encode() + b"]\r\n\r\n"
@@ -153,8 +147,6 @@ def _batcher(port: int, stop_at: float) -> None:
 
 def ping_under_batches(port: int, seconds: float) -> tuple[float, float]:
     """Ping p50 and p99 (ms) while two clients commit 1000-job batches."""
-    from run import JobserverClient
-
     stop_at = time.time() + seconds
     loaders = [multiprocessing.Process(target=_batcher, args=(port, stop_at)) for _ in range(2)]
     for p in loaders:
