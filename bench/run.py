@@ -12,6 +12,10 @@ the ratios against the peers, and appends it to bench/RESULTS.md.
 
 Only ratios measured in one run mean anything: these machines are shared
 and their speed moves by a quarter between runs.
+
+`--server-root DIR` benchmarks the jobserver checkout at DIR (its server and
+the databases it fills), e.g. another branch's worktree; the default is the
+checkout this script is in.
 """
 
 from __future__ import annotations
@@ -127,13 +131,13 @@ def wait_port(port: int, proc: subprocess.Popen) -> None:
     deadline = time.time() + 30
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
             return
         except OSError:
             time.sleep(0.05)
-    raise RuntimeError(f"{proc.args[0]} did not open port {port}")
+    raise RuntimeError(f"{proc.args!r} did not open port {port}")
 
 
 def ensure_installed(binary: str, package: str) -> bool:
@@ -162,13 +166,9 @@ class Peer:
             self.proc.wait()
 
 
-def start_jobserver(workdir: Path) -> Peer:
+def start_jobserver(workdir: Path, root: Path) -> Peer:
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jobserver", "serve", "--port", str(port),
-         "--db", str(workdir / "bench.db"), "--synchronous", "FULL", "--log-level", "WARNING"],
-        cwd=ROOT,
-    )
+    proc = scale.start_server(workdir / "bench.db", port, root, "--synchronous", "FULL")
     wait_port(port, proc)
     return Peer("jobserver", port, proc)
 
@@ -255,16 +255,16 @@ def machine() -> str:
     return f"{os.cpu_count()} cores, {model}, Python {platform.python_version()}"
 
 
-def measure_scaling(workdir: Path, quick: bool) -> dict[str, float]:
+def measure_scaling(workdir: Path, quick: bool, root: Path) -> dict[str, float]:
     big = 100_000 if quick else 1_000_000
     per_worker = 300 if quick else 2000
     waiters = 2000 if quick else 10_000
     figures: dict[str, float] = {"big": big, "waiters": waiters}
     for label, jobs in (("small", 1000), ("large", big)):
         db = workdir / f"{label}.db"
-        scale.fill(db, jobs)
+        scale.fill(db, jobs, root)
         port = free_port()
-        proc = scale.start_server(db, port, ROOT)
+        proc = scale.start_server(db, port, root)
         try:
             wait_port(port, proc)
             figures[f"take_{label}"] = scale.take_rate(port, min(per_worker, jobs // 100))
@@ -272,7 +272,7 @@ def measure_scaling(workdir: Path, quick: bool) -> dict[str, float]:
             proc.terminate()
             proc.wait(10)
     port = free_port()
-    proc = scale.start_server(workdir / "waiters.db", port, ROOT)
+    proc = scale.start_server(workdir / "waiters.db", port, root)
     try:
         wait_port(port, proc)
         figures["served"], figures["rss"] = scale.blocked_waiters(port, proc.pid, waiters)
@@ -300,6 +300,26 @@ def scaling_table(f: dict[str, float]) -> str:
     ])
 
 
+def measure_peers(names: list[str], quick: bool, root: Path) -> dict[str, dict[str, float]]:
+    starters: dict[str, Callable[[Path], Peer | None]] = {
+        "jobserver": lambda workdir: start_jobserver(workdir, root),
+        "beanstalkd": start_beanstalkd,
+        "redis": start_redis,
+    }
+    results: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="jobserver-bench-") as tmp:
+        for name in names:
+            peer = starters[name](Path(tmp))
+            if peer is None:
+                print(f"skipped {name}: not installable here")
+                continue
+            try:
+                results[name] = measure(peer, quick)
+            finally:
+                peer.stop()
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run, under a minute")
@@ -308,31 +328,23 @@ def main() -> int:
         "--only", choices=["jobserver", "beanstalkd", "redis"], action="append",
         help="measure only this peer (repeatable); implies --no-record",
     )
+    parser.add_argument(
+        "--server-root", type=Path, default=ROOT, metavar="DIR",
+        help="the jobserver checkout to benchmark (default: this one); implies --no-record",
+    )
     args = parser.parse_args()
     command = "python bench/run.py" + (" --quick" if args.quick else "")
-    results: dict[str, dict[str, float]] = {}
-    with tempfile.TemporaryDirectory(prefix="jobserver-bench-") as tmp:
-        workdir = Path(tmp)
-        for start in (start_jobserver, start_beanstalkd, start_redis):
-            if args.only and start.__name__[6:] not in args.only:
-                continue
-            peer = start(workdir)
-            if peer is None:
-                print(f"skipped {start.__name__[6:]}: not installable here")
-                continue
-            try:
-                results[peer.name] = measure(peer, args.quick)
-            finally:
-                peer.stop()
+    root = args.server_root.resolve()
+    results = measure_peers(args.only or ["jobserver", "beanstalkd", "redis"], args.quick, root)
     if "jobserver" in results:
         with tempfile.TemporaryDirectory(prefix="jobserver-scale-") as tmp:
-            scaling = measure_scaling(Path(tmp), args.quick)
+            scaling = measure_scaling(Path(tmp), args.quick, root)
     else:
         scaling = {}
     report = table(results) + ("\n\n" + scaling_table(scaling) if scaling else "")
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"\n{stamp}; {machine()}; `{command}`\n\n{report}\n")
-    if not (args.no_record or args.only):
+    if not (args.no_record or args.only or root != ROOT):
         with open(HERE / "RESULTS.md", "a") as results_file:
             results_file.write(f"\n## {stamp}\n\n{machine()}; `{command}`\n\n{report}\n")
     return 0

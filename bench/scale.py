@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import resource
 import socket
 import statistics
@@ -21,17 +22,33 @@ from pathlib import Path
 
 from clients import JobserverClient
 
-from jobserver.core.context import Context
-from jobserver.core.jobs import NewJob
-from jobserver.core.times import utcnow
-from jobserver.storage.sqlite import Store
-
 NAMES = 100
 
 
-def fill(db: Path, jobs: int) -> None:
+def server_env(root: Path) -> dict[str, str]:
+    """The environment that makes a Python process import the jobserver
+    package of the checkout at `root`, whatever the caller's PYTHONPATH."""
+    return {**os.environ, "PYTHONPATH": str(root)}
+
+
+def fill(db: Path, jobs: int, root: Path) -> None:
     """Write `jobs` due jobs of 100 names straight into a new database:
-    through the protocol a million would take minutes."""
+    through the protocol a million would take minutes. This runs in a child
+    process importing the checkout under test, so the database has the
+    schema its server expects."""
+    subprocess.run(
+        [sys.executable, __file__, str(db), str(jobs)], env=server_env(root), check=True
+    )
+
+
+def _fill_here(db: Path, jobs: int) -> None:
+    # Imported here, not at the top: only the child process of fill()
+    # must see the jobserver under test.
+    from jobserver.core.context import Context
+    from jobserver.core.jobs import NewJob
+    from jobserver.core.times import utcnow
+    from jobserver.storage.sqlite import Store
+
     store = Store(str(db))
     now = Context(store, utcnow())
     store.begin()
@@ -43,11 +60,12 @@ def fill(db: Path, jobs: int) -> None:
     store.close()
 
 
-def start_server(db: Path, port: int, root: Path) -> subprocess.Popen:
+def start_server(db: Path, port: int, root: Path, *options: str) -> subprocess.Popen:
+    """Serve `db` with the jobserver of the checkout at `root`."""
     return subprocess.Popen(
         [sys.executable, "-m", "jobserver", "serve", "--port", str(port), "--db", str(db),
-         "--log-level", "WARNING"],
-        cwd=root,
+         "--log-level", "WARNING", *options],
+        cwd=root, env=server_env(root),
     )
 
 
@@ -163,3 +181,7 @@ def ping_under_batches(port: int, seconds: float) -> tuple[float, float]:
         p.join()
     samples.sort()
     return statistics.median(samples), samples[int(len(samples) * 0.99) - 1]
+
+
+if __name__ == "__main__":
+    _fill_here(Path(sys.argv[1]), int(sys.argv[2]))
