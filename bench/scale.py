@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import resource
 import socket
 import statistics
@@ -19,17 +20,35 @@ import sys
 import time
 from pathlib import Path
 
-from jobserver.core.context import Context
-from jobserver.core.jobs import NewJob
-from jobserver.core.times import utcnow
-from jobserver.storage.sqlite import Store
+from clients import JobserverClient
 
 NAMES = 100
 
 
-def fill(db: Path, jobs: int) -> None:
+def server_env(root: Path) -> dict[str, str]:
+    """The environment that makes a Python process import the jobserver
+    package of the checkout at `root`, whatever the caller's PYTHONPATH."""
+    return {**os.environ, "PYTHONPATH": str(root)}
+
+
+def fill(db: Path, jobs: int, root: Path) -> None:
     """Write `jobs` due jobs of 100 names straight into a new database:
-    through the protocol a million would take minutes."""
+    through the protocol a million would take minutes. This runs in a child
+    process importing the checkout under test, so the database has the
+    schema its server expects."""
+    subprocess.run(
+        [sys.executable, __file__, str(db), str(jobs)], env=server_env(root), check=True
+    )
+
+
+def _fill_here(db: Path, jobs: int) -> None:
+    # Imported here, not at the top: only the child process of fill()
+    # must see the jobserver under test.
+    from jobserver.core.context import Context
+    from jobserver.core.jobs import NewJob
+    from jobserver.core.times import utcnow
+    from jobserver.storage.sqlite import Store
+
     store = Store(str(db))
     now = Context(store, utcnow())
     store.begin()
@@ -41,17 +60,16 @@ def fill(db: Path, jobs: int) -> None:
     store.close()
 
 
-def start_server(db: Path, port: int, root: Path) -> subprocess.Popen:
+def start_server(db: Path, port: int, root: Path, *options: str) -> subprocess.Popen:
+    """Serve `db` with the jobserver of the checkout at `root`."""
     return subprocess.Popen(
         [sys.executable, "-m", "jobserver", "serve", "--port", str(port), "--db", str(db),
-         "--log-level", "WARNING"],
-        cwd=root,
+         "--log-level", "WARNING", *options],
+        cwd=root, env=server_env(root),
     )
 
 
 def _taker(port: int, name: str, count: int, start: float, out: multiprocessing.Queue) -> None:
-    from run import JobserverClient
-
     client = JobserverClient(port)
     while time.time() < start:
         time.sleep(0.001)
@@ -103,8 +121,6 @@ def blocked_waiters(port: int, pid: int, count: int) -> tuple[int, float]:
         socks.append(sock)
     _wait_for_waiters(port, count)
     rss = rss_mb(pid)
-    from run import JobserverClient
-
     producer = JobserverClient(port)
     batch = 500
     for first in range(0, count, batch):
@@ -128,8 +144,6 @@ def blocked_waiters(port: int, pid: int, count: int) -> tuple[int, float]:
 
 
 def _wait_for_waiters(port: int, count: int) -> None:
-    from run import JobserverClient
-
     client = JobserverClient(port)
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -141,8 +155,6 @@ def _wait_for_waiters(port: int, count: int) -> None:
 
 
 def _batcher(port: int, stop_at: float) -> None:
-    from run import JobserverClient
-
     client = JobserverClient(port)
     jobs = ",".join('{"name":"load","data":{"p":"' + "x" * 90 + '"}}' for _ in range(1000))
     request = b"CreateJobs\r\njobs: [" + jobs.encode() + b"]\r\n\r\n"
@@ -153,8 +165,6 @@ def _batcher(port: int, stop_at: float) -> None:
 
 def ping_under_batches(port: int, seconds: float) -> tuple[float, float]:
     """Ping p50 and p99 (ms) while two clients commit 1000-job batches."""
-    from run import JobserverClient
-
     stop_at = time.time() + seconds
     loaders = [multiprocessing.Process(target=_batcher, args=(port, stop_at)) for _ in range(2)]
     for p in loaders:
@@ -171,3 +181,7 @@ def ping_under_batches(port: int, seconds: float) -> tuple[float, float]:
         p.join()
     samples.sort()
     return statistics.median(samples), samples[int(len(samples) * 0.99) - 1]
+
+
+if __name__ == "__main__":
+    _fill_here(Path(sys.argv[1]), int(sys.argv[2]))
