@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -80,3 +81,18 @@ def locked(db: Path) -> Iterator[subprocess.Popen[str]]:
         if locker.poll() is None:
             locker.kill()
             locker.wait()
+
+
+class HeldSync:
+    """Wraps a store's sync so a test decides when it may proceed."""
+
+    def __init__(self, store: Any) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self._sync = store.sync
+        store.sync = self  # type: ignore[method-assign]
+
+    def __call__(self) -> None:
+        self.entered.set()
+        assert self.release.wait(10), "the test never released the sync"
+        self._sync()

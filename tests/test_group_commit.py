@@ -9,6 +9,7 @@ from pathlib import Path
 import trio
 import trio.testing
 
+from helpers import HeldSync
 from jobserver.core import commands
 from jobserver.core.clock import SystemClock
 from jobserver.core.context import Context
@@ -80,21 +81,6 @@ async def test_a_batch_commits_once_and_a_failure_undoes_only_itself(tmp_path: P
 # Durability: an outcome goes out only after a sync that covers its commit.
 # The store's sync is held here (a real fdatasync follows), so what waits
 # for it shows.
-
-
-class HeldSync:
-    """Wraps a store's sync so a test decides when it may proceed."""
-
-    def __init__(self, store: Store) -> None:
-        self.release = threading.Event()
-        self.entered = threading.Event()
-        self._sync = store.sync
-        store.sync = self  # type: ignore[method-assign]
-
-    def __call__(self) -> None:
-        self.entered.set()
-        assert self.release.wait(10), "the test never released the sync"
-        self._sync()
 
 
 async def test_no_outcome_before_the_sync_that_covers_it(tmp_path: Path) -> None:

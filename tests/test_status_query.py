@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
 from harness import ThreadServer
-from helpers import create
-from wire import Client
+from helpers import HeldSync, create
+from wire import Client, encode
 
 
 def test_ping(client):
@@ -181,4 +182,27 @@ def test_query_from_a_non_loopback_client(tmp_path, allowed):
             assert reply.status == ("200 OK" if allowed else "401 Unauthorized")
             assert remote.request("Ping").status == "200 OK"
     finally:
+        running.stop()
+
+
+def test_query_shows_no_write_before_it_is_synced(tmp_path: Path) -> None:
+    """Query reads through a connection of its own, which sees commits
+    not yet synced: its reply waits for their sync, as theirs do."""
+    running = ThreadServer(tmp_path / "jobs.db")
+    held = HeldSync(running.server.store)
+    try:
+        with running.client() as writer, running.client() as reader:
+            writer.send(encode("CreateJob", {"name": "unsynced"}))
+            assert held.entered.wait(10), "the CreateJob was never synced"
+            reader.send(encode("Query", {"query": "SELECT name FROM jobs;"}))
+            reader.sock.settimeout(0.5)
+            with pytest.raises(TimeoutError):
+                reader.read_reply()
+            held.release.set()
+            reader.sock.settimeout(10)
+            reply = reader.read_reply()
+            assert (reply.status, reply.body) == ("200 OK", b"name\nunsynced\n")
+            assert writer.read_reply().status == "200 OK"
+    finally:
+        held.release.set()
         running.stop()
