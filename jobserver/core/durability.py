@@ -8,6 +8,10 @@ and commits the next batches, which the following sync covers: one sync
 per round of work however many batches it holds, and the event loop never
 waits for the disk.
 
+When nothing else is in flight or ready to run and syncs are quick, the
+sync runs on the event loop instead: then a trip to the thread and back
+would cost more than the sync (see `_sync_here`).
+
 A batch's outcomes are delivered in commit order, and only after a sync
 that began after its commit returned. If the sync fails, the outcomes
 become `503`: the writes may or may not be on disk, so none is confirmed.
