@@ -1,14 +1,32 @@
-"""Side-by-side benchmark: jobserver against durable beanstalkd and Redis.
+"""Side-by-side benchmark: jobserver on SQLite and on PostgreSQL against
+durable beanstalkd and Redis.
 
-    python bench/run.py            # full run, about a quarter of an hour
-    python bench/run.py --quick    # smoke run, under a minute
+    python bench/run.py            # full run (see below for PostgreSQL)
+    python bench/run.py --quick    # smoke run, a few minutes
     python bench/run.py --server-root ../other-checkout --only jobserver
+    python bench/run.py --quick --only jobserver-pg2 --postgres postgresql://u@host/db
 
 Starts beanstalkd (binlog, fsync on every write: `-b DIR -f0`) and
 redis-server (AOF, `appendfsync always`) on free loopback ports, installing
-them with apt-get when they are missing, and jobserver on a fresh database
-with `--synchronous FULL`. Every peer is driven by the same kind of client
-(bench/clients.py): separate processes with plain sockets, 100-byte jobs.
+them with apt-get when they are missing, and jobserver on a fresh SQLite
+database with `--synchronous FULL`. Every peer is driven by the same kind
+of client (bench/clients.py): separate processes with plain sockets,
+100-byte jobs.
+
+jobserver on PostgreSQL runs as two peers, each on a database of its own
+that the run creates and drops on the server named by --postgres (default
+$JOBSERVER_BENCH_POSTGRES, else the local trust-authenticated `postgres`
+user on 127.0.0.1:5432; it must name a database to connect to, from which
+the bench's are made):
+
+- jobserver-pg: one node;
+- jobserver-pg2: two nodes on the same database. The 8-client loads'
+  clients alternate between them; one-client loads and the wake go to the
+  first. Its server CPU is both nodes'.
+
+Without them the full run takes about a quarter of an hour; with them,
+longer, mostly in the drain of 1,000,000 jobs, which PostgreSQL serves at
+a few thousand jobs a second here.
 
 Scenarios, each peer in turn:
 
@@ -24,13 +42,20 @@ Scenarios, each peer in turn:
 - drain: 8 workers empty that queue 100 jobs per round trip: GetJobs
   numResults 100, then one FinishJobs for them all; 100
   reserve-with-timeout 0 pipelined, then their deletes pipelined; 100 LMOVEs
-  into the worker's own processing list pipelined, then one DEL of it.
+  into the worker's own processing list pipelined, then one DEL of it;
+- wake across nodes, jobserver-pg2 only: the worker waits in GetJob on the
+  first node, the create goes through the second, whose commit notifies
+  the first (LISTEN/NOTIFY).
 
 After each scenario the server's CPU per operation is the growth of utime +
 stime in /proc/PID/stat (the whole process, all its threads, and the
 kernel's work on its behalf: socket calls, fsync) divided by the
 operations. It is counted in clock ticks, so a scenario's total is exact to
 1/SC_CLK_TCK seconds (10 ms), which makes --quick's small figures rough.
+For the PostgreSQL peers the same is counted, in rows of their own, for
+the PostgreSQL backends serving the bench's database (the processes on
+this machine whose command line names it): the storage work that SQLite
+does inside jobserver's process.
 
 Then jobserver alone (bench/scale.py): take rate with a large queue against
 a small one, thousands of connections blocked in GetJob, Ping latency while
@@ -53,6 +78,7 @@ import argparse
 import multiprocessing
 import os
 import platform
+import secrets
 import shutil
 import signal
 import socket
@@ -67,6 +93,7 @@ from datetime import UTC, datetime
 from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import NamedTuple
+from urllib.parse import urlsplit, urlunsplit
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -102,14 +129,53 @@ def server_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def database_cpu(database: str) -> dict[int, float]:
+    """Seconds of CPU used so far by each process on this machine whose
+    command line names `database`: the PostgreSQL backends serving it
+    ("postgres: 15/main: USER DATABASE 127.0.0.1(PORT) idle")."""
+    used = {}
+    word = f" {database} ".encode()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        try:
+            if word in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" "):
+                used[pid] = server_cpu(pid)
+        except OSError:  # it ended, or is not ours to read
+            continue
+    return used
+
+
+class Cpu(NamedTuple):
+    """A peer's CPU so far, in seconds."""
+
+    server: float  # all its nodes
+    database: dict[int, float]  # its PostgreSQL backends by PID; empty for the others
+
+
+def record_cpu(figures: dict[str, float], key: str, peer: Peer, before: Cpu, ops: int) -> None:
+    """Figures `key`_cpu and, for a peer on PostgreSQL, `key`_pgcpu: the CPU
+    its nodes and its backends used since `before`, in µs per operation."""
+    after = peer.cpu()
+    figures[f"{key}_cpu"] = (after.server - before.server) / ops * 1e6
+    if after.database:
+        # A backend that started since counts from zero; one that ended
+        # since is lost (the nodes keep theirs open, so there are few).
+        used = sum(t - before.database.get(pid, 0.0) for pid, t in after.database.items())
+        figures[f"{key}_pgcpu"] = used / ops * 1e6
+
+
 def metered(
-    pid: int, scenario: Callable[..., tuple[int, float]], *args: object
-) -> tuple[float, float]:
-    """Run scenario(*args), which returns (operations, seconds); return its
-    operations per second and the server's CPU per operation in µs."""
-    before = server_cpu(pid)
+    figures: dict[str, float], key: str, peer: Peer,
+    scenario: Callable[..., tuple[int, float]], *args: object,
+) -> None:
+    """Run scenario(*args), which returns (operations, seconds); record its
+    operations per second as figure `key`, and its CPU per operation."""
+    before = peer.cpu()
     ops, seconds = scenario(*args)
-    return ops / seconds, (server_cpu(pid) - before) / ops * 1e6
+    figures[key] = ops / seconds
+    record_cpu(figures, key, peer, before, ops)
 
 
 # Workloads. Those with several clients run each in its own process, so the
@@ -156,14 +222,17 @@ def _drain_worker(go: Go, out: multiprocessing.Queue, kind: str, port: int) -> N
     out.put((done, time.perf_counter() - began))
 
 
-def _parallel(target: Callable, clients: int, *args: object) -> tuple[int, float]:
-    """Run `clients` processes of `target` at once; return the operations
-    they did in all and the seconds the slowest took. They start together,
-    once all have connected, so no one works alone while others connect."""
+def _parallel(
+    target: Callable, kind: str, ports: list[int], *args: object
+) -> tuple[int, float]:
+    """Run a process of `target` for each of `ports`, a client of `kind`
+    connected to that port, all at once; return the operations they did in
+    all and the seconds the slowest took. They start together, once all
+    have connected, so no one works alone while others connect."""
     out: multiprocessing.Queue = multiprocessing.Queue()
     go = Go(multiprocessing.Queue(), multiprocessing.Event())
-    procs = [multiprocessing.Process(target=target, args=(go, out, *args))
-             for _ in range(clients)]
+    procs = [multiprocessing.Process(target=target, args=(go, out, kind, port, *args))
+             for port in ports]
     for p in procs:
         p.start()
     for _ in procs:
@@ -193,14 +262,18 @@ def _wake_waiter(
         client.done(handle)
 
 
-def wake_latency(kind: str, port: int, rounds: int) -> tuple[float, float]:
-    """p50 and p99, in microseconds, from sending a put to the blocked
-    worker holding the job."""
+def wake_latency(
+    kind: str, waiter_port: int, producer_port: int, rounds: int
+) -> tuple[float, float]:
+    """p50 and p99, in microseconds, from sending a put to producer_port to
+    the worker blocked on waiter_port holding the job."""
     ready: multiprocessing.Queue = multiprocessing.Queue()
     out: multiprocessing.Queue = multiprocessing.Queue()
-    waiter = multiprocessing.Process(target=_wake_waiter, args=(kind, port, rounds, ready, out))
+    waiter = multiprocessing.Process(
+        target=_wake_waiter, args=(kind, waiter_port, rounds, ready, out)
+    )
     waiter.start()
-    producer = CLIENTS[kind](port)
+    producer = CLIENTS[kind](producer_port)
     samples = []
     for _ in range(rounds):
         ready.get(timeout=30)
@@ -236,6 +309,10 @@ def wait_port(port: int, proc: subprocess.Popen) -> None:
     raise RuntimeError(f"{proc.args!r} did not open port {port}")
 
 
+class Unavailable(Exception):
+    """A peer that cannot run here; the message says why."""
+
+
 def ensure_installed(binary: str, package: str) -> bool:
     if shutil.which(binary):
         return True
@@ -247,9 +324,9 @@ def ensure_installed(binary: str, package: str) -> bool:
     return shutil.which(binary) is not None
 
 
-@dataclass
-class Peer:
-    name: str
+class Node(NamedTuple):
+    """One server process and the port it serves."""
+
     port: int
     proc: subprocess.Popen
 
@@ -262,16 +339,113 @@ class Peer:
             self.proc.wait()
 
 
+@dataclass
+class Peer:
+    """A server under test: one process, or several nodes serving one queue."""
+
+    name: str  # its column in the table
+    client: str  # its client in bench/clients.py
+    nodes: list[Node]
+    database: BenchDatabase | None = None  # where jobserver-pg keeps its queue
+
+    @property
+    def port(self) -> int:
+        """Where the one-client loads go: the first node."""
+        return self.nodes[0].port
+
+    def ports(self, clients: int) -> list[int]:
+        """The ports of `clients` clients spread evenly over the nodes."""
+        return [self.nodes[n % len(self.nodes)].port for n in range(clients)]
+
+    def cpu(self) -> Cpu:
+        database = database_cpu(self.database.name) if self.database else {}
+        return Cpu(sum(server_cpu(node.proc.pid) for node in self.nodes), database)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        if self.database:
+            self.database.drop()
+
+
 def start_jobserver(workdir: Path, root: Path) -> Peer:
     port = free_port()
     proc = scale.start_server(workdir / "bench.db", port, root, "--synchronous", "FULL")
     wait_port(port, proc)
-    return Peer("jobserver", port, proc)
+    return Peer("jobserver", "jobserver", [Node(port, proc)])
 
 
-def start_beanstalkd(workdir: Path) -> Peer | None:
+DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+
+@dataclass(frozen=True)
+class BenchDatabase:
+    """A PostgreSQL database made for one peer and dropped after it. Its
+    name is new, so the processes whose command line names it are the
+    backends serving this peer and no one else."""
+
+    server: str  # the URL of a database on the same server, to create and drop from
+    name: str
+    described: str  # the server's version and durability settings, for the notes
+
+    @classmethod
+    def create(cls, server: str) -> BenchDatabase:
+        # Imported here: only the PostgreSQL peers need psycopg.
+        try:
+            import psycopg
+            from psycopg import sql
+        except ImportError as error:
+            raise Unavailable("psycopg is missing: pip install 'jobserver[postgres]'") from error
+        name = f"jobserver_bench_{secrets.token_hex(4)}"
+        try:
+            with psycopg.connect(server, autocommit=True, connect_timeout=5) as db:
+                db.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+                version = db.info.server_version  # e.g. 150020 for 15.20
+                settings = db.execute(
+                    "SELECT string_agg(name || ' ' || setting, ', ' ORDER BY name) FROM pg_settings"
+                    " WHERE name IN ('fsync', 'synchronous_commit')"
+                ).fetchone()
+        except psycopg.Error as error:
+            raise Unavailable(f"PostgreSQL at {server} cannot be used: {error}") from error
+        described = f"{version // 10000}.{version % 10000} ({settings[0] if settings else '?'})"
+        return cls(server, name, described)
+
+    @property
+    def url(self) -> str:
+        return urlunsplit(urlsplit(self.server)._replace(path=f"/{self.name}"))
+
+    def drop(self) -> None:
+        import psycopg
+        from psycopg import sql
+
+        with psycopg.connect(self.server, autocommit=True, connect_timeout=5) as db:
+            db.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(self.name))
+            )
+
+
+def start_jobserver_pg(root: Path, server: str, name: str, nodes: int) -> Peer:
+    """`nodes` jobserver nodes serving one queue in a new database."""
+    if not (root / "jobserver" / "storage" / "postgres.py").exists():
+        raise Unavailable(f"the jobserver at {root} has no PostgreSQL backend")
+    database = BenchDatabase.create(server)
+    peer = Peer(name, "jobserver", [], database)
+    try:
+        # One after the other: the first creates the tables the next finds.
+        for _ in range(nodes):
+            port = free_port()
+            proc = scale.start_server(database.url, port, root)
+            peer.nodes.append(Node(port, proc))
+            wait_port(port, proc)
+    except BaseException:
+        peer.stop()
+        raise
+    return peer
+
+
+def start_beanstalkd(workdir: Path) -> Peer:
     if not ensure_installed("beanstalkd", "beanstalkd"):
-        return None
+        raise Unavailable("not installable here")
     port = free_port()
     binlog = workdir / "beanstalkd"
     binlog.mkdir()
@@ -279,12 +453,12 @@ def start_beanstalkd(workdir: Path) -> Peer | None:
         ["beanstalkd", "-l", "127.0.0.1", "-p", str(port), "-b", str(binlog), "-f0"]
     )
     wait_port(port, proc)
-    return Peer("beanstalkd", port, proc)
+    return Peer("beanstalkd", "beanstalkd", [Node(port, proc)])
 
 
-def start_redis(workdir: Path) -> Peer | None:
+def start_redis(workdir: Path) -> Peer:
     if not ensure_installed("redis-server", "redis-server"):
-        return None
+        raise Unavailable("not installable here")
     port = free_port()
     data = workdir / "redis"
     data.mkdir()
@@ -295,7 +469,7 @@ def start_redis(workdir: Path) -> Peer | None:
         stdout=subprocess.DEVNULL,
     )
     wait_port(port, proc)
-    return Peer("redis", port, proc)
+    return Peer("redis", "redis", [Node(port, proc)])
 
 
 # The run.
@@ -308,41 +482,55 @@ class Measured:
 
 
 def measure(peer: Peer, sizes: Sizes) -> Measured:
-    kind, port, pid = peer.name, peer.port, peer.proc.pid
+    kind, one, spread = peer.client, [peer.port], peer.ports(WORKERS)
     m = Measured()
     f = m.figures
-    f["put1"], f["put1_cpu"] = metered(pid, _parallel, _put_worker, 1, kind, port, sizes.put1)
-    f["put8"], f["put8_cpu"] = metered(
-        pid, _parallel, _put_worker, WORKERS, kind, port, sizes.put8
-    )
+    metered(f, "put1", peer, _parallel, _put_worker, kind, one, sizes.put1)
+    metered(f, "put8", peer, _parallel, _put_worker, kind, spread, sizes.put8)
     # Each worker takes its share of what the creates queued: none runs
     # into an empty queue, whose answer would not be a take.
     share = (sizes.put1 + WORKERS * sizes.put8) // WORKERS
-    f["take8"], f["take8_cpu"] = metered(pid, _parallel, _take_worker, WORKERS, kind, port, share)
-    before = server_cpu(pid)
-    f["wake_p50"], f["wake_p99"] = wake_latency(kind, port, sizes.wake)
-    f["wake_cpu"] = (server_cpu(pid) - before) / sizes.wake * 1e6
+    metered(f, "take8", peer, _parallel, _take_worker, kind, spread, share)
+    measure_wake(peer, "wake", peer.nodes[0], peer.nodes[0], sizes.wake, m)
+    if len(peer.nodes) > 1:
+        measure_wake(peer, "xwake", peer.nodes[0], peer.nodes[1], sizes.wake, m)
     measure_bulk(peer, sizes.drain, m)
+    if peer.database and "put1_pgcpu" not in f:
+        m.notes.append(
+            f"{peer.name}: PostgreSQL CPU not measured: no process on this machine"
+            f" names the database {peer.database.name}."
+        )
     return m
+
+
+def measure_wake(
+    peer: Peer, key: str, waiter: Node, producer: Node, rounds: int, m: Measured
+) -> None:
+    """Wake latency with the worker waiting on one node and the create sent
+    to another (or the same), and the CPU of a whole round."""
+    before = peer.cpu()
+    m.figures[f"{key}_p50"], m.figures[f"{key}_p99"] = wake_latency(
+        peer.client, waiter.port, producer.port, rounds
+    )
+    record_cpu(m.figures, key, peer, before, rounds)
 
 
 def measure_bulk(peer: Peer, jobs: int, m: Measured) -> None:
     """Queue `jobs` jobs in bulk from one client, then drain them with 8."""
-    client = CLIENTS[peer.name](peer.port)
+    client = CLIENTS[peer.client](peer.port)
     try:
         client.check_drain()
         drainable = True
     except Unsupported as unsupported:
         m.notes.append(f"{peer.name}: drain not measured, the server answered {unsupported}.")
         drainable = False
-    pid = peer.proc.pid
-    m.figures["fill"], m.figures["fill_cpu"] = metered(pid, _fill, client, jobs)
+    metered(m.figures, "fill", peer, _fill, client, jobs)
     if drainable:
-        m.figures["drain"], m.figures["drain_cpu"] = metered(pid, _drain, peer, jobs)
+        metered(m.figures, "drain", peer, _drain, peer, jobs)
 
 
 def _drain(peer: Peer, jobs: int) -> tuple[int, float]:
-    done, seconds = _parallel(_drain_worker, WORKERS, peer.name, peer.port)
+    done, seconds = _parallel(_drain_worker, peer.client, peer.ports(WORKERS))
     if done != jobs:
         raise RuntimeError(f"{peer.name}: the drain took {done:,} jobs of {jobs:,}")
     return done, seconds
@@ -350,36 +538,59 @@ def _drain(peer: Peer, jobs: int) -> tuple[int, float]:
 
 def rows(sizes: Sizes) -> list[tuple[str, str, str]]:
     """(figure, title, format) for each row of the peers' table."""
-    rate, cpu, latency = "{:,.0f}", "{:,.1f}", "{:,.0f}"
+    rate, latency = "{:,.0f}", "{:,.0f}"
     return [
         ("put1", "create, 1 client (/s)", rate),
-        ("put1_cpu", "create, 1 client: server CPU (µs/op)", cpu),
+        *_cpu_rows("put1", "create, 1 client", "op"),
         ("put8", "create, 8 clients (/s)", rate),
-        ("put8_cpu", "create, 8 clients: server CPU (µs/op)", cpu),
+        *_cpu_rows("put8", "create, 8 clients", "op"),
         ("take8", "take, 8 clients (/s)", rate),
-        ("take8_cpu", "take, 8 clients: server CPU (µs/op)", cpu),
+        *_cpu_rows("take8", "take, 8 clients", "op"),
         ("wake_p50", "wake p50 (µs)", latency),
         ("wake_p99", "wake p99 (µs)", latency),
-        ("wake_cpu", "wake: server CPU (µs/wake)", cpu),
+        *_cpu_rows("wake", "wake", "wake"),
+        ("xwake_p50", "wake across nodes p50 (µs)", latency),
+        ("xwake_p99", "wake across nodes p99 (µs)", latency),
+        *_cpu_rows("xwake", "wake across nodes", "wake"),
         ("fill", f"bulk create {sizes.drain:,}, 1 client (jobs/s)", rate),
-        ("fill_cpu", "bulk create: server CPU (µs/job)", cpu),
+        *_cpu_rows("fill", "bulk create", "job"),
         ("drain", f"drain {sizes.drain:,}, 8 workers (jobs/s)", rate),
-        ("drain_cpu", "drain: server CPU (µs/job)", cpu),
+        *_cpu_rows("drain", "drain", "job"),
+    ]
+
+
+def _cpu_rows(key: str, scenario: str, unit: str) -> list[tuple[str, str, str]]:
+    return [
+        (f"{key}_cpu", f"{scenario}: server CPU (µs/{unit})", "{:,.1f}"),
+        (f"{key}_pgcpu", f"{scenario}: PostgreSQL CPU (µs/{unit})", "{:,.1f}"),
     ]
 
 
 NOT_MEASURED = "n/m"
+# The peers that are jobserver: the first of them measured is the one the
+# others are compared with.
+JOBSERVERS = ("jobserver", "jobserver-pg", "jobserver-pg2")
 
 
 def table(results: dict[str, Measured], sizes: Sizes) -> str:
+    """One row per figure some peer has, one column per peer, then the
+    ratios: each other jobserver to the first, the first to each peer that
+    is not jobserver."""
     peers = list(results)
-    others = [name for name in peers if name != "jobserver"] if "jobserver" in results else []
-    header = ["scenario", *peers, *(f"jobserver / {name}" for name in others)]
+    ours = [name for name in JOBSERVERS if name in results]
+    ratios: list[tuple[str, str]] = []
+    if ours:
+        base = ours[0]
+        ratios = [(name, base) for name in ours[1:]]
+        ratios += [(base, name) for name in peers if name not in JOBSERVERS]
+    header = ["scenario", *peers, *(f"{a} / {b}" for a, b in ratios)]
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for key, title, fmt in rows(sizes):
         values = {name: m.figures.get(key) for name, m in results.items()}
+        if all(value is None for value in values.values()):
+            continue
         cells = [title, *(_cell(values[name], fmt) for name in peers)]
-        cells += [_ratio(values["jobserver"], values[name]) for name in others]
+        cells += [_ratio(values[a], values[b]) for a, b in ratios]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -395,7 +606,9 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
     return f"{ours / theirs:.2f}x" if theirs else "n/a"
 
 
-def notes(results: dict[str, Measured]) -> str:
+def notes(results: dict[str, Measured], postgres: str | None) -> str:
+    """What each scenario is for each peer; `postgres` describes the
+    PostgreSQL server, when a peer ran on it."""
     lines = [
         "Create: CreateJob; put; LPUSH. Take: GetJob + FinishJob; reserve-with-timeout 0 +"
         " delete; LMOVE to a processing list + LREM.",
@@ -410,6 +623,17 @@ def notes(results: dict[str, Measured]) -> str:
         "Server CPU: utime + stime of the server process over the scenario, per operation"
         f" (exact to {1000 / os.sysconf('SC_CLK_TCK'):g} ms per scenario).",
     ]
+    if postgres:
+        lines += [
+            f"jobserver-pg: one node on PostgreSQL {postgres}, a database of its own"
+            " made for the run. jobserver-pg2: two nodes on one"
+            " database; 8-client loads alternate between them, 1-client loads and the wake go"
+            " to the first; server CPU is both nodes'. Wake across nodes: the worker waits on"
+            " the first node, the create goes through the second.",
+            "PostgreSQL CPU: the same count for the backends serving the peer's database (the"
+            " processes whose command line names it); the WAL writer's and checkpointer's"
+            " work, shared with any other database, is not in it.",
+        ]
     lines += [note for m in results.values() for note in m.notes]
     return "\n".join(lines)
 
@@ -471,26 +695,42 @@ def scaling_table(f: dict[str, float]) -> str:
     ])
 
 
-def measure_peers(names: list[str], sizes: Sizes, root: Path) -> dict[str, Measured]:
-    starters: dict[str, Callable[[Path], Peer | None]] = {
+PEERS = [*JOBSERVERS, "beanstalkd", "redis"]
+
+
+class Measurements(NamedTuple):
+    results: dict[str, Measured]  # by peer
+    postgres: str | None  # the PostgreSQL server described, if a peer ran on it
+
+
+def measure_peers(names: list[str], sizes: Sizes, root: Path, postgres: str) -> Measurements:
+    """Measure the peers named, in the order of PEERS; `postgres` is the
+    URL of the server on which the PostgreSQL peers get their databases."""
+    starters: dict[str, Callable[[Path], Peer]] = {
         "jobserver": lambda workdir: start_jobserver(workdir, root),
+        "jobserver-pg": lambda _: start_jobserver_pg(root, postgres, "jobserver-pg", 1),
+        "jobserver-pg2": lambda _: start_jobserver_pg(root, postgres, "jobserver-pg2", 2),
         "beanstalkd": start_beanstalkd,
         "redis": start_redis,
     }
     results: dict[str, Measured] = {}
+    postgres_described = None
     with tempfile.TemporaryDirectory(prefix="jobserver-bench-") as tmp:
-        for name in names:
-            peer = starters[name](Path(tmp))
-            if peer is None:
-                print(f"skipped {name}: not installable here")
+        for name in sorted(set(names), key=PEERS.index):
+            try:
+                peer = starters[name](Path(tmp))
+            except Unavailable as why:
+                print(f"skipped {name}: {why}")
                 continue
             began = time.perf_counter()
             try:
                 results[name] = measure(peer, sizes)
             finally:
                 peer.stop()
+            if peer.database:
+                postgres_described = peer.database.described
             progress(f"{name} measured in {time.perf_counter() - began:.0f} s")
-    return results
+    return Measurements(results, postgres_described)
 
 
 def progress(message: str) -> None:
@@ -500,11 +740,18 @@ def progress(message: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke run, under a minute")
+    parser.add_argument("--quick", action="store_true", help="a smoke run, a few minutes")
     parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
     parser.add_argument(
-        "--only", choices=["jobserver", "beanstalkd", "redis"], action="append",
+        "--only", choices=PEERS, action="append",
         help="measure only this peer (repeatable); implies --no-record",
+    )
+    parser.add_argument(
+        "--postgres", metavar="URL",
+        default=os.environ.get("JOBSERVER_BENCH_POSTGRES", DEFAULT_POSTGRES),
+        help="a database on the PostgreSQL server where jobserver-pg and jobserver-pg2 each"
+        " get a new database, dropped after (default: $JOBSERVER_BENCH_POSTGRES, else"
+        f" {DEFAULT_POSTGRES})",
     )
     parser.add_argument(
         "--server-root", type=Path, default=ROOT, metavar="DIR",
@@ -514,8 +761,8 @@ def main() -> int:
     command = "python bench/run.py" + (" --quick" if args.quick else "")
     sizes = QUICK if args.quick else FULL
     root = args.server_root.resolve()
-    results = measure_peers(args.only or ["jobserver", "beanstalkd", "redis"], sizes, root)
-    report = table(results, sizes) + "\n\n" + notes(results)
+    results, postgres = measure_peers(args.only or PEERS, sizes, root, args.postgres)
+    report = table(results, sizes) + "\n\n" + notes(results, postgres)
     if "jobserver" in results:
         began = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="jobserver-scale-") as tmp:

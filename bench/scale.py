@@ -60,8 +60,9 @@ def _fill_here(db: Path, jobs: int) -> None:
     store.close()
 
 
-def start_server(db: Path, port: int, root: Path, *options: str) -> subprocess.Popen:
-    """Serve `db` with the jobserver of the checkout at `root`."""
+def start_server(db: Path | str, port: int, root: Path, *options: str) -> subprocess.Popen:
+    """Serve `db`, a SQLite file or a PostgreSQL URL, with the jobserver of
+    the checkout at `root`."""
     return subprocess.Popen(
         [sys.executable, "-m", "jobserver", "serve", "--port", str(port), "--db", str(db),
          "--log-level", "WARNING", *options],

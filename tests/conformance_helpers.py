@@ -15,6 +15,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import pg
+
 from helpers import ok
 from wire import Client, Reply
 
@@ -64,7 +66,7 @@ def state(client: Client, job_id: int) -> str | None:
     return None if found is None else found["state"]
 
 
-def count(client: Client, where: str = "1") -> int:
+def count(client: Client, where: str = "TRUE") -> int:
     return query(client, f"SELECT COUNT(*) AS n FROM jobs WHERE {where};")[0]["n"]
 
 
@@ -72,7 +74,12 @@ def count(client: Client, where: str = "1") -> int:
 
 
 def force(db: Path | str, sql: str, params: tuple[Any, ...] = ()) -> None:
-    """Run one write on the server's SQLite file and commit it."""
+    """Run one write on the server's database and commit it: a SQLite file,
+    or a PostgreSQL URL (`?` marks become `%s`)."""
+    if isinstance(db, str) and db.startswith("postgresql://"):
+        changed = pg.execute(db, sql.replace("?", "%s"), params)
+        assert changed >= 1, f"forced write changed nothing: {sql}"
+        return
     connection = sqlite3.connect(str(db), timeout=10)
     try:
         mode = connection.execute("PRAGMA journal_mode").fetchone()[0]

@@ -10,15 +10,57 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import ManagerProcess, ServerProcess, ThreadServer
+import pg
+
+from harness import ManagerProcess, Nodes, ServerProcess, ThreadServer
 from powercut import BuildFailed, build
 from tls_certs import Certificates, tls_server
 from wire import Client
 
+BACKENDS = ("sqlite", "postgres")
+# Three servers on one PostgreSQL schema, each client of a test going to
+# the next one (harness.Nodes).
+NODES = "postgres-3-nodes"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "backends(nodes=False): run each test of the module on every backend (the "
+        "`backend` fixture), and with nodes=True on three PostgreSQL nodes too",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Modules marked `backends` run every test once per backend; the
+    others on SQLite alone."""
+    if "backend" in metafunc.fixturenames:
+        mark = metafunc.definition.get_closest_marker("backends")
+        backends: tuple[str, ...] = ("sqlite",)
+        if mark is not None:
+            backends = (*BACKENDS, NODES) if mark.kwargs.get("nodes") else BACKENDS
+        metafunc.parametrize("backend", backends, indirect=True)
+
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[ThreadServer]:
-    running = ThreadServer(tmp_path / "jobs.db")
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(getattr(request, "param", "sqlite"))
+
+
+@pytest.fixture
+def db(backend: str, tmp_path: Path) -> Iterator[Path | str]:
+    """Where the server keeps its jobs: a SQLite file, or a PostgreSQL URL
+    with a schema of the test's own."""
+    if backend == "sqlite":
+        yield tmp_path / "jobs.db"
+        return
+    with pg.fresh_schema() as url:
+        yield url
+
+
+@pytest.fixture
+def server(backend: str, db: Path | str) -> Iterator[ThreadServer | Nodes]:
+    running = Nodes(str(db), 3) if backend == NODES else ThreadServer(db)
     yield running
     running.stop()
 

@@ -5,6 +5,7 @@ them, each in its own process (ServerProcess, ManagerProcess)."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import signal
@@ -30,7 +31,7 @@ LISTENING = re.compile(r"listening on [\d.]+:(\d+)")
 class ThreadServer:
     """A real server on a loopback port, run by trio in a thread."""
 
-    def __init__(self, db: Path, **options: object) -> None:
+    def __init__(self, db: Path | str, **options: object) -> None:
         self.db = db
         settings: dict[str, object] = {"host": "127.0.0.1", "port": 0, "db": str(db), **options}
         self.server = Server(Config(**settings))  # type: ignore[arg-type]
@@ -62,6 +63,31 @@ class ThreadServer:
         assert not self.thread.is_alive(), "server did not stop"
         if self.error is not None:
             raise self.error
+
+
+class Nodes:
+    """Several servers on one PostgreSQL queue, standing in for one server:
+    each client a test opens goes to the next node, so a test that creates
+    through one client and takes through another crosses nodes."""
+
+    def __init__(self, url: str, count: int) -> None:
+        self.db = url
+        self.nodes: list[ThreadServer] = []
+        try:
+            for _ in range(count):
+                self.nodes.append(ThreadServer(url))
+        except BaseException:
+            self.stop()
+            raise
+        self.port = self.nodes[0].port
+        self._next = itertools.count()
+
+    def client(self, timeout: float = 10.0) -> Client:
+        return self.nodes[next(self._next) % len(self.nodes)].client(timeout)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
 
 
 class LoggedProcess:
@@ -130,7 +156,7 @@ class ServerProcess(LoggedProcess):
     start is a result to look at (`started` is false, `wait` gives its exit
     status, `log` says why), not an exception."""
 
-    def __init__(self, db: Path, *extra: str, wrapper: Sequence[str] = ()) -> None:
+    def __init__(self, db: Path | str, *extra: str, wrapper: Sequence[str] = ()) -> None:
         """`wrapper`: a command that runs the server, such as setpriv."""
         serve = [sys.executable, "-m", "jobserver", "serve", "--port", "0", "--db", str(db)]
         super().__init__([*wrapper, *serve, *extra])

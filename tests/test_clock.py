@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import trio
 import trio.testing
 from trio.testing import MockClock
 
-from jobserver.core import deadlines, selection, times
+from jobserver.core import commands, deadlines, selection, times
 from jobserver.core.context import DEFAULT_STALE_AFTER, Settings
 from jobserver.core.dispatch import Access, Answer, Dispatcher, Undo, WaitForJobs
 from jobserver.core.lifecycle import LEASE_EXPIRED, MAX_LEASES
@@ -31,7 +32,7 @@ from jobserver.core.params import MAX_WAIT_MS
 from jobserver.core.replies import REPLY_TIMEOUT
 from jobserver.core.stale import lost_error
 from jobserver.core.waiters import WaitQueue
-from jobserver.core.writer import Writer
+from jobserver.core.writer import Work, Writer
 from jobserver.storage.sqlite import Store
 from jobserver.wire.framing import Request, Response
 
@@ -242,6 +243,27 @@ async def test_waiters_are_served_oldest_first_with_one_query_per_pass(
         assert all(w.at is None for w in waiters[3:])
         await core.at(HOUR)
         assert {w.at for w in waiters[3:]} == {HOUR}
+
+
+async def test_a_job_that_an_older_waiters_try_missed_is_not_handed_past_it(
+    tmp_path: Path, autojump_clock: MockClock
+) -> None:
+    async with running_core(tmp_path) as core:
+        older = await core.wait_for("fifo, other", MAX_WAIT_MS)
+        younger = await core.wait_for("fifo", MAX_WAIT_MS)
+        await core.at(1)
+        # The older waiter's try (another of its names became ready) and
+        # the job's creation share a batch, the try first, so it looks
+        # before the job exists; the younger waiter is idle.
+        core.waits.notify({"other"}, None)
+        create = request("CreateJob", name="fifo")
+        core.writer.submit(Work(partial(commands.create_job, request=create)))
+        await core.at(2)
+        assert older.job()["name"] == "fifo"
+        assert younger.at is None
+        await core.create(name="fifo")
+        await trio.testing.wait_all_tasks_blocked()
+        assert younger.job()["name"] == "fifo"
 
 
 # Leases.

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conformance_helpers import (
     count,
     finish,
@@ -21,6 +23,9 @@ from conformance_helpers import (
     utcnow,
 )
 from helpers import create, ok
+
+# The same protocol on every backend, and through any of three nodes.
+pytestmark = pytest.mark.backends(nodes=True)
 
 
 def _assert_new_row(job: dict, job_id: int, name: str) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
+import pytest
+
 from conformance_helpers import (
     count,
     finish,
@@ -30,6 +32,9 @@ from conformance_helpers import (
     wait_until_due,
 )
 from helpers import create, ok
+
+# The same protocol on every backend, and through any of three nodes.
+pytestmark = pytest.mark.backends(nodes=True)
 
 JOB_KEYS = {"created", "data", "jobID", "lastRun", "name", "nextRun", "priority", "repeat",
             "retryAfter"}
@@ -334,7 +339,9 @@ def test_get_jobs__get_jobs(client, server):
         assert job["state"] == "RUNQUEUED"
         assert abs(seconds_between(job["nextRun"], job["lastRun"]) - 300) < 3
 
-    force(server.db, "UPDATE jobs SET lastRun = DATETIME(lastRun, '-60 seconds') WHERE jobID > 0")
+    for job_id in ids:
+        earlier = parse_time(row(client, job_id)["lastRun"]) - timedelta(seconds=60)
+        force(server.db, "UPDATE jobs SET lastRun = ? WHERE jobID = ?", (fmt(earlier), job_id))
     started = {job_id: row(client, job_id)["lastRun"] for job_id in ids}
 
     finished_at = utcnow()
@@ -357,8 +364,9 @@ def test_get_jobs__get_jobs(client, server):
 def _expire_lease(db, job_id: int) -> None:
     """Move a RUNQUEUED job's lease end into the past, as if its retryAfter
     had run out (saves a second of waiting per lease)."""
-    force(db, "UPDATE jobs SET nextRun = DATETIME('now', '-1 seconds') "
-              "WHERE jobID = ? AND state = 'RUNQUEUED'", (job_id,))
+    past = fmt(utcnow() - timedelta(seconds=1))
+    force(db, "UPDATE jobs SET nextRun = ? WHERE jobID = ? AND state = 'RUNQUEUED'",
+          (past, job_id))
 
 
 def test_infinite_retry_after__test_infinite_tries(client, server):

@@ -29,6 +29,9 @@ from conformance_helpers import (
 from harness import ThreadServer
 from helpers import create, ok
 
+# The same protocol on every backend, and through any of three nodes.
+pytestmark = pytest.mark.backends(nodes=True)
+
 
 def _running(client, name: str = "job", **params) -> int:
     """Create a job and hand it out."""

@@ -17,6 +17,9 @@ from helpers import create
 from jobserver.wire.limits import MAX_BODY, MAX_HEADERS, MAX_LINE
 from wire import Client, Reply, encode
 
+# The same protocol on every backend, and through any of three nodes.
+pytestmark = pytest.mark.backends(nodes=True)
+
 QUERY_KEYS = {
     "created", "data", "jobID", "lastRun", "name", "nextRun",
     "priority", "repeat", "retryAfter", "state",

@@ -28,6 +28,9 @@ from jobserver.client import Client as LibraryClient
 from jobserver.wire.limits import MAX_FINISH_JOBS
 from wire import Client, Reply, encode
 
+# The same protocol on every backend (conftest.BACKENDS).
+pytestmark = pytest.mark.backends
+
 # A jobID no test creates.
 UNKNOWN = 2**62
 WRONG_LEASE = "0123456789abcdef"

@@ -30,6 +30,9 @@ from jobserver.storage.sqlite import Store
 from jobserver.storage.sqlite_schema import SCHEMA_VERSION
 from wire import Reply
 
+# The same protocol on every backend (conftest.BACKENDS).
+pytestmark = pytest.mark.backends
+
 DEADLINE = 10.0
 UTC = UTC
 

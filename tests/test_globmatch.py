@@ -1,15 +1,20 @@
 """glob_match decides which waiting GetJobs a new job wakes; it must agree
-with SQLite's GLOB, which decides which job a GetJob actually receives."""
+with SQLite's GLOB, which decides which job a GetJob actually receives, and
+so must glob_to_regex, which stands for GLOB on PostgreSQL."""
 
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterator
+from typing import Any
 
+import pg
+import psycopg
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from jobserver.core.globmatch import glob_match
+from jobserver.core.globmatch import glob_match, glob_to_regex
 
 _db = sqlite3.connect(":memory:")
 
@@ -92,3 +97,48 @@ def test_text_matches_itself_when_free_of_glob_syntax(text: str) -> None:
     literal = "".join(f"[{c}]" if c in "*?[" else c for c in text)
     assert glob_match(literal, text)
     assert sqlite_glob(literal, text)
+
+
+# PostgreSQL has no GLOB: the PostgreSQL backend matches names with
+# glob_to_regex's translation, which must agree with SQLite too.
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[psycopg.Connection[Any]]:
+    with psycopg.connect(pg.database_url(), autocommit=True) as db:
+        yield db
+
+
+def postgres_glob(db: psycopg.Connection[Any], pattern: str, text: str) -> bool:
+    # As the jobs table compares names: by code point (COLLATE "C").
+    row = db.execute(
+        'SELECT %s::text COLLATE "C" ~ %s', (text.replace("\0", ""), glob_to_regex(pattern))
+    ).fetchone()
+    assert row is not None
+    return bool(row[0])
+
+
+# The connection is the module's; nothing in it changes between examples.
+_ONE_CONNECTION = [HealthCheck.function_scoped_fixture]
+_ANY = st.characters(blacklist_categories=("Cs",), blacklist_characters="\0")
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=_ONE_CONNECTION)
+@given(pattern=_PATTERN, text=_TEXT)
+@example(pattern="[z-a]", text="m")
+@example(pattern="[^z-a]", text="m")
+@example(pattern="[", text="[")
+@example(pattern="a.b", text="axb")
+@example(pattern="[\\]", text="\\")
+def test_regex_translation_agrees_with_sqlite(
+    postgres: psycopg.Connection[Any], pattern: str, text: str
+) -> None:
+    assert postgres_glob(postgres, pattern, text) == sqlite_glob(pattern, text)
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=_ONE_CONNECTION)
+@given(pattern=st.text(_ANY, max_size=10), text=st.text(_ANY, max_size=10))
+def test_regex_translation_agrees_on_any_characters(
+    postgres: psycopg.Connection[Any], pattern: str, text: str
+) -> None:
+    assert postgres_glob(postgres, pattern, text) == sqlite_glob(pattern, text)

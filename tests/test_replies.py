@@ -26,6 +26,9 @@ from jobserver.storage.sqlite import Store
 from jobserver.storage.sqlite_schema import MIGRATIONS, SCHEMA_VERSION
 from wire import Client, Reply
 
+# The same protocol on every backend (conftest.BACKENDS).
+pytestmark = pytest.mark.backends
+
 DEADLINE = 10.0
 
 

@@ -19,6 +19,9 @@ import pytest
 from helpers import create
 from wire import Client, Reply, encode
 
+# The same protocol on every backend (conftest.BACKENDS).
+pytestmark = pytest.mark.backends
+
 LONG_WAIT_MS = 20_000
 
 

@@ -11,10 +11,11 @@ from typing import Any
 
 import trio
 
+from jobserver import web
 from jobserver.cli.options import LOG_LEVELS, duration, log_level, number
 from jobserver.core.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER
 from jobserver.core.times import duration_text
-from jobserver.server.app import Config, Server
+from jobserver.server.app import Config, HttpListenError, Server
 from jobserver.storage.sqlite import SYNCHRONOUS_MODES
 from jobserver.storage.sqlite_schema import StoreError
 from jobserver.wire.limits import DEFAULT_HOST, DEFAULT_PORT
@@ -70,9 +71,27 @@ def _add_storage_options(serve: argparse.ArgumentParser) -> None:
         help=f"TCP port, 0 to {MAX_PORT}; 0 picks a free one (default: {DEFAULT_PORT})",
     )
     serve.add_argument(
+        "--http-port",
+        type=number(int, 0, MAX_PORT),
+        default=None,
+        metavar="PORT",
+        help=(
+            f"also serve HTTP (POST /queue, POST /api/COMMAND, GET /metrics, GET "
+            f"/healthz) on this TCP port of --host, "
+            f"0 to {MAX_PORT}; 0 picks a free one, which the log names. Needs "
+            "jobserver[web] (default: no HTTP)"
+        ),
+    )
+    serve.add_argument(
         "--db",
         default="jobs.db",
-        help="SQLite database file, created if missing (default: jobs.db)",
+        metavar="DB",
+        help=(
+            "where jobs are kept: a SQLite file, created if missing, or a "
+            "PostgreSQL URL (postgresql://USER@HOST:PORT/DBNAME, libpq's "
+            "parameters allowed; needs jobserver[postgres]), which any number "
+            "of servers may share (default: jobs.db)"
+        ),
     )
     serve.add_argument(
         "--synchronous",
@@ -81,7 +100,8 @@ def _add_storage_options(serve: argparse.ArgumentParser) -> None:
         help=(
             "SQLite synchronous mode. FULL syncs every commit to disk before "
             "its reply. NORMAL is faster, but a power loss or OS crash (not a "
-            "server crash) can lose the last acknowledged writes (default: FULL)"
+            "server crash) can lose the last acknowledged writes (default: FULL). "
+            "PostgreSQL follows its own synchronous_commit instead"
         ),
     )
     serve.add_argument(
@@ -239,9 +259,13 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as error:
         log.error("cannot use --auth-token-file: %s", error)
         return 2
+    if args.http_port is not None and not web.available():
+        log.error("%s", web.MISSING)
+        return 2
     config = Config(
         host=args.host,
         port=args.port,
+        http_port=args.http_port,
         db=args.db,
         synchronous=args.synchronous,
         max_connections=args.max_connections,
@@ -266,6 +290,9 @@ def run(args: argparse.Namespace) -> int:
     except ssl.SSLError as error:
         log.error("cannot use the TLS certificate or key: %s", error)
         return 2
+    except HttpListenError as error:
+        log.error("cannot serve HTTP: %s", error)
+        return 1
     except OSError as error:
         log.error("cannot listen on %s:%d: %s", config.host, config.port, error)
         return 1

@@ -121,9 +121,19 @@ class Dispatcher:
         # clients sending new rules take one core at the most, and never
         # the writer's time.
         self._rule_check_limiter = trio.CapacityLimiter(1)
+        # Answers given, by (verb as in ROUTES or "unknown", status code):
+        # for metrics. A waiting GetJob counts when it waits.
+        self.answered: dict[tuple[str, int], int] = {}
 
     async def dispatch(self, request: Request, peer: str) -> Answer | WaitForJobs:
         """What to do about one request from a client at address `peer`."""
+        action = await self._dispatch(request, peer)
+        verb = request.verb.lower()
+        key = (verb if verb in ROUTES else "unknown", _code(action))
+        self.answered[key] = self.answered.get(key, 0) + 1
+        return action
+
+    async def _dispatch(self, request: Request, peer: str) -> Answer | WaitForJobs:
         if request.invalid_utf8:
             return Answer(Response("400 Request is not valid UTF-8"))
         if not self._authorized(request):
@@ -180,11 +190,11 @@ class Dispatcher:
         return Answer(response, Undo(ids, partial(self.waits.give_back, taken)))
 
     async def status(self) -> Answer:
-        counts, limits, paused, early = await self.writer.call(_status_snapshot)
+        counts, limits, paused, early, size = await self.writer.call(_status_snapshot)
         body = {
             "version": __version__,
             "uptime": round(time.monotonic() - self.started, 3),
-            "database": {"path": self.store.path, "bytes": self.store.size_bytes()},
+            "database": {"path": self.store.path, "bytes": size},
             "jobs": counts,
             "waitingGetJobs": len(self.waits),
             "connections": self.gauges.open_connections,
@@ -227,21 +237,32 @@ class Dispatcher:
             await trio.to_thread.run_sync(repeat.warm, texts, limiter=self._rule_check_limiter)
 
 
+def _code(action: Answer | WaitForJobs) -> int:
+    """The status code of an answer; 0 for a GetJob that waits."""
+    return action.response.code if isinstance(action, Answer) else 0
+
+
 def _is_heavy(request: Request) -> bool:
     if request.verb.lower() in HEAVY_VERBS:
         return True
     return sum(map(len, request.headers.values())) > HEAVY_REQUEST_BYTES
 
 
-def _status_snapshot(ctx: Context) -> tuple[dict[str, int], dict[str, Any], list[str], int]:
+def _status_snapshot(
+    ctx: Context,
+) -> tuple[dict[str, int], dict[str, Any], list[str], int, int]:
     """Job counts, each concurrency limit with what running jobs use of it,
-    the paused patterns, and the early replies not yet awaited."""
+    the paused patterns, the early replies not yet awaited, and the
+    database's size (a query, on PostgreSQL)."""
     store = ctx.store
     limits = {
         pattern: {"max": capacity, "running": store.usage(pattern, ctx.now_ms)}
         for pattern, capacity in sorted(store.limits.items())
     }
-    return store.count_by_state(), limits, sorted(store.paused), store.early_replies(ctx.now_ms)
+    return (
+        store.count_by_state(), limits, sorted(store.paused),
+        store.early_replies(ctx.now_ms), store.size_bytes(),
+    )
 
 
 Route = Callable[[Dispatcher, Request, str], Awaitable[Answer | WaitForJobs]]

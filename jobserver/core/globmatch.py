@@ -105,3 +105,45 @@ def glob_match(pattern: str, text: str) -> bool:
     while ti < len(tokens) and tokens[ti] == _STAR:
         ti += 1
     return ti == len(tokens)
+
+
+def glob_to_regex(pattern: str) -> str:
+    """The same pattern as an anchored PostgreSQL regular expression (ARE),
+    for backends without GLOB. Every literal character is written as a
+    code-point escape, so nothing in a name is read as regex syntax; a
+    reversed range matches nothing, as in SQLite, and a set that is never
+    closed makes the whole pattern match nothing."""
+    parts = ["^"]
+    for token in _compile(pattern.partition("\0")[0]):
+        if token == _STAR:
+            parts.append(".*")
+        elif token == _ONE:
+            parts.append(".")
+        elif isinstance(token, _CharSet):
+            parts.append(_set_to_regex(token))
+        else:
+            parts.append(_escape(token))
+    parts.append("$")
+    return "".join(parts)
+
+
+# A regex that matches nothing: a lookahead that always fails.
+_NOTHING = "(?!)"
+
+
+def _set_to_regex(charset: _CharSet) -> str:
+    if not charset.closed:
+        return _NOTHING
+    ranges = [(lo, hi) for lo, hi in charset.ranges if lo <= hi]
+    if not ranges:
+        # Nothing in the set: it matches no character, or, inverted, any.
+        return "." if charset.invert else _NOTHING
+    body = "".join(
+        _escape(lo) if lo == hi else f"{_escape(lo)}-{_escape(hi)}" for lo, hi in ranges
+    )
+    return f"[{'^' if charset.invert else ''}{body}]"
+
+
+def _escape(ch: str) -> str:
+    code = ord(ch)
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"

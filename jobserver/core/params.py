@@ -249,12 +249,13 @@ def lease_id(request: Request) -> str | None:
 def error_text(request: Request, data: str | None) -> str:
     """What FailJob records as the job's last error: the `error` parameter,
     else the `error` key of the data it sends (a string as it is, anything
-    else as compact JSON), else nothing."""
+    else as compact JSON), else nothing. NUL becomes U+FFFD: PostgreSQL's
+    text cannot hold it, and the error must read the same on every backend."""
     text = present(request, "error")
     if text is not None:
         if len(text.encode("utf-8")) > MAX_ERROR:
             raise CommandError("402 Malformed error")
-        return text
+        return text.replace("\0", "\ufffd")
     # Parsed only when it may hold an error key.
     if data is None or '"error"' not in data:
         return ""
@@ -263,7 +264,8 @@ def error_text(request: Request, data: str | None) -> str:
         return ""
     text = value if isinstance(value, str) else jsonbody.compact(value)
     # A lone surrogate (from a `\\ud800` escape) has no UTF-8 form: replaced.
-    return text.encode("utf-8", "replace")[:MAX_ERROR].decode("utf-8", "ignore")
+    text = text.encode("utf-8", "replace")[:MAX_ERROR].decode("utf-8", "ignore")
+    return text.replace("\0", "\ufffd")
 
 
 def limit(request: Request) -> int:
@@ -375,6 +377,11 @@ def capacity(request: Request) -> int:
 def pattern(request: Request) -> str:
     """The one GLOB pattern of SetLimit, PauseJobs and ResumeJobs."""
     value = require(request, "name")
-    if len(value.encode("utf-8")) > MAX_NAME:
+    if len(value.encode("utf-8")) > MAX_NAME or _CONTROL.search(value):
         raise CommandError("402 Malformed name")
     return value
+
+
+def has_control(text: str) -> bool:
+    """Whether text holds a control character, which no job name holds."""
+    return _CONTROL.search(text) is not None

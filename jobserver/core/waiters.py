@@ -63,6 +63,9 @@ class Waiter:
     state: _State = _State.IDLE
     # A matching job became ready while this waiter was being tried.
     poked: bool = False
+    # Younger waiters that such a job could have gone to: they are tried
+    # after this waiter's try ends, with it, so the job cannot pass it.
+    held: list[Waiter] = field(default_factory=list)
     gone: bool = False
     jobs: Any = None
     woken: trio.Event = field(default_factory=trio.Event)
@@ -154,6 +157,16 @@ class WaitQueue:
         if ready and self._by_selector:
             self._try(self._matching(ready))
 
+    def recheck(self) -> None:
+        """Another node may have changed what is due (or a notice of it was
+        lost): run the tick now, which asks the store when the clock must
+        next fire, and try every waiter."""
+        if self._closed:
+            return
+        if self._tick is not None:
+            self._writer.submit(Work(self._tick, self._ticked))
+        self._try(self._all_waiters())
+
     def close(self) -> None:
         """Answer every waiter now (with no jobs) and accept no more."""
         self._closed = True
@@ -225,12 +238,21 @@ class WaitQueue:
 
     def _try(self, waiters: list[Waiter]) -> None:
         batch: list[Waiter] = []
+        blocker: Waiter | None = None
         for waiter in sorted(waiters, key=lambda w: w.seq):
-            if waiter.state is _State.IDLE and not waiter.gone:
+            if waiter.gone or waiter.state is _State.DONE:
+                continue
+            if waiter.state is _State.TRYING:
+                # Its try may have looked before this job was there.
+                waiter.poked = True
+                blocker = blocker or waiter
+            elif blocker is not None:
+                # Trying it now could hand it the job the older waiter
+                # missed: first come, first served.
+                blocker.held.append(waiter)
+            else:
                 waiter.state = _State.TRYING
                 batch.append(waiter)
-            elif waiter.state is _State.TRYING:
-                waiter.poked = True
         if batch:
             queries = [w.query for w in batch]
             self._writer.submit(
@@ -249,6 +271,8 @@ class WaitQueue:
         again: list[Waiter] = []
         for waiter, jobs in zip(batch, handed, strict=False):
             waiter.tried.set()
+            held, waiter.held = waiter.held, []
+            again += [w for w in held if w.state is _State.IDLE and not w.gone]
             if jobs is not None:
                 waiter.state = _State.DONE
                 if waiter.gone:
@@ -265,5 +289,5 @@ class WaitQueue:
                 waiter.poked = False
                 again.append(waiter)
         if again:
-            self._try(again)
+            self._try(list(dict.fromkeys(again)))
 

@@ -27,6 +27,7 @@ when every task waits, and cannot see a thread's work.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -47,6 +48,13 @@ log = logging.getLogger("jobserver")
 # Enough requests to amortise one transaction over many, few enough that
 # the first request of a batch is not kept waiting long for the last.
 MAX_BATCH = 256
+
+# Runs of a batch that the database undid for a reason that running it
+# again removes (a deadlock between nodes), before its requests get 503.
+TRANSIENT_ATTEMPTS = 3
+
+# A failed transaction is logged at most once in this long.
+REPEAT_LOG_SECONDS = 10.0
 
 # Rounds of late work a stopping writer runs (see Writer.stop): each one is
 # what the previous round's outcomes asked for, so two or three suffice.
@@ -100,6 +108,9 @@ class Writer:
         self._caught: list[Work] | None = None
         self.batches = 0
         self.requests = 0
+        # When a failure was last logged, and how many went unlogged since.
+        self._failure_logged = -REPEAT_LOG_SECONDS
+        self._failures_unlogged = 0
 
     def start(self) -> None:
         self._durability.start()
@@ -184,7 +195,11 @@ class Writer:
     async def _run_batch(self, batch: list[Work]) -> None:
         if not self._threaded:
             committed = self._transact(batch, begun=False, wake=True)
-        elif any(work.heavy for work in batch) or not self._try_begin():
+        elif (
+            self._store.blocking
+            or any(work.heavy for work in batch)
+            or not self._try_begin()
+        ):
             # Waiting for another process's lock, or a long run, happens off
             # the event loop. Waiters it wakes are served by the next batch.
             committed = await trio.to_thread.run_sync(self._transact, batch, False, False)
@@ -210,9 +225,24 @@ class Writer:
             return False
 
     def _transact(self, batch: list[Work], begun: bool, wake: bool) -> _Batch:
-        """Run a batch and commit it (not yet durable). Whatever goes wrong,
-        every request gets an outcome, waiting GetJobs caught for it
-        included: a caller must never wait for a commit that will not come."""
+        """Run a batch and commit it (not yet durable), again if the
+        database undid it for a reason that running it again removes (two
+        nodes' transactions in a deadlock)."""
+        for attempt in range(1, TRANSIENT_ATTEMPTS + 1):
+            try:
+                return self._transact_once(batch, begun and attempt == 1, wake)
+            except _Transient as transient:
+                log.warning(
+                    "transaction undone by the database (%s); running it again (%d of %d)",
+                    transient.error, attempt, TRANSIENT_ATTEMPTS,
+                )
+                self._abandon(transient.error)
+        return self._failed(batch, _TransientFailed())
+
+    def _transact_once(self, batch: list[Work], begun: bool, wake: bool) -> _Batch:
+        """Run a batch and commit it. Whatever goes wrong, every request gets
+        an outcome, waiting GetJobs caught for it included: a caller must
+        never wait for a commit that will not come."""
         store = self._store
         caught: list[Work] = []
         try:
@@ -220,25 +250,35 @@ class Writer:
                 store.begin()
             changes_before = store.total_changes
             outcomes, ready, due = self._execute(batch)
+            announced, announced_due = set(ready), due
             if wake and ready:
                 caught, caught_outcomes, ready, due = self._wake_in_transaction(ready, due)
                 outcomes += caught_outcomes
+            announced |= ready
+            announced_due = _earliest(announced_due, due)
+            if announced or announced_due is not None:
+                # Other nodes' waiters hear of it when it commits.
+                store.announce(announced, announced_due)
             store.commit()
             wrote = store.total_changes != changes_before
             return _Batch(batch + caught, outcomes, True, ready, due, wrote)
-        except Exception as error:  # noqa: BLE001 - a boundary: see above
-            status = self._abandon(error)
-            works = batch + caught
-            # One outcome each: an outcome can be unwrapped only once.
-            failed: list[outcome.Maybe[Any]] = [
-                outcome.Error(CommandError(status)) for _ in works
-            ]
-            return _Batch(works, failed, False)
+        except Exception as error:  # a boundary: see above
+            if isinstance(error, store.transient) and not caught:
+                raise _Transient(error) from error
+            return self._failed(batch + caught, error)
+
+    def _failed(self, works: list[Work], error: Exception) -> _Batch:
+        status = self._abandon(error)
+        # One outcome each: an outcome can be unwrapped only once.
+        failed: list[outcome.Maybe[Any]] = [outcome.Error(CommandError(status)) for _ in works]
+        return _Batch(works, failed, False)
 
     def _abandon(self, error: Exception) -> str:
         """Roll a failed transaction back; the status its requests get."""
-        if isinstance(error, self._store.errors):
-            log.error("transaction failed: %s", error)
+        if isinstance(error, _TransientFailed):
+            status = f"503 Database unavailable: {error}"
+        elif isinstance(error, self._store.errors):
+            self._log_failure(error)
             status = f"503 Database unavailable: {error}"
         else:
             log.exception("transaction failed")
@@ -250,6 +290,20 @@ class Writer:
             # opens one; the writer must live on to answer the next batch.
             log.error("rollback failed: %s", rollback_error)
         return status
+
+    def _log_failure(self, error: Exception) -> None:
+        """Log a failed transaction, at most once every REPEAT_LOG_SECONDS
+        at error level (the others at debug, counted), so that an outage,
+        which fails every batch, does not flood the log."""
+        now = time.monotonic()
+        if now - self._failure_logged < REPEAT_LOG_SECONDS:
+            self._failures_unlogged += 1
+            log.debug("transaction failed: %s", error)
+            return
+        unlogged, self._failures_unlogged = self._failures_unlogged, 0
+        self._failure_logged = now
+        more = f" ({unlogged} more failed since the last such line)" if unlogged else ""
+        log.error("transaction failed: %s%s", error, more)
 
     def _deliver(self, works: list[Work], outcomes: list[outcome.Maybe[Any]]) -> None:
         """On the event loop. An exception from here would end the whole
@@ -342,12 +396,28 @@ class Writer:
             return outcome.Value(work.run(ctx))
         except CommandError as error:
             return outcome.Error(error)
+        except self._store.transient:
+            # The whole batch is run again (see _transact).
+            raise
         except self._store.errors as error:
             log.error("query failed: %s", error)
             return outcome.Error(CommandError(f"502 Query failed: {error}"))
         except Exception as error:
             log.exception("unhandled error in a request")
             return outcome.Error(CommandError(f"500 Unhandled Exception: {type(error).__name__}"))
+
+
+class _Transient(Exception):
+    """The database undid the transaction; running it again may succeed."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _TransientFailed(Exception):
+    def __init__(self) -> None:
+        super().__init__(f"transaction undone {TRANSIENT_ATTEMPTS} times in a row")
 
 
 def _guarded(callback: Callable[..., None], *args: Any) -> None:
@@ -370,6 +440,12 @@ class _Batch:
     due: str | None = None
     # Whether it changed anything: a batch of reads needs no sync of its own.
     wrote: bool = True
+
+
+def _earliest(a: str | None, b: str | None) -> str | None:
+    if a is None or b is None:
+        return a if b is None else b
+    return min(a, b)
 
 
 def _merge(contexts: Iterable[Context | None]) -> tuple[set[str], str | None]:

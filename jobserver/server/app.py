@@ -34,7 +34,8 @@ from jobserver.core.waiters import WaitQueue
 from jobserver.core.writer import Writer
 from jobserver.server.connection import Connection, serve_connection
 from jobserver.storage import lockfile
-from jobserver.storage.sqlite import Store
+from jobserver.storage.backends import is_postgres, open_store
+from jobserver.storage.interface import Storage
 from jobserver.wire.limits import DEFAULT_HOST, DEFAULT_PORT
 
 log = logging.getLogger("jobserver")
@@ -93,18 +94,27 @@ class Config:
     # Seconds a RUNNING job may go without a report before it counts as a
     # failed attempt (--stale-after); 0 keeps Bedrock's "RUNNING forever".
     stale_after: float = DEFAULT_STALE_AFTER
+    # The HTTP side's port (--http-port), on the same host; None: no HTTP.
+    http_port: int | None = None
+
+
+class HttpListenError(OSError):
+    """The HTTP side's address cannot be listened on (--http-port)."""
 
 
 class Server:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.store: Store | None = None
+        self.store: Storage | None = None
         self.writer: Writer
         self.waits: WaitQueue
         self.dispatcher: Dispatcher
         self.connections: set[Connection] = set()
         self.closing = False
         self.port: int | None = None
+        # The HTTP side's port once it listens (--http-port).
+        self.http_port: int | None = None
+        self._http_stopping = trio.Event()
         self.commands_served = 0
         # --max-connections, or fewer if the file-descriptor limit says so.
         self.max_connections = config.max_connections
@@ -133,7 +143,9 @@ class Server:
                 self.tls_context = _tls_context(config.tls_cert, config.tls_key)
             # Before listening: a second server on this file must not even
             # take a port.
-            lock = lockfile.acquire(config.db) if config.db != ":memory:" else None
+            # (Nodes that share PostgreSQL coordinate through it instead.)
+            local = config.db != ":memory:" and not is_postgres(config.db)
+            lock = lockfile.acquire(config.db) if local else None
             try:
                 await self._run_locked(lock, signals, task_status)
             finally:
@@ -149,16 +161,25 @@ class Server:
         config = self.config
         listeners: list[Any] = await trio.open_tcp_listeners(config.port, host=config.host)
         port = listeners[0].socket.getsockname()[1]
+        http = None
         try:
-            self.store = Store(config.db, config.synchronous, config.limits)
+            http = self._listen_http()
+            # Opening PostgreSQL waits on the network: not on the event loop.
+            self.store = await trio.to_thread.run_sync(
+                open_store, config.db, config.synchronous, config.limits
+            )
         except BaseException:
             for listener in listeners:
                 await listener.aclose()
+            if http is not None:
+                http.close()
             raise
         self._build_core(self.store)
         # Reply deadlines and running jobs from before a restart still fire
         # (at once, for those that passed while the server was down).
-        self.waits.start_clock_at(deadlines.at_start(self.store, self.writer.settings))
+        self.waits.start_clock_at(
+            await trio.to_thread.run_sync(deadlines.at_start, self.store, self.writer.settings)
+        )
         # Set last: it tells an embedding program the server is ready.
         self.port = port
         address = f"{config.host}:{port}"
@@ -171,12 +192,15 @@ class Server:
             )
         log.info(
             "listening on %s%s, database %s",
-            address, " (TLS)" if config.tls_cert else "", config.db,
+            address, " (TLS)" if config.tls_cert else "", self.store.path,
         )
         self.writer.start()
         try:
             async with trio.open_nursery() as core:
                 core.start_soon(self.waits.run_clock)
+                core.start_soon(self.store.listen, self._heard)
+                if http is not None:
+                    core.start_soon(self._serve_http, http)
                 if config.db != ":memory:":
                     core.start_soon(
                         retention.run_pruner, self.writer, self.store, self.clock,
@@ -193,9 +217,30 @@ class Server:
             # Jobs given back by the last connections are written too.
             await self.writer.stop()
             self.store.close()
-            log.info("stopped serving %s; database %s closed", address, config.db)
+            log.info("stopped serving %s; database %s closed", address, self.store.path)
 
-    def _build_core(self, store: Store) -> None:
+    def _listen_http(self) -> Any:
+        """The HTTP side's bound socket (web.serving.Listening), or None."""
+        config = self.config
+        if config.http_port is None:
+            return None
+        # Imported here: the web extra is optional (the CLI checks for it).
+        from jobserver.web import serving
+
+        tls = (config.tls_cert, config.tls_key) if config.tls_cert else None
+        try:
+            listening = serving.listen(config.host, config.http_port, tls)
+        except OSError as error:
+            raise HttpListenError(error.errno, error.strerror) from error
+        self.http_port = listening.port
+        return listening
+
+    async def _serve_http(self, listening: Any) -> None:
+        from jobserver.web import serving
+
+        await serving.serve(listening, self.dispatcher, self.config.auth_token, self._http_stopping)
+
+    def _build_core(self, store: Storage) -> None:
         config = self.config
         self.clock = SystemClock()
         settings = Settings(
@@ -218,6 +263,13 @@ class Server:
     def _notify(self, ready: set[str], due: str | None) -> None:
         self.waits.notify(ready, due)
 
+    def _heard(self, ready: set[str] | None, due: str | None) -> None:
+        """What another node's commit made due (None: look at everything)."""
+        if ready is None:
+            self.waits.recheck()
+        else:
+            self.waits.notify(ready, due)
+
     async def _wait_for_stop(self, signals: AsyncIterator[int] | None) -> None:
         async def on_signal(cancel: trio.CancelScope) -> None:
             assert signals is not None
@@ -238,6 +290,7 @@ class Server:
     async def _shut_down(self, accept: trio.CancelScope, conns: trio.Nursery) -> None:
         self.closing = True
         accept.cancel()
+        self._http_stopping.set()
         self.waits.close()
         for connection in list(self.connections):
             connection.stop_reading()

@@ -1,6 +1,7 @@
 """What the core needs from storage: exactly this, and nothing of SQL.
 
-SQLite (sqlite.py) is the one backend today. A backend keeps jobs, limits,
+SQLite (sqlite.py) is the default; PostgreSQL (postgres.py) lets several
+nodes serve one queue. A backend keeps jobs, limits,
 paused patterns and replies; offers the transaction steps the writer uses
 to commit many requests at once; and answers the few questions the clock,
 the pruner and the Query command ask. It never decides what a command
@@ -13,10 +14,14 @@ follow SQLite's semantics everywhere (core/sqlite_functions.py).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from jobserver.core.jobs import Job, NewJob
+
+# What metrics show of each queue (a name up to its first `/`): jobs by
+# (queue, state), and the nextRun of each queue's oldest job due now.
+QueueStats = tuple[dict[tuple[str, str], int], dict[str, str]]
 
 # How the SQL of the Query command may run (its dialect is the backend's).
 QueryResult = tuple[list[str], list[tuple[object, ...]]]
@@ -30,6 +35,11 @@ class BadQuery(Exception):
     """A Query's SQL cannot run: not valid, or not a read. Its text says why."""
 
 
+# heard(names made due, earliest future time) from another node's commit;
+# names None: anything may have changed.
+Heard = Callable[["set[str] | None", "str | None"], None]
+
+
 class Storage(Protocol):
     """The jobs database, used by one thread at a time (the writer's),
     except where a method says it opens a connection of its own or may be
@@ -40,6 +50,9 @@ class Storage(Protocol):
     # Exceptions that mean the database itself failed (locked, disk full,
     # I/O): the writer answers `503` and rolls back.
     errors: tuple[type[Exception], ...]
+    # Among them, those after which the same transaction may simply be run
+    # again (a deadlock between two nodes' transactions).
+    transient: tuple[type[Exception], ...]
     # Flow control, read on every hand-out: kept in memory, in step with
     # what is stored (reloaded whenever a transaction is rolled back).
     limits: dict[str, int]
@@ -48,6 +61,9 @@ class Storage(Protocol):
     # writer then delivers outcomes after a sync); False when commits are
     # not to be synced one by one (--synchronous NORMAL, a memory database).
     needs_sync: bool
+    # Whether its calls wait on the network: then every batch runs in a
+    # worker thread, never on the event loop.
+    blocking: bool
 
     def close(self) -> None: ...
 
@@ -91,6 +107,17 @@ class Storage(Protocol):
 
     def rollback_savepoint(self, name: str = "request") -> None:
         """Undo what was written since savepoint `name`, and close it."""
+
+    # Other nodes serving the same jobs (PostgreSQL).
+
+    def announce(self, ready: set[str], due: str | None) -> None:
+        """Inside a transaction: tell the other nodes, once it commits,
+        which names it made due and the earliest future time it wrote."""
+
+    async def listen(self, heard: Heard) -> None:
+        """Run until cancelled, calling `heard` on the event loop for what
+        other nodes announce, and now and then with None ("look again").
+        Returns at once when no other node can share the jobs."""
 
     # Jobs.
 
@@ -188,6 +215,10 @@ class Storage(Protocol):
         """Run a client's read-only SQL on a connection of its own (from
         another thread). Raises QueryTimeout past `seconds`, OverflowError
         past `max_rows` rows, and BadQuery for SQL that is not a read."""
+
+    def queue_stats(self, now: str) -> QueueStats:
+        """Jobs by queue and state, and each queue's oldest due nextRun, on a
+        connection of its own (from another thread): it reads every job."""
 
     def size_bytes(self) -> int:
         """What the database takes on disk, for Status."""

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from jobserver.core.jobs import PLAIN, Job, NewJob
 from jobserver.storage import sqlite_readers, sqlite_schema
-from jobserver.storage.interface import QueryResult
+from jobserver.storage.interface import Heard, QueryResult, QueueStats
 from jobserver.storage.sqlite_schema import StoreError
 
 SYNCHRONOUS_MODES = ("FULL", "NORMAL")
@@ -60,6 +60,9 @@ RECLAIM_PAGES = 2048
 
 
 class Store:
+    # A local file: every call is quick enough for the event loop.
+    blocking = False
+
     def __init__(
         self, path: str, synchronous: str = "FULL", limits: Mapping[str, int] | None = None
     ) -> None:
@@ -67,6 +70,8 @@ class Store:
             raise ValueError(f"synchronous must be one of {SYNCHRONOUS_MODES}")
         self.path = path
         self.errors: tuple[type[Exception], ...] = (sqlite3.Error,)
+        # One writer per file: no transaction is ever undone for another's.
+        self.transient: tuple[type[Exception], ...] = ()
         # Set when the server stops (see STOPPING_BUSY_MS).
         self._stopping = False
         try:
@@ -190,6 +195,14 @@ class Store:
         if self._db.in_transaction:
             self._db.execute("ROLLBACK")
         self._load_flow_control()
+
+    # One process per file (lockfile.py): there are no other nodes.
+
+    def announce(self, ready: set[str], due: str | None) -> None:
+        pass
+
+    async def listen(self, heard: Heard) -> None:
+        pass
 
     # Savepoint names are the core's own constants, quoted as identifiers.
 
@@ -573,6 +586,9 @@ class Store:
 
     def run_query(self, sql: str, seconds: float, max_rows: int) -> QueryResult:
         return sqlite_readers.read_only_query(self.path, sql, seconds, max_rows)
+
+    def queue_stats(self, now: str) -> QueueStats:
+        return sqlite_readers.queue_stats(self.path, now)
 
     def size_bytes(self) -> int:
         total = 0

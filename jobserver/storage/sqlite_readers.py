@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from time import monotonic
 from urllib.parse import quote
 
-from jobserver.storage.interface import BadQuery, QueryResult, QueryTimeout
+from jobserver.storage.interface import BadQuery, QueryResult, QueryTimeout, QueueStats
 
 # Read-only SQL for the `Query` command. It runs on its own connection,
 # opened read-only, with an authorizer that allows nothing but reading and a
@@ -88,6 +88,31 @@ def prune_pending(
         if row is not None:
             return True
         return int(db.execute("PRAGMA freelist_count").fetchone()[0]) >= min_free_pages
+    finally:
+        db.close()
+
+
+_QUEUE = "CASE WHEN instr(name, '/') > 0 THEN substr(name, 1, instr(name, '/') - 1) ELSE name END"
+
+
+def queue_stats(path: str, now: str) -> QueueStats:
+    """Jobs by queue and state, and each queue's oldest due nextRun."""
+    db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
+    try:
+        counts = {
+            (queue, state): count
+            for queue, state, count in db.execute(
+                f"SELECT {_QUEUE} AS queue, state, COUNT(*) FROM jobs GROUP BY queue, state"
+            )
+        }
+        oldest = dict(
+            db.execute(
+                f"SELECT {_QUEUE} AS queue, MIN(nextRun) FROM jobs "
+                "WHERE state IN ('QUEUED', 'RUNQUEUED') AND nextRun <= ? GROUP BY queue",
+                (now,),
+            ).fetchall()
+        )
+        return counts, oldest
     finally:
         db.close()
 

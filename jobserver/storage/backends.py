@@ -1,0 +1,30 @@
+"""Which backend a `--db` names: a PostgreSQL URL, or a SQLite file."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from jobserver.storage.interface import Storage
+from jobserver.storage.sqlite import Store
+from jobserver.storage.sqlite_schema import StoreError
+
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+
+
+def is_postgres(db: str) -> bool:
+    return db.startswith(POSTGRES_SCHEMES)
+
+
+def open_store(db: str, synchronous: str, limits: Mapping[str, int]) -> Storage:
+    """A PostgreSQL URL opens PostgreSQL (psycopg must be installed: the
+    `postgres` extra); anything else is a SQLite file."""
+    if not is_postgres(db):
+        return Store(db, synchronous, limits)
+    try:
+        from jobserver.storage.postgres import PostgresStore
+    except ImportError as error:
+        raise StoreError(
+            f"--db {db.split('://')[0]}://... needs psycopg, which is not installed: "
+            f"pip install 'jobserver[postgres]' ({error})"
+        ) from error
+    return PostgresStore(db, limits)

@@ -1,0 +1,667 @@
+"""The PostgreSQL backend of storage (interface.py): several jobserver
+nodes, on one machine or many, serving one queue.
+
+What SQLite gets from being one file served by one process, PostgreSQL
+gets from locks that every node's transactions respect:
+
+- a job is handed out once: `find_ready` locks the rows it returns
+  (`FOR UPDATE SKIP LOCKED`), so a second node passes over them, and every
+  other read of a job by its ID locks it too (`get`), so two nodes never
+  change one job on the strength of what they read before the other wrote;
+- a concurrency limit holds across nodes: `usage` takes the limit's
+  transaction lock before it counts, so hand-outs under one limit commit
+  one after the other and each counts what the last one took;
+- a reply meets its waiting job: `reply` and `waiting_on` take the key's
+  lock, so a DeliverReply and an AwaitReply on two nodes are ordered;
+- unique=true creates one job: `find_by_name` takes the name's lock;
+- limits and pauses are read again at the start of every transaction, so
+  a change made through one node holds on all from their next batch;
+- the pruner works on one node at a time (a lock it only tries to take).
+
+Every call may wait on the network, so the writer runs each batch in a
+thread (`blocking`). A commit is durable when PostgreSQL says so
+(synchronous_commit), so there is nothing to sync afterwards. When the
+connection is lost, transactions fail (`503`) until `begin` has
+reconnected, which it tries at most every RECONNECT_SECONDS.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from decimal import Decimal
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.pq import TransactionStatus
+
+from jobserver.core.globmatch import glob_to_regex
+from jobserver.core.jobs import Job, NewJob
+from jobserver.storage import postgres_listen, postgres_schema
+from jobserver.storage.interface import BadQuery, QueryResult, QueryTimeout, QueueStats
+from jobserver.storage.sqlite_schema import StoreError
+
+log = logging.getLogger("jobserver")
+
+# How long a connection attempt may take, and how long after a failed one
+# the next is tried: meanwhile requests fail at once with 503.
+CONNECT_SECONDS = 3
+RECONNECT_SECONDS = 0.5
+
+# The longest NOTIFY payload PostgreSQL takes is 8000 bytes; past this the
+# notice says "anything may be ready" instead of listing names.
+MAX_NOTICE_BYTES = 7000
+
+_COLUMNS = (
+    "created, jobID, state, name, nextRun, lastRun, repeat, data, priority, "
+    "parentJobID, retryAfter, maxAttempts, retryBackoff, retryDelay, retryMaxDelay, "
+    "attempts, lastError, leaseID, cost, timeWindows, timeZone, ended, replyKey, lastReport"
+)
+
+_UPDATABLE = frozenset(
+    (
+        "state", "name", "nextRun", "lastRun", "repeat", "data", "priority", "retryAfter",
+        "attempts", "lastError", "leaseID", "ended", "replyKey", "lastReport",
+    )
+)
+
+# Query's result columns, spelled as on SQLite: PostgreSQL folds unquoted
+# identifiers to lower case.
+_SPELLING = {
+    column.lower(): column
+    for column in (
+        *(c.strip() for c in _COLUMNS.split(",")),
+        "pattern", "capacity", "received", "expires",
+    )
+}
+
+_GLOB_SPECIALS = frozenset("*?[")
+
+# Limits (with their capacity) and paused patterns (with none), in one query.
+_FLOW_CONTROL = (
+    b"SELECT pattern, capacity FROM limits UNION ALL SELECT pattern, NULL FROM paused"
+)
+
+# Second keys of the advisory locks (with the schema's hash): what they guard.
+_PRUNE = "prune"
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for logs and Status."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+# libpq settings a URL does not give: a PostgreSQL that stops answering
+# without closing the connection (a cable pulled, a host gone) is noticed
+# within seconds, so the node answers 503 instead of hanging for the
+# minutes TCP would wait.
+CONNECTION_DEFAULTS = {
+    "connect_timeout": str(CONNECT_SECONDS),
+    "application_name": "jobserver",
+    "keepalives": "1",
+    "keepalives_idle": "5",
+    "keepalives_interval": "2",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "10000",
+}
+
+
+def connect(url: str) -> psycopg.Connection[Any]:
+    given = conninfo_to_dict(url)
+    settings = {**CONNECTION_DEFAULTS, **{k: str(v) for k, v in given.items() if v is not None}}
+    return psycopg.connect(make_conninfo("", **settings), autocommit=True)
+
+
+class PostgresStore:
+    blocking = True
+    needs_sync = False
+
+    def __init__(self, url: str, limits: Mapping[str, int] | None = None) -> None:
+        self.path = redact(url)
+        self._url = url
+        self.errors: tuple[type[Exception], ...] = (psycopg.Error,)
+        self.transient: tuple[type[Exception], ...] = (
+            psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure,
+        )
+        self._changes = 0
+        self._retry_at = 0.0
+        # Whether a reconnection has failed since the last success.
+        self._lost = False
+        # The notice to send with the next COMMIT (announce).
+        self._notice: str | None = None
+        self._base_limits = dict(limits or {})
+        self.limits: dict[str, int] = dict(self._base_limits)
+        self.paused: frozenset[str] = frozenset()
+        # Names this node in the notices it sends, so it can skip its own.
+        self.node = secrets.token_hex(6)
+        try:
+            self._db = connect(url)
+            self.schema = postgres_schema.prepare(self._db, self.path)
+            self._reader = postgres_schema.can_become_reader(self._db)
+            self._load_flow_control()
+        except psycopg.Error as error:
+            raise StoreError(f"cannot use {self.path} as a job database: {error}") from error
+        self.channel = postgres_schema.channel(self.schema)
+        # Advisory locks are the database's: the schema's name keeps two
+        # queues in one database apart.
+        self._lock_base = f"{self.schema}:"
+        if not self._reader:
+            log.warning(
+                "the database user cannot become %s: Query runs read-only, "
+                "but with the server's own rights", postgres_schema.READER_ROLE,
+            )
+
+    def close(self) -> None:
+        self._db.close()
+
+    def stop_waiting_long(self) -> None:
+        """Nothing waits long here: a lock wait is bounded by the other
+        node's transaction, and a connection attempt by CONNECT_SECONDS."""
+
+    # Statements. Every one goes through _run, which counts what it
+    # changed; a failed statement counts as a change, because in PostgreSQL
+    # it spoils the transaction until the savepoint around it is undone.
+
+    def _run(self, sql: str, args: Sequence[Any] = ()) -> psycopg.Cursor[Any]:
+        try:
+            cursor = self._db.execute(sql, args)
+        except psycopg.Error:
+            self._changes += 1
+            raise
+        if cursor.rowcount > 0 and cursor.description is None:
+            self._changes += cursor.rowcount
+        return cursor
+
+    def _one(self, sql: str, args: Sequence[Any] = ()) -> Any:
+        return self._run(sql, args).fetchone()
+
+    def _jobs(self, sql: str, args: Sequence[Any] = ()) -> list[Job]:
+        return [Job(*row) for row in self._run(sql, args).fetchall()]
+
+    def _lock(self, purpose: str, key: str) -> None:
+        """A transaction lock on `key` for `purpose`, shared by every node
+        on this schema; released at commit or rollback."""
+        self._run(
+            "SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+            (postgres_schema.LOCK_NAMESPACE, f"{self._lock_base}{purpose}:{key}"),
+        )
+
+    # Transactions.
+
+    @property
+    def total_changes(self) -> int:
+        return self._changes
+
+    @property
+    def in_transaction(self) -> bool:
+        if self._db.closed:
+            return False
+        return self._db.info.transaction_status in (
+            TransactionStatus.INTRANS, TransactionStatus.INERROR,
+        )
+
+    def begin(self) -> None:
+        if self._db.closed or self._db.broken:
+            self._reconnect()
+        self._notice = None
+        # One round trip for both (a pipeline): BEGIN, and what another
+        # node changed of limits and pauses since the last batch.
+        try:
+            with self._db.pipeline():
+                self._db.execute(b"BEGIN")
+                flow = self._db.execute(_FLOW_CONTROL)
+        except psycopg.Error:
+            self._changes += 1
+            raise
+        self._set_flow_control(flow.fetchall())
+
+    def try_begin(self) -> bool:
+        self.begin()
+        return True
+
+    def _reconnect(self) -> None:
+        now = time.monotonic()
+        if now < self._retry_at:
+            raise psycopg.OperationalError("the connection to PostgreSQL is lost")
+        self._retry_at = now + RECONNECT_SECONDS
+        try:
+            db = connect(self._url)
+        except psycopg.Error as error:
+            if not self._lost:
+                log.error("lost %s; reconnecting: %s", self.path, error)
+            self._lost = True
+            raise
+        self._db.close()
+        self._db = db
+        self._lost = False
+        log.info("reconnected to %s", self.path)
+
+    def commit(self) -> None:
+        # The notice and the commit in one round trip.
+        try:
+            with self._db.pipeline():
+                if self._notice is not None:
+                    self._db.execute(
+                        "SELECT pg_notify(%s, %s)", (self.channel, self._notice)
+                    )
+                self._db.execute(b"COMMIT")
+        finally:
+            self._notice = None
+
+    def sync(self) -> None:
+        """Commits are durable when COMMIT returns."""
+
+    def checkpoint_if_due(self) -> None:
+        """PostgreSQL checkpoints by itself."""
+
+    def rollback(self) -> None:
+        self._notice = None
+        if self.in_transaction:
+            self._db.execute(b"ROLLBACK")
+        self._load_flow_control()
+
+    def savepoint(self, name: str = "request") -> None:
+        self._run(f'SAVEPOINT "{name}"')
+
+    def release(self, name: str = "request") -> None:
+        self._run(f'RELEASE SAVEPOINT "{name}"')
+
+    def rollback_savepoint(self, name: str = "request") -> None:
+        self._db.execute(f'ROLLBACK TO SAVEPOINT "{name}"'.encode())
+        self._db.execute(f'RELEASE SAVEPOINT "{name}"'.encode())
+        self._load_flow_control()
+
+    async def listen(self, heard: postgres_listen.Heard) -> None:
+        await postgres_listen.listen(
+            lambda: connect(self._url), self.channel, self.node, heard
+        )
+
+    def announce(self, ready: set[str], due: str | None) -> None:
+        """Tell the other nodes, when this transaction commits, which names
+        it made due and the earliest future time it wrote."""
+        notice = {"node": self.node, "ready": sorted(ready), "due": due}
+        payload = json.dumps(notice, separators=(",", ":"))
+        if len(payload.encode()) > MAX_NOTICE_BYTES:
+            payload = json.dumps({"node": self.node, "ready": None, "due": due})
+        # Sent with the COMMIT (see commit).
+        self._notice = payload
+
+    # Rows.
+
+    def insert(self, new: NewJob, *, created: str, state: str, ended: str = "") -> int:
+        policy, flow = new.policy, new.flow
+        columns = (
+            "created, state, name, nextRun, repeat, data, priority, parentJobID, retryAfter, "
+            "cost, timeWindows, timeZone, ended"
+        )
+        values: list[Any] = [
+            created, state, new.name, new.next_run, new.repeat, new.data, new.priority,
+            new.parent_id, new.retry_after, flow.cost, flow.windows, flow.zone, ended,
+        ]
+        if policy is not None:
+            columns += ", maxAttempts, retryBackoff, retryDelay, retryMaxDelay"
+            values += [policy.max_attempts, policy.backoff, policy.delay, policy.max_delay]
+        marks = ", ".join("%s" for _ in values)
+        row = self._one(
+            f"INSERT INTO jobs ({columns}) VALUES ({marks}) RETURNING jobID", values
+        )
+        self._changes += 1
+        return int(row[0])
+
+    def get(self, job_id: int) -> Job | None:
+        # Locked: what a command reads of a job, it may go on to change.
+        rows = self._jobs(f"SELECT {_COLUMNS} FROM jobs WHERE jobID = %s FOR UPDATE", (job_id,))
+        return rows[0] if rows else None
+
+    def update(self, job_id: int, **fields: object) -> None:
+        unknown = set(fields) - _UPDATABLE
+        if unknown:
+            raise ValueError(f"not updatable: {sorted(unknown)}")
+        assignments = ", ".join(f"{column} = %s" for column in fields)
+        self._run(
+            f"UPDATE jobs SET {assignments} WHERE jobID = %s", (*fields.values(), job_id)
+        )
+
+    def delete(self, job_id: int) -> None:
+        self._run("DELETE FROM jobs WHERE jobID = %s", (job_id,))
+
+    def find_ready(
+        self,
+        *,
+        now: str,
+        priorities: Sequence[int],
+        limit: int,
+        pattern: str | None = None,
+        names: Sequence[str] = (),
+        blocked: Sequence[str] = (),
+        skipped: Sequence[int] = (),
+    ) -> list[Job]:
+        """Due QUEUED/RUNQUEUED jobs in hand-out order, locked; jobs that
+        another node's transaction holds are passed over
+        (postgres_schema.FIND_READY_FUNCTION)."""
+        exact: list[str] | None = None
+        regex: str | None = None
+        if pattern is not None and not _GLOB_SPECIALS.isdisjoint(pattern):
+            regex = glob_to_regex(pattern)
+        else:
+            exact = [pattern] if pattern is not None else list(names)
+        return self._jobs(
+            f"SELECT {_COLUMNS} FROM jobserver_find_ready(%s, %s, %s, %s, %s, %s, %s)",
+            (
+                now, list(priorities), limit, regex, exact,
+                [glob_to_regex(glob) for glob in blocked], list(skipped),
+            ),
+        )
+
+    def next_due(self, after: str) -> str | None:
+        row = self._one(
+            "SELECT LEAST("
+            "(SELECT MIN(nextRun) FROM jobs WHERE state IN ('QUEUED', 'RUNQUEUED') "
+            "AND nextRun > %s), "
+            "(SELECT MIN(nextRun) FROM jobs WHERE state = 'WAITING' AND nextRun > %s))",
+            (after, after),
+        )
+        return row[0]
+
+    def first_deadline(self) -> str | None:
+        return self._one("SELECT MIN(nextRun) FROM jobs WHERE state = 'WAITING'")[0]
+
+    def oldest_report(self) -> str | None:
+        row = self._one(
+            "SELECT lastReport FROM jobs WHERE state = 'RUNNING' AND lastReport > '' "
+            "ORDER BY lastReport LIMIT 1"
+        )
+        return row[0] if row else None
+
+    def stale(self, reported_before: str, limit: int) -> list[Job]:
+        return self._jobs(
+            f"SELECT {_COLUMNS} FROM jobs WHERE state = 'RUNNING' AND lastReport <= %s "
+            "ORDER BY lastReport LIMIT %s FOR UPDATE SKIP LOCKED",
+            (reported_before, limit),
+        )
+
+    # Replies (protocol.md 14.11).
+
+    def waiting_on(self, key: str) -> Job | None:
+        self._lock("reply", key)
+        rows = self._jobs(
+            f"SELECT {_COLUMNS} FROM jobs WHERE state = 'WAITING' AND replyKey = %s FOR UPDATE",
+            (key,),
+        )
+        return rows[0] if rows else None
+
+    def overdue(self, now: str, limit: int) -> list[Job]:
+        return self._jobs(
+            f"SELECT {_COLUMNS} FROM jobs WHERE state = 'WAITING' AND nextRun <= %s "
+            "ORDER BY nextRun LIMIT %s FOR UPDATE SKIP LOCKED",
+            (now, limit),
+        )
+
+    def reply(self, key: str, now: str) -> tuple[str, int] | None:
+        self._lock("reply", key)
+        row = self._one(
+            "SELECT data, jobID, expires FROM replies WHERE replyKey = %s", (key,)
+        )
+        if row is None:
+            return None
+        if row[2] <= now:
+            self._run("DELETE FROM replies WHERE replyKey = %s", (key,))
+            return None
+        return row[0], int(row[1])
+
+    def keep_reply(self, key: str, data: str, received: str, expires: str, job_id: int) -> None:
+        self._run(
+            "INSERT INTO replies (replyKey, data, received, expires, jobID) "
+            "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (replyKey) DO UPDATE SET "
+            "data = excluded.data, received = excluded.received, "
+            "expires = excluded.expires, jobID = excluded.jobID",
+            (key, data, received, expires, job_id),
+        )
+
+    def claim_reply(self, key: str, job_id: int) -> None:
+        self._run("UPDATE replies SET jobID = %s WHERE replyKey = %s", (job_id, key))
+
+    def early_replies(self, now: str) -> int:
+        row = self._one("SELECT COUNT(*) FROM replies WHERE jobID = 0 AND expires > %s", (now,))
+        return int(row[0])
+
+    def prune_replies(self, now: str, batch: int) -> int:
+        cursor = self._run(
+            "DELETE FROM replies WHERE replyKey IN (SELECT replyKey FROM replies "
+            "WHERE expires <= %s ORDER BY expires LIMIT %s FOR UPDATE SKIP LOCKED)",
+            (now, batch),
+        )
+        return max(cursor.rowcount, 0)
+
+    def failed(self, *, pattern: str | None, names: Sequence[str], limit: int) -> list[Job]:
+        if pattern is not None:
+            clause, arg = "name ~ %s", glob_to_regex(pattern)
+            if _GLOB_SPECIALS.isdisjoint(pattern):
+                clause, arg = "name = %s", pattern
+            args: list[Any] = [arg]
+        else:
+            clause, args = "name = ANY(%s)", [list(names)]
+        return self._jobs(
+            f"SELECT {_COLUMNS} FROM jobs WHERE state = 'FAILED' AND {clause} "
+            "ORDER BY jobID LIMIT %s",
+            (*args, limit),
+        )
+
+    def count_by_state(self) -> dict[str, int]:
+        rows = self._run("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()
+        return {state: int(count) for state, count in rows}
+
+    # Parents and children.
+
+    def children(self, parent_id: int, states: Sequence[str]) -> list[Job]:
+        return self._jobs(
+            f"SELECT {_COLUMNS} FROM jobs WHERE parentJobID != 0 AND parentJobID = %s "
+            "AND state = ANY(%s) ORDER BY jobID",
+            (parent_id, list(states)),
+        )
+
+    def has_children(self, parent_id: int, states: Sequence[str] | None = None) -> bool:
+        if states is None:
+            row = self._one(
+                "SELECT 1 FROM jobs WHERE parentJobID != 0 AND parentJobID = %s LIMIT 1",
+                (parent_id,),
+            )
+        else:
+            row = self._one(
+                "SELECT 1 FROM jobs WHERE parentJobID != 0 AND parentJobID = %s "
+                "AND state = ANY(%s) LIMIT 1",
+                (parent_id, list(states)),
+            )
+        return row is not None
+
+    def delete_children(self, parent_id: int, states: Sequence[str]) -> None:
+        self._run(
+            "DELETE FROM jobs WHERE parentJobID != 0 AND parentJobID = %s AND state = ANY(%s)",
+            (parent_id, list(states)),
+        )
+
+    def find_by_name(self, name: str) -> Job | None:
+        # Two nodes creating the same unique job: the second waits here for
+        # the first to commit, then finds its job.
+        self._lock("name", name)
+        rows = self._jobs(
+            f"SELECT {_COLUMNS} FROM jobs WHERE name = %s "
+            "AND NOT (state = 'FINISHED' AND parentJobID = 0) ORDER BY jobID LIMIT 1 FOR UPDATE",
+            (name,),
+        )
+        return rows[0] if rows else None
+
+    # Flow control.
+
+    def _load_flow_control(self) -> None:
+        try:
+            rows = self._db.execute(_FLOW_CONTROL).fetchall()
+        except psycopg.Error:
+            # The connection is gone or the transaction failed: read again
+            # at the next begin or rollback.
+            return
+        self._set_flow_control(rows)
+
+    def _set_flow_control(self, rows: list[tuple[Any, ...]]) -> None:
+        limits = {
+            **self._base_limits,
+            **{pattern: capacity for pattern, capacity in rows if capacity is not None},
+        }
+        # In one order on every node: hand-outs take the limits' locks in it.
+        self.limits = dict(sorted(limits.items()))
+        self.paused = frozenset(pattern for pattern, capacity in rows if capacity is None)
+
+    def set_limit(self, pattern: str, capacity: int) -> None:
+        if capacity:
+            self._run(
+                "INSERT INTO limits (pattern, capacity) VALUES (%s, %s) "
+                "ON CONFLICT (pattern) DO UPDATE SET capacity = excluded.capacity",
+                (pattern, capacity),
+            )
+            self.limits = {**self.limits, pattern: capacity}
+        else:
+            self._run("DELETE FROM limits WHERE pattern = %s", (pattern,))
+            self._base_limits.pop(pattern, None)
+            self.limits = {p: c for p, c in self.limits.items() if p != pattern}
+
+    def usage(self, pattern: str, now: str) -> int:
+        # Hand-outs under one limit, on any node, commit one at a time:
+        # the count below sees every one committed before this lock.
+        self._lock("limit", pattern)
+        row = self._one(
+            "SELECT COALESCE(SUM(cost), 0) FROM jobs WHERE state IN ('RUNNING', 'RUNQUEUED') "
+            "AND name ~ %s AND (state = 'RUNNING' OR nextRun > %s)",
+            (glob_to_regex(pattern), now),
+        )
+        return int(row[0])
+
+    def pause(self, pattern: str) -> None:
+        self._run(
+            "INSERT INTO paused (pattern) VALUES (%s) ON CONFLICT DO NOTHING", (pattern,)
+        )
+        self.paused = self.paused | {pattern}
+
+    def resume(self, pattern: str) -> bool:
+        cursor = self._run("DELETE FROM paused WHERE pattern = %s", (pattern,))
+        self.paused = self.paused - {pattern}
+        return cursor.rowcount > 0
+
+    # Retention: on one node at a time.
+
+    def prune(self, state: str, ended_before: str, batch: int) -> int:
+        if not self._try_lock(_PRUNE):
+            return 0
+        cursor = self._run(
+            "DELETE FROM jobs WHERE jobID IN (SELECT jobID FROM jobs "
+            "WHERE state IN ('FINISHED', 'FAILED') AND parentJobID = 0 AND state = %s "
+            "AND ended < %s ORDER BY ended LIMIT %s FOR UPDATE SKIP LOCKED)",
+            (state, ended_before, batch),
+        )
+        return max(cursor.rowcount, 0)
+
+    def _try_lock(self, purpose: str) -> bool:
+        row = self._one(
+            "SELECT pg_try_advisory_xact_lock(%s, hashtext(%s))",
+            (postgres_schema.LOCK_NAMESPACE, f"{self._lock_base}{purpose}"),
+        )
+        return bool(row[0])
+
+    def reclaim_space(self, pruned: bool) -> bool:
+        """PostgreSQL's autovacuum reuses the space of deleted rows."""
+        return False
+
+    # Connections of their own, for other threads.
+
+    def prune_pending(self, before: Mapping[str, str], now: str) -> bool:
+        with connect(self._url) as db:
+            for state, cutoff in before.items():
+                row = db.execute(
+                    "SELECT 1 FROM jobs WHERE state IN ('FINISHED', 'FAILED') "
+                    "AND parentJobID = 0 AND state = %s AND ended < %s LIMIT 1",
+                    (state, cutoff),
+                ).fetchone()
+                if row is not None:
+                    return True
+            row = db.execute(
+                "SELECT 1 FROM replies WHERE expires <= %s LIMIT 1", (now,)
+            ).fetchone()
+            return row is not None
+
+    def run_query(self, sql: str, seconds: float, max_rows: int) -> QueryResult:
+        """The client's SQL in a READ ONLY transaction, as the reader role,
+        with a statement timeout; one statement only (psycopg sends it as
+        one prepared statement, which PostgreSQL refuses to split)."""
+        try:
+            db = connect(self._url)
+        except psycopg.Error as error:
+            raise BadQuery(str(error)) from error
+        try:
+            db.execute(b"BEGIN READ ONLY")
+            db.execute(
+                "SELECT set_config('statement_timeout', %s, true)",
+                (str(max(1, int(seconds * 1000))),),
+            )
+            if self._reader:
+                db.execute(f"SET LOCAL ROLE {postgres_schema.READER_ROLE}".encode())
+            try:
+                cursor = db.execute(sql.encode())
+                rows = cursor.fetchmany(max_rows + 1) if cursor.description else []
+            except psycopg.errors.QueryCanceled as error:
+                raise QueryTimeout() from error
+            except psycopg.Error as error:
+                raise BadQuery(str(error).strip()) from error
+            if len(rows) > max_rows:
+                raise OverflowError(max_rows)
+            headers = [
+                _SPELLING.get(column.name, column.name) for column in cursor.description or ()
+            ]
+            return headers, [tuple(_plain(value) for value in row) for row in rows]
+        finally:
+            db.close()
+
+    def queue_stats(self, now: str) -> QueueStats:
+        with connect(self._url) as db:
+            counts = {
+                (str(queue), str(state)): int(count)
+                for queue, state, count in db.execute(
+                    "SELECT split_part(name, '/', 1) AS queue, state, COUNT(*) FROM jobs "
+                    "GROUP BY queue, state"
+                ).fetchall()
+            }
+            oldest = {
+                str(queue): str(due)
+                for queue, due in db.execute(
+                    "SELECT split_part(name, '/', 1) AS queue, MIN(nextRun) FROM jobs "
+                    "WHERE state IN ('QUEUED', 'RUNQUEUED') AND nextRun <= %s GROUP BY queue",
+                    (now,),
+                ).fetchall()
+            }
+        return counts, oldest
+
+    def size_bytes(self) -> int:
+        row = self._one(
+            "SELECT COALESCE(SUM(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = current_schema() AND c.relkind = 'r'"
+        )
+        return int(row[0])
+
+
+def _plain(value: object) -> object:
+    """A value as SQLite would give it: numbers as int or float (SUM of a
+    BIGINT is NUMERIC in PostgreSQL), anything without a JSON form as text."""
+    if isinstance(value, Decimal):
+        return int(value) if value == value.to_integral_value() else float(value)
+    if value is None or isinstance(value, int | float | str | bytes):
+        return value
+    return str(value)

@@ -1,0 +1,191 @@
+"""The HTTP side (`jobserver serve --http-port`): an ASGI application,
+served by Hypercorn inside the server's own trio run.
+
+It speaks through the same dispatcher as the wire protocol, so an HTTP
+request is checked, stored and answered exactly as the wire command it
+stands for. Routes:
+
+- `POST /queue`: Jobber's contract. `{"type": NAME, "payload": {...}}`
+  creates a job named NAME with the payload as its data: `201` with
+  `{"job-id": "<jobID>"}`. A body that is not that gets `400` with
+  `{"error": ...}`, and nothing is stored.
+- `POST /api/<Command>`: any wire command (protocol.md section 5 and 14)
+  with its parameters as a JSON object. The HTTP status is the wire
+  status code (`Jobserver-Status` holds the whole status line), the body
+  the wire reply's body: JSON, or text for Query's list format, or
+  `{"status": ...}` when the wire reply has none.
+- `GET /metrics`: Prometheus' text format (metrics.py).
+- `GET /healthz`: `200` when the database answers, `503` otherwise. It
+  needs no token, so that a load balancer can ask.
+
+With an auth token, every route but /healthz wants `Authorization:
+Bearer TOKEN` and answers `401` without it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from jobserver.core.dispatch import Answer, Dispatcher
+from jobserver.core.params import MAX_DATA
+from jobserver.web.metrics import CONTENT_TYPE, Metrics
+from jobserver.wire.framing import Request
+
+# The largest body POST /queue reads: a payload as large as a job's data
+# may be, and room for the envelope.
+MAX_BODY = MAX_DATA + 64 * 1024
+
+
+def build(dispatcher: Dispatcher, auth_token: str | None) -> Starlette:
+    """The application, answering through `dispatcher`."""
+
+    async def queue(request: HttpRequest) -> JSONResponse:
+        if not _authorized(request, auth_token):
+            return _error(401, "missing or wrong bearer token")
+        body = await _read_body(request)
+        if body is None:
+            return _error(413, f"the body is larger than {MAX_BODY} bytes")
+        name, data, problem = _jobber_job(body)
+        if problem:
+            return _error(400, problem)
+        headers = {"name": name, "data": data}
+        if auth_token is not None:
+            headers["authtoken"] = auth_token
+        answer = await dispatcher.dispatch(Request("CreateJob", headers), _peer(request))
+        assert isinstance(answer, Answer)  # only GetJob waits
+        status = answer.response.status
+        if answer.response.code == 200:
+            job_id = json.loads(answer.response.body)["jobID"]
+            return JSONResponse({"job-id": str(job_id)}, status_code=201)
+        code = 400 if answer.response.code < 500 else 503
+        return _error(code, status)
+
+    async def api(request: HttpRequest) -> Response:
+        if not _authorized(request, auth_token):
+            return _error(401, "missing or wrong bearer token")
+        body = await _read_body(request)
+        if body is None:
+            return _error(413, f"the body is larger than {MAX_BODY} bytes")
+        headers, problem = _parameters(body)
+        if problem:
+            return _error(400, problem)
+        if headers.get("connection", "").lower() == "wait":
+            return _error(400, "Connection: wait is not offered over HTTP: use the wire protocol")
+        if auth_token is not None:
+            headers["authtoken"] = auth_token
+        verb = request.path_params["command"]
+        answer = await dispatcher.dispatch(Request(verb, headers), _peer(request))
+        assert isinstance(answer, Answer)  # only a waiting GetJob waits
+        return _wire_reply(answer)
+
+    metrics = Metrics(dispatcher, auth_token)
+
+    async def scrape(request: HttpRequest) -> Response:
+        if not _authorized(request, auth_token):
+            return _error(401, "missing or wrong bearer token")
+        code, text = await metrics.render(_peer(request))
+        return Response(text, code, media_type=CONTENT_TYPE)
+
+    async def healthz(request: HttpRequest) -> JSONResponse:
+        headers = {"authtoken": auth_token} if auth_token is not None else {}
+        answer = await dispatcher.dispatch(Request("Status", headers), _peer(request))
+        assert isinstance(answer, Answer)
+        if answer.response.code == 200:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": answer.response.status}, status_code=503)
+
+    return Starlette(
+        routes=[
+            Route("/queue", queue, methods=["POST"]),
+            Route("/api/{command}", api, methods=["POST"]),
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/metrics", scrape, methods=["GET"]),
+        ]
+    )
+
+
+def _parameters(body: bytes) -> tuple[dict[str, str], str]:
+    """A JSON object of parameters as wire headers (names lower-cased;
+    objects and arrays as compact JSON text, booleans as true/false, null
+    as absent), or what is wrong with it."""
+    try:
+        document = json.loads(body or b"{}")
+    except (ValueError, UnicodeDecodeError):
+        return {}, "the body is not JSON"
+    if not isinstance(document, dict):
+        return {}, "the body must be a JSON object of the command's parameters"
+    headers: dict[str, str] = {}
+    for name, value in document.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, dict | list):
+            text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+        else:
+            text = str(value)
+        headers[name.lower()] = text
+    return headers, ""
+
+
+def _wire_reply(answer: Answer) -> Response:
+    reply = answer.response
+    status = {"Jobserver-Status": reply.status}
+    if not reply.body:
+        return JSONResponse({"status": reply.status}, reply.code, headers=status)
+    kind = "application/json" if reply.body[:1] in (b"{", b"[") else "text/plain; charset=utf-8"
+    return Response(reply.body, reply.code, headers=status, media_type=kind)
+
+
+def _jobber_job(body: bytes) -> tuple[str, str, str]:
+    """(name, data as JSON text, "") or ("", "", what is wrong)."""
+    try:
+        document = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return "", "", "the body is not JSON"
+    if not isinstance(document, dict):
+        return "", "", 'the body must be a JSON object: {"type": ..., "payload": {...}}'
+    name = document.get("type")
+    payload = document.get("payload", {})
+    if not isinstance(name, str) or not name:
+        return "", "", '"type" must be a non-empty string: the job\'s name'
+    if not isinstance(payload, dict):
+        return "", "", '"payload" must be a JSON object'
+    return name, json.dumps(payload, separators=(",", ":"), ensure_ascii=False), ""
+
+
+async def _read_body(request: HttpRequest) -> bytes | None:
+    """The body, or None past MAX_BODY (read no further than that)."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _authorized(request: HttpRequest, token: str | None) -> bool:
+    if token is None:
+        return True
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def _peer(request: HttpRequest) -> str:
+    return request.client.host if request.client is not None else ""
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    body: dict[str, Any] = {"error": message}
+    return JSONResponse(body, status_code=status)

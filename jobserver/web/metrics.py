@@ -1,0 +1,167 @@
+"""GET /metrics: the queue in Prometheus' text format, written by
+prometheus_client.
+
+Everything is read when Prometheus scrapes, not counted as requests pass:
+Status (through the dispatcher, like any client) for the server's figures,
+and the store's queue statistics, which read every job, on a connection of
+their own in a thread, so that a scrape never holds up the writer.
+
+A queue is a job name up to its first `/` (`email/send` is in `email`). The
+MAX_QUEUES largest queues get a label of their own; the rest are summed
+under `other`, so a name per customer cannot make the series unbounded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Any
+
+import trio
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from jobserver.core import times
+from jobserver.core.dispatch import Answer, Dispatcher
+from jobserver.wire.framing import Request
+
+MAX_QUEUES = 50
+OTHER = "other"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Snapshot(Collector):
+    """The figures of one scrape, as metric families."""
+
+    def __init__(self) -> None:
+        self.status: dict[str, Any] = {}
+        self.counts: dict[tuple[str, str], int] = {}
+        self.oldest_seconds: dict[str, float] = {}
+        self.answered: dict[tuple[str, int], int] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        jobs = GaugeMetricFamily(
+            "jobserver_jobs", "Jobs by queue (name up to its first /) and state",
+            labels=["queue", "state"],
+        )
+        for (queue, state), count in sorted(self.counts.items()):
+            jobs.add_metric([queue, state], count)
+        yield jobs
+        oldest = GaugeMetricFamily(
+            "jobserver_queue_oldest_age_seconds",
+            "How long the oldest job ready to run in each queue has waited",
+            labels=["queue"],
+        )
+        for queue, seconds in sorted(self.oldest_seconds.items()):
+            oldest.add_metric([queue], seconds)
+        yield oldest
+        status = self.status
+        yield GaugeMetricFamily(
+            "jobserver_waiting_getjobs", "GetJob requests waiting for a job",
+            value=status.get("waitingGetJobs", 0),
+        )
+        yield GaugeMetricFamily(
+            "jobserver_connections", "Open client connections",
+            value=status.get("connections", 0),
+        )
+        yield from _limits(status.get("limits", {}))
+        requests = CounterMetricFamily(
+            "jobserver_requests",
+            "Requests answered, by command and status code (0: a GetJob that waited)",
+            labels=["command", "code"],
+        )
+        for (command, code), count in sorted(self.answered.items()):
+            requests.add_metric([command, str(code)], count)
+        yield requests
+        paused = GaugeMetricFamily(
+            "jobserver_paused", "Paused name patterns (1 each)", labels=["pattern"]
+        )
+        for pattern in status.get("paused", []):
+            paused.add_metric([pattern], 1)
+        yield paused
+        replies = GaugeMetricFamily(
+            "jobserver_replies", "Jobs waiting for a reply, and replies kept before their job",
+            labels=["kind"],
+        )
+        for kind, count in sorted(status.get("replies", {}).items()):
+            replies.add_metric([kind], count)
+        yield replies
+
+
+def _limits(limits: dict[str, dict[str, int]]) -> Iterator[Metric]:
+    used = GaugeMetricFamily(
+        "jobserver_limit_running", "Cost of running jobs under each concurrency limit",
+        labels=["pattern"],
+    )
+    capacity = GaugeMetricFamily(
+        "jobserver_limit_capacity", "Capacity of each concurrency limit", labels=["pattern"]
+    )
+    for pattern, figures in sorted(limits.items()):
+        used.add_metric([pattern], figures["running"])
+        capacity.add_metric([pattern], figures["max"])
+    yield used
+    yield capacity
+
+
+class Metrics:
+    def __init__(self, dispatcher: Dispatcher, auth_token: str | None) -> None:
+        self._dispatcher = dispatcher
+        self._auth_token = auth_token
+        self._snapshot = Snapshot()
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(self._snapshot)
+        # One scrape at a time: each reads every job once.
+        self._lock = trio.Lock()
+
+    async def render(self, peer: str) -> tuple[int, bytes]:
+        """(HTTP status, the exposition text)."""
+        async with self._lock:
+            headers = {"authtoken": self._auth_token} if self._auth_token else {}
+            answer = await self._dispatcher.dispatch(Request("Status", headers), peer)
+            assert isinstance(answer, Answer)
+            if answer.response.code != 200:
+                return 503, answer.response.status.encode()
+            now = times.utcnow()
+            store = self._dispatcher.store
+            try:
+                counts, oldest = await trio.to_thread.run_sync(
+                    store.queue_stats, times.to_millis(now)
+                )
+            except store.errors as error:
+                # A database that cannot be read now (or a memory one, which
+                # no second connection can open): no figures, and why.
+                return 503, f"cannot read the jobs: {error}".encode()
+            snapshot = self._snapshot
+            snapshot.status = json.loads(answer.response.body)
+            snapshot.answered = dict(self._dispatcher.answered)
+            kept = _largest(counts)
+            snapshot.counts = _capped(counts, kept)
+            snapshot.oldest_seconds = _ages(oldest, now, kept)
+            return 200, generate_latest(self._registry)
+
+
+def _largest(counts: dict[tuple[str, str], int]) -> set[str]:
+    """The MAX_QUEUES queues with the most jobs."""
+    sizes: dict[str, int] = {}
+    for (queue, _), count in counts.items():
+        sizes[queue] = sizes.get(queue, 0) + count
+    return set(sorted(sizes, key=lambda q: (-sizes[q], q))[:MAX_QUEUES])
+
+
+def _capped(counts: dict[tuple[str, str], int], kept: set[str]) -> dict[tuple[str, str], int]:
+    capped: dict[tuple[str, str], int] = {}
+    for (queue, state), count in counts.items():
+        key = (queue if queue in kept else OTHER, state)
+        capped[key] = capped.get(key, 0) + count
+    return capped
+
+
+def _ages(oldest: dict[str, str], now: datetime, kept: set[str]) -> dict[str, float]:
+    ages: dict[str, float] = {}
+    for queue, due in oldest.items():
+        label = queue if queue in kept else OTHER
+        age = max(0.0, (now - times.parse_stored(due)).total_seconds())
+        ages[label] = max(ages.get(label, 0.0), age)
+    return ages

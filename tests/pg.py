@@ -1,0 +1,73 @@
+"""A real PostgreSQL for the tests that need one: each test gets a schema
+of its own in one database, dropped at the end.
+
+The server is found at $JOBSERVER_TEST_POSTGRES (default: the local
+trust-authenticated `postgres` user on 127.0.0.1:5432). Where none answers,
+the tests that need it are skipped, saying why, unless
+$JOBSERVER_REQUIRE_POSTGRES is 1 (as in CI), when they fail instead.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from functools import cache
+from urllib.parse import quote, urlsplit, urlunsplit
+
+import psycopg
+import pytest
+
+BASE_URL = os.environ.get(
+    "JOBSERVER_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
+REQUIRED = os.environ.get("JOBSERVER_REQUIRE_POSTGRES") == "1"
+# The tests' own database, so that nothing they do touches another's.
+DATABASE = "jobserver_tests"
+
+
+@cache
+def database_url() -> str:
+    """The tests' database, created if missing; fails or skips the test
+    when PostgreSQL cannot be reached."""
+    try:
+        with psycopg.connect(BASE_URL, autocommit=True, connect_timeout=5) as db:
+            exists = db.execute(
+                "SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)
+            ).fetchone()
+            if not exists:
+                with suppress(psycopg.errors.DuplicateDatabase):
+                    db.execute(f"CREATE DATABASE {DATABASE}".encode())
+    except psycopg.Error as error:
+        reason = f"PostgreSQL at {BASE_URL} cannot be reached: {error}".strip()
+        if REQUIRED:
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason)
+    return urlunsplit(urlsplit(BASE_URL)._replace(path=f"/{DATABASE}"))
+
+
+def with_schema(url: str, schema: str) -> str:
+    """The URL of a connection whose tables live in `schema`."""
+    separator = "&" if "?" in url else "?"
+    return f"{url}{separator}options={quote(f'-csearch_path={schema}')}"
+
+
+@contextmanager
+def fresh_schema() -> Iterator[str]:
+    """A URL whose jobserver tables live in a new, empty schema."""
+    url = database_url()
+    schema = f"t_{secrets.token_hex(6)}"
+    with psycopg.connect(url, autocommit=True) as db:
+        db.execute(f"CREATE SCHEMA {schema}".encode())
+    try:
+        yield with_schema(url, schema)
+    finally:
+        with psycopg.connect(url, autocommit=True) as db:
+            db.execute(f"DROP SCHEMA {schema} CASCADE".encode())
+
+
+def execute(url: str, sql: str, params: tuple[object, ...] = ()) -> int:
+    """One statement on the queue's tables, committed; the rows it changed."""
+    with psycopg.connect(url, autocommit=True) as db:
+        return db.execute(sql.encode(), params).rowcount
