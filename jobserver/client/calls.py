@@ -23,7 +23,7 @@ Method = TypeVar("Method", bound=Callable[..., Any])
 When = str | datetime
 
 # Commands that change nothing, so sending one twice does no harm.
-_READ_ONLY = frozenset({"queryjob", "ping", "status", "query"})
+_READ_ONLY = frozenset({"queryjob", "ping", "status", "queues", "query"})
 
 
 @dataclass(frozen=True)
@@ -384,3 +384,10 @@ def status() -> Call[dict[str, Any]]:
     """The server's status: jobs per state, waiting GetJobs, connections,
     database size, uptime and version (protocol.md 5.14)."""
     return Call("Status", {}, _body)
+
+
+def queues(limit: int | None) -> Call[dict[str, Any]]:
+    """Each queue (a name up to its first `/`), the largest first: its
+    jobs by state and how long its oldest ready job has waited
+    (protocol.md 14.17)."""
+    return Call("Queues", {"limit": limit}, _body)

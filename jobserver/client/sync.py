@@ -187,6 +187,10 @@ class Client(Endpoint):
     def ping(self) -> None:
         self._call(calls.ping())
 
+    @documented_by(calls.queues)
+    def queues(self, limit: int | None = None) -> dict[str, Any]:
+        return self._call(calls.queues(limit))
+
     @documented_by(calls.status)
     def status(self) -> dict[str, Any]:
         return self._call(calls.status())

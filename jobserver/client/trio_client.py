@@ -189,6 +189,10 @@ class AsyncClient(Endpoint, trio.abc.AsyncResource):
     async def ping(self) -> None:
         await self._call(calls.ping())
 
+    @documented_by(calls.queues)
+    async def queues(self, limit: int | None = None) -> dict[str, Any]:
+        return await self._call(calls.queues(limit))
+
     @documented_by(calls.status)
     async def status(self) -> dict[str, Any]:
         return await self._call(calls.status())

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import trio
 
 from jobserver import __version__
-from jobserver.core import commands, params, query, repeat, replies, selection
+from jobserver.core import commands, params, query, queues, repeat, replies, selection, times
 from jobserver.core.context import Context
 from jobserver.core.errors import CommandError
 from jobserver.core.jobs import State
@@ -206,6 +206,25 @@ class Dispatcher:
         }
         return Answer(ok(body))
 
+    async def queues(self, request: Request) -> Answer:
+        """Each queue's jobs by state and oldest ready age, read on a
+        connection of the store's own in a thread: it reads every job, and
+        must not hold up the writer."""
+        limit = params.queue_limit(request)
+        now = times.utcnow()
+        try:
+            stats = await trio.to_thread.run_sync(
+                self.store.queue_stats, times.to_millis(now), limiter=self._query_limiter
+            )
+        except self.store.errors as error:
+            return Answer(Response(f"503 Database unavailable: {error}"))
+        listed = queues.summarize(stats, now)
+        body = {
+            "queues": [queue.as_json() for queue in listed[:limit]],
+            "more": max(0, len(listed) - limit),
+        }
+        return Answer(ok(body))
+
     async def query(self, request: Request, peer: str) -> Answer:
         if not (self.access.allow_remote_query or is_loopback(peer)):
             return Answer(Response("401 Unauthorized"))
@@ -283,6 +302,10 @@ async def _status(d: Dispatcher, request: Request, peer: str) -> Answer:
     return await d.status()
 
 
+async def _queues(d: Dispatcher, request: Request, peer: str) -> Answer:
+    return await d.queues(request)
+
+
 async def _query(d: Dispatcher, request: Request, peer: str) -> Answer:
     return await d.query(request, peer)
 
@@ -295,6 +318,7 @@ async def _get_jobs(d: Dispatcher, request: Request, peer: str) -> Answer | Wait
 ROUTES: dict[str, Route] = {
     "ping": _ping,
     "status": _status,
+    "queues": _queues,
     "query": _query,
     "query:": _query,
     "createjob": _in_writer(commands.create_job),

@@ -13,10 +13,12 @@ from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request
 from jobserver.wire.limits import (
     DEFAULT_LISTED,
+    DEFAULT_QUEUES,
     DEFAULT_WAIT_MS,
     MAX_DELAY_DIGITS,
     MAX_JOB_ID,
     MAX_LISTED,
+    MAX_QUEUES,
     MAX_WAIT_MS,
     PRIORITIES,
 )
@@ -277,6 +279,18 @@ def limit(request: Request) -> int:
     except ValueError:
         raise CommandError("402 Malformed limit") from None
     return min(max(number, 1), MAX_LISTED)
+
+
+def queue_limit(request: Request) -> int:
+    """Queues' `limit`: how many queues to list."""
+    value = present(request, "limit")
+    if value is None:
+        return DEFAULT_QUEUES
+    try:
+        number = int(value)
+    except ValueError:
+        raise CommandError("402 Malformed limit") from None
+    return min(max(number, 1), MAX_QUEUES)
 
 
 def num_results(request: Request) -> int:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from datetime import datetime
 from typing import Any
 
 import trio
@@ -23,7 +22,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from jobserver.core import times
+from jobserver.core import queues, times
 from jobserver.core.dispatch import Answer, Dispatcher
 from jobserver.wire.framing import Request
 
@@ -126,7 +125,7 @@ class Metrics:
             now = times.utcnow()
             store = self._dispatcher.store
             try:
-                counts, oldest = await trio.to_thread.run_sync(
+                stats = await trio.to_thread.run_sync(
                     store.queue_stats, times.to_millis(now)
                 )
             except store.errors as error:
@@ -136,32 +135,19 @@ class Metrics:
             snapshot = self._snapshot
             snapshot.status = json.loads(answer.response.body)
             snapshot.answered = dict(self._dispatcher.answered)
-            kept = _largest(counts)
-            snapshot.counts = _capped(counts, kept)
-            snapshot.oldest_seconds = _ages(oldest, now, kept)
+            snapshot.counts, snapshot.oldest_seconds = _labelled(queues.summarize(stats, now))
             return 200, generate_latest(self._registry)
 
 
-def _largest(counts: dict[tuple[str, str], int]) -> set[str]:
-    """The MAX_QUEUES queues with the most jobs."""
-    sizes: dict[str, int] = {}
-    for (queue, _), count in counts.items():
-        sizes[queue] = sizes.get(queue, 0) + count
-    return set(sorted(sizes, key=lambda q: (-sizes[q], q))[:MAX_QUEUES])
-
-
-def _capped(counts: dict[tuple[str, str], int], kept: set[str]) -> dict[tuple[str, str], int]:
-    capped: dict[tuple[str, str], int] = {}
-    for (queue, state), count in counts.items():
-        key = (queue if queue in kept else OTHER, state)
-        capped[key] = capped.get(key, 0) + count
-    return capped
-
-
-def _ages(oldest: dict[str, str], now: datetime, kept: set[str]) -> dict[str, float]:
+def _labelled(listed: list[queues.Queue]) -> tuple[dict[tuple[str, str], int], dict[str, float]]:
+    """Jobs by (queue label, state) and each label's oldest ready age: the
+    MAX_QUEUES largest queues under their own names, the rest under OTHER."""
+    counts: dict[tuple[str, str], int] = {}
     ages: dict[str, float] = {}
-    for queue, due in oldest.items():
-        label = queue if queue in kept else OTHER
-        age = max(0.0, (now - times.parse_stored(due)).total_seconds())
-        ages[label] = max(ages.get(label, 0.0), age)
-    return ages
+    for rank, queue in enumerate(listed):
+        label = queue.name if rank < MAX_QUEUES else OTHER
+        for state, count in queue.jobs.items():
+            counts[label, state] = counts.get((label, state), 0) + count
+        if queue.oldest_ready_age is not None:
+            ages[label] = max(ages.get(label, 0.0), queue.oldest_ready_age)
+    return counts, ages

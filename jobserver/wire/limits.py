@@ -53,3 +53,8 @@ MAX_FINISH_JOBS = 1000
 # many rows, and this many when it names no limit.
 MAX_LISTED = 10_000
 DEFAULT_LISTED = 1000
+
+# Queues lists this many queues, the largest first, unless its `limit`
+# asks for more, up to the most.
+DEFAULT_QUEUES = 50
+MAX_QUEUES = 1000
