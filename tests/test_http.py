@@ -22,6 +22,7 @@ from harness import ThreadServer
 from helpers import create, ok, until
 from jobserver.web.metrics import MAX_QUEUES
 from tls_certs import make_certificates
+from wire import encode
 
 TIMEOUT = 10.0
 
@@ -303,6 +304,37 @@ def test_metrics_sum_queues_past_the_cap_under_other(http_server: ThreadServer) 
     assert len(queues) == MAX_QUEUES + 1 and "other" in queues and "big" in queues
     total = sum(v for (name, _), v in figures.items() if name == "jobserver_jobs")
     assert total == MAX_QUEUES + 5 + 3
+
+
+def test_metrics_show_batch_sizes_and_commit_and_sync_times(http_server: ThreadServer) -> None:
+    before = scrape(http_server)
+    with http_server.client() as client:
+        # Ten creates pipelined: they share a few transactions.
+        client.send(b"".join(encode("CreateJob", {"name": "h"}) for _ in range(10)))
+        replies = [client.read_reply() for _ in range(10)]
+        assert {reply.status for reply in replies} == {"200 OK"}
+    after = scrape(http_server)
+
+    def grew(name: str) -> float:
+        return after[(name, ())] - before.get((name, ()), 0)
+
+    # The scrapes' own Status reads count as transactions too.
+    transactions = grew("jobserver_batch_requests_count")
+    assert 1 <= transactions <= 10 + 2
+    assert grew("jobserver_batch_requests_sum") >= 10
+    assert grew("jobserver_commit_seconds_count") == transactions
+    assert 0 < grew("jobserver_commit_seconds_sum") < 10 * TIMEOUT
+    assert grew("jobserver_sync_seconds_count") >= 1
+    inf = after[("jobserver_commit_seconds_bucket", (("le", "+Inf"),))]
+    assert inf == after[("jobserver_commit_seconds_count", ())]
+    # Buckets are cumulative: each at least the one below.
+    bounds = sorted(
+        (float(dict(labels)["le"]), value)
+        for (name, labels), value in after.items()
+        if name == "jobserver_batch_requests_bucket"
+    )
+    assert [v for _, v in bounds] == sorted(v for _, v in bounds)
+    assert bounds[0][0] == 1.0 and bounds[-1][0] == float("inf")
 
 
 def test_an_http_port_in_use_stops_the_server_saying_so(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ import outcome
 import trio
 
 from jobserver.core.errors import CommandError
+from jobserver.core.histogram import SECONDS_BOUNDS, Histogram
 from jobserver.storage.interface import Storage
 
 log = logging.getLogger("jobserver")
@@ -74,6 +75,8 @@ class Durability:
         self._room = trio.Event()
         # How long the last sync took; the first is done by the thread.
         self._last_sync = math.inf
+        # Observed by whichever thread syncs; read by the metrics.
+        self.sync_seconds = Histogram(SECONDS_BOUNDS)
         self._asked_maintain = time.monotonic()
 
     def start(self) -> None:
@@ -173,6 +176,7 @@ class Durability:
             log.error("syncing the database to disk failed: %s", error)
             return error
         self._last_sync = time.perf_counter() - began
+        self.sync_seconds.observe(self._last_sync)
         return None
 
     def _maintain(self) -> None:

@@ -41,6 +41,7 @@ from jobserver.core.clock import Clock
 from jobserver.core.context import Context, Settings
 from jobserver.core.durability import Durability
 from jobserver.core.errors import CommandError
+from jobserver.core.histogram import BATCH_BOUNDS, SECONDS_BOUNDS, Histogram
 from jobserver.storage.interface import Storage
 
 log = logging.getLogger("jobserver")
@@ -108,6 +109,10 @@ class Writer:
         self._caught: list[Work] | None = None
         self.batches = 0
         self.requests = 0
+        self.batch_sizes = Histogram(BATCH_BOUNDS)
+        # From a batch's start to its commit (not its sync), as the event
+        # loop sees it: a thread's hop included.
+        self.commit_seconds = Histogram(SECONDS_BOUNDS)
         # When a failure was last logged, and how many went unlogged since.
         self._failure_logged = -REPEAT_LOG_SECONDS
         self._failures_unlogged = 0
@@ -192,7 +197,13 @@ class Writer:
         finally:
             self._finished.set()
 
+    @property
+    def sync_seconds(self) -> Histogram:
+        """How long each sync of the log to disk took."""
+        return self._durability.sync_seconds
+
     async def _run_batch(self, batch: list[Work]) -> None:
+        began = time.perf_counter()
         if not self._threaded:
             committed = self._transact(batch, begun=False, wake=True)
         elif (
@@ -207,6 +218,8 @@ class Writer:
             committed = self._transact(batch, begun=True, wake=True)
         self.batches += 1
         self.requests += len(committed.works)
+        self.batch_sizes.observe(len(committed.works))
+        self.commit_seconds.observe(time.perf_counter() - began)
         # Waiting GetJobs hear of new jobs at once: the batch that serves
         # them is synced after this one, so nothing is handed out early.
         if committed.ready or committed.due is not None:

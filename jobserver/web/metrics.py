@@ -19,11 +19,18 @@ from typing import Any
 
 import trio
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from jobserver.core import queues, times
 from jobserver.core.dispatch import Answer, Dispatcher
+from jobserver.core.histogram import Histogram
 from jobserver.wire.framing import Request
 
 MAX_QUEUES = 50
@@ -39,6 +46,8 @@ class Snapshot(Collector):
         self.counts: dict[tuple[str, str], int] = {}
         self.oldest_seconds: dict[str, float] = {}
         self.answered: dict[tuple[str, int], int] = {}
+        # (name, help, histogram) of the writer's work.
+        self.histograms: list[tuple[str, str, Histogram]] = []
 
     def collect(self) -> Iterator[Metric]:
         jobs = GaugeMetricFamily(
@@ -87,6 +96,17 @@ class Snapshot(Collector):
         for kind, count in sorted(status.get("replies", {}).items()):
             replies.add_metric([kind], count)
         yield replies
+        for name, text, histogram in self.histograms:
+            yield _histogram(name, text, histogram)
+
+
+def _histogram(name: str, text: str, histogram: Histogram) -> Metric:
+    buckets = histogram.cumulative()
+    return HistogramMetricFamily(
+        name, text,
+        buckets=[(floatToGoString(bound), count) for bound, count in buckets],
+        sum_value=histogram.sum,
+    )
 
 
 def _limits(limits: dict[str, dict[str, int]]) -> Iterator[Metric]:
@@ -135,6 +155,15 @@ class Metrics:
             snapshot = self._snapshot
             snapshot.status = json.loads(answer.response.body)
             snapshot.answered = dict(self._dispatcher.answered)
+            writer = self._dispatcher.writer
+            snapshot.histograms = [
+                ("jobserver_batch_requests", "Requests per transaction (group commit)",
+                 writer.batch_sizes),
+                ("jobserver_commit_seconds", "Seconds from a transaction's start to its commit",
+                 writer.commit_seconds),
+                ("jobserver_sync_seconds", "Seconds each sync of the log to disk took (SQLite)",
+                 writer.sync_seconds),
+            ]
             snapshot.counts, snapshot.oldest_seconds = _labelled(queues.summarize(stats, now))
             return 200, generate_latest(self._registry)
 
