@@ -223,13 +223,31 @@ def test_the_api_runs_wire_commands(http_server: ThreadServer) -> None:
 
 def test_the_api_answers_with_wire_status_codes(http_server: ThreadServer) -> None:
     assert api(http_server, "Bogus")[:2][0] == 430
-    code, headers, _ = api(http_server, "CreateJob", {"name": "x", "priority": 3})
-    assert (code, headers["Jobserver-Status"]) == (402, "402 Invalid priority value")
+    code, headers, _ = api(http_server, "CreateJob", {"name": "x", "repeat": "NEVER EVER"})
+    assert (code, headers["Jobserver-Status"]) == (402, "402 Malformed repeat")
     assert api(http_server, "CreateJob", b"[1]")[0] == 400
     assert api(http_server, "CreateJob", b"nope")[0] == 400
     code, _, body = api(http_server, "GetJob", {"name": "x", "Connection": "wait"})
     assert code == 400 and b"wire protocol" in body
     assert job_count(http_server) == 0
+
+
+def test_the_api_checks_bodies_against_the_openapi_document(http_server: ThreadServer) -> None:
+    cases = {
+        # A typo is refused, not ignored.
+        b'{"name": "x", "priorty": 1000}': b"priorty",
+        b'{"name": "x", "priority": 3}': b"priority",
+        b'{"name": 7}': b"name",
+        b'{"name": "x", "data": [1]}': b"data",
+        b'{"data": {}}': b"name",
+    }
+    for body, named in cases.items():
+        code, _, reply = api(http_server, "CreateJob", body)
+        assert code == 400 and named in json.loads(reply)["error"].encode(), (body, reply)
+    assert job_count(http_server) == 0
+    # Verbs are read in any case, as on the wire.
+    assert api(http_server, "createjob", {"name": "x", "priorty": 1})[0] == 400
+    assert api(http_server, "createjob", {"name": "x"})[0] == 200
 
 
 def test_the_api_wants_the_token(tmp_path: Path) -> None:

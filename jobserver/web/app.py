@@ -10,13 +10,17 @@ stands for. Routes:
   `{"job-id": "<jobID>"}`. A body that is not that gets `400` with
   `{"error": ...}`, and nothing is stored.
 - `POST /api/<Command>`: any wire command (protocol.md section 5 and 14)
-  with its parameters as a JSON object. The HTTP status is the wire
+  with its parameters as a JSON object, checked first against the OpenAPI
+  document (openapi.py): an unknown parameter, or one of the wrong type or
+  range, is `400` with `{"error": ...}` saying which. The HTTP status is the wire
   status code (`Jobserver-Status` holds the whole status line), the body
   the wire reply's body: JSON, or text for Query's list format, or
   `{"status": ...}` when the wire reply has none.
 - `GET /metrics`: Prometheus' text format (metrics.py).
 - `GET /healthz`: `200` when the database answers, `503` otherwise. It
   needs no token, so that a load balancer can ask.
+- `GET /openapi.json`: the OpenAPI document of all this (openapi.py), with
+  no token: it holds nothing of the queue.
 
 With an auth token, every route but /healthz wants `Authorization:
 Bearer TOKEN` and answers `401` without it.
@@ -28,6 +32,8 @@ import hmac
 import json
 from typing import Any
 
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import best_match
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
@@ -35,6 +41,7 @@ from starlette.routing import Route
 
 from jobserver.core.dispatch import Answer, Dispatcher
 from jobserver.core.params import MAX_DATA
+from jobserver.web import openapi
 from jobserver.web.metrics import CONTENT_TYPE, Metrics
 from jobserver.wire.framing import Request
 
@@ -67,20 +74,25 @@ def build(dispatcher: Dispatcher, auth_token: str | None) -> Starlette:
         code = 400 if answer.response.code < 500 else 503
         return _error(code, status)
 
+    validators = _validators()
+
     async def api(request: HttpRequest) -> Response:
         if not _authorized(request, auth_token):
             return _error(401, "missing or wrong bearer token")
         body = await _read_body(request)
         if body is None:
             return _error(413, f"the body is larger than {MAX_BODY} bytes")
-        headers, problem = _parameters(body)
+        verb = _command_named(request.path_params["command"])
+        document, problem = _json_object(body)
+        if any(name.lower() == "connection" for name in document):
+            problem = "Connection: wait is not offered over HTTP: use the wire protocol"
+        elif not problem and verb in validators:
+            problem = _invalid(validators[verb], document)
         if problem:
             return _error(400, problem)
-        if headers.get("connection", "").lower() == "wait":
-            return _error(400, "Connection: wait is not offered over HTTP: use the wire protocol")
+        headers = _headers(document)
         if auth_token is not None:
             headers["authtoken"] = auth_token
-        verb = request.path_params["command"]
         answer = await dispatcher.dispatch(Request(verb, headers), _peer(request))
         assert isinstance(answer, Answer)  # only a waiting GetJob waits
         return _wire_reply(answer)
@@ -101,8 +113,14 @@ def build(dispatcher: Dispatcher, auth_token: str | None) -> Starlette:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": answer.response.status}, status_code=503)
 
+    described = openapi.document()
+
+    async def openapi_json(request: HttpRequest) -> JSONResponse:
+        return JSONResponse(described)
+
     return Starlette(
         routes=[
+            Route("/openapi.json", openapi_json, methods=["GET"]),
             Route("/queue", queue, methods=["POST"]),
             Route("/api/{command}", api, methods=["POST"]),
             Route("/healthz", healthz, methods=["GET"]),
@@ -111,16 +129,45 @@ def build(dispatcher: Dispatcher, auth_token: str | None) -> Starlette:
     )
 
 
-def _parameters(body: bytes) -> tuple[dict[str, str], str]:
-    """A JSON object of parameters as wire headers (names lower-cased;
-    objects and arrays as compact JSON text, booleans as true/false, null
-    as absent), or what is wrong with it."""
+def _validators() -> dict[str, Draft202012Validator]:
+    return {
+        command: Draft202012Validator(openapi.body_schema(command) or {})
+        for command in openapi.COMMANDS
+    }
+
+
+def _command_named(given: str) -> str:
+    """The command's name as the document spells it (the wire reads verbs
+    in any case), or as given if it is none of them."""
+    for command in openapi.COMMANDS:
+        if command.lower() == given.lower():
+            return command
+    return given
+
+
+def _json_object(body: bytes) -> tuple[dict[str, Any], str]:
     try:
         document = json.loads(body or b"{}")
     except (ValueError, UnicodeDecodeError):
         return {}, "the body is not JSON"
     if not isinstance(document, dict):
         return {}, "the body must be a JSON object of the command's parameters"
+    return document, ""
+
+
+def _invalid(validator: Draft202012Validator, document: dict[str, Any]) -> str:
+    """What is wrong with a body, by the OpenAPI document; "" if nothing."""
+    error = best_match(validator.iter_errors(document))
+    if error is None:
+        return ""
+    where = "/".join(str(part) for part in error.absolute_path)
+    return f"{where}: {error.message}" if where else error.message
+
+
+def _headers(document: dict[str, Any]) -> dict[str, str]:
+    """A JSON object of parameters as wire headers (names lower-cased;
+    objects and arrays as compact JSON text, booleans as true/false, null
+    as absent)."""
     headers: dict[str, str] = {}
     for name, value in document.items():
         if value is None:
@@ -132,7 +179,7 @@ def _parameters(body: bytes) -> tuple[dict[str, str], str]:
         else:
             text = str(value)
         headers[name.lower()] = text
-    return headers, ""
+    return headers
 
 
 def _wire_reply(answer: Answer) -> Response:

@@ -1,0 +1,308 @@
+"""GET /openapi.json: the HTTP side described as OpenAPI 3.1.
+
+Each wire command is an operation `POST /api/<Command>` whose body is its
+parameters (protocol.md has what each means). The table below is the one
+place they are listed for HTTP, and the API checks each body against it
+(app.py): a parameter it does not list, or of the wrong type or range, is
+refused with 400 before the command runs. tests/test_openapi.py runs
+schemathesis against the document and a real server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from jobserver import __version__
+from jobserver.wire.limits import MAX_FINISH_JOBS, MAX_JOB_ID, PRIORITIES
+
+Schema = dict[str, Any]
+
+NAME: Schema = {"type": "string", "minLength": 1, "maxLength": 255}
+PATTERN: Schema = {"type": "string", "minLength": 1, "maxLength": 12750}
+JOB_ID: Schema = {"type": "integer", "minimum": 1, "maximum": MAX_JOB_ID}
+OBJECT: Schema = {"type": "object"}
+TIME: Schema = {"type": "string", "examples": ["2030-01-01 04:00:00"]}
+RULE: Schema = {"type": "string", "examples": ["FINISHED, +1 HOUR"]}
+LEASE: Schema = {"type": "string", "examples": ["+5 MINUTES"]}
+LEASE_ID: Schema = {"type": "string"}
+FLAG: Schema = {"type": "boolean"}
+PRIORITY: Schema = {"type": "integer", "enum": sorted(PRIORITIES)}
+SECONDS: Schema = {"type": "number", "minimum": 0, "maximum": 99_999_999}
+TEXT: Schema = {"type": "string"}
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    schema: Schema
+    text: str
+    required: bool = False
+
+
+def _object_of(params: list[Param]) -> Schema:
+    """A JSON object of these parameters (a request's body, or an element
+    of CreateJobs' and FinishJobs' lists). `null` is a parameter left out."""
+    return {
+        "type": "object",
+        "properties": {
+            p.name: {"anyOf": [p.schema, {"type": "null"}], "description": p.text}
+            for p in params
+        },
+        "required": [p.name for p in params if p.required],
+        "additionalProperties": False,
+    }
+
+
+def _job_id(text: str = "the job") -> Param:
+    return Param("jobID", JOB_ID, text, required=True)
+
+
+_LEASE_ID = Param("leaseID", LEASE_ID, "the lease token the job was handed out with (14.3)")
+_RETRY_POLICY = [
+    Param("maxAttempts", {"type": "integer", "minimum": 1, "maximum": 10_000},
+          "attempts before the job fails for good (14.1)"),
+    Param("retryBackoff", {"type": "string", "enum": ["fixed", "exponential"]},
+          "how the delay between attempts grows"),
+    Param("retryDelay", SECONDS, "seconds before the second attempt"),
+    Param("retryMaxDelay", SECONDS, "the longest delay between attempts"),
+]
+_NEW_JOB = [
+    Param("name", NAME, "the job's name", required=True),
+    Param("data", OBJECT, "the job's data"),
+    Param("firstRun", TIME, "when the job is first due (4.3)"),
+    Param("repeat", RULE, "run again after each run (section 6)"),
+    Param("jobPriority", PRIORITY, "higher runs first"),
+    Param("priority", PRIORITY, "the same as jobPriority"),
+    Param("retryAfter", LEASE, "a lease: handed out again if not reported by then (7)"),
+    Param("parentJobID", {"type": "integer", "minimum": 0, "maximum": MAX_JOB_ID},
+          "the parent job, 0 for none (8)"),
+    Param("unique", FLAG, "reuse a queued job of the same name instead of creating one"),
+    Param("overwrite", FLAG, "with unique: replace that job's data"),
+    *_RETRY_POLICY,
+    Param("cost", {"type": "integer", "minimum": 1, "maximum": 1_000_000},
+          "what the job counts against concurrency limits (14.7)"),
+    Param("timeWindows", {"type": "string", "examples": ["22:00-06:00"]},
+          "when the job may run, HH:MM-HH:MM, comma-separated (14.8)"),
+    Param("timeZone", {"type": "string", "examples": ["Europe/Paris"]},
+          "the time windows' zone"),
+]
+_FINISH = [_job_id(), Param("data", OBJECT, "replace the job's data"), _LEASE_ID]
+_TAKE = [
+    Param("name", PATTERN, "a GLOB pattern, or exact names separated by commas", required=True),
+    Param("jobPriority", PRIORITY, "only jobs of this priority"),
+    Param("includeLeaseID", FLAG, "show the lease token in the reply"),
+]
+
+# Command -> (summary, protocol.md section, parameters).
+COMMANDS: dict[str, tuple[str, str, list[Param]]] = {
+    "CreateJob": ("Create a job", "5.1", _NEW_JOB),
+    "CreateJobs": ("Create several jobs in one transaction", "5.2", [
+        Param("jobs", {"type": "array", "items": _object_of(_NEW_JOB), "minItems": 1},
+              "CreateJob's parameters for each job", required=True),
+    ]),
+    "GetJob": ("Take the next due job (never waits over HTTP)", "5.3", _TAKE),
+    "GetJobs": ("Take up to numResults due jobs", "5.4", [
+        *_TAKE,
+        Param("numResults", {"type": "integer", "minimum": 1, "maximum": 1000},
+              "how many jobs at most", required=True),
+    ]),
+    "QueryJob": ("Show a job and its state", "5.5", [_job_id()]),
+    "UpdateJob": ("Change a job's data, repeat, priority or next run", "5.6", [
+        _job_id(),
+        Param("data", OBJECT, "the new data", required=True),
+        Param("repeat", RULE, "a new repeat rule"),
+        Param("jobPriority", PRIORITY, "a new priority"),
+        Param("nextRun", TIME, "when it is next due"),
+        Param("shouldClearRepeat", FLAG, "remove its repeat rule"),
+        _LEASE_ID,
+    ]),
+    "FinishJob": ("Report a job done", "5.7", _FINISH),
+    "FinishJobs": ("Report many jobs done in one request", "14.15", [
+        Param("jobs", {"type": "array", "items": _object_of(_FINISH), "minItems": 1,
+                       "maxItems": MAX_FINISH_JOBS},
+              "FinishJob's parameters for each job", required=True),
+    ]),
+    "RetryJob": ("Put a job that was handed out back in the queue", "5.8", [
+        _job_id(),
+        Param("data", OBJECT, "replace the job's data"),
+        Param("name", NAME, "rename the job"),
+        Param("jobPriority", PRIORITY, "a new priority"),
+        Param("nextRun", TIME, "when it is due again"),
+        Param("delay", {"type": "integer", "minimum": 0, "maximum": 99_999_999},
+              "seconds from now before it is due again"),
+        Param("ignoreRepeat", FLAG, "do not use the repeat rule for the next run"),
+        _LEASE_ID,
+    ]),
+    "FailJob": ("Report a job failed", "5.9", [
+        _job_id(),
+        Param("data", OBJECT, "replace the job's data"),
+        Param("error", TEXT, "why it failed: the job's last error"),
+        _LEASE_ID,
+    ]),
+    "CancelJob": ("Cancel a queued child job", "5.10", [_job_id()]),
+    "DeleteJob": ("Delete a job that is not running", "5.11", [_job_id()]),
+    "RequeueJobs": ("Put jobs back in the queue whatever their state", "5.12", [
+        Param("jobIDs", {"type": "string", "pattern": "^[0-9]+(,[0-9]+)*$",
+                         "examples": ["12,13"]},
+              "comma-separated jobIDs", required=True),
+        Param("name", NAME, "rename every listed job"),
+    ]),
+    "Ping": ("Check that the server answers", "5.13", []),
+    "Status": ("The server's figures", "5.14", []),
+    "Query": ("Run read-only SQL (loopback peers only, unless allowed)", "5.15", [
+        Param("query", TEXT, "one SQL statement that reads", required=True),
+        Param("format", {"type": "string", "enum": ["json"]}, "json: rows as JSON"),
+    ]),
+    "TouchJob": ("Renew a running job's lease", "14.4", [_job_id(), _LEASE_ID]),
+    "FailedJobs": ("List the dead set with last errors", "14.5", [
+        Param("name", PATTERN, "which jobs"),
+        Param("limit", {"type": "integer", "minimum": 1, "maximum": 10_000}, "at most this many"),
+    ]),
+    "SetLimit": ("Set, change or remove a concurrency limit", "14.7", [
+        Param("name", NAME, "the GLOB pattern the limit holds for", required=True),
+        Param("max", {"type": "integer", "minimum": 0, "maximum": 1_000_000_000},
+              "the capacity; 0 removes the limit", required=True),
+    ]),
+    "PauseJobs": ("Stop handing out jobs of a pattern", "14.9", [
+        Param("name", NAME, "the GLOB pattern to pause", required=True),
+    ]),
+    "ResumeJobs": ("Hand out jobs of a paused pattern again", "14.9", [
+        Param("name", NAME, "the paused pattern", required=True),
+    ]),
+    "AwaitReply": ("Park a running job until a reply on a key", "14.12", [
+        _job_id(),
+        Param("key", NAME, "the correlation key", required=True),
+        Param("timeout", {"type": "integer", "minimum": 1, "maximum": 2_592_000},
+              "seconds to wait for the reply"),
+        _LEASE_ID,
+        Param("data", OBJECT, "replace the job's data"),
+    ]),
+    "DeliverReply": ("Deliver a reply to the job waiting on a key", "14.12", [
+        Param("key", NAME, "the correlation key", required=True),
+        Param("data", OBJECT, "the reply", required=True),
+    ]),
+    "Queues": ("Each queue's jobs by state and oldest ready age", "14.17", [
+        Param("limit", {"type": "integer", "minimum": 1, "maximum": 1000},
+              "list at most this many queues"),
+    ]),
+}
+
+_WIRE_STATUS = {
+    "Jobserver-Status": {
+        "description": "the wire reply's status line, e.g. `404 No job found`",
+        "schema": TEXT,
+        "required": True,
+    }
+}
+_JSON_ERROR: Schema = {
+    "type": "object",
+    "properties": {"error": TEXT},
+    "required": ["error"],
+}
+
+
+def body_schema(command: str) -> Schema | None:
+    """What the body of POST /api/<command> must be; None for a command
+    that is not in the table (the wire answers it: 430 Unrecognized)."""
+    found = COMMANDS.get(command)
+    return None if found is None else _object_of(found[2])
+
+
+def document() -> Schema:
+    """The OpenAPI document of the HTTP side."""
+    paths: dict[str, Any] = {f"/api/{name}": {"post": _operation(name)} for name in COMMANDS}
+    paths["/queue"] = {"post": _queue_operation()}
+    paths["/healthz"] = {"get": _simple(
+        "healthz", "200 when the database answers, else 503",
+        {"200": "application/json", "503": "application/json"}, secured=False,
+    )}
+    paths["/metrics"] = {"get": _simple(
+        "metrics", "Prometheus' text format",
+        {"200": "text/plain", "401": "application/json", "503": "text/plain"},
+    )}
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "jobserver",
+            "version": __version__,
+            "description": "Every wire command as `POST /api/<Command>` with its parameters "
+            "as a JSON object; the HTTP status is the wire status code. protocol.md says "
+            "what each command does.",
+        },
+        "paths": paths,
+        "components": {"securitySchemes": {"token": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"token": []}],
+    }
+
+
+def _operation(command: str) -> Schema:
+    summary, section, params = COMMANDS[command]
+    body = _object_of(params)
+    wire = {
+        "headers": _WIRE_STATUS,
+        "content": {
+            "application/json": {"schema": {"type": ["object", "array"]}},
+            "text/plain": {"schema": TEXT},
+        },
+    }
+    return {
+        "operationId": command,
+        "summary": summary,
+        "description": f"protocol.md section {section}.",
+        "requestBody": {
+            "required": any(p.required for p in params),
+            "content": {"application/json": {"schema": body}},
+        },
+        "responses": {
+            "2XX": {"description": "done: the wire reply's body (202: DeliverReply kept "
+                    "a reply for a job to come)", **wire},
+            "400": {"description": "the body is not a JSON object of parameters",
+                    "content": {"application/json": {"schema": _JSON_ERROR}}},
+            "401": {"description": "a missing or wrong bearer token, or the wire's "
+                    "`401 Unauthorized`",
+                    "content": {"application/json": {"schema": OBJECT}}},
+            "413": {"description": "the body is too large",
+                    "content": {"application/json": {"schema": _JSON_ERROR}}},
+            "4XX": {"description": "refused: the wire status code", **wire},
+            "5XX": {"description": "the server could not do it: the wire status code", **wire},
+        },
+    }
+
+
+def _queue_operation() -> Schema:
+    job = {
+        "type": "object",
+        "properties": {"type": {**NAME, "description": "the job's name"},
+                       "payload": {**OBJECT, "description": "the job's data"}},
+        "required": ["type"],
+    }
+    created = {"type": "object", "properties": {"job-id": TEXT}, "required": ["job-id"]}
+    error = {"content": {"application/json": {"schema": _JSON_ERROR}}}
+    return {
+        "operationId": "queue",
+        "summary": "Create a job as Jobber's clients do",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": job}}},
+        "responses": {
+            "201": {"description": "created",
+                    "content": {"application/json": {"schema": created}}},
+            "400": {"description": "not a job: nothing stored", **error},
+            "401": {"description": "missing or wrong bearer token", **error},
+            "413": {"description": "the body is too large", **error},
+            "503": {"description": "the database is unavailable", **error},
+        },
+    }
+
+
+def _simple(name: str, text: str, media: dict[str, str], secured: bool = True) -> Schema:
+    """A GET whose answers are told apart by status code and media type."""
+    operation: Schema = {
+        "operationId": name,
+        "summary": text,
+        "responses": {
+            code: {"description": text, "content": {kind: {}}} for code, kind in media.items()
+        },
+    }
+    if not secured:
+        operation["security"] = []
+    return operation
