@@ -4,6 +4,7 @@ wire protocol."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import ssl
@@ -379,3 +380,37 @@ def test_metrics_of_a_memory_database_say_why_there_are_none() -> None:
         assert call(server, "GET", "/healthz")[0] == 200
     finally:
         server.stop()
+
+
+def test_no_http_client_can_stop_the_server(http_server: ThreadServer) -> None:
+    """Garbage, a reset in the middle of a body, a request cut short, huge
+    headers, a client that never finishes: each costs its own connection
+    only, and both sides keep serving."""
+    port = http_server.server.http_port
+    abuses = [
+        b"\x00\xff garbage\r\n\r\n",
+        b"POST /queue HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{\"type\": \"x\", ",
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n",
+        b"POST /api/CreateJob HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"POST /api/CreateJob HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n\xff\xfe\x00\x01\x02",
+    ]
+    for abuse in abuses:
+        for reset in (False, True):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+            # The server may close first.
+            with contextlib.suppress(OSError):
+                sock.sendall(abuse)
+            if reset:
+                # SO_LINGER 0: close sends RST instead of FIN.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00" * 2)
+            sock.close()
+    lingering = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+    lingering.sendall(b"POST /queue HTTP/1.1\r\nHost: x\r\n")
+    try:
+        assert call(http_server, "GET", "/healthz") == (200, {"status": "ok"})
+        assert post_queue(http_server, {"type": "after", "payload": {}})[0] == 201
+        with http_server.client() as client:
+            assert client.request("Ping").status == "200 OK"
+        assert job_count(http_server) == 1
+    finally:
+        lingering.close()
