@@ -271,35 +271,28 @@ def error_text(request: Request, data: str | None) -> str:
 
 
 def limit(request: Request) -> int:
-    value = present(request, "limit")
-    if value is None:
-        return DEFAULT_LISTED
-    try:
-        number = int(value)
-    except ValueError:
-        raise CommandError("402 Malformed limit") from None
-    return min(max(number, 1), MAX_LISTED)
+    """FailedJobs' `limit`: how many jobs to list."""
+    return _count("limit", present(request, "limit"), DEFAULT_LISTED, MAX_LISTED)
 
 
 def queue_limit(request: Request) -> int:
     """Queues' `limit`: how many queues to list."""
-    value = present(request, "limit")
-    if value is None:
-        return DEFAULT_QUEUES
-    try:
-        number = int(value)
-    except ValueError:
-        raise CommandError("402 Malformed limit") from None
-    return min(max(number, 1), MAX_QUEUES)
+    return _count("limit", present(request, "limit"), DEFAULT_QUEUES, MAX_QUEUES)
 
 
 def num_results(request: Request) -> int:
-    value = require(request, "numResults")
+    return _count("numResults", require(request, "numResults"), 1, MAX_RESULTS)
+
+
+def _count(name: str, value: str | None, default: int, most: int) -> int:
+    """A count: `default` if absent; below 1 counts as 1, above `most` as `most`."""
+    if value is None:
+        return default
     try:
         number = int(value)
     except ValueError:
-        raise CommandError("402 Malformed numResults") from None
-    return min(max(number, 1), MAX_RESULTS)
+        raise CommandError(f"402 Malformed {name}") from None
+    return min(max(number, 1), most)
 
 
 def is_true(value: str | None) -> bool:
