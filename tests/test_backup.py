@@ -258,8 +258,10 @@ def _http_backup(running: ThreadServer, host: str, path: Path, **headers: str) -
     request = urllib.request.Request(
         url, data=json.dumps({"path": str(path)}).encode(), method="POST", headers=headers
     )
+    # Straight to the server, whatever proxy the environment names.
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT) as reply:
+        with direct.open(request, timeout=TIMEOUT) as reply:
             return int(reply.status)
     except urllib.error.HTTPError as error:
         return error.code
