@@ -1,8 +1,10 @@
 """Helpers the tests share: requests that must succeed, waiting for a
-condition, and another process holding a database's write lock."""
+condition, another process holding a database's write lock, a small
+file system, and a server that file modes hold back even as root."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -11,6 +13,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
+
+import pytest
 
 from wire import Client, Reply
 
@@ -81,6 +85,42 @@ def locked(db: Path) -> Iterator[subprocess.Popen[str]]:
         if locker.poll() is None:
             locker.kill()
             locker.wait()
+
+
+@contextmanager
+def tmpfs(mountpoint: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` mounted at `mountpoint` (root only: skips the test
+    where mounting is not possible)."""
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mountpoint)],
+        capture_output=True,
+        text=True,
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip() or result.returncode}")
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True)
+
+
+WITHOUT_OVERRIDE = [
+    "setpriv",
+    "--inh-caps=-dac_override,-dac_read_search",
+    "--bounding-set=-dac_override,-dac_read_search",
+]
+
+
+def unprivileged() -> list[str]:
+    """A wrapper (ServerProcess's `wrapper`) under which file modes hold:
+    as root, setpriv without the capabilities that override them."""
+    if os.geteuid() != 0:
+        return []
+    probe = subprocess.run([*WITHOUT_OVERRIDE, "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("running as root without setpriv: file modes would be ignored")
+    return WITHOUT_OVERRIDE
 
 
 class HeldSync:

@@ -8,40 +8,21 @@ are skipped where mounting is not possible.
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import sqlite3
 import subprocess
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from harness import ServerProcess
-from helpers import locked
+from helpers import locked, tmpfs, unprivileged
 from wire import Client, encode
 
 # The server waits this long for another process's lock (store.py: BUSY_MS).
 BUSY_TIMEOUT = 2.0
-
-
-@contextmanager
-def tmpfs(mountpoint: Path, size: str) -> Iterator[Path]:
-    mountpoint.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mountpoint)],
-        capture_output=True,
-        text=True,
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip() or result.returncode}")
-    try:
-        yield mountpoint
-    finally:
-        subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True)
 
 
 def remount(mountpoint: Path, options: str) -> None:
@@ -217,22 +198,7 @@ def test_read_only_filesystem_after_a_crash_serves_reads_and_refuses_writes(
 
 
 # File modes. Root ignores them, so as root the server runs without the
-# capabilities that override them (setpriv), as an ordinary owner would.
-
-WITHOUT_OVERRIDE = [
-    "setpriv",
-    "--inh-caps=-dac_override,-dac_read_search",
-    "--bounding-set=-dac_override,-dac_read_search",
-]
-
-
-def unprivileged() -> list[str]:
-    if os.geteuid() != 0:
-        return []
-    probe = subprocess.run([*WITHOUT_OVERRIDE, "true"], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip("running as root without setpriv: file modes would be ignored")
-    return WITHOUT_OVERRIDE
+# capabilities that override them (helpers.unprivileged).
 
 
 @pytest.mark.parametrize("crashed", [False, True], ids=["after a clean stop", "after a crash"])

@@ -14,6 +14,7 @@ import textwrap
 from collections.abc import Callable
 from typing import Any
 
+from jobserver.cli import backup
 from jobserver.cli.options import (
     AUTH_TOKEN_HELP,
     DEFAULT_SERVER,
@@ -79,6 +80,7 @@ def add_parsers(sub: Any) -> None:
     _add_taking(command)
     _add_reporting(command)
     _add_operating(command)
+    backup.add_parser(command)
 
 
 def _add_taking(command: Callable[[str, Action, str, str], argparse.ArgumentParser]) -> None:

@@ -22,6 +22,11 @@ Method = TypeVar("Method", bound=Callable[..., Any])
 # or a timezone-aware datetime.
 When = str | datetime
 
+# How long a backup's reply may take beyond the client's timeout: the
+# server copies and checks the whole database first; an hour is room for
+# many gigabytes.
+BACKUP_WAIT = 3600.0
+
 # Commands that change nothing, so sending one twice does no harm.
 _READ_ONLY = frozenset({"queryjob", "ping", "status", "queues", "query"})
 
@@ -35,6 +40,8 @@ class Call(Generic[T]):
     result: Callable[[Reply], T]
     # GetJob/GetJobs: what `404 No job found`, an empty queue, returns.
     none_found: Callable[[], T] | None = None
+    # How long the server may work on it before it answers (Backup).
+    held: float = 0.0
 
     def outcome(self, reply: Reply) -> T:
         if reply.code == 404 and self.none_found is not None:
@@ -53,7 +60,7 @@ class Call(Generic[T]):
         """How long the server may hold this request before it answers."""
         lowered = {name.lower(): value for name, value in self.params.items()}
         if str(lowered.get("connection")).lower() != "wait":
-            return 0.0
+            return self.held
         timeout = lowered.get("timeout")
         if timeout is None or timeout == "":
             return DEFAULT_WAIT_MS / 1000
@@ -391,3 +398,14 @@ def queues(limit: int | None) -> Call[dict[str, Any]]:
     jobs by state and how long its oldest ready job has waited
     (protocol.md 14.17)."""
     return Call("Queues", {"limit": limit}, _body)
+
+
+def backup(path: str) -> Call[dict[str, Any]]:
+    """Have the server copy its SQLite database, as it is at one moment,
+    into a new file at `path` (absolute, on the server's machine) while it
+    keeps serving; returns `{"bytes", "jobs", "path", "seconds"}` of the
+    copy, checked with quick_check (protocol.md 14.18). The reply is
+    awaited for up to an hour more than the timeout. An existing file is
+    never overwritten (InvalidRequest); on PostgreSQL the server refuses
+    with ServerError (501): use pg_dump."""
+    return Call("Backup", {"path": path}, _body, held=BACKUP_WAIT)

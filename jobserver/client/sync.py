@@ -195,6 +195,10 @@ class Client(Endpoint):
     def status(self) -> dict[str, Any]:
         return self._call(calls.status())
 
+    @documented_by(calls.backup)
+    def backup(self, path: str) -> dict[str, Any]:
+        return self._call(calls.backup(path))
+
     def _call(self, call: Call[T]) -> T:
         return call.outcome(self._exchange(call))
 

@@ -197,6 +197,10 @@ class AsyncClient(Endpoint, trio.abc.AsyncResource):
     async def status(self) -> dict[str, Any]:
         return await self._call(calls.status())
 
+    @documented_by(calls.backup)
+    async def backup(self, path: str) -> dict[str, Any]:
+        return await self._call(calls.backup(path))
+
     async def _call(self, call: Call[T]) -> T:
         return call.outcome(await self._exchange(call))
 

@@ -10,7 +10,8 @@ one of two things:
   that comes back; a client that hangs up cancels the wait.
 
 The server moves bytes and owns tasks; which command runs where (the
-writer's transaction, a thread for Query, nowhere for Ping) is decided here.
+writer's transaction, a thread for Query and Backup, nowhere for Ping) is
+decided here.
 """
 
 from __future__ import annotations
@@ -25,7 +26,17 @@ from typing import Any, Protocol
 import trio
 
 from jobserver import __version__
-from jobserver.core import commands, params, query, queues, repeat, replies, selection, times
+from jobserver.core import (
+    backup,
+    commands,
+    params,
+    query,
+    queues,
+    repeat,
+    replies,
+    selection,
+    times,
+)
 from jobserver.core.context import Context
 from jobserver.core.errors import CommandError
 from jobserver.core.jobs import State
@@ -121,6 +132,9 @@ class Dispatcher:
         # clients sending new rules take one core at the most, and never
         # the writer's time.
         self._rule_check_limiter = trio.CapacityLimiter(1)
+        # One backup at a time: each reads the whole database and holds
+        # its log from being checkpointed until it is done.
+        self._backing_up = trio.Lock()
         # Answers given, by (verb as in ROUTES or "unknown", status code):
         # for metrics. A waiting GetJob counts when it waits.
         self.answered: dict[tuple[str, int], int] = {}
@@ -238,6 +252,21 @@ class Dispatcher:
         await self.writer.settled()
         return Answer(response)
 
+    async def backup(self, request: Request, peer: str) -> Answer:
+        # It writes a file where the client says, as the server's user: only
+        # for a client on this machine, or one that holds the token.
+        if self.access.auth_token is None and not is_loopback(peer):
+            return Answer(Response("401 Unauthorized"))
+        if self._backing_up.locked():
+            return Answer(Response("409 Backup already running"))
+        async with self._backing_up:
+            # Not abandoned on cancel: a shutdown stops the copy through
+            # `_cancelled`, and the thread removes what it had written.
+            response = await trio.to_thread.run_sync(backup.run, self.store, request, _cancelled)
+        # Its own connection may have copied commits not yet on disk.
+        await self.writer.settled()
+        return Answer(response)
+
     async def _check_repeats_first(self, request: Request) -> None:
         """Repeat rules are checked by computing them from many moments
         (repeat.py), which can take tens of milliseconds: done here, one
@@ -254,6 +283,15 @@ class Dispatcher:
             texts = [text] if text else []
         if texts:
             await trio.to_thread.run_sync(repeat.warm, texts, limiter=self._rule_check_limiter)
+
+
+def _cancelled() -> bool:
+    """From a worker thread: whether the request it works for was cancelled."""
+    try:
+        trio.from_thread.check_cancelled()
+    except trio.Cancelled:
+        return True
+    return False
 
 
 def _code(action: Answer | WaitForJobs) -> int:
@@ -314,6 +352,10 @@ async def _get_jobs(d: Dispatcher, request: Request, peer: str) -> Answer | Wait
     return await d.get_jobs(request)
 
 
+async def _backup(d: Dispatcher, request: Request, peer: str) -> Answer:
+    return await d.backup(request, peer)
+
+
 # Every verb, lower-cased (protocol.md section 5 and 14).
 ROUTES: dict[str, Route] = {
     "ping": _ping,
@@ -341,4 +383,5 @@ ROUTES: dict[str, Route] = {
     "resumejobs": _in_writer(commands.resume_jobs),
     "awaitreply": _in_writer(replies.await_reply),
     "deliverreply": _in_writer(replies.deliver_reply),
+    "backup": _backup,
 }

@@ -15,6 +15,7 @@ follow SQLite's semantics everywhere (core/sqlite_functions.py).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from jobserver.core.jobs import Job, NewJob
@@ -33,6 +34,24 @@ class QueryTimeout(Exception):
 
 class BadQuery(Exception):
     """A Query's SQL cannot run: not valid, or not a read. Its text says why."""
+
+
+@dataclass(frozen=True)
+class BackupCopy:
+    """A backup made and checked: its size on disk and the jobs it holds."""
+
+    bytes: int
+    jobs: int
+
+
+class BackupFailed(Exception):
+    """The copy could not be made, or failed its check; nothing is left at
+    its path. The text says why."""
+
+
+class BackupUnsupported(Exception):
+    """This backend makes no copies of itself; the text says what to use
+    instead."""
 
 
 # heard(names made due, earliest future time) from another node's commit;
@@ -222,3 +241,13 @@ class Storage(Protocol):
 
     def size_bytes(self) -> int:
         """What the database takes on disk, for Status."""
+
+    def backup(self, path: str, stopped: Callable[[], bool]) -> BackupCopy:
+        """Copy the database as it is at one moment into a new file at the
+        absolute `path`, on a connection of its own (from another thread)
+        while the writer goes on; check the copy and count its jobs.
+        `stopped` is asked now and then: once it says True the copy is
+        abandoned (BackupFailed). Raises OSError when the file cannot be
+        created (FileExistsError: an existing file is never overwritten),
+        BackupFailed when the copy fails or fails its check (the partial
+        file removed), BackupUnsupported on a backend that has other means."""

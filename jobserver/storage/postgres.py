@@ -31,7 +31,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -43,7 +43,14 @@ from psycopg.pq import TransactionStatus
 from jobserver.core.globmatch import glob_to_regex
 from jobserver.core.jobs import Job, NewJob
 from jobserver.storage import postgres_listen, postgres_schema
-from jobserver.storage.interface import BadQuery, QueryResult, QueryTimeout, QueueStats
+from jobserver.storage.interface import (
+    BackupCopy,
+    BackupUnsupported,
+    BadQuery,
+    QueryResult,
+    QueryTimeout,
+    QueueStats,
+)
 from jobserver.storage.sqlite_schema import StoreError
 
 log = logging.getLogger("jobserver")
@@ -655,6 +662,14 @@ class PostgresStore:
             "WHERE n.nspname = current_schema() AND c.relkind = 'r'"
         )
         return int(row[0])
+
+    def backup(self, path: str, stopped: Callable[[], bool]) -> BackupCopy:
+        # pg_dump copies the queue consistently while the nodes serve, from
+        # any machine; a node would only do it worse.
+        raise BackupUnsupported(
+            "Backup is for SQLite: back up PostgreSQL with pg_dump "
+            "(README, Backups and restore)"
+        )
 
 
 def _plain(value: object) -> object:

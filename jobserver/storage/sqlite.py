@@ -13,11 +13,17 @@ import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from jobserver.core.jobs import PLAIN, Job, NewJob
-from jobserver.storage import sqlite_readers, sqlite_schema
-from jobserver.storage.interface import Heard, QueryResult, QueueStats
+from jobserver.storage import sqlite_backup, sqlite_readers, sqlite_schema
+from jobserver.storage.interface import (
+    BackupCopy,
+    BackupUnsupported,
+    Heard,
+    QueryResult,
+    QueueStats,
+)
 from jobserver.storage.sqlite_schema import StoreError
 
 SYNCHRONOUS_MODES = ("FULL", "NORMAL")
@@ -596,6 +602,11 @@ class Store:
             with contextlib.suppress(OSError):
                 total += os.path.getsize(self.path + suffix)
         return total
+
+    def backup(self, path: str, stopped: Callable[[], bool]) -> BackupCopy:
+        if self.path == ":memory:":
+            raise BackupUnsupported("The database is in memory: there is no file to back up")
+        return sqlite_backup.backup(self.path, path, stopped)
 
 
 def _datasync(fd: int) -> None:

@@ -182,6 +182,10 @@ COMMANDS: dict[str, tuple[str, str, list[Param]]] = {
         Param("key", NAME, "the correlation key", required=True),
         Param("data", OBJECT, "the reply", required=True),
     ]),
+    "Backup": ("Copy the SQLite database into a new file while serving", "14.18", [
+        Param("path", {"type": "string", "minLength": 1, "maxLength": 4096},
+              "an absolute path on the server's machine; never overwritten", required=True),
+    ]),
     "Queues": ("Each queue's jobs by state and oldest ready age", "14.17", [
         Param("limit", {"type": "integer", "minimum": 1, "maximum": 1000},
               "list at most this many queues"),
