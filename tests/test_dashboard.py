@@ -1,15 +1,17 @@
 """The dashboard (GET / and the pages and forms under it), over real HTTP
 to a real server whose jobs are set up and checked through the wire
-protocol."""
+protocol; and once end to end in headless Chromium."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
 import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from http.cookies import SimpleCookie
 from pathlib import Path
 from typing import Any
@@ -461,3 +463,93 @@ def test_the_flash_cookie_cannot_carry_markup(server: ThreadServer) -> None:
     page = visitor.get("/").text
     assert "&lt;script&gt;alert(5)" in page and "<script>alert(5)" not in page
 
+
+# End to end in headless Chromium: Debian's `chromium`, driven by
+# Playwright (the pip package alone; its own browsers are not installed).
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """One browser for the module. Without Chromium or Playwright the
+    browser tests are skipped, or fail under JOBSERVER_REQUIRE_BROWSER=1
+    (as in CI)."""
+    missing = ""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        missing = "Playwright is not installed (pip install playwright)"
+    if not missing and not os.access(CHROMIUM, os.X_OK):
+        missing = f"no {CHROMIUM} (apt-get install chromium)"
+    if missing:
+        if os.environ.get("JOBSERVER_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"JOBSERVER_REQUIRE_BROWSER=1 but {missing}")
+        pytest.skip(missing)
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
+        yield launched
+        launched.close()
+
+
+@pytest.fixture
+def artifacts(tmp_path: Path) -> Path:
+    """Where screenshots go: $JOBSERVER_TEST_ARTIFACTS, else the test's own
+    directory; never the repository."""
+    directory = Path(os.environ.get("JOBSERVER_TEST_ARTIFACTS") or tmp_path)
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def sample_jobs(client: Client) -> int:
+    """A queue at work, as a screenshot should show one; the ID of a failed job."""
+    # Due a few minutes ago: the queue's workers are behind.
+    due = (datetime.now(UTC) - timedelta(minutes=7)).strftime("%Y-%m-%d %H:%M:%S")
+    jobs = [
+        {"name": "email/send", "data": {"to": f"user{i}@example.com"}, "firstRun": due}
+        for i in range(6)
+    ]
+    jobs += [{"name": "thumbs/make", "data": {"image": i}} for i in range(3)]
+    jobs += [{"name": "report/daily", "repeat": "DAILY"}, {"name": "webhook/deliver"}]
+    ok(client.request("CreateJobs", jobs=json.dumps(jobs)))
+    ok(client.request("SetLimit", name="thumbs/*", max=2))
+    ok(client.request("GetJob", name="thumbs/make"))
+    ok(client.request("GetJob", name="email/send"))
+    ok(client.request("PauseJobs", name="report/*"))
+    failed_job(client, "webhook/retry", "HTTP 502 from https://hooks.example.com/orders")
+    return failed_job(
+        client, "email/bounce", "SMTP 451 4.7.1 try again later", data='{"to":"ann@example.com"}'
+    )
+
+
+def test_in_a_browser_a_failed_job_is_requeued_with_a_click(
+    browser: Any, server: ThreadServer, artifacts: Path
+) -> None:
+    from playwright.sync_api import expect
+
+    with server.client() as client:
+        job_id = sample_jobs(client)
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    try:
+        # The page's clock is the test's: its refresh runs when told to.
+        page.clock.install()
+        page.goto(f"http://127.0.0.1:{server.server.http_port}/")
+        row = page.locator(f'#failed tr:has(a[href="/jobs/{job_id}"])')
+        expect(row).to_contain_text("SMTP 451 4.7.1 try again later")
+        page.screenshot(path=str(artifacts / "dashboard.png"), full_page=True)
+        # It refreshes by itself: a new queue shows up without a reload.
+        with server.client() as client:
+            create(client, "audio/encode")
+        page.clock.run_for(REFRESH_SECONDS * 1000 + 100)
+        expect(page.locator("#live")).to_contain_text("audio")
+        row.get_by_role("button", name="Requeue").click()
+        expect(page.locator(".flash.ok")).to_have_text(
+            f"Job {job_id} requeued: QUEUED, due now."
+        )
+        expect(row).to_have_count(0)
+        page.goto(f"http://127.0.0.1:{server.server.http_port}/jobs/{job_id}")
+        expect(page.locator("h1 .state")).to_have_text("QUEUED")
+    finally:
+        page.close()
+    with server.client() as client:
+        assert query_job(client, job_id)["state"] == "QUEUED"

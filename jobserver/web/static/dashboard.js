@@ -1,6 +1,7 @@
 // The dashboard's only script: it refreshes the live part of the page
-// (status and queues) every few seconds, and asks before a delete. The
-// pages work without it, refreshed by hand.
+// (status and queues) every few seconds, and asks before the buttons
+// whose form has a `data-confirm` question (a delete, the requeue of a
+// running job). The pages work without it, refreshed by hand.
 "use strict";
 
 const live = document.getElementById("live");
