@@ -239,6 +239,11 @@ class Storage(Protocol):
         """Jobs by queue and state, and each queue's oldest due nextRun, on a
         connection of its own (from another thread): it reads every job."""
 
+    def find_matching(self, pattern: str, limit: int) -> list[Job]:
+        """Jobs in any state whose name matches a GLOB `pattern`, newest
+        first: the dashboard's search. On a connection of its own (from
+        another thread): it may read every job."""
+
     def size_bytes(self) -> int:
         """What the database takes on disk, for Status."""
 

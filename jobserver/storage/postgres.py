@@ -655,6 +655,17 @@ class PostgresStore:
             }
         return counts, oldest
 
+    def find_matching(self, pattern: str, limit: int) -> list[Job]:
+        clause, arg = "name ~ %s", glob_to_regex(pattern)
+        if _GLOB_SPECIALS.isdisjoint(pattern):
+            clause, arg = "name = %s", pattern
+        with connect(self._url) as db:
+            rows = db.execute(
+                f"SELECT {_COLUMNS} FROM jobs WHERE {clause} ORDER BY jobID DESC LIMIT %s",
+                (arg, limit),
+            ).fetchall()
+        return [Job(*row) for row in rows]
+
     def size_bytes(self) -> int:
         row = self._one(
             "SELECT COALESCE(SUM(pg_total_relation_size(c.oid)), 0) FROM pg_class c "

@@ -596,6 +596,10 @@ class Store:
     def queue_stats(self, now: str) -> QueueStats:
         return sqlite_readers.queue_stats(self.path, now)
 
+    def find_matching(self, pattern: str, limit: int) -> list[Job]:
+        rows = sqlite_readers.find_matching(self.path, _COLUMNS, pattern, limit)
+        return [Job(*row) for row in rows]
+
     def size_bytes(self) -> int:
         total = 0
         for suffix in ("", "-wal"):

@@ -1,12 +1,14 @@
 """Read-only SQLite connections of their own: the `Query` command's
-sandbox, and the pruner's look for work. Both run in threads outside the
-writer, and neither can write."""
+sandbox, the pruner's look for work, the queues' figures and the
+dashboard's search. All run in threads outside the writer, and none can
+write."""
 
 from __future__ import annotations
 
 import sqlite3
 from collections.abc import Mapping
 from time import monotonic
+from typing import Any
 from urllib.parse import quote
 
 from jobserver.storage.interface import BadQuery, QueryResult, QueryTimeout, QueueStats
@@ -113,6 +115,19 @@ def queue_stats(path: str, now: str) -> QueueStats:
             ).fetchall()
         )
         return counts, oldest
+    finally:
+        db.close()
+
+
+def find_matching(path: str, columns: str, pattern: str, limit: int) -> list[tuple[Any, ...]]:
+    """The rows (`columns`) of the newest jobs whose name matches a GLOB
+    `pattern`: jobID order, so a search that finds enough stops early."""
+    db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
+    try:
+        return db.execute(
+            f"SELECT {columns} FROM jobs WHERE name GLOB ? ORDER BY jobID DESC LIMIT ?",
+            (pattern, limit),
+        ).fetchall()
     finally:
         db.close()
 

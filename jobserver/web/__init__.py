@@ -1,5 +1,6 @@
 """The HTTP side of the server (`--http-port`), an optional extra:
-`pip install 'jobserver[web]'` (Starlette and Hypercorn)."""
+`pip install 'jobserver[web]'` (Starlette, Hypercorn, Jinja2 for the
+dashboard's pages, prometheus_client for the metrics)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ MISSING = (
 def available() -> bool:
     try:
         import hypercorn.trio  # noqa: F401
+        import jinja2  # noqa: F401
+        import prometheus_client  # noqa: F401
         import starlette  # noqa: F401
     except ImportError:
         return False

@@ -21,14 +21,16 @@ stands for. Routes:
   needs no token, so that a load balancer can ask.
 - `GET /openapi.json`: the OpenAPI document of all this (openapi.py), with
   no token: it holds nothing of the queue.
+- `GET /` and the pages and forms under it: the dashboard (dashboard.py).
 
-With an auth token, every route but /healthz wants `Authorization:
-Bearer TOKEN` and answers `401` without it.
+With an auth token, every route but /healthz and the dashboard wants
+`Authorization: Bearer TOKEN` and answers `401` without it; the dashboard
+may be looked at without it, but acts only for a person who gave it
+(access.py).
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 from typing import Any
 
@@ -42,6 +44,9 @@ from starlette.routing import Route
 from jobserver.core.dispatch import Answer, Dispatcher
 from jobserver.core.params import MAX_DATA
 from jobserver.web import openapi
+from jobserver.web.access import bearer
+from jobserver.web.dashboard import Dashboard
+from jobserver.web.incoming import peer, read_body
 from jobserver.web.metrics import CONTENT_TYPE, Metrics
 from jobserver.wire.framing import Request
 
@@ -50,13 +55,14 @@ from jobserver.wire.framing import Request
 MAX_BODY = MAX_DATA + 64 * 1024
 
 
-def build(dispatcher: Dispatcher, auth_token: str | None) -> Starlette:
-    """The application, answering through `dispatcher`."""
+def build(dispatcher: Dispatcher, auth_token: str | None, secure: bool = False) -> Starlette:
+    """The application, answering through `dispatcher`; `secure` when it
+    is served over TLS (the dashboard's cookies are then Secure)."""
 
     async def queue(request: HttpRequest) -> JSONResponse:
-        if not _authorized(request, auth_token):
+        if not bearer(request, auth_token):
             return _error(401, "missing or wrong bearer token")
-        body = await _read_body(request)
+        body = await read_body(request, MAX_BODY)
         if body is None:
             return _error(413, f"the body is larger than {MAX_BODY} bytes")
         name, data, problem = _jobber_job(body)
@@ -65,7 +71,7 @@ def build(dispatcher: Dispatcher, auth_token: str | None) -> Starlette:
         headers = {"name": name, "data": data}
         if auth_token is not None:
             headers["authtoken"] = auth_token
-        answer = await dispatcher.dispatch(Request("CreateJob", headers), _peer(request))
+        answer = await dispatcher.dispatch(Request("CreateJob", headers), peer(request))
         assert isinstance(answer, Answer)  # only GetJob waits
         status = answer.response.status
         if answer.response.code == 200:
@@ -77,9 +83,9 @@ def build(dispatcher: Dispatcher, auth_token: str | None) -> Starlette:
     validators = _validators()
 
     async def api(request: HttpRequest) -> Response:
-        if not _authorized(request, auth_token):
+        if not bearer(request, auth_token):
             return _error(401, "missing or wrong bearer token")
-        body = await _read_body(request)
+        body = await read_body(request, MAX_BODY)
         if body is None:
             return _error(413, f"the body is larger than {MAX_BODY} bytes")
         verb = _command_named(request.path_params["command"])
@@ -93,21 +99,21 @@ def build(dispatcher: Dispatcher, auth_token: str | None) -> Starlette:
         headers = _headers(document)
         if auth_token is not None:
             headers["authtoken"] = auth_token
-        answer = await dispatcher.dispatch(Request(verb, headers), _peer(request))
+        answer = await dispatcher.dispatch(Request(verb, headers), peer(request))
         assert isinstance(answer, Answer)  # only a waiting GetJob waits
         return _wire_reply(answer)
 
     metrics = Metrics(dispatcher, auth_token)
 
     async def scrape(request: HttpRequest) -> Response:
-        if not _authorized(request, auth_token):
+        if not bearer(request, auth_token):
             return _error(401, "missing or wrong bearer token")
-        code, text = await metrics.render(_peer(request))
+        code, text = await metrics.render(peer(request))
         return Response(text, code, media_type=CONTENT_TYPE)
 
     async def healthz(request: HttpRequest) -> JSONResponse:
         headers = {"authtoken": auth_token} if auth_token is not None else {}
-        answer = await dispatcher.dispatch(Request("Status", headers), _peer(request))
+        answer = await dispatcher.dispatch(Request("Status", headers), peer(request))
         assert isinstance(answer, Answer)
         if answer.response.code == 200:
             return JSONResponse({"status": "ok"})
@@ -125,6 +131,7 @@ def build(dispatcher: Dispatcher, auth_token: str | None) -> Starlette:
             Route("/api/{command}", api, methods=["POST"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/metrics", scrape, methods=["GET"]),
+            *Dashboard(dispatcher, auth_token, secure).routes(),
         ]
     )
 
@@ -206,31 +213,6 @@ def _jobber_job(body: bytes) -> tuple[str, str, str]:
     if not isinstance(payload, dict):
         return "", "", '"payload" must be a JSON object'
     return name, json.dumps(payload, separators=(",", ":"), ensure_ascii=False), ""
-
-
-async def _read_body(request: HttpRequest) -> bytes | None:
-    """The body, or None past MAX_BODY (read no further than that)."""
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _authorized(request: HttpRequest, token: str | None) -> bool:
-    if token is None:
-        return True
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    return hmac.compare_digest(given.strip().encode(), token.encode())
-
-
-def _peer(request: HttpRequest) -> str:
-    return request.client.host if request.client is not None else ""
 
 
 def _error(status: int, message: str) -> JSONResponse:

@@ -64,7 +64,7 @@ async def serve(
     """Serve until `stopping` is set."""
     # Starlette is an ASGI application; its type names ASGI's messages
     # differently from Hypercorn's.
-    application: Any = app.build(dispatcher, auth_token)
+    application: Any = app.build(dispatcher, auth_token, listening.config.ssl_enabled)
     log.info("HTTP on %s", f"{listening.config.bind[0].rsplit(':', 1)[0]}:{listening.port}")
     await worker_serve(
         wrap_app(application, listening.config.wsgi_max_body_size, "asgi"),

@@ -1,0 +1,488 @@
+"""The dashboard: a person's view of the queue, and a place to act during
+an incident.
+
+Pages (GET):
+
+- `/`: the server's status and its queues (refreshed every few seconds
+  from `/live`), failed jobs with their last errors, limits and pauses;
+- `/jobs/{id}`: one job, with its parent and children;
+- `/jobs?name=PATTERN`: the newest jobs whose name matches; `/jobs?id=N`
+  goes to job N's page.
+
+Actions are form POSTs to `/actions/{name}`, answered with a redirect
+(303) back to the page, which shows once what came of it (a short-lived
+cookie carries the message). A refusal is shown the same way; nothing a
+form sends stops the server or gets a 500.
+
+Everything is asked through the dispatcher: the wire commands (Status,
+Queues, FailedJobs, RequeueJobs, ...), and reads.py for what no command
+shows. Templates escape everything (job names and data come from anyone
+who can create a job), and the pages load no script but their own
+(Content-Security-Policy). Who may act is access.py's business.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, quote, unquote
+
+import jinja2
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import Route
+from starlette.templating import Jinja2Templates
+
+from jobserver.core import params, times
+from jobserver.core.dispatch import Answer, Dispatcher
+from jobserver.core.errors import CommandError
+from jobserver.core.jobs import State
+from jobserver.web import access
+from jobserver.web.incoming import peer, read_body
+from jobserver.web.reads import Reads
+from jobserver.wire.framing import Request as WireRequest
+from jobserver.wire.framing import Response as WireResponse
+
+HERE = Path(__file__).parent
+
+# How much of each list a page shows: enough to act on, little enough to
+# render at once.
+QUEUES_SHOWN = 50
+FAILED_SHOWN = 100
+FOUND_SHOWN = 200
+# Seconds between refreshes of the live part of `/`: often enough to watch
+# a queue drain; each refresh reads every job (Queues).
+REFRESH_SECONDS = 5
+# A form's body: a 255-byte pattern, percent-encoded, and room to spare.
+MAX_FORM = 16 * 1024
+MAX_FORM_FIELDS = 16
+# The one-time message after an action: long enough for a status line.
+FLASH_COOKIE = "jobserver_flash"
+MAX_FLASH = 500
+
+# States in the order of a job's life, for the columns of the queues.
+STATE_ORDER = (
+    State.QUEUED, State.RUNQUEUED, State.RUNNING, State.WAITING, State.PAUSED,
+    State.FAILED, State.FINISHED, State.CANCELLED,
+)
+# Where the job page offers each button (protocol.md 4.2 and 5.10).
+DELETABLE = frozenset(
+    (State.QUEUED, State.RUNQUEUED, State.FINISHED, State.CANCELLED, State.FAILED, State.WAITING)
+)
+CANCELLABLE = frozenset((State.QUEUED, State.RUNQUEUED, State.FAILED, State.WAITING))
+
+# Pages show job data, and their buttons act: no other site may frame
+# them, and no script but the dashboard's own may run in them.
+PAGE_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+        "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
+STATIC_TYPES = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8"}
+
+
+@dataclass(frozen=True)
+class Flash:
+    kind: str  # "ok" or "error"
+    text: str
+
+
+class Refused(Exception):
+    """A form asks for something that is not done; its text says why."""
+
+
+def _json(reply: WireResponse, key: str | None = None) -> tuple[Any, str]:
+    """(the reply's body, or `key` of it; "") for a 200, (None, status line) otherwise."""
+    if reply.code != 200:
+        return None, reply.status
+    body = json.loads(reply.body)
+    return (body if key is None else body[key]), ""
+
+
+class Dashboard:
+    def __init__(self, dispatcher: Dispatcher, token: str | None, secure: bool) -> None:
+        self._dispatcher = dispatcher
+        self._token = token
+        self._secure = secure
+        self._reads = Reads(dispatcher)
+        env = jinja2.Environment(
+            loader=jinja2.FileSystemLoader(HERE / "templates"),
+            autoescape=True,
+            undefined=jinja2.StrictUndefined,
+            trim_blocks=True,
+            lstrip_blocks=True,
+        )
+        env.filters["age"] = age_text
+        env.filters["since"] = since_text
+        self._templates = Jinja2Templates(env=env)
+        self._static = {
+            path.name: (path.read_bytes(), STATIC_TYPES[path.suffix])
+            for path in (HERE / "static").iterdir()
+            if path.suffix in STATIC_TYPES
+        }
+        self._actions: dict[str, Callable[[Request, dict[str, str]], Awaitable[Flash]]] = {
+            "requeue": self._requeue,
+            "delete": self._delete,
+            "cancel": self._cancel,
+            "pause": self._pause,
+            "resume": self._resume,
+            "limit": self._set_limit,
+        }
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/", self.index, methods=["GET"]),
+            Route("/live", self.live, methods=["GET"]),
+            Route("/jobs", self.jobs, methods=["GET"]),
+            Route("/jobs/{id}", self.job, methods=["GET"]),
+            Route("/actions/{action}", self.act, methods=["POST"]),
+            Route("/signin", self.sign_in, methods=["POST"]),
+            Route("/signout", self.sign_out, methods=["POST"]),
+            Route("/static/{name}", self.static, methods=["GET"]),
+        ]
+
+    # Pages.
+
+    async def index(self, request: Request) -> Response:
+        failed, failed_error = _json(
+            await self._call(request, "FailedJobs", limit=str(FAILED_SHOWN)), "jobs"
+        )
+        live = await self._live(request)
+        status = live["status"] or {}
+        return self._page(request, "index.html", {
+            **live,
+            "failed": failed or [],
+            "failed_error": failed_error,
+            "failed_total": status.get("jobs", {}).get(State.FAILED, 0),
+            "limits": status.get("limits", {}),
+            "paused": status.get("paused", []),
+            "refresh_seconds": REFRESH_SECONDS,
+        })
+
+    async def live(self, request: Request) -> Response:
+        """The part of `/` that refreshes itself: a fragment of HTML."""
+        context = await self._live(request)
+        return self._templates.TemplateResponse(
+            request, "_live.html", context, headers=PAGE_HEADERS
+        )
+
+    async def _live(self, request: Request) -> dict[str, Any]:
+        status, status_error = _json(await self._call(request, "Status"))
+        listed, queues_error = _json(
+            await self._call(request, "Queues", limit=str(QUEUES_SHOWN))
+        )
+        queues = listed["queues"] if listed else []
+        present = {state for queue in queues for state in queue["jobs"]}
+        return {
+            "status": status,
+            "status_error": status_error,
+            "queues": queues,
+            "more_queues": listed["more"] if listed else 0,
+            "queues_error": queues_error,
+            "states": [state for state in STATE_ORDER if state in present],
+            "updated": times.to_seconds(times.utcnow())[11:],
+        }
+
+    async def job(self, request: Request) -> Response:
+        text = request.path_params["id"]
+        try:
+            job_id = params.parse_job_id(text)
+        except CommandError:
+            return self._message(request, 404, "No such job", f"{text!r} is not a jobID.")
+        try:
+            family = await self._reads.family(job_id)
+        except CommandError as error:
+            return self._message(request, 503, "The job cannot be read", error.status)
+        if family is None:
+            return self._message(request, 404, "No such job", f"There is no job {job_id}.")
+        job = family.job
+        return self._page(request, "job.html", {
+            "job": job,
+            "parent": family.parent,
+            "children": family.children,
+            "data": _pretty(job.data),
+            "deletable": job.state in DELETABLE,
+            "cancellable": bool(job.parentJobID) and job.state in CANCELLABLE,
+        })
+
+    async def jobs(self, request: Request) -> Response:
+        """A search: by jobID (to that job's page) or by name pattern."""
+        query = request.query_params
+        wanted = query.get("id", "").strip()
+        if wanted:
+            return RedirectResponse(f"/jobs/{quote(wanted, safe='')}", 303)
+        pattern = query.get("name", "")
+        if not pattern:
+            return RedirectResponse("/", 303)
+        if len(pattern.encode()) > params.MAX_PATTERN or params.has_control(pattern):
+            return self._message(
+                request, 400, "Not a name pattern",
+                f"A pattern is at most {params.MAX_PATTERN} bytes, without control characters.",
+            )
+        store = self._dispatcher.store
+        try:
+            found = await self._reads.matching(pattern, FOUND_SHOWN + 1)
+        except store.errors as error:
+            return self._message(request, 503, "The jobs cannot be searched", str(error))
+        return self._page(request, "jobs.html", {
+            "pattern": pattern,
+            "found": found[:FOUND_SHOWN],
+            "more": len(found) > FOUND_SHOWN,
+            "shown": FOUND_SHOWN,
+        })
+
+    async def static(self, request: Request) -> Response:
+        found = self._static.get(request.path_params["name"])
+        if found is None:
+            return Response("not found", 404, media_type="text/plain")
+        content, media_type = found
+        headers = {"Cache-Control": "max-age=300", "X-Content-Type-Options": "nosniff"}
+        return Response(content, media_type=media_type, headers=headers)
+
+    # Actions.
+
+    async def act(self, request: Request) -> Response:
+        action = self._actions.get(request.path_params["action"])
+        if action is None:
+            return self._message(request, 404, "No such action", "Nothing was done.")
+        refusal = self._guard(request)
+        if refusal is not None:
+            return refusal
+        form = await _form(request)
+        if form is None:
+            return self._message(request, 400, "Not a form", "Nothing was done.")
+        try:
+            flash = await action(request, form)
+        except Refused as error:
+            flash = Flash("error", str(error))
+        return self._back(form, flash)
+
+    async def _requeue(self, request: Request, form: dict[str, str]) -> Flash:
+        job_id = _job_id(form)
+        reply = await self._call(request, "RequeueJobs", jobIDs=str(job_id))
+        if reply.code != 200:
+            return Flash("error", f"Job {job_id} was not requeued: {reply.status}")
+        # RequeueJobs passes over IDs it does not find: say so.
+        found, status = _json(await self._call(request, "QueryJob", jobID=str(job_id)))
+        if found is None:
+            return Flash("error", f"Job {job_id} was not requeued: {status}")
+        return Flash("ok", f"Job {job_id} requeued: {found['state']}, due now.")
+
+    async def _delete(self, request: Request, form: dict[str, str]) -> Flash:
+        job_id = _job_id(form)
+        reply = await self._call(request, "DeleteJob", jobID=str(job_id))
+        return _outcome(reply, f"Job {job_id} deleted.", f"Job {job_id} was not deleted")
+
+    async def _cancel(self, request: Request, form: dict[str, str]) -> Flash:
+        job_id = _job_id(form)
+        reply = await self._call(request, "CancelJob", jobID=str(job_id))
+        return _outcome(reply, f"Job {job_id} cancelled.", f"Job {job_id} was not cancelled")
+
+    async def _pause(self, request: Request, form: dict[str, str]) -> Flash:
+        pattern = _field(form, "name")
+        reply = await self._call(request, "PauseJobs", name=pattern)
+        return _outcome(reply, f"Paused {pattern}.", f"{pattern} was not paused")
+
+    async def _resume(self, request: Request, form: dict[str, str]) -> Flash:
+        pattern = _field(form, "name")
+        reply = await self._call(request, "ResumeJobs", name=pattern)
+        return _outcome(reply, f"Resumed {pattern}.", f"{pattern} was not resumed")
+
+    async def _set_limit(self, request: Request, form: dict[str, str]) -> Flash:
+        pattern = _field(form, "name")
+        capacity = _field(form, "max").strip()
+        reply = await self._call(request, "SetLimit", name=pattern, max=capacity)
+        done = f"Limit on {pattern} removed." if capacity == "0" else (
+            f"Limit on {pattern} set to {capacity}."
+        )
+        return _outcome(reply, done, f"The limit on {pattern} was not set")
+
+    def _guard(self, request: Request) -> Response | None:
+        """A page saying why a POST is refused, or None if it may act."""
+        if not access.same_origin(request):
+            return self._message(
+                request, 403, "Refused", "This form was sent from another site's page."
+            )
+        if not access.may_act(request, self._token):
+            return self._message(
+                request, 401, "Sign in to act",
+                "This server has an auth token: paste it in the form above to act.",
+            )
+        return None
+
+    async def sign_in(self, request: Request) -> Response:
+        if not access.same_origin(request):
+            return self._message(
+                request, 403, "Refused", "This form was sent from another site's page."
+            )
+        form = await _form(request)
+        if form is None:
+            return self._message(request, 400, "Not a form", "Nothing was done.")
+        if self._token is None:
+            return self._back(form, Flash("ok", "This server has no token: nothing to sign in to."))
+        if not access.token_matches(form.get("token", "").strip(), self._token):
+            return self._message(request, 401, "Wrong token", "That is not this server's token.")
+        response = self._back(form, Flash("ok", "Signed in."))
+        access.sign_in(response, self._token, self._secure)
+        return response
+
+    async def sign_out(self, request: Request) -> Response:
+        if not access.same_origin(request):
+            return self._message(
+                request, 403, "Refused", "This form was sent from another site's page."
+            )
+        form = await _form(request) or {}
+        response = self._back(form, Flash("ok", "Signed out."))
+        access.sign_out(response, self._secure)
+        return response
+
+    # Answers.
+
+    async def _call(self, request: Request, verb: str, **parameters: str) -> WireResponse:
+        """A wire command, with the server's token: the dashboard has
+        decided already whether this person may ask it."""
+        headers = {name.lower(): value for name, value in parameters.items()}
+        if self._token is not None:
+            headers["authtoken"] = self._token
+        answer = await self._dispatcher.dispatch(WireRequest(verb, headers), peer(request))
+        assert isinstance(answer, Answer)  # only a waiting GetJob waits
+        return answer.response
+
+    def _page(
+        self, request: Request, template: str, context: dict[str, Any], status: int = 200
+    ) -> Response:
+        flash = _flash(request)
+        response = self._templates.TemplateResponse(
+            request, template, {
+                **context,
+                "flash": flash,
+                "here": _here(request),
+                "needs_token": self._token is not None,
+                "can_act": access.may_act(request, self._token),
+            },
+            status_code=status,
+            headers=PAGE_HEADERS,
+        )
+        if flash is not None:
+            response.delete_cookie(FLASH_COOKIE, **self._cookie_options())
+        return response
+
+    def _message(self, request: Request, status: int, title: str, text: str) -> Response:
+        return self._page(request, "message.html", {"title": title, "text": text}, status)
+
+    def _back(self, form: dict[str, str], flash: Flash) -> Response:
+        """Back to the page the form was on, carrying `flash` to it."""
+        response = RedirectResponse(_local(form.get("back", "/")), 303)
+        value = quote(f"{flash.kind}:{flash.text[:MAX_FLASH]}", safe="")
+        response.set_cookie(FLASH_COOKIE, value, max_age=60, **self._cookie_options())
+        return response
+
+    def _cookie_options(self) -> dict[str, Any]:
+        return {"httponly": True, "samesite": "strict", "secure": self._secure}
+
+
+def _outcome(reply: WireResponse, done: str, failed: str) -> Flash:
+    if reply.code == 200:
+        return Flash("ok", done)
+    return Flash("error", f"{failed}: {reply.status}")
+
+
+def _field(form: dict[str, str], name: str) -> str:
+    value = form.get(name, "")
+    if not value:
+        raise Refused(f"Nothing was done: {name} is missing.")
+    return value
+
+
+def _job_id(form: dict[str, str]) -> int:
+    text = _field(form, "jobID").strip()
+    try:
+        return params.parse_job_id(text)
+    except CommandError:
+        raise Refused(f"Nothing was done: {text!r} is not a jobID.") from None
+
+
+async def _form(request: Request) -> dict[str, str] | None:
+    """An urlencoded form's fields (the last value of each), or None for a
+    body that is too large or not such a form."""
+    body = await read_body(request, MAX_FORM)
+    if body is None:
+        return None
+    try:
+        fields = parse_qs(
+            body.decode("ascii"), keep_blank_values=True, errors="strict",
+            max_num_fields=MAX_FORM_FIELDS,
+        )
+    except ValueError:  # not ASCII, not UTF-8 once decoded, or too many fields
+        return None
+    return {name: values[-1] for name, values in fields.items()}
+
+
+def _flash(request: Request) -> Flash | None:
+    kind, _, text = unquote(request.cookies.get(FLASH_COOKIE, "")).partition(":")
+    if kind not in ("ok", "error") or not text:
+        return None
+    return Flash(kind, text[:MAX_FLASH])
+
+
+def _here(request: Request) -> str:
+    """Where a sign-in on this page comes back to: the page, if it is one
+    a GET shows again."""
+    if request.method != "GET":
+        return "/"
+    query = request.url.query
+    return _local(request.url.path + (f"?{query}" if query else ""))
+
+
+def _local(path: str) -> str:
+    """`path` if it is a path on this server, else `/`: a redirect never
+    leads to another site (`//evil.example`, `/\\evil.example`)."""
+    if not path.startswith("/") or path.startswith("//"):
+        return "/"
+    if "\\" in path or any(c.isspace() or not c.isprintable() for c in path):
+        return "/"
+    return path
+
+
+def _pretty(data: str) -> str:
+    try:
+        return json.dumps(json.loads(data), indent=2, ensure_ascii=False)
+    except ValueError:  # stored by hand through SQL: shown as it is
+        return data
+
+
+def age_text(seconds: float | None) -> str:
+    """A duration a person reads at a glance: 0.4 s, 12 s, 5 min, 3.2 h, 6.0 d."""
+    if seconds is None:
+        return "—"
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
+def since_text(stored: str | None) -> str:
+    """A stored time (UTC) and how far it is from now: `... (5 min ago)`."""
+    if not stored:
+        return "never"
+    try:
+        moment = times.parse_stored(stored)
+    except ValueError:
+        return stored
+    seconds = (times.utcnow() - moment).total_seconds()
+    if abs(seconds) < 1:
+        return f"{stored} (now)"
+    relative = f"{age_text(seconds)} ago" if seconds > 0 else f"in {age_text(-seconds)}"
+    return f"{stored} ({relative})"

@@ -1,0 +1,23 @@
+"""What every route reads of an HTTP request: its body, up to a bound,
+and the client's address (for the dispatcher, which lets only loopback
+clients run Query unless told otherwise)."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+
+
+async def read_body(request: Request, limit: int) -> bytes | None:
+    """The body, or None past `limit` bytes (read no further than that)."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def peer(request: Request) -> str:
+    return request.client.host if request.client is not None else ""
