@@ -6,18 +6,24 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
+from conformance_helpers import fmt, force, utcnow
 from fake_server import FakeServer, reply
-from jobserver.cli import main
+from harness import ThreadServer
+from helpers import until
+from jobserver.cli import main, top
 from jobserver.client import Client
 
 RUN_TIMEOUT = 15.0
@@ -63,9 +69,37 @@ class Cli:
         assert (done.returncode, done.stdout, done.stderr) == (code, "", status + "\n")
 
 
+class CliHere(Cli):
+    """The same subcommands run in this process (jobserver.cli.main), for
+    speed: the same parser, client and exit statuses, on real sockets."""
+
+    def __init__(self, address: str, capsys: pytest.CaptureFixture[str]) -> None:
+        super().__init__(address)
+        self.capsys = capsys
+
+    def __call__(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return run_here(self.capsys, *args, "--server", self.address)
+
+
+def run_here(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """main(args) as `python -m jobserver` runs it: argparse's exits included."""
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as exit:
+        code = exit.code if isinstance(exit.code, int) else 1
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out, err)
+
+
 @pytest.fixture
 def cli(server) -> Cli:
     return Cli(f"127.0.0.1:{server.port}")
+
+
+@pytest.fixture
+def cli_here(server, capsys) -> CliHere:
+    return CliHere(f"127.0.0.1:{server.port}", capsys)
 
 
 @pytest.fixture
@@ -198,8 +232,342 @@ def test_data_must_be_a_json_object(cli, jobs, data):
     assert jobs.status()["jobs"] == {}
 
 
+# Every CreateJob parameter, and the wire commands beyond a job's basic life,
+# run in this process (cli_here) for speed.
+
+NOT_A_LEASE = "0123456789abcdef"
+
+
+def test_create_takes_every_create_job_parameter(cli_here, jobs):
+    parent = jobs.create_job("parent")
+    assert jobs.get_job("parent")["jobID"] == parent
+    created = cli_here.ok(
+        "create", "report/nightly",
+        "--data", '{"to": "ann"}',
+        "--first-run", "2030-01-01 12:00:00",
+        "--repeat", "finished, +1 day",
+        "--priority", "250",
+        "--retry-after", "+5 MINUTES",
+        "--parent", str(parent),
+        "--max-attempts", "5",
+        "--retry-backoff", "fixed",
+        "--retry-delay", "2.5",
+        "--retry-max-delay", "60",
+        "--cost", "3",
+        "--time-windows", "01:00-05:00",
+        "--time-zone", "Europe/Paris",
+    )
+    job = cli_here.ok("query", str(created["jobID"]))
+    assert {k: job[k] for k in (
+        "name", "data", "repeat", "priority", "retryAfter", "state", "maxAttempts",
+        "retryBackoff", "retryDelay", "retryMaxDelay", "cost", "timeWindows", "timeZone",
+        "nextRun")} == {
+        "name": "report/nightly", "data": {"to": "ann"}, "repeat": "FINISHED, +1 DAY",
+        "priority": 250, "retryAfter": "+5 MINUTES", "state": "PAUSED", "maxAttempts": 5,
+        "retryBackoff": "fixed", "retryDelay": 2.5, "retryMaxDelay": 60, "cost": 3,
+        "timeWindows": "01:00-05:00", "timeZone": "Europe/Paris",
+        # Noon is outside the window: moved to its start, 01:00 in Paris (UTC+1).
+        "nextRun": "2030-01-02 00:00:00.000",
+    }
+    # QueryJob has no parent key; Query has.
+    rows = cli_here.ok("query", f"SELECT parentJobID FROM jobs WHERE jobID = {job['jobID']};")
+    assert rows == {"headers": ["parentJobID"], "rows": [[parent]]}
+
+
+def test_create_unique_reuses_a_job_and_no_overwrite_keeps_its_data(cli_here, jobs):
+    first = cli_here.ok("create", "only/one", "--data", '{"a": 1}', "--unique")["jobID"]
+    again = cli_here.ok("create", "only/one", "--data", '{"a": 2}', "--unique", "--no-overwrite")
+    assert again == {"jobID": first}
+    assert jobs.query_job(first)["data"] == {"a": 1}
+    assert cli_here.ok("create", "only/one", "--data", '{"b": 2}', "--unique") == {"jobID": first}
+    assert jobs.query_job(first)["data"] == {"a": 1, "b": 2}
+    assert cli_here.ok("create", "only/one")["jobID"] != first
+    cli_here.refused("404 parentJobID does not exist", 1, "create", "child", "--parent", "999")
+
+
+def test_get_count_takes_several_jobs_at_once(cli_here, jobs):
+    ids = jobs.create_jobs([{"name": "batch/a"}, {"name": "batch/b"}, {"name": "batch/c"},
+                            {"name": "batch/urgent", "jobPriority": 1000}])
+    urgent = cli_here.ok("get", "batch/*", "--count", "5", "--priority", "1000")
+    assert [job["jobID"] for job in urgent["jobs"]] == [ids[3]]
+    taken = cli_here.ok("get", "batch/*", "--count", "2")
+    assert [job["jobID"] for job in taken["jobs"]] == ids[:2]
+    assert all(len(job["leaseID"]) == 16 for job in taken["jobs"])
+    assert [jobs.query_job(i)["state"] for i in ids[:3]] == ["RUNNING", "RUNNING", "QUEUED"]
+    assert [job["jobID"] for job in cli_here.ok("get", "batch/*", "--count", "5")["jobs"]] == [
+        ids[2]]
+    cli_here.refused("404 No job found", 1, "get", "batch/*", "--count", "5")
+    # Without --count, get prints the job itself, as before.
+    one = jobs.create_job("single")
+    assert cli_here.ok("get", "single")["jobID"] == one
+
+
+def test_query_takes_a_job_id_or_sql(cli_here, jobs):
+    job_id = jobs.create_job("q/one", {"k": "v"})
+    assert cli_here.ok("query", str(job_id))["data"] == {"k": "v"}
+    # A whole number is a jobID, however it is typed.
+    assert cli_here.ok("query", f" 00{job_id} ")["jobID"] == job_id
+    cli_here.refused("404 No job with this jobID", 1, "query", "42")
+    assert cli_here.ok("query", "SELECT jobID, name, data FROM jobs;") == {
+        "headers": ["jobID", "name", "data"], "rows": [[job_id, "q/one", '{"k":"v"}']]}
+    # Anything else is SQL, refused as the server refuses it.
+    cli_here.refused("402 Query Missing Semicolon", 2, "query", "one")
+    cli_here.refused("402 Query Missing Semicolon", 2, "query", "SELECT 1")
+    done = cli_here("query", "DELETE FROM jobs;")
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", "402 Bad query\n")
+    assert jobs.query_job(job_id)["state"] == "QUEUED"
+
+
+def test_update_replaces_data_schedule_and_priority(cli_here, jobs):
+    job_id = jobs.create_job("u", {"a": 1}, repeat="HOURLY")
+    assert cli_here.ok(
+        "update", str(job_id), "--data", '{"b": 2}', "--repeat", "DAILY", "--priority", "850",
+        "--next-run", "2030-05-06 07:08:09",
+    ) == {}
+    job = jobs.query_job(job_id)
+    assert (job["data"], job["repeat"], job["priority"], job["nextRun"]) == (
+        {"b": 2}, "DAILY", 850, "2030-05-06 07:08:09")
+    assert cli_here.ok("update", str(job_id), "--data", "{}", "--clear-repeat") == {}
+    assert (jobs.query_job(job_id)["repeat"], jobs.query_job(job_id)["data"]) == ("", {})
+    cli_here.refused("404 No job with this jobID", 1, "update", "999", "--data", "{}")
+    cli_here.refused("402 Malformed repeat", 2, "update", str(job_id), "--data", "{}",
+                     "--repeat", "sometimes")
+
+
+def test_a_wrong_lease_id_is_refused_with_409_on_every_report(cli_here, jobs):
+    job_id = jobs.create_job("leased", retry_after="+1 HOUR")
+    lease = jobs.get_job("leased")["leaseID"]
+    for args in (["finish", str(job_id)], ["fail", str(job_id)], ["retry", str(job_id)],
+                 ["update", str(job_id), "--data", "{}"], ["touch", str(job_id)],
+                 ["await-reply", str(job_id), "key-1"]):
+        cli_here.refused("409 Lease expired", 3, *args, "--lease-id", NOT_A_LEASE)
+    assert jobs.query_job(job_id)["state"] == "RUNQUEUED"
+    assert cli_here.ok("finish", str(job_id), "--lease-id", lease) == {}
+    cli_here.refused("404 No job with this jobID", 1, "query", str(job_id))
+
+
+def test_fail_and_retry_take_their_lease_and_options(cli_here, jobs):
+    failed, retried = jobs.create_jobs([{"name": "f"}, {"name": "r", "repeat": "HOURLY"}])
+    leases = {job["jobID"]: job["leaseID"] for job in jobs.get_jobs("*", 2)}
+    assert cli_here.ok("fail", str(failed), "--error", "disk full", "--data", '{"n": 1}',
+                       "--lease-id", leases[failed]) == {}
+    assert {k: jobs.failed_jobs()[0][k] for k in ("jobID", "lastError")} == {
+        "jobID": failed, "lastError": "disk full"}
+    assert jobs.query_job(failed)["data"] == {"n": 1}
+    assert cli_here.ok(
+        "retry", str(retried), "--next-run", "2031-02-03 04:05:06", "--ignore-repeat",
+        "--name", "r2", "--priority", "0", "--data", '{"m": 2}', "--lease-id", leases[retried],
+    ) == {}
+    job = jobs.query_job(retried)
+    assert (job["state"], job["nextRun"], job["name"], job["priority"], job["data"]) == (
+        "QUEUED", "2031-02-03 04:05:06", "r2", 0, {"m": 2})
+
+
+def test_touch_renews_a_lease_or_restarts_the_stale_count(cli_here, jobs):
+    leased = jobs.create_job("t/leased", retry_after="+1 HOUR")
+    running = jobs.create_job("t/running")
+    job = jobs.get_job("t/leased")
+    jobs.get_job("t/running")
+    renewed = cli_here.ok("touch", str(leased), "--lease-id", job["leaseID"])
+    assert list(renewed) == ["nextRun"] and renewed["nextRun"] >= job["nextRun"]
+    assert jobs.query_job(leased)["nextRun"] == renewed["nextRun"]
+    assert list(cli_here.ok("touch", str(running))) == ["staleAt"]
+    queued = jobs.create_job("t/queued")
+    cli_here.refused("405 Can only touch RUNNING or RUNQUEUED jobs", 3, "touch", str(queued))
+
+
+def test_await_reply_parks_a_job_until_deliver(cli_here, jobs):
+    job_id, other = jobs.create_jobs([{"name": "hook"}, {"name": "hook"}])
+    leases = {job["jobID"]: job["leaseID"] for job in jobs.get_jobs("hook", 2)}
+    parked = cli_here.ok("await-reply", str(job_id), "order-7", "--timeout", "600",
+                         "--data", '{"order": 7}', "--lease-id", leases[job_id])
+    assert parked["state"] == "WAITING" and parked["replyDeadline"]
+    shown = jobs.query_job(job_id)
+    assert (shown["state"], shown["replyKey"], shown["data"]) == ("WAITING", "order-7",
+                                                                  {"order": 7})
+    cli_here.refused("409 Another job waits on this key", 3, "await-reply", str(other), "order-7")
+    assert cli_here.ok("deliver", "order-7", "--data", '{"paid": true}') == {"jobID": job_id}
+    shown = jobs.query_job(job_id)
+    assert (shown["state"], shown["data"]) == ("QUEUED", {"order": 7, "reply": {"paid": True}})
+    cli_here.refused("405 Can only await a reply for RUNNING or RUNQUEUED jobs", 3,
+                     "await-reply", str(job_id), "order-8")
+
+
+def test_cancel_a_child(cli_here, jobs):
+    parent = jobs.create_job("parent")
+    jobs.get_job("parent")
+    child = jobs.create_job("child", parent_job_id=parent)
+    jobs.finish_job(parent)
+    assert jobs.query_job(child)["state"] == "QUEUED"
+    assert cli_here.ok("cancel", str(child)) == {}
+    assert jobs.query_job(child)["state"] == "CANCELLED"
+    assert jobs.query_job(parent)["state"] == "QUEUED"
+    cli_here.refused("404 Invalid jobID - Cannot cancel a job with children", 1,
+                     "cancel", str(parent))
+    lone = jobs.create_job("lone")
+    cli_here.refused("404 Invalid jobID - Cannot cancel a job without a parent", 1,
+                     "cancel", str(lone))
+
+
+def test_pause_resume_and_set_limit(cli_here, jobs):
+    job_id = jobs.create_job("mail/send", cost=2)
+    assert cli_here.ok("pause", "mail/*") == {}
+    assert jobs.status()["paused"] == ["mail/*"]
+    cli_here.refused("404 No job found", 1, "get", "mail/*")
+    assert cli_here.ok("resume", "mail/*") == {}
+    assert cli_here.ok("set-limit", "mail/*", "1") == {}
+    assert jobs.status()["limits"] == {"mail/*": {"max": 1, "running": 0}}
+    cli_here.refused("404 No job found", 1, "get", "mail/*")  # costs 2, the limit is 1
+    assert cli_here.ok("set-limit", "mail/*", "0") == {}
+    assert jobs.status()["limits"] == {}
+    assert cli_here.ok("get", "mail/*")["jobID"] == job_id
+    # A job that could never run under a limit is refused, by the server.
+    assert cli_here.ok("set-limit", "mail/*", "1") == {}
+    cli_here.refused("402 Cost 2 exceeds limit mail/* (max 1)", 2, "create", "mail/x",
+                     "--cost", "2")
+
+
+def test_ping_and_queues(cli_here, jobs, capsys):
+    assert cli_here.ok("ping") == {}
+    jobs.create_jobs([{"name": "email/send"}, {"name": "email/bounce"}, {"name": "report"}])
+    body = cli_here.ok("queues", "--limit", "1")
+    assert [(q["queue"], q["total"], q["jobs"]) for q in body["queues"]] == [
+        ("email", 2, {"QUEUED": 2})]
+    assert body["more"] == 1
+    dead = run_here(capsys, "ping", "--server", f"127.0.0.1:{free_port()}")
+    assert (dead.returncode, dead.stdout) == (5, "")
+    assert dead.stderr.startswith("jobserver: cannot connect to 127.0.0.1:")
+
+
+def test_finish_several_reports_each_job_and_exits_as_the_first_refused(cli_here, jobs):
+    ids = jobs.create_jobs([{"name": "w"}, {"name": "w"}, {"name": "w"}])
+    leases = [job["leaseID"] for job in jobs.get_jobs("w", 3)]
+    first, second, third = ids
+    done = cli_here("finish", *map(str, ids), "--data", '{"done": 1}',
+                    "--lease-id", leases[0], "--lease-id", NOT_A_LEASE, "--lease-id", leases[2])
+    assert done.returncode == 3
+    assert json.loads(done.stdout) == {"results": [
+        {"jobID": first, "status": "200 OK"},
+        {"jobID": second, "status": "409 Lease expired"},
+        {"jobID": third, "status": "200 OK"},
+    ]}
+    assert done.stderr == f"job {second}: 409 Lease expired\n"
+    # The others were finished all the same; the refused one is untouched.
+    assert jobs.query_job(second)["state"] == "RUNNING"
+    cli_here.refused("404 No job with this jobID", 1, "query", str(first))
+    done = cli_here("finish", str(second), "999999")
+    assert (done.returncode, done.stderr) == (1, "job 999999: 404 No job with this jobID\n")
+    assert json.loads(done.stdout)["results"][0] == {"jobID": second, "status": "200 OK"}
+    more = jobs.create_jobs([{"name": "v"}, {"name": "v"}])
+    jobs.get_jobs("v", 2)
+    assert cli_here.ok("finish", *map(str, more)) == {"results": [
+        {"jobID": more[0], "status": "200 OK"}, {"jobID": more[1], "status": "200 OK"}]}
+
+
+# top.
+
+
+def test_top_once_shows_the_headline_and_the_queues_with_their_ages(cli_here, jobs, server):
+    waiting = jobs.create_job("email/send")
+    jobs.create_jobs([{"name": "email/bounce"}, {"name": "report/daily"}])
+    jobs.get_job("report/*")
+    force(server.db, "UPDATE jobs SET nextRun = ? WHERE jobID = ?",
+          (fmt(utcnow() - timedelta(hours=2, minutes=5)), waiting))
+    jobs.pause_jobs("email/*")
+    jobs.set_limit("report/*", 4)
+    done = cli_here("top", "--once")
+    assert (done.returncode, done.stderr) == (0, "")
+    assert "\x1b" not in done.stdout
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("jobserver ") and f"at {cli_here.address}, up " in lines[0]
+    assert lines[1] == "connections 2  waiting GetJobs 0  jobs 3: QUEUED 2, RUNNING 1"
+    assert lines[2:5] == ["paused: email/*", "limits: report/* 1/4", ""]
+    assert lines[5].split() == ["QUEUE", "QUEUED", "RUNNING", "TOTAL", "OLDEST", "READY"]
+    assert lines[6].split() == ["email", "2", "0", "2", "2h05m"]
+    assert lines[7].split() == ["report", "0", "1", "1", "-"]
+    assert len(lines) == 8
+    shorter = cli_here("top", "--once", "--limit", "1").stdout.splitlines()
+    assert shorter[-1] == "... and 1 more queue (--limit)"
+
+
+@pytest.mark.parametrize("seconds, shown", [
+    (None, "-"), (0, "0.0s"), (12.345, "12.3s"), (59.96, "1m00s"), (184, "3m04s"),
+    (3599.4, "59m59s"), (3599.6, "1h00m"), (86399, "23h59m"), (2 * 86400 + 3 * 3600, "2d03h"),
+])
+def test_top_shows_ages_to_a_useful_precision(seconds, shown):
+    frame = top.render("h:1", datetime(2030, 1, 1, tzinfo=UTC), {}, {"queues": [
+        {"queue": "q", "jobs": {"QUEUED": 1}, "total": 1, "oldestReadyAge": seconds}]})
+    assert frame.splitlines()[-1].split()[-1] == shown
+
+
+def test_top_cuts_long_names_and_shows_no_control_characters():
+    frame = top.render("h:1", datetime(2030, 1, 1, tzinfo=UTC), {"version": "1\x1b[2J"}, {
+        "queues": [{"queue": "x" * 40, "jobs": {"NEWSTATE": 2, "FAILED": 1, "QUEUED": 3},
+                    "total": 6, "oldestReadyAge": None}], "more": 0})
+    assert "\x1b" not in frame and frame.startswith("jobserver 1?[2J at h:1, up -")
+    assert frame.splitlines()[-2].split() == ["QUEUE", "QUEUED", "FAILED", "NEWSTATE", "TOTAL",
+                                             "OLDEST", "READY"]
+    assert frame.splitlines()[-1].split() == ["x" * 29 + "...", "3", "1", "2", "6", "-"]
+
+
+def test_top_once_exits_as_the_client_commands_when_the_server_is_away(capsys):
+    done = run_here(capsys, "top", "--once", "--server", f"127.0.0.1:{free_port()}")
+    assert (done.returncode, done.stdout) == (5, "")
+    assert done.stderr.startswith("jobserver: cannot connect to 127.0.0.1:")
+
+
+class Output:
+    """A subprocess's stdout, read line by line as it comes."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: list[str] = []
+        assert proc.stdout is not None
+        self.thread = threading.Thread(target=self._read, args=(proc.stdout,), daemon=True)
+        self.thread.start()
+
+    def _read(self, stream: Any) -> None:
+        for line in stream:
+            self.lines.append(line)
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
+def test_top_keeps_asking_a_server_that_went_away_and_stops_cleanly_on_ctrl_c(tmp_path):
+    port = free_port()
+    top = subprocess.Popen(
+        [sys.executable, "-m", "jobserver", "top", "--interval", "0.1",
+         "--server", f"127.0.0.1:{port}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(None),
+    )
+    server = None
+    try:
+        output = Output(top)
+        until(lambda: output.text().count("no answer: cannot connect") >= 2, RUN_TIMEOUT,
+              "two frames saying the server does not answer")
+        server = ThreadServer(tmp_path / "jobs.db", port=port)
+        Client(port=port, timeout=10).create_job("came/back")
+        until(lambda: "\ncame " in output.text(), RUN_TIMEOUT, "a frame with the queue")
+        top.send_signal(signal.SIGINT)
+        top.wait(timeout=DEADLINE)
+        output.thread.join(DEADLINE)
+        assert top.stderr is not None
+        err = top.stderr.read()
+    finally:
+        top.kill()
+        if server is not None:
+            server.stop()
+    assert (top.returncode, err) == (0, "")
+    text = output.text()
+    assert "\x1b" not in text
+    assert text.startswith(f"jobserver top: 127.0.0.1:{port}  ")
+    assert "asking again every 0.1s; Ctrl-C to stop\n" in text
+    # Frames one after another, a blank line between.
+    assert "\n\njobserver top: " in text
+    assert re.search(rf"\n\njobserver \S+ at 127\.0\.0\.1:{port}, up ", text)
+
+
 @pytest.mark.parametrize("args", [
-    ["query", "one"],
     ["create"],
     ["create", "x", "--priority", "7"],
     ["retry", "1", "--delay", "soon"],
@@ -248,15 +616,15 @@ def test_help_documents_the_exit_statuses(capsys):
     for line in ("1  not found (404)", "2  usage error", "3  the job's state", "4  server error",
                  "5  cannot connect"):
         assert line in done.stdout
-    for command in ("create", "get", "query", "finish", "fail", "retry", "delete", "status",
-                    "failed", "requeue", "deliver"):
-        assert command in done.stdout
+    for command in (*CLIENT_COMMANDS, "top"):
+        assert f"    {command} " in done.stdout
         with pytest.raises(SystemExit) as exit:
             main([command, "--help"])
         assert exit.value.code == 0
         text = capsys.readouterr().out
         assert "--server HOST:PORT" in text and "JOBSERVER_SERVER" in text
-        assert "5  cannot connect" in text
+        epilog = "5  with --once: cannot connect" if command == "top" else "5  cannot connect"
+        assert epilog in text
 
 
 # TLS.
@@ -300,8 +668,9 @@ def test_a_tls_command_meeting_a_plaintext_server_says_it_does_not_speak_tls(ser
         f"jobserver: the server at 127.0.0.1:{server.port} does not speak TLS")
 
 
-CLIENT_COMMANDS = ("create", "get", "query", "finish", "fail", "retry", "delete", "status",
-                   "failed", "requeue", "deliver")
+CLIENT_COMMANDS = ("create", "get", "query", "update", "touch", "await-reply", "finish", "fail",
+                   "retry", "cancel", "delete", "status", "queues", "ping", "failed", "requeue",
+                   "pause", "resume", "set-limit", "deliver")
 
 
 def option_entries(help_text: str) -> dict[str, str]:
@@ -318,9 +687,10 @@ def option_entries(help_text: str) -> dict[str, str]:
     return entries
 
 
-@pytest.mark.parametrize("command", [*CLIENT_COMMANDS, "worker-manager"])
-def test_every_option_shows_one_sensible_default(command):
-    done = run(command, "--help")
+@pytest.mark.parametrize("command", [*CLIENT_COMMANDS, "top", "worker-manager"])
+def test_every_option_shows_one_sensible_default(command, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    done = run_here(capsys, command, "--help")
     assert done.returncode == 0
     for option, text in option_entries(done.stdout).items():
         if option == "-h, --help":
@@ -362,7 +732,9 @@ OUT_OF_RANGE = [
      "argument --delay: must be a whole number from 0 to 99999999, not '-1'"),
     (["retry", "1", "--delay", "100000000"], "argument --delay: must be a whole number from 0"),
     (["retry", "1", "--delay", "1.5"], "argument --delay: must be a whole number from 0"),
-    (["query", "0"], "argument ID: must be a whole number from 1 to 9223372036854775807, not '0'"),
+    (["query", "0"],
+     "argument ID|SQL: must be a whole number from 1 to 9223372036854775807, not '0'"),
+    (["query", "-3"], "argument ID|SQL: must be a whole number from 1"),
     (["finish", "-3"], "argument ID: must be a whole number from 1"),
     (["delete", "9223372036854775808"], "argument ID: must be a whole number from 1"),
     (["requeue", "1", "0"], "argument ID: must be a whole number from 1"),
@@ -370,6 +742,60 @@ OUT_OF_RANGE = [
     (["create", "x", "--priority", "7"], "argument --priority: invalid choice: 7"),
     (["status", "--server", "127.0.0.1:70000"], "argument --server: not a server address"),
     (["status", "--server", "127.0.0.1:0"], "argument --server: not a server address"),
+    (["create", "x", "--max-attempts", "0"],
+     "argument --max-attempts: must be a whole number from 1 to 10000, not '0'"),
+    (["create", "x", "--max-attempts", "10001"], "argument --max-attempts: must be a whole number"),
+    (["create", "x", "--max-attempts", "2", "--retry-backoff", "linear"],
+     "argument --retry-backoff: invalid choice: 'linear'"),
+    (["create", "x", "--max-attempts", "2", "--retry-delay", "-1"],
+     "argument --retry-delay: must be a number of seconds from 0 to 99999999 with at most 3 "
+     "decimals, not '-1'"),
+    (["create", "x", "--max-attempts", "2", "--retry-delay", "0.0001"],
+     "argument --retry-delay: must be a number of seconds"),
+    (["create", "x", "--max-attempts", "2", "--retry-max-delay", "100000000"],
+     "argument --retry-max-delay: must be a number of seconds"),
+    (["create", "x", "--retry-delay", "5"], "--retry-delay needs --max-attempts"),
+    (["create", "x", "--retry-backoff", "fixed"], "--retry-backoff needs --max-attempts"),
+    (["create", "x", "--no-overwrite"], "--no-overwrite needs --unique"),
+    (["create", "x", "--time-zone", "UTC"], "--time-zone needs --time-windows"),
+    (["create", "x", "--cost", "0"], "argument --cost: must be a whole number from 1 to 1000000"),
+    (["create", "x", "--cost", "1000001"], "argument --cost: must be a whole number from 1"),
+    (["create", "x", "--time-windows", "25:00-26:00"], "argument --time-windows: must be 1 to 20"),
+    (["create", "x", "--time-windows", ",".join(["01:00-02:00"] * 21)],
+     "argument --time-windows: must be 1 to 20 windows"),
+    (["create", "x", "--time-windows", "01:00-02:00", "--time-zone", "Mars/Olympus"],
+     "argument --time-zone: must be an IANA time zone"),
+    (["create", "x", "--parent", "0"], "argument --parent: must be a whole number from 1"),
+    (["get", "x", "--count", "0"], "argument --count: must be a whole number from 1 to 1000"),
+    (["get", "x", "--count", "1001"], "argument --count: must be a whole number from 1 to 1000"),
+    (["get", "x", "--priority", "1"], "argument --priority: invalid choice: 1"),
+    (["update", "1"], "the following arguments are required: --data"),
+    (["update", "1", "--data", "{}", "--repeat", "DAILY", "--clear-repeat"],
+     "argument --clear-repeat: not allowed with argument --repeat"),
+    (["touch", "1", "--lease-id", ""], "argument --lease-id: must be a lease token"),
+    (["fail", "1", "--lease-id", "0123456789ABCDEF"], "argument --lease-id: must be a lease token"),
+    (["finish", "1", "--lease-id", "0123456789abcde"],
+     "argument --lease-id: must be a lease token"),
+    (["finish", "1", "2", "--lease-id", "0123456789abcdef"],
+     "2 IDs take 2 --lease-id, one per ID in the same order, or none; 1 given"),
+    (["finish", *map(str, range(1, 1002))], "at most 1000 IDs, not 1001"),
+    (["retry", "1", "--delay", "5", "--next-run", "2030-01-01"],
+     "argument --next-run: not allowed with argument --delay"),
+    (["await-reply", "1", ""], "argument KEY: must be a key of 1 to 255 bytes"),
+    (["await-reply", "1", "k" * 256], "argument KEY: must be a key of 1 to 255 bytes"),
+    (["await-reply", "1", "k", "--timeout", "0"],
+     "argument --timeout: must be a whole number from 1 to 2592000, not '0'"),
+    (["await-reply", "1", "k", "--timeout", "2592001"], "argument --timeout: must be a whole"),
+    (["deliver", "", "--data", "{}"], "argument KEY: must be a key of 1 to 255 bytes"),
+    (["pause", ""], "argument PATTERN: must be a GLOB pattern of 1 to 255 bytes"),
+    (["resume", "p" * 256], "argument PATTERN: must be a GLOB pattern of 1 to 255 bytes"),
+    (["set-limit", "a\tb", "1"], "argument PATTERN: must be a GLOB pattern"),
+    (["set-limit", "a", "-1"], "argument MAX: must be a whole number from 0 to 1000000000"),
+    (["set-limit", "a", "1000000001"], "argument MAX: must be a whole number from 0"),
+    (["queues", "--limit", "0"], "argument --limit: must be a whole number from 1 to 1000"),
+    (["top", "--interval", "0.05"], "argument --interval: must be a number from 0.1 to 3600"),
+    (["top", "--interval", "3601"], "argument --interval: must be a number from 0.1 to 3600"),
+    (["top", "--limit", "1001"], "argument --limit: must be a whole number from 1 to 1000"),
     (["worker-manager", "--worker-path", ".", "--max-workers", "0"],
      "argument --max-workers: must be a whole number of at least 1, not '0'"),
     (["worker-manager", "--worker-path", ".", "--max-load", "0"],
@@ -390,8 +816,8 @@ OUT_OF_RANGE = [
 
 
 @pytest.mark.parametrize("args, message", OUT_OF_RANGE)
-def test_options_out_of_range_are_usage_errors(args, message):
-    done = run(*args)
+def test_options_out_of_range_are_usage_errors(args, message, capsys):
+    done = run_here(capsys, *args)
     assert (done.returncode, done.stdout) == (2, "")
     assert message in done.stderr, done.stderr
     assert "usage:" in done.stderr
@@ -401,9 +827,17 @@ def test_options_out_of_range_are_usage_errors(args, message):
     ["get", "nothing", "--wait", "0"],
     ["failed", "--limit", "10000"],
     ["query", "9223372036854775807"],
+    ["get", "nothing", "--count", "1000"],
+    ["set-limit", "p" * 255, "1000000000"],
+    ["set-limit", "p", "0"],
+    ["queues", "--limit", "1000"],
+    ["top", "--once", "--limit", "1000", "--interval", "3600"],
+    ["create", "x", "--cost", "1000000", "--max-attempts", "10000",
+     "--retry-delay", "99999999.999"],
+    ["await-reply", "1", "k" * 255, "--timeout", "2592000"],
 ])
-def test_options_at_the_ends_of_their_ranges_are_taken(cli, args):
-    done = cli(*args)
+def test_options_at_the_ends_of_their_ranges_are_taken(cli_here, args):
+    done = cli_here(*args)
     assert done.returncode in (0, 1) and "usage:" not in done.stderr, done
 
 

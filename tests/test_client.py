@@ -231,6 +231,17 @@ def test_create_job_options(jobs):
     assert jobs.query_job(later)["nextRun"] == "2031-02-03 04:05:06"
 
 
+def test_create_job_flow_options_and_unique_without_overwrite(jobs):
+    job_id = jobs.create_job("night/report", {"a": 1}, cost=3, time_windows="01:00-05:00",
+                             time_zone="Europe/Paris")
+    job = jobs.query_job(job_id)
+    assert (job["cost"], job["timeWindows"], job["timeZone"]) == (3, "01:00-05:00", "Europe/Paris")
+    assert jobs.create_job("night/report", {"a": 2}, unique=True, overwrite=False) == job_id
+    assert jobs.query_job(job_id)["data"] == {"a": 1}
+    assert jobs.create_job("night/report", {"a": 2}, unique=True) == job_id
+    assert jobs.query_job(job_id)["data"] == {"a": 2}
+
+
 def test_naive_datetimes_are_refused_before_sending(jobs):
     with pytest.raises(ValueError):
         jobs.create_job("x", first_run=datetime(2030, 1, 1))
@@ -270,6 +281,27 @@ def test_update_job(jobs):
     job = jobs.query_job(job_id)
     assert (job["data"], job["repeat"], job["priority"], job["nextRun"]) == (
         {"b": 2}, "HOURLY", 250, "2030-05-06 07:08:09")
+    jobs.update_job(job_id, {"c": 3}, clear_repeat=True)
+    assert (jobs.query_job(job_id)["repeat"], jobs.query_job(job_id)["data"]) == ("", {"c": 3})
+
+
+def test_query_returns_headers_and_rows(jobs):
+    first = jobs.create_job("q/one", priority=1000)
+    second = jobs.create_job("q/two")
+    body = jobs.query("SELECT jobID, name, priority FROM jobs ORDER BY jobID;")
+    assert body == {"headers": ["jobID", "name", "priority"],
+                    "rows": [[first, "q/one", 1000], [second, "q/two", 500]]}
+    with pytest.raises(InvalidRequest, match="402 Query Missing Semicolon"):
+        jobs.query("SELECT 1")
+
+
+def test_touch_job_gives_when_a_running_job_must_next_report(jobs):
+    job_id = jobs.create_job("t")
+    job = jobs.get_job("t")
+    # No lease: RUNNING, and the stale-job net's deadline (--stale-after, a day) comes back.
+    stale_at = jobs.touch_job(job_id, lease_id=job["leaseID"])
+    assert stale_at is not None and stale_at > job["nextRun"]
+    assert jobs.query_job(job_id)["state"] == "RUNNING"
 
 
 def test_finish_job(jobs):
@@ -556,6 +588,7 @@ def test_a_request_that_may_have_run_is_not_sent_again(fake, method):
     ("Ping", lambda c: c.ping()),
     ("Status", lambda c: c.status()),
     ("QueryJob", lambda c: c.query_job(1)),
+    ("Query", lambda c: c.query("SELECT 1;")),
 ])
 def test_read_only_requests_are_sent_once_more(fake, method, action):
     server = fake([NO_REPLY], [reply("200 OK", b"{}")])
@@ -614,6 +647,11 @@ async def test_async_client_methods(server):
         with pytest.raises(Conflict):
             await jobs.update_job(leased, {}, lease_id="stale")
         await jobs.retry_job(leased, lease_id=job["leaseID"])
+        costly = await jobs.create_job("a/costly", cost=2, time_windows="01:00-05:00")
+        await jobs.update_job(costly, {"k": 3}, repeat="HOURLY")
+        await jobs.update_job(costly, {"k": 4}, clear_repeat=True)
+        body = await jobs.query(f"SELECT cost, repeat, data FROM jobs WHERE jobID = {costly};")
+        assert body["rows"] == [[2, "", '{"k":4}']]
 
 
 async def test_async_waiting_get_job_is_woken_by_a_create(server):

@@ -1,6 +1,6 @@
 """`jobserver backup DEST`: the server copies its SQLite database into DEST
 while it keeps serving (the Backup command, protocol.md 14.18). A client
-command like the others (commands.py runs it and prints its result)."""
+command like the others (client_command.py runs it and prints its result)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,29 @@
-"""Command-line options shared by the client commands and the worker manager:
-TLS, and value types that check their range, so that a value out of range is
-a usage error (exit status 2) naming the option, before anything runs."""
+"""Command-line options shared by the client commands, top and the worker
+manager: TLS, and value types that check their range, so that a value out of
+range is a usage error (exit status 2) naming the option, before anything
+runs."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable
+from typing import Any
 
 from jobserver.client import TLS, parse_address
+from jobserver.core import params, windows
 from jobserver.core.times import duration_text, parse_duration
-from jobserver.wire.limits import DEFAULT_HOST, DEFAULT_PORT, MAX_JOB_ID
+from jobserver.wire import jsonbody
+from jobserver.wire.limits import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    MAX_DELAY,
+    MAX_DELAY_DIGITS,
+    MAX_JOB_ID,
+    MAX_REPLY_KEY,
+    PRIORITIES,
+)
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # Where the client commands and the worker manager look without --server
@@ -86,6 +99,121 @@ def _text(bound: float) -> str:
 
 # A jobID argument.
 job_id = number(int, 1, MAX_JOB_ID)
+JOB_ID_HELP = f"a jobID, 1 to {MAX_JOB_ID}"
+
+# Lowest first: argparse lists the choices in this order when one is refused.
+PRIORITY_CHOICES = tuple(sorted(PRIORITIES))
+PRIORITIES_TEXT = ", ".join(map(str, PRIORITY_CHOICES[:-1])) + f" or {PRIORITY_CHOICES[-1]}"
+
+
+def add_job_id(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("id", type=job_id, metavar="ID", help=JOB_ID_HELP)
+
+
+def add_priority(parser: argparse.ArgumentParser, help: str) -> None:
+    """--priority P, one of the protocol's priorities; `help` ends with the default."""
+    parser.add_argument(
+        "--priority",
+        type=int,
+        choices=PRIORITY_CHOICES,
+        metavar="P",
+        help=f"{PRIORITIES_TEXT}; {help}",
+    )
+
+# A lease token as GetJob hands it out (protocol.md 14.3).
+_LEASE_ID = re.compile(r"[0-9a-f]{16}")
+
+
+def lease_id(text: str) -> str:
+    """--lease-id: 16 lower-case hex digits. An empty one would turn
+    fencing off without a word (the server reads it as absent), so a
+    script whose variable came out empty is told instead."""
+    if not _LEASE_ID.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"must be a lease token, 16 lower-case hex digits as GetJob's leaseID, not {text!r}"
+        )
+    return text
+
+
+def add_lease_id(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--lease-id",
+        type=lease_id,
+        metavar="LEASE",
+        help="the leaseID the job was handed out with: refused with '409 Lease expired' "
+        "(exit 3) if the job has been handed out again since (default: none, whoever "
+        "holds the job)",
+    )
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """--data and its like: a JSON object."""
+    try:
+        return jsonbody.parse_object(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON object such as '{{\"to\": \"ann\"}}' ({error}): {text!r}"
+        ) from error
+
+
+def pattern(text: str) -> str:
+    """The one GLOB pattern of pause, resume and set-limit: 1 to 255 bytes
+    of UTF-8 without control characters, as the server takes it."""
+    if not text or len(text.encode("utf-8")) > params.MAX_NAME or params.has_control(text):
+        raise argparse.ArgumentTypeError(
+            f"must be a GLOB pattern of 1 to {params.MAX_NAME} bytes without control "
+            f"characters, not {text!r}"
+        )
+    return text
+
+
+KEY_HELP = f"the correlation key, 1 to {MAX_REPLY_KEY} bytes"
+
+
+def reply_key(text: str) -> str:
+    """A correlation key of await-reply and deliver: 1 to 255 bytes of UTF-8."""
+    if not 1 <= len(text.encode("utf-8")) <= MAX_REPLY_KEY:
+        raise argparse.ArgumentTypeError(
+            f"must be a key of 1 to {MAX_REPLY_KEY} bytes, not {text!r}"
+        )
+    return text
+
+
+# Seconds as the server takes a retry delay: as many digits as RetryJob's
+# delay, and milliseconds, the precision of the nextRun a backoff computes.
+_SECONDS = re.compile(rf"[0-9]{{1,{MAX_DELAY_DIGITS}}}(?:\.[0-9]{{1,3}})?")
+
+
+def retry_seconds(text: str) -> float:
+    """--retry-delay, --retry-max-delay: 0 to 99999999 seconds, to the millisecond."""
+    if not _SECONDS.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds from 0 to {MAX_DELAY} with at most 3 decimals, "
+            f"not {text!r}"
+        )
+    return float(text)
+
+
+def time_windows(text: str) -> str:
+    """--time-windows: HH:MM-HH:MM, comma-separated, up to 20."""
+    try:
+        return windows.format_windows(windows.parse_windows(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be 1 to {windows.MAX_WINDOWS} windows HH:MM-HH:MM, comma-separated, "
+            f"such as '01:00-05:00,22:00-23:30', not {text!r}"
+        ) from None
+
+
+def time_zone(text: str) -> str:
+    """--time-zone: an IANA zone name."""
+    try:
+        windows.parse_zone(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be an IANA time zone such as Europe/Paris or UTC, not {text!r}"
+        ) from None
+    return text.strip()
 
 
 def server_address(text: str) -> tuple[str, int]:

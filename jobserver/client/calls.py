@@ -138,11 +138,19 @@ def create_job(
     retry_backoff: str | None,
     retry_delay: float | None,
     retry_max_delay: float | None,
+    cost: int | None,
+    time_windows: str | None,
+    time_zone: str | None,
+    overwrite: bool,
 ) -> Call[int]:
     """Create a job; returns its jobID. `max_attempts` gives it a retry
     policy: FailJob queues it again after `retry_delay` seconds
     (`retry_backoff` "fixed" or "exponential", the latter capped at
-    `retry_max_delay`) until that many attempts have failed."""
+    `retry_max_delay`) until that many attempts have failed. `cost` is what
+    it counts against concurrency limits; `time_windows`
+    ("01:00-05:00,22:00-23:30") keep it to those hours of `time_zone` (an
+    IANA name, default UTC). With `unique`, the oldest job of this name is
+    reused, `data` merged into its data unless `overwrite` is False."""
     params: dict[str, object] = {
         "name": name,
         "data": data,
@@ -157,6 +165,11 @@ def create_job(
         "retryBackoff": retry_backoff,
         "retryDelay": retry_delay,
         "retryMaxDelay": retry_max_delay,
+        "cost": cost,
+        "timeWindows": time_windows,
+        "timeZone": time_zone,
+        # Absent means true: only the refusal to overwrite is sent.
+        "overwrite": None if overwrite else False,
     }
     return Call("CreateJob", params, _field("jobID"))
 
@@ -195,12 +208,15 @@ def update_job(
     priority: int | None,
     next_run: When | None,
     lease_id: str | None,
+    clear_repeat: bool,
 ) -> Call[None]:
-    """Replace a job's data; optionally its repeat, priority and next run."""
+    """Replace a job's data; optionally its repeat, priority and next run.
+    `clear_repeat` makes it run once (it wins over `repeat`)."""
     params: dict[str, object] = {
         "jobID": job_id,
         "data": data,
         "repeat": repeat,
+        "shouldClearRepeat": clear_repeat or None,
         "jobPriority": priority,
         "nextRun": _time_text(next_run),
         "leaseID": lease_id,
@@ -311,10 +327,19 @@ def deliver_reply(key: str, data: dict[str, Any]) -> Call[dict[str, Any]]:
     return Call("DeliverReply", {"key": key, "data": data}, _body)
 
 
-def touch_job(job_id: int, lease_id: str | None) -> Call[str]:
-    """Extend a leased job's lease to retryAfter from now; returns the
-    new end of the lease (its nextRun)."""
-    return Call("TouchJob", {"jobID": job_id, "leaseID": lease_id}, _field("nextRun"))
+def _report_deadline(reply: Reply) -> str | None:
+    body = reply.json()
+    return body.get("nextRun", body.get("staleAt"))
+
+
+def touch_job(job_id: int, lease_id: str | None) -> Call[str | None]:
+    """Show a handed-out job is still being worked on; returns by when it
+    must next be reported on. A leased (RUNQUEUED) job's lease is extended
+    to retryAfter from now: the new end of the lease, its nextRun. A
+    RUNNING job's stale-job count starts again: when it would be presumed
+    lost (staleAt), or None if the server never presumes so
+    (--stale-after 0)."""
+    return Call("TouchJob", {"jobID": job_id, "leaseID": lease_id}, _report_deadline)
 
 
 def failed_jobs(pattern: str, limit: int | None) -> Call[list[dict[str, Any]]]:
@@ -385,6 +410,14 @@ def requeue_jobs(job_ids: list[int], name: str | None) -> Call[None]:
 def ping() -> Call[None]:
     """Check that the server answers."""
     return Call("Ping", {}, _nothing)
+
+
+def query(sql: str) -> Call[dict[str, Any]]:
+    """Run one read-only SQL statement, ending in `;` (protocol.md 5.15;
+    loopback clients only, unless the server allows others). Returns
+    {"headers": [column names], "rows": [[values], ...]}, integers and
+    finite reals as numbers, everything else as text (NULL as "")."""
+    return Call("Query", {"query": sql, "format": "json"}, _body)
 
 
 def status() -> Call[dict[str, Any]]:

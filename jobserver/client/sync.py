@@ -58,11 +58,16 @@ class Client(Endpoint):
         retry_backoff: str | None = None,
         retry_delay: float | None = None,
         retry_max_delay: float | None = None,
+        cost: int | None = None,
+        time_windows: str | None = None,
+        time_zone: str | None = None,
+        overwrite: bool = True,
     ) -> int:
         return self._call(
             calls.create_job(
                 name, data, first_run, repeat, priority, retry_after, unique, parent_job_id,
-                max_attempts, retry_backoff, retry_delay, retry_max_delay
+                max_attempts, retry_backoff, retry_delay, retry_max_delay, cost, time_windows,
+                time_zone, overwrite,
             )
         )
 
@@ -91,8 +96,11 @@ class Client(Endpoint):
         priority: int | None = None,
         next_run: When | None = None,
         lease_id: str | None = None,
+        clear_repeat: bool = False,
     ) -> None:
-        self._call(calls.update_job(job_id, data, repeat, priority, next_run, lease_id))
+        self._call(
+            calls.update_job(job_id, data, repeat, priority, next_run, lease_id, clear_repeat)
+        )
 
     @documented_by(calls.query_job)
     def query_job(self, job_id: int) -> dict[str, Any]:
@@ -136,7 +144,7 @@ class Client(Endpoint):
         return self._call(calls.deliver_reply(key, data))
 
     @documented_by(calls.touch_job)
-    def touch_job(self, job_id: int, lease_id: str | None = None) -> str:
+    def touch_job(self, job_id: int, lease_id: str | None = None) -> str | None:
         return self._call(calls.touch_job(job_id, lease_id))
 
     @documented_by(calls.failed_jobs)
@@ -190,6 +198,10 @@ class Client(Endpoint):
     @documented_by(calls.queues)
     def queues(self, limit: int | None = None) -> dict[str, Any]:
         return self._call(calls.queues(limit))
+
+    @documented_by(calls.query)
+    def query(self, sql: str) -> dict[str, Any]:
+        return self._call(calls.query(sql))
 
     @documented_by(calls.status)
     def status(self) -> dict[str, Any]:

@@ -58,11 +58,16 @@ class AsyncClient(Endpoint, trio.abc.AsyncResource):
         retry_backoff: str | None = None,
         retry_delay: float | None = None,
         retry_max_delay: float | None = None,
+        cost: int | None = None,
+        time_windows: str | None = None,
+        time_zone: str | None = None,
+        overwrite: bool = True,
     ) -> int:
         return await self._call(
             calls.create_job(
                 name, data, first_run, repeat, priority, retry_after, unique, parent_job_id,
-                max_attempts, retry_backoff, retry_delay, retry_max_delay
+                max_attempts, retry_backoff, retry_delay, retry_max_delay, cost, time_windows,
+                time_zone, overwrite,
             )
         )
 
@@ -91,8 +96,11 @@ class AsyncClient(Endpoint, trio.abc.AsyncResource):
         priority: int | None = None,
         next_run: When | None = None,
         lease_id: str | None = None,
+        clear_repeat: bool = False,
     ) -> None:
-        await self._call(calls.update_job(job_id, data, repeat, priority, next_run, lease_id))
+        await self._call(
+            calls.update_job(job_id, data, repeat, priority, next_run, lease_id, clear_repeat)
+        )
 
     @documented_by(calls.query_job)
     async def query_job(self, job_id: int) -> dict[str, Any]:
@@ -136,7 +144,7 @@ class AsyncClient(Endpoint, trio.abc.AsyncResource):
         return await self._call(calls.deliver_reply(key, data))
 
     @documented_by(calls.touch_job)
-    async def touch_job(self, job_id: int, lease_id: str | None = None) -> str:
+    async def touch_job(self, job_id: int, lease_id: str | None = None) -> str | None:
         return await self._call(calls.touch_job(job_id, lease_id))
 
     @documented_by(calls.failed_jobs)
@@ -192,6 +200,10 @@ class AsyncClient(Endpoint, trio.abc.AsyncResource):
     @documented_by(calls.queues)
     async def queues(self, limit: int | None = None) -> dict[str, Any]:
         return await self._call(calls.queues(limit))
+
+    @documented_by(calls.query)
+    async def query(self, sql: str) -> dict[str, Any]:
+        return await self._call(calls.query(sql))
 
     @documented_by(calls.status)
     async def status(self) -> dict[str, Any]:

@@ -25,14 +25,8 @@ from jobserver.core.errors import CommandError
 from jobserver.core.jobs import ACTIVE, State
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request, Response
+from jobserver.wire.limits import DEFAULT_REPLY_TIMEOUT, MAX_REPLY_KEY, MAX_REPLY_TIMEOUT
 
-# Long enough for an order id, a URL or a UUID with a prefix; the same as a
-# job name, so a key is never the thing that makes a request too big.
-MAX_KEY = 255
-# A day: a human approval or a slow partner answers within it.
-DEFAULT_TIMEOUT = 86400
-# Thirty days: past that, a job waiting is more likely forgotten than slow.
-MAX_TIMEOUT = 30 * 86400
 _DIGITS = re.compile(r"[0-9]{1,8}")
 
 # The data field a delivered reply goes into.
@@ -121,7 +115,7 @@ def _run_done(text: str) -> str:
 
 def _key(request: Request) -> str:
     key = params.require(request, "key")
-    if len(key.encode("utf-8")) > MAX_KEY:
+    if len(key.encode("utf-8")) > MAX_REPLY_KEY:
         raise CommandError("402 Malformed key")
     return key
 
@@ -129,7 +123,7 @@ def _key(request: Request) -> str:
 def _timeout(request: Request) -> int:
     text = params.present(request, "timeout")
     if text is None:
-        return DEFAULT_TIMEOUT
-    if not _DIGITS.fullmatch(text) or not 1 <= int(text) <= MAX_TIMEOUT:
+        return DEFAULT_REPLY_TIMEOUT
+    if not _DIGITS.fullmatch(text) or not 1 <= int(text) <= MAX_REPLY_TIMEOUT:
         raise CommandError("402 Malformed timeout")
     return int(text)

@@ -58,3 +58,13 @@ DEFAULT_LISTED = 1000
 # asks for more, up to the most.
 DEFAULT_QUEUES = 50
 MAX_QUEUES = 1000
+
+# AwaitReply and DeliverReply (protocol.md 14.12). A key is long enough for
+# an order id, a URL or a UUID with a prefix; the same as a job name, so a
+# key is never the thing that makes a request too big.
+MAX_REPLY_KEY = 255
+# How long a job waits for its reply: a day unless it says otherwise (a
+# human approval or a slow partner answers within it); thirty days at most,
+# past which a job waiting is more likely forgotten than slow.
+DEFAULT_REPLY_TIMEOUT = 86400
+MAX_REPLY_TIMEOUT = 30 * 86400

@@ -1,0 +1,201 @@
+"""Running a client subcommand: the options every one takes (--server, the
+token, TLS), the client they make, and the exit statuses.
+
+Most subcommands are one call of jobserver.client: its result is printed as
+JSON, a refusal as the status line on stderr with an exit status a script
+can test. `top` brings its own session (top.py) and shares the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+from jobserver.cli.options import (
+    AUTH_TOKEN_HELP,
+    DEFAULT_SERVER,
+    add_tls_arguments,
+    server_address,
+    tls_option,
+)
+from jobserver.client import (
+    Client,
+    Conflict,
+    ConnectionFailed,
+    IllegalState,
+    JobNotFound,
+    JobServerError,
+    ServerError,
+    auth_token,
+    parse_address,
+)
+
+EXIT_NOT_FOUND = 1
+EXIT_USAGE = 2
+EXIT_ILLEGAL_STATE = 3
+EXIT_SERVER_ERROR = 4
+EXIT_CONNECTION = 5
+# Ctrl-C, as shells report it.
+EXIT_INTERRUPTED = 130
+
+EXIT_STATUS_HELP = f"""\
+exit status of the client commands (create, get, query, ...):
+  0  done; the result is on stdout as JSON
+  {EXIT_NOT_FOUND}  not found (404): no job to hand out, or no such job
+  {EXIT_USAGE}  usage error, or the server refused the request as invalid (401, 402, other 4xx)
+  {EXIT_ILLEGAL_STATE}  the job's state does not allow it (405, 409)
+  {EXIT_SERVER_ERROR}  server error (5xx) or an unexpected reply
+  {EXIT_CONNECTION}  cannot connect, or the connection broke during the request
+A refusal prints the server's status line on stderr, e.g. "404 No job found"."""
+
+# One call of the client: what it returns is printed as JSON.
+Action = Callable[[Client, argparse.Namespace], Any]
+# All a subcommand does with its client; the exit status.
+Session = Callable[[Client, argparse.Namespace], int]
+# Adds a one-call subcommand: command(name, action, help, description).
+CommandAdder = Callable[[str, Action, str, str], argparse.ArgumentParser]
+
+
+class PartlyRefused(Exception):
+    """An action the server carried out in part (FinishJobs): `result` is
+    printed all the same, each of `complaints` on stderr, and the exit
+    status is the one `error` gives."""
+
+    def __init__(self, result: Any, complaints: list[str], error: JobServerError) -> None:
+        super().__init__(error.status)
+        self.result = result
+        self.complaints = complaints
+        self.error = error
+
+
+def connection_options() -> argparse.ArgumentParser:
+    """A parent parser: --server, --auth-token-file, --tls, --tls-ca."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--server",
+        type=server_address,
+        metavar="HOST:PORT",
+        help=f"the server, PORT 1 to 65535 (default: $JOBSERVER_SERVER, else {DEFAULT_SERVER})",
+    )
+    common.add_argument("--auth-token-file", metavar="FILE", help=AUTH_TOKEN_HELP)
+    add_tls_arguments(common)
+    return common
+
+
+def add_client_parser(
+    sub: Any,
+    name: str,
+    session: Session,
+    help: str,
+    description: str,
+    epilog: str = EXIT_STATUS_HELP,
+) -> argparse.ArgumentParser:
+    """A subcommand that talks to a server: the connection options, and the
+    session it runs with its client."""
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name,
+        parents=[connection_options()],
+        help=help,
+        # Wrapped here: the raw formatter keeps the epilog's table as written.
+        description=textwrap.fill(description),
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.set_defaults(session=session, check=_no_check)
+    return parser
+
+
+def add_check(
+    parser: argparse.ArgumentParser, check: Callable[[argparse.Namespace], str | None]
+) -> None:
+    """A check of a subcommand's options together, made before anything is
+    sent: the message it returns is a usage error, exit status 2, as
+    argparse's own are."""
+
+    def checked(args: argparse.Namespace) -> None:
+        problem = check(args)
+        if problem is not None:
+            parser.error(problem)
+
+    parser.set_defaults(check=checked)
+
+
+def _no_check(args: argparse.Namespace) -> None:
+    return None
+
+
+def command_factory(sub: Any) -> CommandAdder:
+    """Adds one-call subcommands: each prints its action's result."""
+
+    def command(name: str, action: Action, help: str, description: str) -> argparse.ArgumentParser:
+        parser = add_client_parser(sub, name, _call_once, help, description)
+        parser.set_defaults(action=action)
+        return parser
+
+    return command
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the subcommand's session with a client for the server; the exit status."""
+    args.check(args)
+    try:
+        client = _client(args)
+    except ValueError as error:
+        print(f"jobserver: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    with client:
+        session: Session = args.session
+        return session(client, args)
+
+
+def _client(args: argparse.Namespace) -> Client:
+    """The client --server (else $JOBSERVER_SERVER), the token and TLS ask
+    for; ValueError saying what is wrong with them."""
+    try:
+        host, port = args.server or parse_address(
+            os.environ.get("JOBSERVER_SERVER") or DEFAULT_SERVER
+        )
+    except ValueError as error:
+        raise ValueError(f"$JOBSERVER_SERVER: {error}") from None
+    try:
+        token = auth_token(args.auth_token_file)
+        return Client(host, port, auth_token=token, tls=tls_option(args))
+    except OSError as error:
+        raise ValueError(str(error)) from error
+
+
+def _call_once(client: Client, args: argparse.Namespace) -> int:
+    try:
+        result = args.action(client, args)
+    except PartlyRefused as partly:
+        print(json.dumps(partly.result))
+        for complaint in partly.complaints:
+            print(complaint, file=sys.stderr)
+        return exit_status(partly.error)
+    except JobServerError as error:
+        print(error.status, file=sys.stderr)
+        return exit_status(error)
+    except ConnectionFailed as error:
+        print(f"jobserver: {error}", file=sys.stderr)
+        return EXIT_CONNECTION
+    except KeyboardInterrupt:
+        # Closing the connection ends a waiting get; the server keeps its job.
+        return EXIT_INTERRUPTED
+    print(json.dumps(result))
+    return 0
+
+
+def exit_status(error: JobServerError) -> int:
+    """The exit status of a refusal."""
+    if isinstance(error, JobNotFound):
+        return EXIT_NOT_FOUND
+    if isinstance(error, (IllegalState, Conflict)):
+        return EXIT_ILLEGAL_STATE
+    if isinstance(error, ServerError) or not 400 <= error.code <= 499:
+        return EXIT_SERVER_ERROR
+    return EXIT_USAGE

@@ -1,0 +1,592 @@
+"""The client subcommands of a job's life: create, get, query, update,
+touch, await-reply, finish, fail, retry, cancel and delete. Each is one
+call of jobserver.client (client_command.py runs it)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+from jobserver.cli.client_command import CommandAdder, PartlyRefused, add_check
+from jobserver.cli.options import (
+    JOB_ID_HELP,
+    KEY_HELP,
+    add_job_id,
+    add_lease_id,
+    add_priority,
+    job_id,
+    json_object,
+    lease_id,
+    number,
+    reply_key,
+    retry_seconds,
+    time_windows,
+    time_zone,
+)
+from jobserver.client import Client, JobNotFound
+from jobserver.core import params
+from jobserver.wire.limits import (
+    DEFAULT_PRIORITY,
+    DEFAULT_REPLY_TIMEOUT,
+    MAX_DELAY,
+    MAX_FINISH_JOBS,
+    MAX_REPLY_TIMEOUT,
+    MAX_WAIT_MS,
+)
+
+# A waiting get's longest wait, in the seconds --wait takes.
+MAX_WAIT = MAX_WAIT_MS // 1000
+
+WHEN_HELP = (
+    "year first, e.g. '2030-01-01 04:00:00': YYYY-MM-DD, YYYY-MM-DD HH:MM or "
+    "YYYY-MM-DD HH:MM:SS ('T' or a space between), in UTC unless it ends in an offset "
+    "such as +02:00"
+)
+REPEAT_HELP = "e.g. 'FINISHED, +1 HOUR' or DAILY, see protocol.md section 6"
+
+
+def add_parsers(command: CommandAdder) -> None:
+    """A job's subcommands, in the order of its life."""
+    _add_create(command)
+    _add_get(command)
+    _add_query(command)
+    _add_update(command)
+    _add_touch(command)
+    _add_await_reply(command)
+    _add_finish(command)
+    _add_fail(command)
+    _add_retry(command)
+    _add_cancel_and_delete(command)
+
+
+# create
+
+
+def _add_create(command: CommandAdder) -> None:
+    create = command("create", _create, "create a job", 'Create a job and print {"jobID": N}.')
+    create.add_argument("name", metavar="NAME", help="the job's name, e.g. email/send")
+    create.add_argument(
+        "--data",
+        type=json_object,
+        metavar="JSON",
+        help="the job's data: a JSON object (default: {})",
+    )
+    create.add_argument(
+        "--first-run", metavar="WHEN", help=f"when the job is first due, {WHEN_HELP} (default: now)"
+    )
+    create.add_argument(
+        "--repeat",
+        metavar="RULE",
+        help=f"run again after each run, {REPEAT_HELP} (default: run once)",
+    )
+    add_priority(create, f"higher runs first (default: {DEFAULT_PRIORITY})")
+    create.add_argument(
+        "--retry-after",
+        metavar="M",
+        help="a lease, e.g. '+5 MINUTES': if the job is not finished, retried or failed "
+        "by then, it is handed out again (default: no lease)",
+    )
+    create.add_argument(
+        "--parent",
+        type=job_id,
+        metavar="ID",
+        help="make it a child of job ID, which must be RUNNING, RUNQUEUED or PAUSED "
+        "(protocol.md section 8) (default: no parent)",
+    )
+    create.add_argument(
+        "--unique",
+        action="store_true",
+        help="if a job of this NAME exists, create none: merge --data into the oldest "
+        "one's data and print its jobID (default: always create)",
+    )
+    create.add_argument(
+        "--no-overwrite",
+        action="store_true",
+        help="with --unique: leave an existing job as it is (default: merge --data into it)",
+    )
+    _add_retry_policy_options(create)
+    _add_flow_options(create)
+    add_check(create, _options_needed)
+
+
+def _add_retry_policy_options(create: argparse.ArgumentParser) -> None:
+    """A retry policy (protocol.md 14.1)."""
+    create.add_argument(
+        "--max-attempts",
+        type=number(int, 1, params.MAX_ATTEMPTS),
+        metavar="N",
+        help=f"give it a retry policy: a failed attempt (fail, an expired lease) queues it "
+        f"again after a backoff until N attempts have failed, 1 to {params.MAX_ATTEMPTS} "
+        "(default: no policy, the first failure is final)",
+    )
+    create.add_argument(
+        "--retry-backoff",
+        choices=params.BACKOFFS,
+        help=f"with --max-attempts: how the delay grows (default: {params.DEFAULT_BACKOFF})",
+    )
+    create.add_argument(
+        "--retry-delay",
+        type=retry_seconds,
+        metavar="SECONDS",
+        help=f"with --max-attempts: the delay after the first failed attempt, 0 to "
+        f"{MAX_DELAY}, up to 3 decimals (default: {params.DEFAULT_RETRY_DELAY:g})",
+    )
+    create.add_argument(
+        "--retry-max-delay",
+        type=retry_seconds,
+        metavar="SECONDS",
+        help=f"with --max-attempts: the longest exponential delay, 0 to {MAX_DELAY}, up to "
+        f"3 decimals (default: {params.DEFAULT_MAX_RETRY_DELAY:g})",
+    )
+
+
+def _add_flow_options(create: argparse.ArgumentParser) -> None:
+    """Cost and time windows (protocol.md 14.7, 14.8)."""
+    create.add_argument(
+        "--cost",
+        type=number(int, 1, params.MAX_COST),
+        metavar="N",
+        help=f"what it counts against each concurrency limit its name matches while it "
+        f"runs, 1 to {params.MAX_COST} (default: 1)",
+    )
+    create.add_argument(
+        "--time-windows",
+        type=time_windows,
+        metavar="WINDOWS",
+        help="run it only within these daily windows of local time, HH:MM-HH:MM, "
+        "comma-separated, up to 20, e.g. '01:00-05:00,22:00-23:30' (default: any time)",
+    )
+    create.add_argument(
+        "--time-zone",
+        type=time_zone,
+        metavar="ZONE",
+        help="with --time-windows: their IANA time zone, e.g. Europe/Paris (default: UTC)",
+    )
+
+
+def _create(client: Client, args: argparse.Namespace) -> dict[str, int]:
+    job_id = client.create_job(
+        args.name,
+        data=args.data,
+        first_run=args.first_run,
+        repeat=args.repeat,
+        priority=args.priority,
+        retry_after=args.retry_after,
+        unique=args.unique,
+        parent_job_id=args.parent,
+        max_attempts=args.max_attempts,
+        retry_backoff=args.retry_backoff,
+        retry_delay=args.retry_delay,
+        retry_max_delay=args.retry_max_delay,
+        cost=args.cost,
+        time_windows=args.time_windows,
+        time_zone=args.time_zone,
+        overwrite=not args.no_overwrite,
+    )
+    return {"jobID": job_id}
+
+
+# create's options that mean nothing without another, by their dests.
+_NEEDS = {
+    "no_overwrite": "unique",
+    "time_zone": "time_windows",
+    "retry_backoff": "max_attempts",
+    "retry_delay": "max_attempts",
+    "retry_max_delay": "max_attempts",
+}
+
+
+def _options_needed(args: argparse.Namespace) -> str | None:
+    """The server would refuse most of these (402 Missing maxAttempts) or
+    ignore them (overwrite without unique): said here, before sending."""
+    for option, needed in _NEEDS.items():
+        if getattr(args, option) not in (None, False) and getattr(args, needed) in (None, False):
+            return f"{_flag(option)} needs {_flag(needed)}"
+    return None
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+# get, query
+
+
+def _add_get(command: CommandAdder) -> None:
+    get = command(
+        "get",
+        _get,
+        "take the next due job, or several",
+        "Take the next due job whose name matches PATTERN and print it; with --count, "
+        'up to N jobs at once (GetJobs), printed as {"jobs": [...]}. Each job is then '
+        "RUNNING (RUNQUEUED if it has a lease) until it is finished, retried or failed, "
+        "and carries its leaseID. Exits 1 with '404 No job found' on stderr when there "
+        "is none.",
+    )
+    get.add_argument(
+        "pattern",
+        metavar="PATTERN",
+        help="a GLOB pattern such as 'email/*', or a comma-separated list of exact names",
+    )
+    get.add_argument(
+        "--wait",
+        type=number(float, 0, MAX_WAIT),
+        metavar="SECONDS",
+        help=f"if no job is due, wait up to this long for one, 0 to {MAX_WAIT} "
+        "(default: do not wait)",
+    )
+    get.add_argument(
+        "--count",
+        type=number(int, 1, params.MAX_RESULTS),
+        metavar="N",
+        help=f'take up to N jobs, 1 to {params.MAX_RESULTS}, and print {{"jobs": [...]}} '
+        "(default: one job, printed as it is)",
+    )
+    add_priority(get, "only jobs of this priority (default: any)")
+
+
+def _get(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    if args.count is not None:
+        jobs = client.get_jobs(args.pattern, args.count, wait=args.wait, priority=args.priority)
+        if not jobs:
+            raise JobNotFound("404 No job found")
+        return {"jobs": jobs}
+    job = client.get_job(args.pattern, wait=args.wait, priority=args.priority)
+    if job is None:
+        # An empty queue is a normal answer for the library; a script wants it in the exit status.
+        raise JobNotFound("404 No job found")
+    return job
+
+
+# A whole number, as a person types a jobID: what `query` takes for one.
+_WHOLE_NUMBER = re.compile(r"\s*[-+]?[0-9]+\s*")
+
+
+def job_id_or_sql(text: str) -> int | str:
+    """`query`'s argument: a whole number is a jobID (and must be one),
+    anything else SQL."""
+    if _WHOLE_NUMBER.fullmatch(text):
+        return int(job_id(text.strip()))
+    return text
+
+
+def _add_query(command: CommandAdder) -> None:
+    query = command(
+        "query",
+        _query,
+        "show a job, or run a read-only SQL query",
+        "With a jobID (a whole number), print that job, its state included (QueryJob). "
+        "With anything else, run it as one read-only SQL statement ending in ';' "
+        "(Query, protocol.md 5.15; from the server's own host only, unless it runs "
+        'with --allow-remote-query) and print {"headers": [column names], "rows": '
+        "[[values], ...]}, with integers and finite reals as numbers and everything "
+        "else as text (NULL as \"\").",
+    )
+    query.add_argument(
+        "target",
+        type=job_id_or_sql,
+        metavar="ID|SQL",
+        help=f"{JOB_ID_HELP}; or SQL, e.g. 'SELECT jobID, state FROM jobs;'",
+    )
+
+
+def _query(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    if isinstance(args.target, int):
+        return client.query_job(args.target)
+    return client.query(args.target)
+
+
+# update, touch, await-reply
+
+
+def _add_update(command: CommandAdder) -> None:
+    update = command(
+        "update",
+        _update,
+        "replace a job's data, and change its schedule or priority",
+        "Replace a job's data, in any state, and optionally its repeat rule, priority "
+        "and next run (UpdateJob); its state does not change. Prints {}.",
+    )
+    add_job_id(update)
+    update.add_argument(
+        "--data",
+        type=json_object,
+        required=True,
+        metavar="JSON",
+        help="the job's new data, a JSON object that replaces the old one whole (required)",
+    )
+    repeat = update.add_mutually_exclusive_group()
+    repeat.add_argument(
+        "--repeat",
+        metavar="RULE",
+        help=f"a new repeat rule, {REPEAT_HELP}; the next run follows from it unless "
+        "--next-run is given (default: keep the rule)",
+    )
+    repeat.add_argument(
+        "--clear-repeat",
+        action="store_true",
+        help="drop the repeat rule: the job runs once more (default: keep the rule)",
+    )
+    add_priority(update, "the job's new priority (default: keep it)")
+    update.add_argument(
+        "--next-run", metavar="WHEN", help=f"when the job is next due, {WHEN_HELP} "
+        "(default: keep it, or follow --repeat)"
+    )
+    add_lease_id(update)
+
+
+def _update(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    client.update_job(
+        args.id,
+        args.data,
+        repeat=args.repeat,
+        priority=args.priority,
+        next_run=args.next_run,
+        lease_id=args.lease_id,
+        clear_repeat=args.clear_repeat,
+    )
+    return {}
+
+
+def _add_touch(command: CommandAdder) -> None:
+    touch = command(
+        "touch",
+        _touch,
+        "show a handed-out job is still being worked on",
+        "Tell the server a handed-out job is still being worked on (TouchJob). A leased "
+        "(RUNQUEUED) job's lease is renewed to its retryAfter from now: prints "
+        '{"nextRun": "..."}, the new end of the lease. A RUNNING job\'s stale-job count '
+        'starts again: prints {"staleAt": "..."}, when it would be presumed lost, or {} '
+        "if the server runs with --stale-after 0.",
+    )
+    add_job_id(touch)
+    add_lease_id(touch)
+
+
+def _touch(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    # The reply says which of the two deadlines it is; touch_job gives only the time.
+    reply = client.request("TouchJob", {"jobID": args.id, "leaseID": args.lease_id})
+    body: dict[str, Any] = reply.json()
+    return body
+
+
+def _add_await_reply(command: CommandAdder) -> None:
+    await_reply = command(
+        "await-reply",
+        _await_reply,
+        "park a handed-out job until a reply for KEY is delivered",
+        "Park a handed-out job until a reply for KEY is delivered (AwaitReply, "
+        "protocol.md 14.12): it is WAITING, holding no worker, until 'jobserver deliver "
+        "KEY' queues it again with the reply in its data, or the timeout fails it. Prints "
+        '{"replyDeadline": "...", "state": "WAITING"}; or {"state": "QUEUED"} when the '
+        "reply had come already. Exits 3 with '409 Another job waits on this key'.",
+    )
+    add_job_id(await_reply)
+    await_reply.add_argument("key", type=reply_key, metavar="KEY", help=KEY_HELP)
+    await_reply.add_argument(
+        "--timeout",
+        type=number(int, 1, MAX_REPLY_TIMEOUT),
+        metavar="SECONDS",
+        help=f"fail the job (or retry it, per its retry policy) if no reply comes within "
+        f"this long, 1 to {MAX_REPLY_TIMEOUT} (default: {DEFAULT_REPLY_TIMEOUT}, a day)",
+    )
+    await_reply.add_argument(
+        "--data",
+        type=json_object,
+        metavar="JSON",
+        help="replace the job's data with this JSON object (default: keep the data)",
+    )
+    add_lease_id(await_reply)
+
+
+def _await_reply(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    return client.await_reply(
+        args.id, args.key, timeout=args.timeout, lease_id=args.lease_id, data=args.data
+    )
+
+
+# finish, fail, retry
+
+
+def _add_finish(command: CommandAdder) -> None:
+    finish = command(
+        "finish",
+        _finish,
+        "report jobs done",
+        "Report a job that was handed out as done (FinishJob). Without a repeat it is "
+        "deleted; with one it is queued for its next run. Prints {}. With several IDs, "
+        "all are reported in one request (FinishJobs), each on its own: prints "
+        '{"results": [{"jobID": N, "status": "200 OK"}, ...]} in the order given, each '
+        "status the one finishing that job alone would have had. If any was refused, "
+        "each refused one is also named on stderr ('job N: 409 Lease expired') and the "
+        "exit status is that of the first refused; the others are finished all the same.",
+    )
+    finish.add_argument(
+        "ids",
+        type=job_id,
+        nargs="+",
+        metavar="ID",
+        help=f"{JOB_ID_HELP}; up to {MAX_FINISH_JOBS} of them",
+    )
+    finish.add_argument(
+        "--data",
+        type=json_object,
+        metavar="JSON",
+        help="replace the data of each job with this JSON object (default: keep the data)",
+    )
+    finish.add_argument(
+        "--lease-id",
+        type=lease_id,
+        action="append",
+        metavar="LEASE",
+        help="the leaseID the job was handed out with: refused with '409 Lease expired' "
+        "(exit 3) if it has been handed out again since; with several IDs, give it once "
+        "per ID, in the same order (default: none, whoever holds the jobs)",
+    )
+    add_check(finish, _finish_counts)
+
+
+def _finish_counts(args: argparse.Namespace) -> str | None:
+    if len(args.ids) > MAX_FINISH_JOBS:
+        return f"at most {MAX_FINISH_JOBS} IDs, not {len(args.ids)}"
+    if args.lease_id is not None and len(args.lease_id) != len(args.ids):
+        return (
+            f"{len(args.ids)} IDs take {len(args.ids)} --lease-id, one per ID in the same "
+            f"order, or none; {len(args.lease_id)} given"
+        )
+    return None
+
+
+def _finish(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    leases = args.lease_id or [None] * len(args.ids)
+    if len(args.ids) == 1:
+        client.finish_job(args.ids[0], data=args.data, lease_id=leases[0])
+        return {}
+    results = client.finish_jobs(
+        [(job, lease, args.data) for job, lease in zip(args.ids, leases, strict=True)]
+    )
+    printed = {"results": [{"jobID": r.job_id, "status": r.status} for r in results]}
+    refused = [r for r in results if not r.ok]
+    if refused:
+        first = refused[0].error()
+        assert first is not None
+        complaints = [f"job {r.job_id}: {r.status}" for r in refused]
+        raise PartlyRefused(printed, complaints, first)
+    return printed
+
+
+def _add_fail(command: CommandAdder) -> None:
+    fail = command(
+        "fail",
+        _fail,
+        "report a job failed",
+        "Report a job that was handed out as failed. It becomes FAILED and is kept until "
+        "deleted or requeued (jobserver requeue); a job with a retry policy and attempts "
+        "left is queued again after its backoff instead. Prints {}.",
+    )
+    add_job_id(fail)
+    fail.add_argument(
+        "--error",
+        metavar="TEXT",
+        help="why it failed: the job's last error, as 'jobserver failed' lists it "
+        "(default: none)",
+    )
+    fail.add_argument(
+        "--data",
+        type=json_object,
+        metavar="JSON",
+        help="replace the job's data with this JSON object (default: keep the data)",
+    )
+    add_lease_id(fail)
+
+
+def _fail(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    client.fail_job(args.id, data=args.data, lease_id=args.lease_id, error=args.error)
+    return {}
+
+
+def _add_retry(command: CommandAdder) -> None:
+    retry = command(
+        "retry",
+        _retry,
+        "put a handed-out job back in the queue",
+        "Put a job that was handed out back in the queue (RetryJob): at its repeat "
+        "rule's next run if it has one, else at --next-run, after --delay, or now. "
+        "Prints {}.",
+    )
+    add_job_id(retry)
+    when = retry.add_mutually_exclusive_group()
+    when.add_argument(
+        "--delay",
+        type=number(int, 0, MAX_DELAY),
+        metavar="SECONDS",
+        help=f"seconds from now before it is due again, 0 to {MAX_DELAY} (default: at its "
+        "repeat rule's next run, or now)",
+    )
+    when.add_argument(
+        "--next-run",
+        metavar="WHEN",
+        help=f"when it is due again, {WHEN_HELP} (default: at its repeat rule's next run, "
+        "or now)",
+    )
+    retry.add_argument(
+        "--ignore-repeat",
+        action="store_true",
+        help="use --delay or --next-run even if the job repeats (default: a repeating "
+        "job follows its rule)",
+    )
+    retry.add_argument(
+        "--data",
+        type=json_object,
+        metavar="JSON",
+        help="replace the job's data with this JSON object (default: keep the data)",
+    )
+    retry.add_argument("--name", metavar="NAME", help="rename the job (default: keep its name)")
+    add_priority(retry, "the job's new priority (default: keep it)")
+    add_lease_id(retry)
+
+
+def _retry(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    client.retry_job(
+        args.id,
+        delay=args.delay,
+        next_run=args.next_run,
+        data=args.data,
+        name=args.name,
+        priority=args.priority,
+        ignore_repeat=args.ignore_repeat,
+        lease_id=args.lease_id,
+    )
+    return {}
+
+
+# cancel, delete
+
+
+def _add_cancel_and_delete(command: CommandAdder) -> None:
+    cancel = command(
+        "cancel",
+        _cancel,
+        "cancel a child job",
+        "Cancel a child job (CancelJob): one that is QUEUED, RUNQUEUED or FAILED becomes "
+        "CANCELLED, and a PAUSED parent left with nothing to wait for is queued. A child "
+        "that is FINISHED, RUNNING or PAUSED is left as it is. Prints {}. Exits 1 with "
+        "'404 Invalid jobID - Cannot cancel a job without a parent' for a job that is not "
+        "a child.",
+    )
+    add_job_id(cancel)
+    delete = command(
+        "delete", _delete, "delete a job", "Delete a job that is not RUNNING or PAUSED. Prints {}."
+    )
+    add_job_id(delete)
+
+
+def _cancel(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    client.cancel_job(args.id)
+    return {}
+
+
+def _delete(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    client.delete_job(args.id)
+    return {}

@@ -1,0 +1,200 @@
+"""An operator's client subcommands: the server's state (status, queues,
+ping), the dead set (failed, requeue), flow control (pause, resume,
+set-limit) and replies (deliver). Each is one call of jobserver.client
+(client_command.py runs it); `top` is in top.py."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from jobserver.cli.client_command import CommandAdder
+from jobserver.cli.options import (
+    JOB_ID_HELP,
+    KEY_HELP,
+    job_id,
+    json_object,
+    number,
+    pattern,
+    reply_key,
+)
+from jobserver.client import Client
+from jobserver.core import params
+from jobserver.wire.limits import DEFAULT_LISTED, DEFAULT_QUEUES, MAX_LISTED, MAX_QUEUES
+
+PATTERN_HELP = "a GLOB pattern such as 'email/*', or a comma-separated list of exact names"
+ONE_PATTERN_HELP = f"one GLOB pattern such as 'email/*', 1 to {params.MAX_NAME} bytes"
+
+
+def add_parsers(command: CommandAdder) -> None:
+    _add_looking(command)
+    _add_dead_set(command)
+    _add_flow_control(command)
+    _add_deliver(command)
+
+
+def _add_looking(command: CommandAdder) -> None:
+    """The server's state."""
+    command(
+        "status",
+        _status,
+        "show the server's status",
+        "Print the server's status: jobs per state, waiting GetJobs, connections, "
+        "database size, uptime and version.",
+    )
+    queues = command(
+        "queues",
+        _queues,
+        "list the queues with their depth and age",
+        "Print the queues (a job name up to its first '/'), the largest first, as "
+        '{"queues": [{"queue": NAME, "jobs": {STATE: N, ...}, "total": N, '
+        '"oldestReadyAge": SECONDS or null}, ...], "more": N}: each queue\'s jobs by '
+        "state and how long its oldest ready job has waited; 'more' counts the queues "
+        "past --limit. The server reads every job for it. 'jobserver top' shows the "
+        "same, refreshed.",
+    )
+    queues.add_argument(
+        "--limit",
+        type=number(int, 1, MAX_QUEUES),
+        metavar="N",
+        help=f"list at most N queues, 1 to {MAX_QUEUES} (default: {DEFAULT_QUEUES})",
+    )
+    command(
+        "ping",
+        _ping,
+        "check that the server answers",
+        "Check that the server answers (Ping): prints {} and exits 0 if it does, exits "
+        "5 if it cannot be reached.",
+    )
+
+
+def _add_dead_set(command: CommandAdder) -> None:
+    """FAILED jobs."""
+    failed = command(
+        "failed",
+        _failed_jobs,
+        "list dead jobs with their last error",
+        "Print the FAILED jobs whose name matches PATTERN (default: all), oldest "
+        'first, as {"jobs": [...]}, each with its jobID, name, created, lastRun and '
+        "lastError (and attempt and maxAttempts for a job with a retry policy). "
+        "Revive them with 'jobserver requeue ID...'.",
+    )
+    failed.add_argument(
+        "pattern", metavar="PATTERN", nargs="?", default="*", help=f"{PATTERN_HELP} (default: *)"
+    )
+    failed.add_argument(
+        "--limit",
+        type=number(int, 1, MAX_LISTED),
+        metavar="N",
+        help=f"list at most N jobs, 1 to {MAX_LISTED} (default: {DEFAULT_LISTED})",
+    )
+    requeue = command(
+        "requeue",
+        _requeue,
+        "put jobs back in the queue, whatever their state",
+        "Put the jobs back in the queue, due now, whatever their state (RequeueJobs): "
+        "revives FAILED jobs, with all the attempts of their retry policy. IDs of jobs "
+        "that do not exist are skipped. Prints {}.",
+    )
+    requeue.add_argument("ids", type=job_id, nargs="+", metavar="ID", help=JOB_ID_HELP)
+    requeue.add_argument(
+        "--name", metavar="NAME", help="rename every listed job (default: keep their names)"
+    )
+
+
+def _add_flow_control(command: CommandAdder) -> None:
+    """Pauses and concurrency limits (protocol.md 14.7, 14.9)."""
+    pause = command(
+        "pause",
+        _pause,
+        "stop handing out jobs whose name matches PATTERN",
+        "Stop handing out jobs whose name matches PATTERN (PauseJobs) until 'jobserver "
+        "resume PATTERN'. They stay QUEUED; running jobs are not touched. The pause is "
+        "stored, so it survives a restart; 'jobserver status' lists paused patterns. "
+        "Prints {}.",
+    )
+    pause.add_argument("pattern", type=pattern, metavar="PATTERN", help=ONE_PATTERN_HELP)
+    resume = command(
+        "resume",
+        _resume,
+        "hand out again the jobs a pause of PATTERN held back",
+        "Remove the pause of exactly PATTERN (ResumeJobs; other paused patterns that "
+        "match the same jobs still hold them) and serve waiting workers at once. "
+        "Resuming a pattern that is not paused does nothing. Prints {}.",
+    )
+    resume.add_argument("pattern", type=pattern, metavar="PATTERN", help=ONE_PATTERN_HELP)
+    set_limit = command(
+        "set-limit",
+        _set_limit,
+        "set, change or remove a concurrency limit",
+        "Let jobs whose name matches PATTERN together cost at most MAX while they run "
+        "(SetLimit); MAX 0 removes the limit. Stored, so it survives a restart, and it "
+        "takes precedence over a 'serve --limit' for the same pattern; 'jobserver status' "
+        "lists limits with their use. Prints {}.",
+    )
+    set_limit.add_argument("pattern", type=pattern, metavar="PATTERN", help=ONE_PATTERN_HELP)
+    set_limit.add_argument(
+        "max",
+        type=number(int, 0, params.MAX_CAPACITY),
+        metavar="MAX",
+        help=f"the capacity, 0 to {params.MAX_CAPACITY}; 0 removes the limit",
+    )
+
+
+def _add_deliver(command: CommandAdder) -> None:
+    deliver = command(
+        "deliver",
+        _deliver,
+        "deliver an external reply to the job waiting on KEY",
+        "Deliver a reply: the job waiting on KEY (AwaitReply) is queued again, due "
+        'now, with the reply in its data under "reply". Prints {"jobID": N}; or, if '
+        'no job waits on KEY yet, {"expires": "..."}: the reply is kept for the '
+        "grace period for a job to await it. Exits 1 with '404 Reply already "
+        "delivered' if this key's reply was delivered (or kept) already.",
+    )
+    deliver.add_argument("key", type=reply_key, metavar="KEY", help=KEY_HELP)
+    deliver.add_argument(
+        "--data", type=json_object, required=True, metavar="JSON",
+        help="the reply, a JSON object (required)",
+    )
+
+
+def _status(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    return client.status()
+
+
+def _queues(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    return client.queues(args.limit)
+
+
+def _ping(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    client.ping()
+    return {}
+
+
+def _failed_jobs(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    return {"jobs": client.failed_jobs(args.pattern, limit=args.limit)}
+
+
+def _requeue(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    client.requeue_jobs(args.ids, name=args.name)
+    return {}
+
+
+def _pause(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    client.pause_jobs(args.pattern)
+    return {}
+
+
+def _resume(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    client.resume_jobs(args.pattern)
+    return {}
+
+
+def _set_limit(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    client.set_limit(args.pattern, args.max)
+    return {}
+
+
+def _deliver(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    return client.deliver_reply(args.key, args.data)
