@@ -177,17 +177,22 @@ def _call_once(client: Client, args: argparse.Namespace) -> int:
         for complaint in partly.complaints:
             print(complaint, file=sys.stderr)
         return exit_status(partly.error)
-    except JobServerError as error:
-        print(error.status, file=sys.stderr)
-        return exit_status(error)
-    except ConnectionFailed as error:
-        print(f"jobserver: {error}", file=sys.stderr)
-        return EXIT_CONNECTION
+    except (JobServerError, ConnectionFailed) as error:
+        return failed(error)
     except KeyboardInterrupt:
         # Closing the connection ends a waiting get; the server keeps its job.
         return EXIT_INTERRUPTED
     print(json.dumps(result))
     return 0
+
+
+def failed(error: JobServerError | ConnectionFailed) -> int:
+    """Say on stderr why a call failed; its exit status."""
+    if isinstance(error, ConnectionFailed):
+        print(f"jobserver: {error}", file=sys.stderr)
+        return EXIT_CONNECTION
+    print(error.status, file=sys.stderr)
+    return exit_status(error)
 
 
 def exit_status(error: JobServerError) -> int:

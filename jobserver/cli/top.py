@@ -25,7 +25,7 @@ from typing import Any, TextIO
 from jobserver.cli.client_command import (
     EXIT_CONNECTION,
     add_client_parser,
-    exit_status,
+    failed,
 )
 from jobserver.cli.options import number
 from jobserver.client import Client, ConnectionFailed, JobServerError
@@ -114,12 +114,8 @@ def watch(client: Client, args: argparse.Namespace) -> int:
 def _once(client: Client, server: str, limit: int) -> int:
     try:
         status, queues = _read(client, limit)
-    except JobServerError as error:
-        print(error.status, file=sys.stderr)
-        return exit_status(error)
-    except ConnectionFailed as error:
-        print(f"jobserver: {error}", file=sys.stderr)
-        return EXIT_CONNECTION
+    except (JobServerError, ConnectionFailed) as error:
+        return failed(error)
     print(render(server, _now(), status, queues), end="", flush=True)
     return 0
 
