@@ -5,6 +5,7 @@ file system, and a server that file modes hold back even as root."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -136,3 +137,14 @@ class HeldSync:
         self.entered.set()
         assert self.release.wait(10), "the test never released the sync"
         self._sync()
+
+
+def outside_address() -> str | None:
+    """This machine's address on a non-loopback interface, if it has one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))
+            address = probe.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address

@@ -5,7 +5,6 @@ on the copy, the refusals, who may ask, and PostgreSQL's answer."""
 from __future__ import annotations
 
 import json
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import pytest
 import trio
 
 from harness import ServerProcess, ThreadServer
-from helpers import create, ok, tmpfs, unprivileged, until
+from helpers import create, ok, outside_address, tmpfs, unprivileged, until
 from jobserver.client import AsyncClient
 from jobserver.client.calls import BACKUP_WAIT, backup
 from jobserver.core.dispatch import _cancelled
@@ -242,17 +241,6 @@ async def test_a_cancelled_request_tells_its_backup_to_stop() -> None:
     assert told.is_set()
 
 
-def _outside_address() -> str | None:
-    """This machine's address on a non-loopback interface, if it has one."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("10.255.255.255", 1))
-            address = probe.getsockname()[0]
-        except OSError:
-            return None
-    return None if address.startswith("127.") else address
-
-
 def _http_backup(running: ThreadServer, host: str, path: Path, **headers: str) -> int:
     url = f"http://{host}:{running.server.http_port}/api/Backup"
     request = urllib.request.Request(
@@ -271,7 +259,7 @@ def _http_backup(running: ThreadServer, host: str, path: Path, **headers: str) -
 def test_a_remote_client_may_back_up_only_with_a_token(
     tmp_path: Path, token: str | None
 ) -> None:
-    address = _outside_address()
+    address = outside_address()
     if address is None:
         pytest.skip("no non-loopback interface on this machine")
     running = ThreadServer(tmp_path / "jobs.db", host="0.0.0.0", http_port=0, auth_token=token)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from harness import ThreadServer
-from helpers import HeldSync, create
+from helpers import HeldSync, create, outside_address
 from wire import Client, encode
 
 
@@ -159,20 +159,9 @@ def test_query_rows_are_capped(client):
     assert reply.status == "413 Query returned more than 10000 rows"
 
 
-def _outside_address() -> str | None:
-    """This machine's address on a non-loopback interface, if it has one."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("10.255.255.255", 1))
-            address = probe.getsockname()[0]
-        except OSError:
-            return None
-    return None if address.startswith("127.") else address
-
-
 @pytest.mark.parametrize("allowed", [False, True])
 def test_query_from_a_non_loopback_client(tmp_path, allowed):
-    address = _outside_address()
+    address = outside_address()
     if address is None:
         pytest.skip("no non-loopback interface on this machine")
     running = ThreadServer(tmp_path / "jobs.db", host="0.0.0.0", allow_remote_query=allowed)
