@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import ssl
 import subprocess
@@ -414,3 +415,20 @@ def test_no_http_client_can_stop_the_server(http_server: ThreadServer) -> None:
         assert job_count(http_server) == 1
     finally:
         lingering.close()
+
+
+@pytest.mark.parametrize("module", ["starlette", "jsonschema"])
+def test_without_the_web_extra_http_port_says_what_to_install(tmp_path: Path, module: str) -> None:
+    # A module of that name that cannot be imported, ahead of the real one.
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / f"{module}.py").write_text("raise ImportError('not installed')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocked), *sys.path])}
+    done = subprocess.run(
+        [sys.executable, "-m", "jobserver", "serve", "--port", "0", "--http-port", "0",
+         "--db", str(tmp_path / "jobs.db")],
+        env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 2
+    assert "pip install 'jobserver[web]'" in done.stderr
+    assert "listening" not in done.stderr
