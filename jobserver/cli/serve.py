@@ -18,7 +18,12 @@ from jobserver.core.times import duration_text
 from jobserver.server.app import Config, HttpListenError, Server
 from jobserver.storage.sqlite import SYNCHRONOUS_MODES
 from jobserver.storage.sqlite_schema import StoreError
-from jobserver.wire.limits import DEFAULT_HOST, DEFAULT_PORT
+from jobserver.wire.limits import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    MAX_MAX_REPLY_BYTES,
+    MIN_MAX_REPLY_BYTES,
+)
 
 log = logging.getLogger("jobserver")
 
@@ -128,6 +133,15 @@ def _add_client_options(serve: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help=f"a Query running longer, above 0 and at most {MAX_QUERY_SECONDS:g}, is "
         f"stopped with '555 Timeout' (default: {Config.query_seconds:g})",
+    )
+    serve.add_argument(
+        "--max-reply-bytes",
+        type=number(int, MIN_MAX_REPLY_BYTES, MAX_MAX_REPLY_BYTES),
+        default=Config.max_reply_bytes,
+        metavar="BYTES",
+        help=f"the largest reply the server builds, {MIN_MAX_REPLY_BYTES:,} to "
+        f"{MAX_MAX_REPLY_BYTES:,}: a Query past it is refused, a GetJobs hands out fewer "
+        f"jobs (default: {Config.max_reply_bytes:,})",
     )
     serve.add_argument(
         "--idle-timeout",
@@ -271,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
         max_connections=args.max_connections,
         allow_remote_query=args.allow_remote_query,
         query_seconds=args.query_timeout,
+        max_reply_bytes=args.max_reply_bytes,
         idle_timeout=args.idle_timeout,
         request_timeout=args.request_timeout,
         auth_token=token,

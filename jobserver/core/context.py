@@ -7,6 +7,7 @@ from datetime import datetime
 
 from jobserver.core import times
 from jobserver.storage.interface import Storage
+from jobserver.wire.limits import DEFAULT_MAX_REPLY_BYTES
 
 # hipq's default job timeout: a day is longer than any job should run
 # without a word from its worker, and short enough that a job lost with
@@ -33,6 +34,8 @@ class Settings:
     # When this server started (stored-time text): a worker cannot report
     # while the server is down, so silence is counted from here at the most.
     serving_since: str = ""
+    # The largest reply a command may build (--max-reply-bytes).
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
 
 
 @dataclass

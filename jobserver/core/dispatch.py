@@ -46,6 +46,7 @@ from jobserver.core.waiters import Selector, WaitQueue
 from jobserver.core.writer import Writer
 from jobserver.storage.interface import Storage
 from jobserver.wire.framing import Request, Response
+from jobserver.wire.limits import DEFAULT_MAX_REPLY_BYTES
 
 # Query runs in worker threads; a few at once is plenty for people typing.
 QUERY_THREADS = 4
@@ -110,6 +111,8 @@ class Access:
     auth_token: str | None = None
     allow_remote_query: bool = False
     query_seconds: float = query.DEFAULT_SECONDS
+    # The largest reply Query may build (--max-reply-bytes).
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
 
 
 class Dispatcher:

@@ -36,7 +36,7 @@ from jobserver.server.connection import Connection, serve_connection
 from jobserver.storage import lockfile
 from jobserver.storage.backends import is_postgres, open_store
 from jobserver.storage.interface import Storage
-from jobserver.wire.limits import DEFAULT_HOST, DEFAULT_PORT
+from jobserver.wire.limits import DEFAULT_HOST, DEFAULT_MAX_REPLY_BYTES, DEFAULT_PORT
 
 log = logging.getLogger("jobserver")
 
@@ -69,6 +69,8 @@ class Config:
     # Query reads the whole database; by default only local users may.
     allow_remote_query: bool = False
     query_seconds: float = DEFAULT_QUERY_SECONDS
+    # The largest reply (Query, GetJobs) the server builds.
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
     # A connection with no request under way is closed after this long:
     # long enough for a worker between jobs, short enough that abandoned
     # connections do not pile up for months.
@@ -248,12 +250,16 @@ class Server:
             reply_grace=config.reply_grace,
             stale_after=config.stale_after,
             serving_since=to_millis(self.clock.now()),
+            max_reply_bytes=config.max_reply_bytes,
         )
         self.writer = Writer(store, self._notify, self.clock, settings)
         self.waits = WaitQueue(
             self.writer, self.clock, selection.serve_waiters, selection.give_back, deadlines.tick
         )
-        access = Access(config.auth_token, config.allow_remote_query, config.query_seconds)
+        access = Access(
+            config.auth_token, config.allow_remote_query, config.query_seconds,
+            config.max_reply_bytes,
+        )
         self.dispatcher = Dispatcher(store, self.writer, self.waits, self, access)
 
     @property

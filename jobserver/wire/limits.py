@@ -68,3 +68,12 @@ MAX_REPLY_KEY = 255
 # past which a job waiting is more likely forgotten than slow.
 DEFAULT_REPLY_TIMEOUT = 86400
 MAX_REPLY_TIMEOUT = 30 * 86400
+
+# The largest reply the server builds (--max-reply-bytes): a Query or a
+# GetJobs past it would make the server hold, and the client read, hundreds
+# of megabytes. Tens of MiB is far beyond what a person reads or a worker
+# takes at once; the least allowed still fits one job of the largest size
+# (1 MiB of data, 1 MiB of other text) with room to spare.
+DEFAULT_MAX_REPLY_BYTES = 32 * 1024 * 1024
+MIN_MAX_REPLY_BYTES = 4 * 1024 * 1024
+MAX_MAX_REPLY_BYTES = 1024 * 1024 * 1024
