@@ -24,6 +24,18 @@ from typing import Any
 from jobserver.wire.limits import MAX_BODY, MAX_HEAD, MAX_HEADERS, MAX_LINE
 
 _LINE_END = re.compile(rb"\r?\n")
+# A request line of HTTP's own methods. A browser can send HTTP to any
+# port on this machine (a web page's form or fetch included), with a body
+# the page chose; such a request is never a command, and its body must
+# never be read as one. Bedrock's clients write `CreateJob / HTTP/1.1`, so
+# only methods that name no command are refused; a page cannot send any
+# other method without a preflight (OPTIONS), which is refused too.
+# PRI is HTTP/2's preface.
+_HTTP_REQUEST_LINE = re.compile(
+    rb"(GET|HEAD|POST|PUT|DELETE|PATCH|OPTIONS|CONNECT|TRACE|PRI) \S+ HTTP/\d(\.\d)?",
+    re.IGNORECASE,
+)
+NOT_HTTP = "400 This port speaks the jobserver protocol, not HTTP (see --http-port)"
 
 # What a TLS port answers, in plain text, to a client that does not speak
 # TLS: `nc` shows it, and the client library turns it into advice.
@@ -254,6 +266,9 @@ def _parse_head(raw: bytes) -> tuple[Request, int]:
     for line in lines:
         if len(line) > MAX_LINE:
             raise ProtocolError("414 Line too long")
+    if _HTTP_REQUEST_LINE.fullmatch(lines[0].strip(b" \t")):
+        # Closing here, before the body, keeps a page's chosen bytes unread.
+        raise ProtocolError(NOT_HTTP)
     length = _content_length(lines[1:])
     try:
         text = [line.decode("utf-8") for line in lines]

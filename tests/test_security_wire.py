@@ -1,0 +1,164 @@
+"""The wire port against what a browser (and any HTTP client) can send it.
+
+A web page on any site, opened in a browser on the server's machine, can
+make the browser send HTTP to the wire port: a form, or fetch in no-cors
+mode, with a body the page chose. Such a request must never act: the
+server answers a request line of HTTP's own methods with one status line
+and closes the connection, before reading the body, whatever framing the
+request claims. Bedrock's `CreateJob / HTTP/1.1` stays a command.
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness import ThreadServer
+from helpers import ok
+from jobserver.wire.framing import NOT_HTTP
+from wire import Client
+
+DEADLINE = 10.0
+SMUGGLED = b"CreateJob\r\nname: smuggled\r\n\r\n"
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ThreadServer]:
+    running = ThreadServer(tmp_path / "jobs.db")
+    yield running
+    running.stop()
+
+
+def jobs_named(client: Client, name: str) -> int:
+    reply = ok(client.request("Query", query=f"SELECT COUNT(*) FROM jobs WHERE name = '{name}';"))
+    return int(reply.body.decode().splitlines()[1])
+
+
+def answer_and_close(server: ThreadServer, request: bytes) -> bytes:
+    """Everything the server sends back until it closes the connection."""
+    with server.client(timeout=DEADLINE) as client:
+        client.send(request)
+        received = b""
+        while chunk := client.sock.recv(65536):
+            received += chunk
+        return received
+
+
+def chunked(body: bytes) -> bytes:
+    # A chunk that begins with a blank line: read as wire requests, the
+    # size line would end a request of its own and the body become the next.
+    data = b"\r\n" + body
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n0\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + chunked(SMUGGLED),
+        b"GET /?x HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" + SMUGGLED,
+        b"post / HTTP/1.0\r\nContent-Type: text/plain\r\nContent-Length: 0\r\n\r\n" + SMUGGLED,
+        b"OPTIONS / HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://evil.example\r\n\r\n" + SMUGGLED,
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + SMUGGLED,
+    ],
+    ids=["chunked-post", "get", "post-lower-case", "preflight", "http2-preface"],
+)
+def test_an_http_request_is_answered_once_and_the_connection_closed(
+    server: ThreadServer, request_bytes: bytes
+) -> None:
+    received = answer_and_close(server, request_bytes)
+    assert received.startswith(NOT_HTTP.encode() + b"\r\n"), received
+    assert received.count(b"\r\n\r\n") == 1, received
+    with server.client() as client:
+        assert jobs_named(client, "smuggled") == 0
+
+
+def test_bedrock_style_method_lines_stay_commands(server: ThreadServer) -> None:
+    with server.client() as client:
+        ok(client.request("CreateJob / HTTP/1.1", name="bedrock"))
+        ok(client.request("GetJob / HTTP/1.1", name="bedrock"))
+        assert ok(client.request("Ping")).status == "200 OK"
+
+
+# A real browser, on a page of another origin.
+
+
+class _AttackPage(http.server.BaseHTTPRequestHandler):
+    """Serves one page whose script posts to the target port."""
+
+    html = b""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(self.html)))
+        self.end_headers()
+        self.wfile.write(self.html)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _attack_page(target_port: int) -> str:
+    body = SMUGGLED.decode().replace("\r\n", "\\r\\n")
+    return f"""<!doctype html><title>a page elsewhere</title>
+<form id=f method=post enctype=text/plain action="http://127.0.0.1:{target_port}/">
+<input name="{body}" value="">
+</form>
+<script>
+const target = "http://127.0.0.1:{target_port}/";
+const tries = [
+  fetch(target, {{method: "POST", mode: "no-cors", body: "{body}"}}),
+  fetch(target, {{method: "POST", mode: "no-cors", body: "{body}",
+                  headers: {{"Content-Type": "text/plain"}}}}),
+  fetch(target + "?{body}", {{mode: "no-cors"}}),
+];
+Promise.allSettled(tries).then(() => {{ document.title = "done"; }});
+</script>"""
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    chromium = "/usr/bin/chromium"
+    missing = ""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        missing = "Playwright is not installed (pip install playwright)"
+    if not missing and not os.access(chromium, os.X_OK):
+        missing = f"no {chromium} (apt-get install chromium)"
+    if missing:
+        if os.environ.get("JOBSERVER_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"JOBSERVER_REQUIRE_BROWSER=1 but {missing}")
+        pytest.skip(missing)
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=chromium, headless=True)
+        yield launched
+        launched.close()
+
+
+def test_a_web_page_in_a_browser_cannot_act_on_the_wire_port(
+    browser: Any, server: ThreadServer
+) -> None:
+    handler = type("Page", (_AttackPage,), {"html": _attack_page(server.port).encode()})
+    site = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    page = browser.new_page()
+    try:
+        page.goto(f"http://127.0.0.1:{site.server_address[1]}/")
+        page.wait_for_function("document.title === 'done'", timeout=DEADLINE * 1000)
+        # The form too; whatever the browser makes of the answer.
+        page.evaluate("document.getElementById('f').submit()")
+        page.wait_for_load_state("load", timeout=DEADLINE * 1000)
+    finally:
+        page.close()
+        site.shutdown()
+    with server.client() as client:
+        assert jobs_named(client, "smuggled") == 0
+        assert ok(client.request("Ping")).status == "200 OK"
