@@ -80,6 +80,7 @@ class Store:
         self.transient: tuple[type[Exception], ...] = ()
         # Set when the server stops (see STOPPING_BUSY_MS).
         self._stopping = False
+        _create_private(path)
         try:
             self._db = sqlite3.connect(
                 path, isolation_level=None, check_same_thread=False
@@ -625,3 +626,19 @@ def _sync_directory(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _create_private(path: str) -> None:
+    """A new database file readable by the server's user alone: job data
+    may hold what other users of the machine must not read, and the token
+    would mean nothing if they could read the file. SQLite gives its -wal
+    and -shm files the same mode. An existing file keeps its own mode."""
+    if path == ":memory:":
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        # It exists, or cannot be made: SQLite opens it, or says why not.
+        return
+    os.close(fd)
+
