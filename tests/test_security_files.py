@@ -45,3 +45,16 @@ def test_an_existing_database_keeps_its_mode(tmp_path: Path) -> None:
         assert mode(db) == 0o640
     finally:
         running.stop()
+
+
+def test_a_token_file_other_users_can_read_is_warned_of(start_server, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("t0ken\n")
+    token.chmod(0o644)
+    shared = start_server(tmp_path / "a.db", "--auth-token-file", str(token))
+    assert "can be read by other users" in shared.log
+    token.chmod(0o600)
+    private = start_server(tmp_path / "b.db", "--auth-token-file", str(token))
+    assert "can be read by other users" not in private.log
+    with private.client() as client:
+        assert client.request("Ping", authToken="t0ken").status == "200 OK"

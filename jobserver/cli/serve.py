@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import ssl
+import stat
 import sys
 from typing import Any
 
@@ -249,8 +250,15 @@ def _limit(text: str) -> tuple[str, int]:
 def _read_token(path: str) -> str:
     with open(path, encoding="utf-8") as token_file:
         token = token_file.read().strip()
+        shared = os.fstat(token_file.fileno()).st_mode & 0o077
     if not token:
         raise ValueError(f"{path} is empty")
+    if shared:
+        # Other users who can read the token can do anything with the queue.
+        log.warning(
+            "--auth-token-file %s can be read by other users of this machine "
+            "(mode %o): chmod 600 it", path, stat.S_IMODE(os.stat(path).st_mode),
+        )
     return token
 
 
