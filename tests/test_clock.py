@@ -167,6 +167,7 @@ async def running_core(
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(waits.run_clock)
+            nursery.start_soon(waits.run_matcher)
             yield Core(store, writer, waits, dispatcher, clock, nursery)
             nursery.cancel_scope.cancel()
     finally:

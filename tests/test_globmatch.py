@@ -69,6 +69,7 @@ def test_nul_ends_pattern_and_text_as_in_sqlite() -> None:
 # the BMP) give them something to match.
 _PATTERN = st.text(st.sampled_from("*?[]^-ab]é€𝄞"), max_size=12)
 _TEXT = st.text(st.sampled_from("ab-^]*?[é€𝄞z"), max_size=10)
+_TWO_LETTERS = st.text(st.sampled_from("ab"), max_size=40)
 
 
 @settings(max_examples=1500, deadline=None)
@@ -79,6 +80,16 @@ _TEXT = st.text(st.sampled_from("ab-^]*?[é€𝄞z"), max_size=10)
 @example(pattern="[a-]b]", text="]")
 @example(pattern="*a*?", text="aa")
 def test_agrees_with_sqlite(pattern: str, text: str) -> None:
+    assert glob_match(pattern, text) == sqlite_glob(pattern, text)
+
+
+# Many stars over a two-letter alphabet: each run between stars has many
+# places to fit, where taking the leftmost one must still find every match.
+@settings(max_examples=1500, deadline=None)
+@given(pattern=st.text(st.sampled_from("**??ab[]^"), max_size=30), text=_TWO_LETTERS)
+@example(pattern="*a?*?b*", text="aab")
+@example(pattern="*??*a", text="aa")
+def test_many_stars_agree_with_sqlite(pattern: str, text: str) -> None:
     assert glob_match(pattern, text) == sqlite_glob(pattern, text)
 
 

@@ -10,6 +10,8 @@ sensitive, and a set that is never closed matches nothing.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -19,12 +21,6 @@ class _CharSet:
     ranges: tuple[tuple[str, str], ...]
     invert: bool
     closed: bool
-
-    def matches(self, ch: str) -> bool:
-        if not self.closed:
-            return False
-        seen = any(lo <= ch <= hi for lo, hi in self.ranges)
-        return seen != self.invert
 
 
 _STAR = "*"
@@ -75,36 +71,91 @@ def _compile(pattern: str) -> tuple[_Token, ...]:
     return tuple(tokens)
 
 
-def _token_matches(token: _Token, ch: str) -> bool:
-    if isinstance(token, _CharSet):
-        return token.matches(ch)
-    return token in (_ONE, ch)
-
-
 def glob_match(pattern: str, text: str) -> bool:
     # SQLite's GLOB reads both as C strings, so a NUL (a job name can hold
     # one through `\u0000`) ends them there.
-    tokens = _compile(pattern.partition("\0")[0])
-    text = text.partition("\0")[0]
-    ti = si = 0
-    star_ti = -1
-    star_si = 0
-    while si < len(text):
-        if ti < len(tokens) and tokens[ti] == _STAR:
-            star_ti, star_si = ti, si
-            ti += 1
-        elif ti < len(tokens) and _token_matches(tokens[ti], text[si]):
-            ti += 1
-            si += 1
-        elif star_ti >= 0:
-            star_si += 1
-            si = star_si
-            ti = star_ti + 1
+    return _matcher(pattern.partition("\0")[0])(text.partition("\0")[0])
+
+
+_Matcher = Callable[[str], bool]
+
+
+@lru_cache(maxsize=4096)
+def _matcher(pattern: str) -> _Matcher:
+    """The pattern as a function of a name.
+
+    A waiting GetJob's pattern is tried against the names of new jobs on
+    the event loop, so a hostile pattern must not make that slow. Between
+    its stars a pattern is a run of fixed-length pieces, each one
+    character; such a run is a regular expression with no repetition,
+    which Python's engine searches in C without backtracking into earlier
+    runs. And because a star takes any run of characters, matching each
+    run at the leftmost place it fits leaves the most room for the rest:
+    the first run is anchored at the start, the last at the end, and
+    those between are searched for in turn. The cost is one search per
+    run, however many stars there are.
+    """
+    tokens = _compile(pattern)
+    if any(isinstance(t, _CharSet) and not t.closed for t in tokens):
+        return _never
+    runs: list[list[_Token]] = [[]]
+    for token in tokens:
+        if token == _STAR:
+            runs.append([])
         else:
+            runs[-1].append(token)
+    if len(runs) == 1:
+        return _exactly(runs[0])
+    return _with_stars(runs[0], [r for r in runs[1:-1] if r], runs[-1])
+
+
+def _never(text: str) -> bool:
+    return False
+
+
+def _run_regex(run: list[_Token]) -> re.Pattern[str]:
+    return re.compile("".join(_token_regex(token) for token in run), re.DOTALL)
+
+
+def _token_regex(token: _Token) -> str:
+    if token == _ONE:
+        return "."
+    if isinstance(token, _CharSet):
+        return _set_to_regex(token)
+    return _escape(token)
+
+
+def _exactly(run: list[_Token]) -> _Matcher:
+    regex = _run_regex(run)
+    return lambda text: len(text) == len(run) and regex.match(text) is not None
+
+
+def _with_stars(first: list[_Token], middle: list[list[_Token]], last: list[_Token]) -> _Matcher:
+    head, tail = _run_regex(first), _run_regex(last)
+    between = [
+        (len(run), None if all(t == _ONE for t in run) else _run_regex(run)) for run in middle
+    ]
+    fixed = len(first) + len(last)
+
+    def matches(text: str) -> bool:
+        end = len(text) - len(last)
+        if len(text) < fixed or head.match(text) is None or tail.match(text, end) is None:
             return False
-    while ti < len(tokens) and tokens[ti] == _STAR:
-        ti += 1
-    return ti == len(tokens)
+        at = len(first)
+        for size, regex in between:
+            if regex is None:
+                # Only `?`s: any `size` characters fit where the last run ended.
+                at += size
+                if at > end:
+                    return False
+                continue
+            found = regex.search(text, at, end)
+            if found is None:
+                return False
+            at = found.end()
+        return True
+
+    return matches
 
 
 def glob_to_regex(pattern: str) -> str:

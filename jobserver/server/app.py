@@ -200,6 +200,7 @@ class Server:
         try:
             async with trio.open_nursery() as core:
                 core.start_soon(self.waits.run_clock)
+                core.start_soon(self.waits.run_matcher)
                 core.start_soon(self.store.listen, self._heard)
                 if http is not None:
                     core.start_soon(self._serve_http, http)
