@@ -188,6 +188,41 @@ def test_the_json_api_refuses_another_sites_page(
     assert job_names(any_server) == []
 
 
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Sec-Fetch-Site": "same-site"},
+        {"Sec-Fetch-Site": "cross-site"},
+        {"Origin": "http://evil.example"},
+        {"Origin": "null"},
+    ],
+    ids=lambda headers: "=".join(next(iter(headers.items()))),
+)
+def test_the_dashboards_forms_refuse_another_sites_page(
+    any_server: ThreadServer, headers: dict[str, str]
+) -> None:
+    """Even with the token as a bearer: a page cannot send one, so what
+    matters is who sent it."""
+    form = {"Content-Type": "application/x-www-form-urlencoded", **bearer(any_server), **headers}
+    body = urlencode({"name": "*", "back": "/"}).encode()
+    for path in ["/actions/pause", "/signin", "/signout"]:
+        page = send(any_server, "POST", path, body, form)
+        assert page.status == 403 and b"another site" in page.body, path
+    assert paused(any_server) == []
+
+
+def test_another_sites_page_cannot_lock_the_operator_out(guarded: ThreadServer) -> None:
+    """Wrong sign-ins a page sends are refused before they are counted."""
+    form = urlencode({"token": "guess", "back": "/"}).encode()
+    for _ in range(30):
+        page = send(guarded, "POST", "/signin", form, {
+            "Content-Type": "application/x-www-form-urlencoded",
+            "Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site",
+        })
+        assert page.status == 403
+    assert browser(guarded).sign_in().status == 303
+
+
 def test_with_a_token_a_missing_token_is_401_first(guarded: ThreadServer) -> None:
     for headers in [{"Content-Type": "text/plain"}, {"Content-Type": "application/json"}]:
         assert send(guarded, "POST", "/api/CreateJob", CREATE, headers).status == 401
@@ -279,6 +314,26 @@ def test_a_request_naming_another_host_is_refused(any_server: ThreadServer, host
     action = {**same, "Content-Type": "application/x-www-form-urlencoded"}
     assert send(any_server, "POST", "/actions/pause", form, action).status == 421
     assert job_names(any_server) == [] and paused(any_server) == []
+
+
+def test_the_name_the_server_listens_on_is_one_of_its_names(tmp_path: Path) -> None:
+    import socket
+
+    name = socket.gethostname().lower()
+    try:
+        address = socket.gethostbyname(name)
+    except OSError:
+        address = ""
+    if not address.startswith("127."):
+        pytest.skip(f"this machine's name {name!r} is not a loopback name")
+    running = ThreadServer(tmp_path / "jobs.db", host=name, http_port=0)
+    try:
+        until(lambda: running.server.http_port, TIMEOUT, "the HTTP side to listen")
+        port = running.server.http_port
+        assert send(running, "GET", "/healthz", headers={"Host": f"{name}:{port}"}).status == 200
+        assert send(running, "GET", "/healthz", headers={"Host": "evil.example"}).status == 421
+    finally:
+        running.stop()
 
 
 def test_two_host_headers_are_refused(open_server: ThreadServer) -> None:
@@ -589,6 +644,16 @@ def test_in_a_browser_another_sites_page_changes_nothing(
         with page.expect_response(f"{target}/api/CreateJob") as created:
             page.evaluate("post('/api/CreateJob', JSON.stringify({name: 'fetch-attack'}))")
         assert created.value.status == 403
+        # JSON, as the API wants it, needs the server's leave first (a CORS
+        # preflight), which it never gives: the POST is not even sent.
+        refused = page.evaluate(
+            """(target) => fetch(target + "/api/CreateJob", {
+                method: "POST", body: '{"name": "cors-attack"}',
+                headers: {"Content-Type": "application/json"},
+            }).then(() => "sent", String)""",
+            target,
+        )
+        assert "Failed to fetch" in refused
         with page.expect_response(f"{target}/api/SetLimit") as limited:
             page.evaluate("post('/api/SetLimit', JSON.stringify({name: '*', max: 1}))")
         assert limited.value.status == 403
