@@ -634,7 +634,8 @@ window.post = async (path, body) => {{
 
 @pytest.mark.parametrize("site_host", ["127.0.0.1", "localhost"])
 def test_in_a_browser_another_sites_page_changes_nothing(
-    chromium: Any, open_server: ThreadServer, attack_site: AttackSite, site_host: str
+    chromium: Any, open_server: ThreadServer, attack_site: AttackSite, site_host: str,
+    tmp_path: Path,
 ) -> None:
     target = f"http://{own(open_server)}"
     attack_site.html = ATTACK_PAGE.format(target=target)
@@ -657,6 +658,10 @@ def test_in_a_browser_another_sites_page_changes_nothing(
         with page.expect_response(f"{target}/api/SetLimit") as limited:
             page.evaluate("post('/api/SetLimit', JSON.stringify({name: '*', max: 1}))")
         assert limited.value.status == 403
+        copy = tmp_path / "stolen.db"
+        with page.expect_response(f"{target}/api/Backup") as backed_up:
+            page.evaluate(f"post('/api/Backup', JSON.stringify({{path: {str(copy)!r}}}))")
+        assert backed_up.value.status == 403 and not copy.exists()
         with page.expect_response(f"{target}/queue") as queued:
             page.evaluate("post('/queue', JSON.stringify({type: 'fetch-attack', payload: {}}))")
         assert queued.value.status == 403
