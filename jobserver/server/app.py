@@ -98,8 +98,9 @@ class Config:
     stale_after: float = DEFAULT_STALE_AFTER
     # The HTTP side's port (--http-port), on the same host; None: no HTTP.
     http_port: int | None = None
-    # Names the HTTP side answers to besides IP addresses and localhost
-    # (--http-host); a request naming another is refused (DNS rebinding).
+    # Names the HTTP side answers to besides IP addresses, localhost and
+    # `host` (--http-host); a request naming another is refused (DNS
+    # rebinding).
     http_hosts: tuple[str, ...] = ()
     # How long a dashboard session lasts from sign-in (--session-lifetime):
     # a working day, so one sign-in covers a shift and a forgotten browser
