@@ -21,6 +21,8 @@ from typing import Any
 from urllib.parse import urlencode
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from harness import ServerProcess, ThreadServer
 from helpers import until
@@ -334,6 +336,39 @@ def test_the_name_the_server_listens_on_is_one_of_its_names(tmp_path: Path) -> N
         assert send(running, "GET", "/healthz", headers={"Host": "evil.example"}).status == 421
     finally:
         running.stop()
+
+
+DNS_LABEL = st.from_regex(r"[a-z0-9]([a-z0-9-]{0,20}[a-z0-9])?", fullmatch=True)
+DNS_NAME = st.lists(DNS_LABEL, min_size=1, max_size=4).map(".".join)
+PORT = st.one_of(st.just(""), st.integers(0, 65535).map(lambda port: f":{port}"))
+
+
+@given(st.text(max_size=300))
+def test_any_host_header_is_judged_without_error(header: str) -> None:
+    from jobserver.web.access import host_name, is_ip_literal, known_host
+
+    name = host_name(header)
+    if known_host(header, frozenset({"jobs.internal"})):
+        assert name is not None
+        assert name in ("localhost", "jobs.internal") or is_ip_literal(name)
+
+
+@given(DNS_NAME, PORT, st.booleans())
+def test_a_dns_name_is_answered_only_if_it_is_listed(name: str, port: str, listed: bool) -> None:
+    from jobserver.web.access import known_host
+
+    names = frozenset({name}) if listed else frozenset()
+    expected = listed or name == "localhost"
+    assert known_host(f"{name}{port}", names) == expected
+    assert known_host(f"{name.upper()}.{port}", names) == expected
+
+
+@given(st.ip_addresses(), PORT)
+def test_an_ip_address_is_always_answered(address: Any, port: str) -> None:
+    from jobserver.web.access import known_host
+
+    text = f"[{address}]" if address.version == 6 else str(address)
+    assert known_host(f"{text}{port}", frozenset())
 
 
 def test_two_host_headers_are_refused(open_server: ThreadServer) -> None:
