@@ -244,7 +244,8 @@ async def test_a_cancelled_request_tells_its_backup_to_stop() -> None:
 def _http_backup(running: ThreadServer, host: str, path: Path, **headers: str) -> int:
     url = f"http://{host}:{running.server.http_port}/api/Backup"
     request = urllib.request.Request(
-        url, data=json.dumps({"path": str(path)}).encode(), method="POST", headers=headers
+        url, data=json.dumps({"path": str(path)}).encode(), method="POST",
+        headers={"Content-Type": "application/json", **headers},
     )
     # Straight to the server, whatever proxy the environment names.
     direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))

@@ -193,6 +193,8 @@ def test_with_a_certificate_http_is_https(tmp_path: Path) -> None:
 def api(server: ThreadServer, command: str, params: Any = None, **headers: str):
     url = f"http://127.0.0.1:{server.server.http_port}/api/{command}"
     body = params if isinstance(params, bytes) else json.dumps(params or {}).encode()
+    # Declared JSON, as the API wants (urllib would say it is a form).
+    headers = {"Content-Type": "application/json", **headers}
     request = urllib.request.Request(url, data=body, method="POST", headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT) as reply:

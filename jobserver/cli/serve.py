@@ -43,6 +43,13 @@ MAX_REQUEST_SECONDS = 3600.0
 # Ten years: for retention, longer is an archive, not a queue; for the
 # stale-job net, longer is the same as never.
 MAX_DURATION_SECONDS = 3650 * 86400.0
+# A dashboard session: long enough to act during an incident, at most a
+# month.
+MIN_SESSION_SECONDS = 60.0
+MAX_SESSION_SECONDS = 30 * 86400.0
+# DNS's bounds on a name and on each of its labels.
+MAX_HOST_NAME = 253
+MAX_HOST_LABEL = 63
 # An early reply waits at most as long as an AwaitReply may (30 days).
 MIN_REPLY_GRACE_SECONDS = 1.0
 MAX_REPLY_GRACE_SECONDS = 30 * 86400.0
@@ -87,6 +94,16 @@ def _add_storage_options(serve: argparse.ArgumentParser) -> None:
             f"0 to {MAX_PORT}; 0 picks a free one, which the log names. Needs "
             "jobserver[web] (default: no HTTP)"
         ),
+    )
+    serve.add_argument(
+        "--http-host",
+        action="append",
+        type=_http_host,
+        default=[],
+        metavar="NAME",
+        help="a host name the HTTP side answers to, besides IP addresses, localhost and "
+        "--host; a request naming another host is refused with 421, so that no web page "
+        "reaches it through a name of its own (DNS rebinding); repeatable (default: none)",
     )
     serve.add_argument(
         "--db",
@@ -167,6 +184,15 @@ def _add_client_options(serve: argparse.ArgumentParser) -> None:
         help="require every request to carry the token in this file in an "
         "'authToken' header; others get '401 Unauthorized' (default: no token)",
     )
+    serve.add_argument(
+        "--session-lifetime",
+        type=duration(MIN_SESSION_SECONDS, MAX_SESSION_SECONDS),
+        default=Config.session_seconds,
+        metavar="DURATION",
+        help="how long a sign-in to the dashboard lasts: "
+        f"{duration_text(MIN_SESSION_SECONDS)} to {duration_text(MAX_SESSION_SECONDS)} "
+        f"(default: {duration_text(Config.session_seconds)})",
+    )
 
 
 def _add_job_options(serve: argparse.ArgumentParser) -> None:
@@ -240,6 +266,24 @@ def _add_security_and_log_options(serve: argparse.ArgumentParser) -> None:
     )
 
 
+def _http_host(text: str) -> str:
+    """A DNS name (labels of letters, digits and inner `-`), lower-cased,
+    without a trailing dot, as the HTTP side compares Host headers."""
+    name = text.lower().removesuffix(".")
+    valid = 0 < len(name) <= MAX_HOST_NAME and name.isascii() and all(
+        0 < len(label) <= MAX_HOST_LABEL
+        and label.replace("-", "").isalnum()
+        and not label.startswith("-")
+        and not label.endswith("-")
+        for label in name.split(".")
+    )
+    if not valid:
+        raise argparse.ArgumentTypeError(
+            f"must be a host name such as jobs.example.com, not {text!r}"
+        )
+    return name
+
+
 def _limit(text: str) -> tuple[str, int]:
     pattern, sep, number = text.rpartition("=")
     if not sep or not pattern or not number.isdigit() or int(number) < 1:
@@ -288,6 +332,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         http_port=args.http_port,
+        http_hosts=tuple(args.http_host),
         db=args.db,
         synchronous=args.synchronous,
         max_connections=args.max_connections,
@@ -297,6 +342,7 @@ def run(args: argparse.Namespace) -> int:
         idle_timeout=args.idle_timeout,
         request_timeout=args.request_timeout,
         auth_token=token,
+        session_seconds=args.session_lifetime,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         limits=dict(args.limit),

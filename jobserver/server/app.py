@@ -98,6 +98,14 @@ class Config:
     stale_after: float = DEFAULT_STALE_AFTER
     # The HTTP side's port (--http-port), on the same host; None: no HTTP.
     http_port: int | None = None
+    # Names the HTTP side answers to besides IP addresses, localhost and
+    # `host` (--http-host); a request naming another is refused (DNS
+    # rebinding).
+    http_hosts: tuple[str, ...] = ()
+    # How long a dashboard session lasts from sign-in (--session-lifetime):
+    # a working day, so one sign-in covers a shift and a forgotten browser
+    # stops acting by the next morning.
+    session_seconds: float = 12 * 3600.0
 
 
 class HttpListenError(OSError):
@@ -241,7 +249,13 @@ class Server:
     async def _serve_http(self, listening: Any) -> None:
         from jobserver.web import serving
 
-        await serving.serve(listening, self.dispatcher, self.config.auth_token, self._http_stopping)
+        config = self.config
+        # The name it was told to listen on is one of its names.
+        names = {*config.http_hosts, config.host.lower()}
+        await serving.serve(
+            listening, self.dispatcher, config.auth_token, self._http_stopping,
+            names, config.session_seconds,
+        )
 
     def _build_core(self, store: Storage) -> None:
         config = self.config

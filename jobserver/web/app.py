@@ -23,28 +23,32 @@ stands for. Routes:
   no token: it holds nothing of the queue.
 - `GET /` and the pages and forms under it: the dashboard (dashboard.py).
 
-With an auth token, every route but /healthz and the dashboard wants
-`Authorization: Bearer TOKEN` and answers `401` without it; the dashboard
-may be looked at without it, but acts only for a person who gave it
-(access.py).
+With an auth token, every route but /healthz, /openapi.json and the
+dashboard wants `Authorization: Bearer TOKEN` and answers `401` without
+it; the dashboard may be looked at without it, but acts only for a person
+who gave it. Token or not, every request must name this server in its
+Host (else `421`), and the JSON routes refuse what another site's page
+could send: a body not declared `application/json` (`415`), an Origin or
+Sec-Fetch-Site of another site (`403`). All of that is access.py's.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from jobserver.core.dispatch import Answer, Dispatcher
 from jobserver.core.params import MAX_DATA
-from jobserver.web import openapi
-from jobserver.web.access import bearer
+from jobserver.web import access, openapi
 from jobserver.web.dashboard import Dashboard
 from jobserver.web.incoming import peer, read_body
 from jobserver.web.metrics import CONTENT_TYPE, Metrics
@@ -55,13 +59,23 @@ from jobserver.wire.framing import Request
 MAX_BODY = MAX_DATA + 64 * 1024
 
 
-def build(dispatcher: Dispatcher, auth_token: str | None, secure: bool = False) -> Starlette:
+def build(
+    dispatcher: Dispatcher,
+    auth_token: str | None,
+    secure: bool,
+    host_names: Iterable[str],
+    session_seconds: float,
+) -> Starlette:
     """The application, answering through `dispatcher`; `secure` when it
-    is served over TLS (the dashboard's cookies are then Secure)."""
+    is served over TLS (the dashboard's cookies are then Secure);
+    `host_names` the names it answers to besides IP addresses and
+    localhost (--http-host); `session_seconds` the dashboard's
+    sessions' lifetime (--session-lifetime)."""
 
     async def queue(request: HttpRequest) -> JSONResponse:
-        if not bearer(request, auth_token):
-            return _error(401, "missing or wrong bearer token")
+        refused = access.api_refusal(request, auth_token)
+        if refused is not None:
+            return refused
         body = await read_body(request, MAX_BODY)
         if body is None:
             return _error(413, f"the body is larger than {MAX_BODY} bytes")
@@ -83,8 +97,9 @@ def build(dispatcher: Dispatcher, auth_token: str | None, secure: bool = False) 
     validators = _validators()
 
     async def api(request: HttpRequest) -> Response:
-        if not bearer(request, auth_token):
-            return _error(401, "missing or wrong bearer token")
+        refused = access.api_refusal(request, auth_token)
+        if refused is not None:
+            return refused
         body = await read_body(request, MAX_BODY)
         if body is None:
             return _error(413, f"the body is larger than {MAX_BODY} bytes")
@@ -106,7 +121,7 @@ def build(dispatcher: Dispatcher, auth_token: str | None, secure: bool = False) 
     metrics = Metrics(dispatcher, auth_token)
 
     async def scrape(request: HttpRequest) -> Response:
-        if not bearer(request, auth_token):
+        if not access.bearer(request, auth_token):
             return _error(401, "missing or wrong bearer token")
         code, text = await metrics.render(peer(request))
         return Response(text, code, media_type=CONTENT_TYPE)
@@ -131,8 +146,9 @@ def build(dispatcher: Dispatcher, auth_token: str | None, secure: bool = False) 
             Route("/api/{command}", api, methods=["POST"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/metrics", scrape, methods=["GET"]),
-            *Dashboard(dispatcher, auth_token, secure).routes(),
-        ]
+            *Dashboard(dispatcher, auth_token, secure, session_seconds).routes(),
+        ],
+        middleware=[Middleware(access.KnownHostsOnly, names=host_names)],
     )
 
 

@@ -24,6 +24,7 @@ who can create a job), and the pages load no script but their own
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,10 +108,18 @@ def _json(reply: WireResponse, key: str | None = None) -> tuple[Any, str]:
 
 
 class Dashboard:
-    def __init__(self, dispatcher: Dispatcher, token: str | None, secure: bool) -> None:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        token: str | None,
+        secure: bool,
+        session_seconds: float,
+    ) -> None:
         self._dispatcher = dispatcher
         self._token = token
         self._secure = secure
+        self._sessions = access.Sessions(session_seconds)
+        self._throttle = access.SignInThrottle()
         self._reads = Reads(dispatcher)
         env = jinja2.Environment(
             loader=jinja2.FileSystemLoader(HERE / "templates"),
@@ -306,39 +315,62 @@ class Dashboard:
 
     def _guard(self, request: Request) -> Response | None:
         """A page saying why a POST is refused, or None if it may act."""
-        if not access.same_origin(request):
-            return self._message(
-                request, 403, "Refused", "This form was sent from another site's page."
-            )
-        if not access.may_act(request, self._token):
+        refused = self._from_another_site(request)
+        if refused is not None:
+            return refused
+        if not self._may_act(request):
             return self._message(
                 request, 401, "Sign in to act",
                 "This server has an auth token: paste it in the form above to act.",
             )
         return None
 
+    def _from_another_site(self, request: Request) -> Response | None:
+        """A page refusing a form another site's page sent, or None."""
+        why = access.cross_site(request)
+        if not why:
+            return None
+        return self._message(request, 403, "Refused", f"Nothing was done: {why}.")
+
+    def _may_act(self, request: Request) -> bool:
+        return access.may_act(request, self._token, self._sessions)
+
     async def sign_in(self, request: Request) -> Response:
-        if not access.same_origin(request):
-            return self._message(
-                request, 403, "Refused", "This form was sent from another site's page."
-            )
+        refused = self._from_another_site(request)
+        if refused is not None:
+            return refused
         form = await _form(request)
         if form is None:
             return self._message(request, 400, "Not a form", "Nothing was done.")
         if self._token is None:
             return self._back(form, Flash("ok", "This server has no token: nothing to sign in to."))
+        client = peer(request)
+        wait = self._throttle.wait(client)
+        if wait > 0:
+            seconds = math.ceil(wait)
+            response = self._message(
+                request, 429, "Too many wrong tokens",
+                f"Too many wrong tokens from your address: try again in {seconds} s.",
+            )
+            response.headers["Retry-After"] = str(seconds)
+            return response
         if not access.token_matches(form.get("token", "").strip(), self._token):
+            self._throttle.failed(client)
             return self._message(request, 401, "Wrong token", "That is not this server's token.")
+        self._throttle.succeeded(client)
+        # A session the browser brought along is replaced, not kept.
+        self._sessions.close(request.cookies.get(access.SESSION_COOKIE, ""))
         response = self._back(form, Flash("ok", "Signed in."))
-        access.sign_in(response, self._token, self._secure)
+        access.sign_in(response, self._sessions.open(), self._sessions.lifetime, self._secure)
         return response
 
     async def sign_out(self, request: Request) -> Response:
-        if not access.same_origin(request):
-            return self._message(
-                request, 403, "Refused", "This form was sent from another site's page."
-            )
+        refused = self._from_another_site(request)
+        if refused is not None:
+            return refused
         form = await _form(request) or {}
+        # Ended here, not only in the browser: a copy of the cookie is dead too.
+        self._sessions.close(request.cookies.get(access.SESSION_COOKIE, ""))
         response = self._back(form, Flash("ok", "Signed out."))
         access.sign_out(response, self._secure)
         return response
@@ -365,7 +397,7 @@ class Dashboard:
                 "flash": flash,
                 "here": _here(request),
                 "needs_token": self._token is not None,
-                "can_act": access.may_act(request, self._token),
+                "can_act": self._may_act(request),
             },
             status_code=status,
             headers=PAGE_HEADERS,

@@ -204,6 +204,16 @@ _JSON_ERROR: Schema = {
     "properties": {"error": TEXT},
     "required": ["error"],
 }
+# What the HTTP side refuses before any command runs (web/access.py).
+_REFUSALS: Schema = {
+    code: {"description": text, "content": {"application/json": {"schema": _JSON_ERROR}}}
+    for code, text in (
+        ("403", "sent from another site's page: an Origin other than this server, or "
+         "Sec-Fetch-Site cross-site or same-site"),
+        ("415", "the body is not declared Content-Type: application/json"),
+        ("421", "the Host header names none of this server's names (--http-host)"),
+    )
+}
 
 
 def body_schema(command: str) -> Schema | None:
@@ -219,11 +229,13 @@ def document() -> Schema:
     paths["/queue"] = {"post": _queue_operation()}
     paths["/healthz"] = {"get": _simple(
         "healthz", "200 when the database answers, else 503",
-        {"200": "application/json", "503": "application/json"}, secured=False,
+        {"200": "application/json", "421": "application/json", "503": "application/json"},
+        secured=False,
     )}
     paths["/metrics"] = {"get": _simple(
         "metrics", "Prometheus' text format",
-        {"200": "text/plain", "401": "application/json", "503": "text/plain"},
+        {"200": "text/plain", "401": "application/json", "421": "application/json",
+         "503": "text/plain"},
     )}
     return {
         "openapi": "3.1.0",
@@ -268,6 +280,7 @@ def _operation(command: str) -> Schema:
                     "content": {"application/json": {"schema": OBJECT}}},
             "413": {"description": "the body is too large",
                     "content": {"application/json": {"schema": _JSON_ERROR}}},
+            **_REFUSALS,
             "4XX": {"description": "refused: the wire status code", **wire},
             "5XX": {"description": "the server could not do it: the wire status code", **wire},
         },
@@ -293,6 +306,7 @@ def _queue_operation() -> Schema:
             "400": {"description": "not a job: nothing stored", **error},
             "401": {"description": "missing or wrong bearer token", **error},
             "413": {"description": "the body is too large", **error},
+            **_REFUSALS,
             "503": {"description": "the database is unavailable", **error},
         },
     }

@@ -8,6 +8,7 @@ it is listening; serving comes later, in the server's nursery (`serve`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,12 +60,16 @@ def listen(host: str, port: int, tls: tuple[str, str | None] | None) -> Listenin
 
 
 async def serve(
-    listening: Listening, dispatcher: Dispatcher, auth_token: str | None, stopping: trio.Event
+    listening: Listening, dispatcher: Dispatcher, auth_token: str | None, stopping: trio.Event,
+    host_names: Iterable[str], session_seconds: float,
 ) -> None:
-    """Serve until `stopping` is set."""
+    """Serve until `stopping` is set; `host_names` and `session_seconds`
+    are app.build's."""
     # Starlette is an ASGI application; its type names ASGI's messages
     # differently from Hypercorn's.
-    application: Any = app.build(dispatcher, auth_token, listening.config.ssl_enabled)
+    application: Any = app.build(
+        dispatcher, auth_token, listening.config.ssl_enabled, host_names, session_seconds
+    )
     log.info("HTTP on %s", f"{listening.config.bind[0].rsplit(':', 1)[0]}:{listening.port}")
     await worker_serve(
         wrap_app(application, listening.config.wsgi_max_body_size, "asgi"),
