@@ -53,7 +53,8 @@ def server(tmp_path: Path) -> Iterator[ThreadServer]:
 
 def wait_for(port: int, pattern: str) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    sock.sendall(f"GetJob\r\nname: {pattern}\r\nConnection: wait\r\ntimeout: 60000\r\n\r\n".encode())
+    request = f"GetJob\r\nname: {pattern}\r\nConnection: wait\r\ntimeout: 60000\r\n\r\n"
+    sock.sendall(request.encode())
     return sock
 
 
