@@ -24,7 +24,7 @@ from typing import Any
 
 import trio
 
-from jobserver.core import deadlines, retention, selection
+from jobserver.core import backup, deadlines, retention, selection
 from jobserver.core.clock import SystemClock
 from jobserver.core.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER, Settings
 from jobserver.core.dispatch import Access, Dispatcher, is_loopback
@@ -98,6 +98,8 @@ class Config:
     stale_after: float = DEFAULT_STALE_AFTER
     # The HTTP side's port (--http-port), on the same host; None: no HTTP.
     http_port: int | None = None
+    # Where Backup writes (--backup-dir); None: DB.backups beside the database.
+    backup_dir: str | None = None
 
 
 class HttpListenError(OSError):
@@ -258,7 +260,7 @@ class Server:
         )
         access = Access(
             config.auth_token, config.allow_remote_query, config.query_seconds,
-            config.max_reply_bytes,
+            config.max_reply_bytes, backup.directory(config.db, config.backup_dir),
         )
         self.dispatcher = Dispatcher(store, self.writer, self.waits, self, access)
 
