@@ -21,10 +21,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from harness import ServerProcess
 from helpers import create, ok
-from jobserver.core.backup import MALFORMED_NAME
+from jobserver.core.backup import MALFORMED_NAME, NAME_RULE
 from wire import Client
 
 TIMEOUT = 10.0
@@ -139,11 +141,11 @@ def test_a_missing_or_odd_backup_directory_stops_the_start(
     start_server: Start, tmp_path: Path
 ) -> None:
     (tmp_path / "a-file").write_text("")
-    for given, why in [(tmp_path / "missing", "does not exist"),
+    for named, why in [(tmp_path / "missing", "does not exist"),
                        (tmp_path / "a-file", "is not a directory")]:
-        refused = start_server(tmp_path / "jobs.db", "--backup-dir", str(given))
+        refused = start_server(tmp_path / "jobs.db", "--backup-dir", str(named))
         assert refused.wait(TIMEOUT) == 2
-        assert f"cannot use --backup-dir: {given} {why}" in refused.log, refused.log
+        assert f"cannot use --backup-dir: {named} {why}" in refused.log, refused.log
 
 
 @pytest.mark.parametrize("suffix", LIVE_SUFFIXES)
@@ -264,3 +266,29 @@ def test_a_flood_of_refused_backups_leaves_the_server_serving(
     assert server.proc.poll() is None
     assert "Traceback" not in server.log
     assert os.path.exists(tmp_path / "jobs.db") and not os.path.exists(tmp_path / "x")
+
+
+def test_a_default_directory_planted_by_another_user_is_refused(
+    start_server: Start, tmp_path: Path
+) -> None:
+    """--db in a directory others may write (such as /tmp): someone there
+    may make DB.backups first, as theirs, or as a link."""
+    planted = tmp_path / "jobs.db.backups"
+    planted.mkdir(mode=0o700)
+    os.chown(planted, 65534, 65534)
+    server = start_server(tmp_path / "jobs.db")
+    with server.client() as client:
+        status = client.request("Backup", name="copy.db").status
+        assert status == f"500 Backup directory unusable: {planted} belongs to another user"
+        still_serves(client)
+    assert listing(planted) == []
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.text(max_size=200) | st.from_regex(NAME_RULE, fullmatch=True))
+def test_every_name_the_rule_takes_is_a_plain_new_file_name(name: str) -> None:
+    if not NAME_RULE.fullmatch(name):
+        return
+    assert os.path.basename(name) == name and name not in (".", "..")
+    assert not name.startswith((".", "-")) and "\0" not in name and "/" not in name
+    assert 1 <= len(name.encode()) <= 128

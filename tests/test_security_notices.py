@@ -357,3 +357,25 @@ async def test_a_failing_handler_ends_neither_the_listener_nor_its_caller(queue_
                 await trio.to_thread.run_sync(notify, queue_url, channel, [notice])
                 await heard[name].wait()
         nursery.cancel_scope.cancel()
+
+
+def test_a_flood_of_notices_that_ask_for_rechecks_is_coalesced(
+    two_nodes: list[ServerProcess], queue_url: str, outsider_url: str
+) -> None:
+    """`ready: null` and a `due` long past each ask a node to look at
+    everything: ten times a second at most, whatever arrives."""
+    logged = log_lines(two_nodes)
+    with two_nodes[0].client(timeout=DEADLINE) as waiter:
+        waiter.send(encode("GetJob", {"name": "never", "Connection": "wait", "timeout": 15_000}))
+        latencies = flooded(
+            two_nodes, outsider_url,
+            "SELECT pg_notify(%s, CASE WHEN i %% 2 = 0 "
+            "THEN json_build_object('node', 'n' || i, 'ready', NULL)::text "
+            "ELSE json_build_object('ready', json_build_array('n' || i), "
+            "'due', '1970-01-01 00:00:00')::text END) "
+            "FROM generate_series(1, 50000) AS i",
+            channel_of(queue_url),
+        )
+    print(f"Ping during 50,000 recheck notices: max {max(latencies) * 1000:.1f} ms")
+    assert max(latencies) < 0.5, sorted(latencies)[-10:]
+    assert_still_serving(two_nodes, logged)

@@ -40,7 +40,7 @@ log = logging.getLogger("jobserver")
 # letter or digit (no hidden file, nothing an option parser takes for an
 # option, no `..`), at most MAX_NAME characters. No `/`: a name, never a path.
 MAX_NAME = 128
-_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_NAME - 1}}}")
+NAME_RULE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_NAME - 1}}}")
 MALFORMED_NAME = (
     f"402 Malformed name: a backup's name is 1 to {MAX_NAME} letters, digits, "
     "'.', '_' and '-', starting with a letter or digit"
@@ -70,7 +70,7 @@ def run(
                 "in its backup directory (--backup-dir)"
             )
         return Response("402 Missing name")
-    if not _NAME.fullmatch(name):
+    if not NAME_RULE.fullmatch(name):
         return Response(MALFORMED_NAME)
     started = time.monotonic()
     try:
