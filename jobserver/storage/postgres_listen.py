@@ -331,7 +331,7 @@ class _Listener:
         if due is not None and due <= times.to_millis(times.utcnow()):
             # A time already past would fire the clock at once, a recheck
             # by another name: it waits its turn like one.
-            gathered.anything, due = True, None
+            self.recheck_owed, due = True, None
         if gathered.anything:
             self.recheck_owed = True
         elif gathered.names or due is not None:
