@@ -14,9 +14,12 @@ import trio
 
 from jobserver import web
 from jobserver.cli.options import LOG_LEVELS, duration, log_level, number
+from jobserver.core import backup
 from jobserver.core.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER
 from jobserver.core.times import duration_text
 from jobserver.server.app import Config, HttpListenError, Server
+from jobserver.storage import sqlite_backup
+from jobserver.storage.interface import BackupDirectoryUnusable
 from jobserver.storage.sqlite import SYNCHRONOUS_MODES
 from jobserver.storage.sqlite_schema import StoreError
 from jobserver.wire.limits import (
@@ -125,6 +128,15 @@ def _add_storage_options(serve: argparse.ArgumentParser) -> None:
             "its reply. NORMAL is faster, but a power loss or OS crash (not a "
             "server crash) can lose the last acknowledged writes (default: FULL). "
             "PostgreSQL follows its own synchronous_commit instead"
+        ),
+    )
+    serve.add_argument(
+        "--backup-dir",
+        metavar="DIR",
+        help=(
+            "where Backup writes the files it is asked for, by name: an existing "
+            "directory, not a symbolic link, that only the server's user may write "
+            "(default: DB.backups beside a SQLite database, made at the first Backup)"
         ),
     )
     serve.add_argument(
@@ -306,6 +318,16 @@ def _read_token(path: str) -> str:
     return token
 
 
+def _unusable_backup_dir(path: str) -> str | None:
+    """Why the operator's backup directory would refuse every Backup, or
+    None: said at start rather than at the first Backup."""
+    try:
+        os.close(sqlite_backup.open_directory(backup.directory("", path)))
+    except BackupDirectoryUnusable as error:
+        return str(error)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the server until it is stopped; the exit status."""
     logging.basicConfig(
@@ -325,6 +347,11 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as error:
         log.error("cannot use --auth-token-file: %s", error)
         return 2
+    if args.backup_dir is not None:
+        problem = _unusable_backup_dir(args.backup_dir)
+        if problem:
+            log.error("cannot use --backup-dir: %s", problem)
+            return 2
     if args.http_port is not None and not web.available():
         log.error("%s", web.MISSING)
         return 2
@@ -350,6 +377,7 @@ def run(args: argparse.Namespace) -> int:
         keep_failed=args.keep_failed,
         reply_grace=args.reply_grace,
         stale_after=args.stale_after,
+        backup_dir=args.backup_dir,
     )
     try:
         trio.run(Server(config).run)

@@ -433,12 +433,13 @@ def queues(limit: int | None) -> Call[dict[str, Any]]:
     return Call("Queues", {"limit": limit}, _body)
 
 
-def backup(path: str) -> Call[dict[str, Any]]:
+def backup(name: str) -> Call[dict[str, Any]]:
     """Have the server copy its SQLite database, as it is at one moment,
-    into a new file at `path` (absolute, on the server's machine) while it
-    keeps serving; returns `{"bytes", "jobs", "path", "seconds"}` of the
-    copy, checked with quick_check (protocol.md 14.18). The reply is
-    awaited for up to an hour more than the timeout. An existing file is
-    never overwritten (InvalidRequest); on PostgreSQL the server refuses
-    with ServerError (501): use pg_dump."""
-    return Call("Backup", {"path": path}, _body, held=BACKUP_WAIT)
+    into a new file `name` in its backup directory (--backup-dir; a name,
+    not a path) while it keeps serving; returns `{"bytes", "jobs", "name",
+    "path", "seconds"}` of the copy, checked with quick_check (protocol.md
+    14.18), `path` being where the server wrote it. The reply is awaited
+    for up to an hour more than the timeout. An existing file is never
+    overwritten (InvalidRequest); on PostgreSQL the server refuses with
+    ServerError (501): use pg_dump."""
+    return Call("Backup", {"name": name}, _body, held=BACKUP_WAIT)

@@ -208,8 +208,8 @@ class Client(Endpoint):
         return self._call(calls.status())
 
     @documented_by(calls.backup)
-    def backup(self, path: str) -> dict[str, Any]:
-        return self._call(calls.backup(path))
+    def backup(self, name: str) -> dict[str, Any]:
+        return self._call(calls.backup(name))
 
     def _call(self, call: Call[T]) -> T:
         return call.outcome(self._exchange(call))

@@ -210,8 +210,8 @@ class AsyncClient(Endpoint, trio.abc.AsyncResource):
         return await self._call(calls.status())
 
     @documented_by(calls.backup)
-    async def backup(self, path: str) -> dict[str, Any]:
-        return await self._call(calls.backup(path))
+    async def backup(self, name: str) -> dict[str, Any]:
+        return await self._call(calls.backup(name))
 
     async def _call(self, call: Call[T]) -> T:
         return call.outcome(await self._exchange(call))

@@ -44,7 +44,7 @@ from jobserver.core.selection import JobQuery, Taken
 from jobserver.core.views import ok
 from jobserver.core.waiters import Selector, WaitQueue
 from jobserver.core.writer import Writer
-from jobserver.storage.interface import Storage
+from jobserver.storage.interface import BackupDirectory, Storage
 from jobserver.wire.framing import Request, Response
 from jobserver.wire.limits import DEFAULT_MAX_REPLY_BYTES
 
@@ -113,6 +113,8 @@ class Access:
     query_seconds: float = query.DEFAULT_SECONDS
     # The largest reply Query may build (--max-reply-bytes).
     max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+    # Where Backup writes (--backup-dir); None: nowhere (no file database).
+    backup_dir: BackupDirectory | None = None
 
 
 class Dispatcher:
@@ -256,16 +258,22 @@ class Dispatcher:
         return Answer(response)
 
     async def backup(self, request: Request, peer: str) -> Answer:
-        # It writes a file where the client says, as the server's user: only
-        # for a client on this machine, or one that holds the token.
+        # It writes a file, named by the client, as the server's user: only
+        # for a client on this machine, or one that holds the token. (Over
+        # HTTP, only with the token: web/app.py.)
         if self.access.auth_token is None and not is_loopback(peer):
             return Answer(Response("401 Unauthorized"))
+        place = self.access.backup_dir
+        if place is None:
+            return Answer(Response("501 Backup is off: the server has no backup directory"))
         if self._backing_up.locked():
             return Answer(Response("409 Backup already running"))
         async with self._backing_up:
             # Not abandoned on cancel: a shutdown stops the copy through
             # `_cancelled`, and the thread removes what it had written.
-            response = await trio.to_thread.run_sync(backup.run, self.store, request, _cancelled)
+            response = await trio.to_thread.run_sync(
+                backup.run, self.store, place, request, _cancelled
+            )
         # Its own connection may have copied commits not yet on disk.
         await self.writer.settled()
         return Answer(response)

@@ -24,7 +24,7 @@ from typing import Any
 
 import trio
 
-from jobserver.core import deadlines, retention, selection
+from jobserver.core import backup, deadlines, retention, selection
 from jobserver.core.clock import SystemClock
 from jobserver.core.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER, Settings
 from jobserver.core.dispatch import Access, Dispatcher, is_loopback
@@ -106,6 +106,8 @@ class Config:
     # a working day, so one sign-in covers a shift and a forgotten browser
     # stops acting by the next morning.
     session_seconds: float = 12 * 3600.0
+    # Where Backup writes (--backup-dir); None: DB.backups beside the database.
+    backup_dir: str | None = None
 
 
 class HttpListenError(OSError):
@@ -273,7 +275,7 @@ class Server:
         )
         access = Access(
             config.auth_token, config.allow_remote_query, config.query_seconds,
-            config.max_reply_bytes,
+            config.max_reply_bytes, backup.directory(config.db, config.backup_dir),
         )
         self.dispatcher = Dispatcher(store, self.writer, self.waits, self, access)
 

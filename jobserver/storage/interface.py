@@ -54,6 +54,31 @@ class BackupUnsupported(Exception):
     instead."""
 
 
+@dataclass(frozen=True)
+class BackupDirectory:
+    """Where Backup writes its files (--backup-dir): an absolute path;
+    `create`: made, mode 0700, when missing (the default beside the
+    database is; a directory the operator names must exist)."""
+
+    path: str
+    create: bool = False
+
+
+class BackupNameTaken(Exception):
+    """The name is a file already (or its -journal or -wal is), or one of
+    the live database's: nothing was written. The text says which."""
+
+
+class BackupNameIsLive(BackupNameTaken):
+    """In the database's own directory, the name begins with the database's
+    file name: its journal, log, shared memory or lock, now or later."""
+
+
+class BackupDirectoryUnusable(Exception):
+    """The backup directory cannot be written safely (missing, a symbolic
+    link, writable by others, ...): the operator's to fix. The text says why."""
+
+
 # heard(names made due, earliest future time) from another node's commit;
 # names None: anything may have changed.
 Heard = Callable[["set[str] | None", "str | None"], None]
@@ -247,12 +272,15 @@ class Storage(Protocol):
     def size_bytes(self) -> int:
         """What the database takes on disk, for Status."""
 
-    def backup(self, path: str, stopped: Callable[[], bool]) -> BackupCopy:
-        """Copy the database as it is at one moment into a new file at the
-        absolute `path`, on a connection of its own (from another thread)
-        while the writer goes on; check the copy and count its jobs.
-        `stopped` is asked now and then: once it says True the copy is
-        abandoned (BackupFailed). Raises OSError when the file cannot be
-        created (FileExistsError: an existing file is never overwritten),
-        BackupFailed when the copy fails or fails its check (the partial
-        file removed), BackupUnsupported on a backend that has other means."""
+    def backup(
+        self, directory: BackupDirectory, name: str, stopped: Callable[[], bool]
+    ) -> BackupCopy:
+        """Copy the database as it is at one moment into a new file `name`
+        (a plain file name, checked by the caller) in `directory`, on a
+        connection of its own (from another thread) while the writer goes
+        on; check the copy and count its jobs. `stopped` is asked now and
+        then: once it says True the copy is abandoned (BackupFailed).
+        Raises BackupNameTaken (nothing is ever overwritten),
+        BackupDirectoryUnusable, BackupFailed when the copy fails or fails
+        its check (the partial file removed), BackupUnsupported on a
+        backend that has other means (checked first)."""

@@ -45,6 +45,7 @@ from jobserver.core.jobs import Job, NewJob
 from jobserver.storage import postgres_listen, postgres_schema
 from jobserver.storage.interface import (
     BackupCopy,
+    BackupDirectory,
     BackupUnsupported,
     BadQuery,
     QueryResult,
@@ -674,7 +675,9 @@ class PostgresStore:
         )
         return int(row[0])
 
-    def backup(self, path: str, stopped: Callable[[], bool]) -> BackupCopy:
+    def backup(
+        self, directory: BackupDirectory, name: str, stopped: Callable[[], bool]
+    ) -> BackupCopy:
         # pg_dump copies the queue consistently while the nodes serve, from
         # any machine; a node would only do it worse.
         raise BackupUnsupported(

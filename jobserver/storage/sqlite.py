@@ -19,6 +19,7 @@ from jobserver.core.jobs import PLAIN, Job, NewJob
 from jobserver.storage import sqlite_backup, sqlite_readers, sqlite_schema
 from jobserver.storage.interface import (
     BackupCopy,
+    BackupDirectory,
     BackupUnsupported,
     Heard,
     QueryResult,
@@ -608,10 +609,12 @@ class Store:
                 total += os.path.getsize(self.path + suffix)
         return total
 
-    def backup(self, path: str, stopped: Callable[[], bool]) -> BackupCopy:
+    def backup(
+        self, directory: BackupDirectory, name: str, stopped: Callable[[], bool]
+    ) -> BackupCopy:
         if self.path == ":memory:":
             raise BackupUnsupported("The database is in memory: there is no file to back up")
-        return sqlite_backup.backup(self.path, path, stopped)
+        return sqlite_backup.backup(self.path, directory, name, stopped)
 
 
 def _datasync(fd: int) -> None:

@@ -104,6 +104,11 @@ def build(
         if body is None:
             return _error(413, f"the body is larger than {MAX_BODY} bytes")
         verb = _command_named(request.path_params["command"])
+        if verb == "Backup" and auth_token is None:
+            # A browser on this machine can send what the server then
+            # writes: a file is written only for a holder of the token.
+            return _error(403, "Backup over HTTP needs the token: start the server "
+                          "with --auth-token-file, or use the wire port from this machine")
         document, problem = _json_object(body)
         if any(name.lower() == "connection" for name in document):
             problem = "Connection: wait is not offered over HTTP: use the wire protocol"

@@ -183,8 +183,9 @@ COMMANDS: dict[str, tuple[str, str, list[Param]]] = {
         Param("data", OBJECT, "the reply", required=True),
     ]),
     "Backup": ("Copy the SQLite database into a new file while serving", "14.18", [
-        Param("path", {"type": "string", "minLength": 1, "maxLength": 4096},
-              "an absolute path on the server's machine; never overwritten", required=True),
+        Param("name", {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"},
+              "the new file's name in the server's backup directory (--backup-dir); "
+              "never overwritten; needs the token", required=True),
     ]),
     "Queues": ("Each queue's jobs by state and oldest ready age", "14.17", [
         Param("limit", {"type": "integer", "minimum": 1, "maximum": 1000},
