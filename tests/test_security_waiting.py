@@ -16,6 +16,7 @@ import resource
 import socket
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,50 @@ def test_hostile_waiting_patterns_do_not_hold_the_event_loop(server: ThreadServe
         worker.close()
         for sock in waiters:
             sock.close()
+
+
+SCANNING_WAITERS = 100
+BACKLOG = 3000
+WRITE_BOUND = 5.0
+
+
+def test_trying_every_hostile_waiter_over_a_backlog_does_not_hold_the_event_loop(
+    server: ThreadServer,
+) -> None:
+    """When the clock fires, every waiter is tried; each try of a GLOB scans
+    the due jobs. Before, 500 such waiters over 10,000 due jobs that none
+    of them matched held the event loop for 68 seconds: the tries now run
+    off the event loop, a few patterns per transaction, with other
+    requests between them."""
+    with server.client() as creator:
+        for start in range(0, BACKLOG, 1000):
+            jobs = [{"name": "a" * 240 + f"c{i:05d}"} for i in range(start, start + 1000)]
+            ok(creator.request("CreateJobs", jobs=json.dumps(jobs)))
+    waiters = [wait_for(server.port, hostile_pattern(i)) for i in range(SCANNING_WAITERS)]
+    try:
+        with server.client() as neighbour, server.client() as writer:
+            deadline = time.monotonic() + 60
+            while ok(neighbour.request("Status")).json["waitingGetJobs"] < SCANNING_WAITERS:
+                assert time.monotonic() < deadline, "the waiters did not all arrive"
+            # A job due in a second: the clock fires then, and tries everyone.
+            ok(writer.request("CreateJob", name="later", firstRun=_in_a_second()))
+            neighbour.sock.settimeout(PING_BOUND * 5)
+            writer.sock.settimeout(WRITE_BOUND * 2)
+            worst_ping = worst_write = 0.0
+            watch_until = time.monotonic() + WATCH_SECONDS + 1
+            while time.monotonic() < watch_until:
+                began = time.monotonic()
+                ok(neighbour.request("Ping"))
+                worst_ping = max(worst_ping, time.monotonic() - began)
+                began = time.monotonic()
+                ok(writer.request("CreateJob", name="probe"))
+                worst_write = max(worst_write, time.monotonic() - began)
+            assert worst_ping < PING_BOUND, f"a neighbour's Ping waited {worst_ping:.3f}s"
+            assert worst_write < WRITE_BOUND, f"a neighbour's CreateJob waited {worst_write:.3f}s"
+    finally:
+        for sock in waiters:
+            sock.close()
+
+
+def _in_a_second() -> str:
+    return (datetime.now(UTC) + timedelta(seconds=1)).strftime("%Y-%m-%d %H:%M:%S")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -40,6 +41,17 @@ RETRY_SECONDS = 1.0
 # every connection meanwhile: one match of a hostile pattern costs ~10 µs.
 MATCH_AT_ONCE = 4096
 MATCH_SLICE = 512
+# Trying many waiters (the clock fired, another node may have changed
+# anything) goes to the writer in groups, each sent once the one before it
+# is served, so other requests run between them. A group holds every
+# waiter of at most this many GLOB patterns, each of whose tries may scan
+# every due job, or of this many selectors in all (exact names are looked
+# up in an index). Waiters of one selector stay together: the writer tries
+# a selector that found nothing only once per group.
+SCANS_AT_ONCE = 4
+SELECTORS_AT_ONCE = 64
+# What makes a pattern a GLOB rather than one exact name.
+_GLOB_SPECIALS = frozenset("*?[")
 
 
 @dataclass(frozen=True)
@@ -53,6 +65,12 @@ class Selector:
         if self.pattern is not None:
             return glob_match(self.pattern, name)
         return name in self.names
+
+    @property
+    def scans(self) -> bool:
+        """Whether trying it searches the due jobs one by one (a GLOB), where
+        exact names are looked up in an index."""
+        return self.pattern is not None and not _GLOB_SPECIALS.isdisjoint(self.pattern)
 
 
 class _State(Enum):
@@ -108,6 +126,10 @@ class WaitQueue:
         # Names made due whose waiters run_matcher has still to find.
         self._unmatched: set[str] = set()
         self._match_later = trio.Event()
+        # Groups of waiters beyond the first TRY_AT_ONCE of one _try, sent
+        # to the writer one at a time.
+        self._try_later: deque[list[Waiter]] = deque()
+        self._trying_later = False
         # Give-backs whose transaction failed: tried again when the clock
         # next fires, so no job is left RUNNING without an owner.
         self._owed: list[Any] = []
@@ -207,6 +229,11 @@ class WaitQueue:
     def close(self) -> None:
         """Answer every waiter now (with no jobs) and accept no more."""
         self._closed = True
+        # Those whose try was not yet sent are answered now too.
+        for later in self._try_later:
+            for waiter in later:
+                waiter.state = _State.IDLE
+        self._try_later.clear()
         for group in list(self._by_selector.values()):
             for waiter in list(group):
                 if waiter.state is _State.IDLE:
@@ -290,13 +317,33 @@ class WaitQueue:
             else:
                 waiter.state = _State.TRYING
                 batch.append(waiter)
-        if batch:
-            queries = [w.query for w in batch]
-            self._writer.submit(
-                Work(lambda ctx: self._serve(ctx, queries), lambda o: self._served(batch, o))
-            )
+        if not batch:
+            return
+        first, *rest = _groups(batch)
+        self._submit(first)
+        self._try_later.extend(rest)
+        if not self._trying_later:
+            self._submit_later()
 
-    def _served(self, batch: list[Waiter], result: outcome.Maybe[Any]) -> None:
+    def _submit(self, batch: list[Waiter], later: bool = False) -> None:
+        queries = [w.query for w in batch]
+        self._writer.submit(
+            Work(
+                lambda ctx: self._serve(ctx, queries),
+                lambda o: self._served(batch, o, later),
+                # A GLOB's search of a long queue runs off the event loop.
+                heavy=any(w.selector.scans for w in batch),
+            )
+        )
+
+    def _submit_later(self) -> None:
+        self._trying_later = bool(self._try_later)
+        if self._try_later:
+            self._submit(self._try_later.popleft(), later=True)
+
+    def _served(self, batch: list[Waiter], result: outcome.Maybe[Any], later: bool) -> None:
+        if later:
+            self._submit_later()
         if isinstance(result, outcome.Error):
             log.error("serving waiting GetJobs failed: %s", result.error)
             handed: list[Any] = [None] * len(batch)
@@ -327,4 +374,22 @@ class WaitQueue:
                 again.append(waiter)
         if again:
             self._try(list(dict.fromkeys(again)))
+
+
+def _groups(batch: list[Waiter]) -> list[list[Waiter]]:
+    """Waiters to try, oldest first, cut into the groups the writer tries
+    one at a time (SCANS_AT_ONCE, SELECTORS_AT_ONCE)."""
+    by_selector: dict[Selector, list[Waiter]] = {}
+    for waiter in batch:
+        by_selector.setdefault(waiter.selector, []).append(waiter)
+    groups: list[list[Waiter]] = [[]]
+    scans = selectors = 0
+    for selector, waiters in by_selector.items():
+        if scans == SCANS_AT_ONCE or selectors == SELECTORS_AT_ONCE:
+            groups.append([])
+            scans = selectors = 0
+        groups[-1] += waiters
+        scans += selector.scans
+        selectors += 1
+    return groups
 
