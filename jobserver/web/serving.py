@@ -230,6 +230,25 @@ class _HTTP11Server(TCPServer):
             await self._close()
 
 
+    async def _close(self) -> None:
+        # Hypercorn half-closes here without its send lock: a response that
+        # the application's task starts writing meanwhile fails with
+        # trio.BusyResourceError. The lock is taken if it is free; if a write
+        # holds it, the stream is closed at once, which ends that write.
+        if self.send_lock.statistics().owner is trio.lowlevel.current_task():
+            await super()._close()  # the writer itself, finding the client gone
+            return
+        try:
+            self.send_lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self.stream.aclose()
+            return
+        try:
+            await super()._close()
+        finally:
+            self.send_lock.release()
+
+
 class _HTTP11Protocol(H11Protocol):
     """h11 for every request; a request that asks for another protocol is
     refused instead of switched to."""
@@ -239,11 +258,11 @@ class _HTTP11Protocol(H11Protocol):
 
     async def _create_stream(self, request: h11.Request) -> None:
         if _asks_to_switch(request):
-            await self._refuse(400, REFUSED_SWITCH)
+            await self._refuse(request, 400, REFUSED_SWITCH)
             return
         await super()._create_stream(request)
 
-    async def _refuse(self, status: int, message: str) -> None:
+    async def _refuse(self, request: h11.Request, status: int, message: str) -> None:
         body = json.dumps({"error": message}).encode()
         headers = [
             (b"content-type", b"application/json"),
@@ -252,7 +271,8 @@ class _HTTP11Protocol(H11Protocol):
             *self.config.response_headers("h11"),
         ]
         await self._send_h11_event(h11.Response(status_code=status, headers=headers))
-        await self._send_h11_event(h11.Data(data=body))
+        if request.method != b"HEAD":  # a response to HEAD has no body
+            await self._send_h11_event(h11.Data(data=body))
         await self._send_h11_event(h11.EndOfMessage())
         await self.send(Closed())
 
