@@ -62,6 +62,8 @@ def _job_list(request: Request) -> list[dict[str, Any]]:
     text = params.present(request, "jobs")
     try:
         elements = jsonbody.parse(text) if text is not None else None
+    except jsonbody.TooDeep as error:
+        raise CommandError(f"401 Invalid JSON: {error}") from None
     except ValueError:
         elements = None
     if not isinstance(elements, list) or not elements:
