@@ -17,7 +17,10 @@ SIGKILL. After every case:
 One server process per transport serves all the cases, so a fault that
 broke it would also fail every case after it. Then the requests that once
 stopped the server (a WebSocket upgrade, h2c, HTTP/2's preface) are
-refused with a 400 and the connection alone is closed.
+refused with a 400 and the connection alone is closed; and, with that
+refusal switched off in a server process of its own, the crash in
+Hypercorn's WebSocket path that once stopped the server ends only its
+connection, logged at most LOG_BURST times a minute.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ServerProcess
+from harness import LISTENING, START_TIMEOUT, LoggedProcess, ServerProcess
 from helpers import create, locked, until
 from tcpstate import queues
 from tls_certs import make_certificates
@@ -55,16 +58,12 @@ LARGE_DATA = 20_000
 class HttpServer:
     """A server process with both ports, and clients of each."""
 
-    def __init__(self, proc: ServerProcess, ca: str | None) -> None:
+    def __init__(self, proc: LoggedProcess, ca: str | None, db: Path) -> None:
         self.proc = proc
         self.ca = ca
-        assert proc.port is not None
-        self.port = proc.port
-        found = proc.matching(HTTP_LISTENING, 1, DEADLINE)
-        assert found, proc.log
-        match = HTTP_LISTENING.search(found[0])
-        assert match is not None
-        self.http_port = int(match.group(1))
+        self.db = db
+        self.port = _listening_port(proc, LISTENING)
+        self.http_port = _listening_port(proc, HTTP_LISTENING)
 
     def client(self) -> Client:
         return Client(self.port, DEADLINE, tls_ca=self.ca)
@@ -78,6 +77,13 @@ class HttpServer:
 
     def alive(self) -> bool:
         return self.proc.proc.poll() is None
+
+
+def _listening_port(proc: LoggedProcess, pattern: re.Pattern[str]) -> int:
+    found = proc.matching(pattern, 1, START_TIMEOUT)
+    match = pattern.search(found[0]) if found else None
+    assert match is not None, proc.log
+    return int(match.group(1))
 
 
 def http_request(sock: socket.socket, raw: bytes) -> tuple[int, bytes]:
@@ -142,7 +148,7 @@ def http_server(request, tmp_path_factory) -> Iterator[HttpServer]:
         ca = str(files.ca)
     proc = ServerProcess(folder / "jobs.db", *extra)
     try:
-        yield HttpServer(proc, ca)
+        yield HttpServer(proc, ca, folder / "jobs.db")
     finally:
         proc.kill()
 
@@ -227,7 +233,7 @@ def test_a_fault_on_the_http_port_ends_only_its_own_connection(http_server, stag
     with server.client() as wire_neighbour:
         assert wire_neighbour.request("Ping").status == "200 OK"
         neighbour = Neighbour(server)
-        hold = locked(server.proc.db) if stage == "before-reply" else None
+        hold = locked(server.db) if stage == "before-reply" else None
         if hold is not None:
             hold.__enter__()
         try:
@@ -324,3 +330,54 @@ def test_tls_offers_http_1_1_alone(http_server) -> None:
     with context.wrap_socket(raw, server_hostname="localhost") as sock:
         assert sock.selected_alpn_protocol() == "http/1.1"
         assert http_request(sock, get("/healthz"))[0] == 200
+
+
+# A server whose refusal of protocol switches is switched off, so that
+# Hypercorn's own WebSocket path runs: with `garbage after the upgrade`, it
+# raises h11.LocalProtocolError (the crash that stopped the whole server).
+UNGUARDED = (
+    "import sys\n"
+    "from jobserver.web import serving\n"
+    "serving._asks_to_switch = lambda request: False\n"
+    "from jobserver.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def test_a_crash_inside_hypercorn_ends_only_its_connection(tmp_path: Path) -> None:
+    from jobserver.web.serving import LOG_BURST
+
+    proc = LoggedProcess([
+        sys.executable, "-c", UNGUARDED, "serve", "--port", "0", "--http-port", "0",
+        "--db", str(tmp_path / "jobs.db"),
+    ])
+    try:
+        server = HttpServer(proc, None, tmp_path / "jobs.db")
+        neighbour = Neighbour(server)
+        crashes = LOG_BURST + 5
+        with server.client() as wire_neighbour:
+            for _ in range(crashes):
+                with server.connect_http() as sock:
+                    sock.sendall(SWITCHES["websocket"])
+                    sock.settimeout(DEADLINE)
+                    # The server ends the connection (whatever it said first).
+                    while True:
+                        try:
+                            if not sock.recv(65536):
+                                break
+                        except ConnectionResetError:
+                            break
+            assert proc.proc.poll() is None, proc.log
+            assert neighbour.finish()[0] == 200
+            assert wire_neighbour.request("Ping").status == "200 OK"
+            with server.connect_http() as fresh:
+                assert http_request(fresh, get("/healthz"))[0] == 200
+        # Each crash was seen (the connection's failure, and Hypercorn's
+        # own line for the application): at most LOG_BURST lines a minute.
+        until(lambda: len(proc.matching(" ERROR ", LOG_BURST, 0)) == LOG_BURST, DEADLINE,
+              "the failures to be logged")
+        failed = [line for line in proc.log.splitlines() if " ERROR " in line]
+        assert len(failed) == LOG_BURST, failed
+        assert any("HTTP connection from 127.0.0.1:" in line for line in failed), failed
+    finally:
+        proc.kill()

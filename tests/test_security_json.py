@@ -6,11 +6,12 @@ parser recursion; deeper is a clear 4xx, answered fast even at 100,000
 levels. A lone surrogate (`\\ud800`, from a JSON escape) in anything that
 becomes a name, a pattern, a key or a parameter is refused (402 on the
 wire, 400 over HTTP); inside job data it is kept, escaped. Never a 500,
-on a real server through both ports.
+on a real server through both ports, on SQLite and PostgreSQL.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import urllib.error
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pg
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -36,13 +38,18 @@ FAST = 1.0
 SURROGATE = "\ud800"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadServer]:
-    db: Path = tmp_path_factory.mktemp("json") / "jobs.db"
-    running = ThreadServer(db, http_port=0)
-    until(lambda: running.server.http_port, TIMEOUT, "the HTTP side to listen")
-    yield running
-    running.stop()
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ThreadServer]:
+    with contextlib.ExitStack() as stack:
+        db: Path | str = tmp_path_factory.mktemp("json") / "jobs.db"
+        if request.param == "postgres":
+            db = stack.enter_context(pg.fresh_schema())
+        running = ThreadServer(db, http_port=0)
+        until(lambda: running.server.http_port, TIMEOUT, "the HTTP side to listen")
+        yield running
+        running.stop()
 
 
 @pytest.fixture
