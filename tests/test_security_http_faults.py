@@ -33,12 +33,14 @@ import ssl
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from harness import LISTENING, START_TIMEOUT, LoggedProcess, ServerProcess
+from harness import LISTENING, START_TIMEOUT, LoggedProcess, ServerProcess, ThreadServer
 from helpers import create, locked, until
+from jobserver.web import serving
 from tcpstate import queues
 from tls_certs import make_certificates
 from wire import Client
@@ -55,15 +57,22 @@ LARGE_JOBS = 6
 LARGE_DATA = 20_000
 
 
+@dataclass
 class HttpServer:
-    """A server process with both ports, and clients of each."""
+    """A server with both ports (a process of its own, but for the tests of
+    time bounds), and clients of each."""
 
-    def __init__(self, proc: LoggedProcess, ca: str | None, db: Path) -> None:
-        self.proc = proc
-        self.ca = ca
-        self.db = db
-        self.port = _listening_port(proc, LISTENING)
-        self.http_port = _listening_port(proc, HTTP_LISTENING)
+    proc: LoggedProcess | None
+    ca: str | None
+    db: Path
+    port: int
+    http_port: int
+
+    @classmethod
+    def of(cls, proc: LoggedProcess, ca: str | None, db: Path) -> HttpServer:
+        return cls(
+            proc, ca, db, _listening_port(proc, LISTENING), _listening_port(proc, HTTP_LISTENING)
+        )
 
     def client(self) -> Client:
         return Client(self.port, DEADLINE, tls_ca=self.ca)
@@ -76,6 +85,7 @@ class HttpServer:
         return context.wrap_socket(raw, server_hostname="localhost")
 
     def alive(self) -> bool:
+        assert self.proc is not None
         return self.proc.proc.poll() is None
 
 
@@ -148,7 +158,7 @@ def http_server(request, tmp_path_factory) -> Iterator[HttpServer]:
         ca = str(files.ca)
     proc = ServerProcess(folder / "jobs.db", *extra)
     try:
-        yield HttpServer(proc, ca, folder / "jobs.db")
+        yield HttpServer.of(proc, ca, folder / "jobs.db")
     finally:
         proc.kill()
 
@@ -345,16 +355,14 @@ UNGUARDED = (
 
 
 def test_a_crash_inside_hypercorn_ends_only_its_connection(tmp_path: Path) -> None:
-    from jobserver.web.serving import LOG_BURST
-
     proc = LoggedProcess([
         sys.executable, "-c", UNGUARDED, "serve", "--port", "0", "--http-port", "0",
         "--db", str(tmp_path / "jobs.db"),
     ])
     try:
-        server = HttpServer(proc, None, tmp_path / "jobs.db")
+        server = HttpServer.of(proc, None, tmp_path / "jobs.db")
         neighbour = Neighbour(server)
-        crashes = LOG_BURST + 5
+        crashes = serving.LOG_BURST + 5
         with server.client() as wire_neighbour:
             for _ in range(crashes):
                 with server.connect_http() as sock:
@@ -374,10 +382,82 @@ def test_a_crash_inside_hypercorn_ends_only_its_connection(tmp_path: Path) -> No
                 assert http_request(fresh, get("/healthz"))[0] == 200
         # Each crash was seen (the connection's failure, and Hypercorn's
         # own line for the application): at most LOG_BURST lines a minute.
-        until(lambda: len(proc.matching(" ERROR ", LOG_BURST, 0)) == LOG_BURST, DEADLINE,
+        burst = serving.LOG_BURST
+        until(lambda: len(proc.matching(" ERROR ", burst, 0)) == burst, DEADLINE,
               "the failures to be logged")
         failed = [line for line in proc.log.splitlines() if " ERROR " in line]
-        assert len(failed) == LOG_BURST, failed
+        assert len(failed) == burst, failed
         assert any("HTTP connection from 127.0.0.1:" in line for line in failed), failed
     finally:
         proc.kill()
+
+
+# Time bounds, on a server in this process with short ones -------------------
+
+
+@pytest.fixture
+def quick_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[HttpServer]:
+    monkeypatch.setattr(serving, "BODY_SECONDS", 1.0)
+    monkeypatch.setattr(serving, "SEND_PIECE_SECONDS", 1.0)
+    running = ThreadServer(tmp_path / "jobs.db", http_port=0)
+    try:
+        until(lambda: running.server.http_port, DEADLINE, "the HTTP side to listen")
+        yield HttpServer(None, None, tmp_path / "jobs.db", running.port, running.server.http_port)
+    finally:
+        running.stop()
+
+
+def closed_by_server(sock: socket.socket, bound: float) -> bool:
+    """Whether the server closes `sock` within `bound` seconds (reading and
+    dropping whatever it sends first)."""
+    sock.settimeout(bound)
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_a_body_that_trickles_past_the_bound_loses_its_connection(quick_server) -> None:
+    server = quick_server
+    with server.connect_http() as slow:
+        slow.sendall(
+            b"POST /api/CreateJob HTTP/1.1\r\nHost: localhost\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"name\""
+        )
+        assert closed_by_server(slow, DEADLINE)
+    # A body that arrives within the bound, in pieces, is served.
+    with server.connect_http() as prompt:
+        body = b'{"name": "prompt"}'
+        prompt.sendall(
+            b"POST /api/CreateJob HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
+            b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:5]
+        )
+        prompt.sendall(body[5:])
+        assert read_response(prompt)[0] == 200
+    with server.client() as wire:
+        assert wire.request("Ping").status == "200 OK"
+
+
+def test_a_client_that_stops_reading_a_response_loses_its_connection(quick_server) -> None:
+    server = quick_server
+    with server.client() as admin:
+        for _ in range(8):
+            create(admin, "big", data={"x": "b" * 200_000})
+    raw = socket.socket()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    raw.connect(("127.0.0.1", server.http_port))
+    with raw:
+        body = json.dumps({"query": "SELECT data FROM jobs;", "format": "json"}).encode()
+        raw.sendall(
+            b"POST /api/Query HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
+            b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
+        local = raw.getsockname()[1]
+        # The server gives up on the stalled response and closes its end.
+        until(lambda: queues(server.http_port, local) is None, DEADLINE, "the server's close")
+    with server.connect_http() as fresh:
+        assert http_request(fresh, get("/healthz"))[0] == 200

@@ -37,11 +37,11 @@ import h11
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
-from hypercorn.events import Closed
+from hypercorn.events import Closed, Event, RawData
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import TCPServer
-from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.trio.worker_context import TrioSingleTask, WorkerContext
 from hypercorn.typing import AppWrapper, ConnectionState
 from hypercorn.utils import parse_socket_addr, wrap_app
 from starlette.requests import ClientDisconnect
@@ -64,6 +64,17 @@ LOG_BURST = 10
 LOG_WINDOW = 60.0
 # A TLS client gets this long to finish its handshake.
 TLS_HANDSHAKE_SECONDS = 10.0
+# A response is written in pieces of this size, each of which the client
+# must take within SEND_PIECE_SECONDS (as the wire port's replies, with the
+# default --request-timeout): a slow link that keeps reading is served, a
+# client that stops reading is cut off.
+SEND_PIECE = 256 * 1024
+SEND_PIECE_SECONDS = 30.0
+# A request's body must arrive whole within this of its head (the head
+# itself within Hypercorn's keep-alive timeout, 5 seconds, of the
+# connection or of the previous response), as the wire port's default
+# --request-timeout.
+BODY_SECONDS = 30.0
 
 REFUSED_SWITCH = (
     "this server speaks HTTP/1.1 only: no protocol upgrade (WebSocket, h2c), "
@@ -229,6 +240,27 @@ class _HTTP11Server(TCPServer):
         finally:
             await self._close()
 
+    async def protocol_send(self, event: Event) -> None:
+        """Hypercorn's, with a bound in time: each SEND_PIECE of a response
+        must be taken by the client within SEND_PIECE_SECONDS, or the
+        connection is closed. A client that stops reading would otherwise
+        hold its response, and the application's task, for ever (Hypercorn
+        writes shielded from cancellation, shutdown's included)."""
+        if not isinstance(event, RawData):
+            await super().protocol_send(event)
+            return
+        async with self.send_lock:
+            try:
+                with trio.CancelScope(shield=True):
+                    data = memoryview(event.data)
+                    for start in range(0, len(data), SEND_PIECE):
+                        with trio.fail_after(SEND_PIECE_SECONDS):
+                            await self.stream.send_all(data[start : start + SEND_PIECE])
+            except trio.TooSlowError:
+                await self.stream.aclose()  # ends the connection's reading too
+                await self.protocol.handle(Closed())
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await self.protocol.handle(Closed())
 
     async def _close(self) -> None:
         # Hypercorn half-closes here without its send lock: a response that
@@ -251,7 +283,17 @@ class _HTTP11Server(TCPServer):
 
 class _HTTP11Protocol(H11Protocol):
     """h11 for every request; a request that asks for another protocol is
-    refused instead of switched to."""
+    refused instead of switched to, and a request's body must arrive whole
+    within BODY_SECONDS of its head."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.body_deadline = TrioSingleTask()
+
+    async def handle(self, event: Event) -> None:
+        if isinstance(event, Closed):
+            await self.body_deadline.stop()
+        await super().handle(event)
 
     async def _check_protocol(self, event: h11.Request) -> None:
         """Hypercorn's switch to HTTP/2 (h2c, the preface) never happens."""
@@ -261,6 +303,25 @@ class _HTTP11Protocol(H11Protocol):
             await self._refuse(request, 400, REFUSED_SWITCH)
             return
         await super()._create_stream(request)
+        await self.body_deadline.restart(
+            self.task_group, partial(self._end_a_slow_body, self.keep_alive_requests)
+        )
+
+    async def _end_a_slow_body(self, request_number: int) -> None:
+        """Close the connection if request `request_number`'s body is still
+        arriving after BODY_SECONDS: a client that trickles a body would
+        otherwise hold the connection, and up to a body's worth of memory,
+        for as long as it likes. No reply: the application may be answering."""
+        await trio.sleep(BODY_SECONDS)
+        if (
+            request_number == self.keep_alive_requests
+            and self.connection.their_state is h11.SEND_BODY
+        ):
+            log.info("HTTP request's body not received whole within %gs: connection closed",
+                     BODY_SECONDS)
+            # Shielded: closing stops this very task (handle, above).
+            with trio.CancelScope(shield=True):
+                await self.send(Closed())
 
     async def _refuse(self, request: h11.Request, status: int, message: str) -> None:
         body = json.dumps({"error": message}).encode()
