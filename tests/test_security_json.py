@@ -331,11 +331,16 @@ class Deep:
     depth: int
 
 
-def _values() -> st.SearchStrategy[Any]:
-    odd_text = st.text(
+def _odd_text() -> st.SearchStrategy[str]:
+    """Short text, lone surrogates (category Cs) and controls among it."""
+    return st.text(
         st.characters(codec=None, categories=["Cs", "Cc", "Lu", "Nd"]) | st.sampled_from("*,?[]"),
         max_size=8,
     )
+
+
+def _values() -> st.SearchStrategy[Any]:
+    odd_text = _odd_text()
     scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | odd_text
     deep = st.builds(Deep, st.sampled_from(
         [MAX_JSON_DEPTH - 2, MAX_JSON_DEPTH, MAX_JSON_DEPTH + 1, 1000, 5000]
@@ -381,3 +386,41 @@ def test_no_api_command_answers_a_server_error_to_surrogates_or_depth(
     command, body = call
     status, reply = post(server, f"/api/{command}", body)
     assert status < 500, (command, body[:500], status, reply)
+
+
+WIRE_JSON_PARAMS = [
+    ("CreateJobs", "jobs"), ("FinishJobs", "jobs"), ("CreateJob", "data"),
+    ("DeliverReply", "data"), ("UpdateJob", "data"),
+]
+
+
+@st.composite
+def wire_calls(draw: st.DrawFn) -> tuple[str, dict[str, str]]:
+    command, param = draw(st.sampled_from(WIRE_JSON_PARAMS))
+    value = draw(_values())
+    if draw(st.booleans()):
+        # A list of objects, as the batch commands want.
+        element = st.fixed_dictionaries(
+            {"name": _odd_text()},
+            optional={"data": _values(), "repeat": _odd_text(), "jobID": _odd_text(),
+                      "error": _odd_text()},
+        )
+        value = draw(st.lists(element, min_size=1, max_size=3))
+        # A key of an element's own, odd too.
+        value[0].update(draw(st.dictionaries(_odd_text(), _values(), max_size=1)))
+    headers = {param: _text(value), "name": "fuzz", "jobID": "1", "key": "fuzz"}
+    return command, headers
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(call=wire_calls())
+def test_no_wire_command_answers_a_server_error_to_surrogates_or_depth(
+    wire: Client, call: tuple[str, dict[str, str]]
+) -> None:
+    command, headers = call
+    reply = send_raw(wire, command, headers)
+    assert reply.code < 500, (command, headers, reply.status)
