@@ -136,8 +136,10 @@ async def serve(
     wrapped = wrap_app(application, config.wsgi_max_body_size, "asgi")
     context = WorkerContext(None)
     log.info("HTTP on %s", f"{config.bind[0].rsplit(':', 1)[0]}:{listening.port}")
-    handler = partial(_serve_connection, wrapped, config, context)
+    open_streams: set[Accepted] = set()
+    handler = partial(_serve_connection, wrapped, config, context, open_streams)
     async with trio.open_nursery() as connections:
+        connections.start_soon(_close_what_is_left_open, open_streams, stopping)
         async with trio.open_nursery() as accepting:
             accepting.start_soon(
                 partial(trio.serve_listeners, handler, _listeners(listening),
@@ -149,6 +151,22 @@ async def serve(
         # the middle of a request finishes it, within the grace period.
         await context.terminated.set()
         connections.cancel_scope.deadline = trio.current_time() + GRACE_SECONDS
+
+
+async def _close_what_is_left_open(open_streams: set[Accepted], stopping: trio.Event) -> None:
+    """Once the server stops, wait for the connections to end, and close the
+    sockets of those still open when the grace period ends or the server
+    cancels its tasks: a response being written is shielded from
+    cancellation, and would hold the shutdown for as long as its client
+    does not read."""
+    try:
+        await stopping.wait()
+        while open_streams:  # noqa: ASYNC110 - a shutdown's poll, GRACE_SECONDS at most
+            await trio.sleep(0.05)
+    finally:
+        for stream in open_streams:
+            transport = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+            transport.socket.close()
 
 
 def _hang_ups_are_not_errors(application: Any) -> Any:
@@ -188,11 +206,13 @@ async def _serve_connection(
     application: AppWrapper,
     config: HypercornConfig,
     context: WorkerContext,
+    open_streams: set[Accepted],
     stream: Accepted,
 ) -> None:
     """One connection from accept to close: nothing it raises (Hypercorn,
     h11, the application) leaves here but cancellation."""
     peer = _peer_name(stream)
+    open_streams.add(stream)
     try:
         # TCPServer's annotation names only the TLS stream; it takes both.
         server = _HTTP11Server(
@@ -202,6 +222,7 @@ async def _serve_connection(
     except* Exception as group:  # noqa: BLE001 - the boundary of one connection
         http_log.error("HTTP connection from %s failed", peer, exc_info=_first(group))
     finally:
+        open_streams.discard(stream)
         with trio.CancelScope(shield=True), trio.move_on_after(1.0):
             await stream.aclose()
 
