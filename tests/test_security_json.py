@@ -424,3 +424,18 @@ def test_no_wire_command_answers_a_server_error_to_surrogates_or_depth(
     command, headers = call
     reply = send_raw(wire, command, headers)
     assert reply.code < 500, (command, headers, reply.status)
+
+
+def test_stored_data_one_level_past_the_limit_is_still_served(wire: Client) -> None:
+    """A reply put in a job's data adds a level: data and reply, each at
+    the limit, make stored data one level deeper, which the server takes
+    on as its own (a hand-out under a lease reads it, FinishJob ends it)."""
+    deepest = nested(MAX_JSON_DEPTH)
+    ok(send_raw(wire, "CreateJob", {"name": "grow", "data": deepest, "retryAfter": "+1 HOUR"}))
+    job_id = ok(wire.request("GetJob", name="grow")).json["jobID"]
+    ok(wire.request("AwaitReply", jobID=job_id, key=f"grow-{job_id}"))
+    ok(send_raw(wire, "DeliverReply", {"key": f"grow-{job_id}", "data": deepest}))
+    again = ok(wire.request("GetJob", name="grow")).json
+    assert again["jobID"] == job_id
+    assert json.dumps(again["data"]["reply"], separators=(",", ":")) == deepest
+    ok(wire.request("FinishJob", jobID=job_id))

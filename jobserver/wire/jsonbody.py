@@ -89,17 +89,26 @@ def has_lone_surrogate(text: str) -> bool:
     return _LONE_SURROGATE.search(text) is not None
 
 
-def parse(text: str) -> Any:
+def parse(text: str, *, stored: bool = False) -> Any:
     """Strict JSON: no NaN or Infinity (written, or reached by overflowing
     a number like 1e400), which could never be written back as JSON, and
-    nested at most MAX_JSON_DEPTH deep (TooDeep, a ValueError)."""
-    check_depth(text)
-    return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    nested at most MAX_JSON_DEPTH deep (TooDeep, a ValueError).
+
+    `stored`: text the database holds (a job's data), parsed whatever its
+    depth: it was checked when it came in, but may since have grown a level
+    (a reply put in a job's data), or have come from elsewhere (SQL on
+    PostgreSQL, an older version). Too deep for the parser is a ValueError."""
+    if not stored:
+        check_depth(text)
+    try:
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError as error:
+        raise ValueError("JSON nested too deeply") from error
 
 
-def parse_object(text: str) -> dict[str, Any]:
+def parse_object(text: str, *, stored: bool = False) -> dict[str, Any]:
     """Parse a JSON object; raises ValueError for anything else."""
-    value = parse(text)
+    value = parse(text, stored=stored)
     if not isinstance(value, dict):
         # The text is malformed, not the argument's type: callers catch ValueError.
         raise ValueError("not a JSON object")
