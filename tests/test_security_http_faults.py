@@ -500,3 +500,31 @@ def test_a_client_that_stops_reading_does_not_hold_up_shutdown(tmp_path: Path) -
     # The grace period, not the time a stalled piece of a response is given.
     assert time.monotonic() - began < serving.GRACE_SECONDS + 5
     raw.close()
+
+
+def test_a_tls_handshake_that_does_not_finish_is_cut_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(serving, "TLS_HANDSHAKE_SECONDS", 1.0)
+    files = make_certificates(tmp_path)
+    running = ThreadServer(
+        tmp_path / "jobs.db", http_port=0, tls_cert=str(files.cert), tls_key=str(files.key)
+    )
+    try:
+        until(lambda: running.server.http_port, DEADLINE, "the HTTP side to listen")
+        port = running.server.http_port
+        with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as silent:
+            assert closed_by_server(silent, DEADLINE)
+        # Half a ClientHello, then nothing.
+        with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as partial:
+            partial.sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")
+            assert closed_by_server(partial, DEADLINE)
+        # Plain HTTP on the TLS port is closed too.
+        with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as plain:
+            plain.sendall(get("/healthz"))
+            assert closed_by_server(plain, DEADLINE)
+        server = HttpServer(None, str(files.ca), tmp_path / "jobs.db", running.port, port)
+        with server.connect_http() as good:
+            assert http_request(good, get("/healthz"))[0] == 200
+    finally:
+        running.stop()
