@@ -19,9 +19,15 @@ and CONNECT are answered `400` and the connection closed; over TLS, ALPN
 offers http/1.1 alone. Nothing here uses WebSocket or HTTP/2, and each is
 a protocol engine more on the attack surface.
 
-This reaches into Hypercorn below its public API (TCPServer, H11Protocol,
-TaskGroup, WorkerContext): pyproject.toml's web extra pins the versions it
-was written against.
+Time is bounded as on the wire port: the TLS handshake, the head (by
+Hypercorn's keep-alive timeout), the body, each piece of a response the
+client must take; at shutdown, connections still open after the grace
+period are closed under their writers.
+
+This reaches into Hypercorn below its public API (TCPServer's run,
+protocol_send and _close; H11Protocol's handle, _create_stream and
+_check_protocol; TaskGroup, TrioSingleTask, WorkerContext): pyproject.toml's
+web extra pins the versions it was written against.
 """
 
 from __future__ import annotations
