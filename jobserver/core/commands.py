@@ -62,6 +62,8 @@ def _job_list(request: Request) -> list[dict[str, Any]]:
     text = params.present(request, "jobs")
     try:
         elements = jsonbody.parse(text) if text is not None else None
+    except jsonbody.TooDeep as error:
+        raise CommandError(f"401 Invalid JSON: {error}") from None
     except ValueError:
         elements = None
     if not isinstance(elements, list) or not elements:
@@ -254,7 +256,7 @@ def _finish_or_retry(ctx: Context, request: Request, retry: bool) -> Response:
     asks_delete = False
     # Parsed only when it may hold what this step looks at or removes.
     if '"retryAfterCount"' in text or '"delete"' in text:
-        data = jsonbody.parse_object(text)
+        data = jsonbody.parse_object(text, stored=True)
         asks_delete = data.get("delete") is True
         data.pop("retryAfterCount", None)
         text = jsonbody.compact(data)

@@ -193,7 +193,7 @@ def hand_out(ctx: Context, job: Job) -> Lease | None:
     if not job.retryAfter:
         _move(ctx, job, "hand out", State.RUNNING, lastReport=ctx.now_ms, **changes)
         return Lease(lease, job.data, job.nextRun)
-    data = jsonbody.parse_object(job.data)
+    data = jsonbody.parse_object(job.data, stored=True)
     counted = not job.name.startswith(UNCOUNTED_PREFIX)
     # A policy's maxAttempts replaces Bedrock's counter in the data.
     count_leases = counted and not policy

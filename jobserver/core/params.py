@@ -109,15 +109,16 @@ def job_ids(request: Request, name: str = "jobIDs") -> list[int]:
     return ids
 
 
-# Unicode's control characters (category Cc): C0, DEL and C1.
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# Unicode's control characters (category Cc): C0, DEL and C1; and lone
+# surrogates (from a JSON escape), which have no UTF-8 form at all.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 def name(request: Request) -> str:
     """A job's name: 1 to 255 bytes of UTF-8 without control characters,
     which logs, terminals and worker file names cannot show or hold."""
     value = require(request, "name")
-    if len(value.encode("utf-8")) > MAX_NAME or _CONTROL.search(value):
+    if _CONTROL.search(value) or len(value.encode("utf-8")) > MAX_NAME:
         raise CommandError("402 Malformed name")
     return value
 
@@ -149,6 +150,8 @@ def data(request: Request, header: str = "data") -> str | None:
 def parse_data(text: str) -> str:
     try:
         value = jsonbody.parse_object(text)
+    except jsonbody.TooDeep as error:
+        raise CommandError(f"402 Malformed data: {error}") from None
     except ValueError:
         raise CommandError("402 Data is not a valid JSON Object") from None
     # Valid JSON with no white space at all is already compact: keep the
@@ -326,10 +329,17 @@ def from_json(element: Mapping[str, Any], verb: str) -> Request:
     of a request `verb` (CreateJob, FinishJob).
 
     Keys are case-insensitive, as header names are; objects stay JSON text;
-    `data: []` is how PHP writes an empty object, so it means `{}`.
+    `data: []` is how PHP writes an empty object, so it means `{}`. A key
+    or a string value with a lone surrogate is `402 Malformed KEY`: it
+    could be neither stored nor compared (inside objects, such as data,
+    compact() keeps it escaped).
     """
     headers: dict[str, str] = {}
     for key, value in element.items():
+        if jsonbody.has_lone_surrogate(key):
+            raise CommandError("402 Malformed parameter name: a lone surrogate")
+        if isinstance(value, str) and jsonbody.has_lone_surrogate(value):
+            raise CommandError(f"402 Malformed {key}")
         if key.lower() == "data" and value == []:
             value = {}
         if isinstance(value, str):
@@ -384,11 +394,12 @@ def capacity(request: Request) -> int:
 def pattern(request: Request) -> str:
     """The one GLOB pattern of SetLimit, PauseJobs and ResumeJobs."""
     value = require(request, "name")
-    if len(value.encode("utf-8")) > MAX_NAME or _CONTROL.search(value):
+    if _CONTROL.search(value) or len(value.encode("utf-8")) > MAX_NAME:
         raise CommandError("402 Malformed name")
     return value
 
 
 def has_control(text: str) -> bool:
-    """Whether text holds a control character, which no job name holds."""
+    """Whether text holds a control character or a lone surrogate, which no
+    job name holds."""
     return _CONTROL.search(text) is not None

@@ -23,6 +23,7 @@ from datetime import date, datetime
 from functools import lru_cache
 
 from jobserver.core import sqlite_functions
+from jobserver.wire import jsonbody
 
 BASES = ("SCHEDULED", "STARTED", "FINISHED")
 
@@ -302,8 +303,8 @@ def rules_in(request_text: str) -> list[str]:
     """Repeat rules a CreateJobs `jobs` value holds, found without parsing
     more than its JSON; [] when it is not what CreateJobs wants."""
     try:
-        elements = json.loads(request_text)
-    except ValueError:
+        elements = jsonbody.parse(request_text)
+    except ValueError:  # not JSON, or nested too deeply (jsonbody.TooDeep)
         return []
     if not isinstance(elements, list):
         return []

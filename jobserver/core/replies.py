@@ -96,7 +96,7 @@ def expire(ctx: Context) -> None:
 
 def _with_reply(data_text: str, reply: str) -> str:
     """The job's data with the reply in it."""
-    data = jsonbody.parse_object(data_text)
+    data = jsonbody.parse_object(data_text, stored=True)
     data[REPLY_FIELD] = jsonbody.parse(reply)
     return jsonbody.compact(data)
 
@@ -107,7 +107,7 @@ def _run_done(text: str) -> str:
     earlier wait, so that a run after a timeout never sees a stale one."""
     if '"retryAfterCount"' not in text and f'"{REPLY_FIELD}"' not in text:
         return text
-    data = jsonbody.parse_object(text)
+    data = jsonbody.parse_object(text, stored=True)
     data.pop("retryAfterCount", None)
     data.pop(REPLY_FIELD, None)
     return jsonbody.compact(data)

@@ -104,7 +104,7 @@ def next_run_from_repeat(ctx: Context, job: Job, rule_text: str) -> str:
     rule = repeat.parse_repeat(rule_text)
     scheduled = job.nextRun
     if rule.base == "SCHEDULED" and job.retryAfter:
-        original = jsonbody.parse_object(job.data).get("originalNextRun")
+        original = jsonbody.parse_object(job.data, stored=True).get("originalNextRun")
         if isinstance(original, str):
             scheduled = original
     if rule.base == "SCHEDULED":

@@ -52,7 +52,10 @@ from jobserver.web import access, openapi
 from jobserver.web.dashboard import Dashboard
 from jobserver.web.incoming import peer, read_body
 from jobserver.web.metrics import CONTENT_TYPE, Metrics
+from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request
+
+LONE_SURROGATE = "a lone surrogate (\\ud800 to \\udfff), which is not text"
 
 # The largest body POST /queue reads: a payload as large as a job's data
 # may be, and room for the envelope.
@@ -174,13 +177,29 @@ def _command_named(given: str) -> str:
 
 
 def _json_object(body: bytes) -> tuple[dict[str, Any], str]:
-    try:
-        document = json.loads(body or b"{}")
-    except (ValueError, UnicodeDecodeError):
-        return {}, "the body is not JSON"
+    document, problem = _parse_body(body or b"{}")
+    if problem:
+        return {}, problem
     if not isinstance(document, dict):
         return {}, "the body must be a JSON object of the command's parameters"
+    for key, value in document.items():
+        # Never echoed: the error message must itself be UTF-8.
+        if jsonbody.has_lone_surrogate(key):
+            return {}, f"a parameter's name holds {LONE_SURROGATE}"
+        if isinstance(value, str) and jsonbody.has_lone_surrogate(value):
+            return {}, f"{key}: holds {LONE_SURROGATE}"
     return document, ""
+
+
+def _parse_body(body: bytes) -> tuple[Any, str]:
+    """(the body's JSON value, "") or (None, what is wrong): UTF-8, strict
+    JSON, nested at most jsonbody's limit (checked before parsing)."""
+    try:
+        return jsonbody.parse(body.decode("utf-8")), ""
+    except jsonbody.TooDeep as error:
+        return None, f"the body is {error}"
+    except (ValueError, UnicodeDecodeError):
+        return None, "the body is not JSON"
 
 
 def _invalid(validator: Draft202012Validator, document: dict[str, Any]) -> str:
@@ -203,7 +222,7 @@ def _headers(document: dict[str, Any]) -> dict[str, str]:
         if isinstance(value, bool):
             text = "true" if value else "false"
         elif isinstance(value, dict | list):
-            text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+            text = jsonbody.compact(value)  # a lone surrogate inside stays escaped
         else:
             text = str(value)
         headers[name.lower()] = text
@@ -221,19 +240,20 @@ def _wire_reply(answer: Answer) -> Response:
 
 def _jobber_job(body: bytes) -> tuple[str, str, str]:
     """(name, data as JSON text, "") or ("", "", what is wrong)."""
-    try:
-        document = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return "", "", "the body is not JSON"
+    document, problem = _parse_body(body)
+    if problem:
+        return "", "", problem
     if not isinstance(document, dict):
         return "", "", 'the body must be a JSON object: {"type": ..., "payload": {...}}'
     name = document.get("type")
     payload = document.get("payload", {})
     if not isinstance(name, str) or not name:
         return "", "", '"type" must be a non-empty string: the job\'s name'
+    if jsonbody.has_lone_surrogate(name):
+        return "", "", f'"type" holds {LONE_SURROGATE}'
     if not isinstance(payload, dict):
         return "", "", '"payload" must be a JSON object'
-    return name, json.dumps(payload, separators=(",", ":"), ensure_ascii=False), ""
+    return name, jsonbody.compact(payload), ""
 
 
 def _error(status: int, message: str) -> JSONResponse:

@@ -44,6 +44,7 @@ from jobserver.core.jobs import State
 from jobserver.web import access
 from jobserver.web.incoming import peer, read_body
 from jobserver.web.reads import Reads
+from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request as WireRequest
 from jobserver.wire.framing import Response as WireResponse
 
@@ -485,9 +486,13 @@ def _local(path: str) -> str:
 
 def _pretty(data: str) -> str:
     try:
-        return json.dumps(json.loads(data), indent=2, ensure_ascii=False)
+        value = jsonbody.parse(data)
     except ValueError:  # stored by hand through SQL: shown as it is
         return data
+    text = json.dumps(value, indent=2, ensure_ascii=False)
+    # A lone surrogate (stored as a `\ud800` escape) has no UTF-8 form: the
+    # page shows it escaped, as it is stored.
+    return json.dumps(value, indent=2) if jsonbody.has_lone_surrogate(text) else text
 
 
 def age_text(seconds: float | None) -> str:

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from json.encoder import encode_basestring as _quote
 from typing import Any
+
+from jobserver.wire.limits import MAX_JSON_DEPTH
 
 
 class Raw(str):
@@ -50,18 +53,62 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def parse(text: str) -> Any:
+class TooDeep(ValueError):
+    """JSON text nested deeper than MAX_JSON_DEPTH."""
+
+    def __init__(self) -> None:
+        super().__init__(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+
+
+# A JSON string, escapes included (the loop unrolled: linear, no backtracking).
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_depth(text: str) -> None:
+    """Raise TooDeep if `text` nests arrays and objects deeper than
+    MAX_JSON_DEPTH, counting brackets outside strings: done before parsing,
+    so that no parser recursion ever sees deep input."""
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
+        return  # too few brackets to be that deep: the common case, at C speed
+    level = 0
+    for bracket in _NOT_BRACKET.sub("", _STRING.sub("", text)):
+        if bracket in "[{":
+            level += 1
+            if level > MAX_JSON_DEPTH:
+                raise TooDeep()
+        else:
+            level -= 1
+
+
+def has_lone_surrogate(text: str) -> bool:
+    """Whether `text` holds a surrogate code point (from a JSON escape such
+    as `\\ud800` that is not half of a pair): it has no UTF-8 form, so it
+    can be neither stored nor sent as a name, a key or a header."""
+    return _LONE_SURROGATE.search(text) is not None
+
+
+def parse(text: str, *, stored: bool = False) -> Any:
     """Strict JSON: no NaN or Infinity (written, or reached by overflowing
-    a number like 1e400), which could never be written back as JSON."""
+    a number like 1e400), which could never be written back as JSON, and
+    nested at most MAX_JSON_DEPTH deep (TooDeep, a ValueError).
+
+    `stored`: text the database holds (a job's data), parsed whatever its
+    depth: it was checked when it came in, but may since have grown a level
+    (a reply put in a job's data), or have come from elsewhere (SQL on
+    PostgreSQL, an older version). Too deep for the parser is a ValueError."""
+    if not stored:
+        check_depth(text)
     try:
         return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except RecursionError as error:
         raise ValueError("JSON nested too deeply") from error
 
 
-def parse_object(text: str) -> dict[str, Any]:
+def parse_object(text: str, *, stored: bool = False) -> dict[str, Any]:
     """Parse a JSON object; raises ValueError for anything else."""
-    value = parse(text)
+    value = parse(text, stored=stored)
     if not isinstance(value, dict):
         # The text is malformed, not the argument's type: callers catch ValueError.
         raise ValueError("not a JSON object")

@@ -25,6 +25,12 @@ MAX_HEADERS = 100
 # 1 MiB lets a client send one without letting it fill memory.
 MAX_BODY = 1024 * 1024
 
+# Any JSON text a request carries (a `data` value, a `jobs` list, an HTTP
+# body) nests at most this many arrays and objects: far deeper than any job
+# data Bedrock's own tests hold (two), and far below the depth at which
+# Python's parser and encoder would exhaust the stack (about 1,000).
+MAX_JSON_DEPTH = 100
+
 # Bedrock's priorities, highest first: the order in which jobs are handed out.
 PRIORITIES = (1000, 850, 750, 500, 250, 0)
 DEFAULT_PRIORITY = 500
