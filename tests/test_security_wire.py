@@ -21,6 +21,7 @@ import pytest
 
 from harness import ThreadServer
 from helpers import ok
+from jobserver.server.connection import CONNECTION_LINES_PER_MINUTE
 from jobserver.wire.framing import NOT_HTTP
 from wire import Client
 
@@ -162,3 +163,19 @@ def test_a_web_page_in_a_browser_cannot_act_on_the_wire_port(
     with server.client() as client:
         assert jobs_named(client, "smuggled") == 0
         assert ok(client.request("Ping")).status == "200 OK"
+
+
+# The log, against a client that ends connections in ways the server logs.
+
+
+def test_connections_ended_badly_cannot_flood_the_log(start_server: Any) -> None:
+    server = start_server()
+    hello = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 64
+    for _ in range(CONNECTION_LINES_PER_MINUTE + 50):
+        with server.client() as client:
+            client.send(hello)
+            client.sock.recv(1024)
+    with server.client() as client:
+        ok(client.request("Ping"))
+    lines = [line for line in server.log.splitlines() if "TLS handshake" in line]
+    assert 1 <= len(lines) <= CONNECTION_LINES_PER_MINUTE, len(lines)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import trio
 
 from jobserver.core.dispatch import Answer, Undo, WaitForJobs
+from jobserver.logs import RateLimit
 from jobserver.server import peer
 from jobserver.wire.framing import (
     TLS_NOT_SPOKEN,
@@ -42,6 +43,11 @@ if TYPE_CHECKING:
     from jobserver.server.app import Server
 
 log = logging.getLogger("jobserver")
+# How each connection ended, when that is worth a line: a client can open
+# and end connections as fast as it likes, so at most this many a minute.
+connection_log = logging.getLogger("jobserver.connections")
+CONNECTION_LINES_PER_MINUTE = 100
+connection_log.addFilter(RateLimit(CONNECTION_LINES_PER_MINUTE, 60.0))
 
 T = TypeVar("T")
 
@@ -164,15 +170,17 @@ class Connection:
                 "s" if len(taken) > 1 else "", ", ".join(str(job_id) for job_id in taken)
             )
         if unexpected:
-            log.error("connection from %s failed%s", self.name, left, exc_info=unexpected[0])
+            connection_log.error(
+                "connection from %s failed%s", self.name, left, exc_info=unexpected[0]
+            )
         elif taken:
-            log.info("connection from %s ended (%s)%s", self.name, cause, left)
+            connection_log.info("connection from %s ended (%s)%s", self.name, cause, left)
         elif errors and (
             isinstance(errors[0], (NotTLS, TLSOnPlainPort)) or _is_tls_failure(errors[0])
         ):
-            log.info("connection from %s: %s; closed", self.name, cause)
+            connection_log.info("connection from %s: %s; closed", self.name, cause)
         elif errors:
-            log.debug("connection from %s ended: %s", self.name, cause)
+            connection_log.debug("connection from %s ended: %s", self.name, cause)
 
     async def close(self) -> None:
         # aclose closes the socket even when its TLS goodbye is cut short.

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -54,6 +53,7 @@ from hypercorn.utils import parse_socket_addr, wrap_app
 from starlette.requests import ClientDisconnect
 
 from jobserver.core.dispatch import Dispatcher
+from jobserver.logs import RateLimit
 from jobserver.web import app
 
 log = logging.getLogger("jobserver")
@@ -374,30 +374,6 @@ def _asks_to_switch(request: h11.Request) -> bool:
     return any(name == b"upgrade" for name, _ in request.headers)
 
 
-class RateLimit(logging.Filter):
-    """Lets at most LOG_BURST records through per LOG_WINDOW seconds; the
-    next one let through says how many were dropped before it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.window_start = -LOG_WINDOW
-        self.passed = 0
-        self.dropped = 0
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        now = time.monotonic()
-        if now - self.window_start >= LOG_WINDOW:
-            self.window_start, self.passed = now, 0
-        if self.passed >= LOG_BURST:
-            self.dropped += 1
-            return False
-        self.passed += 1
-        if self.dropped:
-            record.msg = f"{record.msg} ({self.dropped} such lines dropped before this one)"
-            self.dropped = 0
-        return True
-
-
 def _first(group: BaseExceptionGroup[Exception]) -> BaseException:
     error: BaseException = group
     while isinstance(error, BaseExceptionGroup):
@@ -415,4 +391,4 @@ def _peer_name(stream: Accepted) -> str:
 
 
 # One filter for the process: the limit is the server's, not a request's.
-http_log.addFilter(RateLimit())
+http_log.addFilter(RateLimit(LOG_BURST, LOG_WINDOW))
