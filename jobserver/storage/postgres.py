@@ -47,7 +47,7 @@ from jobserver.storage.interface import (
     BackupCopy,
     BackupUnsupported,
     BadQuery,
-    QueryResult,
+    QueryRows,
     QueryTimeout,
     QueueStats,
 )
@@ -604,7 +604,7 @@ class PostgresStore:
             ).fetchone()
             return row is not None
 
-    def run_query(self, sql: str, seconds: float, max_rows: int) -> QueryResult:
+    def run_query(self, sql: str, seconds: float, rows: QueryRows) -> None:
         """The client's SQL in a READ ONLY transaction, as the reader role,
         with a statement timeout; one statement only (psycopg sends it as
         one prepared statement, which PostgreSQL refuses to split)."""
@@ -622,17 +622,15 @@ class PostgresStore:
                 db.execute(f"SET LOCAL ROLE {postgres_schema.READER_ROLE}".encode())
             try:
                 cursor = db.execute(sql.encode())
-                rows = cursor.fetchmany(max_rows + 1) if cursor.description else []
+                rows.start([
+                    _SPELLING.get(column.name, column.name) for column in cursor.description or ()
+                ])
+                for row in cursor if cursor.description else ():
+                    rows.add(tuple(_plain(value) for value in row))
             except psycopg.errors.QueryCanceled as error:
                 raise QueryTimeout() from error
             except psycopg.Error as error:
                 raise BadQuery(str(error).strip()) from error
-            if len(rows) > max_rows:
-                raise OverflowError(max_rows)
-            headers = [
-                _SPELLING.get(column.name, column.name) for column in cursor.description or ()
-            ]
-            return headers, [tuple(_plain(value) for value in row) for row in rows]
         finally:
             db.close()
 
