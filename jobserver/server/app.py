@@ -98,6 +98,9 @@ class Config:
     stale_after: float = DEFAULT_STALE_AFTER
     # The HTTP side's port (--http-port), on the same host; None: no HTTP.
     http_port: int | None = None
+    # On PostgreSQL, the role Query logs in as (--query-db-url); None: the
+    # queue's own, which the server creates if its database user may.
+    query_db_url: str | None = None
 
 
 class HttpListenError(OSError):
@@ -168,7 +171,7 @@ class Server:
             http = self._listen_http()
             # Opening PostgreSQL waits on the network: not on the event loop.
             self.store = await trio.to_thread.run_sync(
-                open_store, config.db, config.synchronous, config.limits
+                open_store, config.db, config.synchronous, config.limits, config.query_db_url
             )
         except BaseException:
             for listener in listeners:
