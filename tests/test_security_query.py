@@ -16,7 +16,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -27,8 +27,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import ServerProcess, ThreadServer
-from helpers import create, ok
+from helpers import create, ok, until
 from jobserver.storage import postgres_query, postgres_schema
+from jobserver.storage.postgres import QUERY_APPLICATION
 from jobserver.storage.sqlite_readers import QUERY_FUNCTIONS
 from wire import encode
 
@@ -316,6 +317,72 @@ def test_pg_query_is_stopped_at_its_time_whatever_it_sets(pg_node: ThreadServer)
             assert client.request("Query", query=sql).status == "555 Timeout"
             assert time.monotonic() - started < QUERY_SECONDS + 2.5
         assert client.request("Ping").status == "200 OK"
+
+
+def test_a_pg_query_holds_a_nodes_lock_no_longer_than_its_time(
+    pg_node: ThreadServer, pg_url: str
+) -> None:
+    """What remains open: the advisory lock functions are every role's, so
+    a Query can take a concurrency limit's lock; the node's cancel ends it
+    at --query-timeout, and hand-outs under the limit go on."""
+    schema = _schema_of(pg_url)
+    key = f"hashtext('{schema}:limit:x/*')"
+    sql = (
+        f"SELECT pg_advisory_xact_lock({postgres_schema.LOCK_NAMESPACE}, {key}), "
+        "pg_sleep(15);"
+    )
+    with pg_node.client() as client:
+        ok(client.request("SetLimit", name="x/*", max=1))
+        create(client, "x/1")
+    holder = pg_node.client(timeout=30)
+    holder.send(encode("Query", {"query": sql}))
+    until(lambda: _query_holds_an_advisory_lock(pg_url), 10, "the Query to hold the lock")
+    with pg_node.client(timeout=30) as worker:
+        started = time.monotonic()
+        assert ok(worker.request("GetJob", name="x/*")).json["name"] == "x/1"
+        assert time.monotonic() - started < QUERY_SECONDS + 2.5
+    assert holder.read_reply().status == "555 Timeout"
+    holder.close()
+
+
+def _query_holds_an_advisory_lock(url: str) -> bool:
+    with psycopg.connect(url) as db:
+        return db.execute(
+            "SELECT 1 FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+            "WHERE l.locktype = 'advisory' AND l.granted AND a.application_name = %s",
+            (QUERY_APPLICATION,),
+        ).fetchone() is not None
+
+
+def test_a_schema_of_version_1_is_brought_up_to_date(pg_url: str) -> None:
+    ThreadServer(pg_url).stop()
+    # What a node of version 1 left: no login table, no row bound, and the
+    # cluster's shared role jobserver_reader allowed to read the tables.
+    schema = _schema_of(pg_url)
+    with (
+        psycopg.connect(pg.database_url(), autocommit=True) as db,
+        suppress(psycopg.errors.DuplicateObject),
+    ):
+        db.execute(b"CREATE ROLE jobserver_reader NOLOGIN")
+    pg.execute(pg_url, "DROP TABLE jobserver_query_login")
+    pg.execute(pg_url, "DROP FUNCTION jobserver_query_row_fits")
+    pg.execute(pg_url, "UPDATE jobserver_schema SET version = 1")
+    pg.execute(pg_url, f"GRANT USAGE ON SCHEMA {schema} TO jobserver_reader")
+    pg.execute(pg_url, "GRANT SELECT ON jobs, limits, paused, replies TO jobserver_reader")
+    node = ThreadServer(pg_url)
+    try:
+        with node.client() as client:
+            create(client, "kept")
+            assert ok(client.request("Query", query="SELECT name FROM jobs;")).body == (
+                b"name\nkept\n"
+            )
+    finally:
+        node.stop()
+    with psycopg.connect(pg_url) as db:
+        assert db.execute("SELECT version FROM jobserver_schema").fetchone() == (2,)
+        assert db.execute(
+            "SELECT has_table_privilege('jobserver_reader', %s, 'SELECT')", (f"{schema}.jobs",)
+        ).fetchone() == (False,)
 
 
 def test_pg_query_reads_no_other_queue(pg_node: ThreadServer, pg_url: str) -> None:

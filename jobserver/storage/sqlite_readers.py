@@ -31,8 +31,8 @@ _QUERY_ALLOWED = frozenset(
 # window functions, its date and time, JSON and math functions, as a
 # reader of the job tables needs them. Anything else is refused, whatever
 # SQLite was built with: fts3_tokenizer (which reads and sets a function
-# pointer), load_extension, sqlite_* introspection, the FTS and R*Tree
-# helpers, and whatever a later SQLite adds. Names missing from this
+# pointer), load_extension, sqlite_compileoption_*, sqlite_log, the FTS
+# and R*Tree helpers, and whatever a later SQLite adds. Names missing from this
 # SQLite are simply not found.
 QUERY_FUNCTIONS = frozenset(
     (
@@ -43,6 +43,8 @@ QUERY_FUNCTIONS = frozenset(
         "replace", "round", "rtrim", "sign", "soundex", "substr", "substring", "trim",
         "typeof", "unhex", "unicode", "unistr", "unistr_quote", "unlikely", "upper",
         "zeroblob", "->", "->>",
+        # What the connection and SQLite are (harmless, and read by some clients).
+        "changes", "last_insert_rowid", "total_changes", "sqlite_version", "sqlite_source_id",
         # Aggregates.
         "avg", "count", "group_concat", "string_agg", "sum", "total",
         # Window functions.
