@@ -275,6 +275,7 @@ ATTACKS = {
     "write in a CTE": "WITH d AS (DELETE FROM jobs RETURNING *) SELECT * FROM d;",
     "read the login": "SELECT password FROM jobserver_query_login;",
     "escape the row bound": "SELECT 1) AS a, (SELECT repeat('x', 100000000) AS v;",
+    "cut the bound off": "SELECT repeat('x', 100000000) --\\u0000;",
     "escape it by a union": (
         "SELECT 1) AS jobserver_query UNION ALL SELECT repeat('x', 100000000) FROM (SELECT 1;"
     ),

@@ -270,6 +270,9 @@ def run(login: QueryLogin, schema: str, text: str, seconds: float, rows: QueryRo
 def _run(
     db: psycopg.Connection[Any], schema: str, text: str, seconds: float, rows: QueryRows
 ) -> None:
+    if "\x00" in text:
+        # libpq would end the text there, and the wrapper with it.
+        raise BadQuery("the query contains a null character")
     statement = text.rstrip()
     while statement.endswith(";"):
         statement = statement[:-1].rstrip()
