@@ -507,22 +507,45 @@ def test_nodes_share_one_role_and_its_password_stays_out_of_logs(
 # operator names a role with --query-db-url, which is checked at start.
 
 
-@pytest.fixture
-def plain_user() -> Iterator[tuple[str, str]]:
-    """A database user that may log in and owns a schema, nothing more:
-    (its URL, with that schema, and its name)."""
+@contextmanager
+def database_user(attributes: str = "") -> Iterator[tuple[str, str]]:
+    """A database user that may log in and owns a schema, and has the role
+    `attributes`: (its URL, with that schema, and its name)."""
     base = pg.database_url()
     user = f"jobserver_test_plain_{secrets.token_hex(4)}"
     schema = f"t_{secrets.token_hex(6)}"
     with psycopg.connect(base, autocommit=True) as db:
-        db.execute(f"CREATE ROLE {user} LOGIN".encode())
+        db.execute(f"CREATE ROLE {user} LOGIN {attributes}".encode())
         db.execute(f"CREATE SCHEMA {schema} AUTHORIZATION {user}".encode())
     try:
         yield pg.with_schema(_as_user(base, user), schema), user
     finally:
         with psycopg.connect(base, autocommit=True) as db:
             db.execute(f"DROP SCHEMA {schema} CASCADE".encode())
+            query_role = postgres_query.role_name(pg.DATABASE, schema)
+            db.execute(f"DROP ROLE IF EXISTS {query_role}".encode())
             db.execute(f"DROP ROLE {user}".encode())
+
+
+@pytest.fixture
+def plain_user() -> Iterator[tuple[str, str]]:
+    with database_user() as made:
+        yield made
+
+
+def test_a_node_whose_user_may_create_roles_sets_querys_role_up() -> None:
+    # CREATEROLE without superuser: a typical first install's database user.
+    with database_user("CREATEROLE") as (url, _):
+        node = ThreadServer(url)
+        try:
+            with node.client() as client:
+                reply = ok(client.request("Query", query="SELECT current_user AS who;"))
+                role = postgres_query.role_name(pg.DATABASE, _schema_of(url))
+                assert reply.body == f"who\n{role}\n".encode()
+                reply = client.request("Query", query=ATTACKS["take the node's role back"])
+                assert reply.status == "402 Bad query"
+        finally:
+            node.stop()
 
 
 def _as_user(url: str, user: str, password: str | None = None) -> str:
