@@ -608,6 +608,35 @@ def test_a_node_that_may_not_create_roles_answers_501_until_given_one(
             node.stop()
 
 
+def test_a_query_role_that_cannot_log_in_is_501_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Set up, but kept out by the operator (here: CONNECT revoked from
+    PUBLIC on the database): Query says so, the node serves on."""
+    name = f"jobserver_test_closed_{secrets.token_hex(4)}"
+    with psycopg.connect(pg.database_url(), autocommit=True) as db:
+        db.execute(f"CREATE DATABASE {name}".encode())
+        db.execute(f"REVOKE CONNECT ON DATABASE {name} FROM PUBLIC".encode())
+    url = urlunsplit(urlsplit(pg.database_url())._replace(path=f"/{name}"))
+    role = postgres_query.role_name(name, "public")
+    try:
+        node = ThreadServer(url)
+        try:
+            with node.client() as client:
+                create(client, "kept")
+                reply = client.request("Query", query="SELECT 1;")
+                assert reply.status == "501 " + postgres_query.UNUSABLE.format(role=role)
+                assert client.request("GetJob", name="kept").status == "200 OK"
+            assert f"Query is off (501): its role {role} cannot log in" in caplog.text
+            assert "permission denied for database" in caplog.text
+        finally:
+            node.stop()
+    finally:
+        with psycopg.connect(pg.database_url(), autocommit=True) as db:
+            db.execute(f"DROP DATABASE {name}".encode())
+            db.execute(f"DROP ROLE IF EXISTS {role}".encode())
+
+
 @pytest.mark.parametrize(
     ("grants", "says"),
     [
