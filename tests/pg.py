@@ -19,6 +19,8 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import psycopg
 import pytest
 
+from jobserver.storage import postgres_query
+
 BASE_URL = os.environ.get(
     "JOBSERVER_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres"
 )
@@ -65,6 +67,9 @@ def fresh_schema() -> Iterator[str]:
     finally:
         with psycopg.connect(url, autocommit=True) as db:
             db.execute(f"DROP SCHEMA {schema} CASCADE".encode())
+            # The schema's Query role (roles are the cluster's, not the schema's).
+            role = postgres_query.role_name(DATABASE, schema)
+            db.execute(f"DROP ROLE IF EXISTS {role}".encode())
 
 
 def execute(url: str, sql: str, params: tuple[object, ...] = ()) -> int:

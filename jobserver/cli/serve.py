@@ -19,6 +19,7 @@ from jobserver.core.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER
 from jobserver.core.times import duration_text
 from jobserver.server.app import Config, HttpListenError, Server
 from jobserver.storage import sqlite_backup
+from jobserver.storage.backends import is_postgres
 from jobserver.storage.interface import BackupDirectoryUnusable
 from jobserver.storage.sqlite import SYNCHRONOUS_MODES
 from jobserver.storage.sqlite_schema import StoreError
@@ -163,6 +164,14 @@ def _add_client_options(serve: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help=f"a Query running longer, above 0 and at most {MAX_QUERY_SECONDS:g}, is "
         f"stopped with '555 Timeout' (default: {Config.query_seconds:g})",
+    )
+    serve.add_argument(
+        "--query-db-url",
+        metavar="URL",
+        help="on PostgreSQL, log Query in as the role of this libpq URL, which may only read "
+        "the queue's tables (checked at start); needed when the --db user may not create "
+        "Query's own role, else Query answers 501 (default: the queue's own role, created "
+        "by the server)",
     )
     serve.add_argument(
         "--max-reply-bytes",
@@ -352,6 +361,11 @@ def run(args: argparse.Namespace) -> int:
         if problem:
             log.error("cannot use --backup-dir: %s", problem)
             return 2
+    if args.query_db_url is not None and not (
+        is_postgres(args.db) and is_postgres(args.query_db_url)
+    ):
+        log.error("--query-db-url takes a PostgreSQL URL, and is for a PostgreSQL --db")
+        return 2
     if args.http_port is not None and not web.available():
         log.error("%s", web.MISSING)
         return 2
@@ -360,6 +374,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         http_port=args.http_port,
         http_hosts=tuple(args.http_host),
+        query_db_url=args.query_db_url,
         db=args.db,
         synchronous=args.synchronous,
         max_connections=args.max_connections,

@@ -249,6 +249,7 @@ class Dispatcher:
             return Answer(Response("401 Unauthorized"))
         response = await trio.to_thread.run_sync(
             query.run, self.store, request, self.access.query_seconds,
+            self.access.max_reply_bytes,
             limiter=self._query_limiter,
             # A shutdown does not wait for a query; it stops itself at its deadline.
             abandon_on_cancel=True,

@@ -3,16 +3,26 @@
 `Query` takes its SQL from a `query` header, or from the method line itself
 (`Query: SELECT * FROM jobs;`, as on the Bedrock::Jobs page). Output is
 sqlite3's list format with a header row, or `format: json`. The storage
-runs the SQL (Storage.run_query) so that nothing can be written through it.
+runs the SQL (Storage.run_query) so that nothing can be written through it,
+and hands over the rows one by one: the reply is built as they come, and
+refused as soon as it passes its row or byte bound, so a query over huge
+rows never makes the server hold more than the bound.
 """
 
 from __future__ import annotations
 
 import math
 
-from jobserver.storage.interface import BadQuery, QueryTimeout, Storage
+from jobserver.storage.interface import (
+    BadQuery,
+    QueryTimeout,
+    QueryUnavailable,
+    ReplyTooLarge,
+    Storage,
+)
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request, Response
+from jobserver.wire.limits import DEFAULT_MAX_REPLY_BYTES
 
 MAX_QUERY = 1024 * 1024
 # A query that runs longer than this holds a reader thread and the
@@ -30,7 +40,12 @@ def sql_of(request: Request) -> str | None:
     return request.get("query")
 
 
-def run(store: Storage, request: Request, seconds: float = DEFAULT_SECONDS) -> Response:
+def run(
+    store: Storage,
+    request: Request,
+    seconds: float = DEFAULT_SECONDS,
+    max_bytes: int = DEFAULT_MAX_REPLY_BYTES,
+) -> Response:
     """Answer a Query request (blocking: call it from a worker thread)."""
     sql = (sql_of(request) or "").strip()
     if not sql or len(sql) > MAX_QUERY:
@@ -38,20 +53,67 @@ def run(store: Storage, request: Request, seconds: float = DEFAULT_SECONDS) -> R
     if not sql.endswith(";"):
         # Bedrock's words, but a client's mistake: 4xx, not to be retried.
         return Response("402 Query Missing Semicolon")
+    as_json = (request.get("format") or "").lower() == "json"
+    body = ReplyBody(as_json, MAX_ROWS, max_bytes)
     try:
-        headers, rows = store.run_query(sql, seconds, MAX_ROWS)
+        store.run_query(sql, seconds, body)
+    except QueryUnavailable as error:
+        return Response(f"501 {error}")
     except QueryTimeout:
         return Response("555 Timeout")
     except OverflowError:
         return Response(f"413 Query returned more than {MAX_ROWS} rows")
+    except ReplyTooLarge:
+        return Response(f"413 Query reply larger than {max_bytes} bytes")
     except BadQuery as error:
         return Response("402 Bad query", body=str(error).encode(), headers={"error": str(error)})
-    if (request.get("format") or "").lower() == "json":
-        body = jsonbody.encode({"headers": headers, "rows": [[_json(v) for v in r] for r in rows]})
-    else:
-        lines = ["|".join(headers)] + ["|".join(_text(v) for v in r) for r in rows]
-        body = ("\n".join(lines) + "\n").encode("utf-8")
-    return Response("200 OK", body)
+    except store.errors as error:
+        return Response(f"503 Database unavailable: {error}")
+    return Response("200 OK", body.finish())
+
+
+class ReplyBody:
+    """The body of a Query reply, encoded a row at a time (Storage's
+    QueryRows): the bytes are counted as each row is added, and the row
+    that would pass `max_bytes` is refused before it joins the body."""
+
+    def __init__(self, as_json: bool, max_rows: int, max_bytes: int) -> None:
+        self.max_rows = max_rows
+        self.max_bytes = max_bytes
+        self._as_json = as_json
+        self._body = bytearray()
+        self._rows = 0
+        self._started = False
+
+    def start(self, headers: list[str]) -> None:
+        self._started = True
+        if self._as_json:
+            self._append(b'{"headers":' + jsonbody.encode(headers) + b',"rows":[')
+        else:
+            self._append(("|".join(headers) + "\n").encode("utf-8"))
+
+    def add(self, row: tuple[object, ...]) -> None:
+        if self._rows == self.max_rows:
+            raise OverflowError(self.max_rows)
+        if self._as_json:
+            encoded = jsonbody.encode([_json(value) for value in row])
+            self._append(b"," + encoded if self._rows else encoded)
+        else:
+            self._append(("|".join(_text(value) for value in row) + "\n").encode("utf-8"))
+        self._rows += 1
+
+    def finish(self) -> bytes:
+        if not self._started:
+            # A statement that returned no result set at all.
+            self.start([])
+        if self._as_json:
+            self._append(b"]}")
+        return bytes(self._body)
+
+    def _append(self, chunk: bytes) -> None:
+        if len(self._body) + len(chunk) > self.max_bytes:
+            raise ReplyTooLarge(self.max_bytes)
+        self._body += chunk
 
 
 def _text(value: object) -> str:

@@ -108,6 +108,9 @@ class Config:
     session_seconds: float = 12 * 3600.0
     # Where Backup writes (--backup-dir); None: DB.backups beside the database.
     backup_dir: str | None = None
+    # On PostgreSQL, the role Query logs in as (--query-db-url); None: the
+    # queue's own, which the server creates if its database user may.
+    query_db_url: str | None = None
 
 
 class HttpListenError(OSError):
@@ -178,7 +181,7 @@ class Server:
             http = self._listen_http()
             # Opening PostgreSQL waits on the network: not on the event loop.
             self.store = await trio.to_thread.run_sync(
-                open_store, config.db, config.synchronous, config.limits
+                open_store, config.db, config.synchronous, config.limits, config.query_db_url
             )
         except BaseException:
             for listener in listeners:

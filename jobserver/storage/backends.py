@@ -15,9 +15,12 @@ def is_postgres(db: str) -> bool:
     return db.startswith(POSTGRES_SCHEMES)
 
 
-def open_store(db: str, synchronous: str, limits: Mapping[str, int]) -> Storage:
+def open_store(
+    db: str, synchronous: str, limits: Mapping[str, int], query_url: str | None = None
+) -> Storage:
     """A PostgreSQL URL opens PostgreSQL (psycopg must be installed: the
-    `postgres` extra); anything else is a SQLite file."""
+    `postgres` extra), whose Query logs in as the role `query_url` names
+    when it is given; anything else is a SQLite file."""
     if not is_postgres(db):
         return Store(db, synchronous, limits)
     try:
@@ -27,4 +30,4 @@ def open_store(db: str, synchronous: str, limits: Mapping[str, int]) -> Storage:
             f"--db {db.split('://')[0]}://... needs psycopg, which is not installed: "
             f"pip install 'jobserver[postgres]' ({error})"
         ) from error
-    return PostgresStore(db, limits)
+    return PostgresStore(db, limits, query_url)

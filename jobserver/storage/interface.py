@@ -24,8 +24,19 @@ from jobserver.core.jobs import Job, NewJob
 # (queue, state), and the nextRun of each queue's oldest job due now.
 QueueStats = tuple[dict[tuple[str, str], int], dict[str, str]]
 
-# How the SQL of the Query command may run (its dialect is the backend's).
-QueryResult = tuple[list[str], list[tuple[object, ...]]]
+
+class QueryRows(Protocol):
+    """Where a backend puts what the Query command's SQL returns (its
+    dialect is the backend's), a row at a time as it reads them, so that a
+    reply past its bounds is refused before it is built: `add` raises
+    OverflowError past `max_rows` rows and ReplyTooLarge past `max_bytes`."""
+
+    max_rows: int
+    max_bytes: int
+
+    def start(self, headers: list[str]) -> None: ...
+
+    def add(self, row: tuple[object, ...]) -> None: ...
 
 
 class QueryTimeout(Exception):
@@ -34,6 +45,15 @@ class QueryTimeout(Exception):
 
 class BadQuery(Exception):
     """A Query's SQL cannot run: not valid, or not a read. Its text says why."""
+
+
+class ReplyTooLarge(Exception):
+    """A Query's reply would pass its byte bound (--max-reply-bytes)."""
+
+
+class QueryUnavailable(Exception):
+    """This backend cannot run Query as it is set up; the text is the
+    status line's, after the code, and says how to enable it."""
 
 
 @dataclass(frozen=True)
@@ -255,10 +275,14 @@ class Storage(Protocol):
 
     # Outside the writer.
 
-    def run_query(self, sql: str, seconds: float, max_rows: int) -> QueryResult:
-        """Run a client's read-only SQL on a connection of its own (from
-        another thread). Raises QueryTimeout past `seconds`, OverflowError
-        past `max_rows` rows, and BadQuery for SQL that is not a read."""
+    def run_query(self, sql: str, seconds: float, rows: QueryRows) -> None:
+        """Run a client's read-only SQL, one statement, on a connection of
+        its own (from another thread), giving `rows` its column names and
+        then each row as it is read. Raises QueryTimeout past `seconds`,
+        BadQuery for SQL that is not one read, QueryUnavailable when the
+        backend is not set up for Query, and lets what `rows` raises (the
+        reply's bounds) through; one of `errors` when the database cannot
+        be reached."""
 
     def queue_stats(self, now: str) -> QueueStats:
         """Jobs by queue and state, and each queue's oldest due nextRun, on a

@@ -33,6 +33,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -42,14 +43,12 @@ from psycopg.pq import TransactionStatus
 
 from jobserver.core.globmatch import glob_to_regex
 from jobserver.core.jobs import Job, NewJob
-from jobserver.storage import postgres_listen, postgres_schema
+from jobserver.storage import postgres_listen, postgres_query, postgres_schema
 from jobserver.storage.interface import (
     BackupCopy,
     BackupDirectory,
     BackupUnsupported,
-    BadQuery,
-    QueryResult,
-    QueryTimeout,
+    QueryRows,
     QueueStats,
 )
 from jobserver.storage.sqlite_schema import StoreError
@@ -109,6 +108,9 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
+# How Query's connections name themselves to PostgreSQL (pg_stat_activity).
+QUERY_APPLICATION = "jobserver query"
+
 # libpq settings a URL does not give: a PostgreSQL that stops answering
 # without closing the connection (a cable pulled, a host gone) is noticed
 # within seconds, so the node answers 503 instead of hanging for the
@@ -124,9 +126,15 @@ CONNECTION_DEFAULTS = {
 }
 
 
-def connect(url: str) -> psycopg.Connection[Any]:
+def connect(url: str, **overrides: str) -> psycopg.Connection[Any]:
+    """A connection to `url`, with libpq settings of `overrides` (such as
+    another user) taking the place of the URL's."""
     given = conninfo_to_dict(url)
-    settings = {**CONNECTION_DEFAULTS, **{k: str(v) for k, v in given.items() if v is not None}}
+    settings = {
+        **CONNECTION_DEFAULTS,
+        **{k: str(v) for k, v in given.items() if v is not None},
+        **overrides,
+    }
     return psycopg.connect(make_conninfo("", **settings), autocommit=True)
 
 
@@ -134,7 +142,9 @@ class PostgresStore:
     blocking = True
     needs_sync = False
 
-    def __init__(self, url: str, limits: Mapping[str, int] | None = None) -> None:
+    def __init__(
+        self, url: str, limits: Mapping[str, int] | None = None, query_url: str | None = None
+    ) -> None:
         self.path = redact(url)
         self._url = url
         self.errors: tuple[type[Exception], ...] = (psycopg.Error,)
@@ -155,7 +165,7 @@ class PostgresStore:
         try:
             self._db = connect(url)
             self.schema = postgres_schema.prepare(self._db, self.path)
-            self._reader = postgres_schema.can_become_reader(self._db)
+            self._query = self._query_login(query_url)
             self._load_flow_control()
         except psycopg.Error as error:
             raise StoreError(f"cannot use {self.path} as a job database: {error}") from error
@@ -163,11 +173,38 @@ class PostgresStore:
         # Advisory locks are the database's: the schema's name keeps two
         # queues in one database apart.
         self._lock_base = f"{self.schema}:"
-        if not self._reader:
-            log.warning(
-                "the database user cannot become %s: Query runs read-only, "
-                "but with the server's own rights", postgres_schema.READER_ROLE,
+
+    def _query_login(self, query_url: str | None) -> postgres_query.QueryLogin:
+        """How Query logs in: as the role --query-db-url names (checked, or
+        the node does not start), else as the queue's own role, set up now
+        if this node's user may; or not at all (501), said in the log."""
+        row = self._db.execute("SELECT session_user, current_database()").fetchone()
+        assert row is not None
+        node_user, database = str(row[0]), str(row[1])
+        if query_url is not None:
+            given = partial(connect, query_url, application_name=QUERY_APPLICATION)
+            user = postgres_query.check_operator_role(given, node_user, database, self.schema)
+            log.info("Query logs in to PostgreSQL as %s (--query-db-url)", user)
+            return postgres_query.QueryLogin(user, given)
+        role = postgres_query.role_name(database, self.schema)
+        password = postgres_query.own_role_password(self._db, role, self.schema)
+        if password is None:
+            log.warning("Query is off (501): %s", postgres_query.NOT_SET_UP)
+            return postgres_query.QueryLogin(role, None)
+        own = partial(
+            connect, self._url, user=role, password=password, application_name=QUERY_APPLICATION
+        )
+        try:
+            _, wrong = postgres_query.problems(own, node_user, database, self.schema)
+        except psycopg.Error as error:
+            wrong = [f"cannot log in: {str(error).strip()}"]
+        if wrong:
+            log.warning("Query is off (501): its role %s %s", role, "; ".join(wrong))
+            return postgres_query.QueryLogin(
+                role, None, postgres_query.UNUSABLE.format(role=role)
             )
+        log.info("Query logs in to PostgreSQL as %s", role)
+        return postgres_query.QueryLogin(role, own)
 
     def close(self) -> None:
         self._db.close()
@@ -605,37 +642,9 @@ class PostgresStore:
             ).fetchone()
             return row is not None
 
-    def run_query(self, sql: str, seconds: float, max_rows: int) -> QueryResult:
-        """The client's SQL in a READ ONLY transaction, as the reader role,
-        with a statement timeout; one statement only (psycopg sends it as
-        one prepared statement, which PostgreSQL refuses to split)."""
-        try:
-            db = connect(self._url)
-        except psycopg.Error as error:
-            raise BadQuery(str(error)) from error
-        try:
-            db.execute(b"BEGIN READ ONLY")
-            db.execute(
-                "SELECT set_config('statement_timeout', %s, true)",
-                (str(max(1, int(seconds * 1000))),),
-            )
-            if self._reader:
-                db.execute(f"SET LOCAL ROLE {postgres_schema.READER_ROLE}".encode())
-            try:
-                cursor = db.execute(sql.encode())
-                rows = cursor.fetchmany(max_rows + 1) if cursor.description else []
-            except psycopg.errors.QueryCanceled as error:
-                raise QueryTimeout() from error
-            except psycopg.Error as error:
-                raise BadQuery(str(error).strip()) from error
-            if len(rows) > max_rows:
-                raise OverflowError(max_rows)
-            headers = [
-                _SPELLING.get(column.name, column.name) for column in cursor.description or ()
-            ]
-            return headers, [tuple(_plain(value) for value in row) for row in rows]
-        finally:
-            db.close()
+    def run_query(self, sql: str, seconds: float, rows: QueryRows) -> None:
+        """The client's SQL as Query's own role (postgres_query.py)."""
+        postgres_query.run(self._query, self.schema, sql, seconds, _AsOnSQLite(rows))
 
     def queue_stats(self, now: str) -> QueueStats:
         with connect(self._url) as db:
@@ -684,6 +693,22 @@ class PostgresStore:
             "Backup is for SQLite: back up PostgreSQL with pg_dump "
             "(README, Backups and restore)"
         )
+
+
+class _AsOnSQLite:
+    """Query's rows as SQLite gives them: the job tables' columns spelled
+    as there, and numbers as numbers (_plain)."""
+
+    def __init__(self, rows: QueryRows) -> None:
+        self._rows = rows
+        self.max_rows = rows.max_rows
+        self.max_bytes = rows.max_bytes
+
+    def start(self, headers: list[str]) -> None:
+        self._rows.start([_SPELLING.get(name, name) for name in headers])
+
+    def add(self, row: tuple[object, ...]) -> None:
+        self._rows.add(tuple(_plain(value) for value in row))
 
 
 def _plain(value: object) -> object:

@@ -1,5 +1,5 @@
-"""The PostgreSQL schema of the jobs database, its migrations, the role
-that Query runs as, and the SQL function for transactional enqueue.
+"""The PostgreSQL schema of the jobs database, its migrations, and the SQL
+functions for transactional enqueue, hand-outs and Query's row bound.
 
 The tables have SQLite's columns (sqlite_schema.py) with PostgreSQL's
 types. Every text column is `COLLATE "C"`: text then compares by code
@@ -16,16 +16,23 @@ notification channel, advisory locks) is named after the schema.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+
 import psycopg
 
 from jobserver.storage.sqlite_schema import StoreError
 
-SCHEMA_VERSION = 1
+# 2: Query's login (jobserver_query_login) and row bound
+# (jobserver_query_row_fits); Query no longer uses the shared role
+# jobserver_reader of version 1.
+SCHEMA_VERSION = 2
 
-# The role Query's SQL runs as: it may read the job tables and nothing
-# else. Roles belong to the whole PostgreSQL cluster, so it is shared by
-# every database and schema, and each grants it only its own tables.
-READER_ROLE = "jobserver_reader"
+# The tables Query may read.
+JOB_TABLES = ("jobs", "limits", "paused", "replies")
+
+# The SQLSTATE of a Query row past the reply's byte bound.
+ROW_TOO_LARGE = "JQ413"
 
 # Namespace of jobserver's advisory locks (the first of the two 32-bit keys
 # is this; the second is derived from the schema and the purpose).
@@ -186,7 +193,32 @@ END
 $fn$
 """
 
-_TABLES = ("jobs", "limits", "paused", "replies")
+# Query's own role logs in with this password (storage/postgres_query.py):
+# one row, kept where only the nodes' own database user can read it, so
+# that every node of the queue logs Query in the same way.
+QUERY_LOGIN_TABLE = """
+CREATE TABLE jobserver_query_login (password TEXT NOT NULL);
+REVOKE ALL ON jobserver_query_login FROM PUBLIC
+"""
+
+# Query's row bound, evaluated by PostgreSQL for each row before it is
+# sent: a row whose text is larger than the whole reply may be is an error
+# there, so no node ever receives it (storage/postgres_query.py).
+QUERY_ROW_FITS_FUNCTION = """
+CREATE OR REPLACE FUNCTION jobserver_query_row_fits(row_bytes BIGINT, most BIGINT)
+RETURNS BOOLEAN LANGUAGE plpgsql AS $fn$
+BEGIN
+    IF row_bytes > most THEN
+        RAISE EXCEPTION 'a row of % bytes is larger than a reply may be (% bytes)',
+            row_bytes, most USING ERRCODE = '%(code)s';
+    END IF;
+    RETURN TRUE;
+END
+$fn$
+"""
+
+# Version 1's Query role, shared by every queue of the cluster.
+_OLD_READER_ROLE = "jobserver_reader"
 
 
 def schema_lock_key(db: psycopg.Connection) -> tuple[int, int]:
@@ -203,16 +235,21 @@ def prepare(db: psycopg.Connection, where: str) -> str:
     if row is None or row[0] is None:
         raise StoreError(f"{where}: no schema to create tables in (check search_path)")
     schema = str(row[0])
+    with migration_lock(db), db.transaction():
+        _migrate(db, where, schema)
+    return schema
+
+
+@contextmanager
+def migration_lock(db: psycopg.Connection) -> Iterator[None]:
+    """The schema's migration lock, held by one node at a time: a second
+    node starting at the same moment waits here, then finds the work done."""
     key = schema_lock_key(db)
-    # A session lock, held while this node migrates: a second node starting
-    # at the same time waits here, then finds the work done.
     db.execute("SELECT pg_advisory_lock(%s, %s)", key)
     try:
-        with db.transaction():
-            _migrate(db, where, schema)
+        yield
     finally:
         db.execute("SELECT pg_advisory_unlock(%s, %s)", key)
-    return schema
 
 
 def _migrate(db: psycopg.Connection, where: str, schema: str) -> None:
@@ -227,6 +264,15 @@ def _migrate(db: psycopg.Connection, where: str, schema: str) -> None:
         )
     if version == SCHEMA_VERSION:
         return
+    if version == 0:
+        _create(db, where, schema)
+    else:
+        _version_2(db, schema)
+    db.execute("DELETE FROM jobserver_schema")
+    db.execute("INSERT INTO jobserver_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
+
+
+def _create(db: psycopg.Connection, where: str, schema: str) -> None:
     exists = db.execute(
         "SELECT 1 FROM information_schema.tables WHERE table_schema = current_schema() "
         "AND table_name = 'jobs'"
@@ -240,44 +286,25 @@ def _migrate(db: psycopg.Connection, where: str, schema: str) -> None:
         ENQUEUE_FUNCTION.replace("%(channel)s", _literal(channel(schema))).encode()
     )
     db.execute(FIND_READY_FUNCTION.encode())
-    _grant_reader(db, schema)
-    db.execute("DELETE FROM jobserver_schema")
-    db.execute("INSERT INTO jobserver_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
+    _version_2(db, schema)
 
 
-def _grant_reader(db: psycopg.Connection, schema: str) -> None:
-    """Create the read-only role if the cluster lacks it, and let it read
-    this schema's job tables: nothing else. A user without the right to
-    create or grant roles gets a Query that is read-only all the same (a
-    READ ONLY transaction), but runs as that user: `can_become_reader`."""
-    try:
-        with db.transaction():
-            exists = db.execute(
-                "SELECT 1 FROM pg_roles WHERE rolname = %s", (READER_ROLE,)
-            ).fetchone()
-            if not exists:
-                db.execute(f"CREATE ROLE {READER_ROLE} NOLOGIN")
-            db.execute(f"GRANT USAGE ON SCHEMA {_ident(schema)} TO {READER_ROLE}")
-            for table in _TABLES:
-                db.execute(f"GRANT SELECT ON {table} TO {READER_ROLE}")
-            # The server's own user must be able to become the reader.
-            db.execute(f"GRANT {READER_ROLE} TO CURRENT_USER")
-    except (psycopg.errors.InsufficientPrivilege, psycopg.errors.DuplicateObject,
-            psycopg.errors.UniqueViolation):
-        # No right to, or another node created the role at this moment:
-        # what could be granted was; can_become_reader tells the rest.
-        pass
+def _version_2(db: psycopg.Connection, schema: str) -> None:
+    for statement in QUERY_LOGIN_TABLE.split(";"):
+        db.execute(statement.encode())
+    db.execute(QUERY_ROW_FITS_FUNCTION.replace("%(code)s", ROW_TOO_LARGE).encode())
+    # Version 1 let a shared role read this schema; Query no longer uses it.
+    with suppress(psycopg.errors.InsufficientPrivilege), db.transaction():
+        role = db.execute(
+            "SELECT 1 FROM pg_roles WHERE rolname = %s", (_OLD_READER_ROLE,)
+        ).fetchone()
+        if role is not None:
+            tables = ", ".join(JOB_TABLES)
+            db.execute(f"REVOKE ALL ON {tables} FROM {_OLD_READER_ROLE}".encode())
+            db.execute(f"REVOKE ALL ON SCHEMA {ident(schema)} FROM {_OLD_READER_ROLE}".encode())
 
 
-def can_become_reader(db: psycopg.Connection) -> bool:
-    row = db.execute(
-        "SELECT pg_has_role(CURRENT_USER, oid, 'MEMBER') FROM pg_roles WHERE rolname = %s",
-        (READER_ROLE,),
-    ).fetchone()
-    return bool(row and row[0])
-
-
-def _ident(name: str) -> str:
+def ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 

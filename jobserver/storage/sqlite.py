@@ -22,7 +22,7 @@ from jobserver.storage.interface import (
     BackupDirectory,
     BackupUnsupported,
     Heard,
-    QueryResult,
+    QueryRows,
     QueueStats,
 )
 from jobserver.storage.sqlite_schema import StoreError
@@ -592,8 +592,8 @@ class Store:
     def prune_pending(self, before: Mapping[str, str], now: str) -> bool:
         return sqlite_readers.prune_pending(self.path, before, RECLAIM_MIN_PAGES, now)
 
-    def run_query(self, sql: str, seconds: float, max_rows: int) -> QueryResult:
-        return sqlite_readers.read_only_query(self.path, sql, seconds, max_rows)
+    def run_query(self, sql: str, seconds: float, rows: QueryRows) -> None:
+        sqlite_readers.read_only_query(self.path, sql, seconds, rows)
 
     def queue_stats(self, now: str) -> QueueStats:
         return sqlite_readers.queue_stats(self.path, now)

@@ -11,11 +11,12 @@ from time import monotonic
 from typing import Any
 from urllib.parse import quote
 
-from jobserver.storage.interface import BadQuery, QueryResult, QueryTimeout, QueueStats
+from jobserver.storage.interface import BadQuery, QueryRows, QueryTimeout, QueueStats
 
 # Read-only SQL for the `Query` command. It runs on its own connection,
-# opened read-only, with an authorizer that allows nothing but reading and a
-# progress handler that stops it at its deadline.
+# opened read-only, with an authorizer that allows nothing but reading and
+# calling the functions below, and a progress handler that stops it at its
+# deadline.
 
 # Longest text or blob a query may build: enough for any row of the jobs
 # table, small enough that a hostile zeroblob() or printf() cannot exhaust
@@ -24,6 +25,46 @@ QUERY_MAX_LENGTH = 16 * 1024 * 1024
 
 _QUERY_ALLOWED = frozenset(
     (sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE)
+)
+
+# The functions a Query may call: SQLite's core scalar, aggregate and
+# window functions, its date and time, JSON and math functions, as a
+# reader of the job tables needs them. Anything else is refused, whatever
+# SQLite was built with: fts3_tokenizer (which reads and sets a function
+# pointer), load_extension, sqlite_compileoption_*, sqlite_log, the FTS
+# and R*Tree helpers, and whatever a later SQLite adds. Names missing from this
+# SQLite are simply not found.
+QUERY_FUNCTIONS = frozenset(
+    (
+        # Core scalar functions (the JSON operators -> and ->> are functions too).
+        "abs", "char", "coalesce", "concat", "concat_ws", "format", "glob", "hex", "if",
+        "ifnull", "iif", "instr", "length", "like", "likelihood", "likely", "lower", "ltrim",
+        "max", "min", "nullif", "octet_length", "printf", "quote", "random", "randomblob",
+        "replace", "round", "rtrim", "sign", "soundex", "substr", "substring", "trim",
+        "typeof", "unhex", "unicode", "unistr", "unistr_quote", "unlikely", "upper",
+        "zeroblob", "->", "->>",
+        # What the connection and SQLite are (harmless, and read by some clients).
+        "changes", "last_insert_rowid", "total_changes", "sqlite_version", "sqlite_source_id",
+        # Aggregates.
+        "avg", "count", "group_concat", "string_agg", "sum", "total",
+        # Window functions.
+        "row_number", "rank", "dense_rank", "percent_rank", "cume_dist", "ntile", "lag",
+        "lead", "first_value", "last_value", "nth_value",
+        # Date and time.
+        "date", "time", "datetime", "julianday", "unixepoch", "strftime", "timediff",
+        "current_date", "current_time", "current_timestamp",
+        # JSON.
+        "json", "jsonb", "json_array", "jsonb_array", "json_array_length",
+        "json_error_position", "json_extract", "jsonb_extract", "json_insert",
+        "jsonb_insert", "json_object", "jsonb_object", "json_patch", "jsonb_patch",
+        "json_pretty", "json_quote", "json_remove", "jsonb_remove", "json_replace",
+        "jsonb_replace", "json_set", "jsonb_set", "json_type", "json_valid",
+        "json_group_array", "jsonb_group_array", "json_group_object", "jsonb_group_object",
+        # Math.
+        "acos", "acosh", "asin", "asinh", "atan", "atan2", "atanh", "ceil", "ceiling", "cos",
+        "cosh", "degrees", "exp", "floor", "ln", "log", "log10", "log2", "mod", "pi", "pow",
+        "power", "radians", "sin", "sinh", "sqrt", "tan", "tanh", "trunc",
+    )
 )
 
 
@@ -35,12 +76,12 @@ def _read_only_uri(path: str) -> str:
     return f"file:{authority}{quote(path)}?mode=ro"
 
 
-def read_only_query(path: str, sql: str, seconds: float, max_rows: int) -> QueryResult:
-    """Run one read-only statement; return column names and rows.
+def read_only_query(path: str, sql: str, seconds: float, rows: QueryRows) -> None:
+    """Run one read-only statement, giving `rows` its column names and then
+    each row as SQLite steps to it.
 
     Raises BadQuery for bad SQL or anything that is not a read,
-    QueryTimeout when it runs past `seconds`, and OverflowError when it
-    returns more than `max_rows` rows.
+    QueryTimeout when it runs past `seconds`, and what `rows` raises.
     """
     try:
         db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
@@ -54,17 +95,15 @@ def read_only_query(path: str, sql: str, seconds: float, max_rows: int) -> Query
         db.set_progress_handler(lambda: monotonic() > deadline, 1000)
         try:
             cursor = db.execute(sql)
-            rows = cursor.fetchmany(max_rows + 1)
+            rows.start([column[0] for column in cursor.description or ()])
+            for row in cursor:
+                rows.add(row)
         except sqlite3.OperationalError as error:
             if monotonic() > deadline and "interrupt" in str(error):
                 raise QueryTimeout() from error
             raise BadQuery(str(error)) from error
         except (sqlite3.Error, sqlite3.Warning, ValueError) as error:
             raise BadQuery(str(error)) from error
-        if len(rows) > max_rows:
-            raise OverflowError(max_rows)
-        headers = [column[0] for column in cursor.description or ()]
-        return headers, rows
     finally:
         db.close()
 
@@ -135,6 +174,7 @@ def find_matching(path: str, columns: str, pattern: str, limit: int) -> list[tup
 def _authorize(action: int, arg1: str | None, arg2: str | None, *_: object) -> int:
     if action not in _QUERY_ALLOWED:
         return sqlite3.SQLITE_DENY
-    if action == sqlite3.SQLITE_FUNCTION and arg2 and arg2.lower() == "load_extension":
+    # For a function call SQLite gives its name, lower case, as arg2.
+    if action == sqlite3.SQLITE_FUNCTION and (arg2 or "").lower() not in QUERY_FUNCTIONS:
         return sqlite3.SQLITE_DENY
     return sqlite3.SQLITE_OK
