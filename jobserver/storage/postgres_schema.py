@@ -16,6 +16,7 @@ notification channel, advisory locks) is named after the schema.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
@@ -27,6 +28,8 @@ from jobserver.storage.sqlite_schema import StoreError
 # (jobserver_query_row_fits); Query no longer uses the shared role
 # jobserver_reader of version 1.
 SCHEMA_VERSION = 2
+
+log = logging.getLogger("jobserver")
 
 # The tables Query may read.
 JOB_TABLES = ("jobs", "limits", "paused", "replies")
@@ -237,7 +240,28 @@ def prepare(db: psycopg.Connection, where: str) -> str:
     schema = str(row[0])
     with migration_lock(db), db.transaction():
         _migrate(db, where, schema)
+    creators = others_who_may_create(db)
+    if creators:
+        log.warning(
+            "schema %s lets %s create objects in it: such a role could put a function "
+            "there that the nodes would call in place of their own; REVOKE CREATE ON "
+            "SCHEMA %s FROM %s (SECURITY.md)",
+            schema, ", ".join(creators), ident(schema), ", ".join(creators),
+        )
     return schema
+
+
+def others_who_may_create(db: psycopg.Connection) -> list[str]:
+    """Roles other than the schema's owner that may create objects in the
+    connection's schema (PUBLIC for every role)."""
+    rows = db.execute(
+        "SELECT DISTINCT CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE r.rolname END "
+        "FROM pg_namespace n, aclexplode(n.nspacl) a "
+        "LEFT JOIN pg_roles r ON r.oid = a.grantee "
+        "WHERE n.nspname = current_schema() AND a.privilege_type = 'CREATE' "
+        "AND a.grantee <> n.nspowner ORDER BY 1"
+    ).fetchall()
+    return [str(row[0]) for row in rows]
 
 
 @contextmanager
