@@ -156,12 +156,11 @@ class Storage(Protocol):
         limit: int,
         pattern: str | None = None,
         names: Sequence[str] = (),
-        blocked: Sequence[str] = (),
         skipped: Sequence[int] = (),
     ) -> list[Job]:
         """Due QUEUED/RUNQUEUED jobs in hand-out order (protocol.md 4.4),
-        matching a GLOB `pattern` or one of `names`, except names matching
-        a `blocked` GLOB and the `skipped` jobIDs."""
+        matching a GLOB `pattern` or one of `names`, except the `skipped`
+        jobIDs."""
 
     def find_by_name(self, name: str) -> Job | None:
         """The oldest job with exactly this name that is not history."""
@@ -208,7 +207,12 @@ class Storage(Protocol):
 
     def set_limit(self, pattern: str, capacity: int) -> None: ...
 
-    def usage(self, pattern: str, now: str) -> int: ...
+    def hold_limits(self) -> None:
+        """Until the transaction ends, no other node hands out a job under
+        any limit: called before the `usage` that decides a hand-out."""
+
+    def usage(self, pattern: str, now: str) -> int:
+        """The cost of the running jobs a limit's pattern matches."""
 
     def pause(self, pattern: str) -> None: ...
 

@@ -1,0 +1,134 @@
+"""Which concurrency limits and paused patterns hold a job's name, at a
+bounded cost however many patterns are set.
+
+Limits and pauses are GLOB patterns that clients set (SetLimit, PauseJobs),
+and every candidate of a GetJob must be checked against them. Trying each
+pattern in Python for each candidate made a GetJob over many jobs and many
+patterns hold the event loop for minutes. Here:
+
+- the patterns sit in a table of an in-memory SQLite database, matched by
+  SQLite's own GLOB in C (the same matching the SQLite backend does, which
+  `globmatch` copies for PostgreSQL): nothing to compile, no cache to
+  overflow, and a name is matched against a thousand patterns in a
+  fraction of a millisecond;
+- what holds a name is remembered per name (`MAX_CACHED_NAMES` of them)
+  until the patterns change, so a queue of many jobs of few names costs
+  one match per name;
+- a search spends from a `Budget`: a name not yet remembered costs one
+  unit per pattern, a limit's usage (a query) `USAGE_COST`; when the
+  budget is spent the GetJob answers with what it found.
+
+The count of patterns is capped (`--max-limits`, commands.set_limit), so a
+single name never costs more than that many tests.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from jobserver.storage.interface import Storage
+
+# Names whose verdict is remembered: enough for every queue of a large
+# deployment; at most 255 bytes each, so a few megabytes at most.
+MAX_CACHED_NAMES = 10_000
+# What one search (one GetJob or GetJobs) may spend: tests of a name
+# against a pattern, done in C at tens of nanoseconds each, so that the
+# worst search holds the writer for tens of milliseconds, not seconds.
+SEARCH_BUDGET = 100_000
+# A limit's usage is a query over the running jobs: counted as this many tests.
+USAGE_COST = 500
+# Indexes kept for recently seen sets of patterns: more than one store may
+# live in a process (tests run several servers), each with its own set.
+MAX_INDEXES = 4
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What holds a name: whether a paused pattern matches it, and the
+    limits whose patterns match it, in the store's order."""
+
+    paused: bool
+    limits: tuple[str, ...]
+
+
+class FlowIndex:
+    """The limits and paused patterns of one moment, matched by name."""
+
+    def __init__(self, limits: Mapping[str, int], paused: frozenset[str]) -> None:
+        self.limits = dict(limits)
+        self.paused = paused
+        # A job costing no more than this fits every limit's capacity.
+        self.min_capacity = min(self.limits.values(), default=0)
+        self.size = len(self.limits) + len(paused)
+        self._db = sqlite3.connect(":memory:", check_same_thread=False)
+        self._db.execute("CREATE TABLE flow (pattern TEXT NOT NULL, capacity INTEGER)")
+        self._db.executemany(
+            "INSERT INTO flow (pattern, capacity) VALUES (?, ?)",
+            [*self.limits.items(), *((pattern, None) for pattern in sorted(paused))],
+        )
+        self._verdicts: dict[str, Verdict] = {}
+        # Writer threads of several servers in one process may share an index.
+        self._lock = threading.Lock()
+
+    def same(self, limits: Mapping[str, int], paused: frozenset[str]) -> bool:
+        return self.paused == paused and self.limits == limits
+
+    def cached(self, name: str) -> Verdict | None:
+        return self._verdicts.get(name)
+
+    def verdict(self, name: str) -> Verdict:
+        """What holds `name`: remembered, or matched now (`size` tests)."""
+        found = self._verdicts.get(name)
+        if found is not None:
+            return found
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT pattern, capacity FROM flow WHERE ?1 GLOB pattern ORDER BY rowid",
+                (name,),
+            ).fetchall()
+            found = Verdict(
+                paused=any(capacity is None for _, capacity in rows),
+                limits=tuple(pattern for pattern, capacity in rows if capacity is not None),
+            )
+            if len(self._verdicts) >= MAX_CACHED_NAMES:
+                # The oldest first: dicts keep insertion order.
+                del self._verdicts[next(iter(self._verdicts))]
+            self._verdicts[name] = found
+        return found
+
+
+_indexes: list[FlowIndex] = []
+_indexes_lock = threading.Lock()
+
+
+def index_of(store: Storage) -> FlowIndex:
+    """The index of the store's limits and paused patterns as they are now;
+    built once for each set of patterns."""
+    limits, paused = store.limits, store.paused
+    with _indexes_lock:
+        for index in _indexes:
+            if index.same(limits, paused):
+                return index
+    index = FlowIndex(limits, paused)
+    with _indexes_lock:
+        _indexes.insert(0, index)
+        del _indexes[MAX_INDEXES:]
+    return index
+
+
+class Budget:
+    """What one search may still spend."""
+
+    def __init__(self, units: int = SEARCH_BUDGET) -> None:
+        self.left = units
+
+    def spend(self, units: int) -> bool:
+        """Spend `units`; False when too few are left, and then nothing is left."""
+        if units > self.left:
+            self.left = 0
+            return False
+        self.left -= units
+        return True
