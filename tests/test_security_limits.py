@@ -27,7 +27,7 @@ import pytest
 from harness import ServerProcess, ThreadServer
 from helpers import create, ok
 from jobserver.wire.limits import DEFAULT_MAX_LIMITS, MAX_MAX_LIMITS, MIN_MAX_REPLY_BYTES
-from wire import Client
+from wire import Client, encode
 
 pytestmark = pytest.mark.backends
 
@@ -41,10 +41,21 @@ BATCH = 1000
 MEGABYTE_DATA = '{"blob":"' + "x" * 1_000_000 + '"}'
 
 
+def pipelined(client: Client, requests: list[tuple[str, dict[str, object]]]) -> None:
+    """Send every request, then read every reply, each of which must be 200."""
+    client.send(b"".join(encode(verb, params) for verb, params in requests))
+    for _ in requests:
+        ok(client.read_reply())
+
+
 def create_many(client: Client, names: list[str]) -> None:
-    for start in range(0, len(names), BATCH):
-        jobs = [{"name": name} for name in names[start : start + BATCH]]
-        ok(client.request("CreateJobs", jobs=jobs))
+    pipelined(
+        client,
+        [
+            ("CreateJobs", {"jobs": [{"name": name} for name in names[start : start + BATCH]]})
+            for start in range(0, len(names), BATCH)
+        ],
+    )
 
 
 def held(j: int, count: int) -> str:
@@ -137,9 +148,8 @@ def test_getjobs_over_100000_held_jobs_with_the_most_limits_keeps_ping_fast(star
     server = start_server(db)
     count = DEFAULT_MAX_LIMITS
     with server.client(timeout=120) as client:
-        for i in range(count):
-            ok(client.request("SetLimit", name=f"*-{i}", max=1))
-            ok(client.request("PauseJobs", name=f"*+{i}"))
+        pipelined(client, [("SetLimit", {"name": f"*-{i}", "max": 1}) for i in range(count)])
+        pipelined(client, [("PauseJobs", {"name": f"*+{i}"}) for i in range(count)])
         # Fill every limit with one running job.
         create_many(client, [f"fill-{i}" for i in range(count)])
         running = 0
@@ -154,7 +164,10 @@ def test_getjobs_over_100000_held_jobs_with_the_most_limits_keeps_ping_fast(star
             reply = client.request("GetJobs", name="*", numResults=1000)
             took = time.monotonic() - started
             one = client.request("GetJob", name="held*")
+            status = ok(client.request("Status")).json
         assert reply.status == "404 No job found" and one.status == "404 No job found"
+        assert len(status["limits"]) == count and len(status["paused"]) == count
+        assert all(limit == {"max": 1, "running": 1} for limit in status["limits"].values())
         assert took < GETJOBS_BOUND, took
         assert pinger.count > 0 and pinger.slowest < PING_BOUND, pinger.slowest
         # The limits still hold, and a job no pattern holds is still found.

@@ -15,7 +15,7 @@ patterns hold the event loop for minutes. Here:
   until the patterns change, so a queue of many jobs of few names costs
   one match per name;
 - a search spends from a `Budget`: a name not yet remembered costs one
-  unit per pattern, a limit's usage (a query) `USAGE_COST`; when the
+  unit per pattern, a limit's usage (a query) `usage_cost`; when the
   budget is spent the GetJob answers with what it found.
 
 The count of patterns is capped (`--max-limits`, commands.set_limit), so a
@@ -38,8 +38,11 @@ MAX_CACHED_NAMES = 10_000
 # against a pattern, done in C at tens of nanoseconds each, so that the
 # worst search holds the writer for tens of milliseconds, not seconds.
 SEARCH_BUDGET = 100_000
-# A limit's usage is a query over the running jobs: counted as this many tests.
+# A limit's usage is a query over its running jobs, counted as this many
+# tests: an index range when the pattern starts with a literal character,
+# else a pass over every running job.
 USAGE_COST = 500
+USAGE_SCAN_COST = 5000
 # Indexes kept for recently seen sets of patterns: more than one store may
 # live in a process (tests run several servers), each with its own set.
 MAX_INDEXES = 4
@@ -117,6 +120,11 @@ def index_of(store: Storage) -> FlowIndex:
         _indexes.insert(0, index)
         del _indexes[MAX_INDEXES:]
     return index
+
+
+def usage_cost(pattern: str) -> int:
+    """What reading a limit's usage counts against a search's budget."""
+    return USAGE_COST if pattern[:1] not in ("*", "?", "[") else USAGE_SCAN_COST
 
 
 class Budget:

@@ -221,7 +221,7 @@ class Holds:
 
     def _used(self, pattern: str) -> int | None:
         if pattern not in self._usage:
-            if not self._budget.spend(flow.USAGE_COST):
+            if not self._budget.spend(flow.usage_cost(pattern)):
                 return None
             if not self._usage:
                 # Before the first count: from here on no other node hands

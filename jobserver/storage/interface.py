@@ -214,6 +214,9 @@ class Storage(Protocol):
     def usage(self, pattern: str, now: str) -> int:
         """The cost of the running jobs a limit's pattern matches."""
 
+    def usage_by_name(self, now: str) -> list[tuple[str, int]]:
+        """The cost of the running jobs, as `usage` counts it, by name."""
+
     def pause(self, pattern: str) -> None: ...
 
     def resume(self, pattern: str) -> bool: ...

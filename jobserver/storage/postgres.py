@@ -561,6 +561,14 @@ class PostgresStore:
         )
         return int(row[0])
 
+    def usage_by_name(self, now: str) -> list[tuple[str, int]]:
+        rows = self._run(
+            "SELECT name, SUM(cost) FROM jobs WHERE state IN ('RUNNING', 'RUNQUEUED') "
+            "AND (state = 'RUNNING' OR nextRun > %s) GROUP BY name",
+            (now,),
+        ).fetchall()
+        return [(name, int(cost)) for name, cost in rows]
+
     def pause(self, pattern: str) -> None:
         self._run(
             "INSERT INTO paused (pattern) VALUES (%s) ON CONFLICT DO NOTHING", (pattern,)
