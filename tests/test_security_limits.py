@@ -23,9 +23,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from harness import ServerProcess, ThreadServer
 from helpers import create, ok
+from jobserver.core.flow import FlowIndex
+from jobserver.core.globmatch import glob_match
 from jobserver.wire.limits import DEFAULT_MAX_LIMITS, MAX_MAX_LIMITS, MIN_MAX_REPLY_BYTES
 from wire import Client, encode
 
@@ -182,6 +186,26 @@ def test_getjobs_over_100000_held_jobs_with_the_most_limits_keeps_ping_fast(star
         assert client.request("GetJob", name=paused).status == "404 No job found"
         ok(client.request("ResumeJobs", name="*+8"))
         assert ok(client.request("GetJob", name=paused)).json["name"] == paused
+
+
+_PATTERN = st.text(st.sampled_from("*?[]^-ab]é𝄞"), min_size=1, max_size=8)
+_NAME = st.text(st.sampled_from("ab-^]*?[é𝄞z\0"), min_size=1, max_size=10)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    limits=st.dictionaries(_PATTERN, st.integers(1, 5), max_size=8),
+    paused=st.frozensets(_PATTERN, max_size=8),
+    names=st.lists(_NAME, min_size=1, max_size=5),
+)
+def test_the_flow_index_agrees_with_glob_matching(limits, paused, names):
+    """What flow.py finds for a name, matched or remembered, is what
+    matching each pattern (as SQLite's GLOB does) gives."""
+    index = FlowIndex(limits, paused)
+    for name in names * 2:
+        verdict = index.verdict(name)
+        assert verdict.limits == tuple(p for p in limits if glob_match(p, name))
+        assert verdict.paused == any(glob_match(p, name) for p in paused)
 
 
 # Finding 6, GetJobs' part: a byte bound on the reply.
