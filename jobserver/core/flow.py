@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from jobserver.storage.interface import Storage
@@ -43,6 +43,8 @@ SEARCH_BUDGET = 100_000
 # else a pass over every running job.
 USAGE_COST = 500
 USAGE_SCAN_COST = 5000
+# With more limits and paused patterns than this, a hand-out is heavy (is_heavy).
+HEAVY_PATTERNS = 64
 # Indexes kept for recently seen sets of patterns: more than one store may
 # live in a process (tests run several servers), each with its own set.
 MAX_INDEXES = 4
@@ -120,6 +122,35 @@ def index_of(store: Storage) -> FlowIndex:
         _indexes.insert(0, index)
         del _indexes[MAX_INDEXES:]
     return index
+
+
+def is_heavy(store: Storage) -> bool:
+    """Whether a hand-out may spend long on limits and pauses: then its
+    batch runs in a thread, where SQLite matches and counts (in C, without
+    the GIL) while the event loop goes on answering."""
+    return len(store.limits) + len(store.paused) > HEAVY_PATTERNS
+
+
+def running_under(limits: Iterable[str], running: Iterable[tuple[str, int]]) -> dict[str, int]:
+    """What running jobs, given as (name, cost), use of each limit: every
+    name against every pattern in one query, in C, which holds neither the
+    GIL nor the cache of names (Status reads every running job)."""
+    db = sqlite3.connect(":memory:")
+    try:
+        db.execute("CREATE TABLE limits (pattern TEXT NOT NULL)")
+        db.execute("CREATE TABLE running (name TEXT NOT NULL, cost INTEGER NOT NULL)")
+        used = dict.fromkeys(limits, 0)
+        db.executemany("INSERT INTO limits (pattern) VALUES (?)", ((p,) for p in used))
+        db.executemany("INSERT INTO running (name, cost) VALUES (?, ?)", running)
+        used.update(
+            db.execute(
+                "SELECT pattern, SUM(cost) FROM limits JOIN running "
+                "ON running.name GLOB limits.pattern GROUP BY pattern"
+            ).fetchall()
+        )
+        return used
+    finally:
+        db.close()
 
 
 def usage_cost(pattern: str) -> int:

@@ -214,8 +214,6 @@ class Storage(Protocol):
     def usage(self, pattern: str, now: str) -> int:
         """The cost of the running jobs a limit's pattern matches."""
 
-    def usage_by_name(self, now: str) -> list[tuple[str, int]]:
-        """The cost of the running jobs, as `usage` counts it, by name."""
 
     def pause(self, pattern: str) -> None: ...
 
@@ -245,6 +243,10 @@ class Storage(Protocol):
     def queue_stats(self, now: str) -> QueueStats:
         """Jobs by queue and state, and each queue's oldest due nextRun, on a
         connection of its own (from another thread): it reads every job."""
+
+    def running_by_name(self, now: str) -> list[tuple[str, int]]:
+        """The cost of the running jobs, as `usage` counts it, by name, on a
+        connection of its own (from another thread), for Status."""
 
     def find_matching(self, pattern: str, limit: int) -> list[Job]:
         """Jobs in any state whose name matches a GLOB `pattern`, newest

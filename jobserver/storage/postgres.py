@@ -561,14 +561,6 @@ class PostgresStore:
         )
         return int(row[0])
 
-    def usage_by_name(self, now: str) -> list[tuple[str, int]]:
-        rows = self._run(
-            "SELECT name, SUM(cost) FROM jobs WHERE state IN ('RUNNING', 'RUNQUEUED') "
-            "AND (state = 'RUNNING' OR nextRun > %s) GROUP BY name",
-            (now,),
-        ).fetchall()
-        return [(name, int(cost)) for name, cost in rows]
-
     def pause(self, pattern: str) -> None:
         self._run(
             "INSERT INTO paused (pattern) VALUES (%s) ON CONFLICT DO NOTHING", (pattern,)
@@ -671,6 +663,15 @@ class PostgresStore:
                 ).fetchall()
             }
         return counts, oldest
+
+    def running_by_name(self, now: str) -> list[tuple[str, int]]:
+        with connect(self._url) as db:
+            rows = db.execute(
+                "SELECT name, SUM(cost) FROM jobs WHERE state IN ('RUNNING', 'RUNQUEUED') "
+                "AND (state = 'RUNNING' OR nextRun > %s) GROUP BY name",
+                (now,),
+            ).fetchall()
+        return [(str(name), int(cost)) for name, cost in rows]
 
     def find_matching(self, pattern: str, limit: int) -> list[Job]:
         clause, arg = "name ~ %s", glob_to_regex(pattern)

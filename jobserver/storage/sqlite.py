@@ -541,15 +541,6 @@ class Store:
         ).fetchone()
         return int(row[0])
 
-    def usage_by_name(self, now: str) -> list[tuple[str, int]]:
-        """The cost of the running jobs, as `usage` counts it, by name."""
-        rows = self._db.execute(
-            "SELECT name, SUM(cost) FROM jobs WHERE state IN ('RUNNING', 'RUNQUEUED') "
-            "AND (state = 'RUNNING' OR nextRun > ?) GROUP BY name",
-            (now,),
-        )
-        return [(name, int(cost)) for name, cost in rows]
-
     def pause(self, pattern: str) -> None:
         self._db.execute("INSERT OR IGNORE INTO paused (pattern) VALUES (?)", (pattern,))
         self.paused = self.paused | {pattern}
@@ -602,6 +593,9 @@ class Store:
 
     def queue_stats(self, now: str) -> QueueStats:
         return sqlite_readers.queue_stats(self.path, now)
+
+    def running_by_name(self, now: str) -> list[tuple[str, int]]:
+        return sqlite_readers.running_by_name(self.path, now)
 
     def find_matching(self, pattern: str, limit: int) -> list[Job]:
         rows = sqlite_readers.find_matching(self.path, _COLUMNS, pattern, limit)
