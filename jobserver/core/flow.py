@@ -2,9 +2,10 @@
 bounded cost however many patterns are set.
 
 Limits and pauses are GLOB patterns that clients set (SetLimit, PauseJobs),
-and every candidate of a GetJob must be checked against them. Trying each
-pattern in Python for each candidate made a GetJob over many jobs and many
-patterns hold the event loop for minutes. Here:
+and every candidate of a GetJob must be checked against them. Testing
+every due job against every pattern (in the search's SQL, then again in
+Python) made a GetJob over many jobs and many patterns hold the event loop
+for minutes. Here:
 
 - the patterns sit in a table of an in-memory SQLite database, matched by
   SQLite's own GLOB in C (the same matching the SQLite backend does, which
@@ -32,7 +33,9 @@ from dataclasses import dataclass
 from jobserver.storage.interface import Storage
 
 # Names whose verdict is remembered: enough for every queue of a large
-# deployment; at most 255 bytes each, so a few megabytes at most.
+# deployment. A name is at most 255 bytes and its verdict a tuple of the
+# limits that match it, so even at --max-limits 1000 with every limit
+# matching every name this stays under a hundred megabytes.
 MAX_CACHED_NAMES = 10_000
 # What one search (one GetJob or GetJobs) may spend: tests of a name
 # against a pattern, done in C at tens of nanoseconds each, so that the
