@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from harness import ServerProcess, ThreadServer
 from helpers import create, ok
+from jobserver.core import flow
 from jobserver.core.flow import FlowIndex
 from jobserver.core.globmatch import glob_match
 from jobserver.wire.limits import DEFAULT_MAX_LIMITS, MAX_MAX_LIMITS, MIN_MAX_REPLY_BYTES
@@ -206,6 +207,17 @@ def test_the_flow_index_agrees_with_glob_matching(limits, paused, names):
         verdict = index.verdict(name)
         assert verdict.limits == tuple(p for p in limits if glob_match(p, name))
         assert verdict.paused == any(glob_match(p, name) for p in paused)
+
+
+def test_the_cache_of_names_holds_a_bounded_number_of_limits(monkeypatch):
+    """Patterns that all match every name make each verdict as long as the
+    list of limits: the cache then keeps fewer names, not more memory."""
+    monkeypatch.setattr(flow, "MAX_CACHED_LIMITS", 50)
+    index = FlowIndex({"*" * (i + 1): 1 for i in range(20)}, frozenset())
+    verdicts = [index.verdict(f"name{k}") for k in range(10)]
+    assert all(len(verdict.limits) == 20 for verdict in verdicts)
+    remembered = [k for k in range(10) if index.cached(f"name{k}") is not None]
+    assert remembered == [8, 9]
 
 
 # Finding 6, GetJobs' part: a byte bound on the reply.

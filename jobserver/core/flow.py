@@ -33,10 +33,11 @@ from dataclasses import dataclass
 from jobserver.storage.interface import Storage
 
 # Names whose verdict is remembered: enough for every queue of a large
-# deployment. A name is at most 255 bytes and its verdict a tuple of the
-# limits that match it, so even at --max-limits 1000 with every limit
-# matching every name this stays under a hundred megabytes.
+# deployment. A verdict is a tuple of the limits that match the name, so
+# the cache also holds at most this many of them in all (8 bytes each),
+# however many limits match each name.
 MAX_CACHED_NAMES = 10_000
+MAX_CACHED_LIMITS = 1_000_000
 # What one search (one GetJob or GetJobs) may spend: tests of a name
 # against a pattern, done in C at tens of nanoseconds each, so that the
 # worst search holds the writer for tens of milliseconds, not seconds.
@@ -78,6 +79,8 @@ class FlowIndex:
             [*self.limits.items(), *((pattern, None) for pattern in sorted(paused))],
         )
         self._verdicts: dict[str, Verdict] = {}
+        # The limits the remembered verdicts name, in all.
+        self._cached_limits = 0
         # Writer threads of several servers in one process may share an index.
         self._lock = threading.Lock()
 
@@ -93,6 +96,9 @@ class FlowIndex:
         if found is not None:
             return found
         with self._lock:
+            found = self._verdicts.get(name)
+            if found is not None:
+                return found
             rows = self._db.execute(
                 "SELECT pattern, capacity FROM flow WHERE ?1 GLOB pattern ORDER BY rowid",
                 (name,),
@@ -101,9 +107,14 @@ class FlowIndex:
                 paused=any(capacity is None for _, capacity in rows),
                 limits=tuple(pattern for pattern, capacity in rows if capacity is not None),
             )
-            if len(self._verdicts) >= MAX_CACHED_NAMES:
+            self._cached_limits += len(found.limits)
+            while self._verdicts and (
+                len(self._verdicts) >= MAX_CACHED_NAMES
+                or self._cached_limits > MAX_CACHED_LIMITS
+            ):
                 # The oldest first: dicts keep insertion order.
-                del self._verdicts[next(iter(self._verdicts))]
+                oldest = self._verdicts.pop(next(iter(self._verdicts)))
+                self._cached_limits -= len(oldest.limits)
             self._verdicts[name] = found
         return found
 
