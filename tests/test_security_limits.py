@@ -250,6 +250,22 @@ def test_getjobs_stops_before_the_reply_would_pass_max_reply_bytes(db):
         server.stop()
 
 
+def test_the_bound_holds_for_text_that_takes_more_bytes_than_characters(db):
+    """Data of three-byte characters, and names that JSON escapes."""
+    server = ThreadServer(db, max_reply_bytes=MIN_MAX_REPLY_BYTES)
+    try:
+        with server.client(timeout=60) as client:
+            data = '{"blob":"' + "€" * 349_000 + '"}'
+            for i in range(6):
+                create(client, f'say "hé" {i}', data=data)
+            reply = ok(client.request("GetJobs", name="say*", numResults=1000))
+            assert len(reply.body) <= MIN_MAX_REPLY_BYTES
+            assert 1 <= len(reply.json["jobs"]) < 6
+            assert reply.json["jobs"][0]["data"] == {"blob": "€" * 349_000}
+    finally:
+        server.stop()
+
+
 def test_one_job_of_the_largest_size_fits_the_least_bound(db):
     server = ThreadServer(db, max_reply_bytes=MIN_MAX_REPLY_BYTES)
     try:

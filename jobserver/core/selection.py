@@ -26,11 +26,11 @@ from jobserver.wire.framing import Request, Response
 MAX_SKIPPED = 1000
 # With limits or pauses set, candidates are read this many at a time.
 PAGE = 100
-# Room in a GetJobs reply for what a job's object gains once handed out
-# (attempt, maxAttempts, leaseID), its comma, and its token in the
-# `leaseID` header; and for the rest of the reply (status line, headers,
-# `{"jobs":[]}`).
-PER_JOB_EXTRA = 256
+# Room in a GetJobs reply for a job's keys, numbers (jobID, priority,
+# cost), what its object gains once handed out (attempt, maxAttempts,
+# leaseID), its comma, and its token in the `leaseID` header; and for the
+# rest of the reply (status line, headers, `{"jobs":[]}`).
+PER_JOB_EXTRA = 512
 REPLY_OVERHEAD = 1024
 
 
@@ -156,7 +156,7 @@ def take(ctx: Context, query: JobQuery, holds: Holds | None = None) -> list[Take
                     skipped.append(job.jobID)
                     continue
             obj = handout_object(store, job)
-            if room is not None and not room.take(obj, first=not taken):
+            if room is not None and not room.take(_reply_bytes(job, obj), first=not taken):
                 return taken
             item = _hand_out(ctx, job, obj, query)
             if item is None:
@@ -237,14 +237,29 @@ class _Room:
     def __init__(self, max_bytes: int) -> None:
         self._left = max_bytes - REPLY_OVERHEAD
 
-    def take(self, obj: dict[str, Any], first: bool) -> bool:
+    def take(self, size: int, first: bool) -> bool:
         """Make room for a job's object; False if it does not fit. The
         first always does: the least --max-reply-bytes holds the largest job."""
-        size = len(jsonbody.encode(obj)) + PER_JOB_EXTRA
         if size > self._left and not first:
             return False
         self._left -= size
         return True
+
+
+def _reply_bytes(job: Job, obj: dict[str, Any]) -> int:
+    """At most the bytes a job adds to a GetJobs reply, without building it
+    (which would cost a second encoding of every job handed out): its data
+    exactly, every other text as if each character took an escape's 6
+    bytes, and PER_JOB_EXTRA for the rest. With a parent's or children's
+    data, the object is encoded."""
+    if "parentData" in obj or "finishedChildJobs" in obj:
+        return len(jsonbody.encode(obj)) + PER_JOB_EXTRA
+    texts = (
+        job.created, job.name, job.nextRun, job.lastRun or "", job.repeat,
+        job.retryAfter, job.timeWindows, job.timeZone,
+    )
+    data = len(job.data) if job.data.isascii() else len(job.data.encode("utf-8"))
+    return data + 6 * sum(map(len, texts)) + PER_JOB_EXTRA
 
 
 def serve_waiters(
