@@ -297,8 +297,10 @@ def test_eight_big_getjobs_at_once_keep_memory_bounded(
     groups, per_group = 8, 20
     with server.client(timeout=120) as client:
         for group in range(groups):
-            for _ in range(per_group):
-                create(client, f"g{group}", data=MEGABYTE_DATA)
+            pipelined(
+                client,
+                [("CreateJob", {"name": f"g{group}", "data": MEGABYTE_DATA})] * per_group,
+            )
     before = rss_peak_kib(server.proc.pid)
     replies: list[int] = []
 
