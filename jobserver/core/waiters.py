@@ -84,11 +84,20 @@ Tick = Callable[[Any], "str | None"]
 
 class WaitQueue:
     def __init__(
-        self, writer: Writer, clock: Clock, serve: Serve, undo: Undo, tick: Tick | None = None
+        self,
+        writer: Writer,
+        clock: Clock,
+        serve: Serve,
+        undo: Undo,
+        tick: Tick | None = None,
+        serve_is_heavy: Callable[[], bool] = lambda: False,
     ) -> None:
         self._writer = writer
         self._clock = clock
         self._serve = serve
+        # Whether serving waiters may take long (many limits and pauses):
+        # its batch then runs in a thread.
+        self._serve_is_heavy = serve_is_heavy
         self._undo = undo
         self._tick = tick
         self._seq = itertools.count()
@@ -256,7 +265,11 @@ class WaitQueue:
         if batch:
             queries = [w.query for w in batch]
             self._writer.submit(
-                Work(lambda ctx: self._serve(ctx, queries), lambda o: self._served(batch, o))
+                Work(
+                    lambda ctx: self._serve(ctx, queries),
+                    lambda o: self._served(batch, o),
+                    heavy=self._serve_is_heavy(),
+                )
             )
 
     def _served(self, batch: list[Waiter], result: outcome.Maybe[Any]) -> None:

@@ -20,11 +20,12 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import trio
 
-from jobserver.core import deadlines, retention, selection
+from jobserver.core import deadlines, flow, retention, selection
 from jobserver.core.clock import SystemClock
 from jobserver.core.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER, Settings
 from jobserver.core.dispatch import Access, Dispatcher, is_loopback
@@ -262,7 +263,8 @@ class Server:
         )
         self.writer = Writer(store, self._notify, self.clock, settings)
         self.waits = WaitQueue(
-            self.writer, self.clock, selection.serve_waiters, selection.give_back, deadlines.tick
+            self.writer, self.clock, selection.serve_waiters, selection.give_back, deadlines.tick,
+            partial(flow.is_heavy, store),
         )
         access = Access(
             config.auth_token, config.allow_remote_query, config.query_seconds,
