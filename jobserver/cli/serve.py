@@ -26,6 +26,7 @@ from jobserver.storage.sqlite_schema import StoreError
 from jobserver.wire.limits import (
     DEFAULT_HOST,
     DEFAULT_PORT,
+    MAX_MAX_LIMITS,
     MAX_MAX_REPLY_BYTES,
     MIN_MAX_REPLY_BYTES,
 )
@@ -229,6 +230,16 @@ def _add_job_options(serve: argparse.ArgumentParser) -> None:
         "SetLimit changes them at run time (default: none)",
     )
     serve.add_argument(
+        "--max-limits",
+        type=number(int, 1, MAX_MAX_LIMITS),
+        default=Config.max_limits,
+        metavar="N",
+        help=f"the most concurrency limits (--limit ones included), and the most paused "
+        f"patterns, 1 to {MAX_MAX_LIMITS:,}: SetLimit and PauseJobs past it are "
+        f"answered '413 Too many limits' or '413 Too many paused patterns' "
+        f"(default: {Config.max_limits:,})",
+    )
+    serve.add_argument(
         "--keep-finished",
         type=duration(0.0, MAX_DURATION_SECONDS),
         default=0.0,
@@ -365,6 +376,8 @@ def run(args: argparse.Namespace) -> int:
         is_postgres(args.db) and is_postgres(args.query_db_url)
     ):
         log.error("--query-db-url takes a PostgreSQL URL, and is for a PostgreSQL --db")
+    if len(dict(args.limit)) > args.max_limits:
+        log.error("more --limit patterns than --max-limits %d", args.max_limits)
         return 2
     if args.http_port is not None and not web.available():
         log.error("%s", web.MISSING)
@@ -388,6 +401,7 @@ def run(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         limits=dict(args.limit),
+        max_limits=args.max_limits,
         keep_finished=args.keep_finished,
         keep_failed=args.keep_failed,
         reply_grace=args.reply_grace,

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobserver.core import lifecycle, params, schedule
+from jobserver.core import flow, lifecycle, params, schedule
 from jobserver.core.context import Context
 from jobserver.core.errors import CommandError
-from jobserver.core.globmatch import glob_match
 from jobserver.core.jobs import ACTIVE, PENDING, Job, NewJob, State
 from jobserver.core.schedule import RepeatStalled
 from jobserver.core.selection import name_selector
@@ -109,8 +108,16 @@ def _create(ctx: Context, request: Request) -> int:
 
 def _check_cost_fits(ctx: Context, name: str, cost: int) -> None:
     """A job that costs more than a limit on its name holds can never run."""
-    for pattern, capacity in ctx.store.limits.items():
-        if cost > capacity and glob_match(pattern, name):
+    limits = ctx.store.limits
+    if not limits:
+        return
+    index = flow.index_of(ctx.store)
+    # The usual job (cost 1) fits every limit without matching a pattern.
+    if cost <= index.min_capacity:
+        return
+    for pattern in index.verdict(name).limits:
+        capacity = index.limits[pattern]
+        if cost > capacity:
             # Escaped as a header value: a pattern may hold a line break.
             raise CommandError(f"402 Cost {cost} exceeds limit {escape(pattern)} (max {capacity})")
 
@@ -403,9 +410,14 @@ def failed_jobs(ctx: Context, request: Request) -> Response:
 
 
 def set_limit(ctx: Context, request: Request) -> Response:
-    """Set, change or (max 0) remove a concurrency limit."""
+    """Set, change or (max 0) remove a concurrency limit. A new one past
+    --max-limits is refused; changing or removing one always works."""
     pattern = params.pattern(request)
     capacity = params.capacity(request)
+    limits = ctx.store.limits
+    most = ctx.settings.max_limits
+    if capacity and pattern not in limits and len(limits) >= most:
+        raise CommandError(f"413 Too many limits (max {most})")
     ctx.store.set_limit(pattern, capacity)
     # A higher or removed limit may let waiting jobs run.
     ctx.wake_all()
@@ -413,7 +425,14 @@ def set_limit(ctx: Context, request: Request) -> Response:
 
 
 def pause_jobs(ctx: Context, request: Request) -> Response:
-    ctx.store.pause(params.pattern(request))
+    """Pause a pattern. A new one past --max-limits paused patterns is
+    refused: every candidate of a GetJob is matched against them."""
+    pattern = params.pattern(request)
+    paused = ctx.store.paused
+    most = ctx.settings.max_limits
+    if pattern not in paused and len(paused) >= most:
+        raise CommandError(f"413 Too many paused patterns (max {most})")
+    ctx.store.pause(pattern)
     return ok()
 
 

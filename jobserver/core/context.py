@@ -7,7 +7,7 @@ from datetime import datetime
 
 from jobserver.core import times
 from jobserver.storage.interface import Storage
-from jobserver.wire.limits import DEFAULT_MAX_REPLY_BYTES
+from jobserver.wire.limits import DEFAULT_MAX_LIMITS, DEFAULT_MAX_REPLY_BYTES
 
 # hipq's default job timeout: a day is longer than any job should run
 # without a word from its worker, and short enough that a job lost with
@@ -36,6 +36,9 @@ class Settings:
     serving_since: str = ""
     # The largest reply a command may build (--max-reply-bytes).
     max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+    # The most concurrency limits, and the most paused patterns, SetLimit
+    # and PauseJobs may add (--max-limits).
+    max_limits: int = DEFAULT_MAX_LIMITS
 
 
 @dataclass

@@ -29,6 +29,7 @@ from jobserver import __version__
 from jobserver.core import (
     backup,
     commands,
+    flow,
     params,
     query,
     queues,
@@ -137,6 +138,8 @@ class Dispatcher:
         # clients sending new rules take one core at the most, and never
         # the writer's time.
         self._rule_check_limiter = trio.CapacityLimiter(1)
+        # Status counts what running jobs use of each limit one at a time.
+        self._status_limiter = trio.CapacityLimiter(1)
         # One backup at a time: each reads the whole database and holds
         # its log from being checkpointed until it is done.
         self._backing_up = trio.Lock()
@@ -185,7 +188,9 @@ class Dispatcher:
         if (request.get("connection") or "").lower() == "wait":
             timeout = params.wait_seconds(request)
             return WaitForJobs(partial(self._wait_for_jobs, job_query, timeout))
-        taken = await self.writer.call(partial(selection.take, query=job_query))
+        taken = await self.writer.call(
+            partial(selection.take, query=job_query), flow.is_heavy(self.store)
+        )
         if not taken:
             # Jobs failed on the way (out of leases) stay failed.
             return Answer(Response("404 No job found"))
@@ -210,6 +215,10 @@ class Dispatcher:
 
     async def status(self) -> Answer:
         counts, limits, paused, early, size = await self.writer.call(_status_snapshot)
+        try:
+            in_use = await self._limits_in_use(limits)
+        except self.store.errors as error:
+            return Answer(Response(f"503 Database unavailable: {error}"))
         body = {
             "version": __version__,
             "uptime": round(time.monotonic() - self.started, 3),
@@ -219,11 +228,28 @@ class Dispatcher:
             "connections": self.gauges.open_connections,
             "commandsServed": self.gauges.commands_served,
             "transactions": self.writer.batches,
-            "limits": limits,
-            "paused": paused,
+            "limits": in_use,
+            "paused": sorted(paused),
             "replies": {"waiting": counts.get(State.WAITING, 0), "early": early},
         }
         return Answer(ok(body))
+
+    async def _limits_in_use(self, limits: dict[str, int]) -> dict[str, Any]:
+        """Each limit and what running jobs use of it, read on a connection
+        of the store's own in a thread, one Status at a time: matching
+        every running job's name against every limit must hold up neither
+        the writer nor the event loop."""
+        if not limits:
+            return {}
+        now = times.to_millis(times.utcnow())
+        running = await trio.to_thread.run_sync(
+            lambda: flow.running_under(limits, self.store.running_by_name(now)),
+            limiter=self._status_limiter,
+        )
+        return {
+            pattern: {"max": capacity, "running": running[pattern]}
+            for pattern, capacity in sorted(limits.items())
+        }
 
     async def queues(self, request: Request) -> Answer:
         """Each queue's jobs by state and oldest ready age, read on a
@@ -319,17 +345,12 @@ def _is_heavy(request: Request) -> bool:
 
 def _status_snapshot(
     ctx: Context,
-) -> tuple[dict[str, int], dict[str, Any], list[str], int, int]:
-    """Job counts, each concurrency limit with what running jobs use of it,
-    the paused patterns, the early replies not yet awaited, and the
-    database's size (a query, on PostgreSQL)."""
+) -> tuple[dict[str, int], dict[str, int], frozenset[str], int, int]:
+    """Job counts, the concurrency limits, the paused patterns, the early
+    replies not yet awaited, and the database's size (a query, on PostgreSQL)."""
     store = ctx.store
-    limits = {
-        pattern: {"max": capacity, "running": store.usage(pattern, ctx.now_ms)}
-        for pattern, capacity in sorted(store.limits.items())
-    }
     return (
-        store.count_by_state(), limits, sorted(store.paused),
+        store.count_by_state(), dict(store.limits), store.paused,
         store.early_replies(ctx.now_ms), store.size_bytes(),
     )
 

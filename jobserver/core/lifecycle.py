@@ -25,9 +25,8 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Any
 
-from jobserver.core import schedule
+from jobserver.core import flow, schedule
 from jobserver.core.context import Context
-from jobserver.core.globmatch import glob_match
 from jobserver.core.jobs import (
     ACTIVE,
     ENDED_CHILDREN,
@@ -136,8 +135,9 @@ def _move(ctx: Context, job: Job, name: str, target: str, /, **changes: Any) -> 
 def _freed(ctx: Context, job: Job) -> None:
     """A job stops running: if it held capacity of a concurrency limit,
     every waiting GetJob may now get a job."""
-    limits = ctx.store.limits
-    if job.state in ACTIVE and limits and any(glob_match(pattern, job.name) for pattern in limits):
+    if job.state not in ACTIVE or not ctx.store.limits:
+        return
+    if flow.index_of(ctx.store).verdict(job.name).limits:
         ctx.wake_all()
 
 

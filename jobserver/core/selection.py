@@ -11,19 +11,27 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from jobserver.core import lifecycle, params, schedule
+from jobserver.core import flow, lifecycle, params, schedule
 from jobserver.core.context import Context
 from jobserver.core.errors import CommandError
-from jobserver.core.globmatch import glob_match
 from jobserver.core.jobs import Job
 from jobserver.core.views import handout_object
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request, Response
 
 # A GetJob passes over at most this many due jobs that a concurrency limit
-# holds back before it gives up: the search stays bounded (one query's
-# bound parameters) even when a limit blocks a long queue of heavy jobs.
+# or a pause holds back before it gives up: the search stays bounded (one
+# query's bound parameters, a few milliseconds) however long the queue of
+# held jobs in front of the others.
 MAX_SKIPPED = 1000
+# With limits or pauses set, candidates are read this many at a time.
+PAGE = 100
+# Room in a GetJobs reply for a job's keys, numbers (jobID, priority,
+# cost), what its object gains once handed out (attempt, maxAttempts,
+# leaseID), its comma, and its token in the `leaseID` header; and for the
+# rest of the reply (status line, headers, `{"jobs":[]}`).
+PER_JOB_EXTRA = 512
+REPLY_OVERHEAD = 1024
 
 
 @dataclass(frozen=True)
@@ -101,56 +109,67 @@ def reply(query: JobQuery, taken: list[Taken]) -> Response:
     return Response("200 OK", jsonbody.encode(body), headers)
 
 
-def take(ctx: Context, query: JobQuery) -> list[Taken]:
+def take(ctx: Context, query: JobQuery, holds: Holds | None = None) -> list[Taken]:
     """Take up to `query.limit` due jobs, highest priority first.
 
     Jobs that run out of leases on the way are failed and skipped, and the
     search goes on, so a GetJob gets a job whenever one can be had. So are
     jobs outside their time window (moved to its next start), jobs of a
     paused pattern and jobs that would take a concurrency limit over its
-    capacity (both left where they are).
+    capacity (both left where they are), up to MAX_SKIPPED of them and
+    within the search's budget (flow.py). A GetJobs stops before the job
+    that would take its reply past --max-reply-bytes; that job and the
+    rest are not taken.
     """
     store = ctx.store
     taken: list[Taken] = []
     # Flow control, only when some is set: a plain queue pays nothing.
-    usage = _usage(ctx) if store.limits else {}
+    if holds is None and (store.limits or store.paused):
+        holds = Holds(ctx)
+    room = _Room(ctx.settings.max_reply_bytes) if query.limit > 1 else None
     skipped: list[int] = []
     while len(taken) < query.limit:
-        blocked = [*store.paused, *(p for p, used in usage.items() if used >= store.limits[p])]
+        # Held jobs are passed over a page at a time, not one query each.
+        wanted = query.limit - len(taken)
+        asked = wanted if holds is None else max(wanted, PAGE)
         candidates = store.find_ready(
             now=ctx.now_ms,
             priorities=query.priorities,
-            limit=query.limit - len(taken),
+            limit=asked,
             pattern=query.pattern,
             names=query.names,
-            blocked=blocked,
             skipped=skipped,
         )
-        if not candidates:
-            break
         for job in candidates:
+            if len(taken) == query.limit:
+                break
             if job.timeWindows:
                 start = schedule.window_start(ctx, job)
                 if start is not None:
                     lifecycle.wait_for_window(ctx, job, start)
                     continue
-            if usage and not _fits(store.limits, usage, job):
-                skipped.append(job.jobID)
-                continue
-            item = _hand_out(ctx, job, query)
+            if holds is not None:
+                held = holds.holds_back(job)
+                if held is None:
+                    return taken
+                if held:
+                    skipped.append(job.jobID)
+                    continue
+            obj = handout_object(store, job)
+            if room is not None and not room.take(_reply_bytes(job, obj), first=not taken):
+                return taken
+            item = _hand_out(ctx, job, obj, query)
             if item is None:
                 continue
-            for pattern in usage:
-                if glob_match(pattern, job.name):
-                    usage[pattern] += job.cost
+            if holds is not None:
+                holds.count(job)
             taken.append(item)
-        if len(skipped) >= MAX_SKIPPED:
+        if len(candidates) < asked or len(skipped) >= MAX_SKIPPED:
             break
     return taken
 
 
-def _hand_out(ctx: Context, job: Job, query: JobQuery) -> Taken | None:
-    obj = handout_object(ctx.store, job)
+def _hand_out(ctx: Context, job: Job, obj: dict[str, Any], query: JobQuery) -> Taken | None:
     lease = lifecycle.hand_out(ctx, job)
     if lease is None:
         return None
@@ -162,17 +181,85 @@ def _hand_out(ctx: Context, job: Job, query: JobQuery) -> Taken | None:
     return Taken(job, obj, lease)
 
 
-def _usage(ctx: Context) -> dict[str, int]:
-    """What the running jobs use of each concurrency limit."""
-    return {pattern: ctx.store.usage(pattern, ctx.now_ms) for pattern in ctx.store.limits}
+class Holds:
+    """Whether a pause or a concurrency limit holds a job back, for the
+    searches of one transaction: the usage of each limit is read once,
+    when a job under it is first considered, and counted on from there."""
+
+    def __init__(self, ctx: Context) -> None:
+        self._ctx = ctx
+        self._index = flow.index_of(ctx.store)
+        self._budget = flow.Budget()
+        self._usage: dict[str, int] = {}
+
+    def holds_back(self, job: Job) -> bool | None:
+        """True if the job must wait, False if it may go, None when the
+        budget is spent before that is known."""
+        verdict = self._verdict(job.name)
+        if verdict is None:
+            return None
+        if verdict.paused:
+            return True
+        for pattern in verdict.limits:
+            used = self._used(pattern)
+            if used is None:
+                return None
+            if used + job.cost > self._index.limits[pattern]:
+                return True
+        return False
+
+    def count(self, job: Job) -> None:
+        """A job was handed out: its cost now counts against its limits."""
+        for pattern in self._index.verdict(job.name).limits:
+            self._usage[pattern] += job.cost
+
+    def _verdict(self, name: str) -> flow.Verdict | None:
+        found = self._index.cached(name)
+        if found is None and self._budget.spend(self._index.size):
+            found = self._index.verdict(name)
+        return found
+
+    def _used(self, pattern: str) -> int | None:
+        if pattern not in self._usage:
+            if not self._budget.spend(flow.usage_cost(pattern)):
+                return None
+            if not self._usage:
+                # Before the first count: from here on no other node hands
+                # out a job under any limit until this transaction ends.
+                self._ctx.store.hold_limits()
+            self._usage[pattern] = self._ctx.store.usage(pattern, self._ctx.now_ms)
+        return self._usage[pattern]
 
 
-def _fits(limits: dict[str, int], usage: dict[str, int], job: Job) -> bool:
-    return all(
-        usage[pattern] + job.cost <= capacity
-        for pattern, capacity in limits.items()
-        if glob_match(pattern, job.name)
+class _Room:
+    """What is left of a GetJobs reply's bytes (--max-reply-bytes)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._left = max_bytes - REPLY_OVERHEAD
+
+    def take(self, size: int, first: bool) -> bool:
+        """Make room for a job's object; False if it does not fit. The
+        first always does: the least --max-reply-bytes holds the largest job."""
+        if size > self._left and not first:
+            return False
+        self._left -= size
+        return True
+
+
+def _reply_bytes(job: Job, obj: dict[str, Any]) -> int:
+    """At most the bytes a job adds to a GetJobs reply, without building it
+    (which would cost a second encoding of every job handed out): its data
+    exactly, every other text as if each character took an escape's 6
+    bytes, and PER_JOB_EXTRA for the rest. With a parent's or children's
+    data, the object is encoded."""
+    if "parentData" in obj or "finishedChildJobs" in obj:
+        return len(jsonbody.encode(obj)) + PER_JOB_EXTRA
+    texts = (
+        job.created, job.name, job.nextRun, job.lastRun or "", job.repeat,
+        job.retryAfter, job.timeWindows, job.timeZone,
     )
+    data = len(job.data) if job.data.isascii() else len(job.data.encode("utf-8"))
+    return data + 6 * sum(map(len, texts)) + PER_JOB_EXTRA
 
 
 def serve_waiters(
@@ -183,8 +270,10 @@ def serve_waiters(
     cost one query, not ten thousand."""
     empty: set[tuple[object, ...]] = set()
     handed: list[list[Taken] | None] = []
+    # One budget and one count of usage for the whole pass.
+    holds = Holds(ctx) if ctx.store.limits or ctx.store.paused else None
     for query in queries:
-        taken = [] if query.selector in empty else take(ctx, query)
+        taken = [] if query.selector in empty else take(ctx, query, holds)
         if not taken:
             empty.add(query.selector)
         handed.append(taken or None)

@@ -109,11 +109,20 @@ Tick = Callable[[Any], "str | None"]
 
 class WaitQueue:
     def __init__(
-        self, writer: Writer, clock: Clock, serve: Serve, undo: Undo, tick: Tick | None = None
+        self,
+        writer: Writer,
+        clock: Clock,
+        serve: Serve,
+        undo: Undo,
+        tick: Tick | None = None,
+        serve_is_heavy: Callable[[], bool] = lambda: False,
     ) -> None:
         self._writer = writer
         self._clock = clock
         self._serve = serve
+        # Whether serving waiters may take long (many limits and pauses):
+        # its batch then runs in a thread.
+        self._serve_is_heavy = serve_is_heavy
         self._undo = undo
         self._tick = tick
         self._seq = itertools.count()
@@ -331,8 +340,9 @@ class WaitQueue:
             Work(
                 lambda ctx: self._serve(ctx, queries),
                 lambda o: self._served(batch, o, later),
-                # A GLOB's search of a long queue runs off the event loop.
-                heavy=any(w.selector.scans for w in batch),
+                # A GLOB's search of a long queue, or a search under many
+                # limits and pauses, runs off the event loop.
+                heavy=any(w.selector.scans for w in batch) or self._serve_is_heavy(),
             )
         )
 

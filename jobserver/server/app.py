@@ -20,11 +20,12 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import trio
 
-from jobserver.core import backup, deadlines, retention, selection
+from jobserver.core import backup, deadlines, flow, retention, selection
 from jobserver.core.clock import SystemClock
 from jobserver.core.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER, Settings
 from jobserver.core.dispatch import Access, Dispatcher, is_loopback
@@ -36,7 +37,12 @@ from jobserver.server.connection import Connection, serve_connection
 from jobserver.storage import lockfile
 from jobserver.storage.backends import is_postgres, open_store
 from jobserver.storage.interface import Storage
-from jobserver.wire.limits import DEFAULT_HOST, DEFAULT_MAX_REPLY_BYTES, DEFAULT_PORT
+from jobserver.wire.limits import (
+    DEFAULT_HOST,
+    DEFAULT_MAX_LIMITS,
+    DEFAULT_MAX_REPLY_BYTES,
+    DEFAULT_PORT,
+)
 
 log = logging.getLogger("jobserver")
 
@@ -85,6 +91,8 @@ class Config:
     # Concurrency limits given at start (--limit): pattern -> capacity.
     # SetLimit's, stored in the database, win over these.
     limits: dict[str, int] = field(default_factory=dict)
+    # The most limits, and the most paused patterns, there may be (--max-limits).
+    max_limits: int = DEFAULT_MAX_LIMITS
     # Retention in seconds (--keep-finished, --keep-failed): 0 deletes a
     # finished job at once, as Bedrock does; None keeps failed jobs forever.
     keep_finished: float = 0.0
@@ -271,10 +279,12 @@ class Server:
             stale_after=config.stale_after,
             serving_since=to_millis(self.clock.now()),
             max_reply_bytes=config.max_reply_bytes,
+            max_limits=config.max_limits,
         )
         self.writer = Writer(store, self._notify, self.clock, settings)
         self.waits = WaitQueue(
-            self.writer, self.clock, selection.serve_waiters, selection.give_back, deadlines.tick
+            self.writer, self.clock, selection.serve_waiters, selection.give_back, deadlines.tick,
+            partial(flow.is_heavy, store),
         )
         access = Access(
             config.auth_token, config.allow_remote_query, config.query_seconds,

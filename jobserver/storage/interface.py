@@ -201,12 +201,11 @@ class Storage(Protocol):
         limit: int,
         pattern: str | None = None,
         names: Sequence[str] = (),
-        blocked: Sequence[str] = (),
         skipped: Sequence[int] = (),
     ) -> list[Job]:
         """Due QUEUED/RUNQUEUED jobs in hand-out order (protocol.md 4.4),
-        matching a GLOB `pattern` or one of `names`, except names matching
-        a `blocked` GLOB and the `skipped` jobIDs."""
+        matching a GLOB `pattern` or one of `names`, except the `skipped`
+        jobIDs."""
 
     def find_by_name(self, name: str) -> Job | None:
         """The oldest job with exactly this name that is not history."""
@@ -253,7 +252,13 @@ class Storage(Protocol):
 
     def set_limit(self, pattern: str, capacity: int) -> None: ...
 
-    def usage(self, pattern: str, now: str) -> int: ...
+    def hold_limits(self) -> None:
+        """Until the transaction ends, no other node hands out a job under
+        any limit: called before the `usage` that decides a hand-out."""
+
+    def usage(self, pattern: str, now: str) -> int:
+        """The cost of the running jobs a limit's pattern matches."""
+
 
     def pause(self, pattern: str) -> None: ...
 
@@ -287,6 +292,10 @@ class Storage(Protocol):
     def queue_stats(self, now: str) -> QueueStats:
         """Jobs by queue and state, and each queue's oldest due nextRun, on a
         connection of its own (from another thread): it reads every job."""
+
+    def running_by_name(self, now: str) -> list[tuple[str, int]]:
+        """The cost of the running jobs, as `usage` counts it, by name, on a
+        connection of its own (from another thread), for Status."""
 
     def find_matching(self, pattern: str, limit: int) -> list[Job]:
         """Jobs in any state whose name matches a GLOB `pattern`, newest

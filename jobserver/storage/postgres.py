@@ -388,12 +388,14 @@ class PostgresStore:
         limit: int,
         pattern: str | None = None,
         names: Sequence[str] = (),
-        blocked: Sequence[str] = (),
         skipped: Sequence[int] = (),
     ) -> list[Job]:
         """Due QUEUED/RUNQUEUED jobs in hand-out order, locked; jobs that
         another node's transaction holds are passed over
-        (postgres_schema.FIND_READY_FUNCTION)."""
+        (postgres_schema.FIND_READY_FUNCTION). The function's `blocked`
+        patterns are always none: limits and pauses are checked by the core
+        (core/flow.py), at a bounded cost; the argument stays so that the
+        schema needs no new version."""
         exact: list[str] | None = None
         regex: str | None = None
         if pattern is not None and not _GLOB_SPECIALS.isdisjoint(pattern):
@@ -404,7 +406,7 @@ class PostgresStore:
             f"SELECT {_COLUMNS} FROM jobserver_find_ready(%s, %s, %s, %s, %s, %s, %s)",
             (
                 now, list(priorities), limit, regex, exact,
-                [glob_to_regex(glob) for glob in blocked], list(skipped),
+                [], list(skipped),
             ),
         )
 
@@ -579,10 +581,17 @@ class PostgresStore:
             self._base_limits.pop(pattern, None)
             self.limits = {p: c for p, c in self.limits.items() if p != pattern}
 
+    def hold_limits(self) -> None:
+        """Take every limit's lock, in one order on every node and in one
+        round trip: hand-outs under limits, on any node, then commit one
+        at a time, and `usage` sees every one committed before."""
+        keys = [f"{self._lock_base}limit:{pattern}" for pattern in sorted(self.limits)]
+        self._run(
+            "SELECT count(pg_advisory_xact_lock(%s, hashtext(key))) FROM unnest(%s::text[]) AS key",
+            (postgres_schema.LOCK_NAMESPACE, keys),
+        )
+
     def usage(self, pattern: str, now: str) -> int:
-        # Hand-outs under one limit, on any node, commit one at a time:
-        # the count below sees every one committed before this lock.
-        self._lock("limit", pattern)
         row = self._one(
             "SELECT COALESCE(SUM(cost), 0) FROM jobs WHERE state IN ('RUNNING', 'RUNQUEUED') "
             "AND name ~ %s AND (state = 'RUNNING' OR nextRun > %s)",
@@ -664,6 +673,15 @@ class PostgresStore:
                 ).fetchall()
             }
         return counts, oldest
+
+    def running_by_name(self, now: str) -> list[tuple[str, int]]:
+        with connect(self._url) as db:
+            rows = db.execute(
+                "SELECT name, SUM(cost) FROM jobs WHERE state IN ('RUNNING', 'RUNQUEUED') "
+                "AND (state = 'RUNNING' OR nextRun > %s) GROUP BY name",
+                (now,),
+            ).fetchall()
+        return [(str(name), int(cost)) for name, cost in rows]
 
     def find_matching(self, pattern: str, limit: int) -> list[Job]:
         clause, arg = "name ~ %s", glob_to_regex(pattern)

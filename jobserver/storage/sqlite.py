@@ -295,7 +295,6 @@ class Store:
         limit: int,
         pattern: str | None = None,
         names: Sequence[str] = (),
-        blocked: Sequence[str] = (),
         skipped: Sequence[int] = (),
     ) -> list[Job]:
         """Due QUEUED/RUNQUEUED jobs, highest priority first, then oldest nextRun.
@@ -303,10 +302,9 @@ class Store:
         Either `pattern` (a GLOB) or `names` (exact names) selects the jobs.
         One index range per priority, so that no query scans jobs that are
         not due yet; priorities no job has ever used are not asked about.
-        Jobs whose name matches a `blocked` GLOB, and the `skipped` jobIDs,
-        are left out.
+        The `skipped` jobIDs are left out.
         """
-        # What the name clause binds: names or GLOBs, then jobIDs.
+        # What the name clause binds: names or a GLOB, then jobIDs.
         name_args: Sequence[str | int]
         if pattern is not None and not _GLOB_SPECIALS.isdisjoint(pattern):
             source, name_clause, name_args = "jobs", "name GLOB ?", [pattern]
@@ -317,9 +315,6 @@ class Store:
             source = "jobs INDEXED BY jobsReadyName"
             name_clause = f"name IN ({', '.join('?' for _ in names)})"
             name_args = names
-        if blocked:
-            name_clause += " AND NOT (" + " OR ".join("name GLOB ?" for _ in blocked) + ")"
-            name_args = [*name_args, *blocked]
         if skipped:
             name_clause += f" AND jobID NOT IN ({', '.join('?' for _ in skipped)})"
             name_args = [*name_args, *skipped]
@@ -535,6 +530,9 @@ class Store:
             self._base_limits.pop(pattern, None)
             self.limits = {p: c for p, c in self.limits.items() if p != pattern}
 
+    def hold_limits(self) -> None:
+        """Nothing to do: this process is the file's only writer."""
+
     def usage(self, pattern: str, now: str) -> int:
         """The cost of the running jobs a limit's pattern matches: RUNNING,
         and RUNQUEUED whose lease has not run out."""
@@ -597,6 +595,9 @@ class Store:
 
     def queue_stats(self, now: str) -> QueueStats:
         return sqlite_readers.queue_stats(self.path, now)
+
+    def running_by_name(self, now: str) -> list[tuple[str, int]]:
+        return sqlite_readers.running_by_name(self.path, now)
 
     def find_matching(self, pattern: str, limit: int) -> list[Job]:
         rows = sqlite_readers.find_matching(self.path, _COLUMNS, pattern, limit)

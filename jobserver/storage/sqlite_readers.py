@@ -158,6 +158,20 @@ def queue_stats(path: str, now: str) -> QueueStats:
         db.close()
 
 
+def running_by_name(path: str, now: str) -> list[tuple[str, int]]:
+    """The cost of the running jobs, as a limit's usage counts it, by name."""
+    db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
+    try:
+        rows = db.execute(
+            "SELECT name, SUM(cost) FROM jobs WHERE state IN ('RUNNING', 'RUNQUEUED') "
+            "AND (state = 'RUNNING' OR nextRun > ?) GROUP BY name",
+            (now,),
+        )
+        return [(name, int(cost)) for name, cost in rows]
+    finally:
+        db.close()
+
+
 def find_matching(path: str, columns: str, pattern: str, limit: int) -> list[tuple[Any, ...]]:
     """The rows (`columns`) of the newest jobs whose name matches a GLOB
     `pattern`: jobID order, so a search that finds enough stops early."""

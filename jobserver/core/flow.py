@@ -1,0 +1,187 @@
+"""Which concurrency limits and paused patterns hold a job's name, at a
+bounded cost however many patterns are set.
+
+Limits and pauses are GLOB patterns that clients set (SetLimit, PauseJobs),
+and every candidate of a GetJob must be checked against them. Testing
+every due job against every pattern (in the search's SQL, then again in
+Python) made a GetJob over many jobs and many patterns hold the event loop
+for minutes. Here:
+
+- the patterns sit in a table of an in-memory SQLite database, matched by
+  SQLite's own GLOB in C (the same matching the SQLite backend does, which
+  `globmatch` copies for PostgreSQL): nothing to compile, no cache to
+  overflow, and a name is matched against a thousand patterns in a
+  fraction of a millisecond;
+- what holds a name is remembered per name (`MAX_CACHED_NAMES` of them)
+  until the patterns change, so a queue of many jobs of few names costs
+  one match per name;
+- a search spends from a `Budget`: a name not yet remembered costs one
+  unit per pattern, a limit's usage (a query) `usage_cost`; when the
+  budget is spent the GetJob answers with what it found.
+
+The count of patterns is capped (`--max-limits`, commands.set_limit), so a
+single name never costs more than that many tests.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from jobserver.storage.interface import Storage
+
+# Names whose verdict is remembered: enough for every queue of a large
+# deployment. A verdict is a tuple of the limits that match the name, so
+# the cache also holds at most this many of them in all (8 bytes each),
+# however many limits match each name.
+MAX_CACHED_NAMES = 10_000
+MAX_CACHED_LIMITS = 1_000_000
+# What one search (one GetJob or GetJobs) may spend: tests of a name
+# against a pattern, done in C at tens of nanoseconds each, so that the
+# worst search holds the writer for tens of milliseconds, not seconds.
+SEARCH_BUDGET = 100_000
+# A limit's usage is a query over its running jobs, counted as this many
+# tests: an index range when the pattern starts with a literal character,
+# else a pass over every running job.
+USAGE_COST = 500
+USAGE_SCAN_COST = 5000
+# With more limits and paused patterns than this, a hand-out is heavy (is_heavy).
+HEAVY_PATTERNS = 64
+# Indexes kept for recently seen sets of patterns: more than one store may
+# live in a process (tests run several servers), each with its own set.
+MAX_INDEXES = 4
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What holds a name: whether a paused pattern matches it, and the
+    limits whose patterns match it, in the store's order."""
+
+    paused: bool
+    limits: tuple[str, ...]
+
+
+class FlowIndex:
+    """The limits and paused patterns of one moment, matched by name."""
+
+    def __init__(self, limits: Mapping[str, int], paused: frozenset[str]) -> None:
+        self.limits = dict(limits)
+        self.paused = paused
+        # A job costing no more than this fits every limit's capacity.
+        self.min_capacity = min(self.limits.values(), default=0)
+        self.size = len(self.limits) + len(paused)
+        self._db = sqlite3.connect(":memory:", check_same_thread=False)
+        self._db.execute("CREATE TABLE flow (pattern TEXT NOT NULL, capacity INTEGER)")
+        self._db.executemany(
+            "INSERT INTO flow (pattern, capacity) VALUES (?, ?)",
+            [*self.limits.items(), *((pattern, None) for pattern in sorted(paused))],
+        )
+        self._verdicts: dict[str, Verdict] = {}
+        # The limits the remembered verdicts name, in all.
+        self._cached_limits = 0
+        # Writer threads of several servers in one process may share an index.
+        self._lock = threading.Lock()
+
+    def same(self, limits: Mapping[str, int], paused: frozenset[str]) -> bool:
+        return self.paused == paused and self.limits == limits
+
+    def cached(self, name: str) -> Verdict | None:
+        return self._verdicts.get(name)
+
+    def verdict(self, name: str) -> Verdict:
+        """What holds `name`: remembered, or matched now (`size` tests)."""
+        found = self._verdicts.get(name)
+        if found is not None:
+            return found
+        with self._lock:
+            found = self._verdicts.get(name)
+            if found is not None:
+                return found
+            rows = self._db.execute(
+                "SELECT pattern, capacity FROM flow WHERE ?1 GLOB pattern ORDER BY rowid",
+                (name,),
+            ).fetchall()
+            found = Verdict(
+                paused=any(capacity is None for _, capacity in rows),
+                limits=tuple(pattern for pattern, capacity in rows if capacity is not None),
+            )
+            self._cached_limits += len(found.limits)
+            while self._verdicts and (
+                len(self._verdicts) >= MAX_CACHED_NAMES
+                or self._cached_limits > MAX_CACHED_LIMITS
+            ):
+                # The oldest first: dicts keep insertion order.
+                oldest = self._verdicts.pop(next(iter(self._verdicts)))
+                self._cached_limits -= len(oldest.limits)
+            self._verdicts[name] = found
+        return found
+
+
+_indexes: list[FlowIndex] = []
+_indexes_lock = threading.Lock()
+
+
+def index_of(store: Storage) -> FlowIndex:
+    """The index of the store's limits and paused patterns as they are now;
+    built once for each set of patterns."""
+    limits, paused = store.limits, store.paused
+    with _indexes_lock:
+        for index in _indexes:
+            if index.same(limits, paused):
+                return index
+    index = FlowIndex(limits, paused)
+    with _indexes_lock:
+        _indexes.insert(0, index)
+        del _indexes[MAX_INDEXES:]
+    return index
+
+
+def is_heavy(store: Storage) -> bool:
+    """Whether a hand-out may spend long on limits and pauses: then its
+    batch runs in a thread, where SQLite matches and counts (in C, without
+    the GIL) while the event loop goes on answering."""
+    return len(store.limits) + len(store.paused) > HEAVY_PATTERNS
+
+
+def running_under(limits: Iterable[str], running: Iterable[tuple[str, int]]) -> dict[str, int]:
+    """What running jobs, given as (name, cost), use of each limit: every
+    name against every pattern in one query, in C, which holds neither the
+    GIL nor the cache of names (Status reads every running job)."""
+    db = sqlite3.connect(":memory:")
+    try:
+        db.execute("CREATE TABLE limits (pattern TEXT NOT NULL)")
+        db.execute("CREATE TABLE running (name TEXT NOT NULL, cost INTEGER NOT NULL)")
+        used = dict.fromkeys(limits, 0)
+        db.executemany("INSERT INTO limits (pattern) VALUES (?)", ((p,) for p in used))
+        db.executemany("INSERT INTO running (name, cost) VALUES (?, ?)", running)
+        used.update(
+            db.execute(
+                "SELECT pattern, SUM(cost) FROM limits JOIN running "
+                "ON running.name GLOB limits.pattern GROUP BY pattern"
+            ).fetchall()
+        )
+        return used
+    finally:
+        db.close()
+
+
+def usage_cost(pattern: str) -> int:
+    """What reading a limit's usage counts against a search's budget."""
+    return USAGE_COST if pattern[:1] not in ("*", "?", "[") else USAGE_SCAN_COST
+
+
+class Budget:
+    """What one search may still spend."""
+
+    def __init__(self, units: int = SEARCH_BUDGET) -> None:
+        self.left = units
+
+    def spend(self, units: int) -> bool:
+        """Spend `units`; False when too few are left, and then nothing is left."""
+        if units > self.left:
+            self.left = 0
+            return False
+        self.left -= units
+        return True
