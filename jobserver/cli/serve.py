@@ -376,6 +376,7 @@ def run(args: argparse.Namespace) -> int:
         is_postgres(args.db) and is_postgres(args.query_db_url)
     ):
         log.error("--query-db-url takes a PostgreSQL URL, and is for a PostgreSQL --db")
+        return 2
     if len(dict(args.limit)) > args.max_limits:
         log.error("more --limit patterns than --max-limits %d", args.max_limits)
         return 2
