@@ -133,3 +133,37 @@ def test_trying_every_hostile_waiter_over_a_backlog_does_not_hold_the_event_loop
 
 def _in_a_second() -> str:
     return (datetime.now(UTC) + timedelta(seconds=1)).strftime("%Y-%m-%d %H:%M:%S")
+
+
+HOSTILE_CLIENTS = 100
+
+
+def test_getjobs_with_hostile_patterns_over_a_backlog_do_not_hold_the_event_loop(
+    server: ThreadServer,
+) -> None:
+    """A GetJob with a GLOB tries it against every due job's name, which
+    for a long queue and a pattern of many wildcards takes tens of
+    milliseconds; a hundred of them arriving together made batches that held
+    the event loop for seconds. Such a search now runs off the event loop."""
+    with server.client() as creator:
+        for start in range(0, BACKLOG, 1000):
+            jobs = [{"name": "a" * 240 + f"c{i:05d}"} for i in range(start, start + 1000)]
+            ok(creator.request("CreateJobs", jobs=json.dumps(jobs)))
+    clients = [Client(server.port, timeout=60) for _ in range(HOSTILE_CLIENTS)]
+    try:
+        with server.client() as neighbour:
+            neighbour.sock.settimeout(PING_BOUND * 5)
+            worst = 0.0
+            for _ in range(2):
+                for i, client in enumerate(clients):
+                    client.send(f"GetJob\r\nname: {hostile_pattern(i)}\r\n\r\n".encode())
+                for _ in range(10):
+                    began = time.monotonic()
+                    ok(neighbour.request("Ping"))
+                    worst = max(worst, time.monotonic() - began)
+                for client in clients:
+                    assert client.read_reply().status == "404 No job found"
+            assert worst < PING_BOUND, f"a neighbour's Ping waited {worst:.3f}s"
+    finally:
+        for client in clients:
+            client.close()

@@ -188,9 +188,10 @@ class Dispatcher:
         if (request.get("connection") or "").lower() == "wait":
             timeout = params.wait_seconds(request)
             return WaitForJobs(partial(self._wait_for_jobs, job_query, timeout))
-        taken = await self.writer.call(
-            partial(selection.take, query=job_query), flow.is_heavy(self.store)
-        )
+        # A GLOB's search of a long queue, or a search under many limits
+        # and pauses, runs off the event loop.
+        heavy = job_query.scans or flow.is_heavy(self.store)
+        taken = await self.writer.call(partial(selection.take, query=job_query), heavy)
         if not taken:
             # Jobs failed on the way (out of leases) stay failed.
             return Answer(Response("404 No job found"))

@@ -71,6 +71,16 @@ def _compile(pattern: str) -> tuple[_Token, ...]:
     return tuple(tokens)
 
 
+# What makes a pattern a GLOB rather than one exact name.
+_SPECIALS = frozenset("*?[")
+
+
+def is_glob(pattern: str) -> bool:
+    """Whether a pattern can match more than one name: an exact name is
+    looked up in an index, a GLOB is tried against every due job's."""
+    return not _SPECIALS.isdisjoint(pattern)
+
+
 def glob_match(pattern: str, text: str) -> bool:
     # SQLite's GLOB reads both as C strings, so a NUL (a job name can hold
     # one through `\u0000`) ends them there.

@@ -14,6 +14,7 @@ from typing import Any
 from jobserver.core import flow, lifecycle, params, schedule
 from jobserver.core.context import Context
 from jobserver.core.errors import CommandError
+from jobserver.core.globmatch import is_glob
 from jobserver.core.jobs import Job
 from jobserver.core.views import handout_object
 from jobserver.wire import jsonbody
@@ -46,6 +47,12 @@ class JobQuery:
     include_lease_id: bool = False
     # GetJobs: the reply lists the jobs under "jobs".
     many: bool = False
+
+    @property
+    def scans(self) -> bool:
+        """Whether it tries a GLOB against every due job's name, which may
+        take long for a long queue (an exact name is looked up in an index)."""
+        return self.pattern is not None and is_glob(self.pattern)
 
     @property
     def selector(self) -> tuple[object, ...]:

@@ -25,7 +25,7 @@ import trio
 
 from jobserver.core import times
 from jobserver.core.clock import Clock, seconds_until
-from jobserver.core.globmatch import glob_match
+from jobserver.core.globmatch import glob_match, is_glob
 from jobserver.core.writer import Work, Writer
 
 log = logging.getLogger("jobserver")
@@ -50,8 +50,6 @@ MATCH_SLICE = 512
 # a selector that found nothing only once per group.
 SCANS_AT_ONCE = 4
 SELECTORS_AT_ONCE = 64
-# What makes a pattern a GLOB rather than one exact name.
-_GLOB_SPECIALS = frozenset("*?[")
 
 
 @dataclass(frozen=True)
@@ -70,7 +68,7 @@ class Selector:
     def scans(self) -> bool:
         """Whether trying it searches the due jobs one by one (a GLOB), where
         exact names are looked up in an index."""
-        return self.pattern is not None and not _GLOB_SPECIALS.isdisjoint(self.pattern)
+        return self.pattern is not None and is_glob(self.pattern)
 
 
 class _State(Enum):

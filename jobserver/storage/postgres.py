@@ -41,7 +41,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.pq import TransactionStatus
 
-from jobserver.core.globmatch import glob_to_regex
+from jobserver.core.globmatch import glob_to_regex, is_glob
 from jobserver.core.jobs import Job, NewJob
 from jobserver.storage import postgres_listen, postgres_query, postgres_schema
 from jobserver.storage.interface import (
@@ -87,7 +87,6 @@ _SPELLING = {
     )
 }
 
-_GLOB_SPECIALS = frozenset("*?[")
 
 # Limits (with their capacity) and paused patterns (with none), in one query.
 _FLOW_CONTROL = (
@@ -398,7 +397,7 @@ class PostgresStore:
         schema needs no new version."""
         exact: list[str] | None = None
         regex: str | None = None
-        if pattern is not None and not _GLOB_SPECIALS.isdisjoint(pattern):
+        if pattern is not None and is_glob(pattern):
             regex = glob_to_regex(pattern)
         else:
             exact = [pattern] if pattern is not None else list(names)
@@ -493,7 +492,7 @@ class PostgresStore:
     def failed(self, *, pattern: str | None, names: Sequence[str], limit: int) -> list[Job]:
         if pattern is not None:
             clause, arg = "name ~ %s", glob_to_regex(pattern)
-            if _GLOB_SPECIALS.isdisjoint(pattern):
+            if not is_glob(pattern):
                 clause, arg = "name = %s", pattern
             args: list[Any] = [arg]
         else:
@@ -685,7 +684,7 @@ class PostgresStore:
 
     def find_matching(self, pattern: str, limit: int) -> list[Job]:
         clause, arg = "name ~ %s", glob_to_regex(pattern)
-        if _GLOB_SPECIALS.isdisjoint(pattern):
+        if not is_glob(pattern):
             clause, arg = "name = %s", pattern
         with connect(self._url) as db:
             rows = db.execute(

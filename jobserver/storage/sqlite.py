@@ -15,6 +15,7 @@ import sqlite3
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from jobserver.core.globmatch import is_glob
 from jobserver.core.jobs import PLAIN, Job, NewJob
 from jobserver.storage import sqlite_backup, sqlite_readers, sqlite_schema
 from jobserver.storage.interface import (
@@ -45,7 +46,6 @@ _UPDATABLE = frozenset(
 )
 
 
-_GLOB_SPECIALS = frozenset("*?[")
 
 
 # How long a transaction waits for another process's lock before failing.
@@ -306,7 +306,7 @@ class Store:
         """
         # What the name clause binds: names or a GLOB, then jobIDs.
         name_args: Sequence[str | int]
-        if pattern is not None and not _GLOB_SPECIALS.isdisjoint(pattern):
+        if pattern is not None and is_glob(pattern):
             source, name_clause, name_args = "jobs", "name GLOB ?", [pattern]
         else:
             # Exact names: seek each one in the name index, however many
