@@ -37,3 +37,83 @@ def test_a_schema_others_may_create_in_is_warned_of(start_server, queue: str) ->
     assert f"lets PUBLIC {WARNING}" in warned.log
     with warned.client() as client:
         assert client.request("Ping").status == "200 OK"
+
+
+# Locks. Any role that can connect may take any advisory lock, so the nodes
+# lock rows of a table of their own instead (jobserver_locks).
+
+
+@pytest.fixture
+def neighbour(queue: str) -> Iterator[psycopg.Connection]:
+    """A session of another role of the database: it may connect, nothing more."""
+    role = f"neighbour_{schema_of(queue)}"
+    with psycopg.connect(pg.database_url(), autocommit=True) as admin:
+        admin.execute(f"CREATE ROLE {role} LOGIN".encode())
+    try:
+        with psycopg.connect(pg.database_url(), user=role, autocommit=True) as db:
+            yield db
+    finally:
+        with psycopg.connect(pg.database_url(), autocommit=True) as admin:
+            admin.execute(f"DROP OWNED BY {role}".encode())
+            admin.execute(f"DROP ROLE {role}".encode())
+
+
+def test_a_neighbour_cannot_lock_what_the_nodes_lock(
+    start_server, queue: str, neighbour: psycopg.Connection
+) -> None:
+    node = start_server(queue)
+    assert node.started, node.log
+    # An application that shares the schema, as one that enqueues may.
+    with psycopg.connect(pg.database_url(), autocommit=True) as admin:
+        user = neighbour.info.user
+        admin.execute(f"GRANT USAGE ON SCHEMA {schema_of(queue)} TO {user}".encode())
+    with pytest.raises(psycopg.errors.InsufficientPrivilege):
+        neighbour.execute(
+            f"SELECT slot FROM {schema_of(queue)}.jobserver_locks FOR UPDATE".encode()
+        )
+
+
+def test_advisory_locks_held_by_a_neighbour_hold_up_no_node(
+    start_server, queue: str, neighbour: psycopg.Connection
+) -> None:
+    """Every key the nodes once locked, held by another role's session:
+    limits, reply keys, unique names and the pruner's go on."""
+    node = start_server(queue, "--keep-finished", "1s")
+    schema = schema_of(queue)
+    keys = [f"{schema}:limit:send/*", f"{schema}:reply:order-1", f"{schema}:name:only-one",
+            f"{schema}:prune"]
+    neighbour.execute("BEGIN")
+    for key in keys:
+        neighbour.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (0x4A0B5E7, key))
+    try:
+        with node.client(timeout=10) as client:
+            assert client.request("SetLimit", name="send/*", max=1).status == "200 OK"
+            assert client.request("CreateJob", name="send/mail").status == "200 OK"
+            assert client.request("GetJob", name="send/mail").status == "200 OK"
+            made = client.request("CreateJob", name="only-one", unique="true")
+            assert made.status == "200 OK"
+            waiting = client.request("CreateJob", name="awaits").json["jobID"]
+            assert client.request("GetJob", name="awaits").status == "200 OK"
+            awaited = client.request("AwaitReply", jobID=waiting, key="order-1")
+            assert awaited.status == "200 OK", awaited.status
+            delivered = client.request("DeliverReply", key="order-1", data={"ok": True})
+            assert delivered.status == "200 OK", delivered.status
+    finally:
+        neighbour.execute("ROLLBACK")
+
+
+def test_a_migration_lock_held_for_good_is_named_not_waited_for(
+    queue: str, neighbour: psycopg.Connection, tmp_path, monkeypatch
+) -> None:
+    from harness import ThreadServer
+    from jobserver.storage import postgres_schema
+
+    monkeypatch.setattr(postgres_schema, "MIGRATION_WAIT_SECONDS", 0.5)
+    key = neighbour.execute(
+        "SELECT hashtext('migrate:' || %s)", (schema_of(queue),)
+    ).fetchone()
+    assert key is not None
+    neighbour.execute("SELECT pg_advisory_lock(%s, %s)", (0x4A0B5E7, key[0]))
+    with pytest.raises(RuntimeError, match="migration lock") as refused:
+        ThreadServer(queue)
+    assert neighbour.info.user in str(refused.value)

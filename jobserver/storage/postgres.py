@@ -93,8 +93,6 @@ _FLOW_CONTROL = (
     b"SELECT pattern, capacity FROM limits UNION ALL SELECT pattern, NULL FROM paused"
 )
 
-# Second keys of the advisory locks (with the schema's hash): what they guard.
-_PRUNE = "prune"
 
 
 def redact(url: str) -> str:
@@ -171,7 +169,6 @@ class PostgresStore:
         self.channel = postgres_schema.channel(self.schema)
         # Advisory locks are the database's: the schema's name keeps two
         # queues in one database apart.
-        self._lock_base = f"{self.schema}:"
 
     def _query_login(self, query_url: str | None) -> postgres_query.QueryLogin:
         """How Query logs in: as the role --query-db-url names (checked, or
@@ -234,10 +231,11 @@ class PostgresStore:
 
     def _lock(self, purpose: str, key: str) -> None:
         """A transaction lock on `key` for `purpose`, shared by every node
-        on this schema; released at commit or rollback."""
+        on this schema; released at commit or rollback. A row lock on a
+        table of the nodes' own (postgres_schema.LOCK_SLOTS says why)."""
         self._run(
-            "SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
-            (postgres_schema.LOCK_NAMESPACE, f"{self._lock_base}{purpose}:{key}"),
+            "SELECT slot FROM jobserver_locks WHERE slot = %s FOR UPDATE",
+            (postgres_schema.lock_slot(purpose, key),),
         )
 
     # Transactions.
@@ -581,13 +579,11 @@ class PostgresStore:
             self.limits = {p: c for p, c in self.limits.items() if p != pattern}
 
     def hold_limits(self) -> None:
-        """Take every limit's lock, in one order on every node and in one
-        round trip: hand-outs under limits, on any node, then commit one
-        at a time, and `usage` sees every one committed before."""
-        keys = [f"{self._lock_base}limit:{pattern}" for pattern in sorted(self.limits)]
+        """Take the limits' lock: hand-outs under limits, on any node, then
+        commit one at a time, and `usage` sees every one committed before."""
         self._run(
-            "SELECT count(pg_advisory_xact_lock(%s, hashtext(key))) FROM unnest(%s::text[]) AS key",
-            (postgres_schema.LOCK_NAMESPACE, keys),
+            "SELECT slot FROM jobserver_locks WHERE slot = %s FOR UPDATE",
+            (postgres_schema.LIMITS_SLOT,),
         )
 
     def usage(self, pattern: str, now: str) -> int:
@@ -612,7 +608,7 @@ class PostgresStore:
     # Retention: on one node at a time.
 
     def prune(self, state: str, ended_before: str, batch: int) -> int:
-        if not self._try_lock(_PRUNE):
+        if not self._try_prune_lock():
             return 0
         cursor = self._run(
             "DELETE FROM jobs WHERE jobID IN (SELECT jobID FROM jobs "
@@ -622,10 +618,11 @@ class PostgresStore:
         )
         return max(cursor.rowcount, 0)
 
-    def _try_lock(self, purpose: str) -> bool:
+    def _try_prune_lock(self) -> bool:
         row = self._one(
-            "SELECT pg_try_advisory_xact_lock(%s, hashtext(%s))",
-            (postgres_schema.LOCK_NAMESPACE, f"{self._lock_base}{purpose}"),
+            "SELECT count(*) FROM (SELECT slot FROM jobserver_locks WHERE slot = %s "
+            "FOR UPDATE SKIP LOCKED) AS taken",
+            (postgres_schema.PRUNE_SLOT,),
         )
         return bool(row[0])
 

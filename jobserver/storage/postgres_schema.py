@@ -11,12 +11,14 @@ written; Query gives result columns their usual spelling back.
 The tables live in the connection's current schema (its `search_path`),
 so one PostgreSQL database can hold several independent queues. Nodes
 that share a schema share a queue; everything that coordinates them (the
-notification channel, advisory locks) is named after the schema.
+notification channel, the rows of jobserver_locks) is the schema's own.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
@@ -27,7 +29,23 @@ from jobserver.storage.sqlite_schema import StoreError
 # 2: Query's login (jobserver_query_login) and row bound
 # (jobserver_query_row_fits); Query no longer uses the shared role
 # jobserver_reader of version 1.
-SCHEMA_VERSION = 2
+# 3: the nodes' locks are rows of jobserver_locks, not advisory locks.
+SCHEMA_VERSION = 3
+
+# Rows of jobserver_locks. The nodes lock these rows, with FOR UPDATE,
+# where they once took advisory locks: any role that can connect to the
+# database may take any advisory lock, and so could have stalled every
+# node, where only a role with UPDATE on this table can lock its rows. A
+# key locks the slot its hash names: two keys that share one wait for each
+# other, which is rare among 4,096 and harmless.
+LOCK_SLOTS = 4096
+# Slots with a purpose of their own, outside the hashed range's use: every
+# concurrency limit's decisions, and the pruner.
+LIMITS_SLOT = 0
+PRUNE_SLOT = 1
+# How long a starting node waits for another's migration: far longer than
+# one takes; past it, a session that holds the lock is named.
+MIGRATION_WAIT_SECONDS = 60.0
 
 log = logging.getLogger("jobserver")
 
@@ -269,11 +287,39 @@ def migration_lock(db: psycopg.Connection) -> Iterator[None]:
     """The schema's migration lock, held by one node at a time: a second
     node starting at the same moment waits here, then finds the work done."""
     key = schema_lock_key(db)
-    db.execute("SELECT pg_advisory_lock(%s, %s)", key)
+    _wait_for_migration_lock(db, key)
     try:
         yield
     finally:
         db.execute("SELECT pg_advisory_unlock(%s, %s)", key)
+
+
+def _wait_for_migration_lock(db: psycopg.Connection, key: tuple[int, int]) -> None:
+    """Take the migration lock, or say who holds it. Any role that can
+    connect may take an advisory lock, so one that holds this one for
+    good is named rather than waited for for ever."""
+    deadline = time.monotonic() + MIGRATION_WAIT_SECONDS
+    while True:
+        row = db.execute("SELECT pg_try_advisory_lock(%s, %s)", key).fetchone()
+        if row is not None and row[0]:
+            return
+        if time.monotonic() > deadline:
+            holder = db.execute(
+                "SELECT l.pid, a.usename, a.application_name FROM pg_locks l "
+                "LEFT JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
+                "AND l.classid::bigint = %s AND l.objid::bigint = %s AND l.objsubid = 2 "
+                "AND l.granted",
+                (key[0] & 0xFFFFFFFF, key[1] & 0xFFFFFFFF),
+            ).fetchone()
+            who = "another session" if holder is None else (
+                f"session {holder[0]} (role {holder[1]}, application {holder[2]!r})"
+            )
+            raise StoreError(
+                f"{who} has held this schema's migration lock for over "
+                f"{MIGRATION_WAIT_SECONDS:g}s; a node's migration takes well under a "
+                "second: end that session (pg_terminate_backend) and start again"
+            )
+        time.sleep(0.1)
 
 
 def _migrate(db: psycopg.Connection, where: str, schema: str) -> None:
@@ -291,7 +337,9 @@ def _migrate(db: psycopg.Connection, where: str, schema: str) -> None:
     if version == 0:
         _create(db, where, schema)
     else:
-        _version_2(db, schema)
+        if version < 2:
+            _version_2(db, schema)
+        _version_3(db)
     db.execute("DELETE FROM jobserver_schema")
     db.execute("INSERT INTO jobserver_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
 
@@ -311,6 +359,7 @@ def _create(db: psycopg.Connection, where: str, schema: str) -> None:
     )
     db.execute(FIND_READY_FUNCTION.encode())
     _version_2(db, schema)
+    _version_3(db)
 
 
 def _version_2(db: psycopg.Connection, schema: str) -> None:
@@ -326,6 +375,23 @@ def _version_2(db: psycopg.Connection, schema: str) -> None:
             tables = ", ".join(JOB_TABLES)
             db.execute(f"REVOKE ALL ON {tables} FROM {_OLD_READER_ROLE}".encode())
             db.execute(f"REVOKE ALL ON SCHEMA {ident(schema)} FROM {_OLD_READER_ROLE}".encode())
+
+
+def _version_3(db: psycopg.Connection) -> None:
+    db.execute("CREATE TABLE jobserver_locks (slot INTEGER PRIMARY KEY)")
+    db.execute(
+        "INSERT INTO jobserver_locks SELECT generate_series(0, %s)", (LOCK_SLOTS - 1,)
+    )
+    # No role but the owner (the nodes' user) may lock its rows.
+    db.execute("REVOKE ALL ON jobserver_locks FROM PUBLIC")
+
+
+def lock_slot(purpose: str, key: str) -> int:
+    """The row of jobserver_locks that stands for `key` (a reply key, a
+    unique name) of `purpose`: the same on every node, never a slot of
+    its own purpose (LIMITS_SLOT, PRUNE_SLOT)."""
+    special = max(LIMITS_SLOT, PRUNE_SLOT) + 1
+    return special + zlib.crc32(f"{purpose}:{key}".encode()) % (LOCK_SLOTS - special)
 
 
 def ident(name: str) -> str:
