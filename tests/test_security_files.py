@@ -58,3 +58,14 @@ def test_a_token_file_other_users_can_read_is_warned_of(start_server, tmp_path: 
     assert "can be read by other users" not in private.log
     with private.client() as client:
         assert client.request("Ping", authToken="t0ken").status == "200 OK"
+
+
+def test_a_short_token_is_warned_of(start_server, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("t0ken\n")
+    token.chmod(0o600)
+    short = start_server(tmp_path / "a.db", "--auth-token-file", str(token))
+    assert "has 5 characters" in short.log
+    token.write_text("0123456789abcdef0123456789abcdef\n")
+    long_enough = start_server(tmp_path / "b.db", "--auth-token-file", str(token))
+    assert "characters: use a long random one" not in long_enough.log

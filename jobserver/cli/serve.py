@@ -323,12 +323,22 @@ def _limit(text: str) -> tuple[str, int]:
     return pattern, int(number)
 
 
+# A shorter token is warned of at start.
+MIN_TOKEN_CHARACTERS = 16
+
+
 def _read_token(path: str) -> str:
     with open(path, encoding="utf-8") as token_file:
         token = token_file.read().strip()
         shared = os.fstat(token_file.fileno()).st_mode & 0o077
     if not token:
         raise ValueError(f"{path} is empty")
+    if len(token) < MIN_TOKEN_CHARACTERS:
+        # Wrong tokens are not slowed down on the wire: its length is its strength.
+        log.warning(
+            "the token in --auth-token-file %s has %d characters: use a long random one "
+            "(openssl rand -hex 32)", path, len(token),
+        )
     if shared:
         # Other users who can read the token can do anything with the queue.
         log.warning(
