@@ -41,6 +41,9 @@ PING_BOUND = 0.1
 # What the attacking GetJobs may take, whole: bounded, with a wide margin.
 GETJOBS_BOUND = 10.0
 HELD_JOBS = 100_000
+# On PostgreSQL creating them is most of the test's time; a search passes
+# over at most selection.MAX_SKIPPED held jobs either way.
+HELD_JOBS_POSTGRES = 20_000
 BATCH = 1000
 # A job's data of about a megabyte: a few fill the least reply bound.
 MEGABYTE_DATA = '{"blob":"' + "x" * 1_000_000 + '"}'
@@ -146,7 +149,9 @@ def test_max_limits_is_range_checked_and_counts_the_limit_options(start_server, 
         )
 
 
-def test_getjobs_over_100000_held_jobs_with_the_most_limits_keeps_ping_fast(start_server, db):
+def test_getjobs_over_many_held_jobs_with_the_most_limits_keeps_ping_fast(
+    start_server, db, backend
+):
     """Every due job is held back: half by a full limit, half by a paused
     pattern, with --max-limits of each, all patterns starting with a
     wildcard (no literal prefix to narrow them)."""
@@ -163,7 +168,8 @@ def test_getjobs_over_100000_held_jobs_with_the_most_limits_keeps_ping_fast(star
             assert reply.code == 200, reply.status
             running += len(reply.json["jobs"])
         # held0-0 .. held999-999 under limits, held1000+0 .. paused, and so on.
-        create_many(client, [held(j, count) for j in range(HELD_JOBS)])
+        jobs = HELD_JOBS if backend == "sqlite" else HELD_JOBS_POSTGRES
+        create_many(client, [held(j, count) for j in range(jobs)])
         with Pinger(server.port) as pinger:
             started = time.monotonic()
             reply = client.request("GetJobs", name="*", numResults=1000)
@@ -294,7 +300,7 @@ def test_eight_big_getjobs_at_once_keep_memory_bounded(
     if backend != "sqlite":
         pytest.skip("the reply is built by the same code on every backend")
     server = start_server(None, "--max-reply-bytes", str(MIN_MAX_REPLY_BYTES))
-    groups, per_group = 8, 20
+    groups, per_group = 8, 12
     with server.client(timeout=120) as client:
         for group in range(groups):
             pipelined(
@@ -316,7 +322,7 @@ def test_eight_big_getjobs_at_once_keep_memory_bounded(
         thread.join(120)
     grown_mib = (rss_peak_kib(server.proc.pid) - before) / 1024
     # Eight replies of 4 MiB, and the copies made while building them, fit
-    # easily; without the bound each reply is 20 MB, and the peak grows by
+    # easily; without the bound each reply is 12 MB, and the peak grows by
     # much more.
     assert grown_mib < 300, grown_mib
     assert len(replies) == groups and max(replies) <= MIN_MAX_REPLY_BYTES, replies
