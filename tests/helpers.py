@@ -148,3 +148,32 @@ def outside_address() -> str | None:
         except OSError:
             return None
     return None if address.startswith("127.") else address
+
+
+# Debian's Chromium, driven by Playwright (the pip package alone; its own
+# browsers are never installed).
+CHROMIUM = "/usr/bin/chromium"
+
+
+@contextmanager
+def chromium(*args: str) -> Iterator[Any]:
+    """A headless Chromium launched with `args`. Without Chromium or
+    Playwright the test is skipped, or fails under
+    JOBSERVER_REQUIRE_BROWSER=1 (as in CI)."""
+    missing = ""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        missing = "Playwright is not installed (pip install playwright)"
+    if not missing and not os.access(CHROMIUM, os.X_OK):
+        missing = f"no {CHROMIUM} (apt-get install chromium)"
+    if missing:
+        if os.environ.get("JOBSERVER_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"JOBSERVER_REQUIRE_BROWSER=1 but {missing}")
+        pytest.skip(missing)
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        try:
+            yield launched
+        finally:
+            launched.close()

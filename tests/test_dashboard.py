@@ -20,7 +20,7 @@ from urllib.parse import urlencode
 import pytest
 
 from harness import ThreadServer
-from helpers import create, ok, until
+from helpers import chromium, create, ok, until
 from jobserver.web.dashboard import FLASH_COOKIE, REFRESH_SECONDS
 from tls_certs import tls_server
 from wire import Client
@@ -464,32 +464,14 @@ def test_the_flash_cookie_cannot_carry_markup(server: ThreadServer) -> None:
     assert "&lt;script&gt;alert(5)" in page and "<script>alert(5)" not in page
 
 
-# End to end in headless Chromium: Debian's `chromium`, driven by
-# Playwright (the pip package alone; its own browsers are not installed).
-
-CHROMIUM = "/usr/bin/chromium"
+# End to end in headless Chromium (helpers.chromium).
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    """One browser for the module. Without Chromium or Playwright the
-    browser tests are skipped, or fail under JOBSERVER_REQUIRE_BROWSER=1
-    (as in CI)."""
-    missing = ""
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        missing = "Playwright is not installed (pip install playwright)"
-    if not missing and not os.access(CHROMIUM, os.X_OK):
-        missing = f"no {CHROMIUM} (apt-get install chromium)"
-    if missing:
-        if os.environ.get("JOBSERVER_REQUIRE_BROWSER") == "1":
-            pytest.fail(f"JOBSERVER_REQUIRE_BROWSER=1 but {missing}")
-        pytest.skip(missing)
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
+    """One browser for the module."""
+    with chromium() as launched:
         yield launched
-        launched.close()
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from __future__ import annotations
 import http.client
 import http.server
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -25,12 +24,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness import ServerProcess, ThreadServer
+from helpers import chromium as launch_chromium
 from helpers import until
 from wire import Client
 
 TIMEOUT = 10.0
 TOKEN = "s3cret-token"
-CHROMIUM = "/usr/bin/chromium"
 # Chromium's Private Network Access stops a page from a public address
 # fetching from loopback; Firefox and Safari have no such check, nor
 # Chromium before it. These flags turn it off, so the browser under test
@@ -580,32 +579,12 @@ def test_the_session_and_throttle_tables_are_bounded() -> None:
 
 @pytest.fixture(scope="module")
 def chromium() -> Iterator[Any]:
-    """Chromium, told that REBOUND is 127.0.0.1. Without Chromium or
-    Playwright the browser tests are skipped, or fail under
-    JOBSERVER_REQUIRE_BROWSER=1 (as in CI)."""
-    missing = ""
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        missing = "Playwright is not installed (pip install playwright)"
-    if not missing and not os.access(CHROMIUM, os.X_OK):
-        missing = f"no {CHROMIUM} (apt-get install chromium)"
-    if missing:
-        if os.environ.get("JOBSERVER_REQUIRE_BROWSER") == "1":
-            pytest.fail(f"JOBSERVER_REQUIRE_BROWSER=1 but {missing}")
-        pytest.skip(missing)
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(
-            executable_path=CHROMIUM,
-            headless=True,
-            args=[
-                "--no-sandbox",
-                f"--host-resolver-rules=MAP {REBOUND} 127.0.0.1",
-                WITHOUT_PRIVATE_NETWORK_ACCESS,
-            ],
-        )
+    """Chromium, told that REBOUND is 127.0.0.1."""
+    with launch_chromium(
+        "--no-sandbox", f"--host-resolver-rules=MAP {REBOUND} 127.0.0.1",
+        WITHOUT_PRIVATE_NETWORK_ACCESS,
+    ) as launched:
         yield launched
-        launched.close()
 
 
 class AttackSite:

@@ -11,7 +11,6 @@ request claims. Bedrock's `CreateJob / HTTP/1.1` stays a command.
 from __future__ import annotations
 
 import http.server
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 import pytest
 
 from harness import ThreadServer
-from helpers import ok
+from helpers import chromium, ok
 from jobserver.server.connection import CONNECTION_LINES_PER_MINUTE
 from jobserver.wire.framing import NOT_HTTP
 from wire import Client
@@ -126,22 +125,8 @@ Promise.allSettled(tries).then(() => {{ document.title = "done"; }});
 
 @pytest.fixture
 def browser() -> Iterator[Any]:
-    chromium = "/usr/bin/chromium"
-    missing = ""
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        missing = "Playwright is not installed (pip install playwright)"
-    if not missing and not os.access(chromium, os.X_OK):
-        missing = f"no {chromium} (apt-get install chromium)"
-    if missing:
-        if os.environ.get("JOBSERVER_REQUIRE_BROWSER") == "1":
-            pytest.fail(f"JOBSERVER_REQUIRE_BROWSER=1 but {missing}")
-        pytest.skip(missing)
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=chromium, headless=True)
+    with chromium() as launched:
         yield launched
-        launched.close()
 
 
 def test_a_web_page_in_a_browser_cannot_act_on_the_wire_port(
