@@ -528,3 +528,47 @@ def test_a_tls_handshake_that_does_not_finish_is_cut_off(
             assert http_request(good, get("/healthz"))[0] == 200
     finally:
         running.stop()
+
+
+# --max-http-connections: each connection holds a file descriptor, which
+# the wire port needs too.
+
+
+@pytest.mark.parametrize("transport", ["plain", "tls"])
+def test_connections_past_the_most_are_answered_503(tmp_path: Path, transport: str) -> None:
+    certs = None
+    if transport == "tls":
+        (tmp_path / "tls").mkdir()
+        certs = make_certificates(tmp_path / "tls")
+    tls = {"tls_cert": str(certs.cert), "tls_key": str(certs.key)} if certs else {}
+    running = ThreadServer(tmp_path / "jobs.db", http_port=0, max_http_connections=2, **tls)
+    try:
+        until(lambda: running.server.http_port, DEADLINE, "the HTTP side to listen")
+        server = HttpServer(
+            None, str(certs.ca) if certs else None, tmp_path / "jobs.db", running.port,
+            running.server.http_port,
+        )
+        held = [server.connect_http() for _ in range(2)]
+        for sock in held:
+            # The middle of a head: the connection is in use.
+            sock.sendall(b"GET /healthz HTTP/1.1\r\n")
+        until(lambda: _refused(server), DEADLINE, "a third connection to be refused")
+        with server.client() as wire:
+            assert wire.request("Ping").status == "200 OK"
+        held.pop().close()
+        until(lambda: not _refused(server), DEADLINE, "a connection to be served again")
+        for sock in held:
+            sock.close()
+    finally:
+        running.stop()
+
+
+def _refused(server: HttpServer) -> bool:
+    """Whether a new connection is answered 503 (else it must be served)."""
+    with server.connect_http() as sock:
+        status, body = http_request(sock, get("/healthz"))
+    if status == 503:
+        assert b"too many HTTP connections" in body
+        return True
+    assert status == 200, (status, body)
+    return False

@@ -149,6 +149,14 @@ def _add_storage_options(serve: argparse.ArgumentParser) -> None:
         help=f"connections beyond this, 1 to {MAX_CONNECTIONS:,}, are answered "
         f"'503 Too many connections' (default: {Config.max_connections})",
     )
+    serve.add_argument(
+        "--max-http-connections",
+        type=number(int, 1, MAX_CONNECTIONS),
+        default=Config.max_http_connections,
+        metavar="N",
+        help=f"HTTP connections beyond this, 1 to {MAX_CONNECTIONS:,}, are answered 503 "
+        f"and closed (default: {Config.max_http_connections})",
+    )
 
 
 def _add_client_options(serve: argparse.ArgumentParser) -> None:
@@ -402,6 +410,7 @@ def run(args: argparse.Namespace) -> int:
         db=args.db,
         synchronous=args.synchronous,
         max_connections=args.max_connections,
+        max_http_connections=args.max_http_connections,
         allow_remote_query=args.allow_remote_query,
         query_seconds=args.query_timeout,
         max_reply_bytes=args.max_reply_bytes,

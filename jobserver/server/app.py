@@ -106,6 +106,10 @@ class Config:
     stale_after: float = DEFAULT_STALE_AFTER
     # The HTTP side's port (--http-port), on the same host; None: no HTTP.
     http_port: int | None = None
+    # HTTP connections served at once (--max-http-connections): each holds
+    # a file descriptor, as a wire connection does; a thousand is room for
+    # any dashboard audience and API client pool.
+    max_http_connections: int = 1024
     # Names the HTTP side answers to besides IP addresses, localhost and
     # `host` (--http-host); a request naming another is refused (DNS
     # rebinding).
@@ -267,7 +271,7 @@ class Server:
         names = {*config.http_hosts, config.host.lower()}
         await serving.serve(
             listening, self.dispatcher, config.auth_token, self._http_stopping,
-            names, config.session_seconds,
+            names, config.session_seconds, config.max_http_connections,
         )
 
     def _build_core(self, store: Storage) -> None:

@@ -83,6 +83,12 @@ SEND_PIECE_SECONDS = 30.0
 # --request-timeout.
 BODY_SECONDS = 30.0
 
+# Connections past --max-http-connections are told so, this many at once
+# at the most (beyond, they are closed at once, with nothing said: a flood
+# must not hold a descriptor each), and each within REFUSAL_SECONDS.
+REFUSALS_AT_ONCE = 32
+REFUSAL_SECONDS = 2.0
+
 REFUSED_SWITCH = (
     "this server speaks HTTP/1.1 only: no protocol upgrade (WebSocket, h2c), "
     "no HTTP/2, no CONNECT"
@@ -127,13 +133,23 @@ def listen(host: str, port: int, tls: tuple[str, str | None] | None) -> Listenin
     return Listening(config, sockets, bound[0].getsockname()[1])
 
 
+@dataclass
+class _Capacity:
+    """How many HTTP connections are served at once (--max-http-connections),
+    and how many past it are being told so."""
+
+    most: int
+    refusing: int = 0
+
+
 async def serve(
     listening: Listening, dispatcher: Dispatcher, auth_token: str | None, stopping: trio.Event,
-    host_names: Iterable[str], session_seconds: float,
+    host_names: Iterable[str], session_seconds: float, max_connections: int,
 ) -> None:
     """Serve until `stopping` is set; then requests in flight get
     GRACE_SECONDS to finish, idle keep-alive connections are closed.
-    `host_names` and `session_seconds` are app.build's."""
+    `host_names` and `session_seconds` are app.build's; past
+    `max_connections` open at once, a connection is answered 503."""
     config = listening.config
     # Starlette is an ASGI application; its type names ASGI's messages
     # differently from Hypercorn's.
@@ -146,7 +162,8 @@ async def serve(
     context = WorkerContext(None)
     log.info("HTTP on %s", f"{config.bind[0].rsplit(':', 1)[0]}:{listening.port}")
     open_streams: set[Accepted] = set()
-    handler = partial(_serve_connection, wrapped, config, context, open_streams)
+    capacity = _Capacity(max_connections)
+    handler = partial(_serve_connection, wrapped, config, context, open_streams, capacity)
     async with trio.open_nursery() as connections:
         connections.start_soon(_close_what_is_left_open, open_streams, stopping)
         async with trio.open_nursery() as accepting:
@@ -216,11 +233,15 @@ async def _serve_connection(
     config: HypercornConfig,
     context: WorkerContext,
     open_streams: set[Accepted],
+    capacity: _Capacity,
     stream: Accepted,
 ) -> None:
     """One connection from accept to close: nothing it raises (Hypercorn,
     h11, the application) leaves here but cancellation."""
     peer = _peer_name(stream)
+    if len(open_streams) >= capacity.most:
+        await _refuse(stream, capacity, peer)
+        return
     open_streams.add(stream)
     try:
         # TCPServer's annotation names only the TLS stream; it takes both.
@@ -234,6 +255,41 @@ async def _serve_connection(
         open_streams.discard(stream)
         with trio.CancelScope(shield=True), trio.move_on_after(1.0):
             await stream.aclose()
+
+
+async def _refuse(stream: Accepted, capacity: _Capacity, peer: str) -> None:
+    """Tell a connection past --max-http-connections so, and close it."""
+    try:
+        if capacity.refusing < REFUSALS_AT_ONCE:
+            capacity.refusing += 1
+            try:
+                http_log.warning(
+                    "HTTP connection from %s refused: %d are open (--max-http-connections)",
+                    peer, capacity.most,
+                )
+                with trio.move_on_after(REFUSAL_SECONDS):
+                    # Over TLS this makes the handshake first.
+                    await stream.send_all(_too_many(capacity.most))
+            finally:
+                capacity.refusing -= 1
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        pass  # the client is gone: nothing to tell
+    except Exception:  # noqa: BLE001 - the boundary of one connection
+        http_log.exception("refusing the HTTP connection from %s failed", peer)
+    finally:
+        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+            await stream.aclose()
+
+
+def _too_many(most: int) -> bytes:
+    body = json.dumps(
+        {"error": f"too many HTTP connections: this server serves {most} at once"}
+    ).encode()
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + body
 
 
 class _HTTP11Server(TCPServer):
