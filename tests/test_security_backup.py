@@ -210,9 +210,11 @@ def test_job_text_cannot_become_lines_of_a_chosen_file(start_server: Start, tmp_
         assert db.execute("SELECT lastError FROM jobs").fetchone()[0] == payload
 
 
-def http_backup(port: int, name: str, headers: dict[str, str]) -> tuple[int, str]:
+def http_backup(
+    port: int, name: str, headers: dict[str, str], path: str = "/api/Backup"
+) -> tuple[int, str]:
     request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/api/Backup", data=json.dumps({"name": name}).encode(),
+        f"http://127.0.0.1:{port}{path}", data=json.dumps({"name": name}).encode(),
         method="POST", headers={"Content-Type": "application/json", **headers},
     )
     direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -239,6 +241,10 @@ def test_backup_over_http_needs_the_token(start_server: Start, tmp_path: Path) -
     plain = start_server(tmp_path / "plain.db", "--http-port", "0")
     code, text = http_backup(http_port(plain), "copy.db", {})
     assert code == 403 and "needs the token" in text, (code, text)
+    # A path that the wire would read as Backup all the same (`Backup x`).
+    for path in ("/api/Backup%20", "/api/backup%20x", "/api/Backup%09"):
+        code, text = http_backup(http_port(plain), "copy.db", {}, path)
+        assert code == 430, (path, code, text)
     assert not (tmp_path / "plain.db.backups").exists()
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)

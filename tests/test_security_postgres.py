@@ -4,6 +4,9 @@ between nodes are tests/test_security_notices.py.)"""
 
 from __future__ import annotations
 
+import re
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -117,3 +120,43 @@ def test_a_migration_lock_held_for_good_is_named_not_waited_for(
     with pytest.raises(RuntimeError, match="migration lock") as refused:
         ThreadServer(queue)
     assert neighbour.info.user in str(refused.value)
+
+
+def test_a_database_error_on_several_lines_is_one_status_line(start_server, queue: str) -> None:
+    """PostgreSQL's errors carry a DETAIL on a line of its own: in a status
+    line it became headers of the reply on the wire, and a 500 over HTTP."""
+    node = start_server(queue, "--http-port", "0")
+    with node.client() as client:
+        first = client.request("CreateJob", name="first").json["jobID"]
+        # The next jobIDs taken behind the nodes' back.
+        for job_id in range(first + 1, first + 21):
+            pg.execute(queue, "INSERT INTO jobs (jobID, name, state, nextRun, created) "
+                       "VALUES (%s, 'planted', 'QUEUED', '2026-01-01 00:00:00', "
+                       "'2026-01-01 00:00:00')", (job_id,))
+        collided = client.request("CreateJob", name="collides")
+        assert collided.code == 502 and "DETAIL" in collided.status, collided.status
+        assert not any("DETAIL" in name or "DETAIL" in value
+                       for name, value in collided.headers.items()), collided.headers
+        assert client.request("Ping").status == "200 OK"
+    found = node.matching(HTTP_PORT, 1, 10)
+    assert found, node.log
+    match = HTTP_PORT.search(found[0])
+    assert match is not None
+    code, status = _api_create(int(match.group(1)))
+    assert code == 502 and "DETAIL" in status and "\n" not in status, (code, status)
+
+
+HTTP_PORT = re.compile(r"HTTP on \S+:(\d+)")
+
+
+def _api_create(port: int) -> tuple[int, str]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/api/CreateJob", data=b'{"name": "collides"}',
+        method="POST", headers={"Content-Type": "application/json"},
+    )
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with direct.open(request, timeout=10) as reply:
+            return int(reply.status), reply.headers.get("Jobserver-Status", "")
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers.get("Jobserver-Status", "")

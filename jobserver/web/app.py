@@ -167,13 +167,19 @@ def _validators() -> dict[str, Draft202012Validator]:
     }
 
 
+# What an /api path that names no command is dispatched as: no verb, so
+# that it is answered `430 Unrecognized command` and nothing else of the
+# path is read (the wire would read `Backup x` as Backup).
+_NO_COMMAND = "?"
+
+
 def _command_named(given: str) -> str:
     """The command's name as the document spells it (the wire reads verbs
-    in any case), or as given if it is none of them."""
+    in any case), or _NO_COMMAND if it is none of them."""
     for command in openapi.COMMANDS:
         if command.lower() == given.lower():
             return command
-    return given
+    return _NO_COMMAND
 
 
 def _json_object(body: bytes) -> tuple[dict[str, Any], str]:

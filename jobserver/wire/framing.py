@@ -24,6 +24,9 @@ from typing import Any
 from jobserver.wire.limits import MAX_BODY, MAX_HEAD, MAX_HEADERS, MAX_LINE
 
 _LINE_END = re.compile(rb"\r?\n")
+# Runs of what cannot stand in a status line: control characters and other
+# unprintable ones (line and paragraph separators included).
+_ONE_LINE = re.compile(r"[^\S ]+|[\x00-\x1f\x7f-\x9f\u2028\u2029]+")
 # A request line of HTTP's own methods. A browser can send HTTP to any
 # port on this machine (a web page's form or fetch included), with a body
 # the page chose; such a request is never a command, and its body must
@@ -89,6 +92,13 @@ class Response:
     status: str
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # A status line is one line, on either port: text from elsewhere in
+        # it (a database's error, with its DETAIL on a line of its own)
+        # must not become headers of the reply.
+        if not self.status.isprintable():
+            self.status = _ONE_LINE.sub(" ", self.status)
 
     @property
     def code(self) -> int:
