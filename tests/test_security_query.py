@@ -170,6 +170,13 @@ def _rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+def _peak_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
 def test_eight_huge_queries_at_once_keep_memory_bounded(start_server) -> None:
     # Time is not what this test is about: a loaded machine must not turn
     # the 413 into a 555.
@@ -203,6 +210,39 @@ def test_eight_huge_queries_at_once_keep_memory_bounded(start_server) -> None:
     # under a gigabyte together (4 run at once, each under 2 x 32 MiB).
     assert peak - before < 1024**3, (before, peak)
     assert slowest_ping < 2.0
+
+
+# A Query's SQL can work inside one C call for as long as it likes, and
+# build one row as wide as its columns allow: SQLite's Query runs in a
+# process of its own, killed at its deadline, with a bounded address space.
+
+# instr() of two long strings is quadratic, inside one step of SQLite's
+# machine, where no progress handler runs: minutes of CPU.
+QUADRATIC = "SELECT instr(hex(zeroblob(1600000)), hex(zeroblob(800000)) || '1');"
+# Twenty values of 16 MB in one row: 320 MB built before any bound looks.
+WIDE_ROW = "SELECT " + ", ".join(["zeroblob(16000000)"] * 20) + ";"
+
+
+def test_a_query_in_one_long_call_ends_at_its_time(start_server) -> None:
+    server: ServerProcess = start_server(None, "--query-timeout", "1")
+    assert server.port is not None
+    began = time.monotonic()
+    assert _status_of(server.port, QUADRATIC) == "555 Timeout"
+    # The timeout and the kill's grace, with room for a loaded machine.
+    assert time.monotonic() - began < 10
+    with server.client() as client:
+        assert ok(client.request("Queues")).status == "200 OK"
+
+
+def test_a_wide_row_does_not_grow_the_server(start_server) -> None:
+    server: ServerProcess = start_server(None, "--query-timeout", "30")
+    assert server.port is not None
+    before = _peak_bytes(server.proc.pid)
+    status = _status_of(server.port, WIDE_ROW)
+    assert status.startswith(("413 ", "402 ")), status
+    assert _peak_bytes(server.proc.pid) - before < 128 * 1024**2
+    with server.client() as client:
+        assert ok(client.request("Query", query="SELECT 1 AS one;")).body == b"one\n1\n"
 
 
 # Finding 1: Query on PostgreSQL. The node runs as the superuser `postgres`

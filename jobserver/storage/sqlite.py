@@ -591,7 +591,7 @@ class Store:
         return sqlite_readers.prune_pending(self.path, before, RECLAIM_MIN_PAGES, now)
 
     def run_query(self, sql: str, seconds: float, rows: QueryRows) -> None:
-        sqlite_readers.read_only_query(self.path, sql, seconds, rows)
+        sqlite_readers.query_in_child(self.path, sql, seconds, rows)
 
     def queue_stats(self, now: str) -> QueueStats:
         return sqlite_readers.queue_stats(self.path, now)

@@ -5,13 +5,23 @@ write."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
+import subprocess
+import sys
+import threading
 from collections.abc import Mapping
 from time import monotonic
-from typing import Any
+from typing import IO, Any
 from urllib.parse import quote
 
-from jobserver.storage.interface import BadQuery, QueryRows, QueryTimeout, QueueStats
+from jobserver.storage.interface import (
+    BadQuery,
+    QueryRows,
+    QueryTimeout,
+    QueueStats,
+    ReplyTooLarge,
+)
 
 # Read-only SQL for the `Query` command. It runs on its own connection,
 # opened read-only, with an authorizer that allows nothing but reading and
@@ -106,6 +116,96 @@ def read_only_query(path: str, sql: str, seconds: float, rows: QueryRows) -> Non
             raise BadQuery(str(error)) from error
     finally:
         db.close()
+
+
+# The Query process's address space: the interpreter and SQLite, and room
+# for a few rows as large as a reply may be.
+QUERY_MEMORY_BASE = 64 * 1024 * 1024
+QUERY_MEMORY_PER_REPLY_BYTE = 4
+# Past its deadline a Query's process has this long to say so itself,
+# then it is killed.
+QUERY_KILL_GRACE = 0.5
+
+
+def query_in_child(path: str, sql: str, seconds: float, rows: QueryRows) -> None:
+    """read_only_query, run by a process of its own (sqlite_query_child):
+    killed at its deadline and bounded in memory, which a thread cannot be.
+    Blocking: call it from a worker thread."""
+    request = {
+        "path": path, "sql": sql, "seconds": seconds, "max_bytes": rows.max_bytes,
+        "memory": QUERY_MEMORY_BASE + QUERY_MEMORY_PER_REPLY_BYTE * rows.max_bytes,
+    }
+    child = subprocess.Popen(
+        [sys.executable, "-m", "jobserver.storage.sqlite_query_child"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        child.kill()
+
+    timer = threading.Timer(seconds + QUERY_KILL_GRACE, expire)
+    timer.start()
+    try:
+        assert child.stdin is not None and child.stdout is not None
+        try:
+            with child.stdin:
+                child.stdin.write(json.dumps(request).encode("utf-8", "surrogatepass"))
+        except BrokenPipeError:
+            pass  # it ended at once: what it said, if anything, is read below
+        answered = _read_answer(child.stdout, rows)
+    finally:
+        timer.cancel()
+        child.kill()
+        child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+    if not answered:
+        if expired.is_set():
+            raise QueryTimeout()
+        raise BadQuery("the Query's process ended without an answer (out of memory or time)")
+
+
+def _read_answer(out: IO[bytes], rows: QueryRows) -> bool:
+    """Give `rows` what the process answers; False if it ended first."""
+    # A line holds one row: as JSON, at most twice the reply's bound (a
+    # blob is written in hex) and a little.
+    longest = 2 * rows.max_bytes + 64 * 1024
+    while line := out.readline(longest + 1):
+        if not line.endswith(b"\n"):
+            if len(line) > longest:
+                raise ReplyTooLarge(rows.max_bytes)
+            return False  # cut short: the process was killed
+        try:
+            message = json.loads(line)
+        except ValueError as error:
+            raise BadQuery("the Query's process answered what is not JSON") from error
+        if isinstance(message, list):
+            rows.add(tuple(_value(item) for item in message))
+        elif "headers" in message:
+            rows.start(message["headers"])
+        elif "end" in message:
+            return True
+        else:
+            _raise(message["error"], message["text"], rows.max_bytes)
+    return False
+
+
+def _raise(kind: str, text: str, max_bytes: int) -> None:
+    if kind == "timeout":
+        raise QueryTimeout()
+    if kind == "large":
+        raise ReplyTooLarge(max_bytes)
+    if kind == "memory":
+        raise BadQuery("the query needs more memory than a Query may use")
+    raise BadQuery(text)
+
+
+def _value(item: Any) -> object:
+    if isinstance(item, dict):
+        return bytes.fromhex(item["hex"]) if "hex" in item else float(item["float"])
+    return item
 
 
 def prune_pending(
