@@ -321,6 +321,10 @@ class _HTTP11Server(TCPServer):
                 )
                 await self.idle_task.restart(task_group, self._idle_timeout)
                 await self._read_data()
+                # The client has sent all it will: no request can follow, so
+                # nothing is left for the idle timer to wait for (a request
+                # under way is its stream's task, which still ends first).
+                await self.idle_task.stop()
         except OSError:
             pass  # the client went away
         finally:
