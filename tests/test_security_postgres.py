@@ -160,3 +160,31 @@ def _api_create(port: int) -> tuple[int, str]:
             return int(reply.status), reply.headers.get("Jobserver-Status", "")
     except urllib.error.HTTPError as error:
         return error.code, error.headers.get("Jobserver-Status", "")
+
+
+def test_enqueueing_needs_execute_on_the_function_and_no_right_on_the_tables(
+    start_server, queue: str, neighbour: psycopg.Connection
+) -> None:
+    """jobserver_create_job runs with the nodes' rights: an application is
+    given EXECUTE on it, and cannot write rows the nodes did not check."""
+    node = start_server(queue)
+    assert node.started, node.log
+    schema = schema_of(queue)
+    function = f"{schema}.jobserver_create_job(TEXT, TEXT, INTEGER, TIMESTAMPTZ)"
+    with psycopg.connect(pg.database_url(), autocommit=True) as admin:
+        admin.execute(f"GRANT USAGE ON SCHEMA {schema} TO {neighbour.info.user}".encode())
+    with pytest.raises(psycopg.errors.InsufficientPrivilege):
+        neighbour.execute(f"SELECT {schema}.jobserver_create_job('not-granted')".encode())
+    with psycopg.connect(pg.database_url(), autocommit=True) as admin:
+        admin.execute(f"GRANT EXECUTE ON FUNCTION {function} TO {neighbour.info.user}".encode())
+    row = neighbour.execute(
+        f"SELECT {schema}.jobserver_create_job('from-the-app', '{{}}')".encode()
+    ).fetchone()
+    assert row is not None
+    with node.client() as client:
+        assert client.request("QueryJob", jobID=row[0]).json["name"] == "from-the-app"
+    with pytest.raises(psycopg.errors.InsufficientPrivilege):
+        neighbour.execute(
+            f"INSERT INTO {schema}.jobs (name, state, nextRun, created) "
+            "VALUES ('planted', 'QUEUED', '0000', '0000')".encode()
+        )

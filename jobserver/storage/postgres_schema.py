@@ -30,7 +30,10 @@ from jobserver.storage.sqlite_schema import StoreError
 # (jobserver_query_row_fits); Query no longer uses the shared role
 # jobserver_reader of version 1.
 # 3: the nodes' locks are rows of jobserver_locks, not advisory locks.
-SCHEMA_VERSION = 3
+# 4: jobserver_create_job runs with the nodes' rights (SECURITY DEFINER,
+# its search_path fixed), so an application that enqueues needs EXECUTE on
+# it and no right on the tables; EXECUTE is no longer PUBLIC's.
+SCHEMA_VERSION = 4
 
 # Rows of jobserver_locks. The nodes lock these rows, with FOR UPDATE,
 # where they once took advisory locks: any role that can connect to the
@@ -339,7 +342,9 @@ def _migrate(db: psycopg.Connection, where: str, schema: str) -> None:
     else:
         if version < 2:
             _version_2(db, schema)
-        _version_3(db)
+        if version < 3:
+            _version_3(db)
+        _version_4(db, schema)
     db.execute("DELETE FROM jobserver_schema")
     db.execute("INSERT INTO jobserver_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
 
@@ -360,6 +365,7 @@ def _create(db: psycopg.Connection, where: str, schema: str) -> None:
     db.execute(FIND_READY_FUNCTION.encode())
     _version_2(db, schema)
     _version_3(db)
+    _version_4(db, schema)
 
 
 def _version_2(db: psycopg.Connection, schema: str) -> None:
@@ -384,6 +390,20 @@ def _version_3(db: psycopg.Connection) -> None:
     )
     # No role but the owner (the nodes' user) may lock its rows.
     db.execute("REVOKE ALL ON jobserver_locks FROM PUBLIC")
+
+
+# The transactional enqueue function, by its argument types.
+ENQUEUE_SIGNATURE = "jobserver_create_job(TEXT, TEXT, INTEGER, TIMESTAMPTZ)"
+
+
+def _version_4(db: psycopg.Connection, schema: str) -> None:
+    # Its names resolve in the queue's schema alone, then pg_temp: a caller
+    # cannot put a table or function of its own in their way.
+    db.execute(
+        f"ALTER FUNCTION {ENQUEUE_SIGNATURE} SECURITY DEFINER "
+        f"SET search_path = {ident(schema)}, pg_temp".encode()
+    )
+    db.execute(f"REVOKE EXECUTE ON FUNCTION {ENQUEUE_SIGNATURE} FROM PUBLIC".encode())
 
 
 def lock_slot(purpose: str, key: str) -> int:
