@@ -572,3 +572,19 @@ def _refused(server: HttpServer) -> bool:
         return True
     assert status == 200, (status, body)
     return False
+
+
+def test_a_connection_whose_client_has_finished_sending_is_closed_at_once(
+    quick_server,
+) -> None:
+    """Nothing can follow a client's FIN, so there is nothing to keep the
+    connection for (before, it stayed open for the keep-alive timer, 5 s);
+    a request it sent before is still answered."""
+    with quick_server.connect_http() as idle:
+        idle.shutdown(socket.SHUT_WR)
+        assert closed_by_server(idle, 2.0)
+    with quick_server.connect_http() as asked:
+        asked.sendall(get("/healthz", close=False))
+        asked.shutdown(socket.SHUT_WR)
+        assert read_response(asked)[0] == 200
+        assert closed_by_server(asked, 2.0)
