@@ -28,7 +28,7 @@ def schema_of(url: str) -> str:
     return options.removeprefix("-csearch_path=")
 
 
-def test_a_schema_others_may_create_in_is_warned_of(start_server, queue: str) -> None:
+def test_a_schema_others_may_create_in_is_warned_of(queue: str, start_server) -> None:
     quiet = start_server(queue)
     assert quiet.started, quiet.log
     assert WARNING not in quiet.log
@@ -62,7 +62,7 @@ def neighbour(queue: str) -> Iterator[psycopg.Connection]:
 
 
 def test_a_neighbour_cannot_lock_what_the_nodes_lock(
-    start_server, queue: str, neighbour: psycopg.Connection
+    queue: str, start_server, neighbour: psycopg.Connection
 ) -> None:
     node = start_server(queue)
     assert node.started, node.log
@@ -77,7 +77,7 @@ def test_a_neighbour_cannot_lock_what_the_nodes_lock(
 
 
 def test_advisory_locks_held_by_a_neighbour_hold_up_no_node(
-    start_server, queue: str, neighbour: psycopg.Connection
+    queue: str, start_server, neighbour: psycopg.Connection
 ) -> None:
     """Every key the nodes once locked, held by another role's session:
     limits, reply keys, unique names and the pruner's go on."""
@@ -122,7 +122,7 @@ def test_a_migration_lock_held_for_good_is_named_not_waited_for(
     assert neighbour.info.user in str(refused.value)
 
 
-def test_a_database_error_on_several_lines_is_one_status_line(start_server, queue: str) -> None:
+def test_a_database_error_on_several_lines_is_one_status_line(queue: str, start_server) -> None:
     """PostgreSQL's errors carry a DETAIL on a line of its own: in a status
     line it became headers of the reply on the wire, and a 500 over HTTP."""
     node = start_server(queue, "--http-port", "0")
@@ -163,7 +163,7 @@ def _api_create(port: int) -> tuple[int, str]:
 
 
 def test_enqueueing_needs_execute_on_the_function_and_no_right_on_the_tables(
-    start_server, queue: str, neighbour: psycopg.Connection
+    queue: str, start_server, neighbour: psycopg.Connection
 ) -> None:
     """jobserver_create_job runs with the nodes' rights: an application is
     given EXECUTE on it, and cannot write rows the nodes did not check."""

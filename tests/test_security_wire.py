@@ -66,8 +66,9 @@ def chunked(body: bytes) -> bytes:
         b"post / HTTP/1.0\r\nContent-Type: text/plain\r\nContent-Length: 0\r\n\r\n" + SMUGGLED,
         b"OPTIONS / HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://evil.example\r\n\r\n" + SMUGGLED,
         b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + SMUGGLED,
+        b" \rPOST / HTTP/1.1\r\nContent-Length: 0\r\n\r\n" + SMUGGLED,
     ],
-    ids=["chunked-post", "get", "post-lower-case", "preflight", "http2-preface"],
+    ids=["chunked-post", "get", "post-lower-case", "preflight", "http2-preface", "stray-cr"],
 )
 def test_an_http_request_is_answered_once_and_the_connection_closed(
     server: ThreadServer, request_bytes: bytes

@@ -276,7 +276,7 @@ def _parse_head(raw: bytes) -> tuple[Request, int]:
     for line in lines:
         if len(line) > MAX_LINE:
             raise ProtocolError("414 Line too long")
-    if _HTTP_REQUEST_LINE.fullmatch(lines[0].strip(b" \t")):
+    if _HTTP_REQUEST_LINE.fullmatch(lines[0].strip(b" \t\r")):
         # Closing here, before the body, keeps a page's chosen bytes unread.
         raise ProtocolError(NOT_HTTP)
     length = _content_length(lines[1:])
@@ -326,7 +326,8 @@ def _build_request(lines: list[str]) -> Request:
     # Unescaped once the value is whole, so a backslash means the same on
     # a continuation line as on the first.
     headers = {name: unescape(value.strip(" ")) for name, value in raw.items()}
-    return Request(method_line=method_line.strip(" \t"), headers=headers)
+    # A stray CR of a blank line (" \r" before it) is not part of the verb.
+    return Request(method_line=method_line.strip(" \t\r"), headers=headers)
 
 
 def encode_response(response: Response, close: bool = False) -> bytes:
