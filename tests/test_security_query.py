@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import os
 import secrets
 import socket
 import sqlite3
@@ -272,10 +273,31 @@ def _schema_of(url: str) -> str:
     return str(row[0])
 
 
+def _own_local_ports() -> list[int]:
+    """The local ports of this process's TCP sockets (the node under test
+    runs in it), so that other processes' nodes, such as those of tests
+    running beside this one, are not counted."""
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        with suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    ports = []
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes:
+                ports.append(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def _node_backends(url: str) -> set[int]:
     with psycopg.connect(url) as db:
         rows = db.execute(
             "SELECT pid FROM pg_stat_activity WHERE application_name = 'jobserver'"
+            " AND client_port = ANY(%s)",
+            (_own_local_ports(),),
         ).fetchall()
     return {int(pid) for (pid,) in rows}
 
