@@ -364,6 +364,29 @@ def test_any_split_gives_the_same_requests(
     assert parser.buffered == 0
 
 
+# Streams made of the pieces a head's end is found among: where a read
+# ends inside a run of blanks and line breaks must not change where the
+# head ends.
+_SEPARATOR_PIECES = st.lists(
+    st.sampled_from([b"Ping", b"a: b", b" ", b"\t", b"\r", b"\n", b"\r\n"]), max_size=40
+).map(b"".join)
+
+
+@FAST
+@given(stream=_SEPARATOR_PIECES, data=st.data())
+def test_any_split_among_blanks_and_line_breaks_parses_alike(
+    stream: bytes, data: st.DataObject
+) -> None:
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=12)))
+    chunks = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
+    whole, whole_parser = feed_all(stream)
+    split, split_parser = feed_all(*chunks)
+    assert split == whole
+    assert (split_parser.error and split_parser.error.status) == (
+        whole_parser.error and whole_parser.error.status
+    )
+
+
 @FAST
 @given(stream=st.binary(max_size=200), data=st.data())
 def test_any_split_of_arbitrary_bytes_parses_alike(stream: bytes, data: st.DataObject) -> None:
