@@ -68,7 +68,10 @@ the certificate is not trusted, the server does not speak TLS, or the
 server requires TLS and the client was not told to use it. Nothing was
 carried out then, and sending again would fail the same way.
 
-A client is for one thread, or one task, at a time.
+A client is for one thread, or one task, at a time: an async client
+refuses with RuntimeError a request made while another task's is under way
+(the two would take each other's replies), so a web application opens one
+per request, or keeps one per task.
 """
 
 from __future__ import annotations
