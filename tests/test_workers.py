@@ -573,7 +573,44 @@ wait
     assert running.wait(5) == 1
     assert not any(alive(int(pid)) for pid in pids.read_text().split())
     assert re.search(rf"job {forever} Forever abandoned", running.log)
-    assert job(client, forever)["state"] == "RUNNING"
+    # The guard hands it back before the manager is gone.
+    assert job(client, forever)["state"] == "QUEUED"
+    assert re.search(rf"worker guard: job {forever} handed back", running.log)
+
+
+def test_workers_die_with_a_killed_manager_and_its_jobs_come_back_at_once(
+    server, client, workers, manager, tmp_path
+):
+    # The first run hangs, with a child in its process group; the second finishes.
+    pids, ran = tmp_path / "pids", tmp_path / "ran"
+    write_worker(
+        workers,
+        "Slow",
+        f"""
+cat >/dev/null
+if [ -e {ran} ]; then echo '{{"done": true}}'; exit 0; fi
+touch {ran}
+sleep 60 &
+echo $$ $! > {pids}.tmp && mv {pids}.tmp {pids}
+wait
+""",
+    )
+    slow = create(client, "Slow", data={"x": 1}, repeat="FINISHED, +1 HOUR")
+    first = manager(server.port)
+    until(pids.exists, DEADLINE, "the worker to start")
+    assert job(client, slow)["state"] == "RUNNING"
+    first.proc.kill()
+    killed = time.monotonic()
+    first.wait(DEADLINE)
+    worker_pids = [int(pid) for pid in pids.read_text().split()]
+    until(lambda: not any(alive(pid) for pid in worker_pids), DEADLINE,
+          "the worker and its child to die with their manager")
+    until(lambda: job(client, slow)["state"] == "QUEUED", DEADLINE, "the job to be handed back")
+    assert time.monotonic() - killed < 5  # not after a lease, nor --stale-after
+    assert job(client, slow)["data"] == {"x": 1}  # as it was, due now
+    second = manager(server.port)
+    second.wait_for(rf"job {slow} Slow finished in")
+    until(lambda: job(client, slow)["data"] == {"done": True}, DEADLINE, "FinishJob")
 
 
 def test_data_the_server_refuses_is_left_out_rather_than_losing_the_result(
