@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conformance_helpers import force
 from harness import MANAGER, ThreadServer
@@ -31,6 +33,7 @@ from helpers import create, ok, until
 from jobserver.client import Client as LibraryClient
 from jobserver.wire.framing import RequestParser
 from jobserver.workers.contract import Refused, find_worker, json_object, retry_options
+from jobserver.workers.guard import Held, hand_back
 from jobserver.workers.leases import touch_period
 from jobserver.workers.manager import LOAD_NOTICE_INTERVAL, Every, Manager
 from tls_certs import tls_server
@@ -576,6 +579,39 @@ wait
     # The guard hands it back before the manager is gone.
     assert job(client, forever)["state"] == "QUEUED"
     assert re.search(rf"worker guard: job {forever} handed back", running.log)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=600) | st.sampled_from([b"job 1 ab", b"done 1", b"group 9", b"reaped 9"]))
+def test_the_guard_takes_only_the_lines_the_manager_writes(line):
+    held = Held(jobs={1: "ab"}, groups={9})
+    if not held.apply(line):
+        assert held == Held(jobs={1: "ab"}, groups={9})
+
+
+def test_the_guard_reads_its_lines_and_hands_back_only_jobs_still_held_by_their_lease(
+    server, client
+):
+    held = Held()
+    for line in [b"job 5 aa\n", b"group 77\n", b"job 6 bb\n", b"done 5\n", b"reaped 77\n"]:
+        assert held.apply(line)
+    assert held == Held(jobs={6: "bb"}, groups=set())
+    for bad in [b"job 5\n", b"group 0\n", b"group -3\n", b"reaped 9223372036854775808\n",
+                b"done 5 x\n", b"kill 5\n", b"job \xff 1\n", b""]:
+        assert not held.apply(bad)
+    ours, moved = create(client, "Mine"), create(client, "Moved")
+    leases = {}
+    for job_id in (ours, moved):
+        taken = client.request("GetJob", name="Mine" if job_id == ours else "Moved",
+                               includeLeaseID="true").json
+        leases[job_id] = taken["leaseID"]
+    # Requeued and handed to another worker since: its old lease is refused.
+    assert client.request("RequeueJobs", jobIDs=str(moved)).status == "200 OK"
+    assert client.request("GetJob", name="Moved").json["jobID"] == moved
+    with LibraryClient("127.0.0.1", server.port, timeout=10) as library:
+        hand_back(library, leases)
+    assert job(client, ours)["state"] == "QUEUED"
+    assert job(client, moved)["state"] == "RUNNING"
 
 
 def test_workers_die_with_a_killed_manager_and_its_jobs_come_back_at_once(
