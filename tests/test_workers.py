@@ -1034,6 +1034,8 @@ def test_the_manager_sends_its_token_to_a_server_that_wants_one(workers, manager
         token = tmp_path / "token"
         token.write_text("w0rk")
         write_worker(workers, "Done", "cat >/dev/null; exit 0\n")
+        started = tmp_path / "started"
+        write_worker(workers, "Hang", f"cat >/dev/null; touch {started}; exec sleep 60\n")
         with running.client() as c:
             job_id = c.request("CreateJob", name="Done", authToken="w0rk").json["jobID"]
             managed = manager(running.port, "--auth-token-file", str(token))
@@ -1043,12 +1045,24 @@ def test_the_manager_sends_its_token_to_a_server_that_wants_one(workers, manager
                 DEADLINE,
                 "the job to be finished and deleted",
             )
+            # The guard sends the token too, when it hands back a killed manager's job.
+            hung = c.request("CreateJob", name="Hang", authToken="w0rk").json["jobID"]
+            until(started.exists, DEADLINE, "the worker to start")
+            managed.proc.kill()
+            until(
+                lambda: c.request("QueryJob", jobID=hung, authToken="w0rk").json["state"]
+                == "QUEUED",
+                DEADLINE,
+                "the guard to hand the job back",
+            )
     finally:
         running.stop()
 
 
 def test_the_manager_speaks_tls_with_tls_ca(workers, manager, tmp_path):
     write_worker(workers, "Done", "cat >/dev/null; echo '{\"secure\": true}'\n")
+    started = tmp_path / "started"
+    write_worker(workers, "Hang", f"cat >/dev/null; touch {started}; exec sleep 60\n")
     with (
         tls_server(tmp_path / "tls") as (running, files),
         LibraryClient("127.0.0.1", running.port, timeout=10, tls=files.ca) as jobs,
@@ -1058,6 +1072,11 @@ def test_the_manager_speaks_tls_with_tls_ca(workers, manager, tmp_path):
         assert f"server 127.0.0.1:{running.port} (TLS)" in managed.log
         managed.wait_for(rf"job {job_id} Done finished in")
         until(lambda: jobs.query_job(job_id)["data"] == {"secure": True}, DEADLINE, "FinishJob")
+        # The guard speaks TLS too, when it hands back a killed manager's job.
+        hung = jobs.create_job("Hang")
+        until(started.exists, DEADLINE, "the worker to start")
+        managed.proc.kill()
+        until(lambda: jobs.query_job(hung)["state"] == "QUEUED", DEADLINE, "the hand-back")
 
 
 def test_a_manager_that_cannot_set_up_tls_says_why_and_exits_2(workers, tmp_path):

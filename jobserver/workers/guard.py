@@ -35,6 +35,11 @@ group does not reach it) and ignores SIGINT, SIGTERM and SIGHUP: only the
 pipe's end stops it. It connects to the server only at the end, with the
 manager's address, token ($JOBSERVER_AUTH_TOKEN in its environment, never
 its command line) and TLS setting.
+
+It runs as a script (`python -P .../guard.py`), so that starting it imports
+the standard library only, not the worker manager (nor trio) that
+`jobserver.workers` would bring: a guard spends its life waiting, and the
+client is imported only if there are jobs to hand back.
 """
 
 from __future__ import annotations
@@ -49,10 +54,11 @@ import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
-from jobserver.client import Client, ConnectionFailed, JobServerError, ServerError
-from jobserver.client.endpoint import TLS
+if TYPE_CHECKING:
+    from jobserver.client import Client
+    from jobserver.client.endpoint import TLS
 
 log = logging.getLogger("jobserver.workers")
 
@@ -130,6 +136,8 @@ def _signal_group(group: int, signum: int) -> bool:
 
 def hand_back(client: Client, jobs: dict[int, str]) -> None:
     """RetryJob, due now and as it was, for each job the manager held."""
+    from jobserver.client import ConnectionFailed, JobServerError, ServerError
+
     deadline = time.monotonic() + HAND_BACK_FOR
     left = dict(jobs)
     while left:
@@ -156,7 +164,7 @@ def hand_back(client: Client, jobs: dict[int, str]) -> None:
             time.sleep(HAND_BACK_RETRY)
 
 
-def guard(pipe: IO[bytes], client: Client) -> None:
+def guard(pipe: IO[bytes], args: argparse.Namespace) -> None:
     held = Held()
     read_until_eof(pipe, held)
     if not (held.groups or held.jobs):
@@ -168,11 +176,21 @@ def guard(pipe: IO[bytes], client: Client) -> None:
         len(held.jobs),
     )
     stop_groups(held.groups)
-    hand_back(client, held.jobs)
+    if held.jobs:
+        with connect(args) as client:
+            hand_back(client, held.jobs)
+
+
+def connect(args: argparse.Namespace) -> Client:
+    from jobserver.client import Client
+
+    tls: TLS = True if args.tls_ca == "system" else args.tls_ca
+    token = os.environ.get(TOKEN_VARIABLE) or None
+    return Client(args.host, args.port, auth_token=token, tls=tls)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobserver.workers.guard")
+    parser = argparse.ArgumentParser(prog="guard.py")
     parser.add_argument("host")
     parser.add_argument("port", type=int)
     parser.add_argument("--tls-ca", help="the CA file, or 'system' for the system's CAs")
@@ -182,10 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         stream=sys.stderr, level="INFO", format="%(asctime)s jobserver %(levelname)s %(message)s"
     )
-    tls: TLS = True if args.tls_ca == "system" else args.tls_ca
-    token = os.environ.get(TOKEN_VARIABLE) or None
-    with Client(args.host, args.port, auth_token=token, tls=tls) as client:
-        guard(sys.stdin.buffer, client)
+    guard(sys.stdin.buffer, args)
     return 0
 
 
@@ -202,7 +217,9 @@ class Guard:
 
     def start(self) -> None:
         """Start the guard process; OSError if it cannot be started."""
-        command = [sys.executable, "-m", "jobserver.workers.guard", self.host, str(self.port)]
+        # -P: the script's directory is not put on sys.path, where its
+        # neighbours would hide modules of the same names.
+        command = [sys.executable, "-P", os.path.abspath(__file__), self.host, str(self.port)]
         if self.tls:
             command += ["--tls-ca", "system" if self.tls is True else str(self.tls)]
         env = {k: v for k, v in os.environ.items() if k != TOKEN_VARIABLE}
