@@ -3,7 +3,8 @@ token, TLS), the client they make, and the exit statuses.
 
 Most subcommands are one call of jobserver.client: its result is printed as
 JSON (or as it is, if it is `Text`), a refusal as the status line on stderr
-with an exit status a script can test. `top` brings its own session (top.py) and shares the rest.
+with an exit status a script can test. `top` brings its own session
+(top.py) and shares the rest.
 """
 
 from __future__ import annotations
