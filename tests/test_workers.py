@@ -596,8 +596,9 @@ def test_the_guard_reads_its_lines_and_hands_back_only_jobs_still_held_by_their_
     for line in [b"job 5 aa\n", b"group 77\n", b"job 6 bb\n", b"done 5\n", b"reaped 77\n"]:
         assert held.apply(line)
     assert held == Held(jobs={6: "bb"}, groups=set())
-    for bad in [b"job 5\n", b"group 0\n", b"group -3\n", b"reaped 9223372036854775808\n",
-                b"done 5 x\n", b"kill 5\n", b"job \xff 1\n", b""]:
+    for bad in [b"job 5\n", b"group 0\n", b"group 1\n", b"group -3\n",
+                b"reaped 9223372036854775808\n", b"done 5 x\n", b"kill 5\n", b"job \xff 1\n",
+                b""]:
         assert not held.apply(bad)
     ours, moved = create(client, "Mine"), create(client, "Moved")
     leases = {}

@@ -75,7 +75,7 @@ MAX_LINE = 512
 TOKEN_VARIABLE = "JOBSERVER_AUTH_TOKEN"
 
 
-# What the guard keeps: the manager's side and the guard's side.
+# The guard's side.
 
 
 @dataclass
@@ -98,7 +98,8 @@ class Held:
             self.jobs[number] = rest[0]
         elif verb == "done" and not rest:
             self.jobs.pop(number, None)
-        elif verb == "group" and not rest:
+        elif verb == "group" and not rest and number > 1:
+            # Never group 1: init's, which killpg would reach for root.
             self.groups.add(number)
         elif verb == "reaped" and not rest:
             self.groups.discard(number)
