@@ -189,12 +189,52 @@ def test_fail_with_an_error_records_it_as_the_last_error(cli, jobs):
     assert (job["state"], job["lastError"]) == ("QUEUED", "SMTP said 451")
 
 
+def test_failed_shows_last_errors_as_text_and_as_they_are_with_json(cli, jobs):
+    assert cli("failed").stdout == "No FAILED jobs.\n"
+    crashed, timed_out, other = jobs.create_jobs([{"name": "img/resize"}] * 3)
+    jobs.create_job("img/thumb", max_attempts=1)
+    assert len(jobs.get_jobs("img/*", 4)) == 4
+    # As the worker manager records a failed worker; its stderr is anyone's.
+    stderr = "Traceback (most recent call last):\n  \x1b[2J<script>\nValueError: bad\n"
+    jobs.fail_job(crashed, data={"error": {"exitStatus": 3, "stderr": stderr}})
+    jobs.fail_job(timed_out, error="timed out after 60s (worker killed)")
+    jobs.fail_job(other, data={"error": {"code": 7, "why": ["a", "b"], "signal": "SIGKILL"}})
+    jobs.fail_job(other + 1)
+    done = cli("failed")
+    assert (done.returncode, done.stderr) == (0, "")
+    last_run = jobs.query_job(crashed)["lastRun"]
+    assert done.stdout == f"""\
+job {crashed} img/resize, last run {last_run}
+    exit status 3
+    Traceback (most recent call last):
+      \\x1b[2J<script>
+    ValueError: bad
+
+job {timed_out} img/resize, last run {last_run}
+    timed out after 60s (worker killed)
+
+job {other} img/resize, last run {last_run}
+    killed by signal SIGKILL
+    code: 7
+    why: ["a", "b"]
+
+job {other + 1} img/thumb, last run {last_run}, attempt 1 of 1
+    (no error recorded)
+"""
+    raw = cli.ok("failed", "img/resize", "--json")["jobs"]
+    assert json.loads(raw[0]["lastError"]) == {"exitStatus": 3, "stderr": stderr}
+    assert [job["lastError"] for job in raw[1:]] == [
+        "timed out after 60s (worker killed)",
+        '{"code":7,"why":["a","b"],"signal":"SIGKILL"}',
+    ]
+
+
 def test_requeue_revives_failed_jobs_and_may_rename_them(cli, jobs):
     ids = jobs.create_jobs([{"name": "w"}, {"name": "w"}, {"name": "w"}])
     assert len(jobs.get_jobs("w", 3)) == 3
     for job_id in ids:
         jobs.fail_job(job_id, error="broken")
-    assert [job["jobID"] for job in cli.ok("failed")["jobs"]] == ids
+    assert [job["jobID"] for job in cli.ok("failed", "--json")["jobs"]] == ids
     assert cli.ok("requeue", str(ids[0]), str(ids[1]), "--name", "w2") == {}
     assert [(j["name"], j["state"]) for j in map(jobs.query_job, ids)] == [
         ("w2", "QUEUED"), ("w2", "QUEUED"), ("w", "FAILED")]

@@ -531,7 +531,36 @@ def test_in_a_browser_a_failed_job_is_requeued_with_a_click(
         expect(row).to_have_count(0)
         page.goto(f"http://127.0.0.1:{server.server.http_port}/jobs/{job_id}")
         expect(page.locator("h1 .state")).to_have_text("QUEUED")
+        worker_errors_read_as_text(page, server)
     finally:
         page.close()
     with server.client() as client:
         assert query_job(client, job_id)["state"] == "QUEUED"
+
+
+def worker_errors_read_as_text(page: Any, server: ThreadServer) -> None:
+    """A worker's error (the worker manager's JSON) reads as its exit status
+    and the end of its stderr, the raw JSON a click away; what stderr holds
+    is text, never markup."""
+    from playwright.sync_api import expect
+
+    frames = [f"  frame {i}" for i in range(8)]
+    output = ["Traceback (most recent call last):", *frames, XSS, "OSError: disk full"]
+    raw = json.dumps({"exitStatus": 1, "stderr": "\n".join(output) + "\n"})
+    with server.client() as client:
+        # A header value's backslashes are escaped, as the client library does.
+        crashed = failed_job(client, "thumbs/crash", raw.replace("\\", "\\\\"))
+    dialogs: list[str] = []
+    page.on("dialog", lambda dialog: dialogs.append(dialog.message))
+    page.goto(f"http://127.0.0.1:{server.server.http_port}/")
+    row = page.locator(f'#failed tr:has(a[href="/jobs/{crashed}"])')
+    expect(row.locator("pre")).to_have_text(
+        "\n".join(["exit status 1", "... 6 earlier lines", *output[-5:]])
+    )
+    expect(row.locator("details code")).not_to_be_visible()
+    row.locator("details summary").click()
+    expect(row.locator("details code")).to_have_text(raw)
+    page.goto(f"http://127.0.0.1:{server.server.http_port}/jobs/{crashed}")
+    expect(page.locator("pre.error-text")).to_have_text("\n".join(["exit status 1", *output]))
+    assert page.locator("script").count() == 1  # the dashboard's own
+    assert dialogs == []

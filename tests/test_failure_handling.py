@@ -475,7 +475,7 @@ def test_the_failed_command_prints_the_dead_set(server, client):
     ok(client.request("FailJob", jobID=job_id, error="no data"))
     create(client, "other")
     done = subprocess.run(
-        [sys.executable, "-m", "jobserver", "failed", "report/*",
+        [sys.executable, "-m", "jobserver", "failed", "report/*", "--json",
          "--server", f"127.0.0.1:{server.port}"],
         capture_output=True, text=True, timeout=15,
     )

@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conformance_helpers import force
 from harness import MANAGER, ThreadServer
@@ -31,6 +33,7 @@ from helpers import create, ok, until
 from jobserver.client import Client as LibraryClient
 from jobserver.wire.framing import RequestParser
 from jobserver.workers.contract import Refused, find_worker, json_object, retry_options
+from jobserver.workers.guard import Held, hand_back
 from jobserver.workers.leases import touch_period
 from jobserver.workers.manager import LOAD_NOTICE_INTERVAL, Every, Manager
 from tls_certs import tls_server
@@ -573,7 +576,77 @@ wait
     assert running.wait(5) == 1
     assert not any(alive(int(pid)) for pid in pids.read_text().split())
     assert re.search(rf"job {forever} Forever abandoned", running.log)
-    assert job(client, forever)["state"] == "RUNNING"
+    # Its guard hands the job back.
+    running.wait_for(rf"worker guard: job {forever} handed back to the queue")
+    assert job(client, forever)["state"] == "QUEUED"
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=600) | st.sampled_from([b"job 1 ab", b"done 1", b"group 9", b"reaped 9"]))
+def test_the_guard_takes_only_the_lines_the_manager_writes(line):
+    held = Held(jobs={1: "ab"}, groups={9})
+    if not held.apply(line):
+        assert held == Held(jobs={1: "ab"}, groups={9})
+
+
+def test_the_guard_reads_its_lines_and_hands_back_only_jobs_still_held_by_their_lease(
+    server, client
+):
+    held = Held()
+    for line in [b"job 5 aa\n", b"group 77\n", b"job 6 bb\n", b"done 5\n", b"reaped 77\n"]:
+        assert held.apply(line)
+    assert held == Held(jobs={6: "bb"}, groups=set())
+    for bad in [b"job 5\n", b"group 0\n", b"group 1\n", b"group -3\n",
+                b"reaped 9223372036854775808\n", b"done 5 x\n", b"kill 5\n", b"job \xff 1\n",
+                b""]:
+        assert not held.apply(bad)
+    ours, moved = create(client, "Mine"), create(client, "Moved")
+    leases = {}
+    for job_id in (ours, moved):
+        taken = client.request("GetJob", name="Mine" if job_id == ours else "Moved",
+                               includeLeaseID="true").json
+        leases[job_id] = taken["leaseID"]
+    # Requeued and handed to another worker since: its old lease is refused.
+    assert client.request("RequeueJobs", jobIDs=str(moved)).status == "200 OK"
+    assert client.request("GetJob", name="Moved").json["jobID"] == moved
+    with LibraryClient("127.0.0.1", server.port, timeout=10) as library:
+        hand_back(library, leases)
+    assert job(client, ours)["state"] == "QUEUED"
+    assert job(client, moved)["state"] == "RUNNING"
+
+
+def test_workers_die_with_a_killed_manager_and_its_jobs_come_back_at_once(
+    server, client, workers, manager, tmp_path
+):
+    # The first run hangs, with a child in its process group; the second finishes.
+    pids, ran = tmp_path / "pids", tmp_path / "ran"
+    write_worker(
+        workers,
+        "Slow",
+        f"""
+cat >/dev/null
+if [ -e {ran} ]; then echo '{{"done": true}}'; exit 0; fi
+touch {ran}
+sleep 60 &
+echo $$ $! > {pids}.tmp && mv {pids}.tmp {pids}
+wait
+""",
+    )
+    slow = create(client, "Slow", data={"x": 1}, repeat="FINISHED, +1 HOUR")
+    first = manager(server.port)
+    until(pids.exists, DEADLINE, "the worker to start")
+    assert job(client, slow)["state"] == "RUNNING"
+    first.proc.kill()
+    first.wait(DEADLINE)
+    worker_pids = [int(pid) for pid in pids.read_text().split()]
+    until(lambda: not any(alive(pid) for pid in worker_pids), DEADLINE,
+          "the worker and its child to die with their manager")
+    # Within seconds, where it would have waited for --stale-after (24 h).
+    until(lambda: job(client, slow)["state"] == "QUEUED", DEADLINE, "the job to be handed back")
+    assert job(client, slow)["data"] == {"x": 1}  # as it was, due now
+    second = manager(server.port)
+    second.wait_for(rf"job {slow} Slow finished in")
+    until(lambda: job(client, slow)["data"] == {"done": True}, DEADLINE, "FinishJob")
 
 
 def test_data_the_server_refuses_is_left_out_rather_than_losing_the_result(
@@ -961,6 +1034,8 @@ def test_the_manager_sends_its_token_to_a_server_that_wants_one(workers, manager
         token = tmp_path / "token"
         token.write_text("w0rk")
         write_worker(workers, "Done", "cat >/dev/null; exit 0\n")
+        started = tmp_path / "started"
+        write_worker(workers, "Hang", f"cat >/dev/null; touch {started}; exec sleep 60\n")
         with running.client() as c:
             job_id = c.request("CreateJob", name="Done", authToken="w0rk").json["jobID"]
             managed = manager(running.port, "--auth-token-file", str(token))
@@ -970,12 +1045,24 @@ def test_the_manager_sends_its_token_to_a_server_that_wants_one(workers, manager
                 DEADLINE,
                 "the job to be finished and deleted",
             )
+            # The guard sends the token too, when it hands back a killed manager's job.
+            hung = c.request("CreateJob", name="Hang", authToken="w0rk").json["jobID"]
+            until(started.exists, DEADLINE, "the worker to start")
+            managed.proc.kill()
+            until(
+                lambda: c.request("QueryJob", jobID=hung, authToken="w0rk").json["state"]
+                == "QUEUED",
+                DEADLINE,
+                "the guard to hand the job back",
+            )
     finally:
         running.stop()
 
 
 def test_the_manager_speaks_tls_with_tls_ca(workers, manager, tmp_path):
     write_worker(workers, "Done", "cat >/dev/null; echo '{\"secure\": true}'\n")
+    started = tmp_path / "started"
+    write_worker(workers, "Hang", f"cat >/dev/null; touch {started}; exec sleep 60\n")
     with (
         tls_server(tmp_path / "tls") as (running, files),
         LibraryClient("127.0.0.1", running.port, timeout=10, tls=files.ca) as jobs,
@@ -985,6 +1072,11 @@ def test_the_manager_speaks_tls_with_tls_ca(workers, manager, tmp_path):
         assert f"server 127.0.0.1:{running.port} (TLS)" in managed.log
         managed.wait_for(rf"job {job_id} Done finished in")
         until(lambda: jobs.query_job(job_id)["data"] == {"secure": True}, DEADLINE, "FinishJob")
+        # The guard speaks TLS too, when it hands back a killed manager's job.
+        hung = jobs.create_job("Hang")
+        until(started.exists, DEADLINE, "the worker to start")
+        managed.proc.kill()
+        until(lambda: jobs.query_job(hung)["state"] == "QUEUED", DEADLINE, "the hand-back")
 
 
 def test_a_manager_that_cannot_set_up_tls_says_why_and_exits_2(workers, tmp_path):

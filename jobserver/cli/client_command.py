@@ -2,8 +2,9 @@
 token, TLS), the client they make, and the exit statuses.
 
 Most subcommands are one call of jobserver.client: its result is printed as
-JSON, a refusal as the status line on stderr with an exit status a script
-can test. `top` brings its own session (top.py) and shares the rest.
+JSON (or as it is, if it is `Text`), a refusal as the status line on stderr
+with an exit status a script can test. `top` brings its own session
+(top.py) and shares the rest.
 """
 
 from __future__ import annotations
@@ -53,7 +54,11 @@ exit status of the client commands (create, get, query, ...):
   {EXIT_CONNECTION}  cannot connect, or the connection broke during the request
 A refusal prints the server's status line on stderr, e.g. "404 No job found"."""
 
-# One call of the client: what it returns is printed as JSON.
+class Text(str):
+    """An action's result for people to read: printed as it is, not as JSON."""
+
+
+# One call of the client: what it returns is printed as JSON, or as Text.
 Action = Callable[[Client, argparse.Namespace], Any]
 # All a subcommand does with its client; the exit status.
 Session = Callable[[Client, argparse.Namespace], int]
@@ -182,7 +187,7 @@ def _call_once(client: Client, args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         # Closing the connection ends a waiting get; the server keeps its job.
         return EXIT_INTERRUPTED
-    print(json.dumps(result))
+    print(result if isinstance(result, Text) else json.dumps(result))
     return 0
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from jobserver.cli.client_command import CommandAdder
+from jobserver.cli.client_command import CommandAdder, Text
 from jobserver.cli.options import (
     JOB_ID_HELP,
     KEY_HELP,
@@ -20,6 +20,7 @@ from jobserver.cli.options import (
 )
 from jobserver.client import Client
 from jobserver.core import params
+from jobserver.wire import last_error
 from jobserver.wire.limits import DEFAULT_LISTED, DEFAULT_QUEUES, MAX_LISTED, MAX_QUEUES
 
 PATTERN_HELP = "a GLOB pattern such as 'email/*', or a comma-separated list of exact names"
@@ -75,9 +76,18 @@ def _add_dead_set(command: CommandAdder) -> None:
         _failed_jobs,
         "list dead jobs with their last error",
         "Print the FAILED jobs whose name matches PATTERN (default: all), oldest "
-        'first, as {"jobs": [...]}, each with its jobID, name, created, lastRun and '
-        "lastError (and attempt and maxAttempts for a job with a retry policy). "
+        "first: each job's jobID, name, last run (and attempt for a job with a retry "
+        "policy), then its last error as text, indented: a worker's exit status or "
+        "signal, then its stderr line by line; characters that are not printable are "
+        'escaped. With --json, as {"jobs": [...]}, each with its jobID, name, created, '
+        "lastRun and lastError as the server has it (and attempt and maxAttempts). "
         "Revive them with 'jobserver requeue ID...'.",
+    )
+    failed.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"jobs": [...]} with each lastError as the server has it, for scripts '
+        "(default: text for people)",
     )
     failed.add_argument(
         "pattern", metavar="PATTERN", nargs="?", default="*", help=f"{PATTERN_HELP} (default: *)"
@@ -172,8 +182,24 @@ def _ping(client: Client, args: argparse.Namespace) -> dict[str, Any]:
     return {}
 
 
-def _failed_jobs(client: Client, args: argparse.Namespace) -> dict[str, Any]:
-    return {"jobs": client.failed_jobs(args.pattern, limit=args.limit)}
+def _failed_jobs(client: Client, args: argparse.Namespace) -> dict[str, Any] | Text:
+    jobs = client.failed_jobs(args.pattern, limit=args.limit)
+    if args.json:
+        return {"jobs": jobs}
+    if not jobs:
+        return Text("No FAILED jobs.")
+    return Text("\n\n".join(failed_job_text(job) for job in jobs))
+
+
+def failed_job_text(job: dict[str, Any]) -> str:
+    """A FAILED job as `jobserver failed` prints it: a line about the job,
+    then its last error's lines, indented."""
+    about = f"job {job.get('jobID')} {last_error.printable(str(job.get('name')))}"
+    about += f", last run {job.get('lastRun') or 'never'}"
+    if job.get("maxAttempts"):
+        about += f", attempt {job.get('attempt')} of {job['maxAttempts']}"
+    lines = last_error.describe(str(job.get("lastError") or "")).lines()
+    return "\n".join([about] + ["    " + line for line in lines or ["(no error recorded)"]])
 
 
 def _requeue(client: Client, args: argparse.Namespace) -> dict[str, Any]:

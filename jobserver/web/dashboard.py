@@ -5,6 +5,8 @@ Pages (GET):
 
 - `/`: the server's status and its queues (refreshed every few seconds
   from `/live`), failed jobs with their last errors, limits and pauses;
+  an error is shown as text (wire/last_error.py: a worker's exit status,
+  then the end of its stderr), its raw text one click away;
 - `/jobs/{id}`: one job, with its parent and children;
 - `/jobs?name=PATTERN`: the newest jobs whose name matches; `/jobs?id=N`
   goes to job N's page.
@@ -44,7 +46,7 @@ from jobserver.core.jobs import State
 from jobserver.web import access
 from jobserver.web.incoming import peer, read_body
 from jobserver.web.reads import Reads
-from jobserver.wire import jsonbody
+from jobserver.wire import jsonbody, last_error
 from jobserver.wire.framing import Request as WireRequest
 from jobserver.wire.framing import Response as WireResponse
 
@@ -55,6 +57,8 @@ HERE = Path(__file__).parent
 QUEUES_SHOWN = 50
 FAILED_SHOWN = 100
 FOUND_SHOWN = 200
+# The last lines of a failed job's output in the table; its page shows all.
+ERROR_TAIL = 5
 # Seconds between refreshes of the live part of `/`: often enough to watch
 # a queue drain; each refresh reads every job (Queues).
 REFRESH_SECONDS = 5
@@ -131,6 +135,7 @@ class Dashboard:
         )
         env.filters["age"] = age_text
         env.filters["since"] = since_text
+        env.filters["error_lines"] = error_lines
         self._templates = Jinja2Templates(env=env)
         self._static = {
             path.name: (path.read_bytes(), STATIC_TYPES[path.suffix])
@@ -174,6 +179,7 @@ class Dashboard:
             "limits": status.get("limits", {}),
             "paused": status.get("paused", []),
             "refresh_seconds": REFRESH_SECONDS,
+            "error_tail": ERROR_TAIL,
         })
 
     async def live(self, request: Request) -> Response:
@@ -493,6 +499,11 @@ def _pretty(data: str) -> str:
     # A lone surrogate (stored as a `\ud800` escape) has no UTF-8 form: the
     # page shows it escaped, as it is stored.
     return json.dumps(value, indent=2) if jsonbody.has_lone_surrogate(text) else text
+
+
+def error_lines(text: str, tail: int | None = None) -> list[str]:
+    """A last error as lines of text; of its output, the last `tail` lines."""
+    return last_error.describe(text).lines(tail)
 
 
 def age_text(seconds: float | None) -> str:

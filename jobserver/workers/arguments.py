@@ -177,6 +177,7 @@ def manager_from(args: argparse.Namespace) -> Manager | None:
         port=server[1],
         token=token,
         tls=tls,
+        tls_setting=tls_option(args),
         directory=directory,
         pattern=args.job_name,
         max_load=args.max_load,

@@ -7,13 +7,15 @@ it gets runs in a task of its own (supervision.py, its meaning contract.py);
 one more task reports results in order (reporting.py), and another renews
 the leases of running jobs (leases.py), each over a connection of its own.
 So waiting for jobs, waiting for workers and reporting all happen at once,
-and nothing polls.
+and nothing polls. The guard (guard.py), a process of its own, is told of
+every job taken and every worker started, and stops the workers and hands
+the jobs back if the manager dies.
 
 Exit status: 0 after a clean stop (signal or --max-iterations); 1 after a
 forced stop (second signal) or when results could not be reported before
 giving up; 2 when the server refuses our GetJobs, or when TLS cannot be set
-up with it (TLSFailed: trying again would not help). arguments.py adds 2
-for bad options.
+up with it (TLSFailed: trying again would not help), or when the guard
+cannot be started. arguments.py adds 2 for bad options.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import trio
 
 from jobserver.client import ConnectionFailed, JobServerError, ServerError, TLSFailed
+from jobserver.client.endpoint import TLS
 from jobserver.workers.connection import BACKOFF_MAX, Backoff, Link, Server
 from jobserver.workers.contract import (
     Outcome,
@@ -40,6 +43,7 @@ from jobserver.workers.contract import (
     worker_environment,
     worker_input,
 )
+from jobserver.workers.guard import Guard
 from jobserver.workers.leases import Leases
 from jobserver.workers.reporting import Reporter
 from jobserver.workers.supervision import Supervisor, spawn
@@ -59,6 +63,10 @@ LOAD_NOTICE_INTERVAL = 60.0
 # After a signalled stop, results still unreported once the workers are done
 # get this long for the server to come back before the manager gives up.
 REPORT_DRAIN = 10.0
+# At its exit the manager waits this long for its guard to hand back what is
+# left (jobs of killed workers, unreported results); the guard goes on alone
+# after that, while the server does not answer.
+GUARD_WAIT = 2.0
 
 
 class Every:
@@ -98,8 +106,12 @@ class Manager:
         touch_interval: float = 30.0,
         token: str | None = None,
         tls: ssl.SSLContext | None = None,
+        tls_setting: TLS = None,
     ) -> None:
+        """`tls` is the context made from `tls_setting` (--tls, --tls-ca),
+        which the guard is given to make its own."""
         self.server = Server(host, port, token, tls)
+        self.guard = Guard(host, port, token, tls_setting)
         self.directory = directory
         self.pattern = pattern
         self.max_load = max_load
@@ -118,26 +130,35 @@ class Manager:
         self.fetch_scope = trio.CancelScope()
 
         self.supervisor = Supervisor(worker_timeout)
-        self.reporter = Reporter(self.server)
+        self.reporter = Reporter(self.server, self.guard)
         self.leases = Leases(self.server, touch_interval)
 
     # Top level.
 
     async def serve(self) -> int:
         """Run until stopped; the exit status (module docstring)."""
-        async with trio.open_nursery() as root:
-            await root.start(self.watch_signals, root.cancel_scope)
-            self._log_start()
-            reporter_done = trio.Event()
-            root.start_soon(self.reporter.deliver_loop, reporter_done)
-            root.start_soon(self.leases.renew_loop)
-            async with trio.open_nursery() as workers:
-                await self.fetch_loop(workers)
-            self.reporter.close()
-            if self.signalled or self.exit_status:
-                self.reporter.give_up_in(REPORT_DRAIN)
-            await reporter_done.wait()
-            root.cancel_scope.cancel()  # the signal watcher and the lease renewer
+        try:
+            self.guard.start()
+        except OSError as error:
+            log.error("cannot start the worker guard: %s", error)
+            return 2
+        try:
+            async with trio.open_nursery() as root:
+                await root.start(self.watch_signals, root.cancel_scope)
+                self._log_start()
+                reporter_done = trio.Event()
+                root.start_soon(self.reporter.deliver_loop, reporter_done)
+                root.start_soon(self.leases.renew_loop)
+                async with trio.open_nursery() as workers:
+                    await self.fetch_loop(workers)
+                self.reporter.close()
+                if self.signalled or self.exit_status:
+                    self.reporter.give_up_in(REPORT_DRAIN)
+                await reporter_done.wait()
+                root.cancel_scope.cancel()  # the signal watcher and the lease renewer
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self.guard.close, GUARD_WAIT)
         return self._stopped()
 
     def _log_start(self) -> None:
@@ -157,7 +178,7 @@ class Manager:
         if self.forced:
             for job_id, name in self.supervisor.live.values():
                 log.error(
-                    "job %s %s abandoned: worker killed, job still RUNNING on the server",
+                    "job %s %s abandoned: worker killed; the guard hands the job back",
                     job_id,
                     name,
                 )
@@ -215,6 +236,7 @@ class Manager:
                         continue  # no answer; asked again after a backoff wait
                     rounds += 1
                     for job in jobs:
+                        self.guard.job(job["jobID"], job.get("leaseID"))
                         self.running += 1
                         workers.start_soon(self.run_job, job)
             if self.max_iterations is not None and rounds >= self.max_iterations:
@@ -324,6 +346,10 @@ class Manager:
             proc = await spawn(path, worker_environment(job, self.server.address))
         except OSError as error:
             return cannot_start(job, path, error)
+        self.guard.group(proc.pid)
         label = (job["jobID"], printable(job["name"]))
-        ended = await self.supervisor.supervise(proc, worker_input(job), label, started)
+        try:
+            ended = await self.supervisor.supervise(proc, worker_input(job), label, started)
+        finally:
+            self.guard.reaped(proc.pid)  # supervise() reaps it, even when cancelled
         return outcome(job, ended, self.worker_timeout)

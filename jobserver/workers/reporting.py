@@ -44,6 +44,7 @@ from jobserver.client import (
 from jobserver.wire.limits import MAX_FINISH_JOBS
 from jobserver.workers.connection import BACKOFF_MAX, Backoff, Link, Server
 from jobserver.workers.contract import Report
+from jobserver.workers.guard import Guard
 
 log = logging.getLogger("jobserver.workers")
 
@@ -192,8 +193,9 @@ class Delivery:
 class Reporter:
     """The queue of reports, and the task that delivers them."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, guard: Guard) -> None:
         self.server = server
+        self.guard = guard  # told of each job whose report is done with
         self.pending: deque[Report] = deque()  # the first is being delivered
         self.added = trio.Event()  # set (and replaced) when a report is queued
         self.closed = False  # no more reports will come
@@ -231,7 +233,7 @@ class Reporter:
                         await self.deliver_finishes(link)
                         continue
                     await self.deliver(self.pending[0], link)
-                    self.pending.popleft()
+                    self._done()
         finally:
             await link.aclose()
             done.set()
@@ -294,15 +296,20 @@ class Reporter:
                 self._stop_batching_if_unknown(error)
                 for report in batch:
                     await self.deliver(report, link)
-                    self.pending.popleft()
+                    self._done()
                 return
             self._log_back(delivery, f"job {batch[0].job_id} and {len(batch) - 1} more")
             for report, result in zip(batch, results, strict=True):
                 refused = result.error()
                 if refused is not None:
                     await self.deliver(report, link, refused)
-                self.pending.popleft()
+                self._done()
             return
+
+    def _done(self) -> None:
+        """The first report is done with (delivered, dropped or given up):
+        its job is no longer the guard's to hand back."""
+        self.guard.done(self.pending.popleft().job_id)
 
     def _stop_batching_if_unknown(self, error: Failure) -> None:
         if isinstance(error, UnrecognizedCommand):
