@@ -33,7 +33,8 @@ from jobserver.core.replies import REPLY_TIMEOUT
 from jobserver.core.stale import lost_error
 from jobserver.core.waiters import WaitQueue
 from jobserver.core.writer import Work, Writer
-from jobserver.storage.sqlite import Store
+from jobserver.storage.backends import open_store
+from jobserver.storage.interface import Storage
 from jobserver.wire.framing import Request, Response
 
 EPOCH = datetime(2030, 1, 1, tzinfo=UTC)
@@ -49,13 +50,14 @@ def stamp(seconds: float) -> str:
 
 
 class TrioClock:
-    """The core's clock, following trio's (mock) clock from EPOCH."""
+    """The core's clock, following trio's (mock) clock from `epoch`."""
 
-    def __init__(self) -> None:
+    def __init__(self, epoch: datetime = EPOCH) -> None:
         self._start = trio.current_time()
+        self._epoch = epoch
 
     def now(self) -> datetime:
-        return EPOCH + timedelta(seconds=self.elapsed())
+        return self._epoch + timedelta(seconds=self.elapsed())
 
     def elapsed(self) -> float:
         return trio.current_time() - self._start
@@ -85,7 +87,7 @@ class Waiting:
 class Core:
     """Store, writer, wait queue and dispatcher, wired as the server wires them."""
 
-    store: Store
+    store: Storage
     writer: Writer
     waits: WaitQueue
     dispatcher: Dispatcher
@@ -147,12 +149,17 @@ def request(verb: str, **headers: object) -> Request:
 
 @asynccontextmanager
 async def running_core(
-    tmp_path: Path, stale_after: float = DEFAULT_STALE_AFTER
+    tmp_path: Path,
+    stale_after: float = DEFAULT_STALE_AFTER,
+    db: str | None = None,
+    epoch: datetime = EPOCH,
 ) -> AsyncIterator[Core]:
+    """The core on `db` (a PostgreSQL URL; by default a SQLite file in
+    tmp_path), its clock starting at `epoch`."""
     started = time.monotonic()
     # NORMAL: these tests are about time, not about surviving a power cut.
-    store = Store(str(tmp_path / "jobs.db"), "NORMAL")
-    clock = TrioClock()
+    store = open_store(db or str(tmp_path / "jobs.db"), "NORMAL", {})
+    clock = TrioClock(epoch)
     settings = Settings(stale_after=stale_after, serving_since=stamp(0))
 
     def notify(ready: set[str], due: str | None) -> None:

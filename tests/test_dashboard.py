@@ -511,6 +511,9 @@ def test_in_a_browser_a_failed_job_is_requeued_with_a_click(
 
     with server.client() as client:
         job_id = sample_jobs(client)
+        weekdays = create(
+            client, "report/weekday", repeat="CRON 0 9 * * MON-FRI", timeZone="Europe/Paris"
+        )
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     try:
         # The page's clock is the test's: its refresh runs when told to.
@@ -532,6 +535,13 @@ def test_in_a_browser_a_failed_job_is_requeued_with_a_click(
         page.goto(f"http://127.0.0.1:{server.server.http_port}/jobs/{job_id}")
         expect(page.locator("h1 .state")).to_have_text("QUEUED")
         worker_errors_read_as_text(page, server)
+        # A CRON job's page lists its next runs, in its zone and in UTC.
+        page.goto(f"http://127.0.0.1:{server.server.http_port}/jobs/{weekdays}")
+        runs = page.locator("ol.next-runs li")
+        expect(runs).to_have_count(5)
+        expect(runs.first).to_have_text(re.compile(
+            r"(Mon|Tue|Wed|Thu|Fri) \d{4}-\d\d-\d\d 09:00 CES?T \(\d{4}-\d\d-\d\d 0[78]:00:00 UTC\)"
+        ))
     finally:
         page.close()
     with server.client() as client:

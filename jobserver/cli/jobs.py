@@ -25,7 +25,7 @@ from jobserver.cli.options import (
     time_zone,
 )
 from jobserver.client import Client, JobNotFound
-from jobserver.core import params
+from jobserver.core import cron, params
 from jobserver.wire.limits import (
     DEFAULT_PRIORITY,
     DEFAULT_REPLY_TIMEOUT,
@@ -43,7 +43,10 @@ WHEN_HELP = (
     "YYYY-MM-DD HH:MM:SS ('T' or a space between), in UTC unless it ends in an offset "
     "such as +02:00"
 )
-REPEAT_HELP = "e.g. 'FINISHED, +1 HOUR' or DAILY, see protocol.md section 6"
+REPEAT_HELP = (
+    "e.g. 'FINISHED, +1 HOUR', DAILY or 'CRON 0 9 * * MON-FRI' (in the job's time zone), "
+    "see protocol.md section 6"
+)
 
 
 def add_parsers(command: CommandAdder) -> None:
@@ -161,7 +164,8 @@ def _add_flow_options(create: argparse.ArgumentParser) -> None:
         "--time-zone",
         type=time_zone,
         metavar="ZONE",
-        help="with --time-windows: their IANA time zone, e.g. Europe/Paris (default: UTC)",
+        help="the IANA time zone of --time-windows and of a CRON --repeat, e.g. "
+        "Europe/Paris (default: UTC)",
     )
 
 
@@ -190,7 +194,6 @@ def _create(client: Client, args: argparse.Namespace) -> dict[str, int]:
 # create's options that mean nothing without another, by their dests.
 _NEEDS = {
     "no_overwrite": "unique",
-    "time_zone": "time_windows",
     "retry_backoff": "max_attempts",
     "retry_delay": "max_attempts",
     "retry_max_delay": "max_attempts",
@@ -203,6 +206,8 @@ def _options_needed(args: argparse.Namespace) -> str | None:
     for option, needed in _NEEDS.items():
         if getattr(args, option) not in (None, False) and getattr(args, needed) in (None, False):
             return f"{_flag(option)} needs {_flag(needed)}"
+    if args.time_zone and not args.time_windows and not cron.is_cron(args.repeat or ""):
+        return "--time-zone needs --time-windows or a CRON --repeat"
     return None
 
 
@@ -293,8 +298,18 @@ def _add_query(command: CommandAdder) -> None:
 
 def _query(client: Client, args: argparse.Namespace) -> dict[str, Any]:
     if isinstance(args.target, int):
-        return client.query_job(args.target)
+        return with_local_runs(client.query_job(args.target))
     return client.query(args.target)
+
+
+def with_local_runs(job: dict[str, Any]) -> dict[str, Any]:
+    """A CRON job's nextRuns (UTC) also as `nextRunsLocal`, on the wall
+    clock of its timeZone, with the offset: `2027-03-29T09:00:00+02:00`."""
+    runs = job.get("nextRuns")
+    if not isinstance(runs, list):
+        return job
+    zone = str(job.get("timeZone") or "UTC")
+    return {**job, "nextRunsLocal": [cron.in_zone(run, zone).isoformat() for run in runs]}
 
 
 # update, touch, await-reply

@@ -149,7 +149,8 @@ def create_job(
     `retry_max_delay`) until that many attempts have failed. `cost` is what
     it counts against concurrency limits; `time_windows`
     ("01:00-05:00,22:00-23:30") keep it to those hours of `time_zone` (an
-    IANA name, default UTC). With `unique`, the oldest job of this name is
+    IANA name, default UTC), which is also the zone of a CRON `repeat`
+    ("CRON 0 9 * * MON-FRI", protocol.md 6.1). With `unique`, the oldest job of this name is
     reused, `data` merged into its data unless `overwrite` is False."""
     params: dict[str, object] = {
         "name": name,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobserver.core import flow, lifecycle, params, schedule
+from jobserver.core import cron, flow, lifecycle, params, schedule
 from jobserver.core.context import Context
 from jobserver.core.errors import CommandError
 from jobserver.core.jobs import ACTIVE, PENDING, Job, NewJob, State
@@ -89,7 +89,7 @@ def _create(ctx: Context, request: Request) -> int:
         if existing is not None:
             _update_unique(ctx, request, existing, parent_id, data, rule, priority)
             return existing.jobID
-    next_run = first_run or ctx.now_ms
+    next_run = first_run or _first_run(ctx, rule, flow.zone)
     if flow.windows:
         next_run = schedule.in_window(flow.windows, flow.zone, next_run)
     new = NewJob(
@@ -104,6 +104,17 @@ def _create(ctx: Context, request: Request) -> int:
         flow=flow,
     )
     return lifecycle.create(ctx, new, parent)
+
+
+def _first_run(ctx: Context, rule: str | None, zone: str) -> str:
+    """When a job created without firstRun is first due: now, or a CRON
+    rule's first moment after now."""
+    if rule is None or not cron.is_cron(rule):
+        return ctx.now_ms
+    try:
+        return schedule.cron_run(ctx, rule, zone)
+    except RepeatStalled as stalled:
+        raise CommandError(f"402 Malformed repeat: {stalled.reason}") from None
 
 
 def _check_cost_fits(ctx: Context, name: str, cost: int) -> None:
@@ -173,7 +184,11 @@ def _update_unique(
 
 
 def query_job(ctx: Context, request: Request) -> Response:
-    return ok(job_object(load_job(ctx, request), with_state=True))
+    job = load_job(ctx, request)
+    shown = job_object(job, with_state=True)
+    if cron.is_cron(job.repeat):
+        shown["nextRuns"] = schedule.cron_upcoming(ctx.now, job)
+    return ok(shown)
 
 
 def update_job(ctx: Context, request: Request) -> Response:

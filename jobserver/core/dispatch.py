@@ -29,6 +29,7 @@ from jobserver import __version__
 from jobserver.core import (
     backup,
     commands,
+    cron,
     flow,
     params,
     query,
@@ -308,7 +309,8 @@ class Dispatcher:
 
     async def _check_repeats_first(self, request: Request) -> None:
         """Repeat rules are checked by computing them from many moments
-        (repeat.py), which can take tens of milliseconds: done here, one
+        (repeat.py), and CRON rules by searching for a moment (cron.py),
+        either of which can take tens of milliseconds: done here, one
         request at a time, in a thread that does not hold up the writer,
         which then finds the verdict cached."""
         texts = []
@@ -320,8 +322,11 @@ class Dispatcher:
         elif verb in ("createjob", "updatejob"):
             text = request.get("repeat")
             texts = [text] if text else []
-        if texts:
-            await trio.to_thread.run_sync(repeat.warm, texts, limiter=self._rule_check_limiter)
+        if cron.unchecked(texts):
+            await trio.to_thread.run_sync(cron.warm, texts, limiter=self._rule_check_limiter)
+        bedrock = [text for text in texts if not cron.is_cron(text)]
+        if bedrock:
+            await trio.to_thread.run_sync(repeat.warm, bedrock, limiter=self._rule_check_limiter)
 
 
 def _cancelled() -> bool:

@@ -6,7 +6,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from jobserver.core import repeat, times, windows
+from jobserver.core import cron, repeat, times, windows
 from jobserver.core.errors import CommandError
 from jobserver.core.jobs import PLAIN, FlowOptions, RetryPolicy
 from jobserver.wire import jsonbody
@@ -179,6 +179,8 @@ def repeat_rule(request: Request) -> str | None:
     value = present(request, "repeat")
     if value is None or value.strip() == "":
         return None
+    if cron.is_cron(value):
+        return cron_rule(value)
     try:
         repeat.check_moves_forward(repeat.parse_repeat(value))
     except repeat.MalformedRepeat as error:
@@ -187,6 +189,16 @@ def repeat_rule(request: Request) -> str | None:
         detail = f": {error.reason}" if error.reason else ""
         raise CommandError(f"402 Malformed repeat{detail}") from None
     return value.strip().upper()
+
+
+def cron_rule(value: str) -> str:
+    """A CRON repeat as stored (protocol.md 6.1)."""
+    try:
+        return cron.normalise(value)
+    except cron.MalformedCron as error:
+        raise CommandError(f"402 Malformed repeat: {error}") from None
+    except cron.CronUnavailable as error:
+        raise CommandError(f"501 {error}") from None
 
 
 def retry_after(request: Request) -> str:
@@ -365,19 +377,27 @@ def flow_options(request: Request) -> FlowOptions:
     windows_text = present(request, "timeWindows")
     zone_text = present(request, "timeZone")
     if windows_text is None:
-        if zone_text is not None:
+        # A CRON repeat is read in the zone too (protocol.md 6.1).
+        if zone_text is None:
+            return PLAIN if cost == 1 else FlowOptions(cost=cost)
+        if not cron.is_cron(request.get("repeat") or ""):
             raise CommandError("402 Missing timeWindows")
-        return PLAIN if cost == 1 else FlowOptions(cost=cost)
+        return FlowOptions(cost=cost, zone=_zone(zone_text))
     try:
         parsed = windows.format_windows(windows.parse_windows(windows_text))
     except ValueError:
         raise CommandError("402 Malformed timeWindows") from None
-    zone = zone_text.strip() if zone_text is not None else "UTC"
+    zone = _zone(zone_text) if zone_text is not None else "UTC"
+    return FlowOptions(cost=cost, windows=parsed, zone=zone)
+
+
+def _zone(text: str) -> str:
+    zone = text.strip()
     try:
         windows.parse_zone(zone)
     except ValueError:
         raise CommandError("402 Malformed timeZone") from None
-    return FlowOptions(cost=cost, windows=parsed, zone=zone)
+    return zone
 
 
 def capacity(request: Request) -> int:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 
-from jobserver.core import repeat, times, windows
+from jobserver.core import cron, repeat, times, windows
 from jobserver.core.context import Context
 from jobserver.core.errors import CommandError
 from jobserver.core.jobs import Job
@@ -38,6 +38,15 @@ class RepeatStalled(Exception):
         super().__init__(f"repeat rule did not move forward from {base} (gave {computed})")
         # As a status line's detail, worded like CreateJob's refusal.
         self.reason = f"does not move forward from {base} (gives {computed})"
+
+
+class CronStalled(RepeatStalled):
+    """A CRON rule that gives no next run: cronsim is no longer installed,
+    or it finds no moment of the rule within its 50 years."""
+
+    def __init__(self, reason: str) -> None:
+        Exception.__init__(self, f"repeat rule gave no next run: {reason}")
+        self.reason = reason
 
 
 def backoff_delay(job: Job, attempt: int, rng: Callable[[], float] = random.random) -> float:
@@ -101,6 +110,8 @@ def lease_end(ctx: Context, job: Job) -> str | None:
 def next_run_from_repeat(ctx: Context, job: Job, rule_text: str) -> str:
     """When a job with this repeat runs next, counted from its base.
     Raises RepeatStalled when that is not later than the base."""
+    if cron.is_cron(rule_text):
+        return cron_run(ctx, rule_text, job.timeZone)
     rule = repeat.parse_repeat(rule_text)
     scheduled = job.nextRun
     if rule.base == "SCHEDULED" and job.retryAfter:
@@ -132,3 +143,31 @@ def next_run_from_repeat(ctx: Context, job: Job, rule_text: str) -> str:
             raise CommandError("502 Failed to compute nextRun") from None
         computed = times.to_seconds(repeat.reanchor(last, times.parse_stored(computed), ctx.now))
     return computed
+
+
+def cron_run(ctx: Context, rule_text: str, zone: str) -> str:
+    """The first moment of a CRON rule strictly after now, in whole
+    seconds as DATETIME() writes them: a job that missed several moments
+    (the server was down) runs once for all of them, then keeps to the
+    rule. Raises CronStalled when there is none."""
+    try:
+        found = cron.next_run(rule_text, zone, ctx.now)
+    except cron.CronUnavailable as error:
+        raise CronStalled(str(error)) from None
+    if found is None:
+        raise CronStalled(f"no moment of {rule_text} within 50 years")
+    return times.to_seconds(found)
+
+
+def cron_upcoming(now: datetime, job: Job) -> list[str]:
+    """A CRON job's next runs as its rule places them: from the later of
+    now and its nextRun, that included. [] without cronsim."""
+    try:
+        start = max(now, times.parse_stored(job.nextRun))
+    except ValueError:
+        start = now
+    try:
+        found = cron.upcoming(job.repeat, job.timeZone, start)
+    except cron.CronUnavailable:
+        return []
+    return [times.to_seconds(moment) for moment in found]

@@ -47,6 +47,8 @@ def job_object(job: Job, with_state: bool = False) -> dict[str, Any]:
         obj["cost"] = job.cost
     if job.timeWindows:
         obj["timeWindows"] = job.timeWindows
+    if job.timeZone:
+        # A job with windows always has one; a CRON repeat may have one alone.
         obj["timeZone"] = job.timeZone
     return obj
 

@@ -39,10 +39,10 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 from starlette.templating import Jinja2Templates
 
-from jobserver.core import params, times
+from jobserver.core import cron, params, schedule, times
 from jobserver.core.dispatch import Answer, Dispatcher
 from jobserver.core.errors import CommandError
-from jobserver.core.jobs import State
+from jobserver.core.jobs import Job, State
 from jobserver.web import access
 from jobserver.web.incoming import peer, read_body
 from jobserver.web.reads import Reads
@@ -224,6 +224,7 @@ class Dashboard:
             "parent": family.parent,
             "children": family.children,
             "data": _pretty(job.data),
+            "next_runs": _next_runs(job),
             "deletable": job.state in DELETABLE,
             "cancellable": bool(job.parentJobID) and job.state in CANCELLABLE,
         })
@@ -519,6 +520,14 @@ def age_text(seconds: float | None) -> str:
     if seconds < 172800:
         return f"{seconds / 3600:.1f} h"
     return f"{seconds / 86400:.1f} d"
+
+
+def _next_runs(job: Job) -> list[tuple[str, str]]:
+    """A CRON job's next runs, each on its zone's wall clock and in UTC."""
+    if not cron.is_cron(job.repeat):
+        return []
+    runs = schedule.cron_upcoming(times.utcnow(), job)
+    return [(f"{cron.in_zone(run, job.timeZone):%a %Y-%m-%d %H:%M %Z}", run) for run in runs]
 
 
 def since_text(stored: str | None) -> str:

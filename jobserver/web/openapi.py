@@ -71,7 +71,8 @@ _NEW_JOB = [
     Param("name", NAME, "the job's name", required=True),
     Param("data", OBJECT, "the job's data"),
     Param("firstRun", TIME, "when the job is first due (4.3)"),
-    Param("repeat", RULE, "run again after each run (section 6)"),
+    Param("repeat", RULE, "run again after each run: Bedrock's rules, or CRON and five "
+          "fields (section 6)"),
     Param("jobPriority", PRIORITY, "higher runs first"),
     Param("priority", PRIORITY, "the same as jobPriority"),
     Param("retryAfter", LEASE, "a lease: handed out again if not reported by then (7)"),
@@ -85,7 +86,7 @@ _NEW_JOB = [
     Param("timeWindows", {"type": "string", "examples": ["22:00-06:00"]},
           "when the job may run, HH:MM-HH:MM, comma-separated (14.8)"),
     Param("timeZone", {"type": "string", "examples": ["Europe/Paris"]},
-          "the time windows' zone"),
+          "the zone of the time windows and of a CRON repeat (6.1, 14.8)"),
 ]
 _FINISH = [_job_id(), Param("data", OBJECT, "replace the job's data"), _LEASE_ID]
 _TAKE = [
