@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import signal
 import socket
@@ -24,7 +25,7 @@ from fake_server import FakeServer, reply
 from harness import ThreadServer
 from helpers import until
 from jobserver.cli import main, top
-from jobserver.client import Client
+from jobserver.client import Client, InvalidRequest, JobNotFound
 
 RUN_TIMEOUT = 15.0
 DEADLINE = 5.0
@@ -314,8 +315,25 @@ def test_query_takes_a_job_id_or_sql(cli_here, jobs):
     cli_here.refused("402 Query Missing Semicolon", 2, "query", "one")
     cli_here.refused("402 Query Missing Semicolon", 2, "query", "SELECT 1")
     done = cli_here("query", "DELETE FROM jobs;")
-    assert (done.returncode, done.stdout, done.stderr) == (2, "", "402 Bad query\n")
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", "402 Bad query: not authorized\n")
     assert jobs.query_job(job_id)["state"] == "QUEUED"
+
+
+def test_a_refusal_carries_the_servers_explanation_in_the_library_and_the_cli(cli, jobs):
+    # The library: the `error` header's text is the exception's detail.
+    with pytest.raises(InvalidRequest) as refused:
+        jobs.query("SELECT * FROM jobz;")
+    error = refused.value
+    assert (error.status, error.detail) == ("402 Bad query", "no such table: jobz")
+    assert str(error) == "402 Bad query: no such table: jobz"
+    # It survives pickling (a worker pool hands exceptions between processes).
+    assert str(pickle.loads(pickle.dumps(error))) == str(error)
+    # A refusal without an explanation reads as its status line alone.
+    with pytest.raises(JobNotFound) as missing:
+        jobs.query_job(42)
+    assert (str(missing.value), missing.value.detail) == ("404 No job with this jobID", None)
+    # The command, as a script runs it: the explanation on stderr, exit 2.
+    cli.refused("402 Bad query: no such table: jobz", 2, "query", "SELECT * FROM jobz;")
 
 
 def test_update_replaces_data_schedule_and_priority(cli_here, jobs):

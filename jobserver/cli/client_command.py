@@ -2,8 +2,8 @@
 token, TLS), the client they make, and the exit statuses.
 
 Most subcommands are one call of jobserver.client: its result is printed as
-JSON, a refusal as the status line on stderr with an exit status a script
-can test. `top` brings its own session (top.py) and shares the rest.
+JSON, a refusal as the status line (and the server's explanation) on stderr
+with an exit status a script can test. `top` brings its own session (top.py) and shares the rest.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ exit status of the client commands (create, get, query, ...):
   {EXIT_ILLEGAL_STATE}  the job's state does not allow it (405, 409)
   {EXIT_SERVER_ERROR}  server error (5xx) or an unexpected reply
   {EXIT_CONNECTION}  cannot connect, or the connection broke during the request
-A refusal prints the server's status line on stderr, e.g. "404 No job found"."""
+A refusal prints the server's status line on stderr, e.g. "404 No job found",
+and its explanation when it gave one: "402 Bad query: no such table: jobz"."""
 
 # One call of the client: what it returns is printed as JSON.
 Action = Callable[[Client, argparse.Namespace], Any]
@@ -191,7 +192,7 @@ def failed(error: JobServerError | ConnectionFailed) -> int:
     if isinstance(error, ConnectionFailed):
         print(f"jobserver: {error}", file=sys.stderr)
         return EXIT_CONNECTION
-    print(error.status, file=sys.stderr)
+    print(error, file=sys.stderr)
     return exit_status(error)
 
 

@@ -6,12 +6,12 @@
 
 Each method is one request on one persistent connection, opened when it is
 first needed. A refusal is a `JobServerError`, with a subclass per status
-code and the whole status line; a network failure is `ConnectionFailed`. An
-empty queue is an answer, not an error: `get_job` returns None and
-`get_jobs` an empty list. Both clients share what each command sends and
-what its reply means (calls.py), the encoding of requests and the sans-IO
-`ReplyReader` (jobserver.wire.framing); only the moving of bytes differs
-(sync.py, trio_client.py).
+code, the whole status line and the server's explanation (`detail`); a
+network failure is `ConnectionFailed`. An empty queue is an answer, not an
+error: `get_job` returns None and `get_jobs` an empty list. Both clients
+share what each command sends and what its reply means (calls.py), the
+encoding of requests and the sans-IO `ReplyReader` (jobserver.wire.framing);
+only the moving of bytes differs (sync.py, trio_client.py).
 
 Reconnect rules. Bedrock's PHP client sends a request again after failures
 that can come after the server acted on it (a `500` or `555` reply; a broken
