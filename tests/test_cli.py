@@ -24,7 +24,7 @@ from conformance_helpers import fmt, force, utcnow
 from fake_server import FakeServer, reply
 from harness import ThreadServer
 from helpers import until
-from jobserver.cli import main, top
+from jobserver.cli import build_parser, main, top
 from jobserver.client import Client, InvalidRequest, JobNotFound
 
 RUN_TIMEOUT = 15.0
@@ -617,6 +617,47 @@ def test_bad_server_address_exits_2():
     done = run("status", "--server", "localhost:http")
     assert (done.returncode, done.stdout) == (2, "")
     assert "not a server address" in done.stderr
+
+
+NEEDS_PORT = "a server address needs its port, HOST:PORT or [IPV6]:PORT (such as 127.0.0.1:8888)"
+
+
+def test_a_server_without_its_port_is_a_usage_error_not_port_8888(capsys, caplog, monkeypatch):
+    monkeypatch.delenv("JOBSERVER_SERVER", raising=False)
+    for args in (["ping", "--server", "127.0.0.1"], ["top", "--once", "--server", "[::1]"],
+                 ["worker-manager", "--worker-path", ".", "--server", "localhost"]):
+        done = run_here(capsys, *args)
+        assert (done.returncode, done.stdout) == (2, ""), done
+        assert f"argument --server: {NEEDS_PORT}, not '{args[-1]}'" in done.stderr
+    monkeypatch.setenv("JOBSERVER_SERVER", "127.0.0.1")
+    done = run_here(capsys, "ping")
+    assert (done.returncode, done.stdout, done.stderr) == (
+        2, "", f"jobserver: $JOBSERVER_SERVER: {NEEDS_PORT}, not '127.0.0.1'\n")
+    assert run_here(capsys, "worker-manager", "--worker-path", ".").returncode == 2
+    assert f"$JOBSERVER_SERVER: {NEEDS_PORT}" in caplog.text
+    # The library keeps its documented default port for a bare host.
+    assert Client.from_address("127.0.0.1").port == 8888
+
+
+def test_a_name_list_with_a_wildcard_in_it_is_refused_before_sending(capsys):
+    # The server matches each name of a comma list exactly (as Bedrock does):
+    # 'report/*' in a list would only ever take a job named 'report/*'.
+    for args in (["get", "report/*,img/slow"], ["failed", "img/slow, report/?"],
+                 ["worker-manager", "--worker-path", ".", "--job-name", "a,b,[rs]*"]):
+        done = run_here(capsys, *args, "--server", "127.0.0.1:1")
+        assert (done.returncode, done.stdout) == (2, ""), done
+        assert "is a comma-separated list, and the names of a list are matched exactly" in (
+            done.stderr)
+    glob = re.escape("[rs]*")
+    assert re.search(f"so '{glob}' would only take a job named '{glob}' itself", done.stderr)
+    # One pattern, a list of exact names, and a pattern ending in a comma
+    # (one piece: a GLOB) are taken as they are.
+    parser = build_parser()
+    for pattern in ("report/*", "report/daily, img/slow", "report/*,", "*"):
+        assert parser.parse_args(["get", pattern]).pattern == pattern
+        assert parser.parse_args(["failed", pattern]).pattern == pattern
+        args = parser.parse_args(["worker-manager", "--worker-path", ".", "--job-name", pattern])
+        assert args.job_name == pattern
 
 
 def test_server_from_the_environment(server):

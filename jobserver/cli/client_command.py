@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import textwrap
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from jobserver.cli.options import (
     AUTH_TOKEN_HELP,
     DEFAULT_SERVER,
     add_tls_arguments,
+    chosen_server,
     server_address,
     tls_option,
 )
@@ -32,7 +32,6 @@ from jobserver.client import (
     JobServerError,
     ServerError,
     auth_token,
-    parse_address,
 )
 
 EXIT_NOT_FOUND = 1
@@ -157,12 +156,7 @@ def run(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace) -> Client:
     """The client --server (else $JOBSERVER_SERVER), the token and TLS ask
     for; ValueError saying what is wrong with them."""
-    try:
-        host, port = args.server or parse_address(
-            os.environ.get("JOBSERVER_SERVER") or DEFAULT_SERVER
-        )
-    except ValueError as error:
-        raise ValueError(f"$JOBSERVER_SERVER: {error}") from None
+    host, port = chosen_server(args.server)
     try:
         token = auth_token(args.auth_token_file)
         return Client(host, port, auth_token=token, tls=tls_option(args))

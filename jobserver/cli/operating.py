@@ -11,8 +11,10 @@ from typing import Any
 from jobserver.cli.client_command import CommandAdder
 from jobserver.cli.options import (
     JOB_ID_HELP,
+    JOB_NAMES_HELP,
     KEY_HELP,
     job_id,
+    job_names,
     json_object,
     number,
     pattern,
@@ -22,7 +24,6 @@ from jobserver.client import Client
 from jobserver.core import params
 from jobserver.wire.limits import DEFAULT_LISTED, DEFAULT_QUEUES, MAX_LISTED, MAX_QUEUES
 
-PATTERN_HELP = "a GLOB pattern such as 'email/*', or a comma-separated list of exact names"
 ONE_PATTERN_HELP = f"one GLOB pattern such as 'email/*', 1 to {params.MAX_NAME} bytes"
 
 
@@ -80,7 +81,12 @@ def _add_dead_set(command: CommandAdder) -> None:
         "Revive them with 'jobserver requeue ID...'.",
     )
     failed.add_argument(
-        "pattern", metavar="PATTERN", nargs="?", default="*", help=f"{PATTERN_HELP} (default: *)"
+        "pattern",
+        type=job_names,
+        metavar="PATTERN",
+        nargs="?",
+        default="*",
+        help=f"{JOB_NAMES_HELP} (default: *)",
     )
     failed.add_argument(
         "--limit",

@@ -19,7 +19,7 @@ from jobserver.core.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER
 from jobserver.core.times import duration_text
 from jobserver.server.app import Config, HttpListenError, Server
 from jobserver.storage import sqlite_backup
-from jobserver.storage.backends import is_postgres
+from jobserver.storage.backends import check_db, is_postgres
 from jobserver.storage.interface import BackupDirectoryUnusable
 from jobserver.storage.sqlite import SYNCHRONOUS_MODES
 from jobserver.storage.sqlite_schema import StoreError
@@ -112,6 +112,7 @@ def _add_storage_options(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--db",
+        type=_db,
         default="jobs.db",
         metavar="DB",
         help=(
@@ -322,6 +323,13 @@ def _http_host(text: str) -> str:
             f"must be a host name such as jobs.example.com, not {text!r}"
         )
     return name
+
+
+def _db(text: str) -> str:
+    try:
+        return check_db(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _limit(text: str) -> tuple[str, int]:

@@ -30,15 +30,20 @@ TLS = bool | str | os.PathLike[str] | ssl.SSLContext | None
 _ADDRESS = re.compile(r"(?:\[(?P<ipv6>[^\[\]]+)\]|(?P<host>[^:\[\]\s]+))(?::(?P<port>[0-9]{1,5}))?")
 
 
-def parse_address(address: str) -> tuple[str, int]:
+def parse_address(address: str, default_port: int | None = DEFAULT_PORT) -> tuple[str, int]:
     """`host:port`, `host`, `[ipv6]:port` or `[ipv6]` -> (host, port); the
-    port is 8888 when not given."""
+    port is `default_port` (8888) when not given. With `default_port`
+    None, an address without a port is refused (the command line's rule)."""
     match = _ADDRESS.fullmatch(address.strip())
-    port = int(match["port"] or DEFAULT_PORT) if match else 0
-    if match is None or not 0 < port < 65536:
+    if match is not None and match["port"] is None and default_port is None:
         raise ValueError(
-            f"not a server address (HOST, HOST:PORT or [IPV6]:PORT, PORT 1 to 65535): {address!r}"
+            f"a server address needs its port, HOST:PORT or [IPV6]:PORT (such as "
+            f"{DEFAULT_HOST}:{DEFAULT_PORT}), not {address!r}"
         )
+    port = int(match["port"] or default_port or 0) if match else 0
+    if match is None or not 0 < port < 65536:
+        forms = "HOST, HOST:PORT or [IPV6]:PORT" if default_port else "HOST:PORT or [IPV6]:PORT"
+        raise ValueError(f"not a server address ({forms}, PORT 1 to 65535): {address!r}")
     return match["ipv6"] or match["host"], port
 
 
