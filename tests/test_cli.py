@@ -4,6 +4,7 @@ status together."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import pickle
@@ -19,12 +20,14 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from conformance_helpers import fmt, force, utcnow
 from fake_server import FakeServer, reply
 from harness import ThreadServer
 from helpers import until
-from jobserver.cli import build_parser, main, top
+from jobserver.cli import build_parser, create_from, main, top
 from jobserver.client import Client, InvalidRequest, JobNotFound
 
 RUN_TIMEOUT = 15.0
@@ -273,6 +276,79 @@ def test_create_takes_every_create_job_parameter(cli_here, jobs):
     # QueryJob has no parent key; Query has.
     rows = cli_here.ok("query", f"SELECT parentJobID FROM jobs WHERE jobID = {job['jobID']};")
     assert rows == {"headers": ["parentJobID"], "rows": [[parent]]}
+
+
+def test_create_from_stdin_creates_a_job_per_line(cli, jobs):
+    lines = [json.dumps({"name": f"bulk/{n}", "data": {"n": n}}) for n in range(1, 21)]
+    lines[0] = json.dumps({"Name": "bulk/first", "data": {"path": "C:\\temp\nnext"},
+                           "jobPriority": 1000, "retryAfter": "+5 MINUTES"})
+    lines.insert(10, "   ")  # a blank line is skipped
+    done = subprocess.run(
+        [sys.executable, "-m", "jobserver", "create", "--from", "-", "--server", cli.address],
+        input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=RUN_TIMEOUT,
+        env=environment(None),
+    )
+    assert (done.returncode, done.stderr) == (0, ""), done
+    ids = json.loads(done.stdout)["jobIDs"]
+    assert ids == list(range(1, 21))  # in line order
+    first = jobs.query_job(ids[0])
+    assert (first["name"], first["data"], first["priority"], first["retryAfter"]) == (
+        "bulk/first", {"path": "C:\\temp\nnext"}, 1000, "+5 MINUTES")
+    assert jobs.query_job(ids[-1])["data"] == {"n": 20}
+
+
+@given(st.lists(st.integers(1, 9) | st.integers(1, create_from.BATCH_BYTES), max_size=3000))
+@example([1] * 2500)
+def test_create_from_batches_keep_the_order_and_both_bounds(sizes):
+    lines = [create_from.Line(n, {"name": "x"}, size) for n, size in enumerate(sizes, 1)]
+    batches = list(create_from.batches(lines))
+    assert [line for batch in batches for line in batch] == lines
+    for batch in batches:
+        assert 1 <= len(batch) <= create_from.BATCH_JOBS
+        assert sum(line.size for line in batch) + len(batch) - 1 <= create_from.BATCH_BYTES
+    # Each batch is cut only where the next line would not fit.
+    for batch, after in itertools.pairwise(batches):
+        wire = sum(line.size for line in batch) + len(batch) + after[0].size
+        assert len(batch) == create_from.BATCH_JOBS or wire > create_from.BATCH_BYTES
+
+
+def test_create_from_a_file_names_a_bad_line_and_keeps_within_a_requests_line(
+    cli_here, jobs, tmp_path
+):
+    source = tmp_path / "jobs.jsonl"
+    # A bad line creates nothing: every line is checked before sending.
+    for bad, problem in [
+        ('{"name": "ok"}\n{"name": \n', "line 2: not JSON (Expecting value at column 9)"),
+        ('{"name": "ok"}\n\n[1, 2]\n', "line 3: not a JSON object: '[1, 2]'"),
+        ('{"data": {}}\n', 'line 1: no "name": each line is a job object'),
+        ('{"name": "ok"}\n\xff\n', "line 2: not UTF-8"),
+    ]:
+        source.write_bytes(bad.encode("latin-1"))
+        done = cli_here("create", "--from", str(source))
+        assert (done.returncode, done.stdout) == (2, ""), done
+        assert done.stderr.startswith(f"jobserver: --from {problem}"), done.stderr
+    assert jobs.status()["jobs"] == {}
+    # Three jobs of 800 KB do not fit on one 2 MiB `jobs` line: the first
+    # two go in one CreateJobs, the third in the next, with line 4; that
+    # batch is refused, the first one's jobs stay and are printed.
+    big = "x" * 800_000
+    source.write_text("".join(json.dumps({"name": f"big/{n}", "data": {"big": big}}) + "\n"
+                              for n in range(3)) + '{"name": "odd", "repeat": "SOMETIMES"}\n')
+    done = cli_here("create", "--from", str(source))
+    assert (done.returncode, json.loads(done.stdout)) == (2, {"jobIDs": [1, 2]}), done.stderr
+    assert done.stderr.startswith("lines 3 to 4: 402 Malformed repeat")
+    assert "none of their jobs was created" in done.stderr
+    assert jobs.status()["jobs"] == {"QUEUED": 2}
+    # --from describes each job on its line, so NAME and the job options
+    # cannot go with it; a missing file is named.
+    for args, message in [(["name", "--from", "-"], "NAME cannot go with it"),
+                          (["--from", "-", "--priority", "1000"], "--priority cannot go with it"),
+                          ([], "give the job's NAME, or --from FILE")]:
+        done = cli_here("create", *args)
+        assert done.returncode == 2 and message in done.stderr, done
+    done = cli_here("create", "--from", str(tmp_path / "none.jsonl"))
+    assert (done.returncode, done.stderr) == (
+        2, f"jobserver: cannot read --from {tmp_path / 'none.jsonl'}: No such file or directory\n")
 
 
 def test_create_unique_reuses_a_job_and_no_overwrite_keeps_its_data(cli_here, jobs):

@@ -62,15 +62,23 @@ CommandAdder = Callable[[str, Action, str, str], argparse.ArgumentParser]
 
 
 class PartlyRefused(Exception):
-    """An action the server carried out in part (FinishJobs): `result` is
-    printed all the same, each of `complaints` on stderr, and the exit
-    status is the one `error` gives."""
+    """An action the server carried out in part (FinishJobs, create
+    --from): `result` is printed all the same, each of `complaints` on
+    stderr, and the exit status is the one `error` gives."""
 
-    def __init__(self, result: Any, complaints: list[str], error: JobServerError) -> None:
-        super().__init__(error.status)
+    def __init__(
+        self, result: Any, complaints: list[str], error: JobServerError | ConnectionFailed
+    ) -> None:
+        super().__init__(str(error))
         self.result = result
         self.complaints = complaints
         self.error = error
+
+
+class UsageError(Exception):
+    """Input an action found unusable before sending anything (a bad line
+    of `create --from`): its message on stderr, exit status 2 as for
+    argparse's own errors."""
 
 
 def connection_options() -> argparse.ArgumentParser:
@@ -172,6 +180,9 @@ def _call_once(client: Client, args: argparse.Namespace) -> int:
         for complaint in partly.complaints:
             print(complaint, file=sys.stderr)
         return exit_status(partly.error)
+    except UsageError as error:
+        print(f"jobserver: {error}", file=sys.stderr)
+        return EXIT_USAGE
     except (JobServerError, ConnectionFailed) as error:
         return failed(error)
     except KeyboardInterrupt:
@@ -183,15 +194,14 @@ def _call_once(client: Client, args: argparse.Namespace) -> int:
 
 def failed(error: JobServerError | ConnectionFailed) -> int:
     """Say on stderr why a call failed; its exit status."""
-    if isinstance(error, ConnectionFailed):
-        print(f"jobserver: {error}", file=sys.stderr)
-        return EXIT_CONNECTION
-    print(error, file=sys.stderr)
+    print(f"jobserver: {error}" if isinstance(error, ConnectionFailed) else error, file=sys.stderr)
     return exit_status(error)
 
 
-def exit_status(error: JobServerError) -> int:
-    """The exit status of a refusal."""
+def exit_status(error: JobServerError | ConnectionFailed) -> int:
+    """The exit status of a refusal, or of a failed connection."""
+    if isinstance(error, ConnectionFailed):
+        return EXIT_CONNECTION
     if isinstance(error, JobNotFound):
         return EXIT_NOT_FOUND
     if isinstance(error, (IllegalState, Conflict)):

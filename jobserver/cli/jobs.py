@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from typing import Any
 
-from jobserver.cli.client_command import CommandAdder, PartlyRefused, add_check
+from jobserver.cli import create_from
+from jobserver.cli.client_command import CommandAdder, PartlyRefused, UsageError, add_check
 from jobserver.cli.options import (
     JOB_ID_HELP,
     JOB_NAMES_HELP,
@@ -66,8 +68,28 @@ def add_parsers(command: CommandAdder) -> None:
 
 
 def _add_create(command: CommandAdder) -> None:
-    create = command("create", _create, "create a job", 'Create a job and print {"jobID": N}.')
-    create.add_argument("name", metavar="NAME", help="the job's name, e.g. email/send")
+    create = command(
+        "create",
+        _create,
+        "create a job, or many from JSON lines",
+        'Create a job and print {"jobID": N}. With --from, create a job for each line '
+        "of FILE (- for standard input), a JSON object with CreateJobs' fields such as "
+        '{"name": "email/send", "data": {"to": "ann"}, "jobPriority": 1000}, in '
+        f"CreateJobs batches of up to {create_from.BATCH_JOBS}, and print "
+        '{"jobIDs": [...]} in line order. Every line is checked before anything is sent: a '
+        "bad one is named, exit 2, and nothing is created. If the server refuses a batch, "
+        "the jobIDs of the batches before it are printed and the refused lines named.",
+    )
+    create.add_argument(
+        "name", metavar="NAME", nargs="?", help="the job's name, e.g. email/send (not with --from)"
+    )
+    create.add_argument(
+        "--from",
+        dest="from_file",
+        metavar="FILE",
+        help="create the jobs of FILE's lines instead, one JSON object a line; - reads "
+        "standard input (default: one job, NAME)",
+    )
     create.add_argument(
         "--data",
         type=json_object,
@@ -167,7 +189,9 @@ def _add_flow_options(create: argparse.ArgumentParser) -> None:
     )
 
 
-def _create(client: Client, args: argparse.Namespace) -> dict[str, int]:
+def _create(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    if args.from_file is not None:
+        return _create_from(client, args.from_file)
     job_id = client.create_job(
         args.name,
         data=args.data,
@@ -189,6 +213,23 @@ def _create(client: Client, args: argparse.Namespace) -> dict[str, int]:
     return {"jobID": job_id}
 
 
+def _create_from(client: Client, path: str) -> dict[str, list[int]]:
+    if path == "-":
+        return create_from.create_from(client, sys.stdin.buffer)
+    try:
+        with open(path, "rb") as stream:
+            return create_from.create_from(client, stream)
+    except OSError as error:  # opening or reading: a failed request is PartlyRefused
+        raise UsageError(f"cannot read --from {path}: {error.strerror or error}") from None
+
+
+# create's options that describe one job: with --from, each line does.
+_JOB_OPTIONS = (
+    "data", "first_run", "repeat", "priority", "retry_after", "parent", "unique",
+    "no_overwrite", "max_attempts", "retry_backoff", "retry_delay", "retry_max_delay",
+    "cost", "time_windows", "time_zone",
+)  # fmt: skip
+
 # create's options that mean nothing without another, by their dests.
 _NEEDS = {
     "no_overwrite": "unique",
@@ -202,6 +243,14 @@ _NEEDS = {
 def _options_needed(args: argparse.Namespace) -> str | None:
     """The server would refuse most of these (402 Missing maxAttempts) or
     ignore them (overwrite without unique): said here, before sending."""
+    if args.from_file is not None:
+        given = [_flag(dest) for dest in _JOB_OPTIONS if getattr(args, dest) not in (None, False)]
+        if args.name is not None or given:
+            what = "NAME" if args.name is not None else given[0]
+            return f"--from takes each job from its line: {what} cannot go with it"
+        return None
+    if args.name is None:
+        return "give the job's NAME, or --from FILE"
     for option, needed in _NEEDS.items():
         if getattr(args, option) not in (None, False) and getattr(args, needed) in (None, False):
             return f"{_flag(option)} needs {_flag(needed)}"
