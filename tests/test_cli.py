@@ -745,6 +745,25 @@ def test_server_from_the_environment(server):
     assert run("status", "--server", f"127.0.0.1:{server.port}", env=dead).returncode == 0
 
 
+def test_the_client_commands_start_without_trio_the_server_or_the_worker_manager():
+    # What a client command imports is what it costs to start (README,
+    # Benchmarks: bench/startup.py); `jobserver --help` builds every parser.
+    code = (
+        "import sys, jobserver.cli\n"
+        "jobserver.cli.build_parser('')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('trio', 'dateutil')\n"
+        "             or m.startswith(('jobserver.server', 'jobserver.storage', 'jobserver.web',\n"
+        "                              'jobserver.workers', 'jobserver.core.params'))))\n"
+        "from jobserver.client import AsyncClient\n"
+        "print(AsyncClient.__module__, 'trio' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT, env=environment(None))
+    assert (done.returncode, done.stderr) == (0, ""), done
+    # AsyncClient is still there, bringing trio once asked for.
+    assert done.stdout == "[]\njobserver.client.trio_client True\n"
+
+
 def test_help_documents_the_exit_statuses(capsys):
     done = run("--help")
     assert done.returncode == 0

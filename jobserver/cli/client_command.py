@@ -9,6 +9,7 @@ with an exit status a script can test. `top` brings its own session (top.py) and
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import textwrap
@@ -81,6 +82,9 @@ class UsageError(Exception):
     argparse's own errors."""
 
 
+# Built once: each subcommand takes its options from the same parent, and
+# building it twenty times over was a share of every command's start-up.
+@functools.cache
 def connection_options() -> argparse.ArgumentParser:
     """A parent parser: --server, --auth-token-file, --tls, --tls-ca."""
     common = argparse.ArgumentParser(add_help=False)

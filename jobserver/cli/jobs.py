@@ -29,13 +29,19 @@ from jobserver.cli.options import (
     time_zone,
 )
 from jobserver.client import Client, JobNotFound
-from jobserver.core import params
 from jobserver.wire.limits import (
+    BACKOFFS,
+    DEFAULT_BACKOFF,
+    DEFAULT_MAX_RETRY_DELAY,
     DEFAULT_PRIORITY,
     DEFAULT_REPLY_TIMEOUT,
+    DEFAULT_RETRY_DELAY,
+    MAX_ATTEMPTS,
+    MAX_COST,
     MAX_DELAY,
     MAX_FINISH_JOBS,
     MAX_REPLY_TIMEOUT,
+    MAX_RESULTS,
     MAX_WAIT_MS,
 )
 
@@ -138,30 +144,30 @@ def _add_retry_policy_options(create: argparse.ArgumentParser) -> None:
     """A retry policy (protocol.md 14.1)."""
     create.add_argument(
         "--max-attempts",
-        type=number(int, 1, params.MAX_ATTEMPTS),
+        type=number(int, 1, MAX_ATTEMPTS),
         metavar="N",
         help=f"give it a retry policy: a failed attempt (fail, an expired lease) queues it "
-        f"again after a backoff until N attempts have failed, 1 to {params.MAX_ATTEMPTS} "
+        f"again after a backoff until N attempts have failed, 1 to {MAX_ATTEMPTS} "
         "(default: no policy, the first failure is final)",
     )
     create.add_argument(
         "--retry-backoff",
-        choices=params.BACKOFFS,
-        help=f"with --max-attempts: how the delay grows (default: {params.DEFAULT_BACKOFF})",
+        choices=BACKOFFS,
+        help=f"with --max-attempts: how the delay grows (default: {DEFAULT_BACKOFF})",
     )
     create.add_argument(
         "--retry-delay",
         type=retry_seconds,
         metavar="SECONDS",
         help=f"with --max-attempts: the delay after the first failed attempt, 0 to "
-        f"{MAX_DELAY}, up to 3 decimals (default: {params.DEFAULT_RETRY_DELAY:g})",
+        f"{MAX_DELAY}, up to 3 decimals (default: {DEFAULT_RETRY_DELAY:g})",
     )
     create.add_argument(
         "--retry-max-delay",
         type=retry_seconds,
         metavar="SECONDS",
         help=f"with --max-attempts: the longest exponential delay, 0 to {MAX_DELAY}, up to "
-        f"3 decimals (default: {params.DEFAULT_MAX_RETRY_DELAY:g})",
+        f"3 decimals (default: {DEFAULT_MAX_RETRY_DELAY:g})",
     )
 
 
@@ -169,10 +175,10 @@ def _add_flow_options(create: argparse.ArgumentParser) -> None:
     """Cost and time windows (protocol.md 14.7, 14.8)."""
     create.add_argument(
         "--cost",
-        type=number(int, 1, params.MAX_COST),
+        type=number(int, 1, MAX_COST),
         metavar="N",
         help=f"what it counts against each concurrency limit its name matches while it "
-        f"runs, 1 to {params.MAX_COST} (default: 1)",
+        f"runs, 1 to {MAX_COST} (default: 1)",
     )
     create.add_argument(
         "--time-windows",
@@ -285,9 +291,9 @@ def _add_get(command: CommandAdder) -> None:
     )
     get.add_argument(
         "--count",
-        type=number(int, 1, params.MAX_RESULTS),
+        type=number(int, 1, MAX_RESULTS),
         metavar="N",
-        help=f'take up to N jobs, 1 to {params.MAX_RESULTS}, and print {{"jobs": [...]}} '
+        help=f'take up to N jobs, 1 to {MAX_RESULTS}, and print {{"jobs": [...]}} '
         "(default: one job, printed as it is)",
     )
     add_priority(get, "only jobs of this priority (default: any)")

@@ -21,10 +21,16 @@ from jobserver.cli.options import (
     reply_key,
 )
 from jobserver.client import Client
-from jobserver.core import params
-from jobserver.wire.limits import DEFAULT_LISTED, DEFAULT_QUEUES, MAX_LISTED, MAX_QUEUES
+from jobserver.wire.limits import (
+    DEFAULT_LISTED,
+    DEFAULT_QUEUES,
+    MAX_CAPACITY,
+    MAX_LISTED,
+    MAX_NAME,
+    MAX_QUEUES,
+)
 
-ONE_PATTERN_HELP = f"one GLOB pattern such as 'email/*', 1 to {params.MAX_NAME} bytes"
+ONE_PATTERN_HELP = f"one GLOB pattern such as 'email/*', 1 to {MAX_NAME} bytes"
 
 
 def add_parsers(command: CommandAdder) -> None:
@@ -141,9 +147,9 @@ def _add_flow_control(command: CommandAdder) -> None:
     set_limit.add_argument("pattern", type=pattern, metavar="PATTERN", help=ONE_PATTERN_HELP)
     set_limit.add_argument(
         "max",
-        type=number(int, 0, params.MAX_CAPACITY),
+        type=number(int, 0, MAX_CAPACITY),
         metavar="MAX",
-        help=f"the capacity, 0 to {params.MAX_CAPACITY}; 0 removes the limit",
+        help=f"the capacity, 0 to {MAX_CAPACITY}; 0 removes the limit",
     )
 
 

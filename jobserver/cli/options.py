@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jobserver.client import TLS, parse_address
-from jobserver.core import globmatch, params, windows
+from jobserver.core import globmatch
 from jobserver.core.times import duration_text, parse_duration
 from jobserver.wire import jsonbody
 from jobserver.wire.limits import (
@@ -22,6 +22,7 @@ from jobserver.wire.limits import (
     MAX_DELAY,
     MAX_DELAY_DIGITS,
     MAX_JOB_ID,
+    MAX_NAME,
     MAX_REPLY_KEY,
     PRIORITIES,
 )
@@ -160,9 +161,13 @@ def json_object(text: str) -> dict[str, Any]:
 def pattern(text: str) -> str:
     """The one GLOB pattern of pause, resume and set-limit: 1 to 255 bytes
     of UTF-8 without control characters, as the server takes it."""
-    if not text or len(text.encode("utf-8")) > params.MAX_NAME or params.has_control(text):
+    # Here, not at the top: the server's parameter rules bring its time
+    # zones and repeat grammar, which most commands never need (start-up).
+    from jobserver.core.params import has_control
+
+    if not text or len(text.encode("utf-8")) > MAX_NAME or has_control(text):
         raise argparse.ArgumentTypeError(
-            f"must be a GLOB pattern of 1 to {params.MAX_NAME} bytes without control "
+            f"must be a GLOB pattern of 1 to {MAX_NAME} bytes without control "
             f"characters, not {text!r}"
         )
     return text
@@ -220,6 +225,10 @@ def retry_seconds(text: str) -> float:
 
 def time_windows(text: str) -> str:
     """--time-windows: HH:MM-HH:MM, comma-separated, up to 20."""
+    # Here, not at the top: time zones (dateutil) are for this option and
+    # --time-zone alone, and cost every command's start-up.
+    from jobserver.core import windows
+
     try:
         return windows.format_windows(windows.parse_windows(text))
     except ValueError:
@@ -231,6 +240,8 @@ def time_windows(text: str) -> str:
 
 def time_zone(text: str) -> str:
     """--time-zone: an IANA zone name."""
+    from jobserver.core import windows  # as in time_windows
+
     try:
         windows.parse_zone(text.strip())
     except ValueError:

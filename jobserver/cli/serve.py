@@ -8,7 +8,6 @@ import os
 import ssl
 import stat
 import sys
-from typing import Any
 
 import trio
 
@@ -60,17 +59,15 @@ MIN_REPLY_GRACE_SECONDS = 1.0
 MAX_REPLY_GRACE_SECONDS = 30 * 86400.0
 
 
-def add_parser(sub: Any) -> None:
-    """The serve subcommand and its options."""
-    serve = sub.add_parser(
-        "serve",
-        help="run the job server",
-        description=(
-            "Run the job server in the foreground. Jobs are kept in one SQLite "
-            "file; a write is acknowledged only once it is on disk. SIGINT or "
-            f"SIGTERM stop it cleanly. Try it with: nc {DEFAULT_HOST} {DEFAULT_PORT}"
-        ),
-    )
+DESCRIPTION = (
+    "Run the job server in the foreground. Jobs are kept in one SQLite "
+    "file; a write is acknowledged only once it is on disk. SIGINT or "
+    f"SIGTERM stop it cleanly. Try it with: nc {DEFAULT_HOST} {DEFAULT_PORT}"
+)
+
+
+def add_arguments(serve: argparse.ArgumentParser) -> None:
+    """The serve subcommand's options."""
     _add_storage_options(serve)
     _add_client_options(serve)
     _add_job_options(serve)

@@ -7,9 +7,7 @@ import os
 import re
 import select
 import ssl
-from typing import Any, Self
-
-import trio
+from typing import Any, ClassVar, Self
 
 from jobserver.client.calls import Call
 from jobserver.client.errors import ConnectionFailed, TLSFailed
@@ -95,6 +93,9 @@ NO_REPLY = "no reply (the request may have been carried out) from"
 class Endpoint:
     """Where a client connects, and how it words a failure."""
 
+    # What a request that took too long raises, worded "timed out".
+    timeouts: ClassVar[tuple[type[BaseException], ...]] = (TimeoutError,)
+
     def __init__(
         self,
         host: str = DEFAULT_HOST,
@@ -130,7 +131,7 @@ class Endpoint:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     def _failed(self, what: str, error: BaseException) -> ConnectionFailed:
-        return ConnectionFailed(f"{what} {self.address}: {_describe(error)}")
+        return ConnectionFailed(f"{what} {self.address}: {self._describe(error)}")
 
     def _handshake_failed(self, error: BaseException) -> ConnectionFailed:
         """What a failed TLS handshake means, for a person to act on."""
@@ -160,19 +161,18 @@ class Endpoint:
                 "out --tls and --tls-ca)"
             )
         return ConnectionFailed(
-            f"{CANNOT_CONNECT} {self.address}: TLS handshake failed: {_describe(error)}"
+            f"{CANNOT_CONNECT} {self.address}: TLS handshake failed: {self._describe(error)}"
         )
+
+    def _describe(self, error: BaseException) -> str:
+        if isinstance(error, self.timeouts):
+            return "timed out"
+        return str(error) or type(error).__name__
 
     def _check_plaintext_reply(self, reply: Reply) -> None:
         """A TLS-only port answers a plaintext client with this one reply."""
         if self.tls is None and reply.status == TLS_REQUIRED:
             raise TLSFailed(f"the server at {self.address} requires TLS: use --tls")
-
-
-def _describe(error: BaseException) -> str:
-    if isinstance(error, (TimeoutError, trio.TooSlowError)):
-        return "timed out"
-    return str(error) or type(error).__name__
 
 
 # OpenSSL's verify codes for a certificate that does not name the host.

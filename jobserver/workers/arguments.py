@@ -38,6 +38,13 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+DESCRIPTION = (
+    "Take jobs from the server (blocking, never polling) and run each "
+    "as a process from --worker-path, within --max-workers (and "
+    "--max-load, if given); report each outcome. SIGTERM or SIGINT drain it."
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_job_arguments(parser)
     _add_limit_arguments(parser)
