@@ -35,12 +35,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"jobserver {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name, (help, _) in PROGRAMS.items():
+    for name, (summary, _) in PROGRAMS.items():
         if only is not None and name != only:
-            sub.add_parser(name, help=help)
+            sub.add_parser(name, help=summary)
             continue
         program = _program(name)
-        program.add_arguments(sub.add_parser(name, help=help, description=program.DESCRIPTION))
+        program.add_arguments(sub.add_parser(name, help=summary, description=program.DESCRIPTION))
     commands.add_parsers(sub)
     return parser
 

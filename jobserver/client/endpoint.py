@@ -94,7 +94,7 @@ class Endpoint:
     """Where a client connects, and how it words a failure."""
 
     # What a request that took too long raises, worded "timed out".
-    timeouts: ClassVar[tuple[type[BaseException], ...]] = (TimeoutError,)
+    _timeouts: ClassVar[tuple[type[BaseException], ...]] = (TimeoutError,)
 
     def __init__(
         self,
@@ -165,7 +165,7 @@ class Endpoint:
         )
 
     def _describe(self, error: BaseException) -> str:
-        if isinstance(error, self.timeouts):
+        if isinstance(error, self._timeouts):
             return "timed out"
         return str(error) or type(error).__name__
 

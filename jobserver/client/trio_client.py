@@ -32,7 +32,7 @@ class AsyncClient(Endpoint, trio.abc.AsyncResource):
     Close it with `await client.aclose()` or `async with`."""
 
     _stream: trio.abc.Stream | None = None
-    timeouts = (TimeoutError, trio.TooSlowError)
+    _timeouts = (TimeoutError, trio.TooSlowError)
 
     async def aclose(self) -> None:
         """Close the connection, if one is open; the next request opens another."""
