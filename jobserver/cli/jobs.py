@@ -225,7 +225,9 @@ def _create_from(client: Client, path: str) -> dict[str, list[int]]:
     try:
         with open(path, "rb") as stream:
             return create_from.create_from(client, stream)
-    except OSError as error:  # opening or reading: a failed request is PartlyRefused
+    except OSError as error:
+        # Opening or reading the file: a request that failed (ConnectionFailed,
+        # an OSError too) came out as PartlyRefused.
         raise UsageError(f"cannot read --from {path}: {error.strerror or error}") from None
 
 
@@ -234,7 +236,7 @@ _JOB_OPTIONS = (
     "data", "first_run", "repeat", "priority", "retry_after", "parent", "unique",
     "no_overwrite", "max_attempts", "retry_backoff", "retry_delay", "retry_max_delay",
     "cost", "time_windows", "time_zone",
-)  # fmt: skip
+)
 
 # create's options that mean nothing without another, by their dests.
 _NEEDS = {
@@ -247,8 +249,9 @@ _NEEDS = {
 
 
 def _options_needed(args: argparse.Namespace) -> str | None:
-    """The server would refuse most of these (402 Missing maxAttempts) or
-    ignore them (overwrite without unique): said here, before sending."""
+    """NAME or --from, not both; and options that need another: the server
+    would refuse most of these (402 Missing maxAttempts) or ignore them
+    (overwrite without unique). Said here, before sending."""
     if args.from_file is not None:
         given = [_flag(dest) for dest in _JOB_OPTIONS if getattr(args, dest) not in (None, False)]
         if args.name is not None or given:
