@@ -748,10 +748,11 @@ def test_server_from_the_environment(server):
 def test_the_client_commands_start_without_trio_the_server_or_the_worker_manager():
     # What a client command imports is what it costs to start (README,
     # Benchmarks: bench/startup.py); `jobserver --help` builds every parser.
+    # ssl comes with a client that speaks TLS (test_tls_with_a_ca_file).
     code = (
         "import sys, jobserver.cli\n"
         "jobserver.cli.build_parser('')\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('trio', 'dateutil')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('trio', 'dateutil', 'ssl')\n"
         "             or m.startswith(('jobserver.server', 'jobserver.storage', 'jobserver.web',\n"
         "                              'jobserver.workers', 'jobserver.core.params'))))\n"
         "from jobserver.client import AsyncClient\n"

@@ -6,13 +6,15 @@ from __future__ import annotations
 import os
 import re
 import select
-import ssl
-from typing import Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeAlias
 
 from jobserver.client.calls import Call
 from jobserver.client.errors import ConnectionFailed, TLSFailed
 from jobserver.wire.framing import TLS_REQUIRED, Reply, encode_request
 from jobserver.wire.limits import DEFAULT_HOST, DEFAULT_PORT
+
+if TYPE_CHECKING:
+    import ssl
 
 # Seconds to connect, to send, and to wait for a reply that is not a
 # waiting GetJob's. Ordinary replies take milliseconds; a busy server's
@@ -22,8 +24,10 @@ DEFAULT_TIMEOUT = 30.0
 RECEIVE_SIZE = 65536
 
 # How a client speaks TLS (jobserver.client's docstring): None or False for
-# not at all, True for the system's CAs, a CA file's path, or a ready SSLContext.
-TLS = bool | str | os.PathLike[str] | ssl.SSLContext | None
+# not at all, True for the system's CAs, a CA file's path, or a ready
+# SSLContext. In quotes: ssl is loaded only by a client that speaks TLS, as
+# loading it is a tenth of a client command's start-up.
+TLS: TypeAlias = "bool | str | os.PathLike[str] | ssl.SSLContext | None"
 
 _ADDRESS = re.compile(r"(?:\[(?P<ipv6>[^\[\]]+)\]|(?P<host>[^:\[\]\s]+))(?::(?P<port>[0-9]{1,5}))?")
 
@@ -50,6 +54,8 @@ def tls_context(tls: TLS) -> ssl.SSLContext | None:
     A CA file that cannot be read or holds no certificate raises ValueError."""
     if tls is None or tls is False:
         return None
+    import ssl
+
     if isinstance(tls, ssl.SSLContext):
         return tls
     if tls is True:
@@ -135,6 +141,8 @@ class Endpoint:
 
     def _handshake_failed(self, error: BaseException) -> ConnectionFailed:
         """What a failed TLS handshake means, for a person to act on."""
+        import ssl  # loaded already: the client has a TLS context
+
         if isinstance(error, ssl.SSLCertVerificationError):
             if error.verify_code in _NAME_MISMATCH:
                 return TLSFailed(
@@ -152,7 +160,7 @@ class Endpoint:
                 f"the server at {self.address} does not speak TLS (it answered the TLS "
                 "handshake with something else); leave out --tls and --tls-ca"
             )
-        if isinstance(error, _ENDED):
+        if _connection_ended(error):
             # A server that is stopping or starting ends connections too:
             # worth trying again, so not a TLSFailed.
             return ConnectionFailed(
@@ -184,14 +192,19 @@ _NOT_TLS_REASONS = frozenset(
 )
 
 
-# How a handshake ends when the connection does: a server restarting, or
-# one that does not speak TLS and said nothing.
-_ENDED = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionError)
+def _connection_ended(error: BaseException) -> bool:
+    """Whether a handshake ended as the connection did: a server
+    restarting, or one that does not speak TLS and said nothing."""
+    import ssl  # loaded already: the client has a TLS context
+
+    return isinstance(error, (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionError))
 
 
 def _speaks_no_tls(error: BaseException) -> bool:
     """Whether a handshake failure means the peer is not a TLS server: it
     answered with something that is not TLS."""
-    if isinstance(error, _ENDED):
+    import ssl  # loaded already: the client has a TLS context
+
+    if _connection_ended(error):
         return False
     return isinstance(error, ssl.SSLError) and error.reason in _NOT_TLS_REASONS
