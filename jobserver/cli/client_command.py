@@ -12,7 +12,6 @@ import argparse
 import functools
 import json
 import sys
-import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -82,6 +81,19 @@ class UsageError(Exception):
     argparse's own errors."""
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Wraps a text of one line (a description) as argparse does, and keeps
+    a text already in lines (the epilog's table of exit statuses) as
+    written. Wrapping as help is shown, not as the parser is built, spares
+    every command's start-up the wrapping of every subcommand's
+    description."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return super()._fill_text(text, width, indent)
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
+
+
 # Built once: each subcommand takes its options from the same parent, and
 # building it twenty times over was a share of every command's start-up.
 @functools.cache
@@ -113,10 +125,9 @@ def add_client_parser(
         name,
         parents=[connection_options()],
         help=help,
-        # Wrapped here: the raw formatter keeps the epilog's table as written.
-        description=textwrap.fill(description),
+        description=description,
         epilog=epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.set_defaults(session=session, check=_no_check)
     return parser
