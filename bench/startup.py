@@ -5,10 +5,12 @@ imports, one request.
     python bench/startup.py --runs 50 --server-root ../other-checkout
 
 Starts `jobserver serve` on a fresh SQLite file, then runs each command as
-a new process, one after another, and prints, for each, the median (and
-min, max) of the wall time from start to exit and of the CPU time (user +
-system) the process used: `jobserver --help`, `ping`, `create` and
-`query ID`, with `python -c pass` as the floor no command can go below.
+a new process, one after another (its bytecode compiled once, in a
+warm-up run, as an installed package has it), and prints, for each, the
+median (and min, max) of the wall time from start to exit and of the CPU
+time (user + system) the process used: `jobserver --help`, `ping`,
+`create` and `query ID`, with `python -c pass` as the floor no command can
+go below.
 `--server-root DIR` runs the commands of the checkout at DIR instead (the
 server stays this checkout's): run it on two branches to compare them in
 one sitting, as start-up times drift with the machine's load. Nothing is
@@ -90,8 +92,12 @@ def main() -> None:
     env = server_env(args.server_root.resolve())
     # The environment could name another server; the commands say theirs.
     env.pop("JOBSERVER_SERVER", None)
+    # Bytecode as an installed package has it: compiled once (in the
+    # warm-up), into a directory of the run's own, not into the checkout.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
+        env["PYTHONPYCACHEPREFIX"] = str(Path(tmp) / "pycache")
         server = start_server(Path(tmp) / "jobs.db", port, ROOT)
         try:
             wait_port(port, server)
