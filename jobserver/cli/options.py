@@ -256,7 +256,7 @@ def server_address(text: str) -> tuple[str, int]:
     host is refused rather than sent to a default port: the operator who
     wrote one meant some server, and may not be running it on 8888."""
     try:
-        return address(text)
+        return command_line_address(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -268,12 +268,12 @@ def chosen_server(given: tuple[str, int] | None) -> tuple[str, int]:
     if given is not None:
         return given
     try:
-        return address(os.environ.get("JOBSERVER_SERVER") or DEFAULT_SERVER)
+        return command_line_address(os.environ.get("JOBSERVER_SERVER") or DEFAULT_SERVER)
     except ValueError as error:
         raise ValueError(f"$JOBSERVER_SERVER: {error}") from None
 
 
-def address(text: str) -> tuple[str, int]:
+def command_line_address(text: str) -> tuple[str, int]:
     """A server address as the command line takes it (--server,
     $JOBSERVER_SERVER): with its port; ValueError saying what is wrong."""
     return parse_address(text, default_port=None)
