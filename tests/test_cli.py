@@ -4,8 +4,10 @@ status together."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import pickle
 import re
 import signal
 import socket
@@ -18,13 +20,15 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from conformance_helpers import fmt, force, utcnow
 from fake_server import FakeServer, reply
 from harness import ThreadServer
 from helpers import until
-from jobserver.cli import main, top
-from jobserver.client import Client
+from jobserver.cli import build_parser, create_from, main, top
+from jobserver.client import Client, InvalidRequest, JobNotFound
 
 RUN_TIMEOUT = 15.0
 DEADLINE = 5.0
@@ -314,6 +318,79 @@ def test_create_takes_every_create_job_parameter(cli_here, jobs):
     assert rows == {"headers": ["parentJobID"], "rows": [[parent]]}
 
 
+def test_create_from_stdin_creates_a_job_per_line(cli, jobs):
+    lines = [json.dumps({"name": f"bulk/{n}", "data": {"n": n}}) for n in range(1, 21)]
+    lines[0] = json.dumps({"Name": "bulk/first", "data": {"path": "C:\\temp\nnext"},
+                           "jobPriority": 1000, "retryAfter": "+5 MINUTES"})
+    lines.insert(10, "   ")  # a blank line is skipped
+    done = subprocess.run(
+        [sys.executable, "-m", "jobserver", "create", "--from", "-", "--server", cli.address],
+        input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=RUN_TIMEOUT,
+        env=environment(None),
+    )
+    assert (done.returncode, done.stderr) == (0, ""), done
+    ids = json.loads(done.stdout)["jobIDs"]
+    assert ids == list(range(1, 21))  # in line order
+    first = jobs.query_job(ids[0])
+    assert (first["name"], first["data"], first["priority"], first["retryAfter"]) == (
+        "bulk/first", {"path": "C:\\temp\nnext"}, 1000, "+5 MINUTES")
+    assert jobs.query_job(ids[-1])["data"] == {"n": 20}
+
+
+@given(st.lists(st.integers(1, 9) | st.integers(1, create_from.BATCH_BYTES), max_size=3000))
+@example([1] * 2500)
+def test_create_from_batches_keep_the_order_and_both_bounds(sizes):
+    lines = [create_from.Line(n, {"name": "x"}, size) for n, size in enumerate(sizes, 1)]
+    batches = list(create_from.batches(lines))
+    assert [line for batch in batches for line in batch] == lines
+    for batch in batches:
+        assert 1 <= len(batch) <= create_from.BATCH_JOBS
+        assert sum(line.size for line in batch) + len(batch) - 1 <= create_from.BATCH_BYTES
+    # Each batch is cut only where the next line would not fit.
+    for batch, after in itertools.pairwise(batches):
+        wire = sum(line.size for line in batch) + len(batch) + after[0].size
+        assert len(batch) == create_from.BATCH_JOBS or wire > create_from.BATCH_BYTES
+
+
+def test_create_from_a_file_names_a_bad_line_and_keeps_within_a_requests_line(
+    cli_here, jobs, tmp_path
+):
+    source = tmp_path / "jobs.jsonl"
+    # A bad line creates nothing: every line is checked before sending.
+    for bad, problem in [
+        ('{"name": "ok"}\n{"name": \n', "line 2: not JSON (Expecting value at column 9)"),
+        ('{"name": "ok"}\n\n[1, 2]\n', "line 3: not a JSON object: '[1, 2]'"),
+        ('{"data": {}}\n', 'line 1: no "name": each line is a job object'),
+        ('{"name": "ok"}\n\xff\n', "line 2: not UTF-8"),
+    ]:
+        source.write_bytes(bad.encode("latin-1"))
+        done = cli_here("create", "--from", str(source))
+        assert (done.returncode, done.stdout) == (2, ""), done
+        assert done.stderr.startswith(f"jobserver: --from {problem}"), done.stderr
+    assert jobs.status()["jobs"] == {}
+    # Three jobs of 800 KB do not fit on one 2 MiB `jobs` line: the first
+    # two go in one CreateJobs, the third in the next, with line 4; that
+    # batch is refused, the first one's jobs stay and are printed.
+    big = "x" * 800_000
+    source.write_text("".join(json.dumps({"name": f"big/{n}", "data": {"big": big}}) + "\n"
+                              for n in range(3)) + '{"name": "odd", "repeat": "SOMETIMES"}\n')
+    done = cli_here("create", "--from", str(source))
+    assert (done.returncode, json.loads(done.stdout)) == (2, {"jobIDs": [1, 2]}), done.stderr
+    assert done.stderr.startswith("lines 3 to 4: 402 Malformed repeat")
+    assert "none of their jobs was created" in done.stderr
+    assert jobs.status()["jobs"] == {"QUEUED": 2}
+    # --from describes each job on its line, so NAME and the job options
+    # cannot go with it; a missing file is named.
+    for args, message in [(["name", "--from", "-"], "NAME cannot go with it"),
+                          (["--from", "-", "--priority", "1000"], "--priority cannot go with it"),
+                          ([], "give the job's NAME, or --from FILE")]:
+        done = cli_here("create", *args)
+        assert done.returncode == 2 and message in done.stderr, done
+    done = cli_here("create", "--from", str(tmp_path / "none.jsonl"))
+    assert (done.returncode, done.stderr) == (
+        2, f"jobserver: cannot read --from {tmp_path / 'none.jsonl'}: No such file or directory\n")
+
+
 def test_create_unique_reuses_a_job_and_no_overwrite_keeps_its_data(cli_here, jobs):
     first = cli_here.ok("create", "only/one", "--data", '{"a": 1}', "--unique")["jobID"]
     again = cli_here.ok("create", "only/one", "--data", '{"a": 2}', "--unique", "--no-overwrite")
@@ -354,8 +431,25 @@ def test_query_takes_a_job_id_or_sql(cli_here, jobs):
     cli_here.refused("402 Query Missing Semicolon", 2, "query", "one")
     cli_here.refused("402 Query Missing Semicolon", 2, "query", "SELECT 1")
     done = cli_here("query", "DELETE FROM jobs;")
-    assert (done.returncode, done.stdout, done.stderr) == (2, "", "402 Bad query\n")
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", "402 Bad query: not authorized\n")
     assert jobs.query_job(job_id)["state"] == "QUEUED"
+
+
+def test_a_refusal_carries_the_servers_explanation_in_the_library_and_the_cli(cli, jobs):
+    # The library: the `error` header's text is the exception's detail.
+    with pytest.raises(InvalidRequest) as refused:
+        jobs.query("SELECT * FROM jobz;")
+    error = refused.value
+    assert (error.status, error.detail) == ("402 Bad query", "no such table: jobz")
+    assert str(error) == "402 Bad query: no such table: jobz"
+    # It survives pickling (a worker pool hands exceptions between processes).
+    assert str(pickle.loads(pickle.dumps(error))) == str(error)
+    # A refusal without an explanation reads as its status line alone.
+    with pytest.raises(JobNotFound) as missing:
+        jobs.query_job(42)
+    assert (str(missing.value), missing.value.detail) == ("404 No job with this jobID", None)
+    # The command, as a script runs it: the explanation on stderr, exit 2.
+    cli.refused("402 Bad query: no such table: jobz", 2, "query", "SELECT * FROM jobz;")
 
 
 def test_update_replaces_data_schedule_and_priority(cli_here, jobs):
@@ -641,6 +735,47 @@ def test_bad_server_address_exits_2():
     assert "not a server address" in done.stderr
 
 
+NEEDS_PORT = "a server address needs its port, HOST:PORT or [IPV6]:PORT (such as 127.0.0.1:8888)"
+
+
+def test_a_server_without_its_port_is_a_usage_error_not_port_8888(capsys, caplog, monkeypatch):
+    monkeypatch.delenv("JOBSERVER_SERVER", raising=False)
+    for args in (["ping", "--server", "127.0.0.1"], ["top", "--once", "--server", "[::1]"],
+                 ["worker-manager", "--worker-path", ".", "--server", "localhost"]):
+        done = run_here(capsys, *args)
+        assert (done.returncode, done.stdout) == (2, ""), done
+        assert f"argument --server: {NEEDS_PORT}, not '{args[-1]}'" in done.stderr
+    monkeypatch.setenv("JOBSERVER_SERVER", "127.0.0.1")
+    done = run_here(capsys, "ping")
+    assert (done.returncode, done.stdout, done.stderr) == (
+        2, "", f"jobserver: $JOBSERVER_SERVER: {NEEDS_PORT}, not '127.0.0.1'\n")
+    assert run_here(capsys, "worker-manager", "--worker-path", ".").returncode == 2
+    assert f"$JOBSERVER_SERVER: {NEEDS_PORT}" in caplog.text
+    # The library keeps its documented default port for a bare host.
+    assert Client.from_address("127.0.0.1").port == 8888
+
+
+def test_a_name_list_with_a_wildcard_in_it_is_refused_before_sending(capsys):
+    # The server matches each name of a comma list exactly (as Bedrock does):
+    # 'report/*' in a list would only ever take a job named 'report/*'.
+    for args in (["get", "report/*,img/slow"], ["failed", "img/slow, report/?"],
+                 ["worker-manager", "--worker-path", ".", "--job-name", "a,b,[rs]*"]):
+        done = run_here(capsys, *args, "--server", "127.0.0.1:1")
+        assert (done.returncode, done.stdout) == (2, ""), done
+        assert "is a comma-separated list, and the names of a list are matched exactly" in (
+            done.stderr)
+    glob = re.escape("[rs]*")
+    assert re.search(f"so '{glob}' would only take a job named '{glob}' itself", done.stderr)
+    # One pattern, a list of exact names, and a pattern ending in a comma
+    # (one piece: a GLOB) are taken as they are.
+    parser = build_parser()
+    for pattern in ("report/*", "report/daily, img/slow", "report/*,", "*"):
+        assert parser.parse_args(["get", pattern]).pattern == pattern
+        assert parser.parse_args(["failed", pattern]).pattern == pattern
+        args = parser.parse_args(["worker-manager", "--worker-path", ".", "--job-name", pattern])
+        assert args.job_name == pattern
+
+
 def test_server_from_the_environment(server):
     live = {"JOBSERVER_SERVER": f"127.0.0.1:{server.port}"}
     done = run("create", "from/env", env=live)
@@ -648,6 +783,26 @@ def test_server_from_the_environment(server):
     dead = {"JOBSERVER_SERVER": f"127.0.0.1:{free_port()}"}
     assert run("status", env=dead).returncode == 5
     assert run("status", "--server", f"127.0.0.1:{server.port}", env=dead).returncode == 0
+
+
+def test_the_client_commands_start_without_trio_the_server_or_the_worker_manager():
+    # What a client command imports is what it costs to start (README,
+    # Benchmarks: bench/startup.py); `jobserver --help` builds every parser.
+    # ssl comes with a client that speaks TLS (test_tls_with_a_ca_file).
+    code = (
+        "import sys, jobserver.cli\n"
+        "jobserver.cli.build_parser('')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('trio', 'dateutil', 'ssl')\n"
+        "             or m.startswith(('jobserver.server', 'jobserver.storage', 'jobserver.web',\n"
+        "                              'jobserver.workers', 'jobserver.core.params'))))\n"
+        "from jobserver.client import AsyncClient\n"
+        "print(AsyncClient.__module__, 'trio' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT, env=environment(None))
+    assert (done.returncode, done.stderr) == (0, ""), done
+    # AsyncClient is still there, bringing trio once asked for.
+    assert done.stdout == "[]\njobserver.client.trio_client True\n"
 
 
 def test_help_documents_the_exit_statuses(capsys):

@@ -616,6 +616,22 @@ def test_a_garbled_reply_breaks_the_connection(fake):
 # TrioClient, with trio.
 
 
+async def test_a_refusal_carries_the_servers_explanation_in_both_clients(server, backend):
+    # The database's own message, SQLite's or PostgreSQL's (which goes on to
+    # show where in the SQL), beyond the status line: in `detail` and in
+    # the exception's text.
+    why = {"sqlite": "no such table: jobz", "postgres": 'relation "jobz" does not exist\n'}
+    with Client(port=server.port, timeout=10) as jobs, pytest.raises(InvalidRequest) as sync:
+        jobs.query("SELECT * FROM jobz;")
+    async with TrioClient(port=server.port, timeout=10) as jobs:
+        with pytest.raises(InvalidRequest) as trio_side:
+            await jobs.query("SELECT * FROM jobz;")
+    for refused in (sync.value, trio_side.value):
+        assert refused.status == "402 Bad query"
+        assert f"{refused.detail}\n".startswith(why[backend]), refused
+        assert str(refused) == f"402 Bad query: {refused.detail}"
+
+
 async def test_async_client_methods(server):
     async with TrioClient(port=server.port, timeout=10) as jobs:
         await jobs.ping()

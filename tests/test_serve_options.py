@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from jobserver.cli import build_parser, main
+
 RUN_TIMEOUT = 30.0
 
 
@@ -116,3 +118,24 @@ def test_every_serve_option_is_in_the_readme_table_with_its_range():
         assert len(rows) == 1, option
         cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
         assert len(cells) == 4 and cells[1] and cells[2], rows[0]
+
+
+def test_a_db_url_of_an_unknown_scheme_is_refused_naming_the_known_ones(
+    tmp_path, monkeypatch, capsys
+):
+    # Taken as a SQLite path, 'postgresq://...' became a directory 'postgresq:'
+    # and a lock file's odd error.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit:
+        main(["serve", "--port", "0", "--db", "postgresq://ann:s3cret@db.example/jobs"])
+    assert exit.value.code == 2
+    error = capsys.readouterr().err
+    assert (
+        "argument --db: postgresq://... is no database URL this server knows: give "
+        "postgresql://... or postgres://... for PostgreSQL, or a SQLite file's path"
+    ) in error
+    assert "s3cret" not in error  # the URL's password is never repeated
+    assert list(tmp_path.iterdir()) == []
+    # What each backend takes goes through unchanged.
+    for db in ("postgresql://ann@db/jobs", "postgres://db/jobs", "jobs.db", "./odd://name"):
+        assert build_parser().parse_args(["serve", "--db", db]).db == db

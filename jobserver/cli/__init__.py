@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from types import ModuleType
 
-from jobserver import __version__, workers
-from jobserver.cli import commands, serve
+from jobserver import __version__
+from jobserver.cli import commands
+
+# The subcommands that run for long: each one's line in `jobserver --help`,
+# and the module that gives its DESCRIPTION, adds its options
+# (add_arguments) and runs it (run). A module is imported only when its
+# subcommand is the one asked for: they bring trio, the server or the worker
+# manager, which `jobserver --help` and the client commands start without
+# (README, Benchmarks: bench/startup.py).
+PROGRAMS = {
+    "serve": ("run the job server", "jobserver.cli.serve"),
+    "worker-manager": ("take jobs and run a program for each", "jobserver.workers"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with `only`, the options of that one of
+    PROGRAMS alone (the others are listed, their modules not imported)."""
     parser = argparse.ArgumentParser(
         prog="jobserver",
         description="A durable job queue that speaks Bedrock::Jobs' text protocol.",
@@ -18,26 +35,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"jobserver {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-
-    serve.add_parser(sub)
-    manager = sub.add_parser(
-        "worker-manager",
-        help="take jobs and run a program for each",
-        description=(
-            "Take jobs from the server (blocking, never polling) and run each "
-            "as a process from --worker-path, within --max-workers (and "
-            "--max-load, if given); report each outcome. SIGTERM or SIGINT drain it."
-        ),
-    )
-    workers.add_arguments(manager)
+    for name, (summary, _) in PROGRAMS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=summary)
+            continue
+        program = _program(name)
+        program.add_arguments(sub.add_parser(name, help=summary, description=program.DESCRIPTION))
     commands.add_parsers(sub)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        return serve.run(args)
-    if args.command == "worker-manager":
-        return workers.run(args)
+def main(argv: Sequence[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(only=_program_named(words)).parse_args(words)
+    if args.command in PROGRAMS:
+        exit_status: int = _program(args.command).run(args)
+        return exit_status
     return commands.run(args)
+
+
+def _program(name: str) -> ModuleType:
+    return importlib.import_module(PROGRAMS[name][1])
+
+
+def _program_named(words: list[str]) -> str:
+    """The subcommand the words ask for, the first that is not an option
+    (`jobserver`'s own options take no value); "" if none of PROGRAMS."""
+    command = next((word for word in words if not word.startswith("-")), "")
+    return command if command in PROGRAMS else ""

@@ -2,18 +2,17 @@
 token, TLS), the client they make, and the exit statuses.
 
 Most subcommands are one call of jobserver.client: its result is printed as
-JSON (or as it is, if it is `Text`), a refusal as the status line on stderr
-with an exit status a script can test. `top` brings its own session
-(top.py) and shares the rest.
+JSON (or as it is, if it is `Text`), a refusal as the status line (and the
+server's explanation) on stderr with an exit status a script can test.
+`top` brings its own session (top.py) and shares the rest.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import os
 import sys
-import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +20,7 @@ from jobserver.cli.options import (
     AUTH_TOKEN_HELP,
     DEFAULT_SERVER,
     add_tls_arguments,
+    chosen_server,
     server_address,
     tls_option,
 )
@@ -33,7 +33,6 @@ from jobserver.client import (
     JobServerError,
     ServerError,
     auth_token,
-    parse_address,
 )
 
 EXIT_NOT_FOUND = 1
@@ -52,7 +51,8 @@ exit status of the client commands (create, get, query, ...):
   {EXIT_ILLEGAL_STATE}  the job's state does not allow it (405, 409)
   {EXIT_SERVER_ERROR}  server error (5xx) or an unexpected reply
   {EXIT_CONNECTION}  cannot connect, or the connection broke during the request
-A refusal prints the server's status line on stderr, e.g. "404 No job found"."""
+A refusal prints the server's status line on stderr, e.g. "404 No job found",
+and its explanation when it gave one: "402 Bad query: no such table: jobz"."""
 
 class Text(str):
     """An action's result for people to read: printed as it is, not as JSON."""
@@ -67,17 +67,41 @@ CommandAdder = Callable[[str, Action, str, str], argparse.ArgumentParser]
 
 
 class PartlyRefused(Exception):
-    """An action the server carried out in part (FinishJobs): `result` is
-    printed all the same, each of `complaints` on stderr, and the exit
-    status is the one `error` gives."""
+    """An action the server carried out in part (FinishJobs, create
+    --from): `result` is printed all the same, each of `complaints` on
+    stderr, and the exit status is the one `error` gives."""
 
-    def __init__(self, result: Any, complaints: list[str], error: JobServerError) -> None:
-        super().__init__(error.status)
+    def __init__(
+        self, result: Any, complaints: list[str], error: JobServerError | ConnectionFailed
+    ) -> None:
+        super().__init__(str(error))
         self.result = result
         self.complaints = complaints
         self.error = error
 
 
+class UsageError(Exception):
+    """Input an action found unusable before sending anything (a bad line
+    of `create --from`): its message on stderr, exit status 2 as for
+    argparse's own errors."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Wraps a text of one line (a description) as argparse does, and keeps
+    a text already in lines (the epilog's table of exit statuses) as
+    written. Wrapping as help is shown, not as the parser is built, spares
+    every command's start-up the wrapping of every subcommand's
+    description."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return super()._fill_text(text, width, indent)
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
+
+
+# Built once: each subcommand takes its options from the same parent, and
+# building it twenty times over was a share of every command's start-up.
+@functools.cache
 def connection_options() -> argparse.ArgumentParser:
     """A parent parser: --server, --auth-token-file, --tls, --tls-ca."""
     common = argparse.ArgumentParser(add_help=False)
@@ -106,10 +130,9 @@ def add_client_parser(
         name,
         parents=[connection_options()],
         help=help,
-        # Wrapped here: the raw formatter keeps the epilog's table as written.
-        description=textwrap.fill(description),
+        description=description,
         epilog=epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.set_defaults(session=session, check=_no_check)
     return parser
@@ -161,12 +184,7 @@ def run(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace) -> Client:
     """The client --server (else $JOBSERVER_SERVER), the token and TLS ask
     for; ValueError saying what is wrong with them."""
-    try:
-        host, port = args.server or parse_address(
-            os.environ.get("JOBSERVER_SERVER") or DEFAULT_SERVER
-        )
-    except ValueError as error:
-        raise ValueError(f"$JOBSERVER_SERVER: {error}") from None
+    host, port = chosen_server(args.server)
     try:
         token = auth_token(args.auth_token_file)
         return Client(host, port, auth_token=token, tls=tls_option(args))
@@ -182,6 +200,9 @@ def _call_once(client: Client, args: argparse.Namespace) -> int:
         for complaint in partly.complaints:
             print(complaint, file=sys.stderr)
         return exit_status(partly.error)
+    except UsageError as error:
+        print(f"jobserver: {error}", file=sys.stderr)
+        return EXIT_USAGE
     except (JobServerError, ConnectionFailed) as error:
         return failed(error)
     except KeyboardInterrupt:
@@ -193,15 +214,14 @@ def _call_once(client: Client, args: argparse.Namespace) -> int:
 
 def failed(error: JobServerError | ConnectionFailed) -> int:
     """Say on stderr why a call failed; its exit status."""
-    if isinstance(error, ConnectionFailed):
-        print(f"jobserver: {error}", file=sys.stderr)
-        return EXIT_CONNECTION
-    print(error.status, file=sys.stderr)
+    print(f"jobserver: {error}" if isinstance(error, ConnectionFailed) else error, file=sys.stderr)
     return exit_status(error)
 
 
-def exit_status(error: JobServerError) -> int:
-    """The exit status of a refusal."""
+def exit_status(error: JobServerError | ConnectionFailed) -> int:
+    """The exit status of a refusal, or of a failed connection."""
+    if isinstance(error, ConnectionFailed):
+        return EXIT_CONNECTION
     if isinstance(error, JobNotFound):
         return EXIT_NOT_FOUND
     if isinstance(error, (IllegalState, Conflict)):

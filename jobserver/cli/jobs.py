@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from typing import Any
 
-from jobserver.cli.client_command import CommandAdder, PartlyRefused, add_check
+from jobserver.cli import create_from
+from jobserver.cli.client_command import CommandAdder, PartlyRefused, UsageError, add_check
 from jobserver.cli.options import (
     JOB_ID_HELP,
+    JOB_NAMES_HELP,
     KEY_HELP,
     add_job_id,
     add_lease_id,
     add_priority,
     job_id,
+    job_names,
     json_object,
     lease_id,
     number,
@@ -25,13 +29,19 @@ from jobserver.cli.options import (
     time_zone,
 )
 from jobserver.client import Client, JobNotFound
-from jobserver.core import cron, params
 from jobserver.wire.limits import (
+    BACKOFFS,
+    DEFAULT_BACKOFF,
+    DEFAULT_MAX_RETRY_DELAY,
     DEFAULT_PRIORITY,
     DEFAULT_REPLY_TIMEOUT,
+    DEFAULT_RETRY_DELAY,
+    MAX_ATTEMPTS,
+    MAX_COST,
     MAX_DELAY,
     MAX_FINISH_JOBS,
     MAX_REPLY_TIMEOUT,
+    MAX_RESULTS,
     MAX_WAIT_MS,
 )
 
@@ -67,8 +77,28 @@ def add_parsers(command: CommandAdder) -> None:
 
 
 def _add_create(command: CommandAdder) -> None:
-    create = command("create", _create, "create a job", 'Create a job and print {"jobID": N}.')
-    create.add_argument("name", metavar="NAME", help="the job's name, e.g. email/send")
+    create = command(
+        "create",
+        _create,
+        "create a job, or many from JSON lines",
+        'Create a job and print {"jobID": N}. With --from, create a job for each line '
+        "of FILE (- for standard input), a JSON object with CreateJobs' fields such as "
+        '{"name": "email/send", "data": {"to": "ann"}, "jobPriority": 1000}, in '
+        f"CreateJobs batches of up to {create_from.BATCH_JOBS}, and print "
+        '{"jobIDs": [...]} in line order. Every line is checked before anything is sent: a '
+        "bad one is named, exit 2, and nothing is created. If the server refuses a batch, "
+        "the jobIDs of the batches before it are printed and the refused lines named.",
+    )
+    create.add_argument(
+        "name", metavar="NAME", nargs="?", help="the job's name, e.g. email/send (not with --from)"
+    )
+    create.add_argument(
+        "--from",
+        dest="from_file",
+        metavar="FILE",
+        help="create the jobs of FILE's lines instead, one JSON object a line; - reads "
+        "standard input (default: one job, NAME)",
+    )
     create.add_argument(
         "--data",
         type=json_object,
@@ -117,30 +147,30 @@ def _add_retry_policy_options(create: argparse.ArgumentParser) -> None:
     """A retry policy (protocol.md 14.1)."""
     create.add_argument(
         "--max-attempts",
-        type=number(int, 1, params.MAX_ATTEMPTS),
+        type=number(int, 1, MAX_ATTEMPTS),
         metavar="N",
         help=f"give it a retry policy: a failed attempt (fail, an expired lease) queues it "
-        f"again after a backoff until N attempts have failed, 1 to {params.MAX_ATTEMPTS} "
+        f"again after a backoff until N attempts have failed, 1 to {MAX_ATTEMPTS} "
         "(default: no policy, the first failure is final)",
     )
     create.add_argument(
         "--retry-backoff",
-        choices=params.BACKOFFS,
-        help=f"with --max-attempts: how the delay grows (default: {params.DEFAULT_BACKOFF})",
+        choices=BACKOFFS,
+        help=f"with --max-attempts: how the delay grows (default: {DEFAULT_BACKOFF})",
     )
     create.add_argument(
         "--retry-delay",
         type=retry_seconds,
         metavar="SECONDS",
         help=f"with --max-attempts: the delay after the first failed attempt, 0 to "
-        f"{MAX_DELAY}, up to 3 decimals (default: {params.DEFAULT_RETRY_DELAY:g})",
+        f"{MAX_DELAY}, up to 3 decimals (default: {DEFAULT_RETRY_DELAY:g})",
     )
     create.add_argument(
         "--retry-max-delay",
         type=retry_seconds,
         metavar="SECONDS",
         help=f"with --max-attempts: the longest exponential delay, 0 to {MAX_DELAY}, up to "
-        f"3 decimals (default: {params.DEFAULT_MAX_RETRY_DELAY:g})",
+        f"3 decimals (default: {DEFAULT_MAX_RETRY_DELAY:g})",
     )
 
 
@@ -148,10 +178,10 @@ def _add_flow_options(create: argparse.ArgumentParser) -> None:
     """Cost and time windows (protocol.md 14.7, 14.8)."""
     create.add_argument(
         "--cost",
-        type=number(int, 1, params.MAX_COST),
+        type=number(int, 1, MAX_COST),
         metavar="N",
         help=f"what it counts against each concurrency limit its name matches while it "
-        f"runs, 1 to {params.MAX_COST} (default: 1)",
+        f"runs, 1 to {MAX_COST} (default: 1)",
     )
     create.add_argument(
         "--time-windows",
@@ -169,7 +199,9 @@ def _add_flow_options(create: argparse.ArgumentParser) -> None:
     )
 
 
-def _create(client: Client, args: argparse.Namespace) -> dict[str, int]:
+def _create(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    if args.from_file is not None:
+        return _create_from(client, args.from_file)
     job_id = client.create_job(
         args.name,
         data=args.data,
@@ -191,6 +223,25 @@ def _create(client: Client, args: argparse.Namespace) -> dict[str, int]:
     return {"jobID": job_id}
 
 
+def _create_from(client: Client, path: str) -> dict[str, list[int]]:
+    if path == "-":
+        return create_from.create_from(client, sys.stdin.buffer)
+    try:
+        with open(path, "rb") as stream:
+            return create_from.create_from(client, stream)
+    except OSError as error:
+        # Opening or reading the file: a request that failed (ConnectionFailed,
+        # an OSError too) came out as PartlyRefused.
+        raise UsageError(f"cannot read --from {path}: {error.strerror or error}") from None
+
+
+# create's options that describe one job: with --from, each line does.
+_JOB_OPTIONS = (
+    "data", "first_run", "repeat", "priority", "retry_after", "parent", "unique",
+    "no_overwrite", "max_attempts", "retry_backoff", "retry_delay", "retry_max_delay",
+    "cost", "time_windows", "time_zone",
+)
+
 # create's options that mean nothing without another, by their dests.
 _NEEDS = {
     "no_overwrite": "unique",
@@ -201,11 +252,22 @@ _NEEDS = {
 
 
 def _options_needed(args: argparse.Namespace) -> str | None:
-    """The server would refuse most of these (402 Missing maxAttempts) or
-    ignore them (overwrite without unique): said here, before sending."""
+    """NAME or --from, not both; and options that need another: the server
+    would refuse most of these (402 Missing maxAttempts) or ignore them
+    (overwrite without unique). Said here, before sending."""
+    if args.from_file is not None:
+        given = [_flag(dest) for dest in _JOB_OPTIONS if getattr(args, dest) not in (None, False)]
+        if args.name is not None or given:
+            what = "NAME" if args.name is not None else given[0]
+            return f"--from takes each job from its line: {what} cannot go with it"
+        return None
+    if args.name is None:
+        return "give the job's NAME, or --from FILE"
     for option, needed in _NEEDS.items():
         if getattr(args, option) not in (None, False) and getattr(args, needed) in (None, False):
             return f"{_flag(option)} needs {_flag(needed)}"
+    from jobserver.core import cron  # only when checking a create: a client starts light
+
     if args.time_zone and not args.time_windows and not cron.is_cron(args.repeat or ""):
         return "--time-zone needs --time-windows or a CRON --repeat"
     return None
@@ -229,11 +291,7 @@ def _add_get(command: CommandAdder) -> None:
         "and carries its leaseID. Exits 1 with '404 No job found' on stderr when there "
         "is none.",
     )
-    get.add_argument(
-        "pattern",
-        metavar="PATTERN",
-        help="a GLOB pattern such as 'email/*', or a comma-separated list of exact names",
-    )
+    get.add_argument("pattern", type=job_names, metavar="PATTERN", help=JOB_NAMES_HELP)
     get.add_argument(
         "--wait",
         type=number(float, 0, MAX_WAIT),
@@ -243,9 +301,9 @@ def _add_get(command: CommandAdder) -> None:
     )
     get.add_argument(
         "--count",
-        type=number(int, 1, params.MAX_RESULTS),
+        type=number(int, 1, MAX_RESULTS),
         metavar="N",
-        help=f'take up to N jobs, 1 to {params.MAX_RESULTS}, and print {{"jobs": [...]}} '
+        help=f'take up to N jobs, 1 to {MAX_RESULTS}, and print {{"jobs": [...]}} '
         "(default: one job, printed as it is)",
     )
     add_priority(get, "only jobs of this priority (default: any)")
@@ -308,6 +366,8 @@ def with_local_runs(job: dict[str, Any]) -> dict[str, Any]:
     runs = job.get("nextRuns")
     if not isinstance(runs, list):
         return job
+    from jobserver.core import cron  # only for a CRON job: a client starts light
+
     zone = str(job.get("timeZone") or "UTC")
     return {**job, "nextRunsLocal": [cron.in_zone(run, zone).isoformat() for run in runs]}
 

@@ -11,20 +11,27 @@ from typing import Any
 from jobserver.cli.client_command import CommandAdder, Text
 from jobserver.cli.options import (
     JOB_ID_HELP,
+    JOB_NAMES_HELP,
     KEY_HELP,
     job_id,
+    job_names,
     json_object,
     number,
     pattern,
     reply_key,
 )
 from jobserver.client import Client
-from jobserver.core import params
 from jobserver.wire import last_error
-from jobserver.wire.limits import DEFAULT_LISTED, DEFAULT_QUEUES, MAX_LISTED, MAX_QUEUES
+from jobserver.wire.limits import (
+    DEFAULT_LISTED,
+    DEFAULT_QUEUES,
+    MAX_CAPACITY,
+    MAX_LISTED,
+    MAX_NAME,
+    MAX_QUEUES,
+)
 
-PATTERN_HELP = "a GLOB pattern such as 'email/*', or a comma-separated list of exact names"
-ONE_PATTERN_HELP = f"one GLOB pattern such as 'email/*', 1 to {params.MAX_NAME} bytes"
+ONE_PATTERN_HELP = f"one GLOB pattern such as 'email/*', 1 to {MAX_NAME} bytes"
 
 
 def add_parsers(command: CommandAdder) -> None:
@@ -90,7 +97,12 @@ def _add_dead_set(command: CommandAdder) -> None:
         "(default: text for people)",
     )
     failed.add_argument(
-        "pattern", metavar="PATTERN", nargs="?", default="*", help=f"{PATTERN_HELP} (default: *)"
+        "pattern",
+        type=job_names,
+        metavar="PATTERN",
+        nargs="?",
+        default="*",
+        help=f"{JOB_NAMES_HELP} (default: *)",
     )
     failed.add_argument(
         "--limit",
@@ -145,9 +157,9 @@ def _add_flow_control(command: CommandAdder) -> None:
     set_limit.add_argument("pattern", type=pattern, metavar="PATTERN", help=ONE_PATTERN_HELP)
     set_limit.add_argument(
         "max",
-        type=number(int, 0, params.MAX_CAPACITY),
+        type=number(int, 0, MAX_CAPACITY),
         metavar="MAX",
-        help=f"the capacity, 0 to {params.MAX_CAPACITY}; 0 removes the limit",
+        help=f"the capacity, 0 to {MAX_CAPACITY}; 0 removes the limit",
     )
 
 

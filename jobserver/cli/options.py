@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 from collections.abc import Callable
 from typing import Any
 
 from jobserver.client import TLS, parse_address
-from jobserver.core import params, windows
+from jobserver.core import globmatch
 from jobserver.core.times import duration_text, parse_duration
 from jobserver.wire import jsonbody
 from jobserver.wire.limits import (
@@ -21,6 +22,7 @@ from jobserver.wire.limits import (
     MAX_DELAY,
     MAX_DELAY_DIGITS,
     MAX_JOB_ID,
+    MAX_NAME,
     MAX_REPLY_KEY,
     PRIORITIES,
 )
@@ -159,10 +161,37 @@ def json_object(text: str) -> dict[str, Any]:
 def pattern(text: str) -> str:
     """The one GLOB pattern of pause, resume and set-limit: 1 to 255 bytes
     of UTF-8 without control characters, as the server takes it."""
-    if not text or len(text.encode("utf-8")) > params.MAX_NAME or params.has_control(text):
+    # Here, not at the top: the server's parameter rules bring its time
+    # zones and repeat grammar, which most commands never need (start-up).
+    from jobserver.core.params import has_control
+
+    if not text or len(text.encode("utf-8")) > MAX_NAME or has_control(text):
         raise argparse.ArgumentTypeError(
-            f"must be a GLOB pattern of 1 to {params.MAX_NAME} bytes without control "
+            f"must be a GLOB pattern of 1 to {MAX_NAME} bytes without control "
             f"characters, not {text!r}"
+        )
+    return text
+
+
+# PATTERN of get and failed, --job-name of the worker manager.
+JOB_NAMES_HELP = "a GLOB pattern such as 'email/*', or a comma-separated list of exact names"
+
+
+def job_names(text: str) -> str:
+    """Which jobs get, failed and the worker manager take: one GLOB
+    pattern, or a comma-separated list of exact names, as GetJobs reads
+    it. A list with a wildcard in one of its names is refused: the server
+    matches each name of a list exactly (as Bedrock does, so it accepts
+    such a list), and `report/*,img/slow` would never take a `report/...`
+    job."""
+    names = globmatch.listed_names(text)
+    globs = [name for name in names if globmatch.is_glob(name)] if len(names) > 1 else []
+    if globs:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a comma-separated list, and the names of a list are matched "
+            f"exactly, so {globs[0]!r} would only take a job named {globs[0]!r} itself: give "
+            "one GLOB pattern (one command, or worker manager, per pattern) or a list of "
+            "exact names"
         )
     return text
 
@@ -196,6 +225,10 @@ def retry_seconds(text: str) -> float:
 
 def time_windows(text: str) -> str:
     """--time-windows: HH:MM-HH:MM, comma-separated, up to 20."""
+    # Here, not at the top: time zones (dateutil) are for this option and
+    # --time-zone alone, and cost every command's start-up.
+    from jobserver.core import windows
+
     try:
         return windows.format_windows(windows.parse_windows(text))
     except ValueError:
@@ -207,6 +240,8 @@ def time_windows(text: str) -> str:
 
 def time_zone(text: str) -> str:
     """--time-zone: an IANA zone name."""
+    from jobserver.core import windows  # as in time_windows
+
     try:
         windows.parse_zone(text.strip())
     except ValueError:
@@ -217,11 +252,31 @@ def time_zone(text: str) -> str:
 
 
 def server_address(text: str) -> tuple[str, int]:
-    """--server: HOST:PORT, HOST or [IPV6]:PORT, the port 1 to 65535."""
+    """--server: HOST:PORT or [IPV6]:PORT, the port 1 to 65535. A bare
+    host is refused rather than sent to a default port: the operator who
+    wrote one meant some server, and may not be running it on 8888."""
     try:
-        return parse_address(text)
+        return command_line_address(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def chosen_server(given: tuple[str, int] | None) -> tuple[str, int]:
+    """The server a command talks to: --server if `given`, else
+    $JOBSERVER_SERVER, else 127.0.0.1:8888; ValueError naming the variable
+    if it holds no HOST:PORT."""
+    if given is not None:
+        return given
+    try:
+        return command_line_address(os.environ.get("JOBSERVER_SERVER") or DEFAULT_SERVER)
+    except ValueError as error:
+        raise ValueError(f"$JOBSERVER_SERVER: {error}") from None
+
+
+def command_line_address(text: str) -> tuple[str, int]:
+    """A server address as the command line takes it (--server,
+    $JOBSERVER_SERVER): with its port; ValueError saying what is wrong."""
+    return parse_address(text, default_port=None)
 
 
 def log_level(text: str) -> str:

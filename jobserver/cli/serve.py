@@ -8,7 +8,6 @@ import os
 import ssl
 import stat
 import sys
-from typing import Any
 
 import trio
 
@@ -19,7 +18,7 @@ from jobserver.core.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER
 from jobserver.core.times import duration_text
 from jobserver.server.app import Config, HttpListenError, Server
 from jobserver.storage import sqlite_backup
-from jobserver.storage.backends import is_postgres
+from jobserver.storage.backends import check_db, is_postgres
 from jobserver.storage.interface import BackupDirectoryUnusable
 from jobserver.storage.sqlite import SYNCHRONOUS_MODES
 from jobserver.storage.sqlite_schema import StoreError
@@ -60,17 +59,15 @@ MIN_REPLY_GRACE_SECONDS = 1.0
 MAX_REPLY_GRACE_SECONDS = 30 * 86400.0
 
 
-def add_parser(sub: Any) -> None:
-    """The serve subcommand and its options."""
-    serve = sub.add_parser(
-        "serve",
-        help="run the job server",
-        description=(
-            "Run the job server in the foreground. Jobs are kept in one SQLite "
-            "file; a write is acknowledged only once it is on disk. SIGINT or "
-            f"SIGTERM stop it cleanly. Try it with: nc {DEFAULT_HOST} {DEFAULT_PORT}"
-        ),
-    )
+DESCRIPTION = (
+    "Run the job server in the foreground. Jobs are kept in one SQLite "
+    "file; a write is acknowledged only once it is on disk. SIGINT or "
+    f"SIGTERM stop it cleanly. Try it with: nc {DEFAULT_HOST} {DEFAULT_PORT}"
+)
+
+
+def add_arguments(serve: argparse.ArgumentParser) -> None:
+    """The serve subcommand's options."""
     _add_storage_options(serve)
     _add_client_options(serve)
     _add_job_options(serve)
@@ -112,6 +109,7 @@ def _add_storage_options(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--db",
+        type=_db,
         default="jobs.db",
         metavar="DB",
         help=(
@@ -322,6 +320,13 @@ def _http_host(text: str) -> str:
             f"must be a host name such as jobs.example.com, not {text!r}"
         )
     return name
+
+
+def _db(text: str) -> str:
+    try:
+        return check_db(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _limit(text: str) -> tuple[str, int]:

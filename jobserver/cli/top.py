@@ -161,10 +161,9 @@ def render(server: str, now: datetime, status: dict[str, Any], queues: dict[str,
 
 def render_failure(server: str, now: datetime, error: Exception, interval: float) -> str:
     """The frame for a server that cannot be reached or refused."""
-    what = error.status if isinstance(error, JobServerError) else str(error)
     return (
         f"jobserver top: {_clean(server)}  {now:%Y-%m-%d %H:%M:%S} UTC\n"
-        f"no answer: {_clean(what)}\n"
+        f"no answer: {_clean(str(error))}\n"
         f"asking again every {interval:g}s; Ctrl-C to stop\n"
     )
 

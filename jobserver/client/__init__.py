@@ -10,12 +10,13 @@ for asyncio and trio, `TrioClient` for trio alone.
 
 Each method is one request on one persistent connection, opened when it is
 first needed. A refusal is a `JobServerError`, with a subclass per status
-code and the whole status line; a network failure is `ConnectionFailed`. An
-empty queue is an answer, not an error: `get_job` returns None and
-`get_jobs` an empty list. The clients share what each command sends and
-what its reply means (calls.py), the encoding of requests and the sans-IO
-`ReplyReader` (jobserver.wire.framing); the two async clients share their
-methods and reconnect rules too (async_calls.py). Only the moving of bytes
+code, the whole status line and the server's explanation (`detail`); a
+network failure is `ConnectionFailed`. An empty queue is an answer, not an
+error: `get_job` returns None and `get_jobs` an empty list. The clients
+share what each command sends and what its reply means (calls.py), the
+encoding of requests and the sans-IO `ReplyReader` (jobserver.wire.framing);
+the two async clients share their methods and reconnect rules too
+(async_calls.py). Only the moving of bytes
 differs (sync.py, async_client.py, trio_client.py).
 
 The async clients. `AsyncClient` runs on anyio, so on whichever event loop

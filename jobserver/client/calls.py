@@ -47,7 +47,8 @@ class Call(Generic[T]):
         if reply.code == 404 and self.none_found is not None:
             return self.none_found()
         if not 200 <= reply.code <= 299:
-            raise error_for(reply.status)
+            # A refusal's detail, if any, is in its `error` header (protocol.md 2).
+            raise error_for(reply.status, reply.headers.get("error"))
         return self.result(reply)
 
     @property

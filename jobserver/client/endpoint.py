@@ -6,15 +6,15 @@ from __future__ import annotations
 import os
 import re
 import select
-import ssl
-from typing import Any, Self
-
-import trio
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeAlias
 
 from jobserver.client.calls import Call
 from jobserver.client.errors import ConnectionFailed, TLSFailed
 from jobserver.wire.framing import TLS_REQUIRED, Reply, encode_request
 from jobserver.wire.limits import DEFAULT_HOST, DEFAULT_PORT
+
+if TYPE_CHECKING:
+    import ssl
 
 # Seconds to connect, to send, and to wait for a reply that is not a
 # waiting GetJob's. Ordinary replies take milliseconds; a busy server's
@@ -24,21 +24,28 @@ DEFAULT_TIMEOUT = 30.0
 RECEIVE_SIZE = 65536
 
 # How a client speaks TLS (jobserver.client's docstring): None or False for
-# not at all, True for the system's CAs, a CA file's path, or a ready SSLContext.
-TLS = bool | str | os.PathLike[str] | ssl.SSLContext | None
+# not at all, True for the system's CAs, a CA file's path, or a ready
+# SSLContext. In quotes: ssl is loaded only by a client that speaks TLS, as
+# loading it is a tenth of a client command's start-up.
+TLS: TypeAlias = "bool | str | os.PathLike[str] | ssl.SSLContext | None"
 
 _ADDRESS = re.compile(r"(?:\[(?P<ipv6>[^\[\]]+)\]|(?P<host>[^:\[\]\s]+))(?::(?P<port>[0-9]{1,5}))?")
 
 
-def parse_address(address: str) -> tuple[str, int]:
+def parse_address(address: str, default_port: int | None = DEFAULT_PORT) -> tuple[str, int]:
     """`host:port`, `host`, `[ipv6]:port` or `[ipv6]` -> (host, port); the
-    port is 8888 when not given."""
+    port is `default_port` (8888) when not given. With `default_port`
+    None, an address without a port is refused (the command line's rule)."""
     match = _ADDRESS.fullmatch(address.strip())
-    port = int(match["port"] or DEFAULT_PORT) if match else 0
-    if match is None or not 0 < port < 65536:
+    if match is not None and match["port"] is None and default_port is None:
         raise ValueError(
-            f"not a server address (HOST, HOST:PORT or [IPV6]:PORT, PORT 1 to 65535): {address!r}"
+            f"a server address needs its port, HOST:PORT or [IPV6]:PORT (such as "
+            f"{DEFAULT_HOST}:{DEFAULT_PORT}), not {address!r}"
         )
+    port = int(match["port"] or default_port or 0) if match else 0
+    if match is None or not 0 < port < 65536:
+        forms = "HOST, HOST:PORT or [IPV6]:PORT" if default_port else "HOST:PORT or [IPV6]:PORT"
+        raise ValueError(f"not a server address ({forms}, PORT 1 to 65535): {address!r}")
     return match["ipv6"] or match["host"], port
 
 
@@ -47,6 +54,8 @@ def tls_context(tls: TLS) -> ssl.SSLContext | None:
     A CA file that cannot be read or holds no certificate raises ValueError."""
     if tls is None or tls is False:
         return None
+    import ssl
+
     if isinstance(tls, ssl.SSLContext):
         return tls
     if tls is True:
@@ -90,6 +99,9 @@ NO_REPLY = "no reply (the request may have been carried out) from"
 class Endpoint:
     """Where a client connects, and how it words a failure."""
 
+    # What a request that took too long raises, worded "timed out".
+    _timeouts: ClassVar[tuple[type[BaseException], ...]] = (TimeoutError,)
+
     def __init__(
         self,
         host: str = DEFAULT_HOST,
@@ -125,10 +137,12 @@ class Endpoint:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     def _failed(self, what: str, error: BaseException) -> ConnectionFailed:
-        return ConnectionFailed(f"{what} {self.address}: {_describe(error)}")
+        return ConnectionFailed(f"{what} {self.address}: {self._describe(error)}")
 
     def _handshake_failed(self, error: BaseException) -> ConnectionFailed:
         """What a failed TLS handshake means, for a person to act on."""
+        import ssl  # loaded already: the client has a TLS context
+
         if isinstance(error, ssl.SSLCertVerificationError):
             if error.verify_code in _NAME_MISMATCH:
                 return TLSFailed(
@@ -146,7 +160,7 @@ class Endpoint:
                 f"the server at {self.address} does not speak TLS (it answered the TLS "
                 "handshake with something else); leave out --tls and --tls-ca"
             )
-        if isinstance(error, _ENDED):
+        if _connection_ended(error):
             # A server that is stopping or starting ends connections too:
             # worth trying again, so not a TLSFailed.
             return ConnectionFailed(
@@ -155,19 +169,18 @@ class Endpoint:
                 "out --tls and --tls-ca)"
             )
         return ConnectionFailed(
-            f"{CANNOT_CONNECT} {self.address}: TLS handshake failed: {_describe(error)}"
+            f"{CANNOT_CONNECT} {self.address}: TLS handshake failed: {self._describe(error)}"
         )
+
+    def _describe(self, error: BaseException) -> str:
+        if isinstance(error, self._timeouts):
+            return "timed out"
+        return str(error) or type(error).__name__
 
     def _check_plaintext_reply(self, reply: Reply) -> None:
         """A TLS-only port answers a plaintext client with this one reply."""
         if self.tls is None and reply.status == TLS_REQUIRED:
             raise TLSFailed(f"the server at {self.address} requires TLS: use --tls")
-
-
-def _describe(error: BaseException) -> str:
-    if isinstance(error, (TimeoutError, trio.TooSlowError)):
-        return "timed out"
-    return str(error) or type(error).__name__
 
 
 # OpenSSL's verify codes for a certificate that does not name the host.
@@ -179,14 +192,19 @@ _NOT_TLS_REASONS = frozenset(
 )
 
 
-# How a handshake ends when the connection does: a server restarting, or
-# one that does not speak TLS and said nothing.
-_ENDED = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionError)
+def _connection_ended(error: BaseException) -> bool:
+    """Whether a handshake ended as the connection did: a server
+    restarting, or one that does not speak TLS and said nothing."""
+    import ssl  # loaded already: the client has a TLS context
+
+    return isinstance(error, (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionError))
 
 
 def _speaks_no_tls(error: BaseException) -> bool:
     """Whether a handshake failure means the peer is not a TLS server: it
     answered with something that is not TLS."""
-    if isinstance(error, _ENDED):
+    import ssl  # loaded already: the client has a TLS context
+
+    if _connection_ended(error):
         return False
     return isinstance(error, ssl.SSLError) and error.reason in _NOT_TLS_REASONS

@@ -5,13 +5,21 @@ from __future__ import annotations
 
 class JobServerError(Exception):
     """The server refused the request. `status` is the whole status line,
-    `code` its number and `reason` the text after it."""
+    `code` its number and `reason` the text after it; `detail` the
+    server's explanation beyond the status line (the reply's `error`
+    header, such as SQLite's message for `402 Bad query`), or None. The
+    exception reads as the status line, then the detail after a colon."""
 
-    def __init__(self, status: str) -> None:
-        super().__init__(status)
+    def __init__(self, status: str, detail: str | None = None) -> None:
+        # Both in args, so that the exception pickles as it was made.
+        super().__init__(status, detail)
         self.status = status
+        self.detail = detail
         code, _, self.reason = status.partition(" ")
         self.code = int(code)
+
+    def __str__(self) -> str:
+        return f"{self.status}: {self.detail}" if self.detail else self.status
 
 
 class MalformedRequest(JobServerError):
@@ -63,8 +71,9 @@ _ERRORS: dict[int, type[JobServerError]] = {
 }
 
 
-def error_for(status: str) -> JobServerError:
-    """The exception for a status line that is not a success."""
+def error_for(status: str, detail: str | None = None) -> JobServerError:
+    """The exception for a status line that is not a success, with the
+    server's explanation if it gave one."""
     code = int(status[:3])
     default = ServerError if 500 <= code <= 599 else JobServerError
-    return _ERRORS.get(code, default)(status)
+    return _ERRORS.get(code, default)(status, detail)

@@ -20,6 +20,8 @@ _TRIO_FAILURES = (OSError, ValueError, trio.BrokenResourceError, trio.TooSlowErr
 class TrioClient(AsyncCalls[trio.abc.Stream]):
     """The methods of Client, as coroutines, for trio."""
 
+    _timeouts = (TimeoutError, trio.TooSlowError)
+
     async def aclose(self) -> None:
         if self._stream is not None:
             stream, self._stream = self._stream, None

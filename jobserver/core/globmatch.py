@@ -81,6 +81,13 @@ def is_glob(pattern: str) -> bool:
     return not _SPECIALS.isdisjoint(pattern)
 
 
+def listed_names(text: str) -> tuple[str, ...]:
+    """The pieces a GetJob's `name` splits into at its commas, each without
+    its leading spaces, empty ones dropped (protocol.md 5.3): more than one
+    is a list of exact names, else `text` is one GLOB pattern."""
+    return tuple(n.lstrip(" ") for n in text.split(",") if n.lstrip(" "))
+
+
 def glob_match(pattern: str, text: str) -> bool:
     # SQLite's GLOB reads both as C strings, so a NUL (a job name can hold
     # one through `\u0000`) ends them there.

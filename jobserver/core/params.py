@@ -12,47 +12,36 @@ from jobserver.core.jobs import PLAIN, FlowOptions, RetryPolicy
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request
 from jobserver.wire.limits import (
+    BACKOFFS,
+    DEFAULT_BACKOFF,
     DEFAULT_LISTED,
+    DEFAULT_MAX_RETRY_DELAY,
     DEFAULT_QUEUES,
+    DEFAULT_RETRY_DELAY,
     DEFAULT_WAIT_MS,
+    MAX_ATTEMPTS,
+    MAX_CAPACITY,
+    MAX_COST,
     MAX_DELAY_DIGITS,
     MAX_JOB_ID,
     MAX_LISTED,
+    MAX_NAME,
     MAX_QUEUES,
+    MAX_RESULTS,
     MAX_WAIT_MS,
     PRIORITIES,
 )
 
-MAX_NAME = 255
 # Bedrock's limit for a GetJob pattern, which may list many names.
 MAX_PATTERN = 12750
 # Bedrock's limit for a data value.
 MAX_DATA = 1024 * 1024
-# GetJobs hands out at most this many jobs at once: a batch larger than a
-# worker pool can start only holds jobs back from other workers.
-MAX_RESULTS = 1000
 
-# Retry policies (protocol.md, "Extensions beyond Bedrock").
-BACKOFFS = ("fixed", "exponential")
-DEFAULT_BACKOFF = "exponential"
-DEFAULT_RETRY_DELAY = 1.0
-# An hour: long enough to ride out most outages, short enough that a job
-# still runs the same day once its cause is fixed.
-DEFAULT_MAX_RETRY_DELAY = 3600.0
-# More tries than this is a loop, not a retry policy.
-MAX_ATTEMPTS = 10_000
 # Seconds as RetryJob's delay allows them (8 digits), to the millisecond,
 # the precision of the nextRun a policy computes.
 _SECONDS = re.compile(r"[0-9]{1,8}(?:\.[0-9]{1,3})?")
 # An error text is for people reading the dead set: a traceback fits.
 MAX_ERROR = 64 * 1024
-
-# A job's cost against concurrency limits (protocol.md 14.7): a million
-# is far above any sensible capacity, and keeps sums of costs small.
-MAX_COST = 1_000_000
-# A concurrency limit's capacity, likewise.
-MAX_CAPACITY = 1_000_000_000
-
 
 
 def present(request: Request, name: str) -> str | None:

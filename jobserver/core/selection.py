@@ -14,7 +14,7 @@ from typing import Any
 from jobserver.core import flow, lifecycle, params, schedule
 from jobserver.core.context import Context
 from jobserver.core.errors import CommandError
-from jobserver.core.globmatch import is_glob
+from jobserver.core.globmatch import is_glob, listed_names
 from jobserver.core.jobs import Job
 from jobserver.core.views import handout_object
 from jobserver.wire import jsonbody
@@ -71,7 +71,7 @@ def name_selector(text: str) -> tuple[str | None, tuple[str, ...]]:
     # match nothing; it is refused as such names are.
     if params.has_control(text) or len(text.encode("utf-8")) > params.MAX_PATTERN:
         raise CommandError("402 Malformed name")
-    names = tuple(n.lstrip(" ") for n in text.split(",") if n.lstrip(" "))
+    names = listed_names(text)
     if len(names) > 1:
         return None, names
     return text, ()

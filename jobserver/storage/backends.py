@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from jobserver.storage.interface import Storage
@@ -9,10 +10,28 @@ from jobserver.storage.sqlite import Store
 from jobserver.storage.sqlite_schema import StoreError
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+# What reads as a URL: a scheme (RFC 3986: a letter, then letters, digits,
+# +, - or .) and `://`. A SQLite file is a path, never a URL.
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def is_postgres(db: str) -> bool:
     return db.startswith(POSTGRES_SCHEMES)
+
+
+def check_db(db: str) -> str:
+    """A --db as given, or ValueError if it looks like a URL of a scheme no
+    backend speaks (`postgresq://...`): taken as a SQLite path, it would
+    become a file of that odd name. The message names the scheme, never the
+    rest, which may hold a password."""
+    url = _URL.match(db)
+    if url is not None and not is_postgres(db):
+        known = " or ".join(f"{scheme}..." for scheme in POSTGRES_SCHEMES)
+        raise ValueError(
+            f"{url.group()}... is no database URL this server knows: give {known} for "
+            "PostgreSQL, or a SQLite file's path (./NAME for a file whose name looks like a URL)"
+        )
+    return db
 
 
 def open_store(

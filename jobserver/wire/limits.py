@@ -31,6 +31,28 @@ MAX_BODY = 1024 * 1024
 # Python's parser and encoder would exhaust the stack (about 1,000).
 MAX_JSON_DEPTH = 100
 
+# A job's name, in bytes of UTF-8.
+MAX_NAME = 255
+# GetJobs hands out at most this many jobs at once: a batch larger than a
+# worker pool can start only holds jobs back from other workers.
+MAX_RESULTS = 1000
+
+# Retry policies (protocol.md 14.1).
+BACKOFFS = ("fixed", "exponential")
+DEFAULT_BACKOFF = "exponential"
+DEFAULT_RETRY_DELAY = 1.0
+# An hour: long enough to ride out most outages, short enough that a job
+# still runs the same day once its cause is fixed.
+DEFAULT_MAX_RETRY_DELAY = 3600.0
+# More tries than this is a loop, not a retry policy.
+MAX_ATTEMPTS = 10_000
+
+# A job's cost against concurrency limits (protocol.md 14.7): a million
+# is far above any sensible capacity, and keeps sums of costs small.
+MAX_COST = 1_000_000
+# A concurrency limit's capacity, likewise.
+MAX_CAPACITY = 1_000_000_000
+
 # Bedrock's priorities, highest first: the order in which jobs are handed out.
 PRIORITIES = (1000, 850, 750, 500, 250, 0)
 DEFAULT_PRIORITY = 500
@@ -50,7 +72,7 @@ DEFAULT_WAIT_MS = 110_000
 MAX_WAIT_MS = 3_600_000
 
 # FinishJobs takes at most this many jobs: as many as one GetJobs hands out
-# (core/params.MAX_RESULTS), so a worker reports a whole batch at once, and
+# (MAX_RESULTS), so a worker reports a whole batch at once, and
 # few enough that one request holds the writer for tens of milliseconds
 # (about 30 for a thousand), not seconds.
 MAX_FINISH_JOBS = 1000

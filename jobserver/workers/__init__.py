@@ -12,6 +12,6 @@ Where things are:
 - connection.py  reaching the server: addresses, reconnecting, backoff
 """
 
-from jobserver.workers.arguments import add_arguments, run
+from jobserver.workers.arguments import DESCRIPTION, add_arguments, run
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["DESCRIPTION", "add_arguments", "run"]

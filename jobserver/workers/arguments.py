@@ -15,14 +15,17 @@ import trio
 from jobserver.cli.options import (
     AUTH_TOKEN_HELP,
     DEFAULT_SERVER,
+    JOB_NAMES_HELP,
     LOG_LEVELS,
     add_tls_arguments,
+    chosen_server,
+    job_names,
     log_level,
     number,
     server_address,
     tls_option,
 )
-from jobserver.client import auth_token, parse_address, tls_context
+from jobserver.client import auth_token, tls_context
 from jobserver.workers.manager import Manager
 
 log = logging.getLogger("jobserver.workers")
@@ -33,6 +36,13 @@ def _cpu_count() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+DESCRIPTION = (
+    "Take jobs from the server (blocking, never polling) and run each "
+    "as a process from --worker-path, within --max-workers (and "
+    "--max-load, if given); report each outcome. SIGTERM or SIGINT drain it."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,9 +70,10 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--job-name",
+        type=job_names,
         default="*",
         metavar="PATTERN",
-        help="GetJobs name: a GLOB pattern, or a comma-separated list of names (default: *)",
+        help=f"GetJobs name: {JOB_NAMES_HELP} (default: *)",
     )
 
 
@@ -154,9 +165,9 @@ def manager_from(args: argparse.Namespace) -> Manager | None:
     """The manager the options describe; None, once the reason is logged,
     if they cannot work."""
     try:
-        server = args.server or parse_address(os.environ.get("JOBSERVER_SERVER") or DEFAULT_SERVER)
+        server = chosen_server(args.server)
     except ValueError as error:
-        log.error("$JOBSERVER_SERVER: %s", error)
+        log.error("%s", error)
         return None
     directory = os.path.realpath(args.worker_path)
     if not os.path.isdir(directory):

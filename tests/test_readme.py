@@ -1,0 +1,109 @@
+"""README's Python examples work as pasted.
+
+Every ```python block of README.md is compiled, and checked for names it
+uses but neither defines, imports nor gets from Python's builtins (a
+function the reader was meant to guess). Then each is run, as a new Python
+process against a real server: an example addresses the server as
+127.0.0.1:8888, which the test points at its own. An HTML comment on the
+line before a block changes that:
+
+    <!-- example needs: MODULE -->       run only if MODULE can be imported
+                                          (an optional extra), else skipped
+    <!-- example not run: REASON -->     compiled and checked, not run (it
+                                          serves forever, or calls the network)
+"""
+
+from __future__ import annotations
+
+import builtins
+import importlib.util
+import re
+import subprocess
+import symtable
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+# How the examples name the server.
+EXAMPLE_SERVER = "127.0.0.1:8888"
+RUN_TIMEOUT = 30.0
+
+_BLOCK = re.compile(
+    r"(?:<!-- example (?P<marker>needs|not run): (?P<what>[^>]*?) -->\n)?"
+    r"^```python\n(?P<code>.*?)^```$",
+    re.S | re.M,
+)
+
+
+@dataclass(frozen=True)
+class Example:
+    line: int
+    code: str
+    marker: str | None
+    what: str
+
+    def __str__(self) -> str:
+        return f"README.md line {self.line}"
+
+
+def examples() -> list[Example]:
+    text = README.read_text()
+    return [
+        Example(text.count("\n", 0, found.start("code")) + 1, found["code"], found["marker"],
+                (found["what"] or "").strip())
+        for found in _BLOCK.finditer(text)
+    ]
+
+
+def undefined_names(code: str) -> set[str]:
+    """Names a module's code reads (at its top level or inside its
+    functions, lambdas and classes) that it never binds nor imports and
+    that are not builtins."""
+    top = symtable.symtable(code, "README.md", "exec")
+    bound = {symbol.get_name() for symbol in top.get_symbols()
+             if symbol.is_assigned() or symbol.is_imported()}
+    read: set[str] = set()
+    tables = [top]
+    while tables:
+        table = tables.pop()
+        tables.extend(table.get_children())
+        for symbol in table.get_symbols():
+            if symbol.is_referenced() and (table is top or symbol.is_global()):
+                read.add(symbol.get_name())
+    return read - bound - set(dir(builtins))
+
+
+def test_the_checks_catch_what_they_are_for():
+    assert undefined_names(
+        "import os\n"
+        "def f(x):\n"
+        "    return make_thumbnail(x, lambda: record(os.sep))\n"
+        "y = [z for z in range(3)]\n"
+        "while (job := len(y)) is None:\n"
+        "    print(job)\n"
+    ) == {"make_thumbnail", "record"}
+    found = _BLOCK.findall("<!-- example needs: anyio -->\n```python\nx = 1\n```\n")
+    assert found == [("needs", "anyio", "x = 1\n")]
+
+
+def test_the_readme_has_python_examples():
+    assert len(examples()) >= 2
+
+
+@pytest.mark.parametrize("example", examples(), ids=str)
+def test_a_readme_example_runs_as_pasted(example, server, tmp_path):
+    compile(example.code, str(example), "exec")
+    assert undefined_names(example.code) == set(), example
+    if example.marker == "not run":
+        return
+    if example.marker == "needs" and importlib.util.find_spec(example.what) is None:
+        pytest.skip(f"{example} needs {example.what}, which is not installed")
+    code = example.code.replace(EXAMPLE_SERVER, f"127.0.0.1:{server.port}")
+    # In a directory of its own: `python -c` imports from its working
+    # directory first, and an example may write files.
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=RUN_TIMEOUT)
+    assert done.returncode == 0, (str(example), done.stderr)
