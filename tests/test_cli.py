@@ -795,14 +795,16 @@ def test_the_client_commands_start_without_trio_the_server_or_the_worker_manager
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('trio', 'dateutil', 'ssl')\n"
         "             or m.startswith(('jobserver.server', 'jobserver.storage', 'jobserver.web',\n"
         "                              'jobserver.workers', 'jobserver.core.params'))))\n"
-        "from jobserver.client import AsyncClient\n"
-        "print(AsyncClient.__module__, 'trio' in sys.modules)\n"
+        "from jobserver.client import AsyncClient, TrioClient\n"
+        "print(AsyncClient.__module__, TrioClient.__module__, 'trio' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=RUN_TIMEOUT, env=environment(None))
     assert (done.returncode, done.stderr) == (0, ""), done
-    # AsyncClient is still there, bringing trio once asked for.
-    assert done.stdout == "[]\njobserver.client.trio_client True\n"
+    # The async clients are still there, TrioClient bringing trio once asked for.
+    assert done.stdout == (
+        "[]\njobserver.client.async_client jobserver.client.trio_client True\n"
+    )
 
 
 def test_help_documents_the_exit_statuses(capsys):
