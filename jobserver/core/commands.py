@@ -190,10 +190,8 @@ def update_job(ctx: Context, request: Request) -> Response:
     check_lease(request, job)
     changes: dict[str, Any] = {"data": data}
     if next_run is None and rule is not None:
-        try:
-            next_run = schedule.next_run_from_repeat(ctx, job, rule)
-        except RepeatStalled as stalled:
-            raise CommandError(f"402 Malformed repeat: {stalled.reason}") from None
+        # Not a run: the moment may be the one the job already has.
+        next_run = schedule.next_run_from_repeat(ctx, job, rule)
     if params.is_true(request.get("shouldClearRepeat")):
         changes["repeat"] = ""
     elif rule is not None:
@@ -306,7 +304,7 @@ def _next_run(
 ) -> str | None:
     """Precedence: the job's repeat, then RetryJob's nextRun, then its delay."""
     if job.repeat and use_repeat and not (retry and params.is_true(request.get("ignoreRepeat"))):
-        return schedule.next_run_from_repeat(ctx, job, job.repeat)
+        return schedule.next_run_after_run(ctx, job, schedule.due_moment(job))
     if not retry:
         return None
     next_run = params.time(request, "nextRun")
@@ -338,7 +336,7 @@ def touch_job(ctx: Context, request: Request) -> Response:
     if job.state != State.RUNQUEUED:
         raise CommandError("405 Can only touch RUNNING or RUNQUEUED jobs")
     try:
-        next_run = schedule.lease_end(ctx, job)
+        next_run = schedule.lease_end(ctx, job, schedule.due_moment(job))
     except RepeatStalled as stalled:
         # Returned, not raised, so that the failure stays: a lease that
         # ends at once would hand the job to another worker right away.

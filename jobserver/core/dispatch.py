@@ -33,7 +33,6 @@ from jobserver.core import (
     params,
     query,
     queues,
-    repeat,
     replies,
     selection,
     times,
@@ -134,10 +133,6 @@ class Dispatcher:
         self.access = access
         self.started = time.monotonic()
         self._query_limiter = trio.CapacityLimiter(QUERY_THREADS)
-        # Repeat rules are checked one at a time outside the writer: many
-        # clients sending new rules take one core at the most, and never
-        # the writer's time.
-        self._rule_check_limiter = trio.CapacityLimiter(1)
         # Status counts what running jobs use of each limit one at a time.
         self._status_limiter = trio.CapacityLimiter(1)
         # One backup at a time: each reads the whole database and holds
@@ -179,7 +174,6 @@ class Dispatcher:
     # Routes.
 
     async def in_writer(self, handler: Command, request: Request) -> Answer:
-        await self._check_repeats_first(request)
         response = await self.writer.call(partial(handler, request=request), _is_heavy(request))
         return Answer(response)
 
@@ -305,23 +299,6 @@ class Dispatcher:
         # Its own connection may have copied commits not yet on disk.
         await self.writer.settled()
         return Answer(response)
-
-    async def _check_repeats_first(self, request: Request) -> None:
-        """Repeat rules are checked by computing them from many moments
-        (repeat.py), which can take tens of milliseconds: done here, one
-        request at a time, in a thread that does not hold up the writer,
-        which then finds the verdict cached."""
-        texts = []
-        verb = request.verb.lower()
-        if verb == "createjobs":
-            jobs = request.get("jobs") or ""
-            if '"repeat"' in jobs.lower():
-                texts = repeat.rules_in(jobs)
-        elif verb in ("createjob", "updatejob"):
-            text = request.get("repeat")
-            texts = [text] if text else []
-        if texts:
-            await trio.to_thread.run_sync(repeat.warm, texts, limiter=self._rule_check_limiter)
 
 
 def _cancelled() -> bool:

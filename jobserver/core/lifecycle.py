@@ -204,7 +204,8 @@ def hand_out(ctx: Context, job: Job) -> Lease | None:
         _expire(ctx, job, f"out of leases: handed out {MAX_LEASES} times without a report")
         return None
     try:
-        next_run = schedule.lease_end(ctx, job)
+        # Handed out for its nextRun, even when that is an ended lease's end.
+        next_run = schedule.lease_end(ctx, job, job.nextRun)
     except schedule.RepeatStalled as stalled:
         # A lease that ends at once would hand the job out again and again.
         _expire(ctx, job, str(stalled))

@@ -180,12 +180,9 @@ def repeat_rule(request: Request) -> str | None:
     if value is None or value.strip() == "":
         return None
     try:
-        repeat.check_moves_forward(repeat.parse_repeat(value))
-    except repeat.MalformedRepeat as error:
-        # A syntax error keeps Bedrock's bare status line; a rule that
-        # parses but cannot be used says why.
-        detail = f": {error.reason}" if error.reason else ""
-        raise CommandError(f"402 Malformed repeat{detail}") from None
+        repeat.parse_repeat(value)
+    except repeat.MalformedRepeat:
+        raise CommandError("402 Malformed repeat") from None
     return value.strip().upper()
 
 
