@@ -67,6 +67,23 @@ def test_the_oldest_ready_age_is_of_the_queues_longest_waiting_ready_job(client,
     assert listed["report"]["oldestReadyAge"] is None
 
 
+def test_a_revived_failed_job_waits_from_its_requeue_not_its_creation(client, db):
+    job_id = create(client, "email/send")
+    get_job(client, "email/send")
+    ok(client.request("FailJob", jobID=job_id, error="boom"))
+    # Created and failed a day ago, revived now (RequeueJobs, the dashboard).
+    day_ago = fmt(utcnow() - 24 * HOUR)
+    force(db, "UPDATE jobs SET created = ?, nextRun = ? WHERE jobID = ?",
+          (day_ago, day_ago, job_id))
+    before = fmt(utcnow() - timedelta(seconds=1))
+    ok(client.request("RequeueJobs", jobIDs=str(job_id)))
+    job = ok(client.request("QueryJob", jobID=job_id)).json
+    assert (job["state"], job["created"][:19]) == ("QUEUED", day_ago)
+    assert job["nextRun"] >= before
+    assert 0 <= by_name(queues(client))["email"]["oldestReadyAge"] < 60
+    assert get_job(client, "email/send")["jobID"] == job_id
+
+
 def test_limit_lists_the_largest_queues_and_counts_the_rest(client):
     for size, name in enumerate(["a", "b", "c", "d"], start=1):
         for _ in range(size):
