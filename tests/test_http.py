@@ -304,6 +304,10 @@ def test_metrics_show_queues_states_ages_limits_and_pauses(http_server: ThreadSe
     assert figures[("jobserver_queue_oldest_age_seconds", (("queue", "email"),))] >= 0
     assert ("jobserver_queue_oldest_age_seconds", (("queue", "future"),)) not in figures
     assert ("jobserver_queue_oldest_age_seconds", (("queue", "thumbs"),)) not in figures
+    # A job held by a pause is not ready: a paused queue raises no age alert.
+    assert ("jobserver_queue_oldest_age_seconds", (("queue", "later"),)) not in figures
+    assert figures[("jobserver_queue_paused_jobs", (("queue", "later"),))] == 1
+    assert ("jobserver_queue_paused_jobs", (("queue", "email"),)) not in figures
     # Requests by command and status; the scrape's own Status counts too.
     assert figures[("jobserver_requests_total", (("code", "200"), ("command", "createjob")))] == 7
     assert figures[("jobserver_requests_total", (("code", "430"), ("command", "unknown")))] == 1
