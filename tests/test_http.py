@@ -291,6 +291,9 @@ def test_metrics_show_queues_states_ages_limits_and_pauses(http_server: ThreadSe
         ok(client.request("GetJob", name="thumbs"))
         ok(client.request("PauseJobs", name="later/*"))
         assert client.request("Bogus").status == "430 Unrecognized command"
+        # Bedrock's shorthand with the SQL on the method line is a Query too.
+        ok(client.request("Query: SELECT 1;"))
+        ok(client.request("Query", query="SELECT 1;"))
     figures = scrape(http_server)
     assert figures[("jobserver_jobs", (("queue", "email"), ("state", "QUEUED")))] == 3
     assert figures[("jobserver_jobs", (("queue", "email"), ("state", "FAILED")))] == 1
@@ -311,6 +314,11 @@ def test_metrics_show_queues_states_ages_limits_and_pauses(http_server: ThreadSe
     # Requests by command and status; the scrape's own Status counts too.
     assert figures[("jobserver_requests_total", (("code", "200"), ("command", "createjob")))] == 7
     assert figures[("jobserver_requests_total", (("code", "430"), ("command", "unknown")))] == 1
+    assert figures[("jobserver_requests_total", (("code", "200"), ("command", "query")))] == 2
+    commands = {
+        dict(labels)["command"] for name, labels in figures if name.startswith("jobserver_requests")
+    }
+    assert "query:" not in commands
     assert figures[("jobserver_requests_total", (("code", "200"), ("command", "status")))] >= 1
 
 

@@ -138,15 +138,14 @@ class Dispatcher:
         # One backup at a time: each reads the whole database and holds
         # its log from being checkpointed until it is done.
         self._backing_up = trio.Lock()
-        # Answers given, by (verb as in ROUTES or "unknown", status code):
-        # for metrics. A waiting GetJob counts when it waits.
+        # Answers given, by (command_name, status code): for metrics. A
+        # waiting GetJob counts when it waits.
         self.answered: dict[tuple[str, int], int] = {}
 
     async def dispatch(self, request: Request, peer: str) -> Answer | WaitForJobs:
         """What to do about one request from a client at address `peer`."""
         action = await self._dispatch(request, peer)
-        verb = request.verb.lower()
-        key = (verb if verb in ROUTES else "unknown", _code(action))
+        key = (command_name(request), _code(action))
         self.answered[key] = self.answered.get(key, 0) + 1
         return action
 
@@ -299,6 +298,14 @@ class Dispatcher:
         # Its own connection may have copied commits not yet on disk.
         await self.writer.settled()
         return Answer(response)
+
+
+def command_name(request: Request) -> str:
+    """The command a request runs, as metrics name it: its verb lower-cased,
+    `query` for the `Query: SQL` shorthand, `unknown` for a verb no route
+    takes (so that what a client sends cannot make labels without end)."""
+    verb = request.verb.lower()
+    return verb.removesuffix(":") if verb in ROUTES else "unknown"
 
 
 def _cancelled() -> bool:
