@@ -347,7 +347,7 @@ def test_a_refused_action_is_shown_to_the_person(server: ThreadServer) -> None:
          + "&#39; is not a jobID."),
         (("pause", {}), "error: Nothing was done: name is missing."),
         (("pause", {"name": "x" * 300}), "error: " + "x" * 300 + " was not paused: "
-         "402 Malformed name"),
+         "402 Name too large (255 bytes at most)"),
         (("limit", {"name": "a*", "max": "-1"}),
          "error: The limit on a* was not set: 402 Malformed max"),
     ]

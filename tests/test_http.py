@@ -120,6 +120,18 @@ def test_a_body_past_the_limit_is_413(http_server: ThreadServer) -> None:
     assert job_count(http_server) == 0
 
 
+def test_data_over_the_limit_is_called_too_large_with_the_limit(http_server: ThreadServer) -> None:
+    # Over 1 MiB as JSON text, within the body an HTTP request may have.
+    blob = {"blob": "y" * (1024 * 1024)}
+    expected = "402 Data too large (1048576 bytes at most)"
+    with http_server.client() as client:
+        assert client.request("CreateJob", name="x", data=blob).status == expected
+    assert post_queue(http_server, {"type": "x", "payload": blob}) == (400, {"error": expected})
+    code, headers, _ = api(http_server, "CreateJob", {"name": "x", "data": blob})
+    assert (code, headers["Jobserver-Status"]) == (402, expected)
+    assert job_count(http_server) == 0
+
+
 def test_wrong_methods_and_paths(http_server: ThreadServer) -> None:
     assert call(http_server, "GET", "/queue")[0] == 405
     assert call(http_server, "POST", "/nowhere", b"{}")[0] == 404

@@ -61,6 +61,14 @@ def present(request: Request, name: str) -> str | None:
     return None if value is None or value == "" else value
 
 
+def too_large(parameter: str, limit: int, unit: str = "bytes") -> CommandError:
+    """A parameter over its size limit, with the limit. Still a 402, the
+    code of Bedrock's own size check (`402 Malformed data`): its clients
+    tell errors apart by the code."""
+    named = parameter[:1].upper() + parameter[1:]
+    return CommandError(f"402 {named} too large ({limit} {unit} at most)")
+
+
 def require(request: Request, name: str) -> str:
     value = present(request, name)
     if value is None:
@@ -118,7 +126,9 @@ def name(request: Request) -> str:
     """A job's name: 1 to 255 bytes of UTF-8 without control characters,
     which logs, terminals and worker file names cannot show or hold."""
     value = require(request, "name")
-    if _CONTROL.search(value) or len(value.encode("utf-8")) > MAX_NAME:
+    if len(value.encode("utf-8")) > MAX_NAME:
+        raise too_large("name", MAX_NAME)
+    if _CONTROL.search(value):
         raise CommandError("402 Malformed name")
     return value
 
@@ -143,7 +153,7 @@ def data(request: Request, header: str = "data") -> str | None:
     if value is None:
         return None
     if len(value.encode("utf-8")) > MAX_DATA:
-        raise CommandError(f"402 Malformed {header}")
+        raise too_large(header, MAX_DATA)
     return parse_data(value)
 
 
@@ -256,7 +266,7 @@ def error_text(request: Request, data: str | None) -> str:
     text = present(request, "error")
     if text is not None:
         if len(text.encode("utf-8")) > MAX_ERROR:
-            raise CommandError("402 Malformed error")
+            raise too_large("error", MAX_ERROR)
         return text.replace("\0", "\ufffd")
     # Parsed only when it may hold an error key.
     if data is None or '"error"' not in data:
@@ -391,7 +401,9 @@ def capacity(request: Request) -> int:
 def pattern(request: Request) -> str:
     """The one GLOB pattern of SetLimit, PauseJobs and ResumeJobs."""
     value = require(request, "name")
-    if _CONTROL.search(value) or len(value.encode("utf-8")) > MAX_NAME:
+    if len(value.encode("utf-8")) > MAX_NAME:
+        raise too_large("name", MAX_NAME)
+    if _CONTROL.search(value):
         raise CommandError("402 Malformed name")
     return value
 
