@@ -19,7 +19,7 @@ from __future__ import annotations
 import hmac
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Protocol
 
@@ -147,7 +147,12 @@ class Dispatcher:
         action = await self._dispatch(request, peer)
         key = (command_name(request), _code(action))
         self.answered[key] = self.answered.get(key, 0) + 1
-        return action
+        ignored = params.ignored_headers(request)
+        if not ignored:
+            return action
+        if isinstance(action, WaitForJobs):
+            return WaitForJobs(partial(_naming_ignored, action.take, ignored))
+        return _with_ignored(action, ignored)
 
     async def _dispatch(self, request: Request, peer: str) -> Answer | WaitForJobs:
         if request.invalid_utf8:
@@ -298,6 +303,18 @@ class Dispatcher:
         # Its own connection may have copied commits not yet on disk.
         await self.writer.settled()
         return Answer(response)
+
+
+async def _naming_ignored(take: Callable[[], Awaitable[Answer]], ignored: str) -> Answer:
+    """A waiting GetJob's answer, when it comes, names what it ignored."""
+    return _with_ignored(await take(), ignored)
+
+
+def _with_ignored(answer: Answer, ignored: str) -> Answer:
+    # A new Response: handlers may answer with a shared one.
+    reply = answer.response
+    headers = {**reply.headers, "ignoredHeaders": ignored}
+    return replace(answer, response=Response(reply.status, reply.body, headers))
 
 
 def command_name(request: Request) -> str:

@@ -412,3 +412,78 @@ def has_control(text: str) -> bool:
     """Whether text holds a control character or a lone surrogate, which no
     job name holds."""
     return _CONTROL.search(text) is not None
+
+
+# Which headers each command reads (lower case, as Request keeps them). A
+# header outside its command's set and GENERAL_HEADERS is ignored, as
+# Bedrock ignores it, and named in the reply's `ignoredHeaders`: a typo
+# (`priorty: 1000`) would otherwise create a job as if it were not there.
+_JOB = ("jobid",)
+_REPORT = (*_JOB, "leaseid", "data")
+_NEW_JOB = (
+    "name", "data", "firstrun", "repeat", "jobpriority", "priority", "retryafter",
+    "parentjobid", "unique", "overwrite", "maxattempts", "retrybackoff", "retrydelay",
+    "retrymaxdelay", "cost", "timewindows", "timezone",
+)
+_HAND_OUT = ("name", "jobpriority", "includeleaseid")
+KNOWN_HEADERS: dict[str, frozenset[str]] = {
+    verb: frozenset(names)
+    for verb, names in {
+        "createjob": _NEW_JOB,
+        "createjobs": ("jobs",),
+        "getjob": _HAND_OUT,
+        "getjobs": (*_HAND_OUT, "numresults"),
+        "queryjob": _JOB,
+        "updatejob": (*_REPORT, "repeat", "jobpriority", "nextrun", "shouldclearrepeat"),
+        "finishjob": _REPORT,
+        "finishjobs": ("jobs",),
+        "retryjob": (*_REPORT, "delay", "ignorerepeat", "jobpriority", "name", "nextrun"),
+        "failjob": (*_REPORT, "error"),
+        "canceljob": _JOB,
+        "deletejob": _JOB,
+        "requeuejobs": ("jobids", "name"),
+        "ping": (),
+        "status": (),
+        "query": ("query", "format"),
+        "query:": ("format",),
+        "touchjob": (*_JOB, "leaseid"),
+        "failedjobs": ("limit", "name"),
+        "setlimit": ("name", "max"),
+        "pausejobs": ("name",),
+        "resumejobs": ("name",),
+        "awaitreply": (*_REPORT, "key", "timeout"),
+        "deliverreply": ("key", "data"),
+        "backup": ("name", "path"),
+        "queues": ("limit",),
+    }.items()
+}
+# Headers any command may carry: the framing's and the server's own, and
+# those Bedrock's clients send with every command, which jobserver ignores
+# on purpose (protocol.md section 12): a Bedrock client's replies stay as
+# they were.
+GENERAL_HEADERS = frozenset({
+    "content-length", "connection", "authtoken", "timeout",
+    "commitcount", "requestid", "lastip", "writeconsistency", "mockrequest",
+    "getmockedjobs", "logparam", "idempotent", "processtimeout", "commandexecutetime",
+    "host",
+})
+# `ignoredHeaders` names at most this many, each cut to MAX_IGNORED_NAME
+# characters, so that a request of long made-up names (100 lines of up to
+# 2 MiB each, section 3) cannot make a long reply: under 1 KiB in all.
+MAX_IGNORED_LISTED = 10
+MAX_IGNORED_NAME = 64
+
+
+def ignored_headers(request: Request) -> str:
+    """The headers of a request for a known command that the command does
+    not read, as the reply's `ignoredHeaders` value; "" for none."""
+    known = KNOWN_HEADERS.get(request.verb.lower())
+    if known is None:
+        return ""
+    ignored = [n for n in request.headers if n not in known and n not in GENERAL_HEADERS]
+    listed = [
+        name if len(name) <= MAX_IGNORED_NAME else name[: MAX_IGNORED_NAME - 3] + "..."
+        for name in ignored[:MAX_IGNORED_LISTED]
+    ]
+    more = len(ignored) - len(listed)
+    return ", ".join(listed) + (f" and {more} more" if more else "")
