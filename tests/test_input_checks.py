@@ -289,6 +289,17 @@ def test_unknown_headers_are_ignored_and_named_in_the_reply(client):
     reply = client.request("GetJob", name="nothing", Connection="wait", timeout=1, nmae="x")
     assert (reply.status, reply.headers["ignoredHeaders"]) == ("404 No job found", "nmae")
     assert "ignoredHeaders" not in client.request("Bogus", x="1").headers
+    # The keys of CreateJobs' and FinishJobs' elements are named as well,
+    # after the request's own headers.
+    reply = client.request(
+        "CreateJobs", jobs=[{"name": "a"}, {"name": "b", "priorty": 1000}], extra="1"
+    )
+    assert (reply.status, reply.headers["ignoredHeaders"]) == ("200 OK", "extra, jobs[1].priorty")
+    a, b = reply.json["jobIDs"]
+    for _ in range(2):
+        assert client.request("GetJob", name="[ab]").status == "200 OK"
+    reply = client.request("FinishJobs", jobs=[{"jobID": a, "dta": {}}, {"jobID": b}])
+    assert (reply.status, reply.headers["ignoredHeaders"]) == ("200 OK", "jobs[0].dta")
 
 
 def test_the_names_of_ignored_headers_make_a_short_reply(client):

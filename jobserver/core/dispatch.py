@@ -311,9 +311,11 @@ async def _naming_ignored(take: Callable[[], Awaitable[Answer]], ignored: str) -
 
 
 def _with_ignored(answer: Answer, ignored: str) -> Answer:
-    # A new Response: handlers may answer with a shared one.
+    # A new Response: handlers may answer with a shared one. The request's
+    # own headers come before those of its `jobs` elements.
     reply = answer.response
-    headers = {**reply.headers, "ignoredHeaders": ignored}
+    inner = reply.headers.get("ignoredHeaders")
+    headers = {**reply.headers, "ignoredHeaders": f"{ignored}, {inner}" if inner else ignored}
     return replace(answer, response=Response(reply.status, reply.body, headers))
 
 

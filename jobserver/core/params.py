@@ -474,13 +474,34 @@ MAX_IGNORED_LISTED = 10
 MAX_IGNORED_NAME = 64
 
 
+def unread_headers(request: Request) -> list[str]:
+    """The headers of a request for a known command that the command does
+    not read, in the order sent; [] for an unknown command."""
+    known = KNOWN_HEADERS.get(request.verb.lower())
+    if known is None:
+        return []
+    return [n for n in request.headers if n not in known and n not in GENERAL_HEADERS]
+
+
+def ignored_in_elements(elements: list[Request]) -> list[str]:
+    """The keys the elements of CreateJobs' or FinishJobs' `jobs` carry
+    that their command does not read, as `jobs[INDEX].KEY`."""
+    return [
+        f"jobs[{index}].{name}"
+        for index, element in enumerate(elements)
+        for name in unread_headers(element)
+    ]
+
+
 def ignored_headers(request: Request) -> str:
     """The headers of a request for a known command that the command does
     not read, as the reply's `ignoredHeaders` value; "" for none."""
-    known = KNOWN_HEADERS.get(request.verb.lower())
-    if known is None:
-        return ""
-    ignored = [n for n in request.headers if n not in known and n not in GENERAL_HEADERS]
+    return describe_ignored(unread_headers(request))
+
+
+def describe_ignored(ignored: list[str]) -> str:
+    """Names for `ignoredHeaders`: at most MAX_IGNORED_LISTED, each cut to
+    MAX_IGNORED_NAME characters, then how many more."""
     listed = [
         name if len(name) <= MAX_IGNORED_NAME else name[: MAX_IGNORED_NAME - 3] + "..."
         for name in ignored[:MAX_IGNORED_LISTED]
