@@ -163,6 +163,19 @@ def test_a_job_with_a_retry_policy_is_failed_too_not_retried(client):
     assert _last_error(client, job_id).startswith("repeat rule gave ")
 
 
+def test_a_leased_scheduled_job_catching_up_is_handed_out_again(server, client):
+    # Its data keeps the originalNextRun of the run before, which its rule
+    # counts from: the time it gives is the job's nextRun, not a stall.
+    job_id = create(client, "late", repeat="SCHEDULED, +5 HOURS", retryAfter="+5 MINUTES",
+                    firstRun="2020-01-01 10:00:00")
+    get_job(client, "late")
+    ok(client.request("FinishJob", jobID=job_id))
+    job = _job(client, job_id)
+    assert (job["state"], job["nextRun"]) == ("QUEUED", "2020-01-01 15:00:00")
+    assert get_job(client, "late")["jobID"] == job_id
+    assert _job(client, job_id)["state"] == "RUNQUEUED"
+
+
 def test_the_check_does_not_mistake_another_spelling_of_the_base(server, client):
     # A leased SCHEDULED job counts from the originalNextRun in its data,
     # which a client may have written in ISO form.

@@ -105,22 +105,24 @@ def lease_end(ctx: Context, job: Job, due: str | None) -> str | None:
 
 def next_run_after_run(ctx: Context, job: Job, due: str | None) -> str:
     """When a job runs next per its repeat, after its run due at `due`
-    (None: not known). Raises RepeatStalled when that is `due` itself:
-    Bedrock accepts any rule, so one that truncates (`FINISHED, START OF
-    DAY`) may give it again, and the job must not run twice for it."""
+    (None: not known). Raises RepeatStalled when that is the moment the run
+    was due: Bedrock accepts any rule, so one that truncates (`FINISHED,
+    START OF DAY`) may give it again, and the job must not run twice for
+    it. A SCHEDULED rule's base is that moment (for a leased job, the
+    originalNextRun its data keeps), whatever `due` says."""
+    rule = repeat.parse_repeat(job.repeat)
     computed = next_run_from_repeat(ctx, job, job.repeat)
-    if due is not None and computed == datetime_after(due[:19], ()):
-        raise RepeatStalled(_base(ctx, job, repeat.parse_repeat(job.repeat)), computed)
+    base = _base(ctx, job, rule)
+    moment = base if rule.base == "SCHEDULED" else due
+    if moment is not None and computed == datetime_after(moment[:19], ()):
+        raise RepeatStalled(base, computed)
     return computed
 
 
 def due_moment(job: Job) -> str | None:
-    """The moment a handed-out job's run was due; None when its lease hides
-    it (a RUNQUEUED job's nextRun is its lease's end; only a SCHEDULED
-    rule keeps the moment, as originalNextRun)."""
-    if job.state != State.RUNQUEUED:
-        return job.nextRun
-    return _original_next_run(job)
+    """The moment a handed-out job's run was due: its nextRun; None for a
+    RUNQUEUED job, whose nextRun is its lease's end."""
+    return None if job.state == State.RUNQUEUED else job.nextRun
 
 
 def _original_next_run(job: Job) -> str | None:
