@@ -151,8 +151,8 @@ def test_create_job_name_of_255_bytes_is_accepted(client):
 
 
 @pytest.mark.parametrize("name", ["n" * 256, "é" * 128], ids=["256-ascii", "256-bytes-utf8"])
-def test_create_job_name_over_255_bytes_is_402_malformed_name(client, name):
-    assert_error(client.request("CreateJob", name=name), "402 Malformed name")
+def test_create_job_name_over_255_bytes_is_402_name_too_large(client, name):
+    assert_error(client.request("CreateJob", name=name), "402 Name too large (255 bytes at most)")
     assert_queue_empty(client)
 
 
@@ -347,9 +347,11 @@ def test_get_job_without_name_is_402_missing_name(client, headers):
     assert query(client, 1)["state"] == "QUEUED"
 
 
-def test_get_job_pattern_over_12750_bytes_is_402_malformed_name(client):
+def test_get_job_pattern_over_12750_bytes_is_402_name_too_large(client):
     create(client, "x")
-    assert_error(client.request("GetJob", name="x" * 12751), "402 Malformed name")
+    assert_error(
+        client.request("GetJob", name="x" * 12751), "402 Name too large (12750 bytes at most)"
+    )
     assert query(client, 1)["state"] == "QUEUED"
 
 

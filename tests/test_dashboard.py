@@ -347,7 +347,7 @@ def test_a_refused_action_is_shown_to_the_person(server: ThreadServer) -> None:
          + "&#39; is not a jobID."),
         (("pause", {}), "error: Nothing was done: name is missing."),
         (("pause", {"name": "x" * 300}), "error: " + "x" * 300 + " was not paused: "
-         "402 Malformed name"),
+         "402 Name too large (255 bytes at most)"),
         (("limit", {"name": "a*", "max": "-1"}),
          "error: The limit on a* was not set: 402 Malformed max"),
     ]
@@ -492,7 +492,9 @@ def sample_jobs(client: Client) -> int:
         for i in range(6)
     ]
     jobs += [{"name": "thumbs/make", "data": {"image": i}} for i in range(3)]
-    jobs += [{"name": "report/daily", "repeat": "DAILY"}, {"name": "webhook/deliver"}]
+    # Paused on purpose as long: not drawn as late.
+    jobs += [{"name": "report/daily", "repeat": "DAILY", "firstRun": due}]
+    jobs += [{"name": "webhook/deliver"}]
     ok(client.request("CreateJobs", jobs=json.dumps(jobs)))
     ok(client.request("SetLimit", name="thumbs/*", max=2))
     ok(client.request("GetJob", name="thumbs/make"))
@@ -521,6 +523,13 @@ def test_in_a_browser_a_failed_job_is_requeued_with_a_click(
         page.goto(f"http://127.0.0.1:{server.server.http_port}/")
         row = page.locator(f'#failed tr:has(a[href="/jobs/{job_id}"])')
         expect(row).to_contain_text("SMTP 451 4.7.1 try again later")
+        late = re.compile(r"\blate\b")
+        email = page.locator('#live tbody tr:has(td:text-is("email"))')
+        expect(email.locator("td").last).to_have_class(late)
+        report = page.locator('#live tbody tr:has(td:has-text("report"))')
+        expect(report.locator("td").first).to_contain_text("paused: 1")
+        expect(report.locator("td").last).not_to_have_class(late)
+        expect(report.locator("td").last).to_have_text("—")
         page.screenshot(path=str(artifacts / "dashboard.png"), full_page=True)
         # It refreshes by itself: a new queue shows up without a reload.
         with server.client() as client:

@@ -294,7 +294,7 @@ def test_the_last_error_comes_from_the_error_parameter_or_the_datas_error_key(cl
     job_id = create(client, "long", maxAttempts=1)
     ok(client.request("GetJob", name="long"))
     reply = client.request("FailJob", jobID=job_id, error="x" * (64 * 1024 + 1))
-    assert reply.status == "402 Malformed error"
+    assert reply.status == "402 Error too large (65536 bytes at most)"
     assert query_job(client, job_id)["state"] == "RUNNING"
 
 

@@ -120,6 +120,18 @@ def test_a_body_past_the_limit_is_413(http_server: ThreadServer) -> None:
     assert job_count(http_server) == 0
 
 
+def test_data_over_the_limit_is_called_too_large_with_the_limit(http_server: ThreadServer) -> None:
+    # Over 1 MiB as JSON text, within the body an HTTP request may have.
+    blob = {"blob": "y" * (1024 * 1024)}
+    expected = "402 Data too large (1048576 bytes at most)"
+    with http_server.client() as client:
+        assert client.request("CreateJob", name="x", data=blob).status == expected
+    assert post_queue(http_server, {"type": "x", "payload": blob}) == (400, {"error": expected})
+    code, headers, _ = api(http_server, "CreateJob", {"name": "x", "data": blob})
+    assert (code, headers["Jobserver-Status"]) == (402, expected)
+    assert job_count(http_server) == 0
+
+
 def test_wrong_methods_and_paths(http_server: ThreadServer) -> None:
     assert call(http_server, "GET", "/queue")[0] == 405
     assert call(http_server, "POST", "/nowhere", b"{}")[0] == 404
@@ -291,6 +303,9 @@ def test_metrics_show_queues_states_ages_limits_and_pauses(http_server: ThreadSe
         ok(client.request("GetJob", name="thumbs"))
         ok(client.request("PauseJobs", name="later/*"))
         assert client.request("Bogus").status == "430 Unrecognized command"
+        # Bedrock's shorthand with the SQL on the method line is a Query too.
+        ok(client.request("Query: SELECT 1;"))
+        ok(client.request("Query", query="SELECT 1;"))
     figures = scrape(http_server)
     assert figures[("jobserver_jobs", (("queue", "email"), ("state", "QUEUED")))] == 3
     assert figures[("jobserver_jobs", (("queue", "email"), ("state", "FAILED")))] == 1
@@ -304,9 +319,18 @@ def test_metrics_show_queues_states_ages_limits_and_pauses(http_server: ThreadSe
     assert figures[("jobserver_queue_oldest_age_seconds", (("queue", "email"),))] >= 0
     assert ("jobserver_queue_oldest_age_seconds", (("queue", "future"),)) not in figures
     assert ("jobserver_queue_oldest_age_seconds", (("queue", "thumbs"),)) not in figures
+    # A job held by a pause is not ready: a paused queue raises no age alert.
+    assert ("jobserver_queue_oldest_age_seconds", (("queue", "later"),)) not in figures
+    assert figures[("jobserver_queue_paused_jobs", (("queue", "later"),))] == 1
+    assert ("jobserver_queue_paused_jobs", (("queue", "email"),)) not in figures
     # Requests by command and status; the scrape's own Status counts too.
     assert figures[("jobserver_requests_total", (("code", "200"), ("command", "createjob")))] == 7
     assert figures[("jobserver_requests_total", (("code", "430"), ("command", "unknown")))] == 1
+    assert figures[("jobserver_requests_total", (("code", "200"), ("command", "query")))] == 2
+    commands = {
+        dict(labels)["command"] for name, labels in figures if name.startswith("jobserver_requests")
+    }
+    assert "query:" not in commands
     assert figures[("jobserver_requests_total", (("code", "200"), ("command", "status")))] >= 1
 
 

@@ -21,6 +21,7 @@ from helpers import create
 from jobserver.core import params
 from jobserver.core.errors import CommandError
 from jobserver.wire.framing import Request
+from jobserver.wire.limits import MAX_HEADERS
 from wire import Client
 
 # The same protocol on every backend (conftest.BACKENDS).
@@ -263,3 +264,62 @@ def test_requeue_jobs_skips_empty_items_between_ids(client):
     job_id = running(client, "job")
     assert client.request("RequeueJobs", jobIDs=f",{job_id},,").status == "200 OK"
     assert client.request("QueryJob", jobID=job_id).json["state"] == "QUEUED"
+
+
+# Headers a command does not read: ignored, as Bedrock does, and named.
+
+
+def test_unknown_headers_are_ignored_and_named_in_the_reply(client):
+    reply = client.request("CreateJob", name="typo", priorty=1000)
+    assert (reply.status, reply.headers["ignoredHeaders"]) == ("200 OK", "priorty")
+    job_id = int(reply.body.decode().split(":")[1].rstrip("}"))
+    assert client.request("QueryJob", jobID=job_id).json["priority"] == 500
+    # What a command reads, and what Bedrock's PHP client sends with every
+    # command, are not named: such a client's replies are as they were.
+    reply = client.request(
+        "CreateJob", name="php", data="{}", unique="false", jobPriority=500,
+        Connection="wait", idempotent="false", overwrite="true", writeConsistency="ASYNC",
+        timeout=110000,
+    )
+    assert reply.status == "200 OK" and "ignoredHeaders" not in reply.headers
+    # Known to one command is unknown to another: GetJob takes no repeat.
+    reply = client.request("GetJob", name="nothing", repeat="HOURLY", Extra="1")
+    assert (reply.status, reply.headers["ignoredHeaders"]) == ("404 No job found", "repeat, extra")
+    # A waiting GetJob names them in the answer it gives when it ends.
+    reply = client.request("GetJob", name="nothing", Connection="wait", timeout=1, nmae="x")
+    assert (reply.status, reply.headers["ignoredHeaders"]) == ("404 No job found", "nmae")
+    assert "ignoredHeaders" not in client.request("Bogus", x="1").headers
+    # The keys of CreateJobs' and FinishJobs' elements are named as well,
+    # after the request's own headers.
+    reply = client.request(
+        "CreateJobs", jobs=[{"name": "a"}, {"name": "b", "priorty": 1000}], extra="1"
+    )
+    assert (reply.status, reply.headers["ignoredHeaders"]) == ("200 OK", "extra, jobs[1].priorty")
+    a, b = reply.json["jobIDs"]
+    for _ in range(2):
+        assert client.request("GetJob", name="[ab]").status == "200 OK"
+    reply = client.request("FinishJobs", jobs=[{"jobID": a, "dta": {}}, {"jobID": b}])
+    assert (reply.status, reply.headers["ignoredHeaders"]) == ("200 OK", "jobs[0].dta")
+
+
+def test_the_names_of_ignored_headers_make_a_short_reply(client):
+    # As many headers as a request may have (section 3), each named with
+    # 30,000 characters: the reply names ten, cut, and counts the rest.
+    count = MAX_HEADERS - 1
+    many = {f"x{i:02d}" + "y" * 30_000: "1" for i in range(count)}
+    reply = client.request("Ping", many)
+    assert reply.status == "200 OK"
+    value = reply.headers["ignoredHeaders"]
+    assert len(value) < 1024
+    assert value.startswith("x00" + "y" * 58 + "..., x01")
+    assert value.endswith(f" and {count - params.MAX_IGNORED_LISTED} more")
+
+
+def test_every_command_has_its_headers_listed_as_the_http_api_lists_them():
+    from jobserver.core.dispatch import ROUTES
+    from jobserver.web import openapi
+
+    assert set(params.KNOWN_HEADERS) == set(ROUTES)
+    for command in openapi.COMMANDS:
+        listed = (openapi.body_schema(command) or {}).get("properties", {})
+        assert {name.lower() for name in listed} <= params.KNOWN_HEADERS[command.lower()], command

@@ -267,9 +267,10 @@ def test_queue_statistics_agree_with_sqlite(node: ThreadServer, tmp_path: Path) 
                 create(client, "later/x", firstRun="2999-01-01")
                 ok(client.request("GetJob", name="plain"))
         now = "2999-12-31 00:00:00.000"
-        pg_counts, pg_oldest = node.server.store.queue_stats(now)  # type: ignore[union-attr]
-        counts, oldest = lite.server.store.queue_stats(now)  # type: ignore[union-attr]
+        pg_counts, pg_oldest, pg_held = node.server.store.queue_stats(now)  # type: ignore[union-attr]
+        counts, oldest, held = lite.server.store.queue_stats(now)  # type: ignore[union-attr]
         assert pg_counts == counts
         assert set(pg_oldest) == set(oldest) == {"a", "", "b", "later"}
+        assert pg_held == held == {}
     finally:
         lite.stop()

@@ -47,7 +47,8 @@ def test_jobs_are_counted_by_queue_and_state(client, db):
     assert email["total"] == 4
     # A job due in 2099 is not ready: no age.
     assert by_name(body)["later"] == {
-        "queue": "later", "jobs": {"QUEUED": 1}, "total": 1, "oldestReadyAge": None
+        "queue": "later", "jobs": {"QUEUED": 1}, "total": 1, "oldestReadyAge": None,
+        "paused": 0,
     }
     assert body["more"] == 0
 
@@ -65,6 +66,43 @@ def test_the_oldest_ready_age_is_of_the_queues_longest_waiting_ready_job(client,
     assert 3600 <= listed["email"]["oldestReadyAge"] < 3600 + 60
     # The report job waited a minute, but it is running: nothing is ready.
     assert listed["report"]["oldestReadyAge"] is None
+
+
+def test_jobs_a_pause_holds_are_counted_apart_and_not_as_ready(client, db):
+    held = [create(client, "email/campaign") for _ in range(2)]
+    sent = create(client, "email/send")
+    create(client, "report/daily")
+    now = utcnow()
+    for job_id in held:
+        force(db, "UPDATE jobs SET nextRun = ? WHERE jobID = ?", (fmt(now - HOUR), job_id))
+    force(db, "UPDATE jobs SET nextRun = ? WHERE jobID = ?", (fmt(now - MINUTE), sent))
+    ok(client.request("PauseJobs", name="email/campaign*"))
+    ok(client.request("PauseJobs", name="report/*"))
+    listed = by_name(queues(client))
+    # The campaign waited an hour, on purpose; the rest of email a minute.
+    assert listed["email"]["paused"] == 2
+    assert 60 <= listed["email"]["oldestReadyAge"] < 120
+    assert (listed["report"]["paused"], listed["report"]["oldestReadyAge"]) == (1, None)
+    ok(client.request("ResumeJobs", name="email/campaign*"))
+    listed = by_name(queues(client))
+    assert (listed["email"]["paused"], listed["email"]["oldestReadyAge"] >= 3600) == (0, True)
+
+
+def test_a_revived_failed_job_waits_from_its_requeue_not_its_creation(client, db):
+    job_id = create(client, "email/send")
+    get_job(client, "email/send")
+    ok(client.request("FailJob", jobID=job_id, error="boom"))
+    # Created and failed a day ago, revived now (RequeueJobs, the dashboard).
+    day_ago = fmt(utcnow() - 24 * HOUR)
+    force(db, "UPDATE jobs SET created = ?, nextRun = ? WHERE jobID = ?",
+          (day_ago, day_ago, job_id))
+    before = fmt(utcnow() - timedelta(seconds=1))
+    ok(client.request("RequeueJobs", jobIDs=str(job_id)))
+    job = ok(client.request("QueryJob", jobID=job_id)).json
+    assert (job["state"], job["created"][:19]) == ("QUEUED", day_ago)
+    assert job["nextRun"] >= before
+    assert 0 <= by_name(queues(client))["email"]["oldestReadyAge"] < 60
+    assert get_job(client, "email/send")["jobID"] == job_id
 
 
 def test_limit_lists_the_largest_queues_and_counts_the_rest(client):

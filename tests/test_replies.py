@@ -205,7 +205,7 @@ def test_a_key_has_one_waiter(server, client):
     [
         ({"key": "k"}, "402 Missing jobID"),
         ({"jobID": 1}, "402 Missing key"),
-        ({"jobID": 1, "key": "k" * 256}, "402 Malformed key"),
+        ({"jobID": 1, "key": "k" * 256}, "402 Key too large (255 bytes at most)"),
         ({"jobID": 1, "key": "k", "timeout": 0}, "402 Malformed timeout"),
         ({"jobID": 1, "key": "k", "timeout": "1.5"}, "402 Malformed timeout"),
         ({"jobID": 1, "key": "k", "timeout": 30 * 86400 + 1}, "402 Malformed timeout"),

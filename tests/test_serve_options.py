@@ -139,3 +139,20 @@ def test_a_db_url_of_an_unknown_scheme_is_refused_naming_the_known_ones(
     # What each backend takes goes through unchanged.
     for db in ("postgresql://ann@db/jobs", "postgres://db/jobs", "jobs.db", "./odd://name"):
         assert build_parser().parse_args(["serve", "--db", db]).db == db
+
+
+def test_a_db_that_is_a_symbolic_link_is_served_from_the_file_it_names(start_server, tmp_path):
+    # SQLite keeps its log beside the file a link points to: syncing one
+    # beside the link answered every write 503.
+    real = tmp_path / "data" / "jobs.db"
+    real.parent.mkdir()
+    link = tmp_path / "jobs-link.db"
+    link.symlink_to(real)
+    server = start_server(link)
+    with server.client() as client:
+        reply = client.request("CreateJob", name="linked")
+        assert reply.status == "200 OK", reply
+        assert client.request("Status").json["database"]["path"] == str(real)
+    assert f"--db {link} is a symbolic link: serving {real}" in server.log
+    assert (real.parent / "jobs.db-wal").exists() and link.is_symlink()
+    assert not (tmp_path / "jobs-link.db-wal").exists()

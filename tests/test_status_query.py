@@ -69,6 +69,10 @@ def test_query_needs_a_semicolon_and_some_sql(client):
     # A client's mistake: 4xx, so that nobody retries it unchanged.
     assert client.request("Query", query="SELECT 1").status == "402 Query Missing Semicolon"
     assert client.request("Query").status == "402 Missing query"
+    long = "SELECT '" + "x" * 1024 * 1024 + "';"
+    assert client.request("Query", query=long).status == (
+        "402 Query too large (1048576 characters at most)"
+    )
 
 
 def test_a_query_without_a_semicolon_on_the_method_line_is_402_too(client):

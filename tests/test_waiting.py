@@ -301,13 +301,26 @@ def test_waiter_that_hangs_up_is_dropped_and_the_job_stays_queued(server, client
     assert handed(client.request("GetJob", name="lonely")) == job_id
 
 
-def test_waiter_that_half_closes_gets_404_at_once_and_no_job(server, client):
+HALF_CLOSED = (
+    "400 A waiting GetJob needs its connection open: the client closed its sending "
+    "side (as nc -N does at the end of its input); no job was handed out"
+)
+
+
+def test_waiter_that_half_closes_is_told_why_at_once_and_gets_no_job(server, client):
     worker = start_waiting(server, "half")
     with worker:
         worker.sock.shutdown(socket.SHUT_WR)
-        reply = worker.read_reply()
-        assert reply.status == "404 No job found"
+        assert worker.read_reply().status == HALF_CLOSED
+        assert worker.at_eof()
     until_waiting(server, 0)
+    # As `printf 'GetJob...' | nc -N`: the request, then the half-close at
+    # once; the requests before it are answered as usual.
+    with server.client() as piped:
+        piped.send(encode("Ping", {}) + wait_request("half"))
+        piped.sock.shutdown(socket.SHUT_WR)
+        assert piped.read_reply().status == "200 OK"
+        assert piped.read_reply().status == HALF_CLOSED
     job_id = create(client, "half")
     assert state(client, job_id) == "QUEUED"
 

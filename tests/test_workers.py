@@ -657,7 +657,8 @@ def test_data_the_server_refuses_is_left_out_rather_than_losing_the_result(
     big = create(client, "Big", data={"blob": "x" * (1024 * 1024 - 20)})
     running = manager(server.port)
     running.wait_for(
-        rf"job {big} Big: the server refused FailJob \(402 Malformed data\); "
+        rf"job {big} Big: the server refused FailJob "
+        r"\(402 Data too large \(1048576 bytes at most\)\); "
         "sending it without data"
     )
     until(lambda: job(client, big)["state"] == "FAILED", DEADLINE, "the bare FailJob")

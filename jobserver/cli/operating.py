@@ -56,8 +56,9 @@ def _add_looking(command: CommandAdder) -> None:
         "list the queues with their depth and age",
         "Print the queues (a job name up to its first '/'), the largest first, as "
         '{"queues": [{"queue": NAME, "jobs": {STATE: N, ...}, "total": N, '
-        '"oldestReadyAge": SECONDS or null}, ...], "more": N}: each queue\'s jobs by '
-        "state and how long its oldest ready job has waited; 'more' counts the queues "
+        '"oldestReadyAge": SECONDS or null, "paused": N}, ...], "more": N}: each queue\'s '
+        "jobs by state, how long its oldest ready job has waited and the jobs due that "
+        "a paused pattern holds (not ready); 'more' counts the queues "
         "past --limit. The server reads every job for it. 'jobserver top' shows the "
         "same, refreshed.",
     )

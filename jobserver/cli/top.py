@@ -206,13 +206,17 @@ def _queue_table(body: dict[str, Any]) -> list[str]:
     if not queues:
         return ["no jobs"]
     states = _ordered(state for queue in queues for state in queue["jobs"])
-    header = ["QUEUE", *states, "TOTAL", "OLDEST READY"]
+    # Jobs due that a paused pattern holds (not ready, so not in the age);
+    # a column only when a queue has some.
+    paused = any(queue.get("paused") for queue in queues)
+    header = ["QUEUE", *states, "TOTAL", "OLDEST READY", *(["PAUSED"] if paused else [])]
     rows = [
         [
             _cut(_clean(queue["queue"])),
             *(str(queue["jobs"].get(state, 0)) for state in states),
             str(queue["total"]),
             _age(queue["oldestReadyAge"]),
+            *([str(queue.get("paused", 0))] if paused else []),
         ]
         for queue in queues
     ]

@@ -50,11 +50,22 @@ def create_jobs(ctx: Context, request: Request) -> Response:
     """All or nothing: any bad element fails the whole request."""
     elements = _job_list(request)
     ids = []
+    created = []
     for element in elements:
         if not any(key.lower() == "name" for key in element):
             raise CommandError("402 Missing name")
-        ids.append(_create(ctx, params.from_json(element, "CreateJob")))
-    return ok({"jobIDs": ids})
+        created.append(params.from_json(element, "CreateJob"))
+        ids.append(_create(ctx, created[-1]))
+    return _naming_ignored(ok({"jobIDs": ids}), created)
+
+
+def _naming_ignored(response: Response, elements: list[Request]) -> Response:
+    """The reply, naming the keys of `jobs` elements their command does not
+    read (`jobs[1].priorty`), as a request's own headers are named."""
+    ignored = params.ignored_in_elements(elements)
+    if ignored:
+        response.headers["ignoredHeaders"] = params.describe_ignored(ignored)
+    return response
 
 
 def _job_list(request: Request) -> list[dict[str, Any]]:
@@ -205,10 +216,8 @@ def update_job(ctx: Context, request: Request) -> Response:
     check_lease(request, job)
     changes: dict[str, Any] = {"data": data}
     if next_run is None and rule is not None:
-        try:
-            next_run = schedule.next_run_from_repeat(ctx, job, rule)
-        except RepeatStalled as stalled:
-            raise CommandError(f"402 Malformed repeat: {stalled.reason}") from None
+        # Not a run: the moment may be the one the job already has.
+        next_run = schedule.next_run_from_repeat(ctx, job, rule)
     if params.is_true(request.get("shouldClearRepeat")):
         changes["repeat"] = ""
     elif rule is not None:
@@ -240,11 +249,12 @@ def finish_jobs(ctx: Context, request: Request) -> Response:
     elements = _job_list(request)
     if len(elements) > MAX_FINISH_JOBS:
         raise CommandError(f"413 Too many jobs (max {MAX_FINISH_JOBS})")
-    return ok({"results": [_finish_element(ctx, element) for element in elements]})
+    reports = [params.from_json(element, "FinishJob") for element in elements]
+    results = [_finish_element(ctx, report) for report in reports]
+    return _naming_ignored(ok({"results": results}), reports)
 
 
-def _finish_element(ctx: Context, element: dict[str, Any]) -> dict[str, Any]:
-    request = params.from_json(element, "FinishJob")
+def _finish_element(ctx: Context, request: Request) -> dict[str, Any]:
     part = ctx.part()
     ctx.store.savepoint(_ELEMENT)
     # Only FinishJob's answers are an element's own. Anything else (the
@@ -321,7 +331,7 @@ def _next_run(
 ) -> str | None:
     """Precedence: the job's repeat, then RetryJob's nextRun, then its delay."""
     if job.repeat and use_repeat and not (retry and params.is_true(request.get("ignoreRepeat"))):
-        return schedule.next_run_from_repeat(ctx, job, job.repeat)
+        return schedule.next_run_after_run(ctx, job, schedule.due_moment(job))
     if not retry:
         return None
     next_run = params.time(request, "nextRun")
@@ -353,7 +363,7 @@ def touch_job(ctx: Context, request: Request) -> Response:
     if job.state != State.RUNQUEUED:
         raise CommandError("405 Can only touch RUNNING or RUNQUEUED jobs")
     try:
-        next_run = schedule.lease_end(ctx, job)
+        next_run = schedule.lease_end(ctx, job, schedule.due_moment(job))
     except RepeatStalled as stalled:
         # Returned, not raised, so that the failure stays: a lease that
         # ends at once would hand the job to another worker right away.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hmac
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Protocol
 
@@ -34,7 +34,6 @@ from jobserver.core import (
     params,
     query,
     queues,
-    repeat,
     replies,
     selection,
     times,
@@ -47,6 +46,7 @@ from jobserver.core.views import ok
 from jobserver.core.waiters import Selector, WaitQueue
 from jobserver.core.writer import Writer
 from jobserver.storage.interface import BackupDirectory, Storage
+from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request, Response
 from jobserver.wire.limits import DEFAULT_MAX_REPLY_BYTES
 
@@ -135,26 +135,27 @@ class Dispatcher:
         self.access = access
         self.started = time.monotonic()
         self._query_limiter = trio.CapacityLimiter(QUERY_THREADS)
-        # Repeat rules are checked one at a time outside the writer: many
-        # clients sending new rules take one core at the most, and never
-        # the writer's time.
-        self._rule_check_limiter = trio.CapacityLimiter(1)
         # Status counts what running jobs use of each limit one at a time.
         self._status_limiter = trio.CapacityLimiter(1)
+        self._rule_check_limiter = trio.CapacityLimiter(1)
         # One backup at a time: each reads the whole database and holds
         # its log from being checkpointed until it is done.
         self._backing_up = trio.Lock()
-        # Answers given, by (verb as in ROUTES or "unknown", status code):
-        # for metrics. A waiting GetJob counts when it waits.
+        # Answers given, by (command_name, status code): for metrics. A
+        # waiting GetJob counts when it waits.
         self.answered: dict[tuple[str, int], int] = {}
 
     async def dispatch(self, request: Request, peer: str) -> Answer | WaitForJobs:
         """What to do about one request from a client at address `peer`."""
         action = await self._dispatch(request, peer)
-        verb = request.verb.lower()
-        key = (verb if verb in ROUTES else "unknown", _code(action))
+        key = (command_name(request), _code(action))
         self.answered[key] = self.answered.get(key, 0) + 1
-        return action
+        ignored = params.ignored_headers(request)
+        if not ignored:
+            return action
+        if isinstance(action, WaitForJobs):
+            return WaitForJobs(partial(_naming_ignored, action.take, ignored))
+        return _with_ignored(action, ignored)
 
     async def _dispatch(self, request: Request, peer: str) -> Answer | WaitForJobs:
         if request.invalid_utf8:
@@ -180,7 +181,7 @@ class Dispatcher:
     # Routes.
 
     async def in_writer(self, handler: Command, request: Request) -> Answer:
-        await self._check_repeats_first(request)
+        await self._check_cron_first(request)
         response = await self.writer.call(partial(handler, request=request), _is_heavy(request))
         return Answer(response)
 
@@ -307,26 +308,35 @@ class Dispatcher:
         await self.writer.settled()
         return Answer(response)
 
-    async def _check_repeats_first(self, request: Request) -> None:
-        """Repeat rules are checked by computing them from many moments
-        (repeat.py), and CRON rules by searching for a moment (cron.py),
-        either of which can take tens of milliseconds: done here, one
-        request at a time, in a thread that does not hold up the writer,
-        which then finds the verdict cached."""
-        texts = []
-        verb = request.verb.lower()
-        if verb == "createjobs":
-            jobs = request.get("jobs") or ""
-            if '"repeat"' in jobs.lower():
-                texts = repeat.rules_in(jobs)
-        elif verb in ("createjob", "updatejob"):
-            text = request.get("repeat")
-            texts = [text] if text else []
+    async def _check_cron_first(self, request: Request) -> None:
+        """A CRON rule is checked by searching for its next moment
+        (cron.py), which can take tens of milliseconds the first time:
+        done here, one request at a time, in a thread that does not hold up
+        the writer, which then finds the verdict remembered."""
+        texts = _repeat_rules(request)
         if cron.unchecked(texts):
             await trio.to_thread.run_sync(cron.warm, texts, limiter=self._rule_check_limiter)
-        bedrock = [text for text in texts if not cron.is_cron(text)]
-        if bedrock:
-            await trio.to_thread.run_sync(repeat.warm, bedrock, limiter=self._rule_check_limiter)
+
+async def _naming_ignored(take: Callable[[], Awaitable[Answer]], ignored: str) -> Answer:
+    """A waiting GetJob's answer, when it comes, names what it ignored."""
+    return _with_ignored(await take(), ignored)
+
+
+def _with_ignored(answer: Answer, ignored: str) -> Answer:
+    # A new Response: handlers may answer with a shared one. The request's
+    # own headers come before those of its `jobs` elements.
+    reply = answer.response
+    inner = reply.headers.get("ignoredHeaders")
+    headers = {**reply.headers, "ignoredHeaders": f"{ignored}, {inner}" if inner else ignored}
+    return replace(answer, response=Response(reply.status, reply.body, headers))
+
+
+def command_name(request: Request) -> str:
+    """The command a request runs, as metrics name it: its verb lower-cased,
+    `query` for the `Query: SQL` shorthand, `unknown` for a verb no route
+    takes (so that what a client sends cannot make labels without end)."""
+    verb = request.verb.lower()
+    return verb.removesuffix(":") if verb in ROUTES else "unknown"
 
 
 def _cancelled() -> bool:
@@ -424,3 +434,27 @@ ROUTES: dict[str, Route] = {
     "deliverreply": _in_writer(replies.deliver_reply),
     "backup": _backup,
 }
+
+
+def _repeat_rules(request: Request) -> list[str]:
+    """The repeat rules a CreateJob, UpdateJob or CreateJobs carries, found
+    without parsing more than the `jobs` JSON; [] for anything else."""
+    verb = request.verb.lower()
+    if verb in ("createjob", "updatejob"):
+        text = request.get("repeat")
+        return [text] if text else []
+    if verb != "createjobs" or '"repeat"' not in (jobs := request.get("jobs") or "").lower():
+        return []
+    try:
+        elements = jsonbody.parse(jobs)
+    except ValueError:  # not JSON, or nested too deeply: the writer says so
+        return []
+    if not isinstance(elements, list):
+        return []
+    return [
+        value
+        for element in elements
+        if isinstance(element, dict)
+        for key, value in element.items()
+        if key.lower() == "repeat" and isinstance(value, str)
+    ]

@@ -204,7 +204,8 @@ def hand_out(ctx: Context, job: Job) -> Lease | None:
         _expire(ctx, job, f"out of leases: handed out {MAX_LEASES} times without a report")
         return None
     try:
-        next_run = schedule.lease_end(ctx, job)
+        # Handed out for its nextRun, even when that is an ended lease's end.
+        next_run = schedule.lease_end(ctx, job, job.nextRun)
     except schedule.RepeatStalled as stalled:
         # A lease that ends at once would hand the job out again and again.
         _expire(ctx, job, str(stalled))
@@ -353,9 +354,13 @@ def deliver_reply(ctx: Context, job: Job, data: str) -> None:
 
 
 def requeue(ctx: Context, job: Job, **changes: Any) -> None:
-    """QUEUED again, due at its creation time (or its next window after),
-    with every attempt of its retry policy."""
-    next_run = schedule.in_window(job.timeWindows, job.timeZone, job.created)
+    """QUEUED again, with every attempt of its retry policy, due at once (or
+    at its next window). A job still in its life is due at its creation
+    time, as in Bedrock; one that had ended (a FAILED job revived) is due
+    from now: its wait in the queue starts again, and a creation time days
+    old would read as a queue that has not moved for days."""
+    due = job.created if job.state in PENDING else ctx.now_ms
+    next_run = schedule.in_window(job.timeWindows, job.timeZone, due)
     _move(ctx, job, "requeue", State.QUEUED, nextRun=next_run, attempts=0, **changes)
 
 

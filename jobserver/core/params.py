@@ -50,6 +50,14 @@ def present(request: Request, name: str) -> str | None:
     return None if value is None or value == "" else value
 
 
+def too_large(parameter: str, limit: int, unit: str = "bytes") -> CommandError:
+    """A parameter over its size limit, with the limit. Still a 402, the
+    code of Bedrock's own size check (`402 Malformed data`): its clients
+    tell errors apart by the code."""
+    named = parameter[:1].upper() + parameter[1:]
+    return CommandError(f"402 {named} too large ({limit} {unit} at most)")
+
+
 def require(request: Request, name: str) -> str:
     value = present(request, name)
     if value is None:
@@ -107,7 +115,9 @@ def name(request: Request) -> str:
     """A job's name: 1 to 255 bytes of UTF-8 without control characters,
     which logs, terminals and worker file names cannot show or hold."""
     value = require(request, "name")
-    if _CONTROL.search(value) or len(value.encode("utf-8")) > MAX_NAME:
+    if len(value.encode("utf-8")) > MAX_NAME:
+        raise too_large("name", MAX_NAME)
+    if _CONTROL.search(value):
         raise CommandError("402 Malformed name")
     return value
 
@@ -132,7 +142,7 @@ def data(request: Request, header: str = "data") -> str | None:
     if value is None:
         return None
     if len(value.encode("utf-8")) > MAX_DATA:
-        raise CommandError(f"402 Malformed {header}")
+        raise too_large(header, MAX_DATA)
     return parse_data(value)
 
 
@@ -171,12 +181,9 @@ def repeat_rule(request: Request) -> str | None:
     if cron.is_cron(value):
         return cron_rule(value)
     try:
-        repeat.check_moves_forward(repeat.parse_repeat(value))
-    except repeat.MalformedRepeat as error:
-        # A syntax error keeps Bedrock's bare status line; a rule that
-        # parses but cannot be used says why.
-        detail = f": {error.reason}" if error.reason else ""
-        raise CommandError(f"402 Malformed repeat{detail}") from None
+        repeat.parse_repeat(value)
+    except repeat.MalformedRepeat:
+        raise CommandError("402 Malformed repeat") from None
     return value.strip().upper()
 
 
@@ -260,7 +267,7 @@ def error_text(request: Request, data: str | None) -> str:
     text = present(request, "error")
     if text is not None:
         if len(text.encode("utf-8")) > MAX_ERROR:
-            raise CommandError("402 Malformed error")
+            raise too_large("error", MAX_ERROR)
         return text.replace("\0", "\ufffd")
     # Parsed only when it may hold an error key.
     if data is None or '"error"' not in data:
@@ -403,7 +410,9 @@ def capacity(request: Request) -> int:
 def pattern(request: Request) -> str:
     """The one GLOB pattern of SetLimit, PauseJobs and ResumeJobs."""
     value = require(request, "name")
-    if _CONTROL.search(value) or len(value.encode("utf-8")) > MAX_NAME:
+    if len(value.encode("utf-8")) > MAX_NAME:
+        raise too_large("name", MAX_NAME)
+    if _CONTROL.search(value):
         raise CommandError("402 Malformed name")
     return value
 
@@ -412,3 +421,99 @@ def has_control(text: str) -> bool:
     """Whether text holds a control character or a lone surrogate, which no
     job name holds."""
     return _CONTROL.search(text) is not None
+
+
+# Which headers each command reads (lower case, as Request keeps them). A
+# header outside its command's set and GENERAL_HEADERS is ignored, as
+# Bedrock ignores it, and named in the reply's `ignoredHeaders`: a typo
+# (`priorty: 1000`) would otherwise create a job as if it were not there.
+_JOB = ("jobid",)
+_REPORT = (*_JOB, "leaseid", "data")
+_NEW_JOB = (
+    "name", "data", "firstrun", "repeat", "jobpriority", "priority", "retryafter",
+    "parentjobid", "unique", "overwrite", "maxattempts", "retrybackoff", "retrydelay",
+    "retrymaxdelay", "cost", "timewindows", "timezone",
+)
+_HAND_OUT = ("name", "jobpriority", "includeleaseid")
+KNOWN_HEADERS: dict[str, frozenset[str]] = {
+    verb: frozenset(names)
+    for verb, names in {
+        "createjob": _NEW_JOB,
+        "createjobs": ("jobs",),
+        "getjob": _HAND_OUT,
+        "getjobs": (*_HAND_OUT, "numresults"),
+        "queryjob": _JOB,
+        "updatejob": (*_REPORT, "repeat", "jobpriority", "nextrun", "shouldclearrepeat"),
+        "finishjob": _REPORT,
+        "finishjobs": ("jobs",),
+        "retryjob": (*_REPORT, "delay", "ignorerepeat", "jobpriority", "name", "nextrun"),
+        "failjob": (*_REPORT, "error"),
+        "canceljob": _JOB,
+        "deletejob": _JOB,
+        "requeuejobs": ("jobids", "name"),
+        "ping": (),
+        "status": (),
+        "query": ("query", "format"),
+        "query:": ("format",),
+        "touchjob": (*_JOB, "leaseid"),
+        "failedjobs": ("limit", "name"),
+        "setlimit": ("name", "max"),
+        "pausejobs": ("name",),
+        "resumejobs": ("name",),
+        "awaitreply": (*_REPORT, "key", "timeout"),
+        "deliverreply": ("key", "data"),
+        "backup": ("name", "path"),
+        "queues": ("limit",),
+    }.items()
+}
+# Headers any command may carry: the framing's and the server's own, and
+# those Bedrock's clients send with every command, which jobserver ignores
+# on purpose (protocol.md section 12): a Bedrock client's replies stay as
+# they were.
+GENERAL_HEADERS = frozenset({
+    "content-length", "connection", "authtoken", "timeout",
+    "commitcount", "requestid", "lastip", "writeconsistency", "mockrequest",
+    "getmockedjobs", "logparam", "idempotent", "processtimeout", "commandexecutetime",
+    "host",
+})
+# `ignoredHeaders` names at most this many, each cut to MAX_IGNORED_NAME
+# characters, so that a request of long made-up names (100 lines of up to
+# 2 MiB each, section 3) cannot make a long reply: under 1 KiB in all.
+MAX_IGNORED_LISTED = 10
+MAX_IGNORED_NAME = 64
+
+
+def unread_headers(request: Request) -> list[str]:
+    """The headers of a request for a known command that the command does
+    not read, in the order sent; [] for an unknown command."""
+    known = KNOWN_HEADERS.get(request.verb.lower())
+    if known is None:
+        return []
+    return [n for n in request.headers if n not in known and n not in GENERAL_HEADERS]
+
+
+def ignored_in_elements(elements: list[Request]) -> list[str]:
+    """The keys the elements of CreateJobs' or FinishJobs' `jobs` carry
+    that their command does not read, as `jobs[INDEX].KEY`."""
+    return [
+        f"jobs[{index}].{name}"
+        for index, element in enumerate(elements)
+        for name in unread_headers(element)
+    ]
+
+
+def ignored_headers(request: Request) -> str:
+    """The headers of a request for a known command that the command does
+    not read, as the reply's `ignoredHeaders` value; "" for none."""
+    return describe_ignored(unread_headers(request))
+
+
+def describe_ignored(ignored: list[str]) -> str:
+    """Names for `ignoredHeaders`: at most MAX_IGNORED_LISTED, each cut to
+    MAX_IGNORED_NAME characters, then how many more."""
+    listed = [
+        name if len(name) <= MAX_IGNORED_NAME else name[: MAX_IGNORED_NAME - 3] + "..."
+        for name in ignored[:MAX_IGNORED_LISTED]
+    ]
+    more = len(ignored) - len(listed)
+    return ", ".join(listed) + (f" and {more} more" if more else "")

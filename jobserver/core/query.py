@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+from jobserver.core import params
 from jobserver.storage.interface import (
     BadQuery,
     QueryTimeout,
@@ -48,8 +49,10 @@ def run(
 ) -> Response:
     """Answer a Query request (blocking: call it from a worker thread)."""
     sql = (sql_of(request) or "").strip()
-    if not sql or len(sql) > MAX_QUERY:
+    if not sql:
         return Response("402 Missing query")
+    if len(sql) > MAX_QUERY:
+        return Response(params.too_large("query", MAX_QUERY, "characters").status)
     if not sql.endswith(";"):
         # Bedrock's words, but a client's mistake: 4xx, not to be retried.
         return Response("402 Query Missing Semicolon")

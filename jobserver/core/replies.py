@@ -116,7 +116,7 @@ def _run_done(text: str) -> str:
 def _key(request: Request) -> str:
     key = params.require(request, "key")
     if len(key.encode("utf-8")) > MAX_REPLY_KEY:
-        raise CommandError("402 Malformed key")
+        raise params.too_large("key", MAX_REPLY_KEY)
     return key
 
 

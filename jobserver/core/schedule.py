@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from jobserver.core import cron, repeat, times, windows
 from jobserver.core.context import Context
 from jobserver.core.errors import CommandError
-from jobserver.core.jobs import Job
+from jobserver.core.jobs import Job, State
 from jobserver.core.sqlite_functions import datetime_after
 from jobserver.wire import jsonbody
 
@@ -29,15 +29,17 @@ MAX_EXPONENT = 64
 
 
 class RepeatStalled(Exception):
-    """A repeat rule gave a next run that is not later than its base (a
-    rule stored before rules were checked, or one whose problem the
-    checks' sample moments did not meet)."""
+    """A repeat rule gave the very moment the job's current run was due:
+    queued again, the job would run twice for one moment."""
 
     def __init__(self, base: str, computed: str) -> None:
         # As the job's lastError.
-        super().__init__(f"repeat rule did not move forward from {base} (gave {computed})")
-        # As a status line's detail, worded like CreateJob's refusal.
-        self.reason = f"does not move forward from {base} (gives {computed})"
+        super().__init__(
+            f"repeat rule gave {computed} from {base}, the moment this run was due: "
+            "it would run again for the same moment"
+        )
+        # As a status line's detail.
+        self.reason = f"gives {computed} from {base}, the moment this run was due"
 
 
 class CronStalled(RepeatStalled):
@@ -94,51 +96,82 @@ def window_start(ctx: Context, job: Job) -> str | None:
     return None if start <= ctx.now else times.to_millis(start)
 
 
-def lease_end(ctx: Context, job: Job) -> str | None:
+def lease_end(ctx: Context, job: Job, due: str | None) -> str | None:
     """now + retryAfter, or the next repeat if that comes first; None when
-    the job's stored times cannot be computed with. Raises RepeatStalled."""
+    the job's stored times cannot be computed with. `due` is the moment the
+    job's run is due (None: not known), which the repeat must not give
+    again: a lease ending then would hand the job out again and again.
+    Raises RepeatStalled."""
     try:
         end = datetime_after(ctx.now_s, repeat.parse_modifiers(job.retryAfter))
         if end is not None and job.repeat:
             started = replace(job, lastRun=ctx.now_s)
-            end = min(end, next_run_from_repeat(ctx, started, job.repeat))
+            end = min(end, next_run_after_run(ctx, started, due))
     except (CommandError, ValueError):
         return None
     return end
 
 
-def next_run_from_repeat(ctx: Context, job: Job, rule_text: str) -> str:
-    """When a job with this repeat runs next, counted from its base.
-    Raises RepeatStalled when that is not later than the base."""
-    if cron.is_cron(rule_text):
-        return cron_run(ctx, rule_text, job.timeZone)
-    rule = repeat.parse_repeat(rule_text)
-    scheduled = job.nextRun
-    if rule.base == "SCHEDULED" and job.retryAfter:
-        original = jsonbody.parse_object(job.data, stored=True).get("originalNextRun")
-        if isinstance(original, str):
-            scheduled = original
+def next_run_after_run(ctx: Context, job: Job, due: str | None) -> str:
+    """When a job runs next per its repeat, after its run due at `due`
+    (None: not known). Raises RepeatStalled when that is the moment the run
+    was due: Bedrock accepts any rule, so one that truncates (`FINISHED,
+    START OF DAY`) may give it again, and the job must not run twice for
+    it. A SCHEDULED rule's base is that moment (for a leased job, the
+    originalNextRun its data keeps), whatever `due` says. A CRON rule's
+    next run is after now, so never a moment already due."""
+    if cron.is_cron(job.repeat):
+        return cron_run(ctx, job.repeat, job.timeZone)
+    rule = repeat.parse_repeat(job.repeat)
+    computed = next_run_from_repeat(ctx, job, job.repeat)
+    base = _base(ctx, job, rule)
+    moment = base if rule.base == "SCHEDULED" else due
+    if moment is not None and computed == datetime_after(moment[:19], ()):
+        raise RepeatStalled(base, computed)
+    return computed
+
+
+def due_moment(job: Job) -> str | None:
+    """The moment a handed-out job's run was due: its nextRun; None for a
+    RUNQUEUED job, whose nextRun is its lease's end."""
+    return None if job.state == State.RUNQUEUED else job.nextRun
+
+
+def _original_next_run(job: Job) -> str | None:
+    if not job.retryAfter or "originalNextRun" not in job.data:
+        return None
+    original = jsonbody.parse_object(job.data, stored=True).get("originalNextRun")
+    return original if isinstance(original, str) else None
+
+
+def _base(ctx: Context, job: Job, rule: repeat.Repeat) -> str:
+    """The moment a rule counts from, as DATETIME() writes it (a base from
+    the data may be written otherwise)."""
     if rule.base == "SCHEDULED":
         # Whole seconds, like every time DATETIME() computes: a base with
         # milliseconds would make each interval a fraction short.
-        scheduled = scheduled[:19]
-        base = scheduled
+        base = (_original_next_run(job) or job.nextRun)[:19]
     elif rule.base == "STARTED":
         base = job.lastRun or ctx.now_s
     else:
         base = ctx.now_s
+    return datetime_after(base, ()) or base
+
+
+def next_run_from_repeat(ctx: Context, job: Job, rule_text: str) -> str:
+    """When a job with this repeat runs next, counted from its base.
+    Raises CommandError when SQLite cannot compute that time, CronStalled
+    when a CRON rule has no next run."""
+    if cron.is_cron(rule_text):
+        return cron_run(ctx, rule_text, job.timeZone)
+    rule = repeat.parse_repeat(rule_text)
+    base = _base(ctx, job, rule)
     computed = datetime_after(base, rule.modifiers)
     if computed is None:
         raise CommandError("502 Failed to compute nextRun")
-    # A job must never run twice for one base. Compared as SQLite writes
-    # both (a base from the data may be written otherwise), text order is
-    # time order.
-    base = datetime_after(base, ()) or base
-    if computed <= base:
-        raise RepeatStalled(base, computed)
     if rule.base == "SCHEDULED" and rule.only_offsets:
         try:
-            last = times.parse_stored(scheduled)
+            last = times.parse_stored(base)
         except ValueError:
             raise CommandError("502 Failed to compute nextRun") from None
         computed = times.to_seconds(repeat.reanchor(last, times.parse_stored(computed), ctx.now))

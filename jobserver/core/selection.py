@@ -69,7 +69,9 @@ def name_selector(text: str) -> tuple[str | None, tuple[str, ...]]:
     names when it has more than one item: (pattern, ()) or (None, names)."""
     # No job name holds a control character, so a pattern with one could
     # match nothing; it is refused as such names are.
-    if params.has_control(text) or len(text.encode("utf-8")) > params.MAX_PATTERN:
+    if len(text.encode("utf-8")) > params.MAX_PATTERN:
+        raise params.too_large("name", params.MAX_PATTERN)
+    if params.has_control(text):
         raise CommandError("402 Malformed name")
     names = listed_names(text)
     if len(names) > 1:

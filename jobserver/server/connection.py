@@ -62,6 +62,11 @@ SEND_PIECE = 256 * 1024
 CLOSE_PATIENCE = 1.0
 # The first byte of every TLS connection: a handshake record.
 TLS_HANDSHAKE = 0x16
+# The answer to a waiting GetJob whose client closed its sending side.
+HALF_CLOSED_WHILE_WAITING = (
+    "400 A waiting GetJob needs its connection open: the client closed its sending "
+    "side (as nc -N does at the end of its input); no job was handed out"
+)
 
 
 class NotTLS(Exception):
@@ -318,8 +323,11 @@ class Connection:
     async def _wait_watching_for_hangup(self, wait: WaitForJobs) -> Answer:
         """Wait for jobs while reading ahead, so a client that hangs up
         stops waiting at once and is never handed a job. The jobs the wait
-        returns are this connection's at once, whatever else happens."""
-        answer = Answer(Response("404 No job found"))
+        returns are this connection's at once, whatever else happens. A
+        client that only closed its sending side (`nc -N` at the end of its
+        input) cannot be told from one that is gone, so its wait ends too;
+        it can still read, and is told why."""
+        answer = Answer(Response(HALF_CLOSED_WHILE_WAITING))
 
         async def take(cancel: trio.CancelScope) -> None:
             nonlocal answer

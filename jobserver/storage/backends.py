@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 from collections.abc import Mapping
 
@@ -13,6 +15,9 @@ POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 # What reads as a URL: a scheme (RFC 3986: a letter, then letters, digits,
 # +, - or .) and `://`. A SQLite file is a path, never a URL.
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+MEMORY = ":memory:"
+
+log = logging.getLogger("jobserver")
 
 
 def is_postgres(db: str) -> bool:
@@ -41,7 +46,7 @@ def open_store(
     `postgres` extra), whose Query logs in as the role `query_url` names
     when it is given; anything else is a SQLite file."""
     if not is_postgres(db):
-        return Store(db, synchronous, limits)
+        return Store(sqlite_file(db), synchronous, limits)
     try:
         from jobserver.storage.postgres import PostgresStore
     except ImportError as error:
@@ -50,3 +55,16 @@ def open_store(
             f"pip install 'jobserver[postgres]' ({error})"
         ) from error
     return PostgresStore(db, limits, query_url)
+
+
+def sqlite_file(db: str) -> str:
+    """The file a SQLite `--db` names, symbolic links resolved: SQLite keeps
+    its -wal and -shm beside the file a link points to, and the server must
+    sync, check and back up those, not look for them beside the link."""
+    if db == MEMORY:
+        return db
+    real = os.path.realpath(db)
+    if real == os.path.abspath(db):
+        return db
+    log.info("--db %s is a symbolic link: serving %s", db, real)
+    return real

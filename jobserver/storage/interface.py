@@ -21,8 +21,9 @@ from typing import Protocol
 from jobserver.core.jobs import Job, NewJob
 
 # What metrics show of each queue (a name up to its first `/`): jobs by
-# (queue, state), and the nextRun of each queue's oldest job due now.
-QueueStats = tuple[dict[tuple[str, str], int], dict[str, str]]
+# (queue, state); the nextRun of each queue's oldest job due now that no
+# paused pattern holds; and how many jobs due now paused patterns hold.
+QueueStats = tuple[dict[tuple[str, str], int], dict[str, str], dict[str, int]]
 
 
 class QueryRows(Protocol):
@@ -290,8 +291,9 @@ class Storage(Protocol):
         be reached."""
 
     def queue_stats(self, now: str) -> QueueStats:
-        """Jobs by queue and state, and each queue's oldest due nextRun, on a
-        connection of its own (from another thread): it reads every job."""
+        """Jobs by queue and state, each queue's oldest due nextRun that no
+        paused pattern holds, and the due jobs they hold, on a connection of
+        its own (from another thread): it reads every job."""
 
     def running_by_name(self, now: str) -> list[tuple[str, int]]:
         """The cost of the running jobs, as `usage` counts it, by name, on a

@@ -660,15 +660,23 @@ class PostgresStore:
                     "GROUP BY queue, state"
                 ).fetchall()
             }
-            oldest = {
-                str(queue): str(due)
-                for queue, due in db.execute(
-                    "SELECT split_part(name, '/', 1) AS queue, MIN(nextRun) FROM jobs "
-                    "WHERE state IN ('QUEUED', 'RUNQUEUED') AND nextRun <= %s GROUP BY queue",
-                    (now,),
-                ).fetchall()
-            }
-        return counts, oldest
+            oldest: dict[str, str] = {}
+            held: dict[str, int] = {}
+            # Each name due is matched once: jobs share names.
+            for queue, due, count in db.execute(
+                "SELECT split_part(name, '/', 1) AS queue, MIN(first) FILTER (WHERE NOT held), "
+                "COALESCE(SUM(jobs) FILTER (WHERE held), 0) FROM ("
+                "SELECT name, MIN(nextRun) AS first, COUNT(*) AS jobs, "
+                "name ~ ANY(%s::text[]) AS held FROM jobs "
+                "WHERE state IN ('QUEUED', 'RUNQUEUED') AND nextRun <= %s GROUP BY name"
+                ") AS due GROUP BY queue",
+                ([glob_to_regex(pattern) for pattern in sorted(self.paused)], now),
+            ).fetchall():
+                if due is not None:
+                    oldest[str(queue)] = str(due)
+                if count:
+                    held[str(queue)] = int(count)
+        return counts, oldest, held
 
     def running_by_name(self, now: str) -> list[tuple[str, int]]:
         with connect(self._url) as db:

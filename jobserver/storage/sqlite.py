@@ -594,7 +594,7 @@ class Store:
         sqlite_readers.query_in_child(self.path, sql, seconds, rows)
 
     def queue_stats(self, now: str) -> QueueStats:
-        return sqlite_readers.queue_stats(self.path, now)
+        return sqlite_readers.queue_stats(self.path, now, self.paused)
 
     def running_by_name(self, now: str) -> list[tuple[str, int]]:
         return sqlite_readers.running_by_name(self.path, now)

@@ -236,8 +236,9 @@ def prune_pending(
 _QUEUE = "CASE WHEN instr(name, '/') > 0 THEN substr(name, 1, instr(name, '/') - 1) ELSE name END"
 
 
-def queue_stats(path: str, now: str) -> QueueStats:
-    """Jobs by queue and state, and each queue's oldest due nextRun."""
+def queue_stats(path: str, now: str, paused: frozenset[str]) -> QueueStats:
+    """Jobs by queue and state, each queue's oldest due nextRun that no
+    `paused` pattern holds, and the due jobs they hold."""
     db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
     try:
         counts = {
@@ -246,14 +247,26 @@ def queue_stats(path: str, now: str) -> QueueStats:
                 f"SELECT {_QUEUE} AS queue, state, COUNT(*) FROM jobs GROUP BY queue, state"
             )
         }
-        oldest = dict(
-            db.execute(
-                f"SELECT {_QUEUE} AS queue, MIN(nextRun) FROM jobs "
-                "WHERE state IN ('QUEUED', 'RUNQUEUED') AND nextRun <= ? GROUP BY queue",
-                (now,),
-            ).fetchall()
-        )
-        return counts, oldest
+        oldest: dict[str, str] = {}
+        held: dict[str, int] = {}
+        # Each name due is matched once against the patterns, read once:
+        # jobs share names, and a GLOB per job and pattern can take seconds.
+        for queue, due, count in db.execute(
+            "WITH paused(pattern) AS MATERIALIZED (SELECT value FROM json_each(?)), "
+            "due(name, first, jobs) AS (SELECT name, MIN(nextRun), COUNT(*) FROM jobs "
+            "WHERE state IN ('QUEUED', 'RUNQUEUED') AND nextRun <= ? GROUP BY name) "
+            "SELECT queue, MIN(CASE WHEN NOT held THEN first END), "
+            "SUM(CASE WHEN held THEN jobs ELSE 0 END) FROM ("
+            f"SELECT {_QUEUE} AS queue, first, jobs, "
+            "EXISTS (SELECT 1 FROM paused WHERE name GLOB pattern) AS held FROM due"
+            ") GROUP BY queue",
+            (json.dumps(sorted(paused)), now),
+        ):
+            if due is not None:
+                oldest[queue] = due
+            if count:
+                held[queue] = count
+        return counts, oldest, held
     finally:
         db.close()
 

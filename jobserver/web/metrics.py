@@ -45,6 +45,7 @@ class Snapshot(Collector):
         self.status: dict[str, Any] = {}
         self.counts: dict[tuple[str, str], int] = {}
         self.oldest_seconds: dict[str, float] = {}
+        self.paused_jobs: dict[str, int] = {}
         self.answered: dict[tuple[str, int], int] = {}
         # (name, help, histogram) of the writer's work.
         self.histograms: list[tuple[str, str, Histogram]] = []
@@ -59,12 +60,21 @@ class Snapshot(Collector):
         yield jobs
         oldest = GaugeMetricFamily(
             "jobserver_queue_oldest_age_seconds",
-            "How long the oldest job ready to run in each queue has waited",
+            "How long the oldest job ready to run in each queue has waited "
+            "(jobs a paused pattern holds are not ready)",
             labels=["queue"],
         )
         for queue, seconds in sorted(self.oldest_seconds.items()):
             oldest.add_metric([queue], seconds)
         yield oldest
+        paused_jobs = GaugeMetricFamily(
+            "jobserver_queue_paused_jobs",
+            "Jobs due now in each queue that a paused pattern holds",
+            labels=["queue"],
+        )
+        for queue, count in sorted(self.paused_jobs.items()):
+            paused_jobs.add_metric([queue], count)
+        yield paused_jobs
         status = self.status
         yield GaugeMetricFamily(
             "jobserver_waiting_getjobs", "GetJob requests waiting for a job",
@@ -164,19 +174,26 @@ class Metrics:
                 ("jobserver_sync_seconds", "Seconds each sync of the log to disk took (SQLite)",
                  writer.sync_seconds),
             ]
-            snapshot.counts, snapshot.oldest_seconds = _labelled(queues.summarize(stats, now))
+            labelled = _labelled(queues.summarize(stats, now))
+            snapshot.counts, snapshot.oldest_seconds, snapshot.paused_jobs = labelled
             return 200, generate_latest(self._registry)
 
 
-def _labelled(listed: list[queues.Queue]) -> tuple[dict[tuple[str, str], int], dict[str, float]]:
-    """Jobs by (queue label, state) and each label's oldest ready age: the
-    MAX_QUEUES largest queues under their own names, the rest under OTHER."""
+def _labelled(
+    listed: list[queues.Queue],
+) -> tuple[dict[tuple[str, str], int], dict[str, float], dict[str, int]]:
+    """Jobs by (queue label, state), each label's oldest ready age and its
+    jobs held by a pause: the MAX_QUEUES largest queues under their own
+    names, the rest under OTHER."""
     counts: dict[tuple[str, str], int] = {}
     ages: dict[str, float] = {}
+    paused: dict[str, int] = {}
     for rank, queue in enumerate(listed):
         label = queue.name if rank < MAX_QUEUES else OTHER
         for state, count in queue.jobs.items():
             counts[label, state] = counts.get((label, state), 0) + count
         if queue.oldest_ready_age is not None:
             ages[label] = max(ages.get(label, 0.0), queue.oldest_ready_age)
-    return counts, ages
+        if queue.paused:
+            paused[label] = paused.get(label, 0) + queue.paused
+    return counts, ages, paused
