@@ -182,10 +182,11 @@ class Durability:
     def _maintain(self) -> None:
         try:
             self._store.checkpoint_if_due()
-        except Exception:
-            # A checkpoint that fails is tried again after a later sync; the
-            # log grows meanwhile, nothing is lost.
-            log.exception("checkpointing the database failed")
+        except Exception as error:  # noqa: BLE001 - the next sync tries again
+            # A checkpoint that fails (the disk is full) is tried again after
+            # a later sync; the log grows meanwhile, nothing is lost. One
+            # line, as a failed sync gets: it is the disk's state, not a bug.
+            log.error("checkpointing the database failed: %s", error)
 
     def _done(self, batches: list[Batch], error: Exception | None) -> None:
         """On the event loop: these batches are durable (or failed to be)."""
