@@ -1,10 +1,11 @@
-"""The `jobserver` command: `serve`, `worker-manager` and the client commands."""
+"""The `jobserver` command: `serve`, `worker-manager`, `worker` and the client commands."""
 
 from __future__ import annotations
 
 import argparse
 
 from jobserver import __version__, workers
+from jobserver.worker import arguments as worker
 from jobserver.cli import commands, serve
 
 
@@ -30,6 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     workers.add_arguments(manager)
+    python_worker = sub.add_parser(
+        "worker",
+        help="run the handlers of a Python Worker (MODULE:ATTR) in this process",
+        description=worker.DESCRIPTION,
+    )
+    worker.add_arguments(python_worker)
     commands.add_parsers(sub)
     return parser
 
@@ -40,4 +47,6 @@ def main(argv: list[str] | None = None) -> int:
         return serve.run(args)
     if args.command == "worker-manager":
         return workers.run(args)
+    if args.command == "worker":
+        return worker.run(args)
     return commands.run(args)

@@ -1,0 +1,267 @@
+"""The Runner: one run of a Worker against a server, tying the parts
+together on an anyio event loop (asyncio or trio).
+
+One task asks the server for jobs with a waiting GetJobs, for as many as
+there are free slots (--concurrency), and only when there is one; each job
+it gets runs in a task of its own, which calls its handler (calling.py)
+and queues the report (outcome.py). One more task reports (reporting.py),
+another renews leases (leases.py), each over a connection of its own. So
+waiting for jobs, running handlers and reporting all happen at once, and
+nothing polls.
+
+Stopping: the first SIGTERM or SIGINT (or `stop()`) takes no more jobs
+(the waiting GetJobs is abandoned and its connection closed, so the server
+keeps its jobs); running handlers get the grace period, and those still
+running then are handed back at once (RetryJob, due now). A second signal
+hands back every running job at once, and gives the reports a few seconds.
+
+Exit status: 0 after a clean stop; 1 after a forced stop (second signal) or
+when results could not be reported; 2 when the server refuses our GetJobs,
+or TLS cannot be set up with it (trying again would not help)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from typing import Any, Literal
+
+import anyio
+import sniffio
+from anyio.abc import TaskGroup, TaskStatus
+
+from jobserver.client import ConnectionFailed, JobServerError, ServerError, TLSFailed
+from jobserver.worker import outcome
+from jobserver.worker.calling import Caller
+from jobserver.worker.connection import BACKOFF_MAX, Backoff, Link, Server
+from jobserver.worker.job import Job
+from jobserver.worker.leases import Leases
+from jobserver.worker.outcome import Outcome
+from jobserver.worker.registry import Worker
+from jobserver.worker.reporting import Reporter
+from jobserver.worker.settings import Settings
+from jobserver.workers.contract import printable
+from jobserver.workers.manager import FETCH_WAIT, REPORT_DRAIN, GetJobsRefused
+
+log = logging.getLogger("jobserver.worker")
+
+Loop = Literal["asyncio", "trio"]
+# After a second signal, what is left of the run (handing back the running
+# jobs, reporting) gets this long: "at once", but a report takes a moment.
+FORCED_DRAIN = 3.0
+
+
+def run(worker: Worker, settings: Settings, loop: Loop = "asyncio") -> int:
+    """Run `worker` until stopped, blocking; the exit status."""
+    return anyio.run(serve, worker, settings, backend=loop)
+
+
+async def serve(worker: Worker, settings: Settings) -> int:
+    """Run `worker` on the running event loop until stopped; the exit status."""
+    return await Runner(worker, settings).serve()
+
+
+class Runner:
+    """One run of a worker: its settings, and the state of the run. Made
+    on the event loop it runs on."""
+
+    def __init__(self, worker: Worker, settings: Settings) -> None:
+        self.worker = worker
+        self.settings = settings
+        self.jobs_name = settings.jobs or worker.get_jobs_name()
+        self.server = Server(settings.host, settings.port, settings.token, settings.tls)
+
+        self.running: dict[int, str] = {}  # job ID -> printable name, while its task runs
+        self.freed = anyio.Event()  # set (and replaced) whenever a job ends
+        self.stopping = False
+        self.signalled = False
+        self.forced = False
+        self.exit_status = 0
+        self.fetch_scope = anyio.CancelScope()
+        self.root_scope: anyio.CancelScope | None = None
+
+        self.caller = Caller(settings.timeout, settings.concurrency)
+        self.reporter = Reporter(self.server)
+        self.leases = Leases(self.server, settings.touch_interval)
+
+    # Top level.
+
+    async def serve(self) -> int:
+        """Run until stopped; the exit status (module docstring)."""
+        async with anyio.create_task_group() as root:
+            self.root_scope = root.cancel_scope
+            if self.settings.signals:
+                await root.start(self.watch_signals)
+            self._log_start()
+            reporter_done = anyio.Event()
+            root.start_soon(self.reporter.deliver_loop, reporter_done)
+            root.start_soon(self.leases.renew_loop)
+            async with anyio.create_task_group() as jobs:
+                await self.fetch_loop(jobs)
+            self.reporter.close()
+            if self.stopping or self.exit_status:
+                self.reporter.give_up_in(FORCED_DRAIN if self.forced else REPORT_DRAIN)
+            await reporter_done.wait()
+            root.cancel_scope.cancel()  # the signal watcher and the lease renewer
+        return self._stopped()
+
+    def _log_start(self) -> None:
+        s = self.settings
+        log.info(
+            "worker started: server %s%s, jobs %r, %d handlers, at most %d at once, on %s",
+            self.server.address,
+            " (TLS)" if s.tls else "",
+            self.jobs_name,
+            len(self.worker.handlers),
+            s.concurrency,
+            sniffio.current_async_library(),
+        )
+
+    def _stopped(self) -> int:
+        """Log what the stop left undone; the exit status."""
+        for job_id, name in self.running.items():
+            log.error("job %s %s abandoned: still RUNNING on the server", job_id, name)
+        self.reporter.log_unreported()
+        if self.caller.abandoned:
+            log.warning(
+                "%d handler threads were still running when their jobs were reported",
+                self.caller.abandoned,
+            )
+        if self.running or self.reporter.unsent or self.reporter.given_up:
+            log.error("worker stopped; results were lost (logged above)")
+            return 1
+        log.info("worker stopped")
+        return 1 if self.forced else self.exit_status
+
+    async def watch_signals(self, *, task_status: TaskStatus[None]) -> None:
+        """The first SIGTERM or SIGINT stops the worker cleanly; a second
+        one hands back the running jobs at once."""
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            task_status.started()
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                if not self.signalled:
+                    self.signalled = True
+                    log.info(
+                        "received %s: taking no more jobs; %d running jobs get %gs to finish",
+                        name,
+                        len(self.running),
+                        self.settings.grace,
+                    )
+                    self.stop(self.settings.grace)
+                else:
+                    log.warning(
+                        "received %s again: handing back %d running jobs and exiting now",
+                        name,
+                        len(self.running),
+                    )
+                    self.force()
+                    return
+
+    def stop(self, grace: float | None = None) -> None:
+        """Take no more jobs; running handlers get `grace` more seconds
+        (default: the settings'), then their jobs are handed back. From
+        the event loop's thread."""
+        self.stopping = True
+        self.fetch_scope.cancel()
+        self.caller.stop(self.settings.grace if grace is None else grace)
+
+    def force(self) -> None:
+        """Hand back every running job now; the rest of the run gets
+        FORCED_DRAIN seconds."""
+        self.forced = True
+        self.stop(0)
+        self.reporter.give_up_in(FORCED_DRAIN)
+        if self.root_scope is not None:
+            self.root_scope.deadline = anyio.current_time() + FORCED_DRAIN + 1
+
+    # Fetching.
+
+    async def fetch_loop(self, jobs: TaskGroup) -> None:
+        """Take jobs and start their tasks in `jobs` until stopped or refused."""
+        link, backoff = Link(self.server), Backoff()
+        try:
+            with self.fetch_scope:
+                while True:
+                    batch = await self._get_jobs(link, backoff, await self.free_slots())
+                    for job in batch or ():
+                        self.running[job["jobID"]] = printable(job["name"])
+                        jobs.start_soon(self.run_job, job)
+        except GetJobsRefused:
+            self.exit_status = 2
+        finally:
+            # A cancelled GetJobs leaves the connection mid-request; closing it
+            # tells the server, which puts back any job it took for us.
+            await link.aclose()
+
+    async def _get_jobs(
+        self, link: Link, backoff: Backoff, free: int
+    ) -> list[dict[str, Any]] | None:
+        """One GetJobs for up to `free` jobs; None if the server could not
+        be reached (after the next backoff wait)."""
+        try:
+            if backoff.failing:
+                # A waiting GetJobs may not answer for a minute: make sure
+                # the server is back, and say so, first.
+                await link.client.ping()
+                log.info("server %s reachable again; taking jobs", self.server.address)
+                backoff.reset()
+            return await link.client.get_jobs(self.jobs_name, min(free, 1000), wait=FETCH_WAIT)
+        except TLSFailed as error:
+            log.error("cannot get jobs: %s", error)
+            raise GetJobsRefused from error
+        except (ConnectionFailed, ServerError) as error:
+            if not backoff.failing:
+                log.warning(
+                    "cannot get jobs (%s); running jobs carry on, retrying with backoff up to %gs",
+                    error,
+                    BACKOFF_MAX,
+                )
+            await link.reconnect()
+            await anyio.sleep(backoff.next())
+            return None
+        except JobServerError as error:
+            log.error(
+                "the server refused GetJobs for %r: %s %s", self.jobs_name, error.code, error.reason
+            )
+            raise GetJobsRefused from error
+
+    async def free_slots(self) -> int:
+        """Wait until a job may start; the number of free slots."""
+        while len(self.running) >= self.settings.concurrency:
+            await self.freed.wait()
+        return self.settings.concurrency - len(self.running)
+
+    # Running one job.
+
+    async def run_job(self, raw: dict[str, Any]) -> None:
+        """Call the job's handler, log how it ended, and queue its report."""
+        started, wall = anyio.current_time(), time.perf_counter()
+        try:
+            result = await self._run(raw, started)
+        finally:
+            del self.running[raw["jobID"]]
+            self.freed.set()
+            self.freed = anyio.Event()
+        log.info(
+            "job %s %s %s in %.3fs",
+            raw["jobID"],
+            printable(raw["name"]),
+            result.text,
+            time.perf_counter() - wall,
+        )
+        self.reporter.add(result.report)
+
+    async def _run(self, raw: dict[str, Any], started: float) -> Outcome:
+        held = self.leases.hold(raw)
+        job = Job.handed_out(raw, self.leases.renewal(held))
+        try:
+            handler = self.worker.handler_for(job.name)
+            if handler is None:
+                return outcome.no_handler(job)
+            if self.stopping:
+                return outcome.handed_back(job, "handed back (stopping)")
+            return await self.caller.call(handler, job, started)
+        finally:
+            if held is not None:
+                self.leases.release(held)
