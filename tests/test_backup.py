@@ -23,7 +23,7 @@ import trio
 
 from harness import ServerProcess, ThreadServer
 from helpers import create, ok, outside_address, tmpfs, unprivileged, until
-from jobserver.client import AsyncClient
+from jobserver.client import TrioClient
 from jobserver.client.calls import BACKUP_WAIT, backup
 from jobserver.core.backup import MALFORMED_NAME
 from jobserver.core.dispatch import _cancelled
@@ -363,7 +363,7 @@ def test_the_cli_backs_up_by_name_into_the_backup_directory(tmp_path: Path) -> N
 async def test_the_trio_client_backs_up(tmp_path: Path) -> None:
     running = ThreadServer(tmp_path / "jobs.db")
     try:
-        async with AsyncClient("127.0.0.1", running.port) as client:
+        async with TrioClient("127.0.0.1", running.port) as client:
             await client.create_job("one")
             result = await client.backup("copy.db")
         assert result["jobs"] == 1 and stored_ids(backups(tmp_path / "jobs.db") / "copy.db") == {1}

@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from fake_server import HANG_UP, NO_REPLY, OK, FakeServer, reply
 from helpers import until
 from jobserver.client import (
-    AsyncClient,
     Client,
     Conflict,
     ConnectionFailed,
@@ -32,6 +31,7 @@ from jobserver.client import (
     ReplyReader,
     ServerError,
     TLSFailed,
+    TrioClient,
     UnrecognizedCommand,
     encode_request,
     parse_address,
@@ -613,11 +613,11 @@ def test_a_garbled_reply_breaks_the_connection(fake):
     assert server.methods() == [(0, "CreateJob"), (1, "Ping")]
 
 
-# AsyncClient, with trio.
+# TrioClient, with trio.
 
 
 async def test_async_client_methods(server):
-    async with AsyncClient(port=server.port, timeout=10) as jobs:
+    async with TrioClient(port=server.port, timeout=10) as jobs:
         await jobs.ping()
         job_id = await jobs.create_job("a/one", {"k": "v\n"}, priority=750)
         [other, third] = await jobs.create_jobs([{"name": "a/two"}, {"name": "a/three"}])
@@ -658,10 +658,10 @@ async def test_async_waiting_get_job_is_woken_by_a_create(server):
     got: list[dict[str, Any] | None] = []
 
     async def wait_for_job() -> None:
-        async with AsyncClient(port=server.port) as worker:
+        async with TrioClient(port=server.port) as worker:
             got.append(await worker.get_job("wake", wait=20))
 
-    async with AsyncClient(port=server.port) as jobs, trio.open_nursery() as nursery:
+    async with TrioClient(port=server.port) as jobs, trio.open_nursery() as nursery:
         nursery.start_soon(wait_for_job)
         with trio.fail_after(DEADLINE):
             while (await jobs.status())["waitingGetJobs"] != 1:  # noqa: ASYNC110 - only the server knows
@@ -671,7 +671,7 @@ async def test_async_waiting_get_job_is_woken_by_a_create(server):
 
 
 async def test_async_cancelled_wait_drops_the_connection(server):
-    async with AsyncClient(port=server.port) as jobs:
+    async with TrioClient(port=server.port) as jobs:
         with trio.move_on_after(0.2):
             await jobs.get_job("later", wait=20)
         with trio.fail_after(DEADLINE):
@@ -683,7 +683,7 @@ async def test_async_cancelled_wait_drops_the_connection(server):
 
 async def test_async_reconnect_rules(fake):
     server = fake([OK, HANG_UP], [NO_REPLY], [NO_REPLY], [reply("200 OK", b"{}")])
-    async with AsyncClient(port=server.port, timeout=5) as jobs:
+    async with TrioClient(port=server.port, timeout=5) as jobs:
         await jobs.ping()
         await trio.to_thread.run_sync(server.wait_closed, 1)
         with pytest.raises(ConnectionFailed, match="may have been carried out"):
@@ -693,7 +693,7 @@ async def test_async_reconnect_rules(fake):
 
 
 async def test_async_cannot_connect():
-    async with AsyncClient(port=free_port(), timeout=2) as jobs:
+    async with TrioClient(port=free_port(), timeout=2) as jobs:
         with pytest.raises(ConnectionFailed, match="cannot connect"):
             await jobs.ping()
 
@@ -716,7 +716,7 @@ def test_flow_control_methods(server):
 
 
 async def test_async_flow_control_methods(server):
-    async with AsyncClient("127.0.0.1", server.port, timeout=10) as jobs:
+    async with TrioClient("127.0.0.1", server.port, timeout=10) as jobs:
         await jobs.pause_jobs("x*")
         assert (await jobs.status())["paused"] == ["x*"]
         await jobs.resume_jobs("x*")
@@ -777,7 +777,7 @@ def test_a_ca_file_that_cannot_be_used_is_refused_at_once(tmp_path):
     garbage = tmp_path / "garbage.pem"
     garbage.write_text("not a certificate")
     with pytest.raises(ValueError, match="cannot read CA certificates from"):
-        AsyncClient(tls=str(garbage))
+        TrioClient(tls=str(garbage))
 
 
 def test_a_handshake_that_ends_is_worth_trying_again(fake):
@@ -836,25 +836,25 @@ def test_a_tls_client_meeting_the_real_plaintext_server_is_told_it_does_not_spea
 
 async def test_async_client_over_tls(secure):
     running, files = secure
-    async with AsyncClient("127.0.0.1", running.port, timeout=10, tls=files.ca) as jobs:
+    async with TrioClient("127.0.0.1", running.port, timeout=10, tls=files.ca) as jobs:
         job_id = await jobs.create_job("secure/async")
         connection = jobs._stream
         job = await jobs.get_job("secure/*", wait=1)
         await jobs.fail_job(job_id, lease_id=job["leaseID"], error="no")
         assert [j["lastError"] for j in await jobs.failed_jobs()] == ["no"]
         assert jobs._stream is connection and isinstance(connection, trio.SSLStream)
-    async with AsyncClient("127.0.0.1", running.port, timeout=10, tls=True) as jobs:
+    async with TrioClient("127.0.0.1", running.port, timeout=10, tls=True) as jobs:
         with pytest.raises(TLSFailed, match=r"not trusted .*--tls-ca FILE"):
             await jobs.ping()
 
 
 async def test_async_client_says_plainly_when_one_side_does_not_speak_tls(fake):
     hangs_up = fake([HANG_UP])
-    async with AsyncClient("127.0.0.1", hangs_up.port, timeout=5, tls=True) as jobs:
+    async with TrioClient("127.0.0.1", hangs_up.port, timeout=5, tls=True) as jobs:
         with pytest.raises(ConnectionFailed, match="may not speak TLS"):
             await jobs.ping()
     tls_only = fake([reply("400 This port requires TLS", b"", "Connection: close")])
-    async with AsyncClient("127.0.0.1", tls_only.port, timeout=5) as jobs:
+    async with TrioClient("127.0.0.1", tls_only.port, timeout=5) as jobs:
         with pytest.raises(TLSFailed, match="requires TLS: use --tls"):
             await jobs.query_job(1)
     assert tls_only.methods() == [(0, "QueryJob")]

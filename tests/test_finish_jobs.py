@@ -16,15 +16,15 @@ from hypothesis import strategies as st
 
 from conformance_helpers import force, state
 from helpers import create, ok, until
+from jobserver.client import Client as LibraryClient
 from jobserver.client import (
-    AsyncClient,
     Conflict,
     Finish,
     FinishResult,
     IllegalState,
     JobNotFound,
+    TrioClient,
 )
-from jobserver.client import Client as LibraryClient
 from jobserver.wire.limits import MAX_FINISH_JOBS
 from wire import Client, Reply, encode
 
@@ -329,7 +329,7 @@ def test_each_element_is_finished_exactly_as_finish_job_would_finish_it(client, 
     assert [_state(client, j) for j in batch_ids] == [_state(client, j) for j in twin_ids]
 
 
-# The client library: finish_jobs on Client and AsyncClient.
+# The client library: finish_jobs on Client and TrioClient.
 
 
 def _refusals(results: list[FinishResult]) -> list[type[Exception] | None]:
@@ -372,7 +372,7 @@ def test_the_client_refuses_an_empty_or_over_long_list_before_sending(server):
 
 
 async def test_the_trio_client_reports_many_jobs_at_once(server):
-    async with AsyncClient("127.0.0.1", server.port, timeout=10) as jobs:
+    async with TrioClient("127.0.0.1", server.port, timeout=10) as jobs:
         ids = await jobs.create_jobs([{"name": "async"}] * 3)
         taken = await jobs.get_jobs("async", 3)
         reports = [Finish(job["jobID"], job["leaseID"], {"n": 1}) for job in taken]

@@ -375,7 +375,7 @@ else:
 
 
 async def test_the_async_client_awaits_and_delivers(server):
-    async with jobclient.AsyncClient(port=server.port, timeout=10) as jobs:
+    async with jobclient.TrioClient(port=server.port, timeout=10) as jobs:
         job_id = await jobs.create_job("hook")
         job = await jobs.get_job("hook")
         assert job is not None

@@ -1,8 +1,12 @@
-"""The client library: `Client` on plain blocking sockets, `AsyncClient` for trio.
+"""The client library: `Client` on plain blocking sockets, `AsyncClient`
+for asyncio and trio, `TrioClient` for trio alone.
 
     with Client("127.0.0.1", 8888) as jobs:
         job_id = jobs.create_job("email/send", {"to": "ann@example.com"})
         job = jobs.get_job("email/*", wait=60)   # None if nothing came in 60 s
+
+    async with AsyncClient("127.0.0.1", 8888) as jobs:   # the same, awaited
+        job_id = await jobs.create_job("email/send", {"to": "ann@example.com"})
 
 Each method is one request on one persistent connection, opened when it is
 first needed. A refusal is a `JobServerError`, with a subclass per status
@@ -10,8 +14,17 @@ code and the whole status line; a network failure is `ConnectionFailed`. An
 empty queue is an answer, not an error: `get_job` returns None and
 `get_jobs` an empty list. Both clients share what each command sends and
 what its reply means (calls.py), the encoding of requests and the sans-IO
-`ReplyReader` (jobserver.wire.framing); only the moving of bytes differs
-(sync.py, trio_client.py).
+`ReplyReader` (jobserver.wire.framing); the two async clients share their
+methods and reconnect rules too (async_calls.py). Only the moving of bytes
+differs (sync.py, async_client.py, trio_client.py).
+
+The async clients. `AsyncClient` runs on anyio, so on whichever event loop
+calls it, asyncio or trio; anyio is an optional extra (`pip install
+'jobserver[async]'`), and without it `AsyncClient` is an ImportError that
+says so. `TrioClient` has the same methods on trio alone and needs nothing
+beyond the runtime dependencies: the worker manager is built on it, so that
+running a server and its workers never needs anyio. Both are imported on
+first use.
 
 Reconnect rules. Bedrock's PHP client sends a request again after failures
 that can come after the server acted on it (a `500` or `555` reply; a broken
@@ -31,9 +44,9 @@ that cannot do anything twice:
   sent once more on a new connection. GetJob and GetJobs are not read-only:
   they hand jobs out.
 - A reply with `Connection: close` closes the connection once it is read;
-  so does an error or an interruption (KeyboardInterrupt, trio
-  cancellation) in the middle of a request, since the connection is then
-  out of step. The next request opens a new connection.
+  so does an error or an interruption (KeyboardInterrupt, a cancellation
+  on asyncio or trio) in the middle of a request, since the connection is
+  then out of step. The next request opens a new connection.
 - A waiting GetJob is answered only when a job comes or its wait is over, so
   its reply is awaited for the wait plus the client's timeout.
 
@@ -55,10 +68,12 @@ the certificate is not trusted, the server does not speak TLS, or the
 server requires TLS and the client was not told to use it. Nothing was
 carried out then, and sending again would fail the same way.
 
-A client is for one thread, or one trio task, at a time.
+A client is for one thread, or one task, at a time.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from jobserver.client.calls import Finish, FinishResult, When
 from jobserver.client.endpoint import (
@@ -82,9 +97,12 @@ from jobserver.client.errors import (
     error_for,
 )
 from jobserver.client.sync import Client
-from jobserver.client.trio_client import AsyncClient
 from jobserver.wire.framing import Reply, ReplyReader, encode_request, encode_value
 from jobserver.wire.limits import DEFAULT_HOST, DEFAULT_PORT
+
+if TYPE_CHECKING:
+    from jobserver.client.async_client import AsyncClient
+    from jobserver.client.trio_client import TrioClient
 
 __all__ = [
     "DEFAULT_HOST",
@@ -106,6 +124,7 @@ __all__ = [
     "ReplyReader",
     "ServerError",
     "TLSFailed",
+    "TrioClient",
     "UnrecognizedCommand",
     "When",
     "auth_token",
@@ -115,3 +134,17 @@ __all__ = [
     "parse_address",
     "tls_context",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The async clients, imported on first use: AsyncClient needs anyio,
+    which may not be installed (its ImportError says how to get it)."""
+    if name == "AsyncClient":
+        from jobserver.client.async_client import AsyncClient
+
+        return AsyncClient
+    if name == "TrioClient":
+        from jobserver.client.trio_client import TrioClient
+
+        return TrioClient
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

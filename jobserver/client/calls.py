@@ -1,8 +1,8 @@
-"""What each command sends and what its reply means, shared by both clients.
+"""What each command sends and what its reply means, shared by every client.
 
 Each function here builds the `Call` for the client method of the same
-name; its docstring is that method's, on Client and AsyncClient alike
-(`documented_by`), so the two halves say the same thing from one place.
+name; its docstring is that method's, on Client and the async clients alike
+(`documented_by`), so they all say the same thing from one place.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Where a client connects, how it speaks TLS, and how it words a failure:
-what Client and AsyncClient share besides the calls."""
+what the clients share besides the calls."""
 
 from __future__ import annotations
 

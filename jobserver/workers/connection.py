@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import trio
 
-from jobserver.client import AsyncClient
+from jobserver.client.trio_client import TrioClient
 
 # Retrying an unreachable server: quick at first (a restart takes a moment),
 # then no more often than every 5 s, so a long outage costs nothing.
@@ -34,12 +34,12 @@ class Server:
         """`host:port`, IPv6 hosts in brackets: for the log and for workers."""
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
-    def client(self) -> AsyncClient:
+    def client(self) -> TrioClient:
         """A new client; it connects on its first request."""
-        return AsyncClient(self.host, self.port, auth_token=self.token, tls=self.tls)
+        return TrioClient(self.host, self.port, auth_token=self.token, tls=self.tls)
 
 
-async def close(client: AsyncClient) -> None:
+async def close(client: TrioClient) -> None:
     """Close `client` even while the caller is being cancelled: a connection
     left mid-request tells the server nothing until it is closed."""
     with trio.CancelScope(shield=True):
