@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from jobserver import __version__, workers
-from jobserver.worker import arguments as worker
 from jobserver.cli import commands, serve
+from jobserver.worker import arguments as worker
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -54,7 +54,7 @@ class Caller:
             with scope:
                 result = await self._invoke(handler, job)
         except Exception as error:  # noqa: BLE001 - whatever a handler raises fails its job
-            return outcome.raised(job, error)
+            return outcome.raised(job, error, handler.function)
         finally:
             self.scopes.discard(scope)
         if not scope.cancelled_caught:

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import anyio
 
-from jobserver.client import AsyncClient
+from jobserver.client.async_client import AsyncClient
 from jobserver.workers.connection import BACKOFF_MAX, Backoff, Server
 
-__all__ = ["BACKOFF_MAX", "Backoff", "Link", "Server", "close"]
+__all__ = ["BACKOFF_MAX", "Backoff", "Link", "Server", "client", "close"]
+
+
+def client(server: Server) -> AsyncClient:
+    """A new client for `server`; it connects on its first request."""
+    return AsyncClient(server.host, server.port, auth_token=server.token, tls=server.tls)
 
 
 async def close(client: AsyncClient) -> None:
@@ -28,11 +33,11 @@ class Link:
 
     def __init__(self, server: Server) -> None:
         self.server = server
-        self.client = server.client()
+        self.client = client(server)
 
     async def reconnect(self) -> None:
         await close(self.client)
-        self.client = self.server.client()
+        self.client = client(self.server)
 
     async def aclose(self) -> None:
         await close(self.client)

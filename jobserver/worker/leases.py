@@ -48,7 +48,8 @@ class Leases:
             period = math.inf  # RUNNING: the stale-job net's 24 h is its own
         due = anyio.current_time() + period
         self.held[lease_id] = Lease(job["jobID"], printable(job["name"]), lease_id, period, due)
-        self._wake()
+        if period != math.inf:
+            self._wake()  # the renewer may be waiting for a later one
         return lease_id
 
     def release(self, lease_id: str) -> None:

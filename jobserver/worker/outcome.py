@@ -13,7 +13,10 @@ and the words the log line uses.
 
 from __future__ import annotations
 
+import inspect
 import traceback
+from collections.abc import Callable
+from types import TracebackType
 from typing import Any
 
 from jobserver.core.params import MAX_ERROR
@@ -33,11 +36,11 @@ def finished(job: Job, result: Any) -> Outcome:
     return failed(job, f"the handler returned {type(result).__name__}, not a dict or None")
 
 
-def raised(job: Job, error: Exception) -> Outcome:
-    """The handler raised `error`."""
+def raised(job: Job, error: Exception, function: Callable[..., Any]) -> Outcome:
+    """The handler `function` raised `error`."""
     if isinstance(error, RetryLater):
         return Outcome(_report(job, "retry", error.params()), f"retried ({error.text()})")
-    text = "".join(traceback.format_exception(error))
+    text = "".join(traceback.format_exception(type(error), error, _from(function, error)))
     return Outcome(
         _report(job, "fail", {"error": _last_bytes(text, MAX_ERROR)}),
         f"failed ({printable(_first_line(error))})",
@@ -66,6 +69,16 @@ def failed(job: Job, reason: str) -> Outcome:
 
 def _report(job: Job, verb: str, params: dict[str, Any]) -> Report:
     return Report(job.id, printable(job.name), verb, params, lease_id=job.lease_id)
+
+
+def _from(function: Callable[..., Any], error: Exception) -> TracebackType | None:
+    """The traceback of `error` from the handler's own frame on: the
+    worker's frames (and anyio's, for a thread) above it say nothing."""
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code is not code:
+        tb = tb.tb_next
+    return tb or error.__traceback__
 
 
 def _first_line(error: Exception) -> str:

@@ -1,8 +1,8 @@
 """The Runner: one run of a Worker against a server, tying the parts
 together on an anyio event loop (asyncio or trio).
 
-One task asks the server for jobs with a waiting GetJobs, for as many as
-there are free slots (--concurrency), and only when there is one; each job
+Two tasks ask the server for jobs with waiting GetJobs, each for the slots
+(--concurrency) free when it asks, and only when there is one; each job
 it gets runs in a task of its own, which calls its handler (calling.py)
 and queues the report (outcome.py). One more task reports (reporting.py),
 another renews leases (leases.py), each over a connection of its own. So
@@ -49,6 +49,12 @@ Loop = Literal["asyncio", "trio"]
 # After a second signal, what is left of the run (handing back the running
 # jobs, reporting) gets this long: "at once", but a report takes a moment.
 FORCED_DRAIN = 3.0
+# GetJobs at a time: while one waits for its reply (or for jobs), another
+# can ask for the slots that came free meanwhile, so that a fast handler's
+# slots do not idle for a round trip.
+FETCHERS = 2
+# The most one GetJobs hands out (protocol.md 5.4).
+MAX_GET_JOBS = 1000
 
 
 def run(worker: Worker, settings: Settings, loop: Loop = "asyncio") -> int:
@@ -72,7 +78,8 @@ class Runner:
         self.server = Server(settings.host, settings.port, settings.token, settings.tls)
 
         self.running: dict[int, str] = {}  # job ID -> printable name, while its task runs
-        self.freed = anyio.Event()  # set (and replaced) whenever a job ends
+        self.reserved = 0  # slots asked for by GetJobs on their way
+        self.freed = anyio.Event()  # set (and replaced) whenever slots come free
         self.stopping = False
         self.signalled = False
         self.forced = False
@@ -178,17 +185,31 @@ class Runner:
     # Fetching.
 
     async def fetch_loop(self, jobs: TaskGroup) -> None:
-        """Take jobs and start their tasks in `jobs` until stopped or refused."""
+        """Take jobs and start their tasks in `jobs` until stopped or
+        refused, with FETCHERS GetJobs at a time."""
+        with self.fetch_scope:
+            async with anyio.create_task_group() as fetchers:
+                for _ in range(FETCHERS):
+                    fetchers.start_soon(self._fetch, jobs)
+
+    async def _fetch(self, jobs: TaskGroup) -> None:
+        """One fetcher: asks for the free slots, over a connection of its own."""
         link, backoff = Link(self.server), Backoff()
         try:
-            with self.fetch_scope:
-                while True:
-                    batch = await self._get_jobs(link, backoff, await self.free_slots())
-                    for job in batch or ():
-                        self.running[job["jobID"]] = printable(job["name"])
-                        jobs.start_soon(self.run_job, job)
+            while True:
+                asked = await self.reserve_slots()
+                try:
+                    batch = await self._get_jobs(link, backoff, asked)
+                finally:
+                    self.reserved -= asked
+                for job in batch or ():
+                    self.running[job["jobID"]] = printable(job["name"])
+                    jobs.start_soon(self.run_job, job)
+                if len(batch or ()) < asked:
+                    self._slots_changed()  # the other fetcher may ask for the rest
         except GetJobsRefused:
             self.exit_status = 2
+            self.fetch_scope.cancel()
         finally:
             # A cancelled GetJobs leaves the connection mid-request; closing it
             # tells the server, which puts back any job it took for us.
@@ -206,7 +227,7 @@ class Runner:
                 await link.client.ping()
                 log.info("server %s reachable again; taking jobs", self.server.address)
                 backoff.reset()
-            return await link.client.get_jobs(self.jobs_name, min(free, 1000), wait=FETCH_WAIT)
+            return await link.client.get_jobs(self.jobs_name, free, wait=FETCH_WAIT)
         except TLSFailed as error:
             log.error("cannot get jobs: %s", error)
             raise GetJobsRefused from error
@@ -226,11 +247,18 @@ class Runner:
             )
             raise GetJobsRefused from error
 
-    async def free_slots(self) -> int:
-        """Wait until a job may start; the number of free slots."""
-        while len(self.running) >= self.settings.concurrency:
+    async def reserve_slots(self) -> int:
+        """Wait until a job may start; reserve the free slots for one
+        GetJobs (at most 1,000, as GetJobs takes), and return how many."""
+        while (free := self.settings.concurrency - len(self.running) - self.reserved) <= 0:
             await self.freed.wait()
-        return self.settings.concurrency - len(self.running)
+        asked = min(free, MAX_GET_JOBS)
+        self.reserved += asked
+        return asked
+
+    def _slots_changed(self) -> None:
+        self.freed.set()
+        self.freed = anyio.Event()
 
     # Running one job.
 
@@ -241,8 +269,7 @@ class Runner:
             result = await self._run(raw, started)
         finally:
             del self.running[raw["jobID"]]
-            self.freed.set()
-            self.freed = anyio.Event()
+            self._slots_changed()
         log.info(
             "job %s %s %s in %.3fs",
             raw["jobID"],
