@@ -9,7 +9,12 @@ worker's log, each with a deadline."""
 from __future__ import annotations
 
 import json
+import logging
+import os
+import signal
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -22,6 +27,7 @@ import pytest
 from anyio.from_thread import start_blocking_portal
 
 from conformance_helpers import query
+from harness import LoggedProcess
 from helpers import create, ok, until
 from jobserver.worker import Job, RetryLater, Worker
 from jobserver.worker.runner import Runner
@@ -226,3 +232,169 @@ def test_a_thousand_jobs_run_eight_at_a_time_in_threads_and_tasks(server, client
         assert running.stop() == 0  # once every report is delivered
     assert counts == {"now": 0, "peak": 8, "sync": 500, "async": 500}
     assert query(client, "SELECT count(*) AS n FROM jobs;") == [{"n": 0}]
+
+
+# Leases.
+
+
+def test_a_long_jobs_lease_is_renewed_and_a_handler_may_renew_its_own(server, client):
+    ask, asked = threading.Event(), threading.Event()
+    worker = Worker(jobs="lease/*")
+
+    @worker.handler("lease/long")
+    async def long(data: dict[str, Any]) -> dict[str, Any]:
+        await anyio.sleep(3.5)
+        return {"done": True}
+
+    @worker.handler("lease/asks")
+    def asks(data: dict[str, Any], job: Job) -> None:
+        ask.wait(DEADLINE)
+        job.renew_lease()
+        asked.wait(DEADLINE)
+
+    long_id = create(client, "lease/long", retryAfter="+2 SECONDS", repeat=REPEAT)
+    asks_id = create(client, "lease/asks", retryAfter="+1 HOUR", repeat=REPEAT)
+    with in_process(worker, server.port, "trio", touch_interval=3600) as running:
+        for job_id in (long_id, asks_id):
+            until(lambda j=job_id: state(client, j) == "RUNQUEUED", DEADLINE, "the hand-out")
+        # A lease ends at a whole second: renewed within the second it was
+        # taken, it would end at the same time.
+        lease_end = utc(job(client, asks_id)["nextRun"])
+        taken = lease_end - timedelta(hours=1)
+        until(lambda: datetime.now(UTC) >= taken + timedelta(seconds=1), DEADLINE, "a second")
+        ask.set()
+        until(lambda: utc(job(client, asks_id)["nextRun"]) > lease_end, DEADLINE, "the renewal")
+        asked.set()
+        # The lease is two seconds (one to two, as the server counts from the
+        # start of the second); the handler runs for 3.5: only renewals keep
+        # the job from being handed to someone else meanwhile.
+        while job(client, long_id)["data"] != {"done": True}:
+            assert client.request("GetJob", name="lease/long").status == "404 No job found"
+            time.sleep(0.05)
+        assert running.stop() == 0
+    assert state(client, long_id) == "QUEUED"
+
+
+# Restarts.
+
+
+def test_the_worker_carries_on_across_a_server_restart(start_server, caplog):
+    caplog.set_level(logging.INFO, logger="jobserver.worker")
+    started, proceed = threading.Event(), threading.Event()
+    worker = Worker()
+
+    @worker.handler("restart/*")
+    def handle(data: dict[str, Any]) -> dict[str, Any]:
+        if data.get("wait"):
+            started.set()
+            proceed.wait(DEADLINE)
+        return {"done": data}
+
+    first = start_server()
+    port, db = first.port, first.db
+    with first.client() as c:
+        survivor = create(c, "restart/a", data='{"wait": true}', repeat=REPEAT)
+    with in_process(worker, port, "asyncio") as running:
+        assert started.wait(DEADLINE)
+        first.kill()
+        until(lambda: "cannot get jobs" in caplog.text, DEADLINE, "the fetchers to notice")
+        proceed.set()
+        until(lambda: f"cannot report job {survivor}" in caplog.text, DEADLINE, "a held report")
+
+        second = start_server(db, "--port", str(port))
+        with second.client() as c:
+            until(
+                lambda: job(c, survivor)["data"] == {"done": {"wait": True}},
+                DEADLINE,
+                "the held report",
+            )
+            after = create(c, "restart/b", repeat=REPEAT)
+            until(lambda: job(c, after)["data"] == {"done": {}}, DEADLINE, "a new job")
+        assert running.stop() == 0
+    assert "reachable again; taking jobs" in caplog.text
+    assert caplog.text.count(f"job {survivor} restart/a finished") == 1
+
+
+# Signals: `jobserver worker` as users run it.
+
+STOPPING = """
+import time
+from pathlib import Path
+
+import anyio
+
+from jobserver.worker import Worker
+
+FINISH = Path(__file__).with_name("finish")  # made by the test
+worker = Worker()
+
+
+@worker.handler("stop/quick")
+def quick(data):
+    deadline = time.monotonic() + 15
+    while not FINISH.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return {"finished": True}
+
+
+@worker.handler("stop/stuck")
+async def stuck(data):
+    await anyio.sleep_forever()
+
+
+@worker.handler("stop/hung")
+def hung(data):
+    time.sleep(3600)  # a thread nothing can stop
+"""
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+def test_a_signal_hands_back_every_job_it_does_not_let_finish(
+    server, client, tmp_path, monkeypatch, signals
+):
+    (tmp_path / "stopping.py").write_text(STOPPING)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    )
+    running = {
+        create(client, "stop/quick", repeat=REPEAT, priority=1000),
+        create(client, "stop/quick", repeat=REPEAT, priority=1000),
+        create(client, "stop/stuck", priority=1000),
+        create(client, "stop/hung", priority=1000),
+    }
+    waiting = {create(client, "stop/quick", priority=0) for _ in range(3)}
+    grace = "1" if signals == 1 else "60"
+    proc = LoggedProcess(
+        [
+            sys.executable, "-m", "jobserver", "worker", "stopping:worker",
+            "--server", f"127.0.0.1:{server.port}", "--concurrency", "4", "--grace", grace,
+        ]
+    )
+    try:
+        until(lambda: client.request("Status").json["jobs"].get("RUNNING") == 4, DEADLINE, "4")
+        signalled = time.monotonic()
+        proc.signal(signal.SIGTERM)
+        assert proc.matching("received SIGTERM: taking no more jobs; 4 running", 1, DEADLINE)
+        if signals == 1:
+            (tmp_path / "finish").touch()
+        else:
+            proc.signal(signal.SIGTERM)
+        status = proc.wait(DEADLINE)
+    finally:
+        proc.kill()
+    took = time.monotonic() - signalled
+    assert status == (0 if signals == 1 else 1), proc.log
+    assert took < (1 + 3 if signals == 1 else 3), proc.log
+    # None lost, none left RUNNING, none taken after the signal.
+    assert client.request("Status").json["jobs"] == {"QUEUED": 7}
+    for job_id in waiting:
+        assert job(client, job_id)["lastRun"] == ""
+    now = datetime.now(UTC)
+    ended = {job_id: job(client, job_id) for job_id in running}
+    finished = {j for j, row in ended.items() if row["data"] == {"finished": True}}
+    handed_back = {j for j, row in ended.items() if utc(row["nextRun"]) <= now}
+    assert len(finished) == (2 if signals == 1 else 0)
+    assert handed_back == running - finished
+    assert proc.log.count("handed back") == len(handed_back), proc.log
+    if signals == 2:
+        assert "received SIGTERM again: handing back 4 running jobs" in proc.log
