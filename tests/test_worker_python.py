@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -29,6 +30,7 @@ from anyio.from_thread import start_blocking_portal
 from conformance_helpers import query
 from harness import LoggedProcess
 from helpers import create, ok, until
+from jobserver.cli import main
 from jobserver.worker import Job, RetryLater, Worker
 from jobserver.worker.runner import Runner
 from jobserver.worker.settings import Settings
@@ -188,6 +190,55 @@ def test_handlers_are_checked_when_registered():
     for name in ("a", "b"):
         names.handler(name)(lambda data: None)
     assert names.get_jobs_name() == "a,b"
+
+    with pytest.raises(ValueError, match="concurrency must be 1 to 10000"):
+        Settings(concurrency=0)
+    with pytest.raises(ValueError, match="grace must be seconds from 0 to 86400"):
+        Settings(grace=math.inf)
+
+
+@pytest.mark.parametrize(
+    ("options", "complaint"),
+    [
+        (["--concurrency", "0"], "--concurrency: must be a whole number from 1 to 10000"),
+        (["--concurrency", "10001"], "--concurrency: must be a whole number from 1 to 10000"),
+        (["--timeout", "0"], "--timeout: must be a number above 0 and at most 604800"),
+        (["--grace", "-1"], "--grace: must be a number from 0 to 86400"),
+        (["--grace", "nan"], "--grace: must be a number from 0 to 86400"),
+        (["--touch-interval", "3601"], "--touch-interval: must be a number above 0"),
+        (["--job-name", " "], "--job-name: a job-name pattern must be a non-empty string"),
+        (["--loop", "curio"], "--loop: invalid choice: 'curio'"),
+        (["--server", "127.0.0.1:0"], "--server: "),
+    ],
+)
+def test_options_out_of_range_are_usage_errors(capsys, options, complaint):
+    with pytest.raises(SystemExit) as exited:
+        main(["worker", "jobs:worker", *options])
+    assert exited.value.code == 2
+    assert complaint in capsys.readouterr().err
+
+
+def test_a_worker_that_cannot_run_is_refused_before_it_starts(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="jobserver.worker")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "two_patterns.py").write_text(
+        "from jobserver.worker import Worker\n"
+        "worker = Worker()\n"
+        "worker.handler('a/*')(lambda data: None)\n"
+        "worker.handler('b/*')(lambda data: None)\n"
+        "not_a_worker = 1\n"
+    )
+    with pytest.raises(SystemExit) as exited:
+        main(["worker", "two_patterns"])
+    assert exited.value.code == 2
+    assert main(["worker", "no_such_module_here:worker"]) == 2
+    assert "cannot import no_such_module_here" in caplog.text
+    assert main(["worker", "two_patterns:not_a_worker"]) == 2
+    assert "two_patterns:not_a_worker is int, not a jobserver.worker.Worker" in caplog.text
+    assert main(["worker", "two_patterns:worker"]) == 2
+    assert "cannot be asked for in one GetJobs" in caplog.text
+    assert "worker started" not in caplog.text
 
 
 # Concurrency: N at once, threads and tasks together, batched.

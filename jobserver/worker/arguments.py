@@ -24,15 +24,16 @@ from jobserver.cli.options import (
     tls_option,
 )
 from jobserver.client import auth_token, parse_address, tls_context
-from jobserver.worker.registry import MAX_JOBS_PATTERN, MAX_TIMEOUT, Worker, check_pattern
-from jobserver.worker.settings import Settings
+from jobserver.worker.registry import MAX_JOBS_PATTERN, Worker, check_pattern
+from jobserver.worker.settings import (
+    MAX_CONCURRENCY,
+    MAX_GRACE,
+    MAX_TIMEOUT,
+    MAX_TOUCH_INTERVAL,
+    Settings,
+)
 
 log = logging.getLogger("jobserver.worker")
-
-# Each running job is a task or a thread: more than this is a mistake.
-MAX_CONCURRENCY = 10_000
-MAX_GRACE = 86400.0
-MAX_TOUCH_INTERVAL = 3600.0
 
 DESCRIPTION = (
     "Run the handlers of a Worker (jobserver.worker) in this process: take jobs "

@@ -21,20 +21,16 @@ import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from jobserver.core import params
 from jobserver.core.globmatch import glob_match, is_glob
-
-if TYPE_CHECKING:
-    from jobserver.worker.settings import Settings
+from jobserver.worker.settings import MAX_TIMEOUT, Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 # The GetJobs name a worker asks with: as long as the server takes one.
 MAX_JOBS_PATTERN = 12750
-# A handler's own timeout: up to a week, as far as a lease goes usefully.
-MAX_TIMEOUT = 7 * 86400.0
 
 
 @dataclass(frozen=True)
