@@ -12,7 +12,7 @@ Each method is one request on one persistent connection, opened when it is
 first needed. A refusal is a `JobServerError`, with a subclass per status
 code and the whole status line; a network failure is `ConnectionFailed`. An
 empty queue is an answer, not an error: `get_job` returns None and
-`get_jobs` an empty list. Both clients share what each command sends and
+`get_jobs` an empty list. The clients share what each command sends and
 what its reply means (calls.py), the encoding of requests and the sans-IO
 `ReplyReader` (jobserver.wire.framing); the two async clients share their
 methods and reconnect rules too (async_calls.py). Only the moving of bytes
@@ -68,7 +68,10 @@ the certificate is not trusted, the server does not speak TLS, or the
 server requires TLS and the client was not told to use it. Nothing was
 carried out then, and sending again would fail the same way.
 
-A client is for one thread, or one task, at a time.
+A client is for one thread, or one task, at a time: an async client
+refuses with RuntimeError a request made while another task's is under way
+(the two would take each other's replies), so a web application opens one
+per request, or keeps one per task.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
     `async with`."""
 
     _stream: Stream | None = None
+    _in_request = False
 
     async def __aenter__(self) -> Self:
         return self
@@ -214,7 +215,19 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
         return await self._call(calls.backup(name))
 
     async def _call(self, call: Call[T]) -> T:
-        return call.outcome(await self._exchange(call))
+        # Two tasks' requests on one connection would mix their bytes and
+        # take each other's replies: the second is refused instead.
+        if self._in_request:
+            raise RuntimeError(
+                f"{type(self).__name__} is already in a request of another task: "
+                "a client serves one task at a time (open one per task)"
+            )
+        self._in_request = True
+        try:
+            reply = await self._exchange(call)
+        finally:
+            self._in_request = False
+        return call.outcome(reply)
 
     async def _exchange(self, call: Call[Any]) -> Reply:
         request = self._encode(call)
