@@ -32,7 +32,7 @@ from harness import LoggedProcess
 from helpers import create, ok, until
 from jobserver.cli import main
 from jobserver.worker import Job, RetryLater, Worker
-from jobserver.worker.runner import Runner
+from jobserver.worker.runner import END_WAIT_PATIENCE, Runner
 from jobserver.worker.settings import Settings
 from wire import Client
 
@@ -280,7 +280,12 @@ def test_a_thousand_jobs_run_eight_at_a_time_in_threads_and_tasks(server, client
     ok(client.request("CreateJobs", jobs=json.dumps(jobs)))
     with in_process(worker, server.port, loop, concurrency=8) as running:
         until(lambda: counts["sync"] + counts["async"] == 1000, DEADLINE, "every handler call")
+        until(lambda: client.request("Status").json["waitingGetJobs"] == 2, DEADLINE, "idle")
+        # Its waiting GetJobs end at once (their connections half-closed),
+        # not after END_WAIT_PATIENCE, when they would be cut off.
+        began = time.monotonic()
         assert running.stop() == 0  # once every report is delivered
+        assert time.monotonic() - began < END_WAIT_PATIENCE / 2
     assert counts == {"now": 0, "peak": 8, "sync": 500, "async": 500}
     assert query(client, "SELECT count(*) AS n FROM jobs;") == [{"n": 0}]
 
@@ -376,12 +381,18 @@ import anyio
 
 from jobserver.worker import Worker
 
-FINISH = Path(__file__).with_name("finish")  # made by the test
+HERE = Path(__file__).parent
+FINISH = HERE / "finish"  # made by the test
 worker = Worker()
 
 
+def started(job):
+    (HERE / f"started-{job.id}").touch()
+
+
 @worker.handler("stop/quick")
-def quick(data):
+def quick(data, job):
+    started(job)
     deadline = time.monotonic() + 15
     while not FINISH.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -389,12 +400,14 @@ def quick(data):
 
 
 @worker.handler("stop/stuck")
-async def stuck(data):
+async def stuck(data, job):
+    started(job)
     await anyio.sleep_forever()
 
 
 @worker.handler("stop/hung")
-def hung(data):
+def hung(data, job):
+    started(job)
     time.sleep(3600)  # a thread nothing can stop
 """
 
@@ -422,10 +435,11 @@ def test_a_signal_hands_back_every_job_it_does_not_let_finish(
         ]
     )
     try:
-        until(lambda: client.request("Status").json["jobs"].get("RUNNING") == 4, DEADLINE, "4")
+        until(lambda: len(list(tmp_path.glob("started-*"))) == 4, DEADLINE, "4 handlers")
         signalled = time.monotonic()
         proc.signal(signal.SIGTERM)
-        assert proc.matching("received SIGTERM: taking no more jobs; 4 running", 1, DEADLINE)
+        pattern = "received SIGTERM: taking no more jobs; 4 running"
+        assert proc.matching(pattern, 1, DEADLINE), proc.log
         if signals == 1:
             (tmp_path / "finish").touch()
         else:

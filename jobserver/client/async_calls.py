@@ -7,6 +7,9 @@ own: `_connect`, `_send_on`, `_receive`, `_fileno` and `aclose`.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, Generic, Self, TypeVar
@@ -39,6 +42,22 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
     @abstractmethod
     async def aclose(self) -> None:
         """Close the connection, if one is open; the next request opens another."""
+
+    def end_wait(self) -> None:
+        """End the waiting GetJob or GetJobs another task has under way, at
+        once, without losing what it was handed: the connection's sending
+        side is shut, so the server answers `404 No job found`, or with the
+        jobs it was already handing out (protocol.md 9), and that task's
+        call returns it. Cancelling the call instead would drop a reply
+        already on its way, whose jobs stay RUNNING. The next request opens
+        a new connection. Does nothing without a connection."""
+        if self._stream is None:
+            return
+        # A duplicate descriptor: shutdown acts on the socket itself, and
+        # closing the duplicate leaves the stream's own open.
+        duplicate = os.dup(self._fileno(self._stream))
+        with contextlib.suppress(OSError), socket.socket(fileno=duplicate) as sock:
+            sock.shutdown(socket.SHUT_WR)
 
     @documented_by(calls.request)
     async def request(self, method: str, params: Mapping[str, object]) -> Reply:

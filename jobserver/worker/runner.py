@@ -9,10 +9,12 @@ another renews leases (leases.py), each over a connection of its own. So
 waiting for jobs, running handlers and reporting all happen at once, and
 nothing polls.
 
-Stopping: the first SIGTERM or SIGINT (or `stop()`) takes no more jobs
-(the waiting GetJobs is abandoned and its connection closed, so the server
-keeps its jobs); running handlers get the grace period, and those still
-running then are handed back at once (RetryJob, due now). A second signal
+Stopping: the first SIGTERM or SIGINT (or `stop()`) takes no more jobs:
+each waiting GetJobs is ended by shutting its connection's sending side
+(the server answers 404, or with jobs it was already handing out, which
+are handed back at once), never cut off with a reply on its way. Running
+handlers get the grace period, and those still running then are handed
+back at once (RetryJob, due now). A second signal
 hands back every running job at once, and gives the reports a few seconds.
 
 Exit status: 0 after a clean stop; 1 after a forced stop (second signal) or
@@ -53,6 +55,10 @@ FORCED_DRAIN = 3.0
 # can ask for the slots that came free meanwhile, so that a fast handler's
 # slots do not idle for a round trip.
 FETCHERS = 2
+# After a stop, how long a GetJobs may take to answer once its connection's
+# sending side is shut (Link.end_wait) before it is cancelled: its reply is
+# on its way, or it was sent just after the stop, on a new connection.
+END_WAIT_PATIENCE = 5.0
 # The most one GetJobs hands out (protocol.md 5.4).
 MAX_GET_JOBS = 1000
 
@@ -85,6 +91,7 @@ class Runner:
         self.forced = False
         self.exit_status = 0
         self.fetch_scope = anyio.CancelScope()
+        self.fetch_links: list[Link] = []  # the fetchers' connections
         self.root_scope: anyio.CancelScope | None = None
 
         self.caller = Caller(settings.timeout, settings.concurrency)
@@ -170,7 +177,14 @@ class Runner:
         (default: the settings'), then their jobs are handed back. From
         the event loop's thread."""
         self.stopping = True
-        self.fetch_scope.cancel()
+        # A waiting GetJobs is ended, not cancelled: a reply already on its
+        # way still arrives, and its jobs are handed back (run_job).
+        for link in self.fetch_links:
+            link.client.end_wait()
+        self._slots_changed()  # a fetcher waiting for a slot
+        self.fetch_scope.deadline = min(
+            self.fetch_scope.deadline, anyio.current_time() + END_WAIT_PATIENCE
+        )
         self.caller.stop(self.settings.grace if grace is None else grace)
 
     def force(self) -> None:
@@ -195,11 +209,12 @@ class Runner:
     async def _fetch(self, jobs: TaskGroup) -> None:
         """One fetcher: asks for the free slots, over a connection of its own."""
         link, backoff = Link(self.server), Backoff()
+        self.fetch_links.append(link)
         try:
-            while True:
+            while not self.stopping:
                 asked = await self.reserve_slots()
                 try:
-                    batch = await self._get_jobs(link, backoff, asked)
+                    batch = await self._get_jobs(link, backoff, asked) if asked else None
                 finally:
                     self.reserved -= asked
                 for job in batch or ():
@@ -209,10 +224,11 @@ class Runner:
                     self._slots_changed()  # the other fetcher may ask for the rest
         except GetJobsRefused:
             self.exit_status = 2
-            self.fetch_scope.cancel()
+            self.stop()
         finally:
-            # A cancelled GetJobs leaves the connection mid-request; closing it
-            # tells the server, which puts back any job it took for us.
+            self.fetch_links.remove(link)
+            # Closing a connection left mid-request (END_WAIT_PATIENCE ran
+            # out) tells the server, which puts back any job it took for us.
             await link.aclose()
 
     async def _get_jobs(
@@ -239,7 +255,8 @@ class Runner:
                     BACKOFF_MAX,
                 )
             await link.reconnect()
-            await anyio.sleep(backoff.next())
+            if not self.stopping:
+                await anyio.sleep(backoff.next())
             return None
         except JobServerError as error:
             log.error(
@@ -249,8 +266,11 @@ class Runner:
 
     async def reserve_slots(self) -> int:
         """Wait until a job may start; reserve the free slots for one
-        GetJobs (at most 1,000, as GetJobs takes), and return how many."""
+        GetJobs (at most 1,000, as GetJobs takes), and return how many:
+        0 once the worker stops."""
         while (free := self.settings.concurrency - len(self.running) - self.reserved) <= 0:
+            if self.stopping:
+                return 0
             await self.freed.wait()
         asked = min(free, MAX_GET_JOBS)
         self.reserved += asked
