@@ -43,22 +43,6 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
     async def aclose(self) -> None:
         """Close the connection, if one is open; the next request opens another."""
 
-    def end_wait(self) -> None:
-        """End the waiting GetJob or GetJobs another task has under way, at
-        once, without losing what it was handed: the connection's sending
-        side is shut, so the server answers `404 No job found`, or with the
-        jobs it was already handing out (protocol.md 9), and that task's
-        call returns it. Cancelling the call instead would drop a reply
-        already on its way, whose jobs stay RUNNING. The next request opens
-        a new connection. Does nothing without a connection."""
-        if self._stream is None:
-            return
-        # A duplicate descriptor: shutdown acts on the socket itself, and
-        # closing the duplicate leaves the stream's own open.
-        duplicate = os.dup(self._fileno(self._stream))
-        with contextlib.suppress(OSError), socket.socket(fileno=duplicate) as sock:
-            sock.shutdown(socket.SHUT_WR)
-
     @documented_by(calls.request)
     async def request(self, method: str, params: Mapping[str, object]) -> Reply:
         return await self._call(calls.request(method, params))
@@ -289,3 +273,21 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
     @abstractmethod
     def _fileno(self, stream: Stream) -> int:
         """The descriptor of the socket under `stream`, TLS or not."""
+
+
+def end_wait(client: AsyncCalls[Any]) -> None:
+    """End the waiting GetJob or GetJobs that a task has under way on
+    `client`, at once, without losing what it was handed: the connection's
+    sending side is shut, so the server answers `404 No job found`, or with
+    the jobs it was already handing out (protocol.md 9), and that task's
+    call returns it. Cancelling the call instead would drop a reply already
+    on its way, whose jobs stay RUNNING. The next request opens a new
+    connection. Does nothing without a connection. (A function, not a
+    method: the clients' methods are the requests of Client.)"""
+    if client._stream is None:
+        return
+    # A duplicate descriptor: shutdown acts on the socket itself, and
+    # closing the duplicate leaves the stream's own open.
+    duplicate = os.dup(client._fileno(client._stream))
+    with contextlib.suppress(OSError), socket.socket(fileno=duplicate) as sock:
+        sock.shutdown(socket.SHUT_WR)

@@ -33,6 +33,7 @@ import sniffio
 from anyio.abc import TaskGroup, TaskStatus
 
 from jobserver.client import ConnectionFailed, JobServerError, ServerError, TLSFailed
+from jobserver.client.async_calls import end_wait
 from jobserver.worker import outcome
 from jobserver.worker.calling import Caller
 from jobserver.worker.connection import BACKOFF_MAX, Backoff, Link, Server
@@ -56,7 +57,7 @@ FORCED_DRAIN = 3.0
 # slots do not idle for a round trip.
 FETCHERS = 2
 # After a stop, how long a GetJobs may take to answer once its connection's
-# sending side is shut (Link.end_wait) before it is cancelled: its reply is
+# sending side is shut (end_wait) before it is cancelled: its reply is
 # on its way, or it was sent just after the stop, on a new connection.
 END_WAIT_PATIENCE = 5.0
 # The most one GetJobs hands out (protocol.md 5.4).
@@ -180,7 +181,7 @@ class Runner:
         # A waiting GetJobs is ended, not cancelled: a reply already on its
         # way still arrives, and its jobs are handed back (run_job).
         for link in self.fetch_links:
-            link.client.end_wait()
+            end_wait(link.client)
         self._slots_changed()  # a fetcher waiting for a slot
         self.fetch_scope.deadline = min(
             self.fetch_scope.deadline, anyio.current_time() + END_WAIT_PATIENCE
