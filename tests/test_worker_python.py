@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -87,7 +88,10 @@ def not_reported(client: Client) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("loop", LOOPS)
-def test_returns_exceptions_retries_and_timeouts_end_jobs_as_documented(server, client, loop):
+def test_returns_exceptions_retries_and_timeouts_end_jobs_as_documented(
+    server, client, loop, caplog
+):
+    caplog.set_level(logging.INFO, logger="jobserver.worker")
     released = threading.Event()  # lets the timed-out thread end with the test
     worker = Worker(jobs="*")
 
@@ -108,6 +112,10 @@ def test_returns_exceptions_retries_and_timeouts_end_jobs_as_documented(server, 
         await anyio.lowlevel.checkpoint()
         return "not a dict"
 
+    @worker.handler("fail/data")
+    def not_json(data: dict[str, Any]) -> dict[str, Any]:
+        return {"when": datetime.now(UTC)}
+
     @worker.handler("later")
     async def later(data: dict[str, Any]) -> None:
         raise RetryLater(3600)
@@ -126,6 +134,7 @@ def test_returns_exceptions_retries_and_timeouts_end_jobs_as_documented(server, 
         "async": create(client, "data/async", data='{"keep": 1}', repeat=REPEAT),
         "raises": create(client, "fail/sync", **policy),
         "returns": create(client, "fail/async", maxAttempts=1),
+        "not_json": create(client, "fail/data", maxAttempts=1),
         "later": create(client, "later", repeat=REPEAT),
         "hangs": create(client, "hang/sync", **policy),
         "hangs_async": create(client, "hang/async", maxAttempts=1),
@@ -133,7 +142,7 @@ def test_returns_exceptions_retries_and_timeouts_end_jobs_as_documented(server, 
     }
     try:
         with in_process(worker, server.port, loop) as running:
-            for key in ("raises", "returns", "hangs", "hangs_async", "unhandled"):
+            for key in ("raises", "returns", "not_json", "hangs", "hangs_async", "unhandled"):
                 until(lambda k=key: state(client, ids[k]) == "FAILED", DEADLINE, key)
             for key in ("sync", "async", "later"):
                 until(lambda k=key: job(client, ids[k])["lastRun"], DEADLINE, key)
@@ -156,6 +165,9 @@ def test_returns_exceptions_retries_and_timeouts_end_jobs_as_documented(server, 
     assert job(client, ids["returns"])["lastError"] == (
         "the handler returned str, not a dict or None"
     )
+    assert job(client, ids["not_json"])["lastError"].startswith(
+        "the handler returned data that is not JSON: Object of type datetime"
+    )
     # RetryLater is not a failure: the delay it asked for, ahead of the repeat.
     later_job = job(client, ids["later"])
     assert later_job["lastRun"] and later_job["data"] == {}
@@ -166,6 +178,9 @@ def test_returns_exceptions_retries_and_timeouts_end_jobs_as_documented(server, 
     assert hung["lastError"] == "timed out after 0.3s (its thread runs on, its result ignored)"
     assert job(client, ids["hangs_async"])["lastError"] == "timed out after 0.3s"
     assert "nobody/takes/this" in ok(client.request("FailedJobs")).body.decode()
+    assert f"worker started: server 127.0.0.1:{server.port}, jobs '*', 8 handlers" in caplog.text
+    assert f"at most 8 at once, on {loop}" in caplog.text
+    assert re.search(rf"job {ids['raises']} fail/sync failed \(ValueError: boom\) in ", caplog.text)
     assert not_reported(client) == []
 
 
@@ -181,6 +196,8 @@ def test_handlers_are_checked_when_registered():
         worker.handler("a", timeout=0)
     with pytest.raises(ValueError, match="delay"):
         RetryLater(-1)
+    with pytest.raises(ValueError, match="naive"):
+        RetryLater(next_run=datetime(2030, 1, 1))
     worker.handler("img/*")(lambda data: None)
     assert worker.get_jobs_name() == "img/*"
     worker.handler("email/*")(lambda data: None)

@@ -59,7 +59,8 @@ class Job:
 
 class RetryLater(Exception):
     """Raised by a handler: put the job back to run again later (RetryJob),
-    after `delay` seconds or at `next_run`, ahead of the job's repeat; with
+    after `delay` seconds or at `next_run` (a datetime with a time zone, or
+    the protocol's time text), ahead of the job's repeat; with
     neither, when the server decides (its repeat, else at once). Not a
     failed attempt: a job with a retry policy gets all its attempts again."""
 
@@ -68,6 +69,8 @@ class RetryLater(Exception):
             raise ValueError("RetryLater takes a delay or a next_run, not both")
         if delay is not None and not (type(delay) is int and 0 <= delay <= MAX_DELAY):
             raise ValueError(f"RetryLater's delay must be whole seconds from 0 to {MAX_DELAY}")
+        if isinstance(next_run, datetime) and next_run.tzinfo is None:
+            raise ValueError("RetryLater's next_run is a naive datetime: give it a time zone")
         super().__init__(delay if next_run is None else next_run)
         self.delay = delay
         self.next_run = next_run

@@ -3,7 +3,8 @@
 and the words the log line uses.
 
 - It returns: FinishJob; a dict it returns becomes the job's data, None
-  leaves the data as it was.
+  leaves the data as it was. A dict that is not JSON fails the job: it
+  could not be sent.
 - It raises RetryLater: RetryJob, with the delay or nextRun it asked for.
 - It raises anything else, returns anything else, or runs past its timeout:
   FailJob with the traceback (or the reason) as the job's last error, a
@@ -14,6 +15,7 @@ and the words the log line uses.
 from __future__ import annotations
 
 import inspect
+import json
 import traceback
 from collections.abc import Callable
 from types import TracebackType
@@ -32,6 +34,10 @@ def finished(job: Job, result: Any) -> Outcome:
     if result is None:
         return Outcome(_report(job, "finish", {}), "finished")
     if isinstance(result, dict):
+        try:
+            json.dumps(result, allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as error:
+            return failed(job, f"the handler returned data that is not JSON: {error}")
         return Outcome(_report(job, "finish", {"data": result}), "finished")
     return failed(job, f"the handler returned {type(result).__name__}, not a dict or None")
 

@@ -29,7 +29,7 @@ import time
 from typing import Any, Literal
 
 import anyio
-import sniffio
+import trio
 from anyio.abc import TaskGroup, TaskStatus
 
 from jobserver.client import ConnectionFailed, JobServerError, ServerError, TLSFailed
@@ -129,7 +129,7 @@ class Runner:
             self.jobs_name,
             len(self.worker.handlers),
             s.concurrency,
-            sniffio.current_async_library(),
+            _event_loop(),
         )
 
     def _stopped(self) -> int:
@@ -313,3 +313,13 @@ class Runner:
         finally:
             if held is not None:
                 self.leases.release(held)
+
+
+def _event_loop() -> str:
+    """Which event loop runs this task, for the log: anyio runs on asyncio
+    or trio, and only trio knows its token."""
+    try:
+        trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        return "asyncio"
+    return "trio"
