@@ -278,8 +278,11 @@ class Runner:
         return asked
 
     def _slots_changed(self) -> None:
-        self.freed.set()
-        self.freed = anyio.Event()
+        # A new Event only when a fetcher waits on this one: at thousands of
+        # jobs a second, making one per job would cost more than the job.
+        if self.freed.statistics().tasks_waiting:
+            self.freed.set()
+            self.freed = anyio.Event()
 
     # Running one job.
 
