@@ -289,10 +289,14 @@ class Runner:
     async def run_job(self, raw: dict[str, Any]) -> None:
         """Call the job's handler, log how it ended, and queue its report."""
         started, wall = anyio.current_time(), time.perf_counter()
+        result: Outcome | None = None
         try:
             result = await self._run(raw, started)
         finally:
-            del self.running[raw["jobID"]]
+            # A job whose task was cancelled (a forced stop that ran out of
+            # time) stays in `running`, for _stopped to name as abandoned.
+            if result is not None:
+                del self.running[raw["jobID"]]
             self._slots_changed()
         log.info(
             "job %s %s %s in %.3fs",
