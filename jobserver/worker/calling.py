@@ -60,7 +60,7 @@ class Caller:
         if not scope.cancelled_caught:
             return outcome.finished(job, result)
         if not handler.is_async:
-            self._abandon(job)
+            self._abandon(handler, job)
         if anyio.current_time() >= timeout_at:
             return outcome.timed_out(job, timeout, thread=not handler.is_async)
         return outcome.handed_back(job, "still running at the end of the grace period, handed back")
@@ -75,10 +75,12 @@ class Caller:
             return await call()
         return await anyio.to_thread.run_sync(call, abandon_on_cancel=True, limiter=self.threads)
 
-    def _abandon(self, job: Job) -> None:
+    def _abandon(self, handler: Handler, job: Job) -> None:
         self.abandoned += 1
         log.warning(
-            "job %s %s: its handler's thread cannot be stopped; it runs on, its result ignored",
+            "job %s %s: the thread of its handler %s cannot be stopped; it runs on, "
+            "its result ignored",
             job.id,
             printable(job.name),
+            handler.label,
         )
