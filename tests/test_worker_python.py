@@ -31,10 +31,13 @@ from anyio.from_thread import start_blocking_portal
 from conformance_helpers import query
 from harness import LoggedProcess
 from helpers import create, ok, until
-from jobserver.cli import main
+from jobserver.cli import build_parser, main
+from jobserver.client import Client as LibraryClient
 from jobserver.worker import Job, RetryLater, Worker
+from jobserver.worker.arguments import settings_from
 from jobserver.worker.runner import END_WAIT_PATIENCE, Runner
 from jobserver.worker.settings import Settings
+from tls_certs import tls_server
 from wire import Client
 
 DEADLINE = 15.0
@@ -482,3 +485,35 @@ def test_a_signal_hands_back_every_job_it_does_not_let_finish(
     assert proc.log.count("handed back") == len(handed_back), proc.log
     if signals == 2:
         assert "received SIGTERM again: handing back 4 running jobs" in proc.log
+
+
+# The connection options, as the command line reads them.
+
+
+def test_the_worker_speaks_tls_with_tls_ca_and_sends_its_token(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="jobserver.worker")
+    worker = Worker()
+
+    @worker.handler("secure")
+    async def secure(data: dict[str, Any]) -> dict[str, Any]:
+        return {"secure": True}
+
+    token = tmp_path / "token"
+    token.write_text("w0rk")
+    with tls_server(tmp_path / "tls", auth_token="w0rk") as (running, files):
+        args = build_parser().parse_args(
+            [
+                "worker", "any:worker", "--server", f"127.0.0.1:{running.port}",
+                "--tls-ca", str(files.ca), "--auth-token-file", str(token),
+            ]
+        )
+        settings = settings_from(args)
+        assert settings is not None
+        with LibraryClient(
+            "127.0.0.1", running.port, timeout=10, tls=files.ca, auth_token="w0rk"
+        ) as jobs:
+            job_id = jobs.create_job("secure", repeat=REPEAT)
+            options = {"tls": settings.tls, "token": settings.token}
+            with in_process(worker, running.port, "asyncio", **options):
+                until(lambda: jobs.query_job(job_id)["data"] == {"secure": True}, DEADLINE, "it")
+    assert f"server 127.0.0.1:{running.port} (TLS)" in caplog.text
