@@ -1,4 +1,4 @@
-"""The `jobserver` command: `serve`, `worker-manager` and the client commands."""
+"""The `jobserver` command: `serve`, `worker-manager`, `worker` and the client commands."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ from jobserver.cli import commands
 PROGRAMS = {
     "serve": ("run the job server", "jobserver.cli.serve"),
     "worker-manager": ("take jobs and run a program for each", "jobserver.workers"),
+    "worker": (
+        "run the handlers of a Python Worker (MODULE:ATTR) in this process",
+        "jobserver.worker.arguments",
+    ),
 }
 
 

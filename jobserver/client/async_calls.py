@@ -7,6 +7,9 @@ own: `_connect`, `_send_on`, `_receive`, `_fileno` and `aclose`.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, Generic, Self, TypeVar
@@ -270,3 +273,21 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
     @abstractmethod
     def _fileno(self, stream: Stream) -> int:
         """The descriptor of the socket under `stream`, TLS or not."""
+
+
+def end_wait(client: AsyncCalls[Any]) -> None:
+    """End the waiting GetJob or GetJobs that a task has under way on
+    `client`, at once, without losing what it was handed: the connection's
+    sending side is shut, so the server answers `404 No job found`, or with
+    the jobs it was already handing out (protocol.md 9), and that task's
+    call returns it. Cancelling the call instead would drop a reply already
+    on its way, whose jobs stay RUNNING. The next request opens a new
+    connection. Does nothing without a connection. (A function, not a
+    method: the clients' methods are the requests of Client.)"""
+    if client._stream is None:
+        return
+    # A duplicate descriptor: shutdown acts on the socket itself, and
+    # closing the duplicate leaves the stream's own open.
+    duplicate = os.dup(client._fileno(client._stream))
+    with contextlib.suppress(OSError), socket.socket(fileno=duplicate) as sock:
+        sock.shutdown(socket.SHUT_WR)

@@ -106,6 +106,8 @@ def worker_environment(job: dict[str, Any], server: str) -> dict[str, str]:
 def printable(name: str) -> str:
     """A job name for the log: control characters escaped, so that a name
     cannot forge or break log lines."""
+    if name.isprintable():  # nearly every name: no copy made
+        return name
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
 
 

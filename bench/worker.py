@@ -1,0 +1,137 @@
+"""The in-process Python worker's throughput beside the drain of
+bench/run.py, measured in the same run on the same server:
+
+    python bench/worker.py                 # 100,000 jobs
+    python bench/worker.py --jobs 20000    # a quicker run
+
+jobserver serves a fresh SQLite database with `--synchronous FULL`, as in
+bench/run.py. Then:
+
+- drain: bench/run.py's scenario, as it measures it: the jobs are queued
+  1,000 per CreateJobs, then 8 processes empty the queue, each taking 100
+  jobs per GetJobs and reporting them with one FinishJobs;
+- worker: the same number of jobs queued the same way, then one
+  `jobserver worker noop_worker:worker` process (bench/noop_worker.py, a
+  no-op `async def` handler) empties the queue; timed from the moment it
+  has taken the first job to the moment the server has none left (the
+  bench asks QueryJob every 5 ms for the first and the last job, then
+  Status once the last is done). It logs at
+  --log-level (default INFO: a line per job, as users run it).
+
+Only the ratio of the two means anything: this machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import run  # noqa: E402
+from clients import CLIENTS, FILL_BATCH  # noqa: E402
+
+from jobserver.client import Client, JobNotFound  # noqa: E402
+
+# How often the bench looks whether the worker is done: a QueryJob by jobID
+# costs the server next to nothing.
+POLL = 0.005
+
+
+def worker_rate(
+    peer: run.Peer, jobs: int, concurrency: int, log_level: str, log_dir: Path
+) -> float:
+    """Queue `jobs` jobs, run the worker until the server has none left;
+    its jobs per second."""
+    filler = CLIENTS["jobserver"](peer.port)
+    for _ in range(jobs // FILL_BATCH):
+        filler.fill()
+    command = [
+        sys.executable, "-m", "jobserver", "worker", "noop_worker:worker",
+        "--server", f"127.0.0.1:{peer.port}", "--concurrency", str(concurrency),
+        "--log-level", log_level,
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(run.ROOT), str(HERE)])}
+    # Its log goes to a file: a pipe nobody reads would stop it when full.
+    with open(log_dir / "worker.log", "w") as log:
+        proc = subprocess.Popen(command, cwd=HERE, env=env, stderr=log, stdout=subprocess.DEVNULL)
+    try:
+        with Client("127.0.0.1", peer.port) as client:
+            first, last = _first_and_last(client)
+            while _exists(client, first):
+                if proc.poll() is not None:
+                    raise RuntimeError("the worker exited: " + (log_dir / "worker.log").read_text())
+                time.sleep(POLL)
+            began = time.perf_counter()
+            # Jobs go in jobID order: once the last is done, the rest are
+            # done or about to be. (Status counts every job: asked often
+            # over a large queue, it would slow the server down.)
+            while _exists(client, last):
+                time.sleep(POLL)
+            while client.status()["jobs"]:
+                time.sleep(POLL)
+        seconds = time.perf_counter() - began
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return jobs / seconds
+
+
+def _first_and_last(client: Client) -> tuple[int, int]:
+    """The lowest and highest jobID in the queue."""
+    rows = client.query("SELECT min(jobID), max(jobID) FROM jobs;")["rows"]
+    return int(rows[0][0]), int(rows[0][1])
+
+
+def _exists(client: Client, job_id: int) -> bool:
+    try:
+        client.query_job(job_id)
+    except JobNotFound:
+        return False
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--jobs", type=int, default=100_000, metavar="N",
+        help=f"jobs in each scenario, a multiple of {FILL_BATCH} (default: 100,000)",
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=1000, metavar="N",
+        help="the worker's --concurrency (default: 1000: a no-op handler's jobs are "
+        "over at once, and larger batches cost the server fewer commits)",
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", choices=("INFO", "WARNING"),
+        help="the worker's --log-level (default: INFO, a line per job)",
+    )
+    args = parser.parse_args()
+    if args.jobs < FILL_BATCH or args.jobs % FILL_BATCH:
+        parser.error(f"--jobs must be a positive multiple of {FILL_BATCH}")
+    with tempfile.TemporaryDirectory(prefix="jobserver-worker-bench-") as tmp:
+        peer = run.start_jobserver(Path(tmp), run.ROOT)
+        try:
+            measured = run.Measured()
+            run.measure_bulk(peer, args.jobs, measured)
+            drain = measured.figures["drain"]
+            worker = worker_rate(peer, args.jobs, args.concurrency, args.log_level, Path(tmp))
+        finally:
+            peer.stop()
+    print(
+        f"{args.jobs:,} jobs, jobserver on SQLite (--synchronous FULL):\n"
+        f"  bench/run.py drain, 8 processes, 100 per GetJobs + FinishJobs: {drain:,.0f} jobs/s\n"
+        f"  jobserver worker, no-op async handler, --concurrency {args.concurrency}, "
+        f"log {args.log_level}: {worker:,.0f} jobs/s ({worker / drain:.0%} of the drain)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

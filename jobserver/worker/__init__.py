@@ -1,0 +1,29 @@
+"""The in-process Python worker (`jobserver worker MODULE:ATTR`): handlers
+registered by job-name pattern, run N at once, reporting in batches.
+
+    from jobserver.worker import RetryLater, Worker
+
+    worker = Worker()
+
+    @worker.handler("email/*")
+    def send(data):
+        ...
+
+Where things are:
+- registry.py   Worker: handlers by pattern, their signatures, the GetJobs name
+- job.py        Job (what a handler may ask for) and RetryLater
+- runner.py     the Runner: fetching, slots, signals, exit status; Settings
+- calling.py    calling one handler: thread or task, timeout, grace period
+- outcome.py    what a handler's end means: the report, the log's words
+- leases.py     renewing the leases of running jobs (TouchJob)
+- reporting.py  delivering reports in batches (FinishJobs), by the manager's policy
+- connection.py reaching the server: the manager's addresses and backoff, on anyio
+- arguments.py  the command line: options, their checks, loading MODULE:ATTR
+
+Running needs anyio (the `async` extra); registering handlers does not.
+"""
+
+from jobserver.worker.job import Job, RetryLater
+from jobserver.worker.registry import Handler, Worker
+
+__all__ = ["Handler", "Job", "RetryLater", "Worker"]

@@ -1,0 +1,43 @@
+"""How the worker reaches the server: the worker manager's `Server`,
+`Backoff` and reconnecting `Link`, on anyio instead of trio alone.
+
+Fetching jobs, reporting and renewing leases each use a connection of
+their own, so that none waits behind another: a waiting GetJobs may not
+answer for a minute, and reports must not wait for it."""
+
+from __future__ import annotations
+
+import anyio
+
+from jobserver.client.async_client import AsyncClient
+from jobserver.workers.connection import BACKOFF_MAX, Backoff, Server
+
+__all__ = ["BACKOFF_MAX", "Backoff", "Link", "Server", "client", "close"]
+
+
+def client(server: Server) -> AsyncClient:
+    """A new client for `server`; it connects on its first request."""
+    return AsyncClient(server.host, server.port, auth_token=server.token, tls=server.tls)
+
+
+async def close(client: AsyncClient) -> None:
+    """Close `client` even while the caller is being cancelled: a connection
+    left mid-request tells the server nothing until it is closed."""
+    with anyio.CancelScope(shield=True):
+        await client.aclose()
+
+
+class Link:
+    """A connection that outlives its breakages: after each one, it is closed
+    and replaced by a new one."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.client = client(server)
+
+    async def reconnect(self) -> None:
+        await close(self.client)
+        self.client = client(self.server)
+
+    async def aclose(self) -> None:
+        await close(self.client)

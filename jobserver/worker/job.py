@@ -1,0 +1,90 @@
+"""What a handler is given, and what it may raise: `Job`, `RetryLater`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Protocol
+
+from jobserver.wire.limits import MAX_DELAY
+
+
+class LeaseRenewal(Protocol):
+    """How a job asks for its lease to be renewed (leases.py)."""
+
+    def renew(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job as GetJobs handed it out, for a handler that asks for it.
+
+    `attempt` and `max_attempts` are None for a job without a retry policy
+    (protocol.md 14.1); `lease_id` is the hand-out's lease token; `raw` is
+    the whole job object (`parentData`, `finishedChildJobs`, ...)."""
+
+    id: int
+    name: str
+    data: dict[str, Any]
+    attempt: int | None
+    max_attempts: int | None
+    lease_id: str | None
+    retry_after: str
+    raw: dict[str, Any] = field(repr=False)
+    lease: LeaseRenewal = field(repr=False, compare=False)
+
+    @classmethod
+    def handed_out(cls, raw: dict[str, Any], lease: LeaseRenewal) -> Job:
+        data = raw.get("data")
+        return cls(
+            id=raw["jobID"],
+            name=raw["name"],
+            data=data if isinstance(data, dict) else {},
+            attempt=raw.get("attempt"),
+            max_attempts=raw.get("maxAttempts"),
+            lease_id=raw.get("leaseID"),
+            retry_after=raw.get("retryAfter") or "",
+            raw=raw,
+            lease=lease,
+        )
+
+    def renew_lease(self) -> None:
+        """Renew the job's lease now (TouchJob), from a handler's thread or
+        its task; returns at once, the renewal is sent in the background.
+        Leases are renewed on their own too (a third of the way through);
+        for a job without retryAfter, it is a sign of life for the server's
+        --stale-after."""
+        self.lease.renew()
+
+
+class RetryLater(Exception):
+    """Raised by a handler: put the job back to run again later (RetryJob),
+    after `delay` seconds or at `next_run` (a datetime with a time zone, or
+    the protocol's time text), ahead of the job's repeat; with
+    neither, when the server decides (its repeat, else at once). Not a
+    failed attempt: a job with a retry policy gets all its attempts again."""
+
+    def __init__(self, delay: int | None = None, *, next_run: datetime | str | None = None) -> None:
+        if delay is not None and next_run is not None:
+            raise ValueError("RetryLater takes a delay or a next_run, not both")
+        if delay is not None and not (type(delay) is int and 0 <= delay <= MAX_DELAY):
+            raise ValueError(f"RetryLater's delay must be whole seconds from 0 to {MAX_DELAY}")
+        if isinstance(next_run, datetime) and next_run.tzinfo is None:
+            raise ValueError("RetryLater's next_run is a naive datetime: give it a time zone")
+        super().__init__(delay if next_run is None else next_run)
+        self.delay = delay
+        self.next_run = next_run
+
+    def params(self) -> dict[str, Any]:
+        """RetryJob's parameters."""
+        if self.next_run is not None:
+            return {"next_run": self.next_run, "ignore_repeat": True}
+        if self.delay is not None:
+            return {"delay": self.delay, "ignore_repeat": True}
+        return {}
+
+    def text(self) -> str:
+        """How the log says it."""
+        if self.next_run is not None:
+            return f"nextRun {self.next_run}"
+        return "no delay" if self.delay is None else f"delay {self.delay}s"

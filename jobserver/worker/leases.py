@@ -1,0 +1,148 @@
+"""Lease renewal, as the worker manager does it (jobserver.workers.leases):
+while a job with retryAfter runs, its lease is renewed (TouchJob) after a
+third of it or every --touch-interval seconds, whichever is sooner, over a
+connection of its own. A handler may also ask for a renewal now
+(`Job.renew_lease`), from its thread or its task."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+from typing import Any
+
+import anyio
+import anyio.from_thread
+
+from jobserver.client import ConnectionFailed, JobServerError, ServerError
+from jobserver.worker.connection import Link, Server
+from jobserver.workers.contract import printable
+from jobserver.workers.leases import Lease, touch_period
+
+log = logging.getLogger("jobserver.worker")
+
+
+class Leases:
+    """The leases of the running jobs, and the task that renews them."""
+
+    def __init__(self, server: Server, touch_interval: float) -> None:
+        self.server = server
+        self.touch_interval = touch_interval
+        self.held: dict[str, Lease] = {}  # by lease token
+        self.changed = anyio.Event()  # set (and replaced) when one is due sooner
+        self.failing = False  # the last renewal could not reach the server
+        self.loop_thread = threading.get_ident()  # made on the event loop
+
+    def hold(self, job: dict[str, Any]) -> str | None:
+        """Keep this job's lease while it runs: renewed on a schedule if it
+        has retryAfter, else only when its handler asks. Its token, or None
+        for a job handed out without one."""
+        lease_id = job.get("leaseID")
+        if not (isinstance(lease_id, str) and lease_id):
+            return None
+        retry_after = job.get("retryAfter")
+        if isinstance(retry_after, str) and retry_after:
+            period = touch_period(retry_after, self.touch_interval)
+        else:
+            period = math.inf  # RUNNING: the stale-job net's 24 h is its own
+        due = anyio.current_time() + period
+        self.held[lease_id] = Lease(job["jobID"], printable(job["name"]), lease_id, period, due)
+        if period != math.inf:
+            self._wake()  # the renewer may be waiting for a later one
+        return lease_id
+
+    def release(self, lease_id: str) -> None:
+        """Stop renewing a lease: its job has ended."""
+        self.held.pop(lease_id, None)
+
+    def renewal(self, lease_id: str | None) -> Renewal:
+        """What a job's `renew_lease` calls."""
+        return Renewal(self, lease_id)
+
+    def renew_now(self, lease_id: str) -> None:
+        """Renew this lease at once, if its job still runs (event loop only)."""
+        lease = self.held.get(lease_id)
+        if lease is not None:
+            lease.due = anyio.current_time()
+            self._wake()
+
+    def _wake(self) -> None:
+        self.changed.set()
+
+    async def renew_loop(self) -> None:
+        """Renew each held lease when it is due; runs until cancelled."""
+        link = Link(self.server)
+        try:
+            while True:
+                lease = await self._next_due()
+                lease.due = anyio.current_time() + lease.period
+                await self._renew(lease, link)
+        finally:
+            await link.aclose()
+
+    async def _next_due(self) -> Lease:
+        """Wait until a held lease is due for renewal; that lease."""
+        while True:
+            self.changed = anyio.Event()
+            if not self.held:
+                await self.changed.wait()
+                continue
+            lease = min(self.held.values(), key=lambda held: held.due)
+            now = anyio.current_time()
+            if lease.due <= now:
+                return lease
+            with anyio.move_on_after(lease.due - now):
+                await self.changed.wait()
+
+    async def _renew(self, lease: Lease, link: Link) -> None:
+        try:
+            await link.client.touch_job(lease.job_id, lease_id=lease.lease_id)
+        except (ConnectionFailed, ServerError) as error:
+            if not self.failing:
+                log.warning(
+                    "cannot renew the lease of job %s (%s); trying again in %gs",
+                    lease.job_id,
+                    error,
+                    min(lease.period, self.touch_interval),
+                )
+                self.failing = True
+            if lease.period == math.inf:
+                lease.due = anyio.current_time() + self.touch_interval
+            await link.reconnect()
+            return
+        except JobServerError as error:
+            # Unless the job ended meanwhile (its report is on its way), the
+            # lease is gone: 409 when another worker has the job now. The
+            # handler runs on; its result will be refused if so.
+            if self.held.pop(lease.lease_id, None) is not None:
+                log.warning(
+                    "job %s %s: lost its lease (%s %s); the handler runs on",
+                    lease.job_id,
+                    lease.name,
+                    error.code,
+                    error.reason,
+                )
+            return
+        if self.failing:
+            log.info("server %s reachable again; renewing leases", self.server.address)
+            self.failing = False
+
+
+class Renewal:
+    """One job's way to ask for a renewal, from its handler's thread or task."""
+
+    def __init__(self, leases: Leases, lease_id: str | None) -> None:
+        self.leases = leases
+        self.lease_id = lease_id
+
+    def renew(self) -> None:
+        if self.lease_id is None:
+            return  # handed out without a token: nothing to renew
+        if threading.get_ident() == self.leases.loop_thread:
+            self.leases.renew_now(self.lease_id)
+            return
+        # RuntimeError: a thread left behind by its timeout, or the worker
+        # has stopped; its job is over.
+        with contextlib.suppress(RuntimeError):
+            anyio.from_thread.run_sync(self.leases.renew_now, self.lease_id)

@@ -1,0 +1,169 @@
+"""`Worker`: the handlers of an application, each registered for a job-name
+pattern, and which one takes a job.
+
+    worker = Worker()
+
+    @worker.handler("email/*")
+    def send(data):                      # runs in a thread
+        ...
+
+    @worker.handler("thumb/make", timeout=60)
+    async def thumbnail(data, job):      # runs as a task on the event loop
+        ...
+
+A handler's first parameter gets the job's data (a dict); a parameter named
+`job` gets the `Job` too. Anything else it requires is refused when it is
+registered, not when the first job comes."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from jobserver.core import params
+from jobserver.core.globmatch import glob_match, is_glob
+from jobserver.worker.settings import MAX_TIMEOUT, Settings
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# The GetJobs name a worker asks with: as long as the server takes one.
+MAX_JOBS_PATTERN = 12750
+
+
+@dataclass(frozen=True)
+class Handler:
+    """One registered handler."""
+
+    pattern: str  # a GLOB pattern, matched as GetJob matches names
+    function: Callable[..., Any]
+    is_async: bool  # `async def`: a task; else a thread
+    wants_job: bool  # has a parameter named `job`
+    timeout: float | None  # None: the worker's --timeout
+
+    @property
+    def label(self) -> str:
+        """The function's name, for the log."""
+        return getattr(self.function, "__qualname__", repr(self.function))
+
+
+class Worker:
+    """The handlers one worker runs. `jobs`: the GetJobs name to ask with;
+    by default it is made from the handlers' patterns (`get_jobs_name`)."""
+
+    def __init__(self, jobs: str | None = None) -> None:
+        if jobs is not None:
+            check_pattern(jobs, MAX_JOBS_PATTERN, commas=True)
+        self.jobs = jobs
+        self.handlers: list[Handler] = []
+
+    def handler(self, pattern: str, *, timeout: float | None = None) -> Callable[[F], F]:
+        """A decorator: the function handles the jobs whose name matches
+        `pattern` (a GLOB pattern, no comma), each within `timeout` seconds
+        (0 < timeout <= a week; default: the worker's). The first
+        registered handler whose pattern matches a job takes it."""
+        check_pattern(pattern, params.MAX_NAME, commas=False)
+        if timeout is not None and not (
+            isinstance(timeout, int | float)
+            and math.isfinite(timeout)
+            and 0 < timeout <= MAX_TIMEOUT
+        ):
+            raise ValueError(f"timeout must be seconds above 0 and at most {MAX_TIMEOUT:g}")
+
+        def register(function: F) -> F:
+            self.handlers.append(_handler(pattern, function, timeout))
+            return function
+
+        return register
+
+    def run(self, settings: Settings, loop: Literal["asyncio", "trio"] = "asyncio") -> int:
+        """Run until stopped (a signal), blocking, on a new event loop; the
+        exit status (runner.py)."""
+        # Here, not at the top: anyio is an optional extra, and registering
+        # handlers needs none of it.
+        from jobserver.worker import runner
+
+        return runner.run(self, settings, loop)
+
+    async def serve(self, settings: Settings) -> int:
+        """Run until stopped on the running asyncio or trio loop; the exit
+        status. Without the main thread, use Settings(signals=False)."""
+        from jobserver.worker import runner
+
+        return await runner.serve(self, settings)
+
+    def handler_for(self, name: str) -> Handler | None:
+        """The handler that takes jobs named `name`, if any."""
+        return next((h for h in self.handlers if glob_match(h.pattern, name)), None)
+
+    def get_jobs_name(self) -> str:
+        """The GetJobs name that asks for every job a handler takes: `jobs`
+        if given, else the one pattern, else the names, comma-separated,
+        when none is a GLOB pattern. ValueError if there is none: several
+        GLOB patterns cannot be asked for in one GetJobs (protocol.md 5.3)."""
+        if self.jobs is not None:
+            return self.jobs
+        patterns = list(dict.fromkeys(h.pattern for h in self.handlers))
+        if not patterns:
+            raise ValueError("the worker has no handlers")
+        if len(patterns) == 1:
+            return patterns[0]
+        if any(is_glob(p) for p in patterns):
+            raise ValueError(
+                f"the handlers' patterns {', '.join(patterns)} cannot be asked for in one "
+                "GetJobs (a comma-separated list takes names, not GLOB patterns): give the "
+                "worker one pattern that covers them, Worker(jobs='...') or --job-name"
+            )
+        name = ",".join(patterns)
+        if len(name.encode("utf-8")) > MAX_JOBS_PATTERN:
+            raise ValueError(
+                f"the handlers' names make a GetJobs name over {MAX_JOBS_PATTERN} bytes"
+            )
+        return name
+
+
+def check_pattern(pattern: str, limit: int, commas: bool) -> None:
+    if not isinstance(pattern, str) or not pattern.strip():
+        raise ValueError("a job-name pattern must be a non-empty string")
+    if len(pattern.encode("utf-8")) > limit or params.has_control(pattern):
+        raise ValueError(
+            f"a job-name pattern is 1 to {limit} bytes without control characters: {pattern!r}"
+        )
+    if not commas and "," in pattern:
+        raise ValueError(
+            f"a handler's pattern holds no comma (GetJobs would read a list of names): {pattern!r}"
+        )
+
+
+def _handler(pattern: str, function: Callable[..., Any], timeout: float | None) -> Handler:
+    """The Handler for `function`; TypeError if it cannot be called as
+    function(data) or function(data, job=job)."""
+    if not callable(function):
+        raise TypeError(f"a handler must be a function, not {function!r}")
+    parameters = list(inspect.signature(function).parameters.values())
+    job = next((p for p in parameters if p.name == "job"), None)
+    if job is not None and job.kind in (job.POSITIONAL_ONLY, job.VAR_POSITIONAL):
+        raise TypeError("a handler's `job` parameter must be one that can be passed by name")
+    rest = [p for p in parameters if p is not job]
+    plain = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if not rest or rest[0].kind not in plain:
+        raise TypeError("a handler takes the job's data as its first parameter")
+    required = [
+        p.name
+        for p in rest[1:]
+        if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    if required:
+        raise TypeError(
+            f"a handler is called with the data and, if it asks, `job`: it cannot require "
+            f"{', '.join(required)}"
+        )
+    return Handler(
+        pattern,
+        function,
+        inspect.iscoroutinefunction(function),
+        job is not None,
+        timeout,
+    )

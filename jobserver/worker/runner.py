@@ -1,0 +1,332 @@
+"""The Runner: one run of a Worker against a server, tying the parts
+together on an anyio event loop (asyncio or trio).
+
+Two tasks ask the server for jobs with waiting GetJobs, each for the slots
+(--concurrency) free when it asks, and only when there is one; each job
+it gets runs in a task of its own, which calls its handler (calling.py)
+and queues the report (outcome.py). One more task reports (reporting.py),
+another renews leases (leases.py), each over a connection of its own. So
+waiting for jobs, running handlers and reporting all happen at once, and
+nothing polls.
+
+Stopping: the first SIGTERM or SIGINT (or `stop()`) takes no more jobs:
+each waiting GetJobs is ended by shutting its connection's sending side
+(the server answers 404, or with jobs it was already handing out, which
+are handed back at once), never cut off with a reply on its way. Running
+handlers get the grace period, and those still running then are handed
+back at once (RetryJob, due now). A second signal
+hands back every running job at once, and gives the reports a few seconds.
+
+Exit status: 0 after a clean stop; 1 after a forced stop (second signal) or
+when results could not be reported; 2 when the server refuses our GetJobs,
+or TLS cannot be set up with it (trying again would not help)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from typing import Any, Literal
+
+import anyio
+import trio
+from anyio.abc import TaskGroup, TaskStatus
+
+from jobserver.client import ConnectionFailed, JobServerError, ServerError, TLSFailed
+from jobserver.client.async_calls import end_wait
+from jobserver.worker import outcome
+from jobserver.worker.calling import Caller
+from jobserver.worker.connection import BACKOFF_MAX, Backoff, Link, Server
+from jobserver.worker.job import Job
+from jobserver.worker.leases import Leases
+from jobserver.worker.outcome import Outcome
+from jobserver.worker.registry import Worker
+from jobserver.worker.reporting import Reporter
+from jobserver.worker.settings import Settings
+from jobserver.workers.contract import printable
+from jobserver.workers.manager import FETCH_WAIT, REPORT_DRAIN, GetJobsRefused
+
+log = logging.getLogger("jobserver.worker")
+
+Loop = Literal["asyncio", "trio"]
+# After a second signal, what is left of the run (handing back the running
+# jobs, reporting) gets this long: "at once", but a report takes a moment.
+FORCED_DRAIN = 3.0
+# GetJobs at a time: while one waits for its reply (or for jobs), another
+# can ask for the slots that came free meanwhile, so that a fast handler's
+# slots do not idle for a round trip.
+FETCHERS = 2
+# After a stop, how long a GetJobs may take to answer once its connection's
+# sending side is shut (end_wait) before it is cancelled: its reply is
+# on its way, or it was sent just after the stop, on a new connection.
+END_WAIT_PATIENCE = 5.0
+# The most one GetJobs hands out (protocol.md 5.4).
+MAX_GET_JOBS = 1000
+
+
+def run(worker: Worker, settings: Settings, loop: Loop = "asyncio") -> int:
+    """Run `worker` until stopped, blocking; the exit status."""
+    return anyio.run(serve, worker, settings, backend=loop)
+
+
+async def serve(worker: Worker, settings: Settings) -> int:
+    """Run `worker` on the running event loop until stopped; the exit status."""
+    return await Runner(worker, settings).serve()
+
+
+class Runner:
+    """One run of a worker: its settings, and the state of the run. Made
+    on the event loop it runs on."""
+
+    def __init__(self, worker: Worker, settings: Settings) -> None:
+        self.worker = worker
+        self.settings = settings
+        self.jobs_name = settings.jobs or worker.get_jobs_name()
+        self.server = Server(settings.host, settings.port, settings.token, settings.tls)
+
+        self.running: dict[int, str] = {}  # job ID -> printable name, while its task runs
+        self.reserved = 0  # slots asked for by GetJobs on their way
+        self.freed = anyio.Event()  # set (and replaced) whenever slots come free
+        self.stopping = False
+        self.signalled = False
+        self.forced = False
+        self.exit_status = 0
+        self.fetch_scope = anyio.CancelScope()
+        self.fetch_links: list[Link] = []  # the fetchers' connections
+        self.root_scope: anyio.CancelScope | None = None
+
+        self.caller = Caller(settings.timeout, settings.concurrency)
+        self.reporter = Reporter(self.server)
+        self.leases = Leases(self.server, settings.touch_interval)
+
+    # Top level.
+
+    async def serve(self) -> int:
+        """Run until stopped; the exit status (module docstring)."""
+        async with anyio.create_task_group() as root:
+            self.root_scope = root.cancel_scope
+            if self.settings.signals:
+                await root.start(self.watch_signals)
+            self._log_start()
+            reporter_done = anyio.Event()
+            root.start_soon(self.reporter.deliver_loop, reporter_done)
+            root.start_soon(self.leases.renew_loop)
+            async with anyio.create_task_group() as jobs:
+                await self.fetch_loop(jobs)
+            self.reporter.close()
+            if self.stopping or self.exit_status:
+                self.reporter.give_up_in(FORCED_DRAIN if self.forced else REPORT_DRAIN)
+            await reporter_done.wait()
+            root.cancel_scope.cancel()  # the signal watcher and the lease renewer
+        return self._stopped()
+
+    def _log_start(self) -> None:
+        s = self.settings
+        log.info(
+            "worker started: server %s%s, jobs %r, %d handlers, at most %d at once, on %s",
+            self.server.address,
+            " (TLS)" if s.tls else "",
+            self.jobs_name,
+            len(self.worker.handlers),
+            s.concurrency,
+            _event_loop(),
+        )
+
+    def _stopped(self) -> int:
+        """Log what the stop left undone; the exit status."""
+        for job_id, name in self.running.items():
+            log.error("job %s %s abandoned: still RUNNING on the server", job_id, name)
+        self.reporter.log_unreported()
+        if self.caller.abandoned:
+            log.warning(
+                "%d handler threads were still running when their jobs were reported",
+                self.caller.abandoned,
+            )
+        if self.running or self.reporter.unsent or self.reporter.given_up:
+            log.error("worker stopped; results were lost (logged above)")
+            return 1
+        log.info("worker stopped")
+        return 1 if self.forced else self.exit_status
+
+    async def watch_signals(self, *, task_status: TaskStatus[None]) -> None:
+        """The first SIGTERM or SIGINT stops the worker cleanly; a second
+        one hands back the running jobs at once."""
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            task_status.started()
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                if not self.signalled:
+                    self.signalled = True
+                    log.info(
+                        "received %s: taking no more jobs; %d running jobs get %gs to finish",
+                        name,
+                        len(self.running),
+                        self.settings.grace,
+                    )
+                    self.stop(self.settings.grace)
+                else:
+                    log.warning(
+                        "received %s again: handing back %d running jobs and exiting now",
+                        name,
+                        len(self.running),
+                    )
+                    self.force()
+                    return
+
+    def stop(self, grace: float | None = None) -> None:
+        """Take no more jobs; running handlers get `grace` more seconds
+        (default: the settings'), then their jobs are handed back. From
+        the event loop's thread."""
+        self.stopping = True
+        # A waiting GetJobs is ended, not cancelled: a reply already on its
+        # way still arrives, and its jobs are handed back (run_job).
+        for link in self.fetch_links:
+            end_wait(link.client)
+        self._slots_changed()  # a fetcher waiting for a slot
+        self.fetch_scope.deadline = min(
+            self.fetch_scope.deadline, anyio.current_time() + END_WAIT_PATIENCE
+        )
+        self.caller.stop(self.settings.grace if grace is None else grace)
+
+    def force(self) -> None:
+        """Hand back every running job now; the rest of the run gets
+        FORCED_DRAIN seconds."""
+        self.forced = True
+        self.stop(0)
+        self.reporter.give_up_in(FORCED_DRAIN)
+        if self.root_scope is not None:
+            self.root_scope.deadline = anyio.current_time() + FORCED_DRAIN + 1
+
+    # Fetching.
+
+    async def fetch_loop(self, jobs: TaskGroup) -> None:
+        """Take jobs and start their tasks in `jobs` until stopped or
+        refused, with FETCHERS GetJobs at a time."""
+        with self.fetch_scope:
+            async with anyio.create_task_group() as fetchers:
+                for _ in range(FETCHERS):
+                    fetchers.start_soon(self._fetch, jobs)
+
+    async def _fetch(self, jobs: TaskGroup) -> None:
+        """One fetcher: asks for the free slots, over a connection of its own."""
+        link, backoff = Link(self.server), Backoff()
+        self.fetch_links.append(link)
+        try:
+            while not self.stopping:
+                asked = await self.reserve_slots()
+                try:
+                    batch = await self._get_jobs(link, backoff, asked) if asked else None
+                finally:
+                    self.reserved -= asked
+                for job in batch or ():
+                    self.running[job["jobID"]] = printable(job["name"])
+                    jobs.start_soon(self.run_job, job)
+                if len(batch or ()) < asked:
+                    self._slots_changed()  # the other fetcher may ask for the rest
+        except GetJobsRefused:
+            self.exit_status = 2
+            self.stop()
+        finally:
+            self.fetch_links.remove(link)
+            # Closing a connection left mid-request (END_WAIT_PATIENCE ran
+            # out) tells the server, which puts back any job it took for us.
+            await link.aclose()
+
+    async def _get_jobs(
+        self, link: Link, backoff: Backoff, free: int
+    ) -> list[dict[str, Any]] | None:
+        """One GetJobs for up to `free` jobs; None if the server could not
+        be reached (after the next backoff wait)."""
+        try:
+            if backoff.failing:
+                # A waiting GetJobs may not answer for a minute: make sure
+                # the server is back, and say so, first.
+                await link.client.ping()
+                log.info("server %s reachable again; taking jobs", self.server.address)
+                backoff.reset()
+            return await link.client.get_jobs(self.jobs_name, free, wait=FETCH_WAIT)
+        except TLSFailed as error:
+            log.error("cannot get jobs: %s", error)
+            raise GetJobsRefused from error
+        except (ConnectionFailed, ServerError) as error:
+            if not backoff.failing:
+                log.warning(
+                    "cannot get jobs (%s); running jobs carry on, retrying with backoff up to %gs",
+                    error,
+                    BACKOFF_MAX,
+                )
+            await link.reconnect()
+            if not self.stopping:
+                await anyio.sleep(backoff.next())
+            return None
+        except JobServerError as error:
+            log.error(
+                "the server refused GetJobs for %r: %s %s", self.jobs_name, error.code, error.reason
+            )
+            raise GetJobsRefused from error
+
+    async def reserve_slots(self) -> int:
+        """Wait until a job may start; reserve the free slots for one
+        GetJobs (at most 1,000, as GetJobs takes), and return how many:
+        0 once the worker stops."""
+        while (free := self.settings.concurrency - len(self.running) - self.reserved) <= 0:
+            if self.stopping:
+                return 0
+            await self.freed.wait()
+        asked = min(free, MAX_GET_JOBS)
+        self.reserved += asked
+        return asked
+
+    def _slots_changed(self) -> None:
+        # A new Event only when a fetcher waits on this one: at thousands of
+        # jobs a second, making one per job would cost more than the job.
+        if self.freed.statistics().tasks_waiting:
+            self.freed.set()
+            self.freed = anyio.Event()
+
+    # Running one job.
+
+    async def run_job(self, raw: dict[str, Any]) -> None:
+        """Call the job's handler, log how it ended, and queue its report."""
+        started, wall = anyio.current_time(), time.perf_counter()
+        result: Outcome | None = None
+        try:
+            result = await self._run(raw, started)
+        finally:
+            # A job whose task was cancelled (a forced stop that ran out of
+            # time) stays in `running`, for _stopped to name as abandoned.
+            if result is not None:
+                del self.running[raw["jobID"]]
+            self._slots_changed()
+        log.info(
+            "job %s %s %s in %.3fs",
+            raw["jobID"],
+            printable(raw["name"]),
+            result.text,
+            time.perf_counter() - wall,
+        )
+        self.reporter.add(result.report)
+
+    async def _run(self, raw: dict[str, Any], started: float) -> Outcome:
+        held = self.leases.hold(raw)
+        job = Job.handed_out(raw, self.leases.renewal(held))
+        try:
+            handler = self.worker.handler_for(job.name)
+            if handler is None:
+                return outcome.no_handler(job)
+            if self.stopping:
+                return outcome.handed_back(job, "handed back (stopping)")
+            return await self.caller.call(handler, job, started)
+        finally:
+            if held is not None:
+                self.leases.release(held)
+
+
+def _event_loop() -> str:
+    """Which event loop runs this task, for the log: anyio runs on asyncio
+    or trio, and only trio knows its token."""
+    try:
+        trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        return "asyncio"
+    return "trio"

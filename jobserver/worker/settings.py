@@ -1,0 +1,56 @@
+"""`Settings`: how a worker runs, as `jobserver worker`'s options set them
+or an application passes them to `Worker.run`; each is range-checked here,
+so a worker made in code is held to the same bounds as one on the
+command line."""
+
+from __future__ import annotations
+
+import math
+import ssl
+from dataclasses import dataclass
+
+# Each running job is a task or a thread: more than this is a mistake.
+MAX_CONCURRENCY = 10_000
+# A handler's timeout: up to a week, as far as a lease goes usefully.
+MAX_TIMEOUT = 7 * 86400.0
+MAX_GRACE = 86400.0
+MAX_TOUCH_INTERVAL = 3600.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How a worker runs; `jobserver worker --help` says what each does.
+    ValueError for a value out of its range."""
+
+    host: str = "127.0.0.1"
+    port: int = 8888
+    token: str | None = None
+    tls: ssl.SSLContext | None = None
+    concurrency: int = 8
+    timeout: float = 3600.0  # a handler's, unless it has its own
+    grace: float = 30.0
+    touch_interval: float = 30.0
+    jobs: str | None = None  # the GetJobs name; None: the worker's
+    signals: bool = True  # SIGTERM and SIGINT stop it (main thread only)
+
+    def __post_init__(self) -> None:
+        if not (type(self.port) is int and 0 < self.port < 65536):
+            raise ValueError(f"port must be 1 to 65535, not {self.port!r}")
+        if not (type(self.concurrency) is int and 1 <= self.concurrency <= MAX_CONCURRENCY):
+            raise ValueError(
+                f"concurrency must be 1 to {MAX_CONCURRENCY}, not {self.concurrency!r}"
+            )
+        _seconds("timeout", self.timeout, MAX_TIMEOUT, zero=False)
+        _seconds("grace", self.grace, MAX_GRACE, zero=True)
+        _seconds("touch_interval", self.touch_interval, MAX_TOUCH_INTERVAL, zero=False)
+
+
+def _seconds(name: str, value: float, high: float, zero: bool) -> None:
+    low = "0" if zero else "above 0"
+    if not (
+        isinstance(value, int | float)
+        and math.isfinite(value)
+        and (value >= 0 if zero else value > 0)
+        and value <= high
+    ):
+        raise ValueError(f"{name} must be seconds from {low} to {high:g}, not {value!r}")
