@@ -62,9 +62,12 @@ SEND_PIECE = 256 * 1024
 CLOSE_PATIENCE = 1.0
 # The first byte of every TLS connection: a handshake record.
 TLS_HANDSHAKE = 0x16
-# The answer to a waiting GetJob whose client closed its sending side.
+# Why a waiting GetJob whose client closed its sending side got no job: in
+# the `error` header of its `404 No job found`, which is what it is to a
+# program (a worker that half-closes to end its wait gets what it expects),
+# while a person at netcat reads why.
 HALF_CLOSED_WHILE_WAITING = (
-    "400 A waiting GetJob needs its connection open: the client closed its sending "
+    "a waiting GetJob needs its connection open: the client closed its sending "
     "side (as nc -N does at the end of its input); no job was handed out"
 )
 
@@ -327,7 +330,7 @@ class Connection:
         client that only closed its sending side (`nc -N` at the end of its
         input) cannot be told from one that is gone, so its wait ends too;
         it can still read, and is told why."""
-        answer = Answer(Response(HALF_CLOSED_WHILE_WAITING))
+        answer = Answer(Response("404 No job found", headers={"error": HALF_CLOSED_WHILE_WAITING}))
 
         async def take(cancel: trio.CancelScope) -> None:
             nonlocal answer
