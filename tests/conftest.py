@@ -42,6 +42,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("backend", backends, indirect=True)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Once per run: in the controller, before xdist's workers start.
+    if not hasattr(session.config, "workerinput"):
+        pg.recreate_database()
+
+
 @pytest.fixture
 def backend(request: pytest.FixtureRequest) -> str:
     return str(getattr(request, "param", "sqlite"))
