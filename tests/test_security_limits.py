@@ -36,8 +36,11 @@ from wire import Client, encode
 
 pytestmark = pytest.mark.backends
 
-# What a neighbour's Ping may take while the attack runs (the bound).
-PING_BOUND = 0.1
+# What a neighbour's Ping may take while the attack runs. An idle machine
+# answers within 0.1 s; two cores running three tests at once delayed one by
+# 0.16 s through scheduling alone. A loop held for the GetJobs would keep a
+# Ping waiting for seconds.
+PING_BOUND = 0.5
 # What the attacking GetJobs may take, whole: bounded, with a wide margin.
 GETJOBS_BOUND = 10.0
 HELD_JOBS = 100_000
