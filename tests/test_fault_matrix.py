@@ -116,6 +116,11 @@ class Victim:
         assert self.proc.stdin is not None
         if how == "kill":
             self.proc.send_signal(signal.SIGKILL)
+            # Until the process is gone, and its kernel has closed its
+            # socket: a reply written before that went to an open socket,
+            # which counts as received (server/peer.py), and its job stays
+            # RUNNING until its lease ends.
+            self.proc.wait(DEADLINE)
             return
         self.proc.stdin.write(how + "\n")
         self.proc.stdin.flush()
