@@ -44,9 +44,9 @@ def fill(db: Path, jobs: int, root: Path) -> None:
 def _fill_here(db: Path, jobs: int) -> None:
     # Imported here, not at the top: only the child process of fill()
     # must see the jobserver under test.
-    from jobserver.core.context import Context
-    from jobserver.core.jobs import NewJob
-    from jobserver.core.times import utcnow
+    from jobserver.core.engine.context import Context
+    from jobserver.model.jobs import NewJob
+    from jobserver.model.times import utcnow
     from jobserver.storage.sqlite import Store
 
     store = Store(str(db))

@@ -25,8 +25,8 @@ from harness import ServerProcess, ThreadServer
 from helpers import create, ok, outside_address, tmpfs, unprivileged, until
 from jobserver.client import TrioClient
 from jobserver.client.calls import BACKUP_WAIT, backup
-from jobserver.core.backup import MALFORMED_NAME
-from jobserver.core.dispatch import _cancelled
+from jobserver.core.commands.backup import MALFORMED_NAME
+from jobserver.core.commands.dispatch import _cancelled
 from jobserver.storage.interface import BackupDirectory, BackupFailed
 from jobserver.storage.sqlite_backup import STOP_CHECK_STEPS
 from jobserver.storage.sqlite_backup import backup as copy_database

@@ -797,7 +797,7 @@ def test_the_client_commands_start_without_trio_the_server_or_the_worker_manager
         "jobserver.cli.build_parser('')\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('trio', 'dateutil', 'ssl')\n"
         "             or m.startswith(('jobserver.server', 'jobserver.storage', 'jobserver.web',\n"
-        "                              'jobserver.workers', 'jobserver.core.params'))))\n"
+        "                              'jobserver.workers', 'jobserver.core.commands.params'))))\n"
         "from jobserver.client import AsyncClient, TrioClient\n"
         "print(AsyncClient.__module__, TrioClient.__module__, 'trio' in sys.modules)\n"
     )

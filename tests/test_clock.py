@@ -24,15 +24,18 @@ import trio
 import trio.testing
 from trio.testing import MockClock
 
-from jobserver.core import commands, deadlines, selection, times
-from jobserver.core.context import DEFAULT_STALE_AFTER, Settings
-from jobserver.core.dispatch import Access, Answer, Dispatcher, Undo, WaitForJobs
-from jobserver.core.lifecycle import LEASE_EXPIRED, MAX_LEASES
-from jobserver.core.params import MAX_WAIT_MS
-from jobserver.core.replies import REPLY_TIMEOUT
-from jobserver.core.stale import lost_error
-from jobserver.core.waiters import WaitQueue
-from jobserver.core.writer import Work, Writer
+from jobserver.core.commands import jobs as commands
+from jobserver.core.commands.dispatch import Access, Answer, Dispatcher, Undo, WaitForJobs
+from jobserver.core.commands.params import MAX_WAIT_MS
+from jobserver.core.commands.replies import REPLY_TIMEOUT
+from jobserver.core.engine import deadlines
+from jobserver.core.engine.context import DEFAULT_STALE_AFTER, Settings
+from jobserver.core.engine.stale import lost_error
+from jobserver.core.engine.waiters import WaitQueue
+from jobserver.core.engine.writer import Work, Writer
+from jobserver.core.rules import selection
+from jobserver.core.rules.lifecycle import LEASE_EXPIRED, MAX_LEASES
+from jobserver.model import times
 from jobserver.storage.backends import open_store
 from jobserver.storage.interface import Storage
 from jobserver.wire.framing import Request, Response

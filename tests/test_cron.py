@@ -28,10 +28,11 @@ from trio.testing import MockClock
 
 from harness import ThreadServer
 from helpers import create, ok
-from jobserver.core import cron, params
-from jobserver.core.dispatch import WaitForJobs
+from jobserver.core.commands import params
+from jobserver.core.commands.dispatch import WaitForJobs
+from jobserver.core.commands.params import MAX_WAIT_MS
 from jobserver.core.errors import CommandError
-from jobserver.core.params import MAX_WAIT_MS
+from jobserver.model import cron
 from jobserver.wire.framing import Request
 from wire import Client
 

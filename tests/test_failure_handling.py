@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 from conformance_helpers import in_seconds, parse_time, query, row, utcnow
 from harness import ThreadServer
 from helpers import create, ok, until
-from jobserver.core import lifecycle, schedule
-from jobserver.core.jobs import Job
-from jobserver.core.repeat import offset_seconds
+from jobserver.core.rules import lifecycle, schedule
+from jobserver.model.jobs import Job
+from jobserver.model.repeat import offset_seconds
 from jobserver.storage.sqlite import Store
 from jobserver.storage.sqlite_schema import SCHEMA_VERSION, StoreError
 from wire import Client, Reply

@@ -19,8 +19,8 @@ import pytest
 import trio
 
 from helpers import until
-from jobserver.core.clock import SystemClock
-from jobserver.core.writer import Work, Writer
+from jobserver.core.engine.clock import SystemClock
+from jobserver.core.engine.writer import Work, Writer
 from jobserver.storage.sqlite import Store
 from tls_certs import make_certificates
 from wire import Client

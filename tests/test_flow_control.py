@@ -23,9 +23,9 @@ from test_failure_handling import layout, v1_file
 from harness import ThreadServer
 from helpers import create, ok, until
 from jobserver import cli
-from jobserver.core import windows
-from jobserver.core.jobs import NewJob
-from jobserver.core.times import parse_duration, to_millis, to_seconds
+from jobserver.model import windows
+from jobserver.model.jobs import NewJob
+from jobserver.model.times import parse_duration, to_millis, to_seconds
 from jobserver.storage.sqlite import Store
 from jobserver.storage.sqlite_schema import SCHEMA_VERSION
 from wire import Reply

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from jobserver.core.globmatch import glob_match, glob_to_regex
+from jobserver.model.globmatch import glob_match, glob_to_regex
 
 _db = sqlite3.connect(":memory:")
 

@@ -10,11 +10,11 @@ import trio
 import trio.testing
 
 from helpers import HeldSync
-from jobserver.core import commands
-from jobserver.core.clock import SystemClock
-from jobserver.core.context import Context
+from jobserver.core.commands import jobs as commands
+from jobserver.core.engine.clock import SystemClock
+from jobserver.core.engine.context import Context
+from jobserver.core.engine.writer import Writer
 from jobserver.core.errors import CommandError
-from jobserver.core.writer import Writer
 from jobserver.storage.sqlite import Store
 from jobserver.wire.framing import Request
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from harness import ThreadServer
 from helpers import create
-from jobserver.core import params
+from jobserver.core.commands import params
 from jobserver.core.errors import CommandError
 from jobserver.wire.framing import Request
 from jobserver.wire.limits import MAX_HEADERS
@@ -316,7 +316,7 @@ def test_the_names_of_ignored_headers_make_a_short_reply(client):
 
 
 def test_every_command_has_its_headers_listed_as_the_http_api_lists_them():
-    from jobserver.core.dispatch import ROUTES
+    from jobserver.core.commands.dispatch import ROUTES
     from jobserver.web import openapi
 
     assert set(params.KNOWN_HEADERS) == set(ROUTES)

@@ -1,4 +1,4 @@
-"""The table of a job's moves: the code's (core/lifecycle.py) against the
+"""The table of a job's moves: the code's (core/rules/lifecycle.py) against the
 one protocol.md section 4.2 prints, pair by pair; and a move outside the
 table is refused before it writes anything."""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from jobserver.core import lifecycle
-from jobserver.core.context import Context
-from jobserver.core.jobs import NewJob, State
-from jobserver.core.lifecycle import GONE, MOVES, NEW, IllegalMove
-from jobserver.core.times import utcnow
+from jobserver.core.engine.context import Context
+from jobserver.core.rules import lifecycle
+from jobserver.core.rules.lifecycle import GONE, MOVES, NEW, IllegalMove
+from jobserver.model.jobs import NewJob, State
+from jobserver.model.times import utcnow
 from jobserver.storage.sqlite import Store
 
 PROTOCOL = Path(__file__).parent.parent / "protocol.md"

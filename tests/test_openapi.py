@@ -60,7 +60,7 @@ def test_the_server_serves_the_document(http_server: ThreadServer) -> None:
     assert served == json.loads(json.dumps(openapi.document()))
     commands = {path.removeprefix("/api/") for path in served["paths"] if path.startswith("/api/")}
     # Every wire command but the aliases has an operation.
-    from jobserver.core.dispatch import ROUTES
+    from jobserver.core.commands.dispatch import ROUTES
 
     wire = {verb for verb in ROUTES if verb.isalpha()}
     assert {c.lower() for c in commands} == wire

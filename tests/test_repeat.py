@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobserver.core.repeat import (
+from jobserver.model.repeat import (
     REANCHOR_LIMIT_SECONDS,
     START_OF_HOUR,
     MalformedRepeat,

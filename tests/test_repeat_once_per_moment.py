@@ -18,10 +18,11 @@ from hypothesis import strategies as st
 
 from conformance_helpers import force, get_job, utcnow
 from helpers import create, ok
-from jobserver.core import schedule, times
-from jobserver.core.context import Context
+from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
-from jobserver.core.jobs import Job, State
+from jobserver.core.rules import schedule
+from jobserver.model import times
+from jobserver.model.jobs import Job, State
 
 # The check is the core's; the stores keep the times and data it reads.
 pytestmark = pytest.mark.backends

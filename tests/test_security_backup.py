@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from harness import ServerProcess
 from helpers import create, ok
-from jobserver.core.backup import MALFORMED_NAME, NAME_RULE
+from jobserver.core.commands.backup import MALFORMED_NAME, NAME_RULE
 from wire import Client
 
 TIMEOUT = 10.0

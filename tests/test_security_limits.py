@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 
 from harness import ServerProcess, ThreadServer
 from helpers import create, ok
-from jobserver.core import flow
-from jobserver.core.flow import FlowIndex
-from jobserver.core.globmatch import glob_match
+from jobserver.core.rules import flow
+from jobserver.core.rules.flow import FlowIndex
+from jobserver.model.globmatch import glob_match
 from jobserver.wire.limits import DEFAULT_MAX_LIMITS, MAX_MAX_LIMITS, MIN_MAX_REPLY_BYTES
 from wire import Client, encode
 

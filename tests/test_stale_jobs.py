@@ -18,10 +18,10 @@ from test_replies import schema, v3_file
 
 from harness import ThreadServer
 from helpers import until
-from jobserver.core import times
-from jobserver.core.context import Context, Settings
-from jobserver.core.jobs import NewJob
-from jobserver.core.stale import expire, lost_error
+from jobserver.core.engine.context import Context, Settings
+from jobserver.core.engine.stale import expire, lost_error
+from jobserver.model import times
+from jobserver.model.jobs import NewJob
 from jobserver.storage.sqlite import Store
 from jobserver.storage.sqlite_schema import MIGRATIONS, SCHEMA_VERSION
 

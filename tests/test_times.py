@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobserver.core import times
-from jobserver.core.times import parse_stored, parse_user_time, to_millis, to_seconds
+from jobserver.model import times
+from jobserver.model.times import parse_stored, parse_user_time, to_millis, to_seconds
 
 FAST = settings(max_examples=300, deadline=None)
 

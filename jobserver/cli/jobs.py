@@ -266,7 +266,7 @@ def _options_needed(args: argparse.Namespace) -> str | None:
     for option, needed in _NEEDS.items():
         if getattr(args, option) not in (None, False) and getattr(args, needed) in (None, False):
             return f"{_flag(option)} needs {_flag(needed)}"
-    from jobserver.core import cron  # only when checking a create: a client starts light
+    from jobserver.model import cron  # only when checking a create: a client starts light
 
     if args.time_zone and not args.time_windows and not cron.is_cron(args.repeat or ""):
         return "--time-zone needs --time-windows or a CRON --repeat"
@@ -366,7 +366,7 @@ def with_local_runs(job: dict[str, Any]) -> dict[str, Any]:
     runs = job.get("nextRuns")
     if not isinstance(runs, list):
         return job
-    from jobserver.core import cron  # only for a CRON job: a client starts light
+    from jobserver.model import cron  # only for a CRON job: a client starts light
 
     zone = str(job.get("timeZone") or "UTC")
     return {**job, "nextRunsLocal": [cron.in_zone(run, zone).isoformat() for run in runs]}

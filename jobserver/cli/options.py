@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from jobserver.client import TLS, parse_address
-from jobserver.core import globmatch
-from jobserver.core.times import duration_text, parse_duration
+from jobserver.model import globmatch
+from jobserver.model.times import duration_text, parse_duration
 from jobserver.wire import jsonbody
 from jobserver.wire.limits import (
     DEFAULT_HOST,
@@ -163,7 +163,7 @@ def pattern(text: str) -> str:
     of UTF-8 without control characters, as the server takes it."""
     # Here, not at the top: the server's parameter rules bring its time
     # zones and repeat grammar, which most commands never need (start-up).
-    from jobserver.core.params import has_control
+    from jobserver.core.commands.params import has_control
 
     if not text or len(text.encode("utf-8")) > MAX_NAME or has_control(text):
         raise argparse.ArgumentTypeError(
@@ -227,7 +227,7 @@ def time_windows(text: str) -> str:
     """--time-windows: HH:MM-HH:MM, comma-separated, up to 20."""
     # Here, not at the top: time zones (dateutil) are for this option and
     # --time-zone alone, and cost every command's start-up.
-    from jobserver.core import windows
+    from jobserver.model import windows
 
     try:
         return windows.format_windows(windows.parse_windows(text))
@@ -240,7 +240,7 @@ def time_windows(text: str) -> str:
 
 def time_zone(text: str) -> str:
     """--time-zone: an IANA zone name."""
-    from jobserver.core import windows  # as in time_windows
+    from jobserver.model import windows  # as in time_windows
 
     try:
         windows.parse_zone(text.strip())

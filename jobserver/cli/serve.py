@@ -13,9 +13,9 @@ import trio
 
 from jobserver import web
 from jobserver.cli.options import LOG_LEVELS, duration, log_level, number
-from jobserver.core import backup
-from jobserver.core.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER
-from jobserver.core.times import duration_text
+from jobserver.core.commands import backup
+from jobserver.core.engine.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER
+from jobserver.model.times import duration_text
 from jobserver.server.app import Config, HttpListenError, Server
 from jobserver.storage import sqlite_backup
 from jobserver.storage.backends import check_db, is_postgres

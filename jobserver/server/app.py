@@ -25,14 +25,16 @@ from typing import Any
 
 import trio
 
-from jobserver.core import backup, deadlines, flow, retention, selection
-from jobserver.core.clock import SystemClock
-from jobserver.core.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER, Settings
-from jobserver.core.dispatch import Access, Dispatcher, is_loopback
-from jobserver.core.query import DEFAULT_SECONDS as DEFAULT_QUERY_SECONDS
-from jobserver.core.times import to_millis
-from jobserver.core.waiters import WaitQueue
-from jobserver.core.writer import Writer
+from jobserver.core.commands import backup
+from jobserver.core.commands.dispatch import Access, Dispatcher, is_loopback
+from jobserver.core.commands.query import DEFAULT_SECONDS as DEFAULT_QUERY_SECONDS
+from jobserver.core.engine import deadlines, retention
+from jobserver.core.engine.clock import SystemClock
+from jobserver.core.engine.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER, Settings
+from jobserver.core.engine.waiters import WaitQueue
+from jobserver.core.engine.writer import Writer
+from jobserver.core.rules import flow, selection
+from jobserver.model.times import to_millis
 from jobserver.server.connection import Connection, serve_connection
 from jobserver.storage import lockfile
 from jobserver.storage.backends import is_postgres, open_store

@@ -8,7 +8,7 @@ for anything else, the jobs handed to it that it did not receive go back
 to the queue, and the socket is closed. Only cancellation passes through,
 which is how the server stops.
 
-A connection reads requests, gives each to the dispatcher (core/dispatch.py)
+A connection reads requests, gives each to the dispatcher (core/commands/dispatch.py)
 and writes the replies, strictly in order. What the dispatcher returns it
 applies: an Answer is written; a WaitForJobs is awaited while the
 connection reads ahead, so that a client that hangs up stops the wait.
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
-from jobserver.core.dispatch import Answer, Undo, WaitForJobs
+from jobserver.core.commands.dispatch import Answer, Undo, WaitForJobs
 from jobserver.logs import RateLimit
 from jobserver.server import peer
 from jobserver.wire.framing import (

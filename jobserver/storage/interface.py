@@ -9,7 +9,7 @@ means, and it never sets a job's state on its own, except where this
 interface says so (pruning, deleting the ended children of a parent).
 
 Date arithmetic and the merge of JSON data are not the backend's: they
-follow SQLite's semantics everywhere (core/sqlite_functions.py).
+follow SQLite's semantics everywhere (model/sqlite_functions.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from jobserver.core.jobs import Job, NewJob
+from jobserver.model.jobs import Job, NewJob
 
 # What metrics show of each queue (a name up to its first `/`): jobs by
 # (queue, state); the nextRun of each queue's oldest job due now that no

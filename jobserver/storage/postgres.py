@@ -41,8 +41,8 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.pq import TransactionStatus
 
-from jobserver.core.globmatch import glob_to_regex, is_glob
-from jobserver.core.jobs import Job, NewJob
+from jobserver.model.globmatch import glob_to_regex, is_glob
+from jobserver.model.jobs import Job, NewJob
 from jobserver.storage import postgres_listen, postgres_query, postgres_schema
 from jobserver.storage.interface import (
     BackupCopy,
@@ -391,7 +391,7 @@ class PostgresStore:
         another node's transaction holds are passed over
         (postgres_schema.FIND_READY_FUNCTION). The function's `blocked`
         patterns are always none: limits and pauses are checked by the core
-        (core/flow.py), at a bounded cost; the argument stays so that the
+        (core/rules/flow.py), at a bounded cost; the argument stays so that the
         schema needs no new version."""
         exact: list[str] | None = None
         regex: str | None = None

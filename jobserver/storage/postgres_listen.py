@@ -35,8 +35,9 @@ from typing import Any
 import psycopg
 import trio
 
-from jobserver.core import times
-from jobserver.core.params import MAX_NAME, has_control
+from jobserver.model import times
+from jobserver.model.names import has_control
+from jobserver.wire.limits import MAX_NAME
 
 log = logging.getLogger("jobserver")
 
@@ -66,7 +67,7 @@ BAD_NOTICE_LOG_SECONDS = 60.0
 # heard(ready names, earliest future time): ready None means "anything".
 Heard = Callable[["set[str] | None", "str | None"], None]
 
-# A stored time (core/times.py): seconds, optionally with a fraction.
+# A stored time (model/times.py): seconds, optionally with a fraction.
 _STORED_TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2} [0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,6})?")
 # A backslash and the character it escapes.
 _ESCAPE = re.compile(r"\\.", re.DOTALL)
@@ -162,7 +163,7 @@ def _ready(value: object) -> frozenset[str] | None:
 
 
 def _is_job_name(value: object) -> bool:
-    """As CreateJob checks a name (core/params.name)."""
+    """As CreateJob checks a name (core/commands/params.name)."""
     if not isinstance(value, str) or not value:
         return False
     try:

@@ -56,7 +56,7 @@ from jobserver.storage.sqlite_schema import StoreError
 log = logging.getLogger("jobserver")
 
 # The Query role's connections at once, on every node together: 4 at a time
-# per node (core/dispatch.QUERY_THREADS), for up to 16 nodes.
+# per node (core/commands/dispatch.QUERY_THREADS), for up to 16 nodes.
 QUERY_ROLE_CONNECTIONS = 64
 ROLE_PREFIX = "jobserver_query_"
 # How often a statement past its time is cancelled again, until it stops.

@@ -15,8 +15,8 @@ import sqlite3
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from jobserver.core.globmatch import is_glob
-from jobserver.core.jobs import PLAIN, Job, NewJob
+from jobserver.model.globmatch import is_glob
+from jobserver.model.jobs import PLAIN, Job, NewJob
 from jobserver.storage import sqlite_backup, sqlite_readers, sqlite_schema
 from jobserver.storage.interface import (
     BackupCopy,

@@ -46,8 +46,8 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from jobserver.core.dispatch import Answer, Dispatcher
-from jobserver.core.params import MAX_DATA
+from jobserver.core.commands.dispatch import Answer, Dispatcher
+from jobserver.core.commands.params import MAX_DATA
 from jobserver.web import access, openapi
 from jobserver.web.dashboard import Dashboard
 from jobserver.web.incoming import peer, read_body

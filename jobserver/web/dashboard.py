@@ -39,10 +39,12 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 from starlette.templating import Jinja2Templates
 
-from jobserver.core import cron, params, schedule, times
-from jobserver.core.dispatch import Answer, Dispatcher
+from jobserver.core.commands import params
+from jobserver.core.commands.dispatch import Answer, Dispatcher
 from jobserver.core.errors import CommandError
-from jobserver.core.jobs import Job, State
+from jobserver.core.rules import schedule
+from jobserver.model import cron, times
+from jobserver.model.jobs import Job, State
 from jobserver.web import access
 from jobserver.web.incoming import peer, read_body
 from jobserver.web.reads import Reads

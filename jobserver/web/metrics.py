@@ -28,9 +28,10 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from jobserver.core import queues, times
-from jobserver.core.dispatch import Answer, Dispatcher
-from jobserver.core.histogram import Histogram
+from jobserver.core.commands import queues
+from jobserver.core.commands.dispatch import Answer, Dispatcher
+from jobserver.core.engine.histogram import Histogram
+from jobserver.model import times
 from jobserver.wire.framing import Request
 
 MAX_QUEUES = 50

@@ -17,9 +17,9 @@ from functools import partial
 
 import trio
 
-from jobserver.core.context import Context
-from jobserver.core.dispatch import Dispatcher
-from jobserver.core.jobs import Job, State
+from jobserver.core.commands.dispatch import Dispatcher
+from jobserver.core.engine.context import Context
+from jobserver.model.jobs import Job, State
 
 
 @dataclass(frozen=True)

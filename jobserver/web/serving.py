@@ -52,7 +52,7 @@ from hypercorn.typing import AppWrapper, ConnectionState
 from hypercorn.utils import parse_socket_addr, wrap_app
 from starlette.requests import ClientDisconnect
 
-from jobserver.core.dispatch import Dispatcher
+from jobserver.core.commands.dispatch import Dispatcher
 from jobserver.logs import RateLimit
 from jobserver.web import app
 

@@ -108,7 +108,7 @@ MAX_MAX_REPLY_BYTES = 1024 * 1024 * 1024
 
 # Concurrency limits, and paused patterns, at most (--max-limits): every
 # job a GetJob considers is matched against them, so their number bounds
-# what one name costs (core/flow.py). A thousand is far more than any
+# what one name costs (core/rules/flow.py). A thousand is far more than any
 # deployment names queues for.
 DEFAULT_MAX_LIMITS = 1000
 MAX_MAX_LIMITS = 10_000

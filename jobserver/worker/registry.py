@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from jobserver.core import params
-from jobserver.core.globmatch import glob_match, is_glob
+from jobserver.core.commands import params
+from jobserver.model.globmatch import glob_match, is_glob
 from jobserver.worker.settings import MAX_TIMEOUT, Settings
 
 F = TypeVar("F", bound=Callable[..., Any])

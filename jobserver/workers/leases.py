@@ -12,7 +12,7 @@ from typing import Any
 import trio
 
 from jobserver.client import ConnectionFailed, JobServerError, ServerError
-from jobserver.core.repeat import offset_seconds
+from jobserver.model.repeat import offset_seconds
 from jobserver.workers.connection import Link, Server
 from jobserver.workers.contract import printable
 

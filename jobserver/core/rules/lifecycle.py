@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Any
 
-from jobserver.core import flow, schedule
-from jobserver.core.context import Context
-from jobserver.core.jobs import (
+from jobserver.core.engine.context import Context
+from jobserver.core.rules import flow, schedule
+from jobserver.model.jobs import (
     ACTIVE,
     ENDED_CHILDREN,
     PENDING,

@@ -18,11 +18,13 @@ from __future__ import annotations
 import re
 from datetime import timedelta
 
-from jobserver.core import lifecycle, params, times
-from jobserver.core.commands import check_lease, load_job
-from jobserver.core.context import Context
+from jobserver.core.commands import params
+from jobserver.core.commands.jobs import check_lease, load_job
+from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
-from jobserver.core.jobs import ACTIVE, State
+from jobserver.core.rules import lifecycle
+from jobserver.model import times
+from jobserver.model.jobs import ACTIVE, State
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request, Response
 from jobserver.wire.limits import DEFAULT_REPLY_TIMEOUT, MAX_REPLY_KEY, MAX_REPLY_TIMEOUT

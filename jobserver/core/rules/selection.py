@@ -11,12 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from jobserver.core import flow, lifecycle, params, schedule
-from jobserver.core.context import Context
+from jobserver.core.commands import params
+from jobserver.core.commands.views import handout_object
+from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
-from jobserver.core.globmatch import is_glob, listed_names
-from jobserver.core.jobs import Job
-from jobserver.core.views import handout_object
+from jobserver.core.rules import flow, lifecycle, schedule
+from jobserver.model.globmatch import is_glob, listed_names
+from jobserver.model.jobs import Job
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request, Response
 

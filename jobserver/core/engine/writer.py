@@ -36,12 +36,12 @@ from typing import Any
 import outcome
 import trio
 
-from jobserver.core import times
-from jobserver.core.clock import Clock
-from jobserver.core.context import Context, Settings
-from jobserver.core.durability import Durability
+from jobserver.core.engine.clock import Clock
+from jobserver.core.engine.context import Context, Settings
+from jobserver.core.engine.durability import Durability
+from jobserver.core.engine.histogram import BATCH_BOUNDS, SECONDS_BOUNDS, Histogram
 from jobserver.core.errors import CommandError
-from jobserver.core.histogram import BATCH_BOUNDS, SECONDS_BOUNDS, Histogram
+from jobserver.model import times
 from jobserver.storage.interface import Storage
 
 log = logging.getLogger("jobserver")

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from jobserver.core import lifecycle, times
-from jobserver.core.context import Context, Settings
+from jobserver.core.engine.context import Context, Settings
+from jobserver.core.rules import lifecycle
+from jobserver.model import times
 from jobserver.storage.interface import Storage
 
 # Jobs failed per clock tick: the rest follow in the next tick, at once,

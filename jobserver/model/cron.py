@@ -22,7 +22,7 @@ from contextlib import suppress
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
-from jobserver.core import times, windows
+from jobserver.model import times, windows
 
 if TYPE_CHECKING:
     from cronsim import CronSim

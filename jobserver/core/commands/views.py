@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobserver.core.jobs import ENDED_CHILDREN, Job, State
+from jobserver.model.jobs import ENDED_CHILDREN, Job, State
 from jobserver.storage.interface import Storage
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Response

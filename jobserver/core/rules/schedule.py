@@ -13,11 +13,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timedelta
 
-from jobserver.core import cron, repeat, times, windows
-from jobserver.core.context import Context
+from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
-from jobserver.core.jobs import Job, State
-from jobserver.core.sqlite_functions import datetime_after
+from jobserver.model import cron, repeat, times, windows
+from jobserver.model.jobs import Job, State
+from jobserver.model.sqlite_functions import datetime_after
 from jobserver.wire import jsonbody
 
 # Exponential backoff adds up to this fraction of the delay, so jobs that

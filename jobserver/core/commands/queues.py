@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from jobserver.core import times
+from jobserver.model import times
 from jobserver.storage.interface import QueueStats
 
 

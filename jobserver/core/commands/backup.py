@@ -22,7 +22,7 @@ import re
 import time
 from collections.abc import Callable
 
-from jobserver.core.views import ok
+from jobserver.core.commands.views import ok
 from jobserver.storage.interface import (
     BackupDirectory,
     BackupDirectoryUnusable,

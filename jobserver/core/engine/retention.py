@@ -16,12 +16,12 @@ from functools import partial
 
 import trio
 
-from jobserver.core import times
-from jobserver.core.clock import Clock
-from jobserver.core.context import Context
+from jobserver.core.engine.clock import Clock
+from jobserver.core.engine.context import Context
+from jobserver.core.engine.writer import Writer
 from jobserver.core.errors import CommandError
-from jobserver.core.jobs import State
-from jobserver.core.writer import Writer
+from jobserver.model import times
+from jobserver.model.jobs import State
 from jobserver.storage.interface import Storage
 
 log = logging.getLogger("jobserver")

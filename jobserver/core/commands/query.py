@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from jobserver.core import params
+from jobserver.core.commands import params
 from jobserver.storage.interface import (
     BadQuery,
     QueryTimeout,

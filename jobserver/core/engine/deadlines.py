@@ -9,8 +9,9 @@ through their retry policies, and the next time to fire is returned.
 
 from __future__ import annotations
 
-from jobserver.core import replies, stale
-from jobserver.core.context import Context, Settings
+from jobserver.core.commands import replies
+from jobserver.core.engine import stale
+from jobserver.core.engine.context import Context, Settings
 from jobserver.storage.interface import Storage
 
 

@@ -26,25 +26,17 @@ from typing import Any, Protocol
 import trio
 
 from jobserver import __version__
-from jobserver.core import (
-    backup,
-    commands,
-    cron,
-    flow,
-    params,
-    query,
-    queues,
-    replies,
-    selection,
-    times,
-)
-from jobserver.core.context import Context
+from jobserver.core.commands import backup, params, query, queues, replies
+from jobserver.core.commands import jobs as commands
+from jobserver.core.commands.views import ok
+from jobserver.core.engine.context import Context
+from jobserver.core.engine.waiters import Selector, WaitQueue
+from jobserver.core.engine.writer import Writer
 from jobserver.core.errors import CommandError
-from jobserver.core.jobs import State
-from jobserver.core.selection import JobQuery, Taken
-from jobserver.core.views import ok
-from jobserver.core.waiters import Selector, WaitQueue
-from jobserver.core.writer import Writer
+from jobserver.core.rules import flow, selection
+from jobserver.core.rules.selection import JobQuery, Taken
+from jobserver.model import cron, times
+from jobserver.model.jobs import State
 from jobserver.storage.interface import BackupDirectory, Storage
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request, Response

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from jobserver.core import times
+from jobserver.model import times
 from jobserver.storage.interface import Storage
 from jobserver.wire.limits import DEFAULT_MAX_LIMITS, DEFAULT_MAX_REPLY_BYTES
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Protocol
 
-from jobserver.core import times
+from jobserver.model import times
 
 
 class Clock(Protocol):

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobserver.core import cron, flow, lifecycle, params, schedule
-from jobserver.core.context import Context
+from jobserver.core.commands import params
+from jobserver.core.commands.views import failed_object, job_object, ok
+from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
-from jobserver.core.jobs import ACTIVE, PENDING, Job, NewJob, State
-from jobserver.core.schedule import RepeatStalled
-from jobserver.core.selection import name_selector
-from jobserver.core.sqlite_functions import json_patch
-from jobserver.core.views import failed_object, job_object, ok
+from jobserver.core.rules import flow, lifecycle, schedule
+from jobserver.core.rules.schedule import RepeatStalled
+from jobserver.core.rules.selection import name_selector
+from jobserver.model import cron
+from jobserver.model.jobs import ACTIVE, PENDING, Job, NewJob, State
+from jobserver.model.sqlite_functions import json_patch
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request, Response, escape
 from jobserver.wire.limits import DEFAULT_PRIORITY, MAX_FINISH_JOBS

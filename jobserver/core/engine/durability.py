@@ -30,8 +30,8 @@ from typing import Any
 import outcome
 import trio
 
+from jobserver.core.engine.histogram import SECONDS_BOUNDS, Histogram
 from jobserver.core.errors import CommandError
-from jobserver.core.histogram import SECONDS_BOUNDS, Histogram
 from jobserver.storage.interface import Storage
 
 log = logging.getLogger("jobserver")

@@ -6,9 +6,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from jobserver.core import cron, repeat, times, windows
 from jobserver.core.errors import CommandError
-from jobserver.core.jobs import PLAIN, FlowOptions, RetryPolicy
+from jobserver.model import cron, repeat, times, windows
+from jobserver.model.jobs import PLAIN, FlowOptions, RetryPolicy
+from jobserver.model.names import has_control
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request
 from jobserver.wire.limits import (
@@ -108,16 +109,13 @@ def job_ids(request: Request, name: str = "jobIDs") -> list[int]:
 
 # Unicode's control characters (category Cc): C0, DEL and C1; and lone
 # surrogates (from a JSON escape), which have no UTF-8 form at all.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
-
-
 def name(request: Request) -> str:
     """A job's name: 1 to 255 bytes of UTF-8 without control characters,
     which logs, terminals and worker file names cannot show or hold."""
     value = require(request, "name")
     if len(value.encode("utf-8")) > MAX_NAME:
         raise too_large("name", MAX_NAME)
-    if _CONTROL.search(value):
+    if has_control(value):
         raise CommandError("402 Malformed name")
     return value
 
@@ -412,15 +410,9 @@ def pattern(request: Request) -> str:
     value = require(request, "name")
     if len(value.encode("utf-8")) > MAX_NAME:
         raise too_large("name", MAX_NAME)
-    if _CONTROL.search(value):
+    if has_control(value):
         raise CommandError("402 Malformed name")
     return value
-
-
-def has_control(text: str) -> bool:
-    """Whether text holds a control character or a lone surrogate, which no
-    job name holds."""
-    return _CONTROL.search(text) is not None
 
 
 # Which headers each command reads (lower case, as Request keeps them). A

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from datetime import datetime
 
-from jobserver.core import sqlite_functions
+from jobserver.model import sqlite_functions
 
 BASES = ("SCHEDULED", "STARTED", "FINISHED")
 

@@ -23,10 +23,10 @@ from typing import Any
 import outcome
 import trio
 
-from jobserver.core import times
-from jobserver.core.clock import Clock, seconds_until
-from jobserver.core.globmatch import glob_match, is_glob
-from jobserver.core.writer import Work, Writer
+from jobserver.core.engine.clock import Clock, seconds_until
+from jobserver.core.engine.writer import Work, Writer
+from jobserver.model import times
+from jobserver.model.globmatch import glob_match, is_glob
 
 log = logging.getLogger("jobserver")
 
