@@ -6,8 +6,8 @@ from state to state is lifecycle.py's business alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import StrEnum
+from dataclasses import dataclass, fields
+from enum import Enum, StrEnum
 
 
 class State(StrEnum):
@@ -101,3 +101,43 @@ class NewJob:
     retry_after: str = ""
     policy: RetryPolicy | None = None
     flow: FlowOptions = PLAIN
+
+
+class _Keep(Enum):
+    KEEP = "keep"
+
+
+# A column a JobChanges leaves as it is.
+KEEP = _Keep.KEEP
+
+
+@dataclass(frozen=True)
+class JobChanges:
+    """What a write sets of a job's row besides its state: every field left
+    at KEEP stays as it is. The only columns a command may change, by name:
+    a column's name never comes from a request."""
+
+    name: str | _Keep = KEEP
+    nextRun: str | _Keep = KEEP
+    lastRun: str | _Keep | None = KEEP
+    repeat: str | _Keep = KEEP
+    data: str | _Keep = KEEP
+    priority: int | _Keep = KEEP
+    retryAfter: str | _Keep = KEEP
+    attempts: int | _Keep = KEEP
+    lastError: str | _Keep = KEEP
+    leaseID: str | _Keep = KEEP
+    ended: str | _Keep = KEEP
+    replyKey: str | _Keep = KEEP
+    lastReport: str | _Keep = KEEP
+
+    def columns(self) -> dict[str, object]:
+        """The columns set, by name, in a fixed order."""
+        return {
+            field.name: value
+            for field in fields(self)
+            if (value := getattr(self, field.name)) is not KEEP
+        }
+
+
+NO_CHANGES = JobChanges()

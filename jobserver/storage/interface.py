@@ -1,12 +1,22 @@
 """What the core needs from storage: exactly this, and nothing of SQL.
 
 SQLite (sqlite.py) is the default; PostgreSQL (postgres.py) lets several
-nodes serve one queue. A backend keeps jobs, limits,
-paused patterns and replies; offers the transaction steps the writer uses
-to commit many requests at once; and answers the few questions the clock,
-the pruner and the Query command ask. It never decides what a command
-means, and it never sets a job's state on its own, except where this
-interface says so (pruning, deleting the ended children of a parent).
+nodes serve one queue. A backend is three parts:
+
+- `Transactions`: the steps the writer uses to commit many requests at
+  once (one transaction per batch, a savepoint per request);
+- `Jobs`: named operations on jobs, limits, paused patterns and replies,
+  in the writer's transaction, in the River way: each says what the core
+  means (create, move jobs from a state to another, note a report, ...),
+  takes many jobs at once where the core may have many, and says which
+  it changed. A state change is fenced: only jobs still in an expected
+  state (and holding an expected lease) change;
+- `Readers`: what is read outside the writer, on connections of their own.
+
+A backend never decides what a command means, and never sets a job's
+state on its own, except where this interface says so (pruning, deleting
+the ended children of a parent). tests/test_driver.py tests every
+operation on every backend: a new backend is complete when it passes.
 
 Date arithmetic and the merge of JSON data are not the backend's: they
 follow SQLite's semantics everywhere (model/sqlite_functions.py).
@@ -18,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from jobserver.model.jobs import Job, NewJob
+from jobserver.model.jobs import NO_CHANGES, Job, JobChanges, NewJob
 
 # What metrics show of each queue (a name up to its first `/`): jobs by
 # (queue, state); the nextRun of each queue's oldest job due now that no
@@ -105,23 +115,21 @@ class BackupDirectoryUnusable(Exception):
 Heard = Callable[["set[str] | None", "str | None"], None]
 
 
-class Storage(Protocol):
-    """The jobs database, used by one thread at a time (the writer's),
-    except where a method says it opens a connection of its own or may be
-    called from another thread."""
+class Transactions(Protocol):
+    """One transaction per batch of the writer, a savepoint per request
+    where needed. Savepoints nest: a request may open one of its own, by
+    another name, inside the writer's (FinishJobs undoes a failed element
+    alone). `sync` and `checkpoint_if_due` are SQLite's own (a commit there
+    is made durable afterwards, from another thread); on PostgreSQL they do
+    nothing, and `announce`/`listen` are PostgreSQL's (SQLite has no other
+    nodes)."""
 
-    # What a human reads in logs and Status: a file path, or a URL.
-    path: str
     # Exceptions that mean the database itself failed (locked, disk full,
     # I/O): the writer answers `503` and rolls back.
     errors: tuple[type[Exception], ...]
     # Among them, those after which the same transaction may simply be run
     # again (a deadlock between two nodes' transactions).
     transient: tuple[type[Exception], ...]
-    # Flow control, read on every hand-out: kept in memory, in step with
-    # what is stored (reloaded whenever a transaction is rolled back).
-    limits: dict[str, int]
-    paused: frozenset[str]
     # Whether a commit is durable only once `sync` has returned (the
     # writer then delivers outcomes after a sync); False when commits are
     # not to be synced one by one (--synchronous NORMAL, a memory database).
@@ -130,17 +138,13 @@ class Storage(Protocol):
     # worker thread, never on the event loop.
     blocking: bool
 
-    def close(self) -> None: ...
-
     def stop_waiting_long(self) -> None:
         """The server stops: waits for another process's lock are cut short."""
 
-    # Transactions: one per batch, a savepoint per request where needed.
-    # Savepoints nest: a request may open one of its own, by another name,
-    # inside the writer's (FinishJobs undoes a failed element alone).
-
     @property
-    def total_changes(self) -> int: ...
+    def total_changes(self) -> int:
+        """Rows changed so far: the writer compares it before and after a
+        request to know whether it wrote."""
 
     @property
     def in_transaction(self) -> bool: ...
@@ -173,8 +177,6 @@ class Storage(Protocol):
     def rollback_savepoint(self, name: str = "request") -> None:
         """Undo what was written since savepoint `name`, and close it."""
 
-    # Other nodes serving the same jobs (PostgreSQL).
-
     def announce(self, ready: set[str], due: str | None) -> None:
         """Inside a transaction: tell the other nodes, once it commits,
         which names it made due and the earliest future time it wrote."""
@@ -184,15 +186,59 @@ class Storage(Protocol):
         other nodes announce, and now and then with None ("look again").
         Returns at once when no other node can share the jobs."""
 
-    # Jobs.
+
+class Jobs(Protocol):
+    """The named operations, in the writer's transaction. Where other nodes
+    write the same jobs (PostgreSQL), a job read by its ID, its name or its
+    reply key is locked until the transaction ends (the caller may go on to
+    change it), and the searches that hand out or expire jobs pass over
+    jobs another node holds."""
+
+    # Flow control, read on every hand-out: kept in memory, in step with
+    # what is stored (reloaded whenever a transaction is rolled back).
+    limits: dict[str, int]
+    paused: frozenset[str]
+
+    # Writing jobs.
+
+    def create(
+        self, jobs: Sequence[NewJob], *, created: str, state: str, ended: str = ""
+    ) -> list[int]:
+        """Store new jobs in `state`; their jobIDs, in order."""
+
+    def set_state_if(
+        self,
+        ids: Sequence[int],
+        from_states: Sequence[str],
+        to_state: str,
+        changes: JobChanges = NO_CHANGES,
+        lease: str | None = None,
+    ) -> list[int]:
+        """Move the jobs still in one of `from_states` (and holding lease
+        `lease`, if given) to `to_state`, setting `changes` too; the jobIDs
+        moved. The only way a job's state changes."""
+
+    def amend(self, ids: Sequence[int], changes: JobChanges) -> list[int]:
+        """Set `changes` on the jobs whatever their state; the jobIDs changed."""
+
+    def note_report(self, ids: Sequence[int], when: str) -> list[int]:
+        """RUNNING jobs were heard from at `when`; the jobIDs noted."""
+
+    def delete(
+        self, ids: Sequence[int] | int, in_states: Sequence[str] | None = None
+    ) -> list[int]:
+        """Delete the jobs (only those in one of `in_states`, if given); the
+        jobIDs deleted."""
+
+    # The old row operations, until the core calls the named ones.
 
     def insert(self, new: NewJob, *, created: str, state: str, ended: str = "") -> int: ...
 
-    def get(self, job_id: int) -> Job | None: ...
-
     def update(self, job_id: int, **fields: object) -> None: ...
 
-    def delete(self, job_id: int) -> None: ...
+    # Reading jobs.
+
+    def get(self, job_id: int) -> Job | None: ...
 
     def find_ready(
         self,
@@ -204,22 +250,29 @@ class Storage(Protocol):
         names: Sequence[str] = (),
         skipped: Sequence[int] = (),
     ) -> list[Job]:
-        """Due QUEUED/RUNQUEUED jobs in hand-out order (protocol.md 4.4),
+        """Due jobs in a READY state, in hand-out order (protocol.md 4.4:
+        priority in the order of `priorities`, then nextRun, then jobID),
         matching a GLOB `pattern` or one of `names`, except the `skipped`
-        jobIDs."""
+        jobIDs; at most `limit`."""
 
     def find_by_name(self, name: str) -> Job | None:
-        """The oldest job with exactly this name that is not history."""
+        """The oldest job with exactly this name that is not history (a
+        standalone FINISHED job kept for retention)."""
 
-    def failed(self, *, pattern: str | None, names: Sequence[str], limit: int) -> list[Job]: ...
+    def failed(self, *, pattern: str | None, names: Sequence[str], limit: int) -> list[Job]:
+        """FAILED jobs matching a GLOB `pattern` or one of `names`, oldest first."""
 
     def count_by_state(self) -> dict[str, int]: ...
 
-    def children(self, parent_id: int, states: Sequence[str]) -> list[Job]: ...
+    # Parents and children.
+
+    def children(self, parent_id: int, states: Sequence[str]) -> list[Job]:
+        """A job's children in these states, oldest first."""
 
     def has_children(self, parent_id: int, states: Sequence[str] | None = None) -> bool: ...
 
-    def delete_children(self, parent_id: int, states: Sequence[str]) -> None: ...
+    def delete_children(self, parent_id: int, states: Sequence[str]) -> int:
+        """Delete a job's children in these states; how many went."""
 
     # The clock.
 
@@ -233,89 +286,111 @@ class Storage(Protocol):
     def oldest_report(self) -> str | None:
         """The lastReport of the RUNNING job heard from least recently."""
 
-    def stale(self, reported_before: str, limit: int) -> list[Job]: ...
+    def stale(self, reported_before: str, limit: int) -> list[Job]:
+        """RUNNING jobs last heard from at or before `reported_before`,
+        least recently first."""
 
     # Replies (protocol.md 14.12).
 
-    def waiting_on(self, key: str) -> Job | None: ...
+    def waiting_on(self, key: str) -> Job | None:
+        """The WAITING job waiting on `key`."""
 
-    def overdue(self, now: str, limit: int) -> list[Job]: ...
+    def overdue(self, now: str, limit: int) -> list[Job]:
+        """WAITING jobs whose deadline has passed, earliest first."""
 
-    def reply(self, key: str, now: str) -> tuple[str, int] | None: ...
+    def reply(self, key: str, now: str) -> tuple[str, int] | None:
+        """A kept reply's data and the job it went to (0: none yet); None
+        if there is none, or it expired (and is deleted here)."""
 
-    def keep_reply(self, key: str, data: str, received: str, expires: str, job_id: int) -> None: ...
+    def keep_reply(self, key: str, data: str, received: str, expires: str, job_id: int) -> None:
+        """Keep a reply (replacing one kept under the same key)."""
 
     def claim_reply(self, key: str, job_id: int) -> None: ...
 
-    def early_replies(self, now: str) -> int: ...
+    def early_replies(self, now: str) -> int:
+        """Unexpired replies that no job has claimed yet."""
 
     # Flow control (protocol.md 14.7 to 14.9).
 
-    def set_limit(self, pattern: str, capacity: int) -> None: ...
+    def set_limit(self, pattern: str, capacity: int) -> None:
+        """Store a limit; capacity 0 removes it."""
 
     def hold_limits(self) -> None:
         """Until the transaction ends, no other node hands out a job under
         any limit: called before the `usage` that decides a hand-out."""
 
     def usage(self, pattern: str, now: str) -> int:
-        """The cost of the running jobs a limit's pattern matches."""
-
+        """The cost of the running jobs a limit's pattern matches: RUNNING,
+        and RUNQUEUED whose lease has not run out at `now`."""
 
     def pause(self, pattern: str) -> None: ...
 
-    def resume(self, pattern: str) -> bool: ...
+    def resume(self, pattern: str) -> bool:
+        """Forget a paused pattern; False if it was not paused."""
 
     # Retention (protocol.md 14.10).
 
-    def prune(self, state: str, ended_before: str, batch: int) -> int: ...
+    def prune(self, state: str, ended_before: str, batch: int) -> int:
+        """Delete up to `batch` standalone jobs in `state` (FINISHED or
+        FAILED) that ended before `ended_before`; how many went."""
 
-    def prune_replies(self, now: str, batch: int) -> int: ...
+    def prune_replies(self, now: str, batch: int) -> int:
+        """Delete up to `batch` expired replies; how many went."""
 
     def reclaim_space(self, pruned: bool) -> bool:
         """Give freed space back to the system, a bounded step; True when
         more is left."""
 
-    def prune_pending(self, before: Mapping[str, str], now: str) -> bool:
-        """Whether the pruner has work; asked on a connection of its own
-        (from another thread), so that an idle server opens no transaction."""
+    def size_bytes(self) -> int:
+        """What the database takes on disk, for Status."""
 
-    # Outside the writer.
+
+class Readers(Protocol):
+    """What is read outside the writer, each on a connection of its own
+    (from another thread)."""
+
+    def prune_pending(self, before: Mapping[str, str], now: str) -> bool:
+        """Whether the pruner has work, so that an idle server opens no
+        transaction."""
 
     def run_query(self, sql: str, seconds: float, rows: QueryRows) -> None:
-        """Run a client's read-only SQL, one statement, on a connection of
-        its own (from another thread), giving `rows` its column names and
-        then each row as it is read. Raises QueryTimeout past `seconds`,
-        BadQuery for SQL that is not one read, QueryUnavailable when the
-        backend is not set up for Query, and lets what `rows` raises (the
-        reply's bounds) through; one of `errors` when the database cannot
-        be reached."""
+        """Run a client's read-only SQL, one statement, giving `rows` its
+        column names and then each row as it is read. Raises QueryTimeout
+        past `seconds`, BadQuery for SQL that is not one read,
+        QueryUnavailable when the backend is not set up for Query, and lets
+        what `rows` raises (the reply's bounds) through; one of `errors`
+        when the database cannot be reached."""
 
     def queue_stats(self, now: str) -> QueueStats:
         """Jobs by queue and state, each queue's oldest due nextRun that no
-        paused pattern holds, and the due jobs they hold, on a connection of
-        its own (from another thread): it reads every job."""
+        paused pattern holds, and the due jobs they hold: it reads every job."""
 
     def running_by_name(self, now: str) -> list[tuple[str, int]]:
-        """The cost of the running jobs, as `usage` counts it, by name, on a
-        connection of its own (from another thread), for Status."""
+        """The cost of the running jobs, as `usage` counts it, by name, for
+        Status."""
 
     def find_matching(self, pattern: str, limit: int) -> list[Job]:
         """Jobs in any state whose name matches a GLOB `pattern`, newest
-        first: the dashboard's search. On a connection of its own (from
-        another thread): it may read every job."""
-
-    def size_bytes(self) -> int:
-        """What the database takes on disk, for Status."""
+        first: the dashboard's search. It may read every job."""
 
     def backup(
         self, directory: BackupDirectory, name: str, stopped: Callable[[], bool]
     ) -> BackupCopy:
         """Copy the database as it is at one moment into a new file `name`
-        (a plain file name, checked by the caller) in `directory`, on a
-        connection of its own (from another thread) while the writer goes
-        on; check the copy and count its jobs. `stopped` is asked now and
-        then: once it says True the copy is abandoned (BackupFailed).
-        Raises BackupNameTaken (nothing is ever overwritten),
-        BackupDirectoryUnusable, BackupFailed when the copy fails or fails
-        its check (the partial file removed), BackupUnsupported on a
-        backend that has other means (checked first)."""
+        (a plain file name, checked by the caller) in `directory`, while the
+        writer goes on; check the copy and count its jobs. `stopped` is
+        asked now and then: once it says True the copy is abandoned
+        (BackupFailed). Raises BackupNameTaken (nothing is ever
+        overwritten), BackupDirectoryUnusable, BackupFailed when the copy
+        fails or fails its check (the partial file removed),
+        BackupUnsupported on a backend that has other means (checked first)."""
+
+
+class Storage(Transactions, Jobs, Readers, Protocol):
+    """The jobs database, used by one thread at a time (the writer's),
+    except for its Readers."""
+
+    # What a human reads in logs and Status: a file path, or a URL.
+    path: str
+
+    def close(self) -> None: ...

@@ -42,8 +42,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.pq import TransactionStatus
 
 from jobserver.model.globmatch import glob_to_regex, is_glob
-from jobserver.model.jobs import Job, NewJob
-from jobserver.storage import postgres_listen, postgres_query, postgres_schema
+from jobserver.model.jobs import Job
+from jobserver.storage import postgres_listen, postgres_query, postgres_schema, sql
 from jobserver.storage.interface import (
     BackupCopy,
     BackupDirectory,
@@ -51,6 +51,8 @@ from jobserver.storage.interface import (
     QueryRows,
     QueueStats,
 )
+from jobserver.storage.sql import COLUMNS, JOB, POSTGRES
+from jobserver.storage.sql_store import FLOW_CONTROL, SqlStore
 from jobserver.storage.sqlite_schema import StoreError
 
 log = logging.getLogger("jobserver")
@@ -64,35 +66,12 @@ RECONNECT_SECONDS = 0.5
 # notice says "anything may be ready" instead of listing names.
 MAX_NOTICE_BYTES = 7000
 
-_COLUMNS = (
-    "created, jobID, state, name, nextRun, lastRun, repeat, data, priority, "
-    "parentJobID, retryAfter, maxAttempts, retryBackoff, retryDelay, retryMaxDelay, "
-    "attempts, lastError, leaseID, cost, timeWindows, timeZone, ended, replyKey, lastReport"
-)
-
-_UPDATABLE = frozenset(
-    (
-        "state", "name", "nextRun", "lastRun", "repeat", "data", "priority", "retryAfter",
-        "attempts", "lastError", "leaseID", "ended", "replyKey", "lastReport",
-    )
-)
-
 # Query's result columns, spelled as on SQLite: PostgreSQL folds unquoted
 # identifiers to lower case.
 _SPELLING = {
     column.lower(): column
-    for column in (
-        *(c.strip() for c in _COLUMNS.split(",")),
-        "pattern", "capacity", "received", "expires",
-    )
+    for column in (*COLUMNS, "pattern", "capacity", "received", "expires")
 }
-
-
-# Limits (with their capacity) and paused patterns (with none), in one query.
-_FLOW_CONTROL = (
-    b"SELECT pattern, capacity FROM limits UNION ALL SELECT pattern, NULL FROM paused"
-)
-
 
 
 def redact(url: str) -> str:
@@ -135,7 +114,8 @@ def connect(url: str, **overrides: str) -> psycopg.Connection[Any]:
     return psycopg.connect(make_conninfo("", **settings), autocommit=True)
 
 
-class PostgresStore:
+class PostgresStore(SqlStore):
+    dialect = POSTGRES
     blocking = True
     needs_sync = False
 
@@ -209,31 +189,25 @@ class PostgresStore:
         """Nothing waits long here: a lock wait is bounded by the other
         node's transaction, and a connection attempt by CONNECT_SECONDS."""
 
-    # Statements. Every one goes through _run, which counts what it
+    # Statements. Every one goes through _execute, which counts what it
     # changed; a failed statement counts as a change, because in PostgreSQL
     # it spoils the transaction until the savepoint around it is undone.
 
-    def _run(self, sql: str, args: Sequence[Any] = ()) -> psycopg.Cursor[Any]:
+    def _execute(self, statement: str, args: Sequence[Any] = ()) -> psycopg.Cursor[Any]:
         try:
-            cursor = self._db.execute(sql, args)
+            cursor = self._db.execute(statement, args)
         except psycopg.Error:
             self._changes += 1
             raise
-        if cursor.rowcount > 0 and cursor.description is None:
+        if cursor.rowcount > 0 and not statement.startswith("SELECT"):
             self._changes += cursor.rowcount
         return cursor
-
-    def _one(self, sql: str, args: Sequence[Any] = ()) -> Any:
-        return self._run(sql, args).fetchone()
-
-    def _jobs(self, sql: str, args: Sequence[Any] = ()) -> list[Job]:
-        return [Job(*row) for row in self._run(sql, args).fetchall()]
 
     def _lock(self, purpose: str, key: str) -> None:
         """A transaction lock on `key` for `purpose`, shared by every node
         on this schema; released at commit or rollback. A row lock on a
         table of the nodes' own (postgres_schema.LOCK_SLOTS says why)."""
-        self._run(
+        self._execute(
             "SELECT slot FROM jobserver_locks WHERE slot = %s FOR UPDATE",
             (postgres_schema.lock_slot(purpose, key),),
         )
@@ -261,7 +235,7 @@ class PostgresStore:
         try:
             with self._db.pipeline():
                 self._db.execute(b"BEGIN")
-                flow = self._db.execute(_FLOW_CONTROL)
+                flow = self._db.execute(FLOW_CONTROL)
         except psycopg.Error:
             self._changes += 1
             raise
@@ -313,10 +287,10 @@ class PostgresStore:
         self._load_flow_control()
 
     def savepoint(self, name: str = "request") -> None:
-        self._run(f'SAVEPOINT "{name}"')
+        self._execute(f'SAVEPOINT "{name}"')
 
     def release(self, name: str = "request") -> None:
-        self._run(f'RELEASE SAVEPOINT "{name}"')
+        self._execute(f'RELEASE SAVEPOINT "{name}"')
 
     def rollback_savepoint(self, name: str = "request") -> None:
         self._db.execute(f'ROLLBACK TO SAVEPOINT "{name}"'.encode())
@@ -338,45 +312,6 @@ class PostgresStore:
         # Sent with the COMMIT (see commit).
         self._notice = payload
 
-    # Rows.
-
-    def insert(self, new: NewJob, *, created: str, state: str, ended: str = "") -> int:
-        policy, flow = new.policy, new.flow
-        columns = (
-            "created, state, name, nextRun, repeat, data, priority, parentJobID, retryAfter, "
-            "cost, timeWindows, timeZone, ended"
-        )
-        values: list[Any] = [
-            created, state, new.name, new.next_run, new.repeat, new.data, new.priority,
-            new.parent_id, new.retry_after, flow.cost, flow.windows, flow.zone, ended,
-        ]
-        if policy is not None:
-            columns += ", maxAttempts, retryBackoff, retryDelay, retryMaxDelay"
-            values += [policy.max_attempts, policy.backoff, policy.delay, policy.max_delay]
-        marks = ", ".join("%s" for _ in values)
-        row = self._one(
-            f"INSERT INTO jobs ({columns}) VALUES ({marks}) RETURNING jobID", values
-        )
-        self._changes += 1
-        return int(row[0])
-
-    def get(self, job_id: int) -> Job | None:
-        # Locked: what a command reads of a job, it may go on to change.
-        rows = self._jobs(f"SELECT {_COLUMNS} FROM jobs WHERE jobID = %s FOR UPDATE", (job_id,))
-        return rows[0] if rows else None
-
-    def update(self, job_id: int, **fields: object) -> None:
-        unknown = set(fields) - _UPDATABLE
-        if unknown:
-            raise ValueError(f"not updatable: {sorted(unknown)}")
-        assignments = ", ".join(f"{column} = %s" for column in fields)
-        self._run(
-            f"UPDATE jobs SET {assignments} WHERE jobID = %s", (*fields.values(), job_id)
-        )
-
-    def delete(self, job_id: int) -> None:
-        self._run("DELETE FROM jobs WHERE jobID = %s", (job_id,))
-
     def find_ready(
         self,
         *,
@@ -387,7 +322,7 @@ class PostgresStore:
         names: Sequence[str] = (),
         skipped: Sequence[int] = (),
     ) -> list[Job]:
-        """Due QUEUED/RUNQUEUED jobs in hand-out order, locked; jobs that
+        """Due jobs (READY) in hand-out order, locked; jobs that
         another node's transaction holds are passed over
         (postgres_schema.FIND_READY_FUNCTION). The function's `blocked`
         patterns are always none: limits and pauses are checked by the core
@@ -400,225 +335,24 @@ class PostgresStore:
         else:
             exact = [pattern] if pattern is not None else list(names)
         return self._jobs(
-            f"SELECT {_COLUMNS} FROM jobserver_find_ready(%s, %s, %s, %s, %s, %s, %s)",
+            f"SELECT {JOB} FROM jobserver_find_ready(%s, %s, %s, %s, %s, %s, %s)",
             (
                 now, list(priorities), limit, regex, exact,
                 [], list(skipped),
             ),
         )
 
-    def next_due(self, after: str) -> str | None:
-        row = self._one(
-            "SELECT LEAST("
-            "(SELECT MIN(nextRun) FROM jobs WHERE state IN ('QUEUED', 'RUNQUEUED') "
-            "AND nextRun > %s), "
-            "(SELECT MIN(nextRun) FROM jobs WHERE state = 'WAITING' AND nextRun > %s))",
-            (after, after),
-        )
-        return row[0]
-
-    def first_deadline(self) -> str | None:
-        return self._one("SELECT MIN(nextRun) FROM jobs WHERE state = 'WAITING'")[0]
-
-    def oldest_report(self) -> str | None:
-        row = self._one(
-            "SELECT lastReport FROM jobs WHERE state = 'RUNNING' AND lastReport > '' "
-            "ORDER BY lastReport LIMIT 1"
-        )
-        return row[0] if row else None
-
-    def stale(self, reported_before: str, limit: int) -> list[Job]:
-        return self._jobs(
-            f"SELECT {_COLUMNS} FROM jobs WHERE state = 'RUNNING' AND lastReport <= %s "
-            "ORDER BY lastReport LIMIT %s FOR UPDATE SKIP LOCKED",
-            (reported_before, limit),
-        )
-
-    # Replies (protocol.md 14.11).
-
-    def waiting_on(self, key: str) -> Job | None:
-        self._lock("reply", key)
-        rows = self._jobs(
-            f"SELECT {_COLUMNS} FROM jobs WHERE state = 'WAITING' AND replyKey = %s FOR UPDATE",
-            (key,),
-        )
-        return rows[0] if rows else None
-
-    def overdue(self, now: str, limit: int) -> list[Job]:
-        return self._jobs(
-            f"SELECT {_COLUMNS} FROM jobs WHERE state = 'WAITING' AND nextRun <= %s "
-            "ORDER BY nextRun LIMIT %s FOR UPDATE SKIP LOCKED",
-            (now, limit),
-        )
-
-    def reply(self, key: str, now: str) -> tuple[str, int] | None:
-        self._lock("reply", key)
-        row = self._one(
-            "SELECT data, jobID, expires FROM replies WHERE replyKey = %s", (key,)
-        )
-        if row is None:
-            return None
-        if row[2] <= now:
-            self._run("DELETE FROM replies WHERE replyKey = %s", (key,))
-            return None
-        return row[0], int(row[1])
-
-    def keep_reply(self, key: str, data: str, received: str, expires: str, job_id: int) -> None:
-        self._run(
-            "INSERT INTO replies (replyKey, data, received, expires, jobID) "
-            "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (replyKey) DO UPDATE SET "
-            "data = excluded.data, received = excluded.received, "
-            "expires = excluded.expires, jobID = excluded.jobID",
-            (key, data, received, expires, job_id),
-        )
-
-    def claim_reply(self, key: str, job_id: int) -> None:
-        self._run("UPDATE replies SET jobID = %s WHERE replyKey = %s", (job_id, key))
-
-    def early_replies(self, now: str) -> int:
-        row = self._one("SELECT COUNT(*) FROM replies WHERE jobID = 0 AND expires > %s", (now,))
-        return int(row[0])
-
-    def prune_replies(self, now: str, batch: int) -> int:
-        cursor = self._run(
-            "DELETE FROM replies WHERE replyKey IN (SELECT replyKey FROM replies "
-            "WHERE expires <= %s ORDER BY expires LIMIT %s FOR UPDATE SKIP LOCKED)",
-            (now, batch),
-        )
-        return max(cursor.rowcount, 0)
-
-    def failed(self, *, pattern: str | None, names: Sequence[str], limit: int) -> list[Job]:
-        if pattern is not None:
-            clause, arg = "name ~ %s", glob_to_regex(pattern)
-            if not is_glob(pattern):
-                clause, arg = "name = %s", pattern
-            args: list[Any] = [arg]
-        else:
-            clause, args = "name = ANY(%s)", [list(names)]
-        return self._jobs(
-            f"SELECT {_COLUMNS} FROM jobs WHERE state = 'FAILED' AND {clause} "
-            "ORDER BY jobID LIMIT %s",
-            (*args, limit),
-        )
-
-    def count_by_state(self) -> dict[str, int]:
-        rows = self._run("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()
-        return {state: int(count) for state, count in rows}
-
-    # Parents and children.
-
-    def children(self, parent_id: int, states: Sequence[str]) -> list[Job]:
-        return self._jobs(
-            f"SELECT {_COLUMNS} FROM jobs WHERE parentJobID != 0 AND parentJobID = %s "
-            "AND state = ANY(%s) ORDER BY jobID",
-            (parent_id, list(states)),
-        )
-
-    def has_children(self, parent_id: int, states: Sequence[str] | None = None) -> bool:
-        if states is None:
-            row = self._one(
-                "SELECT 1 FROM jobs WHERE parentJobID != 0 AND parentJobID = %s LIMIT 1",
-                (parent_id,),
-            )
-        else:
-            row = self._one(
-                "SELECT 1 FROM jobs WHERE parentJobID != 0 AND parentJobID = %s "
-                "AND state = ANY(%s) LIMIT 1",
-                (parent_id, list(states)),
-            )
-        return row is not None
-
-    def delete_children(self, parent_id: int, states: Sequence[str]) -> None:
-        self._run(
-            "DELETE FROM jobs WHERE parentJobID != 0 AND parentJobID = %s AND state = ANY(%s)",
-            (parent_id, list(states)),
-        )
-
-    def find_by_name(self, name: str) -> Job | None:
-        # Two nodes creating the same unique job: the second waits here for
-        # the first to commit, then finds its job.
-        self._lock("name", name)
-        rows = self._jobs(
-            f"SELECT {_COLUMNS} FROM jobs WHERE name = %s "
-            "AND NOT (state = 'FINISHED' AND parentJobID = 0) ORDER BY jobID LIMIT 1 FOR UPDATE",
-            (name,),
-        )
-        return rows[0] if rows else None
-
-    # Flow control.
-
-    def _load_flow_control(self) -> None:
-        try:
-            rows = self._db.execute(_FLOW_CONTROL).fetchall()
-        except psycopg.Error:
-            # The connection is gone or the transaction failed: read again
-            # at the next begin or rollback.
-            return
-        self._set_flow_control(rows)
-
-    def _set_flow_control(self, rows: list[tuple[Any, ...]]) -> None:
-        limits = {
-            **self._base_limits,
-            **{pattern: capacity for pattern, capacity in rows if capacity is not None},
-        }
-        # In one order on every node: hand-outs take the limits' locks in it.
-        self.limits = dict(sorted(limits.items()))
-        self.paused = frozenset(pattern for pattern, capacity in rows if capacity is None)
-
-    def set_limit(self, pattern: str, capacity: int) -> None:
-        if capacity:
-            self._run(
-                "INSERT INTO limits (pattern, capacity) VALUES (%s, %s) "
-                "ON CONFLICT (pattern) DO UPDATE SET capacity = excluded.capacity",
-                (pattern, capacity),
-            )
-            self.limits = {**self.limits, pattern: capacity}
-        else:
-            self._run("DELETE FROM limits WHERE pattern = %s", (pattern,))
-            self._base_limits.pop(pattern, None)
-            self.limits = {p: c for p, c in self.limits.items() if p != pattern}
-
     def hold_limits(self) -> None:
         """Take the limits' lock: hand-outs under limits, on any node, then
         commit one at a time, and `usage` sees every one committed before."""
-        self._run(
+        self._execute(
             "SELECT slot FROM jobserver_locks WHERE slot = %s FOR UPDATE",
             (postgres_schema.LIMITS_SLOT,),
         )
 
-    def usage(self, pattern: str, now: str) -> int:
-        row = self._one(
-            "SELECT COALESCE(SUM(cost), 0) FROM jobs WHERE state IN ('RUNNING', 'RUNQUEUED') "
-            "AND name ~ %s AND (state = 'RUNNING' OR nextRun > %s)",
-            (glob_to_regex(pattern), now),
-        )
-        return int(row[0])
-
-    def pause(self, pattern: str) -> None:
-        self._run(
-            "INSERT INTO paused (pattern) VALUES (%s) ON CONFLICT DO NOTHING", (pattern,)
-        )
-        self.paused = self.paused | {pattern}
-
-    def resume(self, pattern: str) -> bool:
-        cursor = self._run("DELETE FROM paused WHERE pattern = %s", (pattern,))
-        self.paused = self.paused - {pattern}
-        return cursor.rowcount > 0
-
     # Retention: on one node at a time.
 
-    def prune(self, state: str, ended_before: str, batch: int) -> int:
-        if not self._try_prune_lock():
-            return 0
-        cursor = self._run(
-            "DELETE FROM jobs WHERE jobID IN (SELECT jobID FROM jobs "
-            "WHERE state IN ('FINISHED', 'FAILED') AND parentJobID = 0 AND state = %s "
-            "AND ended < %s ORDER BY ended LIMIT %s FOR UPDATE SKIP LOCKED)",
-            (state, ended_before, batch),
-        )
-        return max(cursor.rowcount, 0)
-
-    def _try_prune_lock(self) -> bool:
+    def _may_prune(self) -> bool:
         row = self._one(
             "SELECT count(*) FROM (SELECT slot FROM jobserver_locks WHERE slot = %s "
             "FOR UPDATE SKIP LOCKED) AS taken",
@@ -635,21 +369,13 @@ class PostgresStore:
     def prune_pending(self, before: Mapping[str, str], now: str) -> bool:
         with connect(self._url) as db:
             for state, cutoff in before.items():
-                row = db.execute(
-                    "SELECT 1 FROM jobs WHERE state IN ('FINISHED', 'FAILED') "
-                    "AND parentJobID = 0 AND state = %s AND ended < %s LIMIT 1",
-                    (state, cutoff),
-                ).fetchone()
-                if row is not None:
+                if db.execute(sql.prunable(POSTGRES), (state, cutoff)).fetchone() is not None:
                     return True
-            row = db.execute(
-                "SELECT 1 FROM replies WHERE expires <= %s LIMIT 1", (now,)
-            ).fetchone()
-            return row is not None
+            return db.execute(sql.expired_reply(POSTGRES), (now,)).fetchone() is not None
 
-    def run_query(self, sql: str, seconds: float, rows: QueryRows) -> None:
+    def run_query(self, text: str, seconds: float, rows: QueryRows) -> None:
         """The client's SQL as Query's own role (postgres_query.py)."""
-        postgres_query.run(self._query, self.schema, sql, seconds, _AsOnSQLite(rows))
+        postgres_query.run(self._query, self.schema, text, seconds, _AsOnSQLite(rows))
 
     def queue_stats(self, now: str) -> QueueStats:
         with connect(self._url) as db:
@@ -668,7 +394,7 @@ class PostgresStore:
                 "COALESCE(SUM(jobs) FILTER (WHERE held), 0) FROM ("
                 "SELECT name, MIN(nextRun) AS first, COUNT(*) AS jobs, "
                 "name ~ ANY(%s::text[]) AS held FROM jobs "
-                "WHERE state IN ('QUEUED', 'RUNQUEUED') AND nextRun <= %s GROUP BY name"
+                f"WHERE state IN ({sql.READY_SQL}) AND nextRun <= %s GROUP BY name"
                 ") AS due GROUP BY queue",
                 ([glob_to_regex(pattern) for pattern in sorted(self.paused)], now),
             ).fetchall():
@@ -680,22 +406,12 @@ class PostgresStore:
 
     def running_by_name(self, now: str) -> list[tuple[str, int]]:
         with connect(self._url) as db:
-            rows = db.execute(
-                "SELECT name, SUM(cost) FROM jobs WHERE state IN ('RUNNING', 'RUNQUEUED') "
-                "AND (state = 'RUNNING' OR nextRun > %s) GROUP BY name",
-                (now,),
-            ).fetchall()
+            rows = db.execute(sql.running_by_name(POSTGRES), (now,)).fetchall()
         return [(str(name), int(cost)) for name, cost in rows]
 
     def find_matching(self, pattern: str, limit: int) -> list[Job]:
-        clause, arg = "name ~ %s", glob_to_regex(pattern)
-        if not is_glob(pattern):
-            clause, arg = "name = %s", pattern
         with connect(self._url) as db:
-            rows = db.execute(
-                f"SELECT {_COLUMNS} FROM jobs WHERE {clause} ORDER BY jobID DESC LIMIT %s",
-                (arg, limit),
-            ).fetchall()
+            rows = db.execute(*sql.find_matching(POSTGRES, pattern, limit)).fetchall()
         return [Job(*row) for row in rows]
 
     def size_bytes(self) -> int:

@@ -1,10 +1,11 @@
-"""The SQLite backend of storage (interface.py): the only module that
-writes SQL for the writer.
+"""The SQLite backend of storage (interface.py): one SQLite file, one
+`jobs` table, WAL mode, served by one process (lockfile.py).
 
-One SQLite file, one `jobs` table, WAL mode. The store never decides what a
-command means; it offers named operations on rows and the transaction
-primitives the writer uses to commit many requests at once. Every value
-reaches SQLite as a bound parameter.
+The named operations are sql_store.py's, in SQLite's dialect; this module
+adds the connection, the transactions (and SQLite's own durability: syncs
+and checkpoints), the hand-out search, and two caches that let a plain
+queue skip queries (the priorities in use, the jobs that are parents).
+Every value reaches SQLite as a bound parameter.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from jobserver.model.globmatch import is_glob
-from jobserver.model.jobs import PLAIN, Job, NewJob
+from jobserver.model.jobs import Job
 from jobserver.storage import sqlite_backup, sqlite_readers, sqlite_schema
 from jobserver.storage.interface import (
     BackupCopy,
@@ -26,27 +28,11 @@ from jobserver.storage.interface import (
     QueryRows,
     QueueStats,
 )
+from jobserver.storage.sql import HAND_OUT_ORDER, JOB, READY_SQL, SQLITE
+from jobserver.storage.sql_store import SqlStore
 from jobserver.storage.sqlite_schema import StoreError
 
 SYNCHRONOUS_MODES = ("FULL", "NORMAL")
-
-_COLUMNS = (
-    "created, jobID, state, name, nextRun, lastRun, repeat, data, priority, "
-    "parentJobID, retryAfter, maxAttempts, retryBackoff, retryDelay, retryMaxDelay, "
-    "attempts, lastError, leaseID, cost, timeWindows, timeZone, ended, replyKey, lastReport"
-)
-
-# The columns commands may change; `update` refuses any other name, so a
-# column name never comes from a request.
-_UPDATABLE = frozenset(
-    (
-        "state", "name", "nextRun", "lastRun", "repeat", "data", "priority", "retryAfter",
-        "attempts", "lastError", "leaseID", "ended", "replyKey", "lastReport",
-    )
-)
-
-
-
 
 # How long a transaction waits for another process's lock before failing.
 BUSY_MS = 2000
@@ -66,7 +52,8 @@ RECLAIM_MIN_PAGES = 256
 RECLAIM_PAGES = 2048
 
 
-class Store:
+class Store(SqlStore):
+    dialect = SQLITE
     # A local file: every call is quick enough for the event loop.
     blocking = False
 
@@ -225,67 +212,21 @@ class Store:
         self._db.execute(f'RELEASE "{name}"')
         self._load_flow_control()
 
-    # Rows.
+    # Hooks of the shared operations (sql_store.py).
 
-    def insert(self, new: NewJob, *, created: str, state: str, ended: str = "") -> int:
-        policy, flow = new.policy, new.flow
-        row = (
-            created, state, new.name, new.next_run, new.repeat, new.data, new.priority,
-            new.parent_id, new.retry_after,
-        )
-        if flow != PLAIN or ended:
-            cursor = self._db.execute(
-                "INSERT INTO jobs (created, state, name, nextRun, repeat, data, "
-                "priority, parentJobID, retryAfter, cost, timeWindows, timeZone, ended) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (*row, flow.cost, flow.windows, flow.zone, ended),
-            )
-            if policy is not None:
-                self._db.execute(
-                    "UPDATE jobs SET maxAttempts = ?, retryBackoff = ?, retryDelay = ?, "
-                    "retryMaxDelay = ? WHERE jobID = ?",
-                    (policy.max_attempts, policy.backoff, policy.delay, policy.max_delay,
-                     cursor.lastrowid),
-                )
-        elif policy is None:
-            cursor = self._db.execute(
-                "INSERT INTO jobs (created, state, name, nextRun, repeat, data, "
-                "priority, parentJobID, retryAfter) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                row,
-            )
-        else:
-            cursor = self._db.execute(
-                "INSERT INTO jobs (created, state, name, nextRun, repeat, data, "
-                "priority, parentJobID, retryAfter, maxAttempts, retryBackoff, retryDelay, "
-                "retryMaxDelay) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (*row, policy.max_attempts, policy.backoff, policy.delay, policy.max_delay),
-            )
-        self._priorities.add(new.priority)
-        if new.parent_id:
-            self._parents.add(new.parent_id)
-        assert cursor.lastrowid is not None
-        return cursor.lastrowid
+    def _execute(self, statement: str, args: Sequence[Any] = ()) -> sqlite3.Cursor:
+        return self._db.execute(statement, args)
 
-    def get(self, job_id: int) -> Job | None:
-        row = self._db.execute(
-            f"SELECT {_COLUMNS} FROM jobs WHERE jobID = ?", (job_id,)
-        ).fetchone()
-        return Job(*row) if row else None
+    def _noted(self, priority: int, parent_id: int) -> None:
+        self._priorities.add(priority)
+        if parent_id:
+            self._parents.add(parent_id)
 
-    def update(self, job_id: int, **fields: object) -> None:
-        unknown = set(fields) - _UPDATABLE
-        if unknown:
-            raise ValueError(f"not updatable: {sorted(unknown)}")
-        if "priority" in fields:
-            # A column value is any object to the interface; this one is a number.
-            self._priorities.add(int(fields["priority"]))  # type: ignore[call-overload]
-        assignments = ", ".join(f"{column} = ?" for column in fields)
-        self._db.execute(
-            f"UPDATE jobs SET {assignments} WHERE jobID = ?", (*fields.values(), job_id)
-        )
+    def _may_have_children(self, parent_id: int) -> bool:
+        return parent_id in self._parents
 
-    def delete(self, job_id: int) -> None:
-        self._db.execute("DELETE FROM jobs WHERE jobID = ?", (job_id,))
+    def hold_limits(self) -> None:
+        """Nothing to do: this process is the file's only writer."""
 
     def find_ready(
         self,
@@ -319,9 +260,9 @@ class Store:
             name_clause += f" AND jobID NOT IN ({', '.join('?' for _ in skipped)})"
             name_args = [*name_args, *skipped]
         sql = (
-            f"SELECT {_COLUMNS} FROM {source} "
-            "WHERE state IN ('QUEUED', 'RUNQUEUED') AND priority = ? AND nextRun <= ? "
-            f"AND {name_clause} ORDER BY nextRun, name, jobID LIMIT ?"
+            f"SELECT {JOB} FROM {source} "
+            f"WHERE state IN ({READY_SQL}) AND priority = ? AND nextRun <= ? "
+            f"AND {name_clause} ORDER BY {HAND_OUT_ORDER} LIMIT ?"
         )
         found: list[Job] = []
         for priority in priorities:
@@ -333,238 +274,7 @@ class Store:
                 break
         return found
 
-    def next_due(self, after: str) -> str | None:
-        """The earliest nextRun later than `after` among jobs that wait to
-        run, and reply deadlines of WAITING jobs; one index each."""
-        row = self._db.execute(
-            "SELECT MIN(due) FROM ("
-            "SELECT MIN(nextRun) AS due FROM jobs WHERE state IN ('QUEUED', 'RUNQUEUED') "
-            "AND nextRun > ? UNION ALL "
-            "SELECT MIN(nextRun) FROM jobs WHERE state = 'WAITING' AND nextRun > ?)",
-            (after, after),
-        ).fetchone()
-        return row[0]
-
-    def first_deadline(self) -> str | None:
-        """The earliest reply deadline, passed or not, for the clock at start."""
-        row = self._db.execute(
-            "SELECT MIN(nextRun) FROM jobs WHERE state = 'WAITING'"
-        ).fetchone()
-        return row[0]
-
-    # The stale-job safety net (--stale-after).
-
-    def oldest_report(self) -> str | None:
-        """The lastReport of the RUNNING job heard from least recently."""
-        # A RUNNING job without a report time (which should not exist) must
-        # not hide the others' deadlines; stale() takes it at the next tick.
-        row = self._db.execute(
-            "SELECT lastReport FROM jobs INDEXED BY jobsRunningReport WHERE state = 'RUNNING' "
-            "AND lastReport > '' ORDER BY lastReport LIMIT 1"
-        ).fetchone()
-        return row[0] if row else None
-
-    def stale(self, reported_before: str, limit: int) -> list[Job]:
-        """RUNNING jobs last heard from at or before `reported_before`,
-        those heard from least recently first."""
-        rows = self._db.execute(
-            f"SELECT {_COLUMNS} FROM jobs INDEXED BY jobsRunningReport WHERE state = 'RUNNING' "
-            "AND lastReport <= ? ORDER BY lastReport LIMIT ?",
-            (reported_before, limit),
-        )
-        return [Job(*row) for row in rows]
-
-    # Replies (protocol.md 14.11).
-
-    def waiting_on(self, key: str) -> Job | None:
-        row = self._db.execute(
-            f"SELECT {_COLUMNS} FROM jobs WHERE state = 'WAITING' AND replyKey = ?", (key,)
-        ).fetchone()
-        return Job(*row) if row else None
-
-    def overdue(self, now: str, limit: int) -> list[Job]:
-        """WAITING jobs whose reply deadline has passed, earliest first."""
-        rows = self._db.execute(
-            f"SELECT {_COLUMNS} FROM jobs INDEXED BY jobsWaiting WHERE state = 'WAITING' "
-            "AND nextRun <= ? ORDER BY nextRun LIMIT ?",
-            (now, limit),
-        )
-        return [Job(*row) for row in rows]
-
-    def reply(self, key: str, now: str) -> tuple[str, int] | None:
-        """A kept reply's data and the job it went to (0: none yet); None
-        if there is none, or it expired (and is deleted here)."""
-        row = self._db.execute(
-            "SELECT data, jobID, expires FROM replies WHERE replyKey = ?", (key,)
-        ).fetchone()
-        if row is None:
-            return None
-        if row[2] <= now:
-            self._db.execute("DELETE FROM replies WHERE replyKey = ?", (key,))
-            return None
-        return row[0], row[1]
-
-    def keep_reply(self, key: str, data: str, received: str, expires: str, job_id: int) -> None:
-        self._db.execute(
-            "INSERT OR REPLACE INTO replies (replyKey, data, received, expires, jobID) "
-            "VALUES (?, ?, ?, ?, ?)",
-            (key, data, received, expires, job_id),
-        )
-
-    def claim_reply(self, key: str, job_id: int) -> None:
-        self._db.execute("UPDATE replies SET jobID = ? WHERE replyKey = ?", (job_id, key))
-
-    def early_replies(self, now: str) -> int:
-        """Unexpired replies that no job has claimed yet."""
-        row = self._db.execute(
-            "SELECT COUNT(*) FROM replies WHERE jobID = 0 AND expires > ?", (now,)
-        ).fetchone()
-        return int(row[0])
-
-    def prune_replies(self, now: str, batch: int) -> int:
-        """Delete up to `batch` expired replies; how many went."""
-        cursor = self._db.execute(
-            "DELETE FROM replies WHERE replyKey IN (SELECT replyKey FROM replies "
-            "WHERE expires <= ? ORDER BY expires LIMIT ?)",
-            (now, batch),
-        )
-        return cursor.rowcount
-
-    def failed(self, *, pattern: str | None, names: Sequence[str], limit: int) -> list[Job]:
-        """FAILED jobs whose name matches a GLOB `pattern` or is one of
-        `names`, oldest first."""
-        if pattern is not None:
-            name_clause, name_args = "name GLOB ?", [pattern]
-        else:
-            name_clause = f"name IN ({', '.join('?' for _ in names)})"
-            name_args = list(names)
-        rows = self._db.execute(
-            f"SELECT {_COLUMNS} FROM jobs WHERE state = 'FAILED' AND {name_clause} "
-            "ORDER BY jobID LIMIT ?",
-            (*name_args, limit),
-        )
-        return [Job(*row) for row in rows]
-
-    def count_by_state(self) -> dict[str, int]:
-        rows = self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state")
-        return dict(rows.fetchall())
-
-    # Parents and children. Every query repeats `parentJobID != 0` so that
-    # SQLite may use the partial index on children; without it each would
-    # scan the whole table.
-
-    def children(self, parent_id: int, states: Sequence[str]) -> list[Job]:
-        """Children of a job in these states, oldest first."""
-        if parent_id not in self._parents:
-            return []
-        marks = ", ".join("?" for _ in states)
-        rows = self._db.execute(
-            f"SELECT {_COLUMNS} FROM jobs "
-            f"WHERE parentJobID != 0 AND parentJobID = ? AND state IN ({marks}) "
-            "ORDER BY jobID",
-            (parent_id, *states),
-        ).fetchall()
-        return [Job(*row) for row in rows]
-
-    def has_children(self, parent_id: int, states: Sequence[str] | None = None) -> bool:
-        if parent_id not in self._parents:
-            return False
-        if states is None:
-            row = self._db.execute(
-                "SELECT 1 FROM jobs WHERE parentJobID != 0 AND parentJobID = ? LIMIT 1",
-                (parent_id,),
-            ).fetchone()
-        else:
-            marks = ", ".join("?" for _ in states)
-            row = self._db.execute(
-                "SELECT 1 FROM jobs "
-                f"WHERE parentJobID != 0 AND parentJobID = ? AND state IN ({marks}) LIMIT 1",
-                (parent_id, *states),
-            ).fetchone()
-        return row is not None
-
-    def delete_children(self, parent_id: int, states: Sequence[str]) -> None:
-        marks = ", ".join("?" for _ in states)
-        self._db.execute(
-            f"DELETE FROM jobs WHERE parentJobID != 0 AND parentJobID = ? AND state IN ({marks})",
-            (parent_id, *states),
-        )
-
-    def find_by_name(self, name: str) -> Job | None:
-        """The oldest job with exactly this name, for unique=true."""
-        row = self._db.execute(
-            f"SELECT {_COLUMNS} FROM jobs WHERE name = ? "
-            # A finished job kept for retention is history, not a job to merge into.
-            "AND NOT (state = 'FINISHED' AND parentJobID = 0) ORDER BY jobID LIMIT 1",
-            (name,),
-        ).fetchone()
-        return Job(*row) if row else None
-
-    # Flow control: concurrency limits and paused patterns. The tables are
-    # tiny; the in-memory copies are reloaded whenever a transaction or a
-    # savepoint is rolled back, so they never disagree with the file.
-
-    def _load_flow_control(self) -> None:
-        db = self._db
-        try:
-            stored = dict(db.execute("SELECT pattern, capacity FROM limits").fetchall())
-            paused = frozenset(row[0] for row in db.execute("SELECT pattern FROM paused"))
-        except sqlite3.Error:
-            # A failing disk: the rollback that brought us here is what
-            # matters; the copies are read again after the next rollback.
-            return
-        self.limits = {**self._base_limits, **stored}
-        self.paused = paused
-
-    def set_limit(self, pattern: str, capacity: int) -> None:
-        """Store a limit; capacity 0 removes it (a --limit one until restart)."""
-        if capacity:
-            self._db.execute(
-                "INSERT INTO limits (pattern, capacity) VALUES (?, ?) "
-                "ON CONFLICT (pattern) DO UPDATE SET capacity = excluded.capacity",
-                (pattern, capacity),
-            )
-            self.limits = {**self.limits, pattern: capacity}
-        else:
-            self._db.execute("DELETE FROM limits WHERE pattern = ?", (pattern,))
-            self._base_limits.pop(pattern, None)
-            self.limits = {p: c for p, c in self.limits.items() if p != pattern}
-
-    def hold_limits(self) -> None:
-        """Nothing to do: this process is the file's only writer."""
-
-    def usage(self, pattern: str, now: str) -> int:
-        """The cost of the running jobs a limit's pattern matches: RUNNING,
-        and RUNQUEUED whose lease has not run out."""
-        row = self._db.execute(
-            "SELECT COALESCE(SUM(cost), 0) FROM jobs WHERE state IN ('RUNNING', 'RUNQUEUED') "
-            "AND name GLOB ? AND (state = 'RUNNING' OR nextRun > ?)",
-            (pattern, now),
-        ).fetchone()
-        return int(row[0])
-
-    def pause(self, pattern: str) -> None:
-        self._db.execute("INSERT OR IGNORE INTO paused (pattern) VALUES (?)", (pattern,))
-        self.paused = self.paused | {pattern}
-
-    def resume(self, pattern: str) -> bool:
-        """Forget a paused pattern; False if it was not paused."""
-        cursor = self._db.execute("DELETE FROM paused WHERE pattern = ?", (pattern,))
-        self.paused = self.paused - {pattern}
-        return cursor.rowcount > 0
-
-    # Retention.
-
-    def prune(self, state: str, ended_before: str, batch: int) -> int:
-        """Delete up to `batch` standalone jobs in `state` (FINISHED or
-        FAILED) that ended before `ended_before`; how many went."""
-        cursor = self._db.execute(
-            "DELETE FROM jobs WHERE jobID IN (SELECT jobID FROM jobs INDEXED BY jobsEnded "
-            "WHERE state IN ('FINISHED', 'FAILED') AND parentJobID = 0 AND state = ? "
-            "AND ended < ? ORDER BY ended LIMIT ?)",
-            (state, ended_before, batch),
-        )
-        return cursor.rowcount
+    # Retention: giving space back.
 
     def reclaim_space(self, pruned: bool) -> bool:
         free = self._free_pages()
@@ -600,7 +310,7 @@ class Store:
         return sqlite_readers.running_by_name(self.path, now)
 
     def find_matching(self, pattern: str, limit: int) -> list[Job]:
-        rows = sqlite_readers.find_matching(self.path, _COLUMNS, pattern, limit)
+        rows = sqlite_readers.find_matching(self.path, pattern, limit)
         return [Job(*row) for row in rows]
 
     def size_bytes(self) -> int:

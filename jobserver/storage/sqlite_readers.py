@@ -15,6 +15,7 @@ from time import monotonic
 from typing import IO, Any
 from urllib.parse import quote
 
+from jobserver.storage import sql
 from jobserver.storage.interface import (
     BadQuery,
     QueryRows,
@@ -22,6 +23,7 @@ from jobserver.storage.interface import (
     QueueStats,
     ReplyTooLarge,
 )
+from jobserver.storage.sql import SQLITE
 
 # Read-only SQL for the `Query` command. It runs on its own connection,
 # opened read-only, with an authorizer that allows nothing but reading and
@@ -218,14 +220,10 @@ def prune_pending(
     db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
     try:
         for state, cutoff in before.items():
-            row = db.execute(
-                "SELECT 1 FROM jobs INDEXED BY jobsEnded WHERE state IN ('FINISHED', 'FAILED') "
-                "AND parentJobID = 0 AND state = ? AND ended < ? LIMIT 1",
-                (state, cutoff),
-            ).fetchone()
+            row = db.execute(sql.prunable(SQLITE), (state, cutoff)).fetchone()
             if row is not None:
                 return True
-        row = db.execute("SELECT 1 FROM replies WHERE expires <= ? LIMIT 1", (now,)).fetchone()
+        row = db.execute(sql.expired_reply(SQLITE), (now,)).fetchone()
         if row is not None:
             return True
         return int(db.execute("PRAGMA freelist_count").fetchone()[0]) >= min_free_pages
@@ -254,7 +252,7 @@ def queue_stats(path: str, now: str, paused: frozenset[str]) -> QueueStats:
         for queue, due, count in db.execute(
             "WITH paused(pattern) AS MATERIALIZED (SELECT value FROM json_each(?)), "
             "due(name, first, jobs) AS (SELECT name, MIN(nextRun), COUNT(*) FROM jobs "
-            "WHERE state IN ('QUEUED', 'RUNQUEUED') AND nextRun <= ? GROUP BY name) "
+            f"WHERE state IN ({sql.READY_SQL}) AND nextRun <= ? GROUP BY name) "
             "SELECT queue, MIN(CASE WHEN NOT held THEN first END), "
             "SUM(CASE WHEN held THEN jobs ELSE 0 END) FROM ("
             f"SELECT {_QUEUE} AS queue, first, jobs, "
@@ -275,25 +273,18 @@ def running_by_name(path: str, now: str) -> list[tuple[str, int]]:
     """The cost of the running jobs, as a limit's usage counts it, by name."""
     db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
     try:
-        rows = db.execute(
-            "SELECT name, SUM(cost) FROM jobs WHERE state IN ('RUNNING', 'RUNQUEUED') "
-            "AND (state = 'RUNNING' OR nextRun > ?) GROUP BY name",
-            (now,),
-        )
+        rows = db.execute(sql.running_by_name(SQLITE), (now,))
         return [(name, int(cost)) for name, cost in rows]
     finally:
         db.close()
 
 
-def find_matching(path: str, columns: str, pattern: str, limit: int) -> list[tuple[Any, ...]]:
-    """The rows (`columns`) of the newest jobs whose name matches a GLOB
-    `pattern`: jobID order, so a search that finds enough stops early."""
+def find_matching(path: str, pattern: str, limit: int) -> list[tuple[Any, ...]]:
+    """The rows of the newest jobs whose name matches a GLOB `pattern`:
+    jobID order, so a search that finds enough stops early."""
     db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
     try:
-        return db.execute(
-            f"SELECT {columns} FROM jobs WHERE name GLOB ? ORDER BY jobID DESC LIMIT ?",
-            (pattern, limit),
-        ).fetchall()
+        return db.execute(*sql.find_matching(SQLITE, pattern, limit)).fetchall()
     finally:
         db.close()
 

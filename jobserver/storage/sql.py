@@ -1,0 +1,143 @@
+"""What SQLite and PostgreSQL say alike, written once, and the few places
+where they differ, as a dialect's hooks.
+
+Both backends run the same statements for the named operations of
+storage (sql_store.py); a dialect says how a statement marks a parameter,
+tests a list or a GLOB pattern, locks the rows it reads, and names an
+index. State lists in SQL are built here from model/jobs.py's one
+definition of the states, as literals: a partial index (whose predicate
+is written that way in the schemas) serves only a query that says the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from jobserver.model.globmatch import glob_to_regex, is_glob
+from jobserver.model.jobs import ACTIVE, READY, State
+
+# A job's row, in the order of Job's fields.
+COLUMNS = (
+    "created", "jobID", "state", "name", "nextRun", "lastRun", "repeat", "data", "priority",
+    "parentJobID", "retryAfter", "maxAttempts", "retryBackoff", "retryDelay", "retryMaxDelay",
+    "attempts", "lastError", "leaseID", "cost", "timeWindows", "timeZone", "ended", "replyKey",
+    "lastReport",
+)
+JOB = ", ".join(COLUMNS)
+
+# Standalone jobs in these states are kept for retention, then pruned.
+RETAINED = (State.FINISHED, State.FAILED)
+
+# Hand-out order within a priority (protocol.md 4.4): the oldest nextRun
+# first, then the name (the order of the indexes' ranges), then jobID.
+HAND_OUT_ORDER = "nextRun, name, jobID"
+
+
+def states(names: Iterable[str]) -> str:
+    """States as SQL literals: `'QUEUED', 'RUNQUEUED'`. Only names of
+    model/jobs.py's State get here (ValueError otherwise)."""
+    return ", ".join(f"'{State(name).value}'" for name in names)
+
+
+READY_SQL = states(READY)
+ACTIVE_SQL = states(ACTIVE)
+RETAINED_SQL = states(RETAINED)
+RUNNING_SQL = states((State.RUNNING,))
+WAITING_SQL = states((State.WAITING,))
+FAILED_SQL = states((State.FAILED,))
+# A finished standalone job kept for retention is history, not a job.
+NOT_HISTORY = f"NOT (state = {states((State.FINISHED,))} AND parentJobID = 0)"
+# The cost a job holds of a concurrency limit: RUNNING, or RUNQUEUED until
+# its lease runs out (the parameter: now).
+HOLDING = f"state IN ({ACTIVE_SQL}) AND (state = {RUNNING_SQL} OR nextRun > {{mark}})"
+
+
+class Rows(Protocol):
+    """What both drivers' cursors offer."""
+
+    @property
+    def rowcount(self) -> int: ...
+
+    def fetchone(self) -> Any: ...
+
+    def fetchall(self) -> list[Any]: ...
+
+
+# A WHERE clause's text and the parameters it binds.
+Clause = tuple[str, list[Any]]
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """How one database says what differs.
+
+    mark: a parameter's placeholder. lock: the clause that locks the rows a
+    read may go on to change (so that two nodes never change one job on the
+    strength of what they read before the other wrote); skip_locked: the
+    same, passing over rows another transaction holds. Both are empty where
+    one process owns the database. hints: whether statements name the
+    index they must use (SQLite's planner may pick a worse one)."""
+
+    mark: str
+    lock: str
+    skip_locked: str
+    hints: bool
+    arrays: bool
+
+    def any_of(self, column: str, values: Sequence[Any], kind: str = "text") -> Clause:
+        """`column` is one of `values` (a SQL type `kind` on PostgreSQL)."""
+        if self.arrays:
+            return f"{column} = ANY({self.mark}::{kind}[])", [list(values)]
+        return f"{column} IN ({', '.join(self.mark for _ in values)})", list(values)
+
+    def matches(self, column: str, pattern: str) -> Clause:
+        """`column` matches a GLOB pattern, with GLOB's rules on both."""
+        if not self.arrays:
+            return f"{column} GLOB {self.mark}", [pattern]
+        if is_glob(pattern):
+            return f"{column} ~ {self.mark}", [glob_to_regex(pattern)]
+        return f"{column} = {self.mark}", [pattern]
+
+    def indexed_by(self, index: str) -> str:
+        return f"INDEXED BY {index}" if self.hints else ""
+
+    def holding(self) -> str:
+        return HOLDING.format(mark=self.mark)
+
+
+SQLITE = Dialect(mark="?", lock="", skip_locked="", hints=True, arrays=False)
+POSTGRES = Dialect(
+    mark="%s", lock=" FOR UPDATE", skip_locked=" FOR UPDATE SKIP LOCKED", hints=False, arrays=True
+)
+
+
+# Readers on connections of their own, the same on both.
+
+
+def running_by_name(d: Dialect) -> str:
+    """The cost of the running jobs by name (Status); binds now."""
+    return f"SELECT name, SUM(cost) FROM jobs WHERE {d.holding()} GROUP BY name"
+
+
+def find_matching(d: Dialect, pattern: str, limit: int) -> Clause:
+    """Jobs in any state whose name matches, newest first (the dashboard)."""
+    clause, args = d.matches("name", pattern)
+    return (
+        f"SELECT {JOB} FROM jobs WHERE {clause} ORDER BY jobID DESC LIMIT {d.mark}",
+        [*args, limit],
+    )
+
+
+def prunable(d: Dialect) -> str:
+    """Whether a standalone job of a state ended before a time: binds both."""
+    return (
+        f"SELECT 1 FROM jobs {d.indexed_by('jobsEnded')} WHERE state IN ({RETAINED_SQL}) "
+        f"AND parentJobID = 0 AND state = {d.mark} AND ended < {d.mark} LIMIT 1"
+    )
+
+
+def expired_reply(d: Dialect) -> str:
+    """Whether a reply expired; binds now."""
+    return f"SELECT 1 FROM replies WHERE expires <= {d.mark} LIMIT 1"

@@ -1,0 +1,434 @@
+"""The named operations of storage (interface.Jobs), written once in the
+SQL both backends speak (sql.py), for the writer's connection.
+
+A backend subclasses SqlStore and gives it a connection (`_execute`) and
+its dialect, and overrides the few hooks where it must do more: take a
+lock other nodes respect (PostgreSQL), or keep a cache of what the file
+holds (SQLite). The hand-out search, `find_ready`, is each backend's own:
+its fastest form differs (a query per priority on SQLite, a function
+that does them all in one round trip on PostgreSQL).
+
+Every operation that writes jobs takes many jobIDs at once and says which
+it changed; a state change is fenced (`set_state_if`): only rows still in
+an expected state, and holding an expected lease if one is given, change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from jobserver.model.jobs import NO_CHANGES, PLAIN, Job, JobChanges, NewJob, State
+from jobserver.storage import sql
+from jobserver.storage.sql import JOB, Dialect, Rows
+
+# Limits (with their capacity) and paused patterns (with none), in one query.
+FLOW_CONTROL = "SELECT pattern, capacity FROM limits UNION ALL SELECT pattern, NULL FROM paused"
+
+
+class SqlStore:
+    dialect: Dialect
+    errors: tuple[type[Exception], ...]
+    # Limits given at start (--limit) are the base; those set by SetLimit
+    # are stored and win.
+    _base_limits: dict[str, int]
+    limits: dict[str, int]
+    paused: frozenset[str]
+
+    # Hooks.
+
+    def _execute(self, statement: str, args: Sequence[Any] = ()) -> Rows:
+        raise NotImplementedError
+
+    def _lock(self, purpose: str, key: str) -> None:
+        """Until the transaction ends, no other node takes the same lock."""
+
+    def _noted(self, priority: int, parent_id: int) -> None:
+        """A job of this priority, and a child of this parent, may exist."""
+
+    def _may_have_children(self, parent_id: int) -> bool:
+        return True
+
+    def _may_prune(self) -> bool:
+        """False while another node prunes."""
+        return True
+
+    # Shorthands.
+
+    def _one(self, statement: str, args: Sequence[Any] = ()) -> Any:
+        return self._execute(statement, args).fetchone()
+
+    def _jobs(self, statement: str, args: Sequence[Any] = ()) -> list[Job]:
+        return [Job(*row) for row in self._execute(statement, args).fetchall()]
+
+    def _ids(self, statement: str, args: Sequence[Any] = ()) -> list[int]:
+        return [int(row[0]) for row in self._execute(statement, args).fetchall()]
+
+    # Writing jobs.
+
+    def create(
+        self, jobs: Sequence[NewJob], *, created: str, state: str, ended: str = ""
+    ) -> list[int]:
+        """Store new jobs in `state`; their jobIDs, in order."""
+        return [self._insert(new, created, State(state), ended) for new in jobs]
+
+    def _insert(self, new: NewJob, created: str, state: State, ended: str) -> int:
+        # Only what differs from the schema's defaults is written.
+        row: dict[str, Any] = {
+            "created": created, "state": state.value, "name": new.name,
+            "nextRun": new.next_run, "repeat": new.repeat, "data": new.data,
+            "priority": new.priority, "parentJobID": new.parent_id,
+            "retryAfter": new.retry_after,
+        }
+        if new.flow != PLAIN:
+            flow = new.flow
+            row.update(cost=flow.cost, timeWindows=flow.windows, timeZone=flow.zone)
+        if ended:
+            row["ended"] = ended
+        if new.policy is not None:
+            policy = new.policy
+            row.update(
+                maxAttempts=policy.max_attempts, retryBackoff=policy.backoff,
+                retryDelay=policy.delay, retryMaxDelay=policy.max_delay,
+            )
+        marks = ", ".join(self.dialect.mark for _ in row)
+        found = self._one(
+            f"INSERT INTO jobs ({', '.join(row)}) VALUES ({marks}) RETURNING jobID",
+            list(row.values()),
+        )
+        self._noted(new.priority, new.parent_id)
+        return int(found[0])
+
+    def set_state_if(
+        self,
+        ids: Sequence[int],
+        from_states: Sequence[str],
+        to_state: str,
+        changes: JobChanges = NO_CHANGES,
+        lease: str | None = None,
+    ) -> list[int]:
+        """Move the jobs still in one of `from_states` (and holding `lease`,
+        if given) to `to_state`, with `changes`; the jobIDs moved."""
+        return self._write(ids, {"state": State(to_state).value}, changes, from_states, lease)
+
+    def amend(self, ids: Sequence[int], changes: JobChanges) -> list[int]:
+        """Set `changes` (never a state) on the jobs, in whatever state
+        they are; the jobIDs changed."""
+        return self._write(ids, {}, changes)
+
+    def note_report(self, ids: Sequence[int], when: str) -> list[int]:
+        """RUNNING jobs were heard from at `when` (the stale-job safety net)."""
+        return self._write(ids, {}, JobChanges(lastReport=when), (State.RUNNING,))
+
+    def _write(
+        self,
+        ids: Sequence[int],
+        assigned: dict[str, object],
+        changes: JobChanges,
+        in_states: Sequence[str] | None = None,
+        lease: str | None = None,
+    ) -> list[int]:
+        d = self.dialect
+        # Column names come from JobChanges' fields, never from a request.
+        columns = {**assigned, **changes.columns()}
+        if not columns or not ids:
+            return []
+        priority = columns.get("priority")
+        if isinstance(priority, int):
+            self._noted(priority, 0)
+        where, args = d.any_of("jobID", ids, "bigint")
+        if in_states is not None:
+            clause, state_args = d.any_of("state", [State(s).value for s in in_states])
+            where, args = f"{where} AND {clause}", [*args, *state_args]
+        if lease is not None:
+            where, args = f"{where} AND leaseID = {d.mark}", [*args, lease]
+        assignments = ", ".join(f"{column} = {d.mark}" for column in columns)
+        return self._ids(
+            f"UPDATE jobs SET {assignments} WHERE {where} RETURNING jobID",
+            [*columns.values(), *args],
+        )
+
+    def delete(
+        self, ids: Sequence[int] | int, in_states: Sequence[str] | None = None
+    ) -> list[int]:
+        """Delete the jobs (only those in one of `in_states`, if given); the
+        jobIDs deleted."""
+        if isinstance(ids, int):
+            ids = [ids]
+        if not ids:
+            return []
+        where, args = self.dialect.any_of("jobID", ids, "bigint")
+        if in_states is not None:
+            clause, state_args = self.dialect.any_of("state", [State(s).value for s in in_states])
+            where, args = f"{where} AND {clause}", [*args, *state_args]
+        return self._ids(f"DELETE FROM jobs WHERE {where} RETURNING jobID", args)
+
+    # The old row operations, until the core calls the named ones.
+
+    def insert(self, new: NewJob, *, created: str, state: str, ended: str = "") -> int:
+        return self.create([new], created=created, state=state, ended=ended)[0]
+
+    def update(self, job_id: int, **fields: Any) -> None:
+        state = fields.pop("state", None)
+        if state is None:
+            self.amend([job_id], JobChanges(**fields))
+        else:
+            self.set_state_if([job_id], list(State), state, JobChanges(**fields))
+
+    # Reading jobs. A read by ID or name locks what it returns where other
+    # nodes write (the caller may go on to change it).
+
+    def get(self, job_id: int) -> Job | None:
+        d = self.dialect
+        rows = self._jobs(f"SELECT {JOB} FROM jobs WHERE jobID = {d.mark}{d.lock}", (job_id,))
+        return rows[0] if rows else None
+
+    def find_by_name(self, name: str) -> Job | None:
+        """The oldest job with exactly this name that is not history. Two
+        nodes creating the same unique job: the second waits for the first
+        to commit, then finds its job."""
+        d = self.dialect
+        self._lock("name", name)
+        rows = self._jobs(
+            f"SELECT {JOB} FROM jobs WHERE name = {d.mark} AND {sql.NOT_HISTORY} "
+            f"ORDER BY jobID LIMIT 1{d.lock}",
+            (name,),
+        )
+        return rows[0] if rows else None
+
+    def failed(self, *, pattern: str | None, names: Sequence[str], limit: int) -> list[Job]:
+        """FAILED jobs whose name matches a GLOB `pattern` or is one of
+        `names`, oldest first."""
+        d = self.dialect
+        if pattern is not None:
+            clause, args = d.matches("name", pattern)
+        else:
+            clause, args = d.any_of("name", names)
+        return self._jobs(
+            f"SELECT {JOB} FROM jobs WHERE state = {sql.FAILED_SQL} AND {clause} "
+            f"ORDER BY jobID LIMIT {d.mark}",
+            (*args, limit),
+        )
+
+    def count_by_state(self) -> dict[str, int]:
+        rows = self._execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()
+        return {str(state): int(count) for state, count in rows}
+
+    # Parents and children. Every query repeats `parentJobID != 0` so that
+    # SQLite may use the partial index on children.
+
+    def children(self, parent_id: int, states: Sequence[str]) -> list[Job]:
+        """Children of a job in these states, oldest first."""
+        if not self._may_have_children(parent_id):
+            return []
+        clause, args = self.dialect.any_of("state", states)
+        return self._jobs(
+            f"SELECT {JOB} FROM jobs WHERE parentJobID != 0 AND parentJobID = "
+            f"{self.dialect.mark} AND {clause} ORDER BY jobID",
+            (parent_id, *args),
+        )
+
+    def has_children(self, parent_id: int, states: Sequence[str] | None = None) -> bool:
+        """Whether a job has children (in these states, if given)."""
+        if not self._may_have_children(parent_id):
+            return False
+        where, args = f"parentJobID != 0 AND parentJobID = {self.dialect.mark}", [parent_id]
+        if states is not None:
+            clause, state_args = self.dialect.any_of("state", states)
+            where, args = f"{where} AND {clause}", [*args, *state_args]
+        return self._one(f"SELECT 1 FROM jobs WHERE {where} LIMIT 1", args) is not None
+
+    def delete_children(self, parent_id: int, states: Sequence[str]) -> int:
+        """Delete a job's children in these states; how many went."""
+        clause, args = self.dialect.any_of("state", states)
+        rows = self._execute(
+            f"DELETE FROM jobs WHERE parentJobID != 0 AND parentJobID = {self.dialect.mark} "
+            f"AND {clause}",
+            (parent_id, *args),
+        )
+        return max(rows.rowcount, 0)
+
+    # The clock.
+
+    def next_due(self, after: str) -> str | None:
+        """The earliest nextRun later than `after` among jobs that wait to
+        run, and reply deadlines of WAITING jobs; one index each."""
+        m = self.dialect.mark
+        row = self._one(
+            "SELECT MIN(due) FROM ("
+            f"SELECT MIN(nextRun) AS due FROM jobs WHERE state IN ({sql.READY_SQL}) "
+            f"AND nextRun > {m} UNION ALL "
+            f"SELECT MIN(nextRun) FROM jobs WHERE state = {sql.WAITING_SQL} AND nextRun > {m}"
+            ") AS times",
+            (after, after),
+        )
+        return row[0]
+
+    def first_deadline(self) -> str | None:
+        """The earliest reply deadline, passed or not."""
+        return self._one(f"SELECT MIN(nextRun) FROM jobs WHERE state = {sql.WAITING_SQL}")[0]
+
+    def oldest_report(self) -> str | None:
+        """The lastReport of the RUNNING job heard from least recently. One
+        without a report time (which should not exist) must not hide the
+        others' deadlines; `stale` takes it at the next tick."""
+        row = self._one(
+            f"SELECT lastReport FROM jobs {self.dialect.indexed_by('jobsRunningReport')} "
+            f"WHERE state = {sql.RUNNING_SQL} AND lastReport > '' ORDER BY lastReport LIMIT 1"
+        )
+        return row[0] if row else None
+
+    def stale(self, reported_before: str, limit: int) -> list[Job]:
+        """RUNNING jobs last heard from at or before `reported_before`,
+        those heard from least recently first."""
+        d = self.dialect
+        return self._jobs(
+            f"SELECT {JOB} FROM jobs {d.indexed_by('jobsRunningReport')} "
+            f"WHERE state = {sql.RUNNING_SQL} AND lastReport <= {d.mark} "
+            f"ORDER BY lastReport LIMIT {d.mark}{d.skip_locked}",
+            (reported_before, limit),
+        )
+
+    # Replies (protocol.md 14.11). A key's lock orders a DeliverReply and
+    # an AwaitReply on two nodes.
+
+    def waiting_on(self, key: str) -> Job | None:
+        d = self.dialect
+        self._lock("reply", key)
+        rows = self._jobs(
+            f"SELECT {JOB} FROM jobs WHERE state = {sql.WAITING_SQL} AND replyKey = {d.mark}"
+            f"{d.lock}",
+            (key,),
+        )
+        return rows[0] if rows else None
+
+    def overdue(self, now: str, limit: int) -> list[Job]:
+        """WAITING jobs whose reply deadline has passed, earliest first."""
+        d = self.dialect
+        return self._jobs(
+            f"SELECT {JOB} FROM jobs {d.indexed_by('jobsWaiting')} "
+            f"WHERE state = {sql.WAITING_SQL} AND nextRun <= {d.mark} "
+            f"ORDER BY nextRun LIMIT {d.mark}{d.skip_locked}",
+            (now, limit),
+        )
+
+    def reply(self, key: str, now: str) -> tuple[str, int] | None:
+        """A kept reply's data and the job it went to (0: none yet); None
+        if there is none, or it expired (and is deleted here)."""
+        m = self.dialect.mark
+        self._lock("reply", key)
+        row = self._one(f"SELECT data, jobID, expires FROM replies WHERE replyKey = {m}", (key,))
+        if row is None:
+            return None
+        if row[2] <= now:
+            self._execute(f"DELETE FROM replies WHERE replyKey = {m}", (key,))
+            return None
+        return row[0], int(row[1])
+
+    def keep_reply(self, key: str, data: str, received: str, expires: str, job_id: int) -> None:
+        marks = ", ".join(self.dialect.mark for _ in range(5))
+        self._execute(
+            f"INSERT INTO replies (replyKey, data, received, expires, jobID) VALUES ({marks}) "
+            "ON CONFLICT (replyKey) DO UPDATE SET data = excluded.data, "
+            "received = excluded.received, expires = excluded.expires, jobID = excluded.jobID",
+            (key, data, received, expires, job_id),
+        )
+
+    def claim_reply(self, key: str, job_id: int) -> None:
+        m = self.dialect.mark
+        self._execute(f"UPDATE replies SET jobID = {m} WHERE replyKey = {m}", (job_id, key))
+
+    def early_replies(self, now: str) -> int:
+        """Unexpired replies that no job has claimed yet."""
+        row = self._one(
+            f"SELECT COUNT(*) FROM replies WHERE jobID = 0 AND expires > {self.dialect.mark}",
+            (now,),
+        )
+        return int(row[0])
+
+    # Flow control: concurrency limits and paused patterns. The tables are
+    # tiny; the copies in memory are read again whenever a transaction (or
+    # a savepoint) is rolled back, so they never disagree with what is stored.
+
+    def _load_flow_control(self) -> None:
+        try:
+            rows = self._execute(FLOW_CONTROL).fetchall()
+        except self.errors:
+            # A failing database: the rollback that brought us here is what
+            # matters; the copies are read again after the next one.
+            return
+        self._set_flow_control(rows)
+
+    def _set_flow_control(self, rows: list[tuple[Any, ...]]) -> None:
+        limits = {
+            **self._base_limits,
+            **{pattern: capacity for pattern, capacity in rows if capacity is not None},
+        }
+        # In one order on every node: hand-outs take the limits' locks in it.
+        self.limits = dict(sorted(limits.items()))
+        self.paused = frozenset(pattern for pattern, capacity in rows if capacity is None)
+
+    def set_limit(self, pattern: str, capacity: int) -> None:
+        """Store a limit; capacity 0 removes it (a --limit one until restart)."""
+        m = self.dialect.mark
+        if capacity:
+            self._execute(
+                f"INSERT INTO limits (pattern, capacity) VALUES ({m}, {m}) "
+                "ON CONFLICT (pattern) DO UPDATE SET capacity = excluded.capacity",
+                (pattern, capacity),
+            )
+            self.limits = dict(sorted({**self.limits, pattern: capacity}.items()))
+        else:
+            self._execute(f"DELETE FROM limits WHERE pattern = {m}", (pattern,))
+            self._base_limits.pop(pattern, None)
+            self.limits = {p: c for p, c in self.limits.items() if p != pattern}
+
+    def usage(self, pattern: str, now: str) -> int:
+        """The cost of the running jobs a limit's pattern matches: RUNNING,
+        and RUNQUEUED whose lease has not run out."""
+        clause, args = self.dialect.matches("name", pattern)
+        row = self._one(
+            f"SELECT COALESCE(SUM(cost), 0) FROM jobs WHERE {clause} AND {self.dialect.holding()}",
+            (*args, now),
+        )
+        return int(row[0])
+
+    def pause(self, pattern: str) -> None:
+        self._execute(
+            f"INSERT INTO paused (pattern) VALUES ({self.dialect.mark}) ON CONFLICT DO NOTHING",
+            (pattern,),
+        )
+        self.paused = self.paused | {pattern}
+
+    def resume(self, pattern: str) -> bool:
+        """Forget a paused pattern; False if it was not paused."""
+        rows = self._execute(f"DELETE FROM paused WHERE pattern = {self.dialect.mark}", (pattern,))
+        self.paused = self.paused - {pattern}
+        return rows.rowcount > 0
+
+    # Retention (protocol.md 14.10).
+
+    def prune(self, state: str, ended_before: str, batch: int) -> int:
+        """Delete up to `batch` standalone jobs in `state` (FINISHED or
+        FAILED) that ended before `ended_before`, oldest first; how many went."""
+        if not self._may_prune():
+            return 0
+        d = self.dialect
+        rows = self._execute(
+            f"DELETE FROM jobs WHERE jobID IN (SELECT jobID FROM jobs {d.indexed_by('jobsEnded')} "
+            f"WHERE state IN ({sql.RETAINED_SQL}) AND parentJobID = 0 AND state = {d.mark} "
+            f"AND ended < {d.mark} ORDER BY ended LIMIT {d.mark}{d.skip_locked})",
+            (state, ended_before, batch),
+        )
+        return max(rows.rowcount, 0)
+
+    def prune_replies(self, now: str, batch: int) -> int:
+        """Delete up to `batch` expired replies; how many went."""
+        d = self.dialect
+        rows = self._execute(
+            "DELETE FROM replies WHERE replyKey IN (SELECT replyKey FROM replies "
+            f"WHERE expires <= {d.mark} ORDER BY expires LIMIT {d.mark}{d.skip_locked})",
+            (now, batch),
+        )
+        return max(rows.rowcount, 0)
+
