@@ -1,0 +1,297 @@
+"""The storage driver's own suite, continued (test_driver.py says what it
+is): replies, concurrency limits and their usage, paused patterns,
+retention, the readers on connections of their own, and, on PostgreSQL,
+what two nodes' transactions must not do to each other."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pg
+import pytest
+from driver import LATER, NOW, PAST, create, job, open_store, transaction
+
+from jobserver.model.jobs import FlowOptions, JobChanges, State
+from jobserver.storage.interface import Storage
+from jobserver.storage.postgres import PostgresStore
+
+pytestmark = pytest.mark.backends()
+
+
+@pytest.fixture
+def store(backend: str, db: Path | str) -> Iterator[Storage]:
+    opened = open_store(backend, db)
+    yield opened
+    opened.close()
+
+
+# Replies (protocol.md 14.12).
+
+
+def test_waiting_on_finds_the_waiting_job_of_a_key(store: Storage) -> None:
+    waiting, other = create(store, job("w"), job("x"))
+    with transaction(store):
+        assert store.waiting_on("k") is None
+        store.set_state_if(
+            [waiting], [State.QUEUED], State.WAITING, JobChanges(replyKey="k", nextRun=LATER)
+        )
+        store.amend([other], JobChanges(replyKey="k"))
+        found = store.waiting_on("k")
+    assert found is not None and found.jobID == waiting
+
+
+def test_kept_replies_expire_are_claimed_and_replaced(store: Storage) -> None:
+    with transaction(store):
+        assert store.reply("k", NOW) is None
+        store.keep_reply("k", '{"r":1}', PAST, LATER, 0)
+        store.keep_reply("old", "{}", PAST, PAST, 0)
+        assert store.early_replies(NOW) == 1
+        assert store.reply("k", NOW) == ('{"r":1}', 0)
+        store.claim_reply("k", 7)
+        assert store.reply("k", NOW) == ('{"r":1}', 7)
+        assert store.early_replies(NOW) == 0
+        store.keep_reply("k", '{"r":2}', NOW, LATER, 0)
+        assert store.reply("k", NOW) == ('{"r":2}', 0)
+        # An expired reply is gone once asked for.
+        assert store.reply("old", NOW) is None
+        assert store.prune_replies(LATER, 10) == 1
+        assert store.reply("k", PAST) is None
+
+
+def test_prune_replies_in_batches_oldest_first(store: Storage) -> None:
+    with transaction(store):
+        for n, expires in enumerate(("2030-01-01 00:00:03", PAST, "2030-01-01 00:00:02")):
+            store.keep_reply(f"k{n}", "{}", PAST, expires, 0)
+        assert store.prune_replies(NOW, 2) == 2
+        assert store.reply("k0", PAST) is not None
+        assert store.prune_replies(NOW, 2) == 1
+        assert store.prune_replies(NOW, 2) == 0
+
+
+def test_overdue_waiting_jobs_earliest_first(store: Storage) -> None:
+    late, early, future = create(store, job("a"), job("b"), job("c"))
+    deadlines = {late: "2030-01-01 00:00:05", early: "2030-01-01 00:00:01", future: LATER}
+    with transaction(store):
+        for job_id, deadline in deadlines.items():
+            store.set_state_if(
+                [job_id], [State.QUEUED], State.WAITING,
+                JobChanges(replyKey=f"k{job_id}", nextRun=deadline),
+            )
+        assert [j.jobID for j in store.overdue(NOW, 10)] == [early, late]
+        assert [j.jobID for j in store.overdue(NOW, 1)] == [early]
+
+
+# Concurrency limits and their usage (protocol.md 14.7, 14.8).
+
+
+def test_limits_are_stored_removed_and_survive_a_reopening(
+    store: Storage, backend: str, db: Path | str
+) -> None:
+    with transaction(store):
+        store.set_limit("a/*", 3)
+        store.set_limit("b", 1)
+        store.set_limit("b", 2)
+    assert store.limits == {"a/*": 3, "b": 2}
+    with transaction(store):
+        store.set_limit("a/*", 0)
+    assert store.limits == {"b": 2}
+    reopened = open_store(backend, db)
+    try:
+        assert reopened.limits == {"b": 2}
+    finally:
+        reopened.close()
+
+
+def test_a_rollback_restores_limits_and_pauses(store: Storage) -> None:
+    with transaction(store):
+        store.set_limit("kept", 1)
+        store.pause("kept")
+    store.begin()
+    store.set_limit("new", 1)
+    store.set_limit("kept", 0)
+    store.pause("new")
+    assert store.resume("kept")
+    store.rollback()
+    assert (store.limits, store.paused) == ({"kept": 1}, frozenset({"kept"}))
+    with transaction(store):
+        store.savepoint()
+        store.pause("undone")
+        store.rollback_savepoint()
+    assert store.paused == frozenset({"kept"})
+
+
+def test_usage_counts_running_and_unexpired_leases_by_cost(store: Storage) -> None:
+    running, leased, expired, queued, other = create(
+        store,
+        job("a/1", flow=FlowOptions(cost=3)),
+        job("a/2", flow=FlowOptions(cost=2)),
+        job("a/3", flow=FlowOptions(cost=5)),
+        job("a/4"),
+        job("b/1"),
+    )
+    with transaction(store):
+        store.set_state_if([running, other], [State.QUEUED], State.RUNNING)
+        store.set_state_if([leased], [State.QUEUED], State.RUNQUEUED, JobChanges(nextRun=LATER))
+        store.set_state_if([expired], [State.QUEUED], State.RUNQUEUED, JobChanges(nextRun=PAST))
+        store.hold_limits()
+        assert store.usage("a/*", NOW) == 5
+        assert store.usage("a/1", NOW) == 3
+        assert store.usage("a/[12]", LATER) == 3
+        assert store.usage("*", NOW) == 6
+        assert store.usage("c", NOW) == 0
+    assert queued
+
+
+# Paused patterns (protocol.md 14.9).
+
+
+def test_pause_and_resume(store: Storage, backend: str, db: Path | str) -> None:
+    with transaction(store):
+        store.pause("a/*")
+        store.pause("a/*")
+        store.pause("b")
+    assert store.paused == frozenset({"a/*", "b"})
+    with transaction(store):
+        assert store.resume("b")
+        assert not store.resume("b")
+    reopened = open_store(backend, db)
+    try:
+        assert reopened.paused == frozenset({"a/*"})
+    finally:
+        reopened.close()
+
+
+# Retention (protocol.md 14.10).
+
+
+def test_prune_takes_standalone_ended_jobs_of_a_state_oldest_first(store: Storage) -> None:
+    oldest, newer, recent = (
+        create(store, job("f"), state=State.FINISHED, ended=ended)[0]
+        for ended in ("2030-01-01 00:00:01", "2030-01-01 00:00:02", LATER)
+    )
+    (failed,) = create(store, job("x"), state=State.FAILED, ended=PAST)
+    (parent,) = create(store, job("p"))
+    (child,) = create(store, job("c", parent_id=parent), state=State.FINISHED, ended=PAST)
+    (queued,) = create(store, job("q"), state=State.QUEUED, ended=PAST)
+    with transaction(store):
+        assert store.prune(State.FINISHED, NOW, 1) == 1
+        assert store.get(oldest) is None and store.get(newer) is not None
+        assert store.prune(State.FINISHED, NOW, 10) == 1
+        assert store.prune(State.FINISHED, NOW, 10) == 0
+        assert store.prune(State.QUEUED, NOW, 10) == 0
+        assert store.get(recent) is not None and store.get(child) is not None
+        assert store.get(queued) is not None
+        assert store.prune(State.FAILED, NOW, 10) == 1
+        assert store.get(failed) is None
+        store.reclaim_space(True)
+
+
+def test_prune_pending_reads_on_its_own_connection(store: Storage) -> None:
+    assert not store.prune_pending({"FINISHED": NOW}, NOW)
+    create(store, job("f"), state=State.FINISHED, ended=PAST)
+    assert store.prune_pending({"FINISHED": NOW}, NOW)
+    assert not store.prune_pending({"FAILED": NOW}, NOW)
+    with transaction(store):
+        store.keep_reply("k", "{}", PAST, PAST, 0)
+    assert store.prune_pending({}, NOW)
+
+
+# Readers on connections of their own.
+
+
+def test_find_matching_running_by_name_and_queue_stats(store: Storage) -> None:
+    a1, a2, b1 = create(store, job("q/a"), job("q/a", LATER), job("r/b"))
+    with transaction(store):
+        store.set_state_if([a1], [State.QUEUED], State.RUNNING)
+        store.pause("r/*")
+    assert [j.jobID for j in store.find_matching("q/*", 10)] == [a2, a1]
+    assert [j.jobID for j in store.find_matching("r/b", 10)] == [b1]
+    assert store.running_by_name(NOW) == [("q/a", 1)]
+    counts, oldest, held = store.queue_stats(NOW)
+    assert counts == {("q", "RUNNING"): 1, ("q", "QUEUED"): 1, ("r", "QUEUED"): 1}
+    assert (oldest, held) == ({}, {"r": 1})
+
+
+# Two nodes on one PostgreSQL schema.
+
+
+@pytest.fixture
+def two_nodes() -> Iterator[tuple[PostgresStore, PostgresStore]]:
+    with pg.fresh_schema() as url:
+        first, second = PostgresStore(url), PostgresStore(url)
+        try:
+            yield first, second
+        finally:
+            first.close()
+            second.close()
+
+
+def test_a_hand_out_skips_the_jobs_another_node_locked(
+    two_nodes: tuple[PostgresStore, PostgresStore],
+) -> None:
+    first, second = two_nodes
+    ids = create(first, *(job("a") for _ in range(4)))
+    query = {"now": NOW, "priorities": [500], "limit": 2, "pattern": "a"}
+    first.begin()
+    try:
+        taken = [j.jobID for j in first.find_ready(**query)]  # type: ignore[arg-type]
+        with transaction(second):
+            others = [j.jobID for j in second.find_ready(**query)]  # type: ignore[arg-type]
+    finally:
+        first.rollback()
+    assert taken == ids[:2] and others == ids[2:]
+
+
+def test_a_fenced_move_after_another_nodes_move_changes_nothing(
+    two_nodes: tuple[PostgresStore, PostgresStore],
+) -> None:
+    """Both read a FAILED job; the first requeues it; the second's move,
+    which waited for the first's lock, finds it no longer FAILED."""
+    first, second = two_nodes
+    (job_id,) = create(first, job("a"), state=State.FAILED)
+    first.begin()
+    assert first.set_state_if([job_id], [State.FAILED], State.QUEUED) == [job_id]
+    moved: list[list[int]] = []
+    second.begin()
+    waiter = threading.Thread(
+        target=lambda: moved.append(
+            second.set_state_if([job_id], [State.FAILED], State.CANCELLED)
+        )
+    )
+    waiter.start()
+    first.commit()
+    waiter.join(10)
+    second.commit()
+    assert moved == [[]]
+    with transaction(first):
+        row = first.get(job_id)
+    assert row is not None and row.state == "QUEUED"
+
+
+def test_limits_set_on_one_node_hold_on_another_from_its_next_transaction(
+    two_nodes: tuple[PostgresStore, PostgresStore],
+) -> None:
+    first, second = two_nodes
+    with transaction(first):
+        first.set_limit("a", 2)
+        first.pause("b")
+    with transaction(second):
+        assert (second.limits, second.paused) == ({"a": 2}, frozenset({"b"}))
+
+
+def test_only_one_node_prunes_at_a_time(
+    two_nodes: tuple[PostgresStore, PostgresStore],
+) -> None:
+    first, second = two_nodes
+    create(first, job("f"), job("g"), state=State.FINISHED, ended=PAST)
+    first.begin()
+    try:
+        assert first.prune(State.FINISHED, NOW, 1) == 1
+        with transaction(second):
+            assert second.prune(State.FINISHED, NOW, 10) == 0
+    finally:
+        first.commit()
+    with transaction(second):
+        assert second.prune(State.FINISHED, NOW, 10) == 1
