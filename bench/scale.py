@@ -52,10 +52,12 @@ def _fill_here(db: Path, jobs: int) -> None:
     store = Store(str(db))
     now = Context(store, utcnow())
     store.begin()
-    for n in range(jobs):
-        new = NewJob(name=f"bulk{n % NAMES}", next_run=now.now_ms,
-                     data='{"p":"' + "x" * 90 + '"}', priority=500)
-        store.insert(new, created=now.now_s, state="QUEUED")
+    new = [
+        NewJob(name=f"bulk{n % NAMES}", next_run=now.now_ms,
+               data='{"p":"' + "x" * 90 + '"}', priority=500)
+        for n in range(jobs)
+    ]
+    store.create(new, created=now.now_s, state="QUEUED")
     store.commit()
     store.close()
 

@@ -395,10 +395,12 @@ def test_a_drained_database_shrinks_back(make_server, tmp_path):
     store = Store(str(path))
     ended = "2026-01-01 00:00:00"
     store.begin()
-    for i in range(100_000):
-        new = NewJob(name=f"bulk/{i % 100}", next_run=ended,
-                     data='{"payload":"' + "x" * 100 + '"}', priority=500)
-        store.insert(new, created=ended, state="FINISHED", ended=ended)
+    jobs = [
+        NewJob(name=f"bulk/{i % 100}", next_run=ended,
+               data='{"payload":"' + "x" * 100 + '"}', priority=500)
+        for i in range(100_000)
+    ]
+    store.create(jobs, created=ended, state="FINISHED", ended=ended)
     store.commit()
     store.close()
     full = os.path.getsize(path)

@@ -21,7 +21,7 @@ from helpers import until
 from jobserver.core.engine.context import Context, Settings
 from jobserver.core.engine.stale import expire, lost_error
 from jobserver.model import times
-from jobserver.model.jobs import NewJob
+from jobserver.model.jobs import JobChanges, NewJob
 from jobserver.storage.sqlite import Store
 from jobserver.storage.sqlite_schema import MIGRATIONS, SCHEMA_VERSION
 
@@ -114,11 +114,11 @@ def test_leased_waiting_and_paused_jobs_are_left_to_their_own_rules(tmp_path: Pa
     store = Store(str(db))
     long_ago = "2000-01-01 00:00:00"
     for state in ("RUNQUEUED", "WAITING", "PAUSED", "QUEUED", "RUNNING"):
-        job_id = store.insert(
-            NewJob(name=state, next_run="2999-01-01 00:00:00", priority=500),
+        ids = store.create(
+            [NewJob(name=state, next_run="2999-01-01 00:00:00", priority=500)],
             created=long_ago, state=state,
         )
-        store.update(job_id, lastReport=long_ago, lastRun=long_ago)
+        store.amend(ids, JobChanges(lastReport=long_ago, lastRun=long_ago))
     ctx = Context(store, times.utcnow(), Settings(stale_after=STALE))
     store.begin()
     expire(ctx)
@@ -133,11 +133,11 @@ def test_leased_waiting_and_paused_jobs_are_left_to_their_own_rules(tmp_path: Pa
 
 def test_stale_after_0_keeps_bedrocks_running_forever(tmp_path: Path) -> None:
     store = Store(str(tmp_path / "jobs.db"))
-    job_id = store.insert(
-        NewJob(name="forever", next_run="2000-01-01 00:00:00", priority=500),
+    (job_id,) = store.create(
+        [NewJob(name="forever", next_run="2000-01-01 00:00:00", priority=500)],
         created="2000-01-01 00:00:00", state="RUNNING",
     )
-    store.update(job_id, lastReport="2000-01-01 00:00:00")
+    store.note_report([job_id], "2000-01-01 00:00:00")
     store.begin()
     expire(Context(store, times.utcnow(), Settings(stale_after=0)))
     store.commit()

@@ -92,12 +92,13 @@ class SqlStore:
                 retryDelay=policy.delay, retryMaxDelay=policy.max_delay,
             )
         marks = ", ".join(self.dialect.mark for _ in row)
-        found = self._one(
+        # Every row read: a statement left unfinished would hold SQLite's COMMIT.
+        (job_id,) = self._ids(
             f"INSERT INTO jobs ({', '.join(row)}) VALUES ({marks}) RETURNING jobID",
             list(row.values()),
         )
         self._noted(new.priority, new.parent_id)
-        return int(found[0])
+        return job_id
 
     def set_state_if(
         self,
