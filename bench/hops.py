@@ -67,6 +67,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 WRAPPER = r"""
@@ -141,7 +142,7 @@ class Client:
     def close(self) -> None:
         self.sock.close()
 
-    def send(self, method: str, **params) -> None:
+    def send(self, method: str, **params: object) -> None:
         lines = [method, *(f"{k}: {v}" for k, v in params.items())]
         self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
 
@@ -160,7 +161,7 @@ class Client:
         body, self.buffer = self.buffer[:length], self.buffer[length:]
         return lines[0], body
 
-    def ok(self, method: str, **params) -> dict:
+    def ok(self, method: str, **params: object) -> Any:
         self.send(method, **params)
         status, body = self.reply()
         if not status.startswith("200"):
@@ -378,7 +379,7 @@ def main() -> int:
 
         dbname = f"jobserver_hops_{os.getpid()}"
         admin = psycopg.connect(args.postgres, autocommit=True, connect_timeout=5)
-        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(str(dbname))))
         db = urlunsplit(urlsplit(args.postgres)._replace(path=f"/{dbname}"))
     else:
         db = str(workdir / "hops.db")
@@ -449,7 +450,9 @@ def main() -> int:
             from psycopg import sql
 
             admin.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(dbname))
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                    sql.Identifier(str(dbname))
+                )
             )
             admin.close()
 

@@ -61,7 +61,9 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
@@ -94,7 +96,7 @@ class Client:
     def close(self) -> None:
         self.sock.close()
 
-    def send(self, method: str, **params) -> None:
+    def send(self, method: str, **params: object) -> None:
         self.sock.sendall(encode(method, params))
 
     def reply(self) -> tuple[str, bytes]:
@@ -112,11 +114,11 @@ class Client:
         body, self.buffer = self.buffer[:length], self.buffer[length:]
         return lines[0], body
 
-    def request(self, method: str, **params) -> tuple[str, bytes]:
+    def request(self, method: str, **params: object) -> tuple[str, bytes]:
         self.send(method, **params)
         return self.reply()
 
-    def ok(self, method: str, **params) -> dict:
+    def ok(self, method: str, **params: object) -> Any:
         status, body = self.request(method, **params)
         if not status.startswith("200"):
             raise RuntimeError(f"{method}: {status} {body[:200]!r}")
@@ -144,10 +146,10 @@ class StatementLog:
         self.offset = 0
 
     def _find(self) -> str:
-        current = self.admin.execute("SELECT pg_current_logfile('stderr')").fetchone()[0]
+        current = self.admin.execute("SELECT pg_current_logfile('stderr')").fetchone()[0]  # type: ignore[index]
         if current:
             if not current.startswith("/"):
-                data = self.admin.execute("SHOW data_directory").fetchone()[0]
+                data = self.admin.execute("SHOW data_directory").fetchone()[0]  # type: ignore[index]
                 current = f"{data}/{current}"
             return current
         # No logging collector: the postmaster's stderr, which every backend
@@ -155,7 +157,7 @@ class StatementLog:
         return "/proc/self/fd/2"
 
     def size(self) -> int:
-        return self.admin.execute("SELECT size FROM pg_stat_file(%s)", (self.path,)).fetchone()[0]
+        return self.admin.execute("SELECT size FROM pg_stat_file(%s)", (self.path,)).fetchone()[0]  # type: ignore[index]
 
     def mark(self) -> None:
         self.offset = self.size()
@@ -167,7 +169,7 @@ class StatementLog:
             return []
         data = self.admin.execute(
             "SELECT pg_read_binary_file(%s, %s, %s)", (self.path, self.offset, end - self.offset)
-        ).fetchone()[0]
+        ).fetchone()[0]  # type: ignore[index]
         statements = []
         needle = f"@{self.database} "
         for line in bytes(data).decode("utf-8", "replace").split("\n"):
@@ -298,7 +300,7 @@ class Runner:
                 return
         self.unsynced += 1
 
-    def counted(self, action) -> tuple[list[str], object]:
+    def counted(self, action: Callable[[], Any]) -> tuple[list[str], Any]:
         self.sync()
         self.log.mark()
         result = action()
@@ -391,12 +393,12 @@ def main() -> int:
         admin.execute(
             sql.SQL("ALTER DATABASE {} SET log_statement = 'all'").format(sql.Identifier(name))
         )
-        prefix = admin.execute("SHOW log_line_prefix").fetchone()[0]
+        prefix = admin.execute("SHOW log_line_prefix").fetchone()[0]  # type: ignore[index]
         if "%d" not in prefix:
             raise SystemExit(f"log_line_prefix {prefix!r} lacks %d: cannot tell databases apart")
         log = StatementLog(admin, name, args.log_file)
         log.mark()  # fails here if the log cannot be read
-        version = admin.execute("SHOW server_version").fetchone()[0]
+        version = admin.execute("SHOW server_version").fetchone()[0]  # type: ignore[index]
 
         proc, port = start_node(url, root, workdir / "server.log")
         time.sleep(args.startup_wait)
