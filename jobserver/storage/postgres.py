@@ -1,13 +1,19 @@
 """The PostgreSQL backend of storage (interface.py): several jobserver
 nodes, on one machine or many, serving one queue.
 
-What SQLite gets from being one file served by one process, PostgreSQL
-gets from locks that every node's transactions respect:
+The named operations are sql_store.py's, in PostgreSQL's dialect (sql.py);
+this module adds the connection, the transactions, the hand-out search,
+the locks and the readers. What SQLite gets from being one file served by
+one process, PostgreSQL gets from locks that every node's transactions
+respect:
 
 - a job is handed out once: `find_ready` locks the rows it returns
   (`FOR UPDATE SKIP LOCKED`), so a second node passes over them, and every
   other read of a job by its ID locks it too (`get`), so two nodes never
   change one job on the strength of what they read before the other wrote;
+- a job read without a lock (a search of FAILED jobs, of children) and
+  moved by two nodes at once moves once: `set_state_if` changes only the
+  jobs still in the state it expects, once the other node has committed;
 - a concurrency limit holds across nodes: `usage` takes the limit's
   transaction lock before it counts, so hand-outs under one limit commit
   one after the other and each counts what the last one took;
