@@ -19,7 +19,7 @@ import re
 from datetime import timedelta
 
 from jobserver.core.commands import params
-from jobserver.core.commands.jobs import check_lease, load_job
+from jobserver.core.commands.lookup import check_lease, load_job
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
 from jobserver.core.rules import lifecycle
