@@ -18,7 +18,7 @@ from jobserver.core.errors import CommandError
 from jobserver.core.rules import flow, lifecycle, schedule
 from jobserver.core.rules.schedule import RepeatStalled
 from jobserver.model import cron
-from jobserver.model.jobs import ACTIVE, Job, NewJob, State
+from jobserver.model.jobs import Job, NewJob
 from jobserver.model.sqlite_functions import json_patch
 from jobserver.wire.framing import Request, Response, escape
 from jobserver.wire.limits import DEFAULT_PRIORITY
@@ -113,10 +113,9 @@ def _parent(ctx: Context, parent_id: int) -> Job:
     parent = ctx.store.get(parent_id)
     if parent is None:
         raise CommandError("404 parentJobID does not exist")
-    if parent.state not in (*ACTIVE, State.PAUSED):
-        raise CommandError(
-            "405 Can only create child job when parent is RUNNING, RUNQUEUED or PAUSED"
-        )
+    lifecycle.check_parent(parent)
+    # The request's check, not a move's: whether the job it names has a
+    # parent is fixed when that job is created, whatever state it is in.
     if parent.parentJobID:
         raise CommandError("405 Cannot create grandchildren")
     return parent
@@ -146,4 +145,4 @@ def _update_unique(
         changes["repeat"] = rule
     if priority is not None:
         changes["priority"] = priority
-    ctx.store.update(existing.jobID, **changes)
+    lifecycle.amend(ctx, existing, **changes)

@@ -13,7 +13,7 @@ from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
 from jobserver.core.rules import lifecycle, schedule
 from jobserver.core.rules.schedule import RepeatStalled
-from jobserver.model.jobs import ACTIVE, PENDING, Job, State
+from jobserver.model.jobs import PENDING, Job
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request, Response
 from jobserver.wire.limits import MAX_FINISH_JOBS
@@ -62,11 +62,7 @@ def _finish_element(ctx: Context, request: Request) -> dict[str, Any]:
 def _finish_or_retry(ctx: Context, request: Request, retry: bool) -> Response:
     job = load_job(ctx, request)
     check_lease(request, job)
-    if job.state not in ACTIVE:
-        raise CommandError("405 Can only retry/finish RUNNING and RUNQUEUED jobs")
-    parent = ctx.store.get(job.parentJobID) if job.parentJobID else None
-    if parent is not None and parent.state != State.PAUSED:
-        raise CommandError("405 Can only retry/finish child job when parent is PAUSED")
+    parent = lifecycle.parent_of_ending_run(ctx, job)
     new_data = params.data(request) if params.present(request, "data") else None
     # Most jobs never have children: one look spares the two child queries.
     has_children = ctx.store.has_children(job.jobID)
@@ -133,8 +129,7 @@ def fail_job(ctx: Context, request: Request) -> Response:
     again after its backoff delay."""
     job = load_job(ctx, request)
     check_lease(request, job)
-    if job.state not in ACTIVE:
-        raise CommandError("405 Can only fail RUNNING or RUNQUEUED jobs")
+    lifecycle.check(job, "fail an attempt")
     data = params.data(request) if params.present(request, "data") else None
     error = params.error_text(request, data)
     lifecycle.fail_attempt(ctx, job, error, **({} if data is None else {"data": data}))
@@ -146,25 +141,20 @@ def touch_job(ctx: Context, request: Request) -> Response:
     RUNNING job's report restarts the stale-job safety net's count."""
     job = load_job(ctx, request)
     check_lease(request, job)
-    if job.state == State.RUNNING:
-        return _touch_running(ctx, job)
-    if job.state != State.RUNQUEUED:
-        raise CommandError("405 Can only touch RUNNING or RUNQUEUED jobs")
     try:
-        next_run = schedule.lease_end(ctx, job, schedule.due_moment(job))
+        next_run = lifecycle.touch(ctx, job)
     except RepeatStalled as stalled:
         # Returned, not raised, so that the failure stays: a lease that
         # ends at once would hand the job to another worker right away.
         lifecycle.fail(ctx, job, str(stalled))
         return Response(f"402 Malformed repeat: {stalled.reason}; the job failed")
     if next_run is None:
-        raise CommandError("502 Failed to compute nextRun")
-    lifecycle.extend_lease(ctx, job, next_run)
+        return _stale_at(ctx)
     return ok({"nextRun": next_run})
 
 
-def _touch_running(ctx: Context, job: Job) -> Response:
-    lifecycle.note_report(ctx, job)
+def _stale_at(ctx: Context) -> Response:
+    """A RUNNING job's touch: when the stale-job safety net will fail it."""
     seconds = ctx.settings.stale_after
     if not seconds:
         return ok({})
