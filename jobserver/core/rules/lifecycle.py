@@ -1,10 +1,11 @@
 """A job's life: every move between states, and nothing else.
 
-This is the only module that sets a job's `state` or `nextRun` (the
-storage's SQL aside: it creates the schema and prunes). Each transition is
-a named function that commands call; it checks that the move is legal
-(`MOVES` in moves.py, the table protocol.md section 4.2 prints), writes
-the row, and does the bookkeeping that wakes waiting GetJobs:
+This is the only module that writes a job's row, and so the only one that
+sets its `state` or `nextRun` (the storage's SQL aside: it creates the
+schema and prunes). Each transition is a named function that commands
+call; it checks that the move is legal (`MOVES` in moves.py, the table
+protocol.md section 4.2 prints), writes the row, and does the bookkeeping
+that wakes waiting GetJobs:
 
 - a job that becomes due, or due later, is noted on the Context
   (`scheduled`), so the wait queue tries matching waiters after the commit

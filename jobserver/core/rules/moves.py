@@ -74,7 +74,8 @@ MOVES: dict[str, Move] = {
     "hand out": _between(READY, ACTIVE, ends_run=False),
     "expire a lease": _between(READY, (State.FAILED,), ends_run=False),
     "wait for a window": _in_place(READY),
-    # TouchJob's: a RUNNING job's touch is a report (note_report), no move.
+    # TouchJob's refusal: a RUNNING job's touch is a report, not this move
+    # (lifecycle.touch).
     "extend a lease": _in_place((State.RUNQUEUED,), "405 Can only touch RUNNING or RUNQUEUED jobs"),
     "reschedule": _in_place(ALL),
     "finish": _between(ACTIVE, (State.FINISHED, GONE), refused=NOT_HANDED_OUT),
@@ -103,8 +104,9 @@ MOVES: dict[str, Move] = {
         (GONE,),
         refused={
             State.RUNNING: "405 Can't delete a RUNNING job",
-            # A PAUSED job is a parent waiting for its children to run (or
-            # a child waiting for its parent, which has it running).
+            # A PAUSED job is a parent waiting for its children, or a
+            # child waiting for its running parent: Bedrock's words name
+            # the first.
             State.PAUSED: "405 Can't delete a parent jobs with children running",
         },
     ),
