@@ -24,7 +24,7 @@ import trio
 import trio.testing
 from trio.testing import MockClock
 
-from jobserver.core.commands import jobs as commands
+from jobserver.core.commands import create as commands
 from jobserver.core.commands.dispatch import Access, Answer, Dispatcher, Undo, WaitForJobs
 from jobserver.core.commands.params import MAX_WAIT_MS
 from jobserver.core.commands.replies import REPLY_TIMEOUT

@@ -26,8 +26,18 @@ from typing import Any, Protocol
 import trio
 
 from jobserver import __version__
-from jobserver.core.commands import backup, params, query, queues, replies
-from jobserver.core.commands import jobs as commands
+from jobserver.core.commands import (
+    backup,
+    create,
+    flow_control,
+    known_headers,
+    manage,
+    params,
+    query,
+    queues,
+    replies,
+    report,
+)
 from jobserver.core.commands.views import ok
 from jobserver.core.engine.context import Context
 from jobserver.core.engine.waiters import Selector, WaitQueue
@@ -142,7 +152,7 @@ class Dispatcher:
         action = await self._dispatch(request, peer)
         key = (command_name(request), _code(action))
         self.answered[key] = self.answered.get(key, 0) + 1
-        ignored = params.ignored_headers(request)
+        ignored = known_headers.ignored_headers(request)
         if not ignored:
             return action
         if isinstance(action, WaitForJobs):
@@ -404,24 +414,24 @@ ROUTES: dict[str, Route] = {
     "queues": _queues,
     "query": _query,
     "query:": _query,
-    "createjob": _in_writer(commands.create_job),
-    "createjobs": _in_writer(commands.create_jobs),
+    "createjob": _in_writer(create.create_job),
+    "createjobs": _in_writer(create.create_jobs),
     "getjob": _get_jobs,
     "getjobs": _get_jobs,
-    "queryjob": _in_writer(commands.query_job),
-    "updatejob": _in_writer(commands.update_job),
-    "finishjob": _in_writer(commands.finish_job),
-    "finishjobs": _in_writer(commands.finish_jobs),
-    "retryjob": _in_writer(commands.retry_job),
-    "failjob": _in_writer(commands.fail_job),
-    "canceljob": _in_writer(commands.cancel_job),
-    "deletejob": _in_writer(commands.delete_job),
-    "requeuejobs": _in_writer(commands.requeue_jobs),
-    "touchjob": _in_writer(commands.touch_job),
-    "failedjobs": _in_writer(commands.failed_jobs),
-    "setlimit": _in_writer(commands.set_limit),
-    "pausejobs": _in_writer(commands.pause_jobs),
-    "resumejobs": _in_writer(commands.resume_jobs),
+    "queryjob": _in_writer(manage.query_job),
+    "updatejob": _in_writer(manage.update_job),
+    "finishjob": _in_writer(report.finish_job),
+    "finishjobs": _in_writer(report.finish_jobs),
+    "retryjob": _in_writer(report.retry_job),
+    "failjob": _in_writer(report.fail_job),
+    "canceljob": _in_writer(manage.cancel_job),
+    "deletejob": _in_writer(manage.delete_job),
+    "requeuejobs": _in_writer(manage.requeue_jobs),
+    "touchjob": _in_writer(report.touch_job),
+    "failedjobs": _in_writer(manage.failed_jobs),
+    "setlimit": _in_writer(flow_control.set_limit),
+    "pausejobs": _in_writer(flow_control.pause_jobs),
+    "resumejobs": _in_writer(flow_control.resume_jobs),
     "awaitreply": _in_writer(replies.await_reply),
     "deliverreply": _in_writer(replies.deliver_reply),
     "backup": _backup,
