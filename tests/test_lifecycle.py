@@ -85,7 +85,7 @@ def _one_job(tmp_path, state: State) -> tuple[Store, Context, int]:
     ctx = Context(store, utcnow())
     store.begin()
     job_id = lifecycle.create(ctx, NewJob(name="job", next_run=ctx.now_ms, priority=500), None)
-    store.update(job_id, state=state)
+    store.set_state_if([job_id], [State.QUEUED], state)
     return store, ctx, job_id
 
 

@@ -224,17 +224,9 @@ class Jobs(Protocol):
     def note_report(self, ids: Sequence[int], when: str) -> list[int]:
         """RUNNING jobs were heard from at `when`; the jobIDs noted."""
 
-    def delete(
-        self, ids: Sequence[int] | int, in_states: Sequence[str] | None = None
-    ) -> list[int]:
+    def delete(self, ids: Sequence[int], in_states: Sequence[str] | None = None) -> list[int]:
         """Delete the jobs (only those in one of `in_states`, if given); the
         jobIDs deleted."""
-
-    # The old row operations, until the core calls the named ones.
-
-    def insert(self, new: NewJob, *, created: str, state: str, ended: str = "") -> int: ...
-
-    def update(self, job_id: int, **fields: object) -> None: ...
 
     # Reading jobs.
 

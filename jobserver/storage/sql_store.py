@@ -149,13 +149,9 @@ class SqlStore:
             [*columns.values(), *args],
         )
 
-    def delete(
-        self, ids: Sequence[int] | int, in_states: Sequence[str] | None = None
-    ) -> list[int]:
+    def delete(self, ids: Sequence[int], in_states: Sequence[str] | None = None) -> list[int]:
         """Delete the jobs (only those in one of `in_states`, if given); the
         jobIDs deleted."""
-        if isinstance(ids, int):
-            ids = [ids]
         if not ids:
             return []
         where, args = self.dialect.any_of("jobID", ids, "bigint")
@@ -163,18 +159,6 @@ class SqlStore:
             clause, state_args = self.dialect.any_of("state", [State(s).value for s in in_states])
             where, args = f"{where} AND {clause}", [*args, *state_args]
         return self._ids(f"DELETE FROM jobs WHERE {where} RETURNING jobID", args)
-
-    # The old row operations, until the core calls the named ones.
-
-    def insert(self, new: NewJob, *, created: str, state: str, ended: str = "") -> int:
-        return self.create([new], created=created, state=state, ended=ended)[0]
-
-    def update(self, job_id: int, **fields: Any) -> None:
-        state = fields.pop("state", None)
-        if state is None:
-            self.amend([job_id], JobChanges(**fields))
-        else:
-            self.set_state_if([job_id], list(State), state, JobChanges(**fields))
 
     # Reading jobs. A read by ID or name locks what it returns where other
     # nodes write (the caller may go on to change it).

@@ -43,6 +43,7 @@ from jobserver.model.jobs import (
     PENDING,
     READY,
     Job,
+    JobChanges,
     NewJob,
     State,
 )
@@ -67,9 +68,9 @@ def _move(ctx: Context, job: Job, name: str, target: str, /, **changes: Any) -> 
     if move.ends_run:
         _freed(ctx, job)
     if target == GONE:
-        ctx.store.delete(job.jobID)
+        ctx.store.delete([job.jobID], (job.state,))
         return
-    _write(ctx, job, state=target, **changes)
+    ctx.store.set_state_if([job.jobID], (job.state,), target, JobChanges(**changes))
     if target in READY or target == State.WAITING:
         # A WAITING job's nextRun is its reply deadline: the clock must
         # hear of it as of any other due time.
@@ -79,9 +80,8 @@ def _move(ctx: Context, job: Job, name: str, target: str, /, **changes: Any) -> 
 
 
 def _write(ctx: Context, job: Job, **changes: Any) -> None:
-    """The one write of a job's row, for moves and for the changes that
-    move it nowhere."""
-    ctx.store.update(job.jobID, **changes)
+    """The one write of a job's row that moves it nowhere."""
+    ctx.store.amend([job.jobID], JobChanges(**changes))
 
 
 def _freed(ctx: Context, job: Job) -> None:
@@ -126,7 +126,7 @@ def create(ctx: Context, new: NewJob, parent: Job | None) -> int:
     if parent is not None:
         check_parent(parent)
     state = State.PAUSED if parent is not None and parent.state != State.PAUSED else State.QUEUED
-    job_id = ctx.store.insert(new, created=ctx.now_s, state=state)
+    (job_id,) = ctx.store.create([new], created=ctx.now_s, state=state)
     if state == State.QUEUED:
         ctx.scheduled(new.name, new.next_run)
     return job_id
@@ -253,7 +253,7 @@ def touch(ctx: Context, job: Job) -> str | None:
 
 def _note_report(ctx: Context, job: Job) -> None:
     """A RUNNING job was reported on: the stale-job safety net counts from now."""
-    _write(ctx, job, lastReport=ctx.now_ms)
+    ctx.store.note_report([job.jobID], ctx.now_ms)
     _watch_for_staleness(ctx)
 
 
