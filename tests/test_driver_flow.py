@@ -5,6 +5,8 @@ what two nodes' transactions must not do to each other."""
 
 from __future__ import annotations
 
+import ast
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +15,7 @@ import pg
 import pytest
 from driver import LATER, NOW, PAST, create, job, open_store, transaction
 
+from jobserver import storage
 from jobserver.model.jobs import FlowOptions, JobChanges, State
 from jobserver.storage.interface import Storage
 from jobserver.storage.postgres import PostgresStore
@@ -295,3 +298,35 @@ def test_only_one_node_prunes_at_a_time(
         first.commit()
     with transaction(second):
         assert second.prune(State.FINISHED, NOW, 10) == 1
+
+
+# The driver's shape.
+
+STORAGE = Path(storage.__file__).parent
+# The stored formats: their text is what files and databases hold.
+SCHEMAS = ("sqlite_schema.py", "postgres_schema.py")
+
+
+def test_storage_imports_nothing_of_the_core() -> None:
+    for module in STORAGE.glob("*.py"):
+        for node in ast.walk(ast.parse(module.read_text())):
+            names = (
+                [node.module or ""] if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            )
+            assert not [n for n in names if n.startswith("jobserver.core")], module.name
+
+
+def test_no_state_is_written_as_sql_text_outside_the_schemas() -> None:
+    """State lists in SQL come from model/jobs.py's State (storage/sql.py)."""
+    quoted = re.compile("'(" + "|".join(State) + ")'")
+    for module in STORAGE.glob("*.py"):
+        if module.name not in SCHEMAS:
+            assert not quoted.search(module.read_text()), module.name
+
+
+def test_a_column_outside_job_changes_cannot_be_written() -> None:
+    with pytest.raises(TypeError):
+        JobChanges(**{"state": "QUEUED"})  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        JobChanges(**{"jobID": 1})  # type: ignore[arg-type]

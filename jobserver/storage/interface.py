@@ -15,8 +15,9 @@ nodes serve one queue. A backend is three parts:
 
 A backend never decides what a command means, and never sets a job's
 state on its own, except where this interface says so (pruning, deleting
-the ended children of a parent). tests/test_driver.py tests every
-operation on every backend: a new backend is complete when it passes.
+the ended children of a parent). The driver suite (tests/test_driver.py,
+tests/test_driver_flow.py) tests every operation on every backend: a new
+backend is complete when it passes.
 
 Date arithmetic and the merge of JSON data are not the backend's: they
 follow SQLite's semantics everywhere (model/sqlite_functions.py).

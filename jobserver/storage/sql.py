@@ -36,8 +36,8 @@ HAND_OUT_ORDER = "nextRun, name, jobID"
 
 
 def states(names: Iterable[str]) -> str:
-    """States as SQL literals: `'QUEUED', 'RUNQUEUED'`. Only names of
-    model/jobs.py's State get here (ValueError otherwise)."""
+    """States as SQL literals, quoted and separated by commas. Only names
+    of model/jobs.py's State get here (ValueError otherwise)."""
     return ", ".join(f"'{State(name).value}'" for name in names)
 
 

@@ -67,6 +67,8 @@ def _move(ctx: Context, job: Job, name: str, target: str, /, **changes: Any) -> 
         raise illegal(job, name, target)
     if move.ends_run:
         _freed(ctx, job)
+    # Fenced by the state the move starts from: a job another node moved
+    # first (read unlocked, as FAILED or as a PAUSED child) stays as it left it.
     if target == GONE:
         ctx.store.delete([job.jobID], (job.state,))
         return
