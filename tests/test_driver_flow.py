@@ -330,3 +330,37 @@ def test_a_column_outside_job_changes_cannot_be_written() -> None:
         JobChanges(**{"state": "QUEUED"})  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         JobChanges(**{"jobID": 1})  # type: ignore[arg-type]
+
+
+
+# Each pair: what the first node takes, then what the second must wait for.
+ONE_AT_A_TIME = {
+    "limits' usage": (lambda s: s.hold_limits(), lambda s: s.hold_limits()),
+    "a unique name": (lambda s: s.find_by_name("n"), lambda s: s.find_by_name("n")),
+    # DeliverReply against AwaitReply: a reply's key and a waiting job's
+    # are one lock.
+    "a reply key": (lambda s: s.reply("k", NOW), lambda s: s.waiting_on("k")),
+}
+
+
+@pytest.mark.parametrize("decision", ONE_AT_A_TIME)
+def test_decisions_that_read_before_they_write_are_taken_one_node_at_a_time(
+    two_nodes: tuple[PostgresStore, PostgresStore], decision: str
+) -> None:
+    first, second = two_nodes
+    first_takes, second_takes = ONE_AT_A_TIME[decision]
+    done = threading.Event()
+
+    def second_node() -> None:
+        with transaction(second):
+            second_takes(second)
+            done.set()
+
+    first.begin()
+    first_takes(first)
+    waiter = threading.Thread(target=second_node)
+    waiter.start()
+    assert not done.wait(0.5)
+    first.commit()
+    waiter.join(10)
+    assert done.is_set()
