@@ -24,6 +24,7 @@ from contextlib import contextmanager, suppress
 
 import psycopg
 
+from jobserver.storage.sql import HAND_OUT_ORDER, READY_SQL
 from jobserver.storage.sqlite_schema import StoreError
 
 # 2: Query's login (jobserver_query_login) and row bound
@@ -183,7 +184,7 @@ $fn$
 # passing over those another node holds, until `wanted` are found. One
 # query per priority keeps each one an index range, whatever the queue
 # holds (a single ordered query over all priorities would sort them all).
-FIND_READY_FUNCTION = """
+FIND_READY_FUNCTION = f"""
 CREATE OR REPLACE FUNCTION jobserver_find_ready(
     due TEXT, priorities INTEGER[], wanted INTEGER, pattern TEXT, names TEXT[],
     blocked TEXT[], skipped BIGINT[]
@@ -196,17 +197,17 @@ BEGIN
     FOREACH level IN ARRAY priorities LOOP
         IF names IS NOT NULL THEN
             RETURN QUERY SELECT * FROM jobs
-                WHERE state IN ('QUEUED', 'RUNQUEUED') AND name = ANY(names)
+                WHERE state IN ({READY_SQL}) AND name = ANY(names)
                 AND priority = level AND nextRun <= due
                 AND name !~ ALL(blocked) AND jobID <> ALL(skipped)
-                ORDER BY nextRun, name, jobID LIMIT wanted - found
+                ORDER BY {HAND_OUT_ORDER} LIMIT wanted - found
                 FOR UPDATE SKIP LOCKED;
         ELSE
             RETURN QUERY SELECT * FROM jobs
-                WHERE state IN ('QUEUED', 'RUNQUEUED') AND priority = level
+                WHERE state IN ({READY_SQL}) AND priority = level
                 AND nextRun <= due AND name ~ pattern
                 AND name !~ ALL(blocked) AND jobID <> ALL(skipped)
-                ORDER BY nextRun, name, jobID LIMIT wanted - found
+                ORDER BY {HAND_OUT_ORDER} LIMIT wanted - found
                 FOR UPDATE SKIP LOCKED;
         END IF;
         GET DIAGNOSTICS got = ROW_COUNT;

@@ -27,6 +27,9 @@ FLOW_CONTROL = "SELECT pattern, capacity FROM limits UNION ALL SELECT pattern, N
 
 
 class SqlStore:
+    """The named operations in SQL; a backend gives it a connection
+    (`_execute`), a dialect, and its hooks."""
+
     dialect: Dialect
     errors: tuple[type[Exception], ...]
     # Limits given at start (--limit) are the base; those set by SetLimit
