@@ -50,6 +50,8 @@ from jobserver.core.engine.waiters import Waiter, WaitQueue
 from jobserver.core.engine.work import Call, GiveBack, Serve, Tick, Work
 from jobserver.core.engine.writer import (
     TRANSIENT_ATTEMPTS,
+    Committed,
+    Transient,
     TransientFailed,
     Writer,
     earliest,
@@ -303,22 +305,22 @@ class Engine:
             # Tried again in the thread, which reports what goes wrong.
             return False
 
-    def _transact(self, batch: list[Work], begun: bool, wake: bool) -> _Committed:
+    def _transact(self, batch: list[Work], begun: bool, wake: bool) -> Committed:
         """Run a batch and commit it (not yet durable), again if the
         database undid it for a reason that running it again removes (two
         nodes' transactions in a deadlock)."""
         for attempt in range(1, TRANSIENT_ATTEMPTS + 1):
             try:
                 return self._transact_once(batch, begun and attempt == 1, wake)
-            except _Transient as transient:
+            except Transient as transient:
                 log.warning(
                     "transaction undone by the database (%s); running it again (%d of %d)",
                     transient.error, attempt, TRANSIENT_ATTEMPTS,
                 )
                 self.writer.abandon(transient.error)
-        return _Committed(batch, self.writer.failed(batch, TransientFailed()), False)
+        return Committed(batch, self.writer.failed(batch, TransientFailed()), False)
 
-    def _transact_once(self, batch: list[Work], begun: bool, wake: bool) -> _Committed:
+    def _transact_once(self, batch: list[Work], begun: bool, wake: bool) -> Committed:
         """Run a batch, serve the waiters it made ready (`wake`, on the
         event loop), and commit. Whatever goes wrong, every request gets an
         outcome, waiters' tries included: a caller must never wait for a
@@ -348,12 +350,12 @@ class Engine:
                 store.announce(announced, announced_due)
             store.commit()
             wrote = store.total_changes != changes_before
-            return _Committed([*batch, *tries], outcomes, True, ready, due, wrote)
+            return Committed([*batch, *tries], outcomes, True, ready, due, wrote)
         except Exception as error:  # a boundary: see above
             if isinstance(error, store.transient) and not tries:
-                raise _Transient(error) from error
+                raise Transient(error) from error
             works: list[Work] = [*batch, *tries]
-            return _Committed(works, self.writer.failed(works, error), False)
+            return Committed(works, self.writer.failed(works, error), False)
 
     def _woken(self, ready: set[str], due: str | None) -> list[Serve]:
         """The tries of the waiters these names made ready, to run in this
@@ -477,34 +479,3 @@ class Engine:
         if due is not None and (self._next_due is None or due < self._next_due):
             self._next_due = due
             self._rearm.set()
-
-
-class _Transient(Exception):
-    """The database undid the transaction; running it again may succeed."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-class _Committed:
-    """A batch after its transaction: every piece of work that ran in it
-    (waiters' tries served in it included), their outcomes, whether it
-    committed, and what it made ready or due."""
-
-    def __init__(
-        self,
-        works: list[Work],
-        outcomes: list[outcome.Maybe[Any]],
-        ok: bool,
-        ready: set[str] | None = None,
-        due: str | None = None,
-        # Whether it changed anything: a batch of reads needs no sync of its own.
-        wrote: bool = True,
-    ) -> None:
-        self.works = works
-        self.outcomes = outcomes
-        self.ok = ok
-        self.ready = ready or set()
-        self.due = due
-        self.wrote = wrote

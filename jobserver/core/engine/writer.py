@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import outcome
@@ -156,6 +156,29 @@ class Writer:
         except Exception as error:
             log.exception("unhandled error in a request")
             return outcome.Error(CommandError(f"500 Unhandled Exception: {type(error).__name__}"))
+
+
+@dataclass
+class Committed:
+    """A batch after its transaction: every piece of work that ran in it
+    (waiters' tries served in it included), their outcomes, whether it
+    committed, and what it made ready or due."""
+
+    works: list[Work]
+    outcomes: list[outcome.Maybe[Any]]
+    ok: bool
+    ready: set[str] = field(default_factory=set)
+    due: str | None = None
+    # Whether it changed anything: a batch of reads needs no sync of its own.
+    wrote: bool = True
+
+
+class Transient(Exception):
+    """The database undid the transaction; running it again may succeed."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class TransientFailed(Exception):
