@@ -48,6 +48,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         pg.recreate_database()
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):
+        pg.drop_database()
+
+
 @pytest.fixture
 def backend(request: pytest.FixtureRequest) -> str:
     return str(getattr(request, "param", "sqlite"))

@@ -25,8 +25,14 @@ BASE_URL = os.environ.get(
     "JOBSERVER_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres"
 )
 REQUIRED = os.environ.get("JOBSERVER_REQUIRE_POSTGRES") == "1"
-# The tests' own database, so that nothing they do touches another's.
-DATABASE = "jobserver_tests"
+# The tests' own database, so that nothing they do touches another's: one
+# per run (named by the process that leads it, whose environment the xdist
+# workers inherit), so that two runs on one machine never drop each
+# other's database.
+DATABASE_PREFIX = "jobserver_tests"
+DATABASE = os.environ.setdefault(
+    "JOBSERVER_TEST_DATABASE", f"{DATABASE_PREFIX}_{os.getpid()}"
+)
 
 
 @cache
@@ -55,12 +61,45 @@ def recreate_database() -> None:
     catalogs, which a PostgreSQL without autovacuum (as on the CI machine)
     keeps for good; after many runs every catalog scan read hundreds of
     megabytes, and starting a node took a third of a second. Nothing is
-    done when PostgreSQL cannot be reached: the tests that need it say so."""
+    done when PostgreSQL cannot be reached: the tests that need it say so.
+    The databases of earlier runs whose process is gone are dropped too."""
+    with suppress(psycopg.Error), psycopg.connect(
+        BASE_URL, autocommit=True, connect_timeout=5
+    ) as db:
+        names = db.execute(
+            "SELECT datname FROM pg_database WHERE datname LIKE %s",
+            (DATABASE_PREFIX + "%",),
+        ).fetchall()
+        for (name,) in names:
+            if name == DATABASE or not _run_is_over(name):
+                continue
+            db.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'.encode())
+        db.execute(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)".encode())
+        db.execute(f"CREATE DATABASE {DATABASE}".encode())
+
+
+def drop_database() -> None:
+    """At the end of a run: its database, and the roles of its schemas
+    with it (each test drops its own)."""
     with suppress(psycopg.Error), psycopg.connect(
         BASE_URL, autocommit=True, connect_timeout=5
     ) as db:
         db.execute(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)".encode())
-        db.execute(f"CREATE DATABASE {DATABASE}".encode())
+
+
+def _run_is_over(name: str) -> bool:
+    """Whether the run a tests' database was made for has ended: its
+    leading process is gone."""
+    suffix = name.removeprefix(DATABASE_PREFIX).removeprefix("_")
+    if not suffix.isdigit():
+        return False
+    try:
+        os.kill(int(suffix), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def with_schema(url: str, schema: str) -> str:

@@ -25,7 +25,7 @@ import trio.testing
 from trio.testing import MockClock
 
 from jobserver.core.build import build_core
-from jobserver.core.commands import jobs as commands
+from jobserver.core.commands import create as commands
 from jobserver.core.commands.dispatch import Dispatcher
 from jobserver.core.commands.params import MAX_WAIT_MS
 from jobserver.core.commands.replies import REPLY_TIMEOUT

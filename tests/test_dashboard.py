@@ -21,7 +21,8 @@ import pytest
 
 from harness import ThreadServer
 from helpers import chromium, create, ok, until
-from jobserver.web.dashboard import FLASH_COOKIE, REFRESH_SECONDS
+from jobserver.web.dashboard import REFRESH_SECONDS
+from jobserver.web.forms import FLASH_COOKIE
 from tls_certs import tls_server
 from wire import Client
 

@@ -20,7 +20,7 @@ import pytest
 import trio
 
 from helpers import until
-from jobserver.core.commands import jobs as commands
+from jobserver.core.commands import create as commands
 from jobserver.core.engine.clock import SystemClock
 from jobserver.core.engine.engine import Engine
 from jobserver.core.engine.waiters import Phase

@@ -10,7 +10,7 @@ import trio
 import trio.testing
 
 from helpers import HeldSync
-from jobserver.core.commands import jobs as commands
+from jobserver.core.commands import create as commands
 from jobserver.core.engine.clock import SystemClock
 from jobserver.core.engine.context import Context
 from jobserver.core.engine.engine import Engine

@@ -1,6 +1,7 @@
-"""The table of a job's moves: the code's (core/rules/lifecycle.py) against the
-one protocol.md section 4.2 prints, pair by pair; and a move outside the
-table is refused before it writes anything."""
+"""The table of a job's moves: the code's (core/rules/moves.py) against the
+one protocol.md section 4.2 prints, pair by pair; a move outside the table
+is refused before it writes anything, with the status line a client gets
+when the client asked for it."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from jobserver.core.engine.context import Context
-from jobserver.core.rules import lifecycle
-from jobserver.core.rules.lifecycle import GONE, MOVES, NEW, IllegalMove
+from jobserver.core.errors import CommandError
+from jobserver.core.rules import lifecycle, moves
+from jobserver.core.rules.moves import GONE, MOVES, NEW, IllegalMove, Refused
 from jobserver.model.jobs import NewJob, State
 from jobserver.model.times import utcnow
 from jobserver.storage.sqlite import Store
@@ -55,7 +57,7 @@ def test_the_table_names_every_move_the_code_has():
 )
 def test_each_pair_of_states_is_legal_exactly_as_documented(source, target):
     documented = sorted(name for name, pairs in DOCUMENTED.items() if (source, target) in pairs)
-    assert sorted(lifecycle.legal_moves(source, target)) == documented
+    assert sorted(moves.legal_moves(source, target)) == documented
 
 
 def test_a_move_outside_the_table_is_refused_before_it_writes(tmp_path):
@@ -72,6 +74,64 @@ def test_a_move_outside_the_table_is_refused_before_it_writes(tmp_path):
         lifecycle.fail_attempt(ctx, job, "no")
     with pytest.raises(IllegalMove):
         lifecycle.wait_for_reply(ctx, job, "key", ctx.now_ms, "{}")
+    assert store.get(job_id) == job
+    store.rollback()
+    store.close()
+
+
+def _one_job(tmp_path, state: State) -> tuple[Store, Context, int]:
+    """A store holding one job in `state`, in an open transaction."""
+    store = Store(str(tmp_path / "jobs.db"))
+    ctx = Context(store, utcnow())
+    store.begin()
+    job_id = lifecycle.create(ctx, NewJob(name="job", next_run=ctx.now_ms, priority=500), None)
+    store.update(job_id, state=state)
+    return store, ctx, job_id
+
+
+@pytest.mark.parametrize(
+    ("state", "status"),
+    [
+        (State.RUNNING, "405 Can't delete a RUNNING job"),
+        (State.PAUSED, "405 Can't delete a parent jobs with children running"),
+    ],
+)
+def test_a_refused_move_is_the_status_line_its_command_answers(tmp_path, state, status):
+    store, ctx, job_id = _one_job(tmp_path, state)
+    job = store.get(job_id)
+    assert job is not None
+    with pytest.raises(Refused) as refused:
+        lifecycle.delete(ctx, job)
+    assert isinstance(refused.value, CommandError)
+    assert refused.value.status == status
+    assert store.get(job_id) == job
+    store.rollback()
+    store.close()
+
+
+def test_a_move_no_client_asks_for_is_a_bug_not_a_refusal(tmp_path):
+    # Only the server hands a job out: from FAILED it is a bug (500).
+    store, ctx, job_id = _one_job(tmp_path, State.FAILED)
+    job = store.get(job_id)
+    assert job is not None
+    with pytest.raises(IllegalMove) as illegal:
+        lifecycle.hand_out(ctx, job)
+    assert not isinstance(illegal.value, CommandError)
+    store.rollback()
+    store.close()
+
+
+def test_every_refusal_names_a_state_the_move_cannot_leave():
+    for name, move in MOVES.items():
+        assert not set(move.refusals) & move.sources, name
+        assert all(status.startswith("405 ") for status in move.refusals.values()), name
+
+
+def test_cancel_in_a_state_it_cannot_leave_changes_nothing_and_is_no_refusal(tmp_path):
+    store, ctx, job_id = _one_job(tmp_path, State.FINISHED)
+    job = store.get(job_id)
+    assert job is not None
+    lifecycle.cancel(ctx, job)
     assert store.get(job_id) == job
     store.rollback()
     store.close()

@@ -28,10 +28,9 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, quote, unquote
+from urllib.parse import quote
 
 import jinja2
 from starlette.requests import Request
@@ -42,13 +41,11 @@ from starlette.templating import Jinja2Templates
 from jobserver.core.build import Core
 from jobserver.core.commands import params
 from jobserver.core.errors import CommandError
-from jobserver.core.rules import schedule
-from jobserver.model import cron, times
-from jobserver.model.jobs import Job, State
-from jobserver.web import access
-from jobserver.web.incoming import peer, read_body
+from jobserver.model import times
+from jobserver.model.jobs import State
+from jobserver.web import access, forms, texts
+from jobserver.web.incoming import peer
 from jobserver.web.reads import Reads
-from jobserver.wire import jsonbody, last_error
 from jobserver.wire.framing import Request as WireRequest
 from jobserver.wire.framing import Response as WireResponse
 
@@ -64,12 +61,6 @@ ERROR_TAIL = 5
 # Seconds between refreshes of the live part of `/`: often enough to watch
 # a queue drain; each refresh reads every job (Queues).
 REFRESH_SECONDS = 5
-# A form's body: a 255-byte pattern, percent-encoded, and room to spare.
-MAX_FORM = 16 * 1024
-MAX_FORM_FIELDS = 16
-# The one-time message after an action: long enough for a status line.
-FLASH_COOKIE = "jobserver_flash"
-MAX_FLASH = 500
 
 # States in the order of a job's life, for the columns of the queues.
 STATE_ORDER = (
@@ -94,16 +85,6 @@ PAGE_HEADERS = {
     "Cache-Control": "no-store",
 }
 STATIC_TYPES = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8"}
-
-
-@dataclass(frozen=True)
-class Flash:
-    kind: str  # "ok" or "error"
-    text: str
-
-
-class Refused(Exception):
-    """A form asks for something that is not done; its text says why."""
 
 
 def _json(reply: WireResponse, key: str | None = None) -> tuple[Any, str]:
@@ -136,16 +117,16 @@ class Dashboard:
             trim_blocks=True,
             lstrip_blocks=True,
         )
-        env.filters["age"] = age_text
-        env.filters["since"] = since_text
-        env.filters["error_lines"] = error_lines
+        env.filters["age"] = texts.age_text
+        env.filters["since"] = texts.since_text
+        env.filters["error_lines"] = texts.error_lines
         self._templates = Jinja2Templates(env=env)
         self._static = {
             path.name: (path.read_bytes(), STATIC_TYPES[path.suffix])
             for path in (HERE / "static").iterdir()
             if path.suffix in STATIC_TYPES
         }
-        self._actions: dict[str, Callable[[Request, dict[str, str]], Awaitable[Flash]]] = {
+        self._actions: dict[str, Callable[[Request, dict[str, str]], Awaitable[forms.Flash]]] = {
             "requeue": self._requeue,
             "delete": self._delete,
             "cancel": self._cancel,
@@ -226,8 +207,8 @@ class Dashboard:
             "job": job,
             "parent": family.parent,
             "children": family.children,
-            "data": _pretty(job.data),
-            "next_runs": _next_runs(job),
+            "data": texts.pretty(job.data),
+            "next_runs": texts.next_runs(job),
             "deletable": job.state in DELETABLE,
             "cancellable": bool(job.parentJobID) and job.state in CANCELLABLE,
         })
@@ -275,54 +256,54 @@ class Dashboard:
         refusal = self._guard(request)
         if refusal is not None:
             return refusal
-        form = await _form(request)
+        form = await forms.read_form(request)
         if form is None:
             return self._message(request, 400, "Not a form", "Nothing was done.")
         try:
             flash = await action(request, form)
-        except Refused as error:
-            flash = Flash("error", str(error))
+        except forms.Refused as error:
+            flash = forms.Flash("error", str(error))
         return self._back(form, flash)
 
-    async def _requeue(self, request: Request, form: dict[str, str]) -> Flash:
-        job_id = _job_id(form)
+    async def _requeue(self, request: Request, form: dict[str, str]) -> forms.Flash:
+        job_id = forms.job_id(form)
         reply = await self._call(request, "RequeueJobs", jobIDs=str(job_id))
         if reply.code != 200:
-            return Flash("error", f"Job {job_id} was not requeued: {reply.status}")
+            return forms.Flash("error", f"Job {job_id} was not requeued: {reply.status}")
         # RequeueJobs passes over IDs it does not find: say so.
         found, status = _json(await self._call(request, "QueryJob", jobID=str(job_id)))
         if found is None:
-            return Flash("error", f"Job {job_id} was not requeued: {status}")
-        return Flash("ok", f"Job {job_id} requeued: {found['state']}, due now.")
+            return forms.Flash("error", f"Job {job_id} was not requeued: {status}")
+        return forms.Flash("ok", f"Job {job_id} requeued: {found['state']}, due now.")
 
-    async def _delete(self, request: Request, form: dict[str, str]) -> Flash:
-        job_id = _job_id(form)
+    async def _delete(self, request: Request, form: dict[str, str]) -> forms.Flash:
+        job_id = forms.job_id(form)
         reply = await self._call(request, "DeleteJob", jobID=str(job_id))
-        return _outcome(reply, f"Job {job_id} deleted.", f"Job {job_id} was not deleted")
+        return forms.outcome(reply, f"Job {job_id} deleted.", f"Job {job_id} was not deleted")
 
-    async def _cancel(self, request: Request, form: dict[str, str]) -> Flash:
-        job_id = _job_id(form)
+    async def _cancel(self, request: Request, form: dict[str, str]) -> forms.Flash:
+        job_id = forms.job_id(form)
         reply = await self._call(request, "CancelJob", jobID=str(job_id))
-        return _outcome(reply, f"Job {job_id} cancelled.", f"Job {job_id} was not cancelled")
+        return forms.outcome(reply, f"Job {job_id} cancelled.", f"Job {job_id} was not cancelled")
 
-    async def _pause(self, request: Request, form: dict[str, str]) -> Flash:
-        pattern = _field(form, "name")
+    async def _pause(self, request: Request, form: dict[str, str]) -> forms.Flash:
+        pattern = forms.field(form, "name")
         reply = await self._call(request, "PauseJobs", name=pattern)
-        return _outcome(reply, f"Paused {pattern}.", f"{pattern} was not paused")
+        return forms.outcome(reply, f"Paused {pattern}.", f"{pattern} was not paused")
 
-    async def _resume(self, request: Request, form: dict[str, str]) -> Flash:
-        pattern = _field(form, "name")
+    async def _resume(self, request: Request, form: dict[str, str]) -> forms.Flash:
+        pattern = forms.field(form, "name")
         reply = await self._call(request, "ResumeJobs", name=pattern)
-        return _outcome(reply, f"Resumed {pattern}.", f"{pattern} was not resumed")
+        return forms.outcome(reply, f"Resumed {pattern}.", f"{pattern} was not resumed")
 
-    async def _set_limit(self, request: Request, form: dict[str, str]) -> Flash:
-        pattern = _field(form, "name")
-        capacity = _field(form, "max").strip()
+    async def _set_limit(self, request: Request, form: dict[str, str]) -> forms.Flash:
+        pattern = forms.field(form, "name")
+        capacity = forms.field(form, "max").strip()
         reply = await self._call(request, "SetLimit", name=pattern, max=capacity)
         done = f"Limit on {pattern} removed." if capacity == "0" else (
             f"Limit on {pattern} set to {capacity}."
         )
-        return _outcome(reply, done, f"The limit on {pattern} was not set")
+        return forms.outcome(reply, done, f"The limit on {pattern} was not set")
 
     def _guard(self, request: Request) -> Response | None:
         """A page saying why a POST is refused, or None if it may act."""
@@ -350,11 +331,12 @@ class Dashboard:
         refused = self._from_another_site(request)
         if refused is not None:
             return refused
-        form = await _form(request)
+        form = await forms.read_form(request)
         if form is None:
             return self._message(request, 400, "Not a form", "Nothing was done.")
         if self._token is None:
-            return self._back(form, Flash("ok", "This server has no token: nothing to sign in to."))
+            nothing = forms.Flash("ok", "This server has no token: nothing to sign in to.")
+            return self._back(form, nothing)
         client = peer(request)
         wait = self._throttle.wait(client)
         if wait > 0:
@@ -371,7 +353,7 @@ class Dashboard:
         self._throttle.succeeded(client)
         # A session the browser brought along is replaced, not kept.
         self._sessions.close(request.cookies.get(access.SESSION_COOKIE, ""))
-        response = self._back(form, Flash("ok", "Signed in."))
+        response = self._back(form, forms.Flash("ok", "Signed in."))
         access.sign_in(response, self._sessions.open(), self._sessions.lifetime, self._secure)
         return response
 
@@ -379,10 +361,10 @@ class Dashboard:
         refused = self._from_another_site(request)
         if refused is not None:
             return refused
-        form = await _form(request) or {}
+        form = await forms.read_form(request) or {}
         # Ended here, not only in the browser: a copy of the cookie is dead too.
         self._sessions.close(request.cookies.get(access.SESSION_COOKIE, ""))
-        response = self._back(form, Flash("ok", "Signed out."))
+        response = self._back(form, forms.Flash("ok", "Signed out."))
         access.sign_out(response, self._secure)
         return response
 
@@ -400,12 +382,12 @@ class Dashboard:
     def _page(
         self, request: Request, template: str, context: dict[str, Any], status: int = 200
     ) -> Response:
-        flash = _flash(request)
+        flash = forms.flash_of(request)
         response = self._templates.TemplateResponse(
             request, template, {
                 **context,
                 "flash": flash,
-                "here": _here(request),
+                "here": forms.here(request),
                 "needs_token": self._token is not None,
                 "can_act": self._may_act(request),
             },
@@ -413,135 +395,20 @@ class Dashboard:
             headers=PAGE_HEADERS,
         )
         if flash is not None:
-            response.delete_cookie(FLASH_COOKIE, **self._cookie_options())
+            response.delete_cookie(forms.FLASH_COOKIE, **self._cookie_options())
         return response
 
     def _message(self, request: Request, status: int, title: str, text: str) -> Response:
         return self._page(request, "message.html", {"title": title, "text": text}, status)
 
-    def _back(self, form: dict[str, str], flash: Flash) -> Response:
+    def _back(self, form: dict[str, str], flash: forms.Flash) -> Response:
         """Back to the page the form was on, carrying `flash` to it."""
-        response = RedirectResponse(_local(form.get("back", "/")), 303)
-        value = quote(f"{flash.kind}:{flash.text[:MAX_FLASH]}", safe="")
-        response.set_cookie(FLASH_COOKIE, value, max_age=60, **self._cookie_options())
+        response = RedirectResponse(forms.local(form.get("back", "/")), 303)
+        value = quote(f"{flash.kind}:{flash.text[:forms.MAX_FLASH]}", safe="")
+        response.set_cookie(forms.FLASH_COOKIE, value, max_age=60, **self._cookie_options())
         return response
 
     def _cookie_options(self) -> dict[str, Any]:
         return {"httponly": True, "samesite": "strict", "secure": self._secure}
 
 
-def _outcome(reply: WireResponse, done: str, failed: str) -> Flash:
-    if reply.code == 200:
-        return Flash("ok", done)
-    return Flash("error", f"{failed}: {reply.status}")
-
-
-def _field(form: dict[str, str], name: str) -> str:
-    value = form.get(name, "")
-    if not value:
-        raise Refused(f"Nothing was done: {name} is missing.")
-    return value
-
-
-def _job_id(form: dict[str, str]) -> int:
-    text = _field(form, "jobID").strip()
-    try:
-        return params.parse_job_id(text)
-    except CommandError:
-        raise Refused(f"Nothing was done: {text!r} is not a jobID.") from None
-
-
-async def _form(request: Request) -> dict[str, str] | None:
-    """An urlencoded form's fields (the last value of each), or None for a
-    body that is too large or not such a form."""
-    body = await read_body(request, MAX_FORM)
-    if body is None:
-        return None
-    try:
-        fields = parse_qs(
-            body.decode("ascii"), keep_blank_values=True, errors="strict",
-            max_num_fields=MAX_FORM_FIELDS,
-        )
-    except ValueError:  # not ASCII, not UTF-8 once decoded, or too many fields
-        return None
-    return {name: values[-1] for name, values in fields.items()}
-
-
-def _flash(request: Request) -> Flash | None:
-    kind, _, text = unquote(request.cookies.get(FLASH_COOKIE, "")).partition(":")
-    if kind not in ("ok", "error") or not text:
-        return None
-    return Flash(kind, text[:MAX_FLASH])
-
-
-def _here(request: Request) -> str:
-    """Where a sign-in on this page comes back to: the page, if it is one
-    a GET shows again."""
-    if request.method != "GET":
-        return "/"
-    query = request.url.query
-    return _local(request.url.path + (f"?{query}" if query else ""))
-
-
-def _local(path: str) -> str:
-    """`path` if it is a path on this server, else `/`: a redirect never
-    leads to another site (`//evil.example`, `/\\evil.example`)."""
-    if not path.startswith("/") or path.startswith("//"):
-        return "/"
-    if "\\" in path or any(c.isspace() or not c.isprintable() for c in path):
-        return "/"
-    return path
-
-
-def _pretty(data: str) -> str:
-    try:
-        value = jsonbody.parse(data)
-    except ValueError:  # stored by hand through SQL: shown as it is
-        return data
-    text = json.dumps(value, indent=2, ensure_ascii=False)
-    # A lone surrogate (stored as a `\ud800` escape) has no UTF-8 form: the
-    # page shows it escaped, as it is stored.
-    return json.dumps(value, indent=2) if jsonbody.has_lone_surrogate(text) else text
-
-
-def error_lines(text: str, tail: int | None = None) -> list[str]:
-    """A last error as lines of text; of its output, the last `tail` lines."""
-    return last_error.describe(text).lines(tail)
-
-
-def age_text(seconds: float | None) -> str:
-    """A duration a person reads at a glance: 0.4 s, 12 s, 5 min, 3.2 h, 6.0 d."""
-    if seconds is None:
-        return "—"
-    if seconds < 10:
-        return f"{seconds:.1f} s"
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 172800:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} d"
-
-
-def _next_runs(job: Job) -> list[tuple[str, str]]:
-    """A CRON job's next runs, each on its zone's wall clock and in UTC."""
-    if not cron.is_cron(job.repeat):
-        return []
-    runs = schedule.cron_upcoming(times.utcnow(), job)
-    return [(f"{cron.in_zone(run, job.timeZone):%a %Y-%m-%d %H:%M %Z}", run) for run in runs]
-
-
-def since_text(stored: str | None) -> str:
-    """A stored time (UTC) and how far it is from now: `... (5 min ago)`."""
-    if not stored:
-        return "never"
-    try:
-        moment = times.parse_stored(stored)
-    except ValueError:
-        return stored
-    seconds = (times.utcnow() - moment).total_seconds()
-    if abs(seconds) < 1:
-        return f"{stored} (now)"
-    relative = f"{age_text(seconds)} ago" if seconds > 0 else f"in {age_text(-seconds)}"
-    return f"{stored} ({relative})"

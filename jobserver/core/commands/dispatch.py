@@ -10,7 +10,8 @@ reads ahead meanwhile so that a client that hangs up cancels the wait.
 Every route has one signature (route.py); which command runs where (a
 transaction, a thread for Query, Queues and Backup, nowhere for Ping) is
 its handler's business. Commands that run in a transaction are the
-functions of jobs.py and replies.py, each wrapped in `InWriter`.
+functions of create.py, report.py, manage.py, flow_control.py and
+replies.py, each wrapped in `InWriter`.
 """
 
 from __future__ import annotations
@@ -22,8 +23,19 @@ from typing import Protocol
 
 import trio
 
-from jobserver.core.commands import backup, get_jobs, params, query, queues, replies, status
-from jobserver.core.commands import jobs as commands
+from jobserver.core.commands import (
+    backup,
+    create,
+    flow_control,
+    get_jobs,
+    known_headers,
+    manage,
+    query,
+    queues,
+    replies,
+    report,
+    status,
+)
 from jobserver.core.commands.route import Answer, Route, Services
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
@@ -60,7 +72,7 @@ class Dispatcher:
         answer = await self._dispatch(request, peer)
         if not answer.waited:
             self.services.count(command_name(request), answer.response.code)
-        ignored = params.ignored_headers(request)
+        ignored = known_headers.ignored_headers(request)
         return _with_ignored(answer, ignored) if ignored else answer
 
     async def _dispatch(self, request: Request, peer: str) -> Answer:
@@ -137,24 +149,24 @@ ROUTES: dict[str, Route] = {
     "queues": queues.queues,
     "query": query.query,
     "query:": query.query,
-    "createjob": InWriter(commands.create_job),
-    "createjobs": InWriter(commands.create_jobs),
+    "createjob": InWriter(create.create_job),
+    "createjobs": InWriter(create.create_jobs),
     "getjob": get_jobs.get_jobs,
     "getjobs": get_jobs.get_jobs,
-    "queryjob": InWriter(commands.query_job),
-    "updatejob": InWriter(commands.update_job),
-    "finishjob": InWriter(commands.finish_job),
-    "finishjobs": InWriter(commands.finish_jobs),
-    "retryjob": InWriter(commands.retry_job),
-    "failjob": InWriter(commands.fail_job),
-    "canceljob": InWriter(commands.cancel_job),
-    "deletejob": InWriter(commands.delete_job),
-    "requeuejobs": InWriter(commands.requeue_jobs),
-    "touchjob": InWriter(commands.touch_job),
-    "failedjobs": InWriter(commands.failed_jobs),
-    "setlimit": InWriter(commands.set_limit),
-    "pausejobs": InWriter(commands.pause_jobs),
-    "resumejobs": InWriter(commands.resume_jobs),
+    "queryjob": InWriter(manage.query_job),
+    "updatejob": InWriter(manage.update_job),
+    "finishjob": InWriter(report.finish_job),
+    "finishjobs": InWriter(report.finish_jobs),
+    "retryjob": InWriter(report.retry_job),
+    "failjob": InWriter(report.fail_job),
+    "canceljob": InWriter(manage.cancel_job),
+    "deletejob": InWriter(manage.delete_job),
+    "requeuejobs": InWriter(manage.requeue_jobs),
+    "touchjob": InWriter(report.touch_job),
+    "failedjobs": InWriter(manage.failed_jobs),
+    "setlimit": InWriter(flow_control.set_limit),
+    "pausejobs": InWriter(flow_control.pause_jobs),
+    "resumejobs": InWriter(flow_control.resume_jobs),
     "awaitreply": InWriter(replies.await_reply),
     "deliverreply": InWriter(replies.deliver_reply),
     "backup": backup.backup,

@@ -362,6 +362,23 @@ def from_json(element: Mapping[str, Any], verb: str) -> Request:
     return Request(method_line=verb, headers=headers)
 
 
+def job_list(request: Request) -> list[dict[str, Any]]:
+    """The `jobs` of CreateJobs and FinishJobs: a non-empty JSON array of
+    non-empty objects."""
+    text = present(request, "jobs")
+    try:
+        elements = jsonbody.parse(text) if text is not None else None
+    except jsonbody.TooDeep as error:
+        raise CommandError(f"401 Invalid JSON: {error}") from None
+    except ValueError:
+        elements = None
+    if not isinstance(elements, list) or not elements:
+        raise CommandError("401 Invalid JSON")
+    if not all(isinstance(e, dict) and e for e in elements):
+        raise CommandError("401 Invalid JSON")
+    return elements
+
+
 def flow_options(request: Request) -> FlowOptions:
     """CreateJob's cost, timeWindows and timeZone (protocol.md 14.7, 14.8)."""
     cost_text = present(request, "cost")
@@ -413,99 +430,3 @@ def pattern(request: Request) -> str:
     if has_control(value):
         raise CommandError("402 Malformed name")
     return value
-
-
-# Which headers each command reads (lower case, as Request keeps them). A
-# header outside its command's set and GENERAL_HEADERS is ignored, as
-# Bedrock ignores it, and named in the reply's `ignoredHeaders`: a typo
-# (`priorty: 1000`) would otherwise create a job as if it were not there.
-_JOB = ("jobid",)
-_REPORT = (*_JOB, "leaseid", "data")
-_NEW_JOB = (
-    "name", "data", "firstrun", "repeat", "jobpriority", "priority", "retryafter",
-    "parentjobid", "unique", "overwrite", "maxattempts", "retrybackoff", "retrydelay",
-    "retrymaxdelay", "cost", "timewindows", "timezone",
-)
-_HAND_OUT = ("name", "jobpriority", "includeleaseid")
-KNOWN_HEADERS: dict[str, frozenset[str]] = {
-    verb: frozenset(names)
-    for verb, names in {
-        "createjob": _NEW_JOB,
-        "createjobs": ("jobs",),
-        "getjob": _HAND_OUT,
-        "getjobs": (*_HAND_OUT, "numresults"),
-        "queryjob": _JOB,
-        "updatejob": (*_REPORT, "repeat", "jobpriority", "nextrun", "shouldclearrepeat"),
-        "finishjob": _REPORT,
-        "finishjobs": ("jobs",),
-        "retryjob": (*_REPORT, "delay", "ignorerepeat", "jobpriority", "name", "nextrun"),
-        "failjob": (*_REPORT, "error"),
-        "canceljob": _JOB,
-        "deletejob": _JOB,
-        "requeuejobs": ("jobids", "name"),
-        "ping": (),
-        "status": (),
-        "query": ("query", "format"),
-        "query:": ("format",),
-        "touchjob": (*_JOB, "leaseid"),
-        "failedjobs": ("limit", "name"),
-        "setlimit": ("name", "max"),
-        "pausejobs": ("name",),
-        "resumejobs": ("name",),
-        "awaitreply": (*_REPORT, "key", "timeout"),
-        "deliverreply": ("key", "data"),
-        "backup": ("name", "path"),
-        "queues": ("limit",),
-    }.items()
-}
-# Headers any command may carry: the framing's and the server's own, and
-# those Bedrock's clients send with every command, which jobserver ignores
-# on purpose (protocol.md section 12): a Bedrock client's replies stay as
-# they were.
-GENERAL_HEADERS = frozenset({
-    "content-length", "connection", "authtoken", "timeout",
-    "commitcount", "requestid", "lastip", "writeconsistency", "mockrequest",
-    "getmockedjobs", "logparam", "idempotent", "processtimeout", "commandexecutetime",
-    "host",
-})
-# `ignoredHeaders` names at most this many, each cut to MAX_IGNORED_NAME
-# characters, so that a request of long made-up names (100 lines of up to
-# 2 MiB each, section 3) cannot make a long reply: under 1 KiB in all.
-MAX_IGNORED_LISTED = 10
-MAX_IGNORED_NAME = 64
-
-
-def unread_headers(request: Request) -> list[str]:
-    """The headers of a request for a known command that the command does
-    not read, in the order sent; [] for an unknown command."""
-    known = KNOWN_HEADERS.get(request.verb.lower())
-    if known is None:
-        return []
-    return [n for n in request.headers if n not in known and n not in GENERAL_HEADERS]
-
-
-def ignored_in_elements(elements: list[Request]) -> list[str]:
-    """The keys the elements of CreateJobs' or FinishJobs' `jobs` carry
-    that their command does not read, as `jobs[INDEX].KEY`."""
-    return [
-        f"jobs[{index}].{name}"
-        for index, element in enumerate(elements)
-        for name in unread_headers(element)
-    ]
-
-
-def ignored_headers(request: Request) -> str:
-    """The headers of a request for a known command that the command does
-    not read, as the reply's `ignoredHeaders` value; "" for none."""
-    return describe_ignored(unread_headers(request))
-
-
-def describe_ignored(ignored: list[str]) -> str:
-    """Names for `ignoredHeaders`: at most MAX_IGNORED_LISTED, each cut to
-    MAX_IGNORED_NAME characters, then how many more."""
-    listed = [
-        name if len(name) <= MAX_IGNORED_NAME else name[: MAX_IGNORED_NAME - 3] + "..."
-        for name in ignored[:MAX_IGNORED_LISTED]
-    ]
-    more = len(ignored) - len(listed)
-    return ", ".join(listed) + (f" and {more} more" if more else "")

@@ -19,12 +19,12 @@ import re
 from datetime import timedelta
 
 from jobserver.core.commands import params
-from jobserver.core.commands.jobs import check_lease, load_job
+from jobserver.core.commands.lookup import check_lease, load_job
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
 from jobserver.core.rules import lifecycle
 from jobserver.model import times
-from jobserver.model.jobs import ACTIVE, State
+from jobserver.model.jobs import State
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request, Response
 from jobserver.wire.limits import DEFAULT_REPLY_TIMEOUT, MAX_REPLY_KEY, MAX_REPLY_TIMEOUT
@@ -47,8 +47,7 @@ def await_reply(ctx: Context, request: Request) -> Response:
     check_lease(request, job)
     key = _key(request)
     seconds = _timeout(request)
-    if job.state not in ACTIVE:
-        raise CommandError("405 Can only await a reply for RUNNING or RUNQUEUED jobs")
+    lifecycle.check(job, "wait for a reply")
     other = ctx.store.waiting_on(key)
     if other is not None:
         raise CommandError("409 Another job waits on this key")
@@ -91,7 +90,7 @@ def expire(ctx: Context) -> None:
     Runs in the writer when the clock fires (deadlines.tick)."""
     overdue = ctx.store.overdue(ctx.now_ms, EXPIRE_BATCH)
     for job in overdue:
-        lifecycle.fail_attempt(ctx, job, REPLY_TIMEOUT, replyKey="")
+        lifecycle.time_out_reply(ctx, job, REPLY_TIMEOUT)
     if len(overdue) == EXPIRE_BATCH:
         ctx.wake_all()
 

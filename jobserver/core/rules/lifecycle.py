@@ -1,10 +1,11 @@
 """A job's life: every move between states, and nothing else.
 
-This is the only module that sets a job's `state` or `nextRun` (the
-storage's SQL aside: it creates the schema and prunes). Each transition is
-a named function that commands call; it checks that the move is legal
-(`MOVES`, the table protocol.md section 4.2 prints), writes the row, and
-does the bookkeeping that wakes waiting GetJobs:
+This is the only module that writes a job's row, and so the only one that
+sets its `state` or `nextRun` (the storage's SQL aside: it creates the
+schema and prunes). Each transition is a named function that commands
+call; it checks that the move is legal (`MOVES` in moves.py, the table
+protocol.md section 4.2 prints), writes the row, and does the bookkeeping
+that wakes waiting GetJobs:
 
 - a job that becomes due, or due later, is noted on the Context
   (`scheduled`), so the wait queue tries matching waiters after the commit
@@ -14,19 +15,28 @@ does the bookkeeping that wakes waiting GetJobs:
 - a job that starts running, or is reported on, sets the clock for its
   stale deadline (stale.py).
 
-An illegal move is a bug in the caller: it raises IllegalMove, which the
-writer turns into a `500` that undoes the request.
+A move asked of a job in a state that cannot make it is refused here, and
+nowhere else: commands check no states. A move a client can ask for
+carries the status line it is answered with (Bedrock's `405`s), raised as
+`Refused`, a CommandError that undoes the request. Any other illegal move
+is a bug in the caller: it raises IllegalMove, which the writer turns
+into a `500` that undoes the request.
+
+The few writes to a job that move it nowhere (a report on a RUNNING job,
+new data, priority or repeat) are named functions here too, so that no
+command writes a job's row itself.
 """
 
 from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from itertools import product
 from typing import Any
 
 from jobserver.core.engine.context import Context
+from jobserver.core.errors import CommandError
 from jobserver.core.rules import flow, schedule
+from jobserver.core.rules.moves import GONE, MOVES, Refused, check, illegal
 from jobserver.model.jobs import (
     ACTIVE,
     ENDED_CHILDREN,
@@ -37,12 +47,6 @@ from jobserver.model.jobs import (
     State,
 )
 from jobserver.wire import jsonbody
-
-# The two ends of a life that are not states: before CreateJob stores a
-# job, and after it is deleted (a finished job without a parent is not
-# kept, protocol.md 4.2).
-NEW = "new"
-GONE = "deleted"
 
 # Bedrock's limit: a job whose lease expired this many times without a
 # report is failed instead of being handed out again.
@@ -55,81 +59,29 @@ LEASE_BYTES = 8
 # The last error of a job whose lease ran out without a report.
 LEASE_EXPIRED = "lease expired without a report"
 
-ALL = tuple(State)
-
-
-@dataclass(frozen=True)
-class Move:
-    """A named transition: the (from, to) pairs it may make, and whether it
-    can end a run (so capacity of a concurrency limit may be free)."""
-
-    pairs: frozenset[tuple[str, str]]
-    ends_run: bool = True
-
-
-def _between(sources: tuple[str, ...], targets: tuple[str, ...], ends_run: bool = True) -> Move:
-    return Move(frozenset(product(sources, targets)), ends_run)
-
-
-def _in_place(states: tuple[str, ...]) -> Move:
-    """A move that changes when a job runs, not its state."""
-    return Move(frozenset((s, s) for s in states), ends_run=False)
-
-
-MOVES: dict[str, Move] = {
-    "create": _between((NEW,), (State.QUEUED, State.PAUSED), ends_run=False),
-    "hand out": _between(READY, ACTIVE, ends_run=False),
-    "expire a lease": _between(READY, (State.FAILED,), ends_run=False),
-    "wait for a window": _in_place(READY),
-    "extend a lease": _in_place((State.RUNQUEUED,)),
-    "reschedule": _in_place(ALL),
-    "finish": _between(ACTIVE, (State.FINISHED, GONE)),
-    "retry": _between(ACTIVE, (State.QUEUED,)),
-    "fail an attempt": _between((*ACTIVE, State.WAITING), (State.FAILED, State.QUEUED)),
-    "fail": _between(ACTIVE, (State.FAILED,)),
-    "wait for a reply": _between(ACTIVE, (State.WAITING,)),
-    "deliver a reply": _between((*ACTIVE, State.WAITING), (State.QUEUED,)),
-    "requeue": _between(ALL, (State.QUEUED,)),
-    "pause for children": _between(ACTIVE, (State.PAUSED,)),
-    "release a child": _between((State.PAUSED,), (State.QUEUED,)),
-    "resume a parent": _between((State.PAUSED,), (State.QUEUED,)),
-    "cancel": _between(
-        (State.QUEUED, State.RUNQUEUED, State.FAILED, State.CANCELLED, State.WAITING),
-        (State.CANCELLED,),
-    ),
-    "delete": _between(tuple(s for s in ALL if s not in (State.RUNNING, State.PAUSED)), (GONE,)),
-    "delete ended children": _between(ENDED_CHILDREN, (GONE,)),
-    "give back": _between(ACTIVE, READY),
-    # Retention: done by the storage's SQL (Storage.prune), listed for the table.
-    "prune": _between((State.FINISHED, State.FAILED), (GONE,), ends_run=False),
-}
-
-
-class IllegalMove(Exception):
-    """A transition was asked of a job in a state it cannot leave that way."""
-
-
-def legal_moves(source: str, target: str) -> list[str]:
-    """The names of the moves from `source` to `target`, in table order."""
-    return [name for name, move in MOVES.items() if (source, target) in move.pairs]
-
 
 def _move(ctx: Context, job: Job, name: str, target: str, /, **changes: Any) -> None:
     move = MOVES[name]
     if (job.state, target) not in move.pairs:
-        raise IllegalMove(f"{name}: job {job.jobID} cannot go from {job.state} to {target}")
+        raise illegal(job, name, target)
     if move.ends_run:
         _freed(ctx, job)
     if target == GONE:
         ctx.store.delete(job.jobID)
         return
-    ctx.store.update(job.jobID, state=target, **changes)
+    _write(ctx, job, state=target, **changes)
     if target in READY or target == State.WAITING:
         # A WAITING job's nextRun is its reply deadline: the clock must
         # hear of it as of any other due time.
         ctx.scheduled(changes.get("name", job.name), changes.get("nextRun", job.nextRun))
     elif target == State.RUNNING and "lastReport" in changes:
         _watch_for_staleness(ctx)
+
+
+def _write(ctx: Context, job: Job, **changes: Any) -> None:
+    """The one write of a job's row, for moves and for the changes that
+    move it nowhere."""
+    ctx.store.update(job.jobID, **changes)
 
 
 def _freed(ctx: Context, job: Job) -> None:
@@ -151,9 +103,28 @@ def _watch_for_staleness(ctx: Context) -> None:
 # Creating.
 
 
+# The states in which a job may be given a child.
+ADOPTING = (*ACTIVE, State.PAUSED)
+
+
+def check_parent(parent: Job) -> None:
+    """A child may be created only while its parent runs, or waits PAUSED
+    for its children. A precondition of the move, not a check of the
+    request: a child's first state follows its parent's (it waits PAUSED
+    until a running parent pauses for it), and only a parent that runs or
+    waits will ever release it or wait for it."""
+    if parent.state not in ADOPTING:
+        raise Refused(
+            "405 Can only create child job when parent is RUNNING, RUNQUEUED or PAUSED",
+            f"create: job {parent.jobID} cannot take a child in {parent.state}",
+        )
+
+
 def create(ctx: Context, new: NewJob, parent: Job | None) -> int:
     """Store a new job: QUEUED, or PAUSED while its parent runs (a child of
     a running parent waits until the parent finishes)."""
+    if parent is not None:
+        check_parent(parent)
     state = State.PAUSED if parent is not None and parent.state != State.PAUSED else State.QUEUED
     job_id = ctx.store.insert(new, created=ctx.now_s, state=state)
     if state == State.QUEUED:
@@ -264,14 +235,25 @@ def give_back(ctx: Context, job: Job, lease: Lease) -> None:
 # Reports on a running job.
 
 
-def extend_lease(ctx: Context, job: Job, next_run: str) -> None:
-    """TouchJob on a leased job: due again only at `next_run`."""
+def touch(ctx: Context, job: Job) -> str | None:
+    """TouchJob. A RUNNING job's report is noted (the stale-job safety net
+    counts from now): None. A leased job is due again only when a new lease
+    ends, from the moment it was due: that end is returned. Raises
+    RepeatStalled for a lease that would end at once."""
+    if job.state == State.RUNNING:
+        _note_report(ctx, job)
+        return None
+    check(job, "extend a lease")
+    next_run = schedule.lease_end(ctx, job, schedule.due_moment(job))
+    if next_run is None:
+        raise CommandError("502 Failed to compute nextRun")
     _move(ctx, job, "extend a lease", State.RUNQUEUED, nextRun=next_run)
+    return next_run
 
 
-def note_report(ctx: Context, job: Job) -> None:
+def _note_report(ctx: Context, job: Job) -> None:
     """A RUNNING job was reported on: the stale-job safety net counts from now."""
-    ctx.store.update(job.jobID, lastReport=ctx.now_ms)
+    _write(ctx, job, lastReport=ctx.now_ms)
     _watch_for_staleness(ctx)
 
 
@@ -282,9 +264,33 @@ def update(ctx: Context, job: Job, next_run: str | None, **changes: Any) -> None
     if job.state == State.RUNNING:
         changes["lastReport"] = ctx.now_ms
     if next_run is None:
-        ctx.store.update(job.jobID, **changes)
+        _write(ctx, job, **changes)
     else:
         _move(ctx, job, "reschedule", job.state, nextRun=next_run, **changes)
+
+
+def amend(ctx: Context, job: Job, **changes: Any) -> None:
+    """New data, priority or repeat for a job in whatever state it is,
+    which moves it nowhere: CreateJob with unique=true finding the job of
+    its name."""
+    _write(ctx, job, **changes)
+
+
+def parent_of_ending_run(ctx: Context, job: Job) -> Job | None:
+    """The parent of a job whose run FinishJob or RetryJob ends, once the
+    report may end it: the job is handed out, and a child's parent waits
+    for it, PAUSED. The parent's state is a precondition of the move, not
+    a check of the request: a family's states move together (a parent is
+    queued again when its last child ends), so whether a child's run may
+    end depends on its parent's state."""
+    check(job, "finish")
+    parent = ctx.store.get(job.parentJobID) if job.parentJobID else None
+    if parent is not None and parent.state != State.PAUSED:
+        raise Refused(
+            "405 Can only retry/finish child job when parent is PAUSED",
+            f"finish: job {job.jobID}'s parent is {parent.state}",
+        )
+    return parent
 
 
 def finish(ctx: Context, job: Job, parent: Job | None, **changes: Any) -> None:
@@ -312,18 +318,18 @@ def retry(ctx: Context, job: Job, next_run: str, **changes: Any) -> None:
 def fail_attempt(ctx: Context, job: Job, error: str, **changes: Any) -> None:
     """A run of `job` failed with `error`: FAILED; or, with a retry policy
     that has attempts left, QUEUED again after its backoff delay."""
+    _fail_attempt(ctx, job, "fail an attempt", error, **changes)
+
+
+def _fail_attempt(ctx: Context, job: Job, move: str, error: str, **changes: Any) -> None:
     if job.maxAttempts and job.attempts < job.maxAttempts:
         delay = schedule.backoff_delay(job, job.attempts)
         next_run = schedule.in_window(
             job.timeWindows, job.timeZone, schedule.retry_time(ctx, delay)
         )
-        _move(
-            ctx, job, "fail an attempt", State.QUEUED, nextRun=next_run, lastError=error, **changes
-        )
+        _move(ctx, job, move, State.QUEUED, nextRun=next_run, lastError=error, **changes)
         return
-    _move(
-        ctx, job, "fail an attempt", State.FAILED, lastError=error, ended=ctx.now_s, **changes
-    )
+    _move(ctx, job, move, State.FAILED, lastError=error, ended=ctx.now_s, **changes)
 
 
 def fail(ctx: Context, job: Job, error: str, **changes: Any) -> None:
@@ -350,6 +356,11 @@ def deliver_reply(ctx: Context, job: Job, data: str) -> None:
     _move(ctx, job, "deliver a reply", State.QUEUED, **changes)
 
 
+def time_out_reply(ctx: Context, job: Job, error: str) -> None:
+    """A WAITING job's deadline passed with no reply: a failed attempt."""
+    _fail_attempt(ctx, job, "time out a reply", error, replyKey="")
+
+
 # Operators' moves.
 
 
@@ -365,7 +376,17 @@ def requeue(ctx: Context, job: Job, **changes: Any) -> None:
 
 
 def cancel(ctx: Context, job: Job) -> None:
+    """CancelJob of a child: CANCELLED, and its parent queued again if no
+    child is left QUEUED or handed out. A FINISHED, RUNNING or PAUSED child
+    is left as it is: Bedrock answers 200 and changes nothing, so it is not
+    a refusal."""
+    if job.state not in MOVES["cancel"].sources:
+        return
     _move(ctx, job, "cancel", State.CANCELLED)
+    parent = ctx.store.get(job.parentJobID)
+    if parent is not None:
+        # PAUSED siblings do not hold the parent back here, as in Bedrock.
+        resume_parent_if_done(ctx, parent, (State.QUEUED, *ACTIVE))
 
 
 def delete(ctx: Context, job: Job) -> None:
@@ -396,5 +417,6 @@ def resume_parent_if_done(
 
 
 def delete_ended_children(ctx: Context, parent: Job) -> None:
-    """A parent's run ended: its FINISHED and CANCELLED children go."""
+    """A parent's run ended: its FINISHED and CANCELLED children go, in one
+    write (they hold no capacity and wake nobody)."""
     ctx.store.delete_children(parent.jobID, ENDED_CHILDREN)

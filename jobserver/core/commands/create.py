@@ -1,0 +1,148 @@
+"""CreateJob and CreateJobs: check the request, store the job (or merge
+into the unique job of its name), reply with its ID.
+
+Handlers run inside a transaction that the writer owns; they never commit
+and never touch a socket. A handler returns a `Response` or raises
+`CommandError`, whose status line is the reply and whose raise undoes every
+change the handler made. Status lines are Bedrock's, word for word.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jobserver.core.commands import known_headers, params
+from jobserver.core.commands.views import ok
+from jobserver.core.engine.context import Context
+from jobserver.core.errors import CommandError
+from jobserver.core.rules import flow, lifecycle, schedule
+from jobserver.core.rules.schedule import RepeatStalled
+from jobserver.model import cron
+from jobserver.model.jobs import Job, NewJob
+from jobserver.model.sqlite_functions import json_patch
+from jobserver.wire.framing import Request, Response, escape
+from jobserver.wire.limits import DEFAULT_PRIORITY
+
+
+def create_job(ctx: Context, request: Request) -> Response:
+    return Response("200 OK", b'{"jobID":%d}' % _create(ctx, request))
+
+
+def create_jobs(ctx: Context, request: Request) -> Response:
+    """All or nothing: any bad element fails the whole request."""
+    elements = params.job_list(request)
+    ids = []
+    created = []
+    for element in elements:
+        if not any(key.lower() == "name" for key in element):
+            raise CommandError("402 Missing name")
+        created.append(params.from_json(element, "CreateJob"))
+        ids.append(_create(ctx, created[-1]))
+    return known_headers.with_ignored_elements(ok({"jobIDs": ids}), created)
+
+
+def _create(ctx: Context, request: Request) -> int:
+    name = params.name(request)
+    priority = params.priority(request, "jobPriority", "priority")
+    data = params.data(request)
+    retry_after = params.retry_after(request)
+    first_run = params.time(request, "firstRun")
+    rule = params.repeat_rule(request)
+    policy = params.retry_policy(request)
+    flow = params.flow_options(request)
+    _check_cost_fits(ctx, name, flow.cost)
+    parent_id = _parent_id(request)
+    parent = _parent(ctx, parent_id) if parent_id else None
+    if params.is_true(request.get("unique")):
+        existing = ctx.store.find_by_name(name)
+        if existing is not None:
+            _update_unique(ctx, request, existing, parent_id, data, rule, priority)
+            return existing.jobID
+    next_run = first_run or _first_run(ctx, rule, flow.zone)
+    if flow.windows:
+        next_run = schedule.in_window(flow.windows, flow.zone, next_run)
+    new = NewJob(
+        name=name,
+        next_run=next_run,
+        repeat=rule or "",
+        data=data if data is not None else "{}",
+        priority=DEFAULT_PRIORITY if priority is None else priority,
+        parent_id=parent_id,
+        retry_after=retry_after,
+        policy=policy,
+        flow=flow,
+    )
+    return lifecycle.create(ctx, new, parent)
+
+
+def _first_run(ctx: Context, rule: str | None, zone: str) -> str:
+    """When a job created without firstRun is first due: now, or a CRON
+    rule's first moment after now."""
+    if rule is None or not cron.is_cron(rule):
+        return ctx.now_ms
+    try:
+        return schedule.cron_run(ctx, rule, zone)
+    except RepeatStalled as stalled:
+        raise CommandError(f"402 Malformed repeat: {stalled.reason}") from None
+
+
+def _check_cost_fits(ctx: Context, name: str, cost: int) -> None:
+    """A job that costs more than a limit on its name holds can never run."""
+    limits = ctx.store.limits
+    if not limits:
+        return
+    index = flow.index_of(ctx.store)
+    # The usual job (cost 1) fits every limit without matching a pattern.
+    if cost <= index.min_capacity:
+        return
+    for pattern in index.verdict(name).limits:
+        capacity = index.limits[pattern]
+        if cost > capacity:
+            # Escaped as a header value: a pattern may hold a line break.
+            raise CommandError(f"402 Cost {cost} exceeds limit {escape(pattern)} (max {capacity})")
+
+
+def _parent_id(request: Request) -> int:
+    text = params.present(request, "parentJobID")
+    if text is None or text == "0":
+        return 0
+    return params.parse_job_id(text, "parentJobID")
+
+
+def _parent(ctx: Context, parent_id: int) -> Job:
+    parent = ctx.store.get(parent_id)
+    if parent is None:
+        raise CommandError("404 parentJobID does not exist")
+    lifecycle.check_parent(parent)
+    # The request's check, not a move's: whether the job it names has a
+    # parent is fixed when that job is created, whatever state it is in.
+    if parent.parentJobID:
+        raise CommandError("405 Cannot create grandchildren")
+    return parent
+
+
+def _update_unique(
+    ctx: Context,
+    request: Request,
+    existing: Job,
+    parent_id: int,
+    data: str | None,
+    rule: str | None,
+    priority: int | None,
+) -> None:
+    """unique=true found a job of this name: merge the new data into it."""
+    if existing.parentJobID and existing.parentJobID != parent_id:
+        raise CommandError(
+            "404 Trying to create a child that already exists, but it is tied to a different parent"
+        )
+    if data is None or data == existing.data:
+        return
+    overwrite = params.present(request, "overwrite")
+    if overwrite is not None and not params.is_true(overwrite):
+        return
+    changes: dict[str, Any] = {"data": json_patch(existing.data, data)}
+    if rule is not None:
+        changes["repeat"] = rule
+    if priority is not None:
+        changes["priority"] = priority
+    lifecycle.amend(ctx, existing, **changes)

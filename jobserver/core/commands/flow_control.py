@@ -1,0 +1,43 @@
+"""Flow control (protocol.md 14.7 to 14.9): SetLimit, PauseJobs and
+ResumeJobs."""
+
+from __future__ import annotations
+
+from jobserver.core.commands import params
+from jobserver.core.commands.views import ok
+from jobserver.core.engine.context import Context
+from jobserver.core.errors import CommandError
+from jobserver.wire.framing import Request, Response
+
+
+def set_limit(ctx: Context, request: Request) -> Response:
+    """Set, change or (max 0) remove a concurrency limit. A new one past
+    --max-limits is refused; changing or removing one always works."""
+    pattern = params.pattern(request)
+    capacity = params.capacity(request)
+    limits = ctx.store.limits
+    most = ctx.settings.max_limits
+    if capacity and pattern not in limits and len(limits) >= most:
+        raise CommandError(f"413 Too many limits (max {most})")
+    ctx.store.set_limit(pattern, capacity)
+    # A higher or removed limit may let waiting jobs run.
+    ctx.wake_all()
+    return ok()
+
+
+def pause_jobs(ctx: Context, request: Request) -> Response:
+    """Pause a pattern. A new one past --max-limits paused patterns is
+    refused: every candidate of a GetJob is matched against them."""
+    pattern = params.pattern(request)
+    paused = ctx.store.paused
+    most = ctx.settings.max_limits
+    if pattern not in paused and len(paused) >= most:
+        raise CommandError(f"413 Too many paused patterns (max {most})")
+    ctx.store.pause(pattern)
+    return ok()
+
+
+def resume_jobs(ctx: Context, request: Request) -> Response:
+    if ctx.store.resume(params.pattern(request)):
+        ctx.wake_all()
+    return ok()

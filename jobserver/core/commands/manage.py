@@ -1,0 +1,92 @@
+"""What operators and clients do to a job outside its runs: QueryJob,
+UpdateJob, CancelJob, DeleteJob, RequeueJobs, and FailedJobs (the dead
+set). Every change of a job's state goes through lifecycle.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jobserver.core.commands import params
+from jobserver.core.commands.lookup import check_lease, load_job
+from jobserver.core.commands.views import failed_object, job_object, ok
+from jobserver.core.engine.context import Context
+from jobserver.core.errors import CommandError
+from jobserver.core.rules import lifecycle, schedule
+from jobserver.core.rules.selection import name_selector
+from jobserver.model import cron
+from jobserver.wire.framing import Request, Response
+
+
+def query_job(ctx: Context, request: Request) -> Response:
+    job = load_job(ctx, request)
+    shown = job_object(job, with_state=True)
+    if cron.is_cron(job.repeat):
+        shown["nextRuns"] = schedule.cron_upcoming(ctx.now, job)
+    return ok(shown)
+
+
+def update_job(ctx: Context, request: Request) -> Response:
+    job_id = params.job_id(request)
+    if params.present(request, "data") is None:
+        raise CommandError("402 Missing data")
+    data = params.data(request)
+    rule = params.repeat_rule(request)
+    priority = params.priority(request, "jobPriority")
+    next_run = params.time(request, "nextRun")
+    job = ctx.store.get(job_id)
+    if job is None:
+        raise CommandError("404 No job with this jobID")
+    check_lease(request, job)
+    changes: dict[str, Any] = {"data": data}
+    if next_run is None and rule is not None:
+        # Not a run: the moment may be the one the job already has.
+        next_run = schedule.next_run_from_repeat(ctx, job, rule)
+    if params.is_true(request.get("shouldClearRepeat")):
+        changes["repeat"] = ""
+    elif rule is not None:
+        changes["repeat"] = rule
+    if priority is not None:
+        changes["priority"] = priority
+    lifecycle.update(ctx, job, next_run, **changes)
+    return ok()
+
+
+def cancel_job(ctx: Context, request: Request) -> Response:
+    job = load_job(ctx, request)
+    # The request's checks, not a move's: as Bedrock words them, the jobID
+    # names no job CancelJob is for (only a child without children is),
+    # whatever state it is in.
+    if ctx.store.has_children(job.jobID):
+        raise CommandError("404 Invalid jobID - Cannot cancel a job with children")
+    if not job.parentJobID:
+        raise CommandError("404 Invalid jobID - Cannot cancel a job without a parent")
+    lifecycle.cancel(ctx, job)
+    return ok()
+
+
+def delete_job(ctx: Context, request: Request) -> Response:
+    job = load_job(ctx, request)
+    lifecycle.delete(ctx, job)
+    return ok()
+
+
+def requeue_jobs(ctx: Context, request: Request) -> Response:
+    """Put jobs back to QUEUED, due at their creation time; unknown IDs are
+    skipped."""
+    ids = params.job_ids(request)
+    changes: dict[str, Any] = {}
+    if params.present(request, "name") is not None:
+        changes["name"] = params.name(request)
+    for job_id in ids:
+        job = ctx.store.get(job_id)
+        if job is None:
+            continue
+        lifecycle.requeue(ctx, job, **changes)
+    return ok()
+
+
+def failed_jobs(ctx: Context, request: Request) -> Response:
+    """The dead set: FAILED jobs whose name matches, with their last error."""
+    pattern, names = name_selector(params.present(request, "name") or "*")
+    found = ctx.store.failed(pattern=pattern, names=names, limit=params.limit(request))
+    return ok({"jobs": [failed_object(job) for job in found]})

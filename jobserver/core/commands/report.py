@@ -1,0 +1,161 @@
+"""Reports on a job that was handed out: FinishJob, FinishJobs, RetryJob,
+FailJob and TouchJob. Every change of a job's state goes through
+lifecycle.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jobserver.core.commands import known_headers, params
+from jobserver.core.commands.lookup import check_lease, load_job
+from jobserver.core.commands.views import ok
+from jobserver.core.engine.context import Context
+from jobserver.core.errors import CommandError
+from jobserver.core.rules import lifecycle, schedule
+from jobserver.core.rules.schedule import RepeatStalled
+from jobserver.model.jobs import PENDING, Job
+from jobserver.wire import jsonbody
+from jobserver.wire.framing import Request, Response
+from jobserver.wire.limits import MAX_FINISH_JOBS
+
+
+def finish_job(ctx: Context, request: Request) -> Response:
+    return _finish_or_retry(ctx, request, retry=False)
+
+
+def retry_job(ctx: Context, request: Request) -> Response:
+    return _finish_or_retry(ctx, request, retry=True)
+
+
+# The savepoint of one FinishJobs element, inside the writer's own.
+_ELEMENT = "element"
+
+
+def finish_jobs(ctx: Context, request: Request) -> Response:
+    """FinishJob for each element of `jobs`, in order, each with its own
+    outcome: an element that fails undoes its own writes and no others."""
+    elements = params.job_list(request)
+    if len(elements) > MAX_FINISH_JOBS:
+        raise CommandError(f"413 Too many jobs (max {MAX_FINISH_JOBS})")
+    reports = [params.from_json(element, "FinishJob") for element in elements]
+    results = [_finish_element(ctx, report) for report in reports]
+    return known_headers.with_ignored_elements(ok({"results": results}), reports)
+
+
+def _finish_element(ctx: Context, request: Request) -> dict[str, Any]:
+    part = ctx.part()
+    ctx.store.savepoint(_ELEMENT)
+    # Only FinishJob's answers are an element's own. Anything else (the
+    # database failing, a bug) fails the whole request, and the writer
+    # undoes all of it, this savepoint included.
+    try:
+        status = finish_job(part, request).status
+    except CommandError as error:
+        ctx.store.rollback_savepoint(_ELEMENT)
+        status = error.status
+    else:
+        ctx.store.release(_ELEMENT)
+        ctx.join(part)
+    return {"jobID": params.given_job_id(request), "status": status}
+
+
+def _finish_or_retry(ctx: Context, request: Request, retry: bool) -> Response:
+    job = load_job(ctx, request)
+    check_lease(request, job)
+    parent = lifecycle.parent_of_ending_run(ctx, job)
+    new_data = params.data(request) if params.present(request, "data") else None
+    # Most jobs never have children: one look spares the two child queries.
+    has_children = ctx.store.has_children(job.jobID)
+    if has_children:
+        lifecycle.delete_ended_children(ctx, job)
+    text = new_data or job.data
+    asks_delete = False
+    # Parsed only when it may hold what this step looks at or removes.
+    if '"retryAfterCount"' in text or '"delete"' in text:
+        data = jsonbody.parse_object(text, stored=True)
+        asks_delete = data.get("delete") is True
+        data.pop("retryAfterCount", None)
+        text = jsonbody.compact(data)
+    changes: dict[str, Any] = {"data": text}
+    if job.maxAttempts:
+        # A run that ended well, or that its worker chose to retry, did not
+        # fail: the next run gets every attempt again.
+        changes["attempts"] = 0
+    if not retry and has_children and ctx.store.has_children(job.jobID, PENDING):
+        lifecycle.pause_for_children(ctx, job, **changes)
+        return ok()
+    if retry:
+        changes.update(_renamed(request))
+    try:
+        next_run = _next_run(ctx, request, job, retry, use_repeat=not asks_delete)
+    except RepeatStalled as stalled:
+        # The report is taken; the job would loop, so it ends here.
+        lifecycle.fail(ctx, job, str(stalled), **changes)
+        return ok()
+    if next_run is not None:
+        lifecycle.retry(ctx, job, next_run, **changes)
+    else:
+        lifecycle.finish(ctx, job, parent, **changes)
+    return ok()
+
+
+def _renamed(request: Request) -> dict[str, Any]:
+    changes: dict[str, Any] = {}
+    new_name = params.present(request, "name")
+    if new_name is not None:
+        changes["name"] = params.name(request)
+    priority = params.priority(request, "jobPriority")
+    if priority is not None:
+        changes["priority"] = priority
+    return changes
+
+
+def _next_run(
+    ctx: Context, request: Request, job: Job, retry: bool, use_repeat: bool
+) -> str | None:
+    """Precedence: the job's repeat, then RetryJob's nextRun, then its delay."""
+    if job.repeat and use_repeat and not (retry and params.is_true(request.get("ignoreRepeat"))):
+        return schedule.next_run_after_run(ctx, job, schedule.due_moment(job))
+    if not retry:
+        return None
+    next_run = params.time(request, "nextRun")
+    if next_run is not None:
+        return next_run
+    return schedule.seconds_later(ctx, params.delay_seconds(request))
+
+
+def fail_job(ctx: Context, request: Request) -> Response:
+    """FAILED; or, for a job whose retry policy has attempts left, QUEUED
+    again after its backoff delay."""
+    job = load_job(ctx, request)
+    check_lease(request, job)
+    lifecycle.check(job, "fail an attempt")
+    data = params.data(request) if params.present(request, "data") else None
+    error = params.error_text(request, data)
+    lifecycle.fail_attempt(ctx, job, error, **({} if data is None else {"data": data}))
+    return ok()
+
+
+def touch_job(ctx: Context, request: Request) -> Response:
+    """Extend a lease: the job is due again only retryAfter from now. A
+    RUNNING job's report restarts the stale-job safety net's count."""
+    job = load_job(ctx, request)
+    check_lease(request, job)
+    try:
+        next_run = lifecycle.touch(ctx, job)
+    except RepeatStalled as stalled:
+        # Returned, not raised, so that the failure stays: a lease that
+        # ends at once would hand the job to another worker right away.
+        lifecycle.fail(ctx, job, str(stalled))
+        return Response(f"402 Malformed repeat: {stalled.reason}; the job failed")
+    if next_run is None:
+        return _stale_at(ctx)
+    return ok({"nextRun": next_run})
+
+
+def _stale_at(ctx: Context) -> Response:
+    """A RUNNING job's touch: when the stale-job safety net will fail it."""
+    seconds = ctx.settings.stale_after
+    if not seconds:
+        return ok({})
+    return ok({"staleAt": schedule.retry_time(ctx, seconds)})

@@ -1,0 +1,134 @@
+"""The dashboard's forms: reading one within its bounds, the fields an
+action needs, the one-time message that tells what came of it, and where a
+redirect may lead (never to another site)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import parse_qs, unquote
+
+from starlette.requests import Request
+
+from jobserver.core.commands import params
+from jobserver.core.errors import CommandError
+from jobserver.model.jobs import State
+from jobserver.web.incoming import read_body
+from jobserver.wire.framing import Response as WireResponse
+
+HERE = Path(__file__).parent
+
+# How much of each list a page shows: enough to act on, little enough to
+# render at once.
+QUEUES_SHOWN = 50
+FAILED_SHOWN = 100
+FOUND_SHOWN = 200
+# The last lines of a failed job's output in the table; its page shows all.
+ERROR_TAIL = 5
+# Seconds between refreshes of the live part of `/`: often enough to watch
+# a queue drain; each refresh reads every job (Queues).
+REFRESH_SECONDS = 5
+
+# States in the order of a job's life, for the columns of the queues.
+STATE_ORDER = (
+    State.QUEUED, State.RUNQUEUED, State.RUNNING, State.WAITING, State.PAUSED,
+    State.FAILED, State.FINISHED, State.CANCELLED,
+)
+# Where the job page offers each button (protocol.md 4.2 and 5.10).
+DELETABLE = frozenset(
+    (State.QUEUED, State.RUNQUEUED, State.FINISHED, State.CANCELLED, State.FAILED, State.WAITING)
+)
+CANCELLABLE = frozenset((State.QUEUED, State.RUNQUEUED, State.FAILED, State.WAITING))
+
+# Pages show job data, and their buttons act: no other site may frame
+# them, and no script but the dashboard's own may run in them.
+PAGE_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+        "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
+# A form's body: a 255-byte pattern, percent-encoded, and room to spare.
+MAX_FORM = 16 * 1024
+MAX_FORM_FIELDS = 16
+# The one-time message after an action: long enough for a status line.
+FLASH_COOKIE = "jobserver_flash"
+MAX_FLASH = 500
+
+
+@dataclass(frozen=True)
+class Flash:
+    kind: str  # "ok" or "error"
+    text: str
+
+
+class Refused(Exception):
+    """A form asks for something that is not done; its text says why."""
+
+
+def outcome(reply: WireResponse, done: str, failed: str) -> Flash:
+    if reply.code == 200:
+        return Flash("ok", done)
+    return Flash("error", f"{failed}: {reply.status}")
+
+
+def field(form: dict[str, str], name: str) -> str:
+    value = form.get(name, "")
+    if not value:
+        raise Refused(f"Nothing was done: {name} is missing.")
+    return value
+
+
+def job_id(form: dict[str, str]) -> int:
+    text = field(form, "jobID").strip()
+    try:
+        return params.parse_job_id(text)
+    except CommandError:
+        raise Refused(f"Nothing was done: {text!r} is not a jobID.") from None
+
+
+async def read_form(request: Request) -> dict[str, str] | None:
+    """An urlencoded form's fields (the last value of each), or None for a
+    body that is too large or not such a form."""
+    body = await read_body(request, MAX_FORM)
+    if body is None:
+        return None
+    try:
+        fields = parse_qs(
+            body.decode("ascii"), keep_blank_values=True, errors="strict",
+            max_num_fields=MAX_FORM_FIELDS,
+        )
+    except ValueError:  # not ASCII, not UTF-8 once decoded, or too many fields
+        return None
+    return {name: values[-1] for name, values in fields.items()}
+
+
+def flash_of(request: Request) -> Flash | None:
+    kind, _, text = unquote(request.cookies.get(FLASH_COOKIE, "")).partition(":")
+    if kind not in ("ok", "error") or not text:
+        return None
+    return Flash(kind, text[:MAX_FLASH])
+
+
+def here(request: Request) -> str:
+    """Where a sign-in on this page comes back to: the page, if it is one
+    a GET shows again."""
+    if request.method != "GET":
+        return "/"
+    query = request.url.query
+    return local(request.url.path + (f"?{query}" if query else ""))
+
+
+def local(path: str) -> str:
+    """`path` if it is a path on this server, else `/`: a redirect never
+    leads to another site (`//evil.example`, `/\\evil.example`)."""
+    if not path.startswith("/") or path.startswith("//"):
+        return "/"
+    if "\\" in path or any(c.isspace() or not c.isprintable() for c in path):
+        return "/"
+    return path
+
+

@@ -1,0 +1,102 @@
+"""How the dashboard shows values to a person: durations, stored times
+and how far they are from now, a job's data as indented JSON, a last error
+as lines, a CRON job's next runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jobserver.core.rules import schedule
+from jobserver.model import cron, times
+from jobserver.model.jobs import Job, State
+from jobserver.wire import jsonbody, last_error
+
+HERE = Path(__file__).parent
+
+# How much of each list a page shows: enough to act on, little enough to
+# render at once.
+QUEUES_SHOWN = 50
+FAILED_SHOWN = 100
+FOUND_SHOWN = 200
+# The last lines of a failed job's output in the table; its page shows all.
+ERROR_TAIL = 5
+# Seconds between refreshes of the live part of `/`: often enough to watch
+# a queue drain; each refresh reads every job (Queues).
+REFRESH_SECONDS = 5
+
+# States in the order of a job's life, for the columns of the queues.
+STATE_ORDER = (
+    State.QUEUED, State.RUNQUEUED, State.RUNNING, State.WAITING, State.PAUSED,
+    State.FAILED, State.FINISHED, State.CANCELLED,
+)
+# Where the job page offers each button (protocol.md 4.2 and 5.10).
+DELETABLE = frozenset(
+    (State.QUEUED, State.RUNQUEUED, State.FINISHED, State.CANCELLED, State.FAILED, State.WAITING)
+)
+CANCELLABLE = frozenset((State.QUEUED, State.RUNQUEUED, State.FAILED, State.WAITING))
+
+# Pages show job data, and their buttons act: no other site may frame
+# them, and no script but the dashboard's own may run in them.
+PAGE_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+        "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
+
+def pretty(data: str) -> str:
+    try:
+        value = jsonbody.parse(data)
+    except ValueError:  # stored by hand through SQL: shown as it is
+        return data
+    text = json.dumps(value, indent=2, ensure_ascii=False)
+    # A lone surrogate (stored as a `\ud800` escape) has no UTF-8 form: the
+    # page shows it escaped, as it is stored.
+    return json.dumps(value, indent=2) if jsonbody.has_lone_surrogate(text) else text
+
+
+def error_lines(text: str, tail: int | None = None) -> list[str]:
+    """A last error as lines of text; of its output, the last `tail` lines."""
+    return last_error.describe(text).lines(tail)
+
+
+def age_text(seconds: float | None) -> str:
+    """A duration a person reads at a glance: 0.4 s, 12 s, 5 min, 3.2 h, 6.0 d."""
+    if seconds is None:
+        return "—"
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
+def next_runs(job: Job) -> list[tuple[str, str]]:
+    """A CRON job's next runs, each on its zone's wall clock and in UTC."""
+    if not cron.is_cron(job.repeat):
+        return []
+    runs = schedule.cron_upcoming(times.utcnow(), job)
+    return [(f"{cron.in_zone(run, job.timeZone):%a %Y-%m-%d %H:%M %Z}", run) for run in runs]
+
+
+def since_text(stored: str | None) -> str:
+    """A stored time (UTC) and how far it is from now: `... (5 min ago)`."""
+    if not stored:
+        return "never"
+    try:
+        moment = times.parse_stored(stored)
+    except ValueError:
+        return stored
+    seconds = (times.utcnow() - moment).total_seconds()
+    if abs(seconds) < 1:
+        return f"{stored} (now)"
+    relative = f"{age_text(seconds)} ago" if seconds > 0 else f"in {age_text(-seconds)}"
+    return f"{stored} ({relative})"
