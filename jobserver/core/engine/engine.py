@@ -338,11 +338,13 @@ class Engine:
                 # Recorded before they run, so that they are answered even
                 # if the transaction fails from here on.
                 tries = self._woken(ready, due)
-                served = ran(self.writer.run_all(tries, savepoints=True) or [])
-                outcomes += served.outcomes
                 # What the tries in turn made ready or due: heard of after
                 # the commit.
-                ready, due = served.ready, served.due
+                ready, due = set(), None
+                if tries:
+                    served = ran(self.writer.run_all(tries, savepoints=True) or [])
+                    outcomes += served.outcomes
+                    ready, due = served.ready, served.due
             announced |= ready
             announced_due = earliest(announced_due, due)
             if announced or announced_due is not None:
@@ -362,7 +364,8 @@ class Engine:
         transaction."""
         try:
             self._lower_due(due)
-            return self._tries(self.waits.ready(ready))
+            woken = self.waits.ready(ready)
+            return self._tries(woken) if woken else []
         except Exception:
             log.exception("finding the waiting GetJobs to serve failed")
             return []
@@ -404,7 +407,8 @@ class Engine:
         served = self.waits.served(serve.waiters, handed)
         for taken in served.unwanted:
             self.give_back(taken)
-        self._try(served.again)
+        if served.again:
+            self._try(served.again)
 
     def _given_back(self, give_back: GiveBack, result: outcome.Maybe[Any]) -> None:
         if isinstance(result, outcome.Error):
@@ -429,12 +433,11 @@ class Engine:
     # Trying waiters.
 
     def _try(self, waiters: list[Waiter]) -> None:
-        for serve in self._tries(waiters):
-            self.submit(serve)
+        if waiters:
+            for serve in self._tries(waiters):
+                self.submit(serve)
 
     def _tries(self, waiters: list[Waiter]) -> list[Serve]:
-        if not waiters:
-            return []
         return [self._serve(group, later) for group, later in self.waits.to_try(waiters)]
 
     def _serve(self, waiters: list[Waiter], later: bool) -> Serve:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,23 +187,21 @@ class TransientFailed(Exception):
 
 
 def ran(results: Results) -> Ran:
-    ready, due = _merge(ctx for _, ctx in results)
-    return Ran([result for result, _ in results], ready, due)
+    """The outcomes of many requests, the names they made due and the
+    earliest future nextRun they wrote."""
+    outcomes: list[outcome.Maybe[Any]] = []
+    ready: set[str] = set()
+    due: str | None = None
+    for result, ctx in results:
+        outcomes.append(result)
+        if ctx is not None:
+            ready |= ctx.ready
+            if ctx.due is not None and (due is None or ctx.due < due):
+                due = ctx.due
+    return Ran(outcomes, ready, due)
 
 
 def earliest(a: str | None, b: str | None) -> str | None:
     if a is None or b is None:
         return a if b is None else b
     return min(a, b)
-
-
-def _merge(contexts: Iterable[Context | None]) -> tuple[set[str], str | None]:
-    """The names made due and the earliest future nextRun of many requests."""
-    ready: set[str] = set()
-    due: str | None = None
-    for ctx in contexts:
-        if ctx is not None:
-            ready |= ctx.ready
-            if ctx.due is not None and (due is None or ctx.due < due):
-                due = ctx.due
-    return ready, due
