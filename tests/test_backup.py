@@ -25,8 +25,7 @@ from harness import ServerProcess, ThreadServer
 from helpers import create, ok, outside_address, tmpfs, unprivileged, until
 from jobserver.client import TrioClient
 from jobserver.client.calls import BACKUP_WAIT, backup
-from jobserver.core.commands.backup import MALFORMED_NAME
-from jobserver.core.commands.dispatch import _cancelled
+from jobserver.core.commands.backup import MALFORMED_NAME, cancelled
 from jobserver.storage.interface import BackupDirectory, BackupFailed
 from jobserver.storage.sqlite_backup import STOP_CHECK_STEPS
 from jobserver.storage.sqlite_backup import backup as copy_database
@@ -251,7 +250,7 @@ async def test_a_cancelled_request_tells_its_backup_to_stop() -> None:
     def copying() -> None:
         deadline = time.monotonic() + TIMEOUT
         while time.monotonic() < deadline and not told.is_set():
-            if _cancelled():
+            if cancelled():
                 told.set()
             time.sleep(0.001)
 

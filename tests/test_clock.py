@@ -24,16 +24,16 @@ import trio
 import trio.testing
 from trio.testing import MockClock
 
+from jobserver.core.build import build_core
 from jobserver.core.commands import create as commands
-from jobserver.core.commands.dispatch import Access, Answer, Dispatcher, Undo, WaitForJobs
+from jobserver.core.commands.dispatch import Dispatcher
 from jobserver.core.commands.params import MAX_WAIT_MS
 from jobserver.core.commands.replies import REPLY_TIMEOUT
-from jobserver.core.engine import deadlines
+from jobserver.core.commands.route import Undo
 from jobserver.core.engine.context import DEFAULT_STALE_AFTER, Settings
+from jobserver.core.engine.engine import Engine
 from jobserver.core.engine.stale import lost_error
-from jobserver.core.engine.waiters import WaitQueue
-from jobserver.core.engine.writer import Work, Writer
-from jobserver.core.rules import selection
+from jobserver.core.engine.work import Call
 from jobserver.core.rules.lifecycle import LEASE_EXPIRED, MAX_LEASES
 from jobserver.model import times
 from jobserver.storage.backends import open_store
@@ -67,12 +67,6 @@ class TrioClock:
 
 
 @dataclass
-class Gauges:
-    open_connections: int = 0
-    commands_served: int = 0
-
-
-@dataclass
 class Waiting:
     """A GetJob with `Connection: wait`, and when and how it was answered."""
 
@@ -88,18 +82,16 @@ class Waiting:
 
 @dataclass
 class Core:
-    """Store, writer, wait queue and dispatcher, wired as the server wires them."""
+    """Store, engine and dispatcher, built as the server builds them."""
 
     store: Storage
-    writer: Writer
-    waits: WaitQueue
+    engine: Engine
     dispatcher: Dispatcher
     clock: TrioClock
     nursery: trio.Nursery
 
     async def send(self, verb: str, **headers: object) -> Response:
         answer = await self.dispatcher.dispatch(request(verb, **headers), PEER)
-        assert isinstance(answer, Answer)
         return answer.response
 
     async def json(self, verb: str, **headers: object) -> dict[str, Any]:
@@ -128,14 +120,12 @@ class Core:
     async def _wait(
         self, name: str, timeout_ms: int, waiting: Waiting, task_status: trio.TaskStatus[None]
     ) -> None:
-        wait = await self.dispatcher.dispatch(
-            request("GetJob", name=name, connection="wait", timeout=timeout_ms), PEER
-        )
-        assert isinstance(wait, WaitForJobs)
-        # take() joins the wait queue before its first checkpoint, so
+        # The dispatch joins the wait queue before its first checkpoint, so
         # waiters queue in the order they were started.
         task_status.started()
-        answer = await wait.take()
+        answer = await self.dispatcher.dispatch(
+            request("GetJob", name=name, connection="wait", timeout=timeout_ms), PEER
+        )
         waiting.response, waiting.undo = answer.response, answer.undo
         waiting.at = self.clock.elapsed()
 
@@ -165,23 +155,16 @@ async def running_core(
     clock = TrioClock(epoch)
     settings = Settings(stale_after=stale_after, serving_since=stamp(0))
 
-    def notify(ready: set[str], due: str | None) -> None:
-        # The wait queue is built after the writer it is given.
-        waits.notify(ready, due)
-
-    # As the server's _build_core wires them, with the writer on the event loop.
-    writer = Writer(store, notify, clock, settings, threaded=False)
-    waits = WaitQueue(writer, clock, selection.serve_waiters, selection.give_back, deadlines.tick)
-    writer.start()
-    dispatcher = Dispatcher(store, writer, waits, Gauges(), Access())
+    # As the server builds it, with every batch on the event loop.
+    core = build_core(store, clock, settings, threaded=False)
+    core.engine.start()
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(waits.run_clock)
-            nursery.start_soon(waits.run_matcher)
-            yield Core(store, writer, waits, dispatcher, clock, nursery)
+            nursery.start_soon(core.engine.run)
+            yield Core(store, core.engine, core.dispatcher, clock, nursery)
             nursery.cancel_scope.cancel()
     finally:
-        await writer.stop()
+        await core.engine.stop()
         store.close()
     assert time.monotonic() - started < REAL_SECONDS
 
@@ -230,7 +213,7 @@ async def test_waiters_are_served_oldest_first_with_one_query_per_pass(
     async with running_core(tmp_path) as core:
         waiters = [await core.wait_for("bulk", MAX_WAIT_MS) for _ in range(1000)]
         await core.at(10)
-        assert len(core.waits) == 1000
+        assert len(core.engine.waits) == 1000
         searches = 0
         find_ready = core.store.find_ready
 
@@ -240,14 +223,14 @@ async def test_waiters_are_served_oldest_first_with_one_query_per_pass(
             return find_ready(**query)
 
         monkeypatch.setattr(core.store, "find_ready", counted)
-        batches = core.writer.batches
+        batches = core.engine.batches
         jobs = json.dumps([{"name": "bulk"}] * 3)
         ids = (await core.json("CreateJobs", jobs=jobs))["jobIDs"]
         await trio.testing.wait_all_tasks_blocked()
         # Stored and handed to the three oldest waiters in one transaction;
         # three searches found a job, one found none, and the other 996
         # waiters on the same name were not searched for.
-        assert core.writer.batches == batches + 1
+        assert core.engine.batches == batches + 1
         assert searches == 4
         assert [w.job()["jobID"] for w in waiters[:3]] == ids
         assert [w.at for w in waiters[:3]] == [10.0] * 3
@@ -266,9 +249,9 @@ async def test_a_job_that_an_older_waiters_try_missed_is_not_handed_past_it(
         # The older waiter's try (another of its names became ready) and
         # the job's creation share a batch, the try first, so it looks
         # before the job exists; the younger waiter is idle.
-        core.waits.notify({"other"}, None)
+        core.engine.notify({"other"}, None)
         create = request("CreateJob", name="fifo")
-        core.writer.submit(Work(partial(commands.create_job, request=create)))
+        core.engine.submit(Call(partial(commands.create_job, request=create)))
         await core.at(2)
         assert older.job()["name"] == "fifo"
         assert younger.at is None

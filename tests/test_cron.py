@@ -29,7 +29,6 @@ from trio.testing import MockClock
 from harness import ThreadServer
 from helpers import create, ok
 from jobserver.core.commands import params
-from jobserver.core.commands.dispatch import WaitForJobs
 from jobserver.core.commands.params import MAX_WAIT_MS
 from jobserver.core.errors import CommandError
 from jobserver.model import cron
@@ -49,11 +48,9 @@ async def runs(core: Core, name: str, until: datetime, hold: float = 0.0) -> lis
     seen = []
     while core.clock.now() < until:
         timeout = min(MAX_WAIT_MS, int((until - core.clock.now()).total_seconds() * 1000) + 1)
-        wait = await core.dispatcher.dispatch(
+        answer = await core.dispatcher.dispatch(
             request("GetJob", name=name, connection="wait", timeout=timeout), PEER
         )
-        assert isinstance(wait, WaitForJobs)
-        answer = await wait.take()
         if answer.response.code == 404:
             continue
         assert answer.response.code == 200, answer.response.status

@@ -8,6 +8,7 @@ that reached the accept loop shows as the process exiting.
 from __future__ import annotations
 
 import socket
+import sqlite3
 import ssl
 import struct
 import subprocess
@@ -19,9 +20,15 @@ import pytest
 import trio
 
 from helpers import until
+from jobserver.core.commands import create as commands
 from jobserver.core.engine.clock import SystemClock
-from jobserver.core.engine.writer import Work, Writer
+from jobserver.core.engine.engine import Engine
+from jobserver.core.engine.waiters import Phase
+from jobserver.core.engine.work import Call, Tick
+from jobserver.core.errors import CommandError
+from jobserver.core.rules.selection import JobQuery
 from jobserver.storage.sqlite import Store
+from jobserver.wire.framing import Request
 from tls_certs import make_certificates
 from wire import Client
 
@@ -198,73 +205,94 @@ def test_a_client_that_stops_reading_a_reply_loses_its_jobs(start_server, tmp_pa
     alive_and_serving(server)
 
 
-# The writer's callbacks run on the event loop; one that fails must not end
-# the trio run, and the callbacks after it still run.
+# The engine hands out outcomes on the event loop; one hand-out that fails
+# must not end the trio run, and those after it still run.
 
 
-async def test_a_failing_commit_callback_stays_its_own(tmp_path):
+async def test_a_failing_hand_out_stays_its_own(tmp_path):
     store = Store(str(tmp_path / "jobs.db"))
-    writer = Writer(store, lambda ready, due: None, SystemClock())
-    writer.start()
-    answered = trio.Event()
+    engine = Engine(store, SystemClock())
+    engine.start()
 
     def explode(result: object) -> None:
-        raise RuntimeError("a broken callback")
+        raise RuntimeError("a broken hand-out")
 
-    writer.submit(Work(lambda ctx: 1, explode))
-    writer.submit(Work(lambda ctx: 2, lambda result: answered.set()))
+    engine._ticked = explode
+    engine.submit(Tick())
     with trio.fail_after(DEADLINE):
-        await answered.wait()
-    assert await writer.call(lambda ctx: 3) == 3
-    await writer.stop()
+        assert await engine.call(lambda ctx: 2) == 2
+        assert await engine.call(lambda ctx: 3) == 3
+    await engine.stop()
     store.close()
 
 
-# What the last outcomes submit while the writer stops (a waiting GetJob's
+# What the last outcomes submit while the engine stops (a waiting GetJob's
 # jobs given back) still runs: no job is left RUNNING by a shutdown.
 
 
-async def test_work_submitted_while_the_writer_stops_still_runs(tmp_path):
+async def test_work_submitted_while_the_engine_stops_still_runs(tmp_path):
     store = Store(str(tmp_path / "jobs.db"))
-    writer = Writer(store, lambda ready, due: None, SystemClock())
-    writer.start()
+    engine = Engine(store, SystemClock())
+    engine.start()
     ran: list[str] = []
 
-    def late(ctx: object) -> None:
-        ran.append("late")
-
     def then_submit(result: object) -> None:
-        writer.submit(Work(late, lambda result: None))
+        engine.submit(Call(lambda ctx: ran.append("late")))
 
-    writer.submit(Work(lambda ctx: ran.append("first"), then_submit))
+    engine._ticked = then_submit
+    engine.submit(Call(lambda ctx: ran.append("first")))
+    engine.submit(Tick())
     with trio.fail_after(DEADLINE):
-        await writer.stop()
+        await engine.stop()
     assert ran == ["first", "late"]
     store.close()
 
 
-# Waiting GetJobs tried inside a transaction are answered even if waking
-# them fails part way: a try that never reports back would hold its
-# GetJob for good.
+# A waiting GetJob tried inside a transaction that then fails is answered
+# all the same, and tried again later: a try that never reports back would
+# hold its GetJob for good.
 
 
-async def test_tries_caught_before_notifying_failed_are_still_answered(tmp_path):
+async def test_a_try_in_a_failed_transaction_is_still_answered(tmp_path):
     store = Store(str(tmp_path / "jobs.db"))
+    engine = Engine(store, SystemClock())
+    engine.start()
+    query = JobQuery("ready", (), None, 1)
+    handed: list[object] = []
     answered = trio.Event()
 
-    def notify(ready: set[str], due: str | None) -> None:
-        if ready:
-            writer.submit(Work(lambda ctx: "tried", lambda result: answered.set()))
-            raise RuntimeError("a broken wait queue")
+    async def wait() -> None:
+        handed.append(await engine.wait(query, DEADLINE))
+        answered.set()
 
-    writer = Writer(store, notify, SystemClock())
-    writer.start()
+    def idle() -> bool:
+        return [w.phase for w in engine.waits.everyone()] == [Phase.IDLE]
 
     def make_ready(ctx) -> None:
         ctx.scheduled("ready", ctx.now_ms)
 
-    writer.submit(Work(make_ready, lambda result: None))
+    commit = store.commit
+
+    def fail_once() -> None:
+        store.commit = commit
+        raise sqlite3.OperationalError("disk I/O error")
+
     with trio.fail_after(DEADLINE):
-        await answered.wait()
-    await writer.stop()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.run)
+            nursery.start_soon(wait)
+            # Tried once on arrival, and found nothing.
+            while not idle():  # noqa: ASYNC110 - the wait queue has no event for it
+                await trio.sleep(0.01)
+            store.commit = fail_once
+            with pytest.raises(CommandError, match=r"^503"):
+                await engine.call(make_ready)
+            assert store.commit == commit and not handed
+            # The failed try left the waiter idle: the next job is its.
+            create = Request("CreateJob", {"name": "ready"})
+            await engine.call(lambda ctx: commands.create_job(ctx, create))
+            await answered.wait()
+            nursery.cancel_scope.cancel()
+    assert handed[0] is not None
+    await engine.stop()
     store.close()

@@ -402,7 +402,7 @@ class Waiter:
         # The queue lives in the server's thread; a read may race a change.
         while True:
             try:
-                return len(self.server.server.waits)
+                return len(self.server.server.core.engine.waits)
             except RuntimeError:
                 continue
 

@@ -13,7 +13,7 @@ from helpers import HeldSync
 from jobserver.core.commands import create as commands
 from jobserver.core.engine.clock import SystemClock
 from jobserver.core.engine.context import Context
-from jobserver.core.engine.writer import Writer
+from jobserver.core.engine.engine import Engine
 from jobserver.core.errors import CommandError
 from jobserver.storage.sqlite import Store
 from jobserver.wire.framing import Request
@@ -31,7 +31,14 @@ def fails_after_writing(ctx: Context) -> None:
 async def test_a_batch_commits_once_and_a_failure_undoes_only_itself(tmp_path: Path) -> None:
     store = Store(str(tmp_path / "jobs.db"))
     notified: list[set[str]] = []
-    writer = Writer(store, lambda ready, due: notified.append(ready), SystemClock())
+    writer = Engine(store, SystemClock())
+    ready = writer.waits.ready
+
+    def noted(names: set[str]) -> list:
+        notified.append(set(names))
+        return ready(names)
+
+    writer.waits.ready = noted
     writer.start()
     try:
         # Hold the writer with a heavy request (its batch runs in a thread)
@@ -86,7 +93,7 @@ async def test_a_batch_commits_once_and_a_failure_undoes_only_itself(tmp_path: P
 async def test_no_outcome_before_the_sync_that_covers_it(tmp_path: Path) -> None:
     store = Store(str(tmp_path / "jobs.db"))
     held = HeldSync(store)
-    writer = Writer(store, lambda ready, due: None, SystemClock())
+    writer = Engine(store, SystemClock())
     writer.start()
     order: list[str] = []
 

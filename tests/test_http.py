@@ -81,7 +81,7 @@ def test_a_waiting_worker_gets_a_job_posted_over_http(http_server: ThreadServer)
 
     with http_server.client() as worker:
         worker.send(encode("GetJob", {"name": "hook", "Connection": "wait", "timeout": 20000}))
-        until(lambda: len(http_server.server.waits) == 1, TIMEOUT, "the GetJob to wait")
+        until(lambda: len(http_server.server.core.engine.waits) == 1, TIMEOUT, "the GetJob to wait")
         status, body = post_queue(http_server, {"type": "hook", "payload": {}})
         assert status == 201
         assert ok(worker.read_reply()).json["jobID"] == int(body["job-id"])

@@ -42,7 +42,7 @@ def waiting_get(node: ThreadServer, name: str, timeout_ms: int) -> Client:
     """A connection whose GetJob waits on the node's queue."""
     client = node.client(timeout=timeout_ms / 1000 + 10)
     client.send(encode("GetJob", {"name": name, "Connection": "wait", "timeout": timeout_ms}))
-    until(lambda: len(node.server.waits) > 0, 10, "the GetJob to wait")
+    until(lambda: len(node.server.core.engine.waits) > 0, 10, "the GetJob to wait")
     return client
 
 

@@ -33,7 +33,7 @@ def waiting_count(server) -> int:
     # The queue lives in the server's thread; a read may race a change.
     while True:
         try:
-            return len(server.server.waits)
+            return len(server.server.core.engine.waits)
         except RuntimeError:
             continue
 

@@ -5,8 +5,12 @@ that happens on it reaches the accept loop or another connection. Only a
 stop signal ends the server once it runs. Shutdown stops accepting, answers
 waiting GetJobs, lets requests in flight finish, then closes the database.
 
-What a request means is the core's business: the server builds the core
-(storage, writer, wait queue, dispatcher) and hands it each request.
+What a request means is the core's business: the server opens the store,
+builds the core on it (core/build.py: the engine and the dispatcher), runs
+the engine's tasks in its nursery, hands the HTTP side the same core, and
+hands each connection's requests to the core's dispatcher. At shutdown it
+closes the engine's wait queue (waiting GetJobs are answered), lets the
+connections finish, and stops the engine (what they gave back is written).
 """
 
 from __future__ import annotations
@@ -20,20 +24,16 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import trio
 
+from jobserver.core.build import Core, build_core
 from jobserver.core.commands import backup
-from jobserver.core.commands.dispatch import Access, Dispatcher, is_loopback
-from jobserver.core.commands.query import DEFAULT_SECONDS as DEFAULT_QUERY_SECONDS
+from jobserver.core.commands.route import DEFAULT_QUERY_SECONDS, Access, is_loopback
 from jobserver.core.engine import deadlines, retention
 from jobserver.core.engine.clock import SystemClock
 from jobserver.core.engine.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER, Settings
-from jobserver.core.engine.waiters import WaitQueue
-from jobserver.core.engine.writer import Writer
-from jobserver.core.rules import flow, selection
 from jobserver.model.times import to_millis
 from jobserver.server.connection import Connection, serve_connection
 from jobserver.storage import lockfile
@@ -135,9 +135,7 @@ class Server:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.store: Storage | None = None
-        self.writer: Writer
-        self.waits: WaitQueue
-        self.dispatcher: Dispatcher
+        self.core: Core
         self.connections: set[Connection] = set()
         self.closing = False
         self.port: int | None = None
@@ -203,12 +201,11 @@ class Server:
             if http is not None:
                 http.close()
             raise
-        self._build_core(self.store)
+        self.core = self._build_core(self.store)
+        engine = self.core.engine
         # Reply deadlines and running jobs from before a restart still fire
         # (at once, for those that passed while the server was down).
-        self.waits.start_clock_at(
-            await trio.to_thread.run_sync(deadlines.at_start, self.store, self.writer.settings)
-        )
+        due = await trio.to_thread.run_sync(deadlines.at_start, self.store, engine.settings)
         # Set last: it tells an embedding program the server is ready.
         self.port = port
         address = f"{config.host}:{port}"
@@ -223,17 +220,16 @@ class Server:
             "listening on %s%s, database %s",
             address, " (TLS)" if config.tls_cert else "", self.store.path,
         )
-        self.writer.start()
+        engine.start(due)
         try:
             async with trio.open_nursery() as core:
-                core.start_soon(self.waits.run_clock)
-                core.start_soon(self.waits.run_matcher)
-                core.start_soon(self.store.listen, self._heard)
+                core.start_soon(engine.run)
+                core.start_soon(engine.listen)
                 if http is not None:
                     core.start_soon(self._serve_http, http)
                 if config.db != ":memory:":
                     core.start_soon(
-                        retention.run_pruner, self.writer, self.store, self.clock,
+                        retention.run_pruner, engine, self.store, self.clock,
                         config.keep_finished, config.keep_failed, config.prune_interval,
                     )
                 async with trio.open_nursery() as conns:
@@ -245,7 +241,7 @@ class Server:
                 core.cancel_scope.cancel()
         finally:
             # Jobs given back by the last connections are written too.
-            await self.writer.stop()
+            await engine.stop()
             self.store.close()
             log.info("stopped serving %s; database %s closed", address, self.store.path)
 
@@ -272,11 +268,11 @@ class Server:
         # The name it was told to listen on is one of its names.
         names = {*config.http_hosts, config.host.lower()}
         await serving.serve(
-            listening, self.dispatcher, config.auth_token, self._http_stopping,
+            listening, self.core, config.auth_token, self._http_stopping,
             names, config.session_seconds, config.max_http_connections,
         )
 
-    def _build_core(self, store: Storage) -> None:
+    def _build_core(self, store: Storage) -> Core:
         config = self.config
         self.clock = SystemClock()
         settings = Settings(
@@ -287,30 +283,15 @@ class Server:
             max_reply_bytes=config.max_reply_bytes,
             max_limits=config.max_limits,
         )
-        self.writer = Writer(store, self._notify, self.clock, settings)
-        self.waits = WaitQueue(
-            self.writer, self.clock, selection.serve_waiters, selection.give_back, deadlines.tick,
-            partial(flow.is_heavy, store),
-        )
         access = Access(
             config.auth_token, config.allow_remote_query, config.query_seconds,
             config.max_reply_bytes, backup.directory(config.db, config.backup_dir),
         )
-        self.dispatcher = Dispatcher(store, self.writer, self.waits, self, access)
+        return build_core(store, self.clock, settings, access, self)
 
     @property
     def open_connections(self) -> int:
         return len(self.connections)
-
-    def _notify(self, ready: set[str], due: str | None) -> None:
-        self.waits.notify(ready, due)
-
-    def _heard(self, ready: set[str] | None, due: str | None) -> None:
-        """What another node's commit made due (None: look at everything)."""
-        if ready is None:
-            self.waits.recheck()
-        else:
-            self.waits.notify(ready, due)
 
     async def _wait_for_stop(self, signals: AsyncIterator[int] | None) -> None:
         async def on_signal(cancel: trio.CancelScope) -> None:
@@ -333,7 +314,7 @@ class Server:
         self.closing = True
         accept.cancel()
         self._http_stopping.set()
-        self.waits.close()
+        self.core.engine.close()
         for connection in list(self.connections):
             connection.stop_reading()
         with trio.move_on_after(SHUTDOWN_GRACE):

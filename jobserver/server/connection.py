@@ -8,10 +8,11 @@ for anything else, the jobs handed to it that it did not receive go back
 to the queue, and the socket is closed. Only cancellation passes through,
 which is how the server stops.
 
-A connection reads requests, gives each to the dispatcher (core/commands/dispatch.py)
-and writes the replies, strictly in order. What the dispatcher returns it
-applies: an Answer is written; a WaitForJobs is awaited while the
-connection reads ahead, so that a client that hangs up stops the wait.
+A connection reads requests, gives each to the core's dispatcher
+(core/commands/dispatch.py), awaits its Answer and writes it, strictly in
+order. A GetJob that waits (`get_jobs.waits_for_jobs`, from the request
+itself) is awaited the same way, while the connection reads ahead beside
+it, so that a client that hangs up stops the wait.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
-from jobserver.core.commands.dispatch import Answer, Undo, WaitForJobs
+from jobserver.core.commands.get_jobs import NO_JOB, waits_for_jobs
+from jobserver.core.commands.route import Answer, Undo
 from jobserver.logs import RateLimit
 from jobserver.server import peer
 from jobserver.wire.framing import (
@@ -318,23 +320,24 @@ class Connection:
             raise trio.BrokenResourceError(f"socket connection broken: {error}") from error
 
     async def _respond(self, request: Request) -> Answer:
-        action = await self.server.dispatcher.dispatch(request, self.peer)
-        if isinstance(action, WaitForJobs):
-            return await self._wait_watching_for_hangup(action)
-        return action
+        if waits_for_jobs(request):
+            return await self._wait_watching_for_hangup(request)
+        return await self.server.core.dispatcher.dispatch(request, self.peer)
 
-    async def _wait_watching_for_hangup(self, wait: WaitForJobs) -> Answer:
+    async def _wait_watching_for_hangup(self, request: Request) -> Answer:
         """Wait for jobs while reading ahead, so a client that hangs up
         stops waiting at once and is never handed a job. The jobs the wait
-        returns are this connection's at once, whatever else happens. A
-        client that only closed its sending side (`nc -N` at the end of its
-        input) cannot be told from one that is gone, so its wait ends too;
-        it can still read, and is told why."""
-        answer = Answer(Response("404 No job found", headers={"error": HALF_CLOSED_WHILE_WAITING}))
+        returns are this connection's at once, whatever else happens: no
+        checkpoint lies between the engine's wait returning them and
+        `undelivered` holding them, and a wait cancelled before that gives
+        them back itself. A client that only closed its sending side
+        (`nc -N` at the end of its input) cannot be told from one that is
+        gone, so its wait ends too; it can still read, and is told why."""
+        answer = Answer(Response(NO_JOB, headers={"error": HALF_CLOSED_WHILE_WAITING}))
 
         async def take(cancel: trio.CancelScope) -> None:
             nonlocal answer
-            answer = await wait.take()
+            answer = await self.server.core.dispatcher.dispatch(request, self.peer)
             self.undelivered = answer.undo
             cancel.cancel()
 

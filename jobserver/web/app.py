@@ -46,8 +46,9 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from jobserver.core.commands.dispatch import Answer, Dispatcher
+from jobserver.core.build import Core
 from jobserver.core.commands.params import MAX_DATA
+from jobserver.core.commands.route import Answer
 from jobserver.web import access, openapi
 from jobserver.web.dashboard import Dashboard
 from jobserver.web.incoming import peer, read_body
@@ -63,17 +64,18 @@ MAX_BODY = MAX_DATA + 64 * 1024
 
 
 def build(
-    dispatcher: Dispatcher,
+    core: Core,
     auth_token: str | None,
     secure: bool,
     host_names: Iterable[str],
     session_seconds: float,
 ) -> Starlette:
-    """The application, answering through `dispatcher`; `secure` when it
+    """The application, answering through the core's dispatcher; `secure` when it
     is served over TLS (the dashboard's cookies are then Secure);
     `host_names` the names it answers to besides IP addresses and
     localhost (--http-host); `session_seconds` the dashboard's
     sessions' lifetime (--session-lifetime)."""
+    dispatcher = core.dispatcher
 
     async def queue(request: HttpRequest) -> JSONResponse:
         refused = access.api_refusal(request, auth_token)
@@ -89,7 +91,6 @@ def build(
         if auth_token is not None:
             headers["authtoken"] = auth_token
         answer = await dispatcher.dispatch(Request("CreateJob", headers), peer(request))
-        assert isinstance(answer, Answer)  # only GetJob waits
         status = answer.response.status
         if answer.response.code == 200:
             job_id = json.loads(answer.response.body)["jobID"]
@@ -123,10 +124,9 @@ def build(
         if auth_token is not None:
             headers["authtoken"] = auth_token
         answer = await dispatcher.dispatch(Request(verb, headers), peer(request))
-        assert isinstance(answer, Answer)  # only a waiting GetJob waits
         return _wire_reply(answer)
 
-    metrics = Metrics(dispatcher, auth_token)
+    metrics = Metrics(core, auth_token)
 
     async def scrape(request: HttpRequest) -> Response:
         if not access.bearer(request, auth_token):
@@ -137,7 +137,6 @@ def build(
     async def healthz(request: HttpRequest) -> JSONResponse:
         headers = {"authtoken": auth_token} if auth_token is not None else {}
         answer = await dispatcher.dispatch(Request("Status", headers), peer(request))
-        assert isinstance(answer, Answer)
         if answer.response.code == 200:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": answer.response.status}, status_code=503)
@@ -154,7 +153,7 @@ def build(
             Route("/api/{command}", api, methods=["POST"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/metrics", scrape, methods=["GET"]),
-            *Dashboard(dispatcher, auth_token, secure, session_seconds).routes(),
+            *Dashboard(core, auth_token, secure, session_seconds).routes(),
         ],
         middleware=[Middleware(access.KnownHostsOnly, names=host_names)],
     )

@@ -38,8 +38,8 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 from starlette.templating import Jinja2Templates
 
+from jobserver.core.build import Core
 from jobserver.core.commands import params
-from jobserver.core.commands.dispatch import Answer, Dispatcher
 from jobserver.core.errors import CommandError
 from jobserver.model import times
 from jobserver.model.jobs import State
@@ -98,17 +98,18 @@ def _json(reply: WireResponse, key: str | None = None) -> tuple[Any, str]:
 class Dashboard:
     def __init__(
         self,
-        dispatcher: Dispatcher,
+        core: Core,
         token: str | None,
         secure: bool,
         session_seconds: float,
     ) -> None:
-        self._dispatcher = dispatcher
+        self._dispatcher = core.dispatcher
+        self._store = core.store
         self._token = token
         self._secure = secure
         self._sessions = access.Sessions(session_seconds)
         self._throttle = access.SignInThrottle()
-        self._reads = Reads(dispatcher)
+        self._reads = Reads(core)
         env = jinja2.Environment(
             loader=jinja2.FileSystemLoader(HERE / "templates"),
             autoescape=True,
@@ -226,7 +227,7 @@ class Dashboard:
                 request, 400, "Not a name pattern",
                 f"A pattern is at most {params.MAX_PATTERN} bytes, without control characters.",
             )
-        store = self._dispatcher.store
+        store = self._store
         try:
             found = await self._reads.matching(pattern, FOUND_SHOWN + 1)
         except store.errors as error:
@@ -376,7 +377,6 @@ class Dashboard:
         if self._token is not None:
             headers["authtoken"] = self._token
         answer = await self._dispatcher.dispatch(WireRequest(verb, headers), peer(request))
-        assert isinstance(answer, Answer)  # only a waiting GetJob waits
         return answer.response
 
     def _page(

@@ -28,8 +28,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from jobserver.core.build import Core
 from jobserver.core.commands import queues
-from jobserver.core.commands.dispatch import Answer, Dispatcher
 from jobserver.core.engine.histogram import Histogram
 from jobserver.model import times
 from jobserver.wire.framing import Request
@@ -136,8 +136,8 @@ def _limits(limits: dict[str, dict[str, int]]) -> Iterator[Metric]:
 
 
 class Metrics:
-    def __init__(self, dispatcher: Dispatcher, auth_token: str | None) -> None:
-        self._dispatcher = dispatcher
+    def __init__(self, core: Core, auth_token: str | None) -> None:
+        self._core = core
         self._auth_token = auth_token
         self._snapshot = Snapshot()
         self._registry = CollectorRegistry(auto_describe=False)
@@ -149,12 +149,11 @@ class Metrics:
         """(HTTP status, the exposition text)."""
         async with self._lock:
             headers = {"authtoken": self._auth_token} if self._auth_token else {}
-            answer = await self._dispatcher.dispatch(Request("Status", headers), peer)
-            assert isinstance(answer, Answer)
+            answer = await self._core.dispatcher.dispatch(Request("Status", headers), peer)
             if answer.response.code != 200:
                 return 503, answer.response.status.encode()
             now = times.utcnow()
-            store = self._dispatcher.store
+            store = self._core.store
             try:
                 stats = await trio.to_thread.run_sync(
                     store.queue_stats, times.to_millis(now)
@@ -165,15 +164,15 @@ class Metrics:
                 return 503, f"cannot read the jobs: {error}".encode()
             snapshot = self._snapshot
             snapshot.status = json.loads(answer.response.body)
-            snapshot.answered = dict(self._dispatcher.answered)
-            writer = self._dispatcher.writer
+            snapshot.answered = dict(self._core.dispatcher.answered)
+            engine = self._core.engine
             snapshot.histograms = [
                 ("jobserver_batch_requests", "Requests per transaction (group commit)",
-                 writer.batch_sizes),
+                 engine.batch_sizes),
                 ("jobserver_commit_seconds", "Seconds from a transaction's start to its commit",
-                 writer.commit_seconds),
+                 engine.commit_seconds),
                 ("jobserver_sync_seconds", "Seconds each sync of the log to disk took (SQLite)",
-                 writer.sync_seconds),
+                 engine.sync_seconds),
             ]
             labelled = _labelled(queues.summarize(stats, now))
             snapshot.counts, snapshot.oldest_seconds, snapshot.paused_jobs = labelled

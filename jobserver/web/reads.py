@@ -17,7 +17,7 @@ from functools import partial
 
 import trio
 
-from jobserver.core.commands.dispatch import Dispatcher
+from jobserver.core.build import Core
 from jobserver.core.engine.context import Context
 from jobserver.model.jobs import Job, State
 
@@ -39,15 +39,15 @@ def _family(ctx: Context, job_id: int) -> Family | None:
 
 
 class Reads:
-    def __init__(self, dispatcher: Dispatcher) -> None:
-        self._dispatcher = dispatcher
+    def __init__(self, core: Core) -> None:
+        self._core = core
         # One search at a time: each may read every job.
         self._searches = trio.CapacityLimiter(1)
 
     async def family(self, job_id: int) -> Family | None:
         """The job with its parent and children; None if there is no such
         job. Raises CommandError when the database fails."""
-        result: Family | None = await self._dispatcher.writer.call(
+        result: Family | None = await self._core.engine.call(
             partial(_family, job_id=job_id)
         )
         return result
@@ -55,12 +55,12 @@ class Reads:
     async def matching(self, pattern: str, limit: int) -> list[Job]:
         """The newest `limit` jobs whose name matches the GLOB `pattern`.
         Raises one of the store's `errors` when the database cannot be read."""
-        store = self._dispatcher.store
+        store = self._core.store
         found = await trio.to_thread.run_sync(
             store.find_matching, pattern, limit,
             limiter=self._searches, abandon_on_cancel=True,
         )
         # Its own connection may have read commits not yet on disk: the
         # page waits for them, as Query's reply does.
-        await self._dispatcher.writer.settled()
+        await self._core.engine.settled()
         return found

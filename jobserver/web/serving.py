@@ -52,7 +52,7 @@ from hypercorn.typing import AppWrapper, ConnectionState
 from hypercorn.utils import parse_socket_addr, wrap_app
 from starlette.requests import ClientDisconnect
 
-from jobserver.core.commands.dispatch import Dispatcher
+from jobserver.core.build import Core
 from jobserver.logs import RateLimit
 from jobserver.web import app
 
@@ -143,7 +143,7 @@ class _Capacity:
 
 
 async def serve(
-    listening: Listening, dispatcher: Dispatcher, auth_token: str | None, stopping: trio.Event,
+    listening: Listening, core: Core, auth_token: str | None, stopping: trio.Event,
     host_names: Iterable[str], session_seconds: float, max_connections: int,
 ) -> None:
     """Serve until `stopping` is set; then requests in flight get
@@ -154,7 +154,7 @@ async def serve(
     # Starlette is an ASGI application; its type names ASGI's messages
     # differently from Hypercorn's.
     application: Any = _hang_ups_are_not_errors(
-        app.build(dispatcher, auth_token, config.ssl_enabled, host_names, session_seconds)
+        app.build(core, auth_token, config.ssl_enabled, host_names, session_seconds)
     )
     # The application has no startup or shutdown of its own, so no ASGI
     # lifespan is run; each connection gets an empty state.

@@ -4,8 +4,8 @@ new file in the server's backup directory while the server keeps serving
 
 The storage makes and checks the copy (Storage.backup) on a connection of
 its own, in a worker thread, so the writer goes on committing meanwhile;
-here are the name's rule, the status lines and the reply. Who may ask,
-and one backup at a time, are the dispatcher's.
+here are who may ask, one backup at a time, the name's rule, the status
+lines and the reply.
 
 The client names the file; the operator chose the directory
 (--backup-dir, or DB.backups beside the database). So a client cannot
@@ -22,6 +22,9 @@ import re
 import time
 from collections.abc import Callable
 
+import trio
+
+from jobserver.core.commands.route import Answer, Services, is_loopback
 from jobserver.core.commands.views import ok
 from jobserver.storage.interface import (
     BackupDirectory,
@@ -47,6 +50,36 @@ MALFORMED_NAME = (
 )
 # Beside a SQLite database DB when --backup-dir is not given.
 DEFAULT_SUFFIX = ".backups"
+
+
+async def backup(services: Services, request: Request, peer: str) -> Answer:
+    # It writes a file, named by the client, as the server's user: only
+    # for a client on this machine, or one that holds the token. (Over
+    # HTTP, only with the token: web/app.py.)
+    access = services.access
+    if access.auth_token is None and not is_loopback(peer):
+        return Answer(Response("401 Unauthorized"))
+    place = access.backup_dir
+    if place is None:
+        return Answer(Response("501 Backup is off: the server has no backup directory"))
+    if services.backing_up.locked():
+        return Answer(Response("409 Backup already running"))
+    async with services.backing_up:
+        # Not abandoned on cancel: a shutdown stops the copy through
+        # `cancelled`, and the thread removes what it had written.
+        response = await trio.to_thread.run_sync(run, services.store, place, request, cancelled)
+    # Its own connection may have copied commits not yet on disk.
+    await services.engine.settled()
+    return Answer(response)
+
+
+def cancelled() -> bool:
+    """From a worker thread: whether the request it works for was cancelled."""
+    try:
+        trio.from_thread.check_cancelled()
+    except trio.Cancelled:
+        return True
+    return False
 
 
 def directory(db: str, chosen: str | None) -> BackupDirectory:

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import math
 
+import trio
+
 from jobserver.core.commands import params
+from jobserver.core.commands.route import DEFAULT_QUERY_SECONDS, Answer, Services, is_loopback
 from jobserver.storage.interface import (
     BadQuery,
     QueryTimeout,
@@ -26,13 +29,25 @@ from jobserver.wire.framing import Request, Response
 from jobserver.wire.limits import DEFAULT_MAX_REPLY_BYTES
 
 MAX_QUERY = 1024 * 1024
-# A query that runs longer than this holds a reader thread and the
-# database's read snapshot; it is stopped and answered `555 Timeout`.
-DEFAULT_SECONDS = 5.0
 # People read Query output; more rows than this belongs in a LIMIT.
 MAX_ROWS = 10_000
 
 VERBS = ("query", "query:")
+
+
+async def query(services: Services, request: Request, peer: str) -> Answer:
+    access = services.access
+    if not (access.allow_remote_query or is_loopback(peer)):
+        return Answer(Response("401 Unauthorized"))
+    response = await trio.to_thread.run_sync(
+        run, services.store, request, access.query_seconds, access.max_reply_bytes,
+        limiter=services.query_threads,
+        # A shutdown does not wait for a query; it stops itself at its deadline.
+        abandon_on_cancel=True,
+    )
+    # Its own connection may have read commits not yet on disk.
+    await services.engine.settled()
+    return Answer(response)
 
 
 def sql_of(request: Request) -> str | None:
@@ -44,7 +59,7 @@ def sql_of(request: Request) -> str | None:
 def run(
     store: Storage,
     request: Request,
-    seconds: float = DEFAULT_SECONDS,
+    seconds: float = DEFAULT_QUERY_SECONDS,
     max_bytes: int = DEFAULT_MAX_REPLY_BYTES,
 ) -> Response:
     """Answer a Query request (blocking: call it from a worker thread)."""

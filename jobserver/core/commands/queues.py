@@ -13,8 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+import trio
+
+from jobserver.core.commands import params
+from jobserver.core.commands.route import Answer, Services
+from jobserver.core.commands.views import ok
 from jobserver.model import times
 from jobserver.storage.interface import QueueStats
+from jobserver.wire.framing import Request, Response
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,27 @@ class Queue:
             "oldestReadyAge": self.oldest_ready_age,
             "paused": self.paused,
         }
+
+
+async def queues(services: Services, request: Request, peer: str) -> Answer:
+    """Each queue's jobs by state and oldest ready age, read on a
+    connection of the store's own in a thread: it reads every job, and
+    must not hold up the writer."""
+    limit = params.queue_limit(request)
+    now = times.utcnow()
+    store = services.store
+    try:
+        stats = await trio.to_thread.run_sync(
+            store.queue_stats, times.to_millis(now), limiter=services.query_threads
+        )
+    except store.errors as error:
+        return Answer(Response(f"503 Database unavailable: {error}"))
+    listed = summarize(stats, now)
+    body = {
+        "queues": [queue.as_json() for queue in listed[:limit]],
+        "more": max(0, len(listed) - limit),
+    }
+    return Answer(ok(body))
 
 
 def summarize(stats: QueueStats, now: datetime) -> list[Queue]:

@@ -1,2 +1,3 @@
-"""The engine: the writer and its group commit, durability, the wait queue,
-the clock and what it drives (deadlines, stale jobs, retention)."""
+"""The engine: group commit, durability, the wait queue and the clock that
+drive the writer's transactions, and what the clock and the pruner do
+(deadlines, stale jobs, retention)."""

@@ -1,6 +1,6 @@
 """What the clock does when it fires, and when it must fire next.
 
-The wait queue's clock (waiters.py) fires at the earliest time something
+The engine's clock (engine.py) fires at the earliest time something
 is due: a future job, a lease's end, a reply deadline, a running job's
 stale deadline. When it fires, `tick` runs in the writer: waiting jobs whose
 reply deadline passed and running jobs past --stale-after are failed

@@ -18,7 +18,7 @@ import trio
 
 from jobserver.core.engine.clock import Clock
 from jobserver.core.engine.context import Context
-from jobserver.core.engine.writer import Writer
+from jobserver.core.engine.engine import Engine
 from jobserver.core.errors import CommandError
 from jobserver.model import times
 from jobserver.model.jobs import State
@@ -64,7 +64,7 @@ def prune_step(ctx: Context, before: dict[str, str]) -> bool:
 
 
 async def run_pruner(
-    writer: Writer,
+    engine: Engine,
     store: Storage,
     clock: Clock,
     keep_finished: float,
@@ -84,7 +84,7 @@ async def run_pruner(
             continue
         while pending:
             try:
-                pending = await writer.call(partial(prune_step, before=before), heavy=True)
+                pending = await engine.call(partial(prune_step, before=before), heavy=True)
             except CommandError as error:
                 log.warning("pruning failed: %s", error.status)
                 break

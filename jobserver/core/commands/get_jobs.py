@@ -1,0 +1,59 @@
+"""GetJob and GetJobs: jobs taken now, or waited for (`Connection: wait`).
+
+A GetJob that waits goes down and comes back up one way: the connection
+awaits the dispatcher, which awaits this route, which awaits the engine's
+`wait` (engine.py), which returns the jobs the wait queue's try took in
+the writer (selection.serve_waiters). The jobs are the caller's from the
+moment the wait returns: nothing between here and the connection's record
+of them as undelivered gives trio a chance to cancel.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from jobserver.core.commands import params
+from jobserver.core.commands.route import Answer, Services, Undo
+from jobserver.core.engine.engine import Engine
+from jobserver.core.rules import flow, selection
+from jobserver.core.rules.selection import JobQuery, Taken
+from jobserver.wire.framing import Request, Response
+
+NO_JOB = "404 No job found"
+
+
+def waits_for_jobs(request: Request) -> bool:
+    """Whether a request is a GetJob or GetJobs that waits for jobs."""
+    return (
+        request.verb.lower() in ("getjob", "getjobs")
+        and (request.get("connection") or "").lower() == "wait"
+    )
+
+
+async def get_jobs(services: Services, request: Request, peer: str) -> Answer:
+    query = selection.query_of(request)
+    engine = services.engine
+    if waits_for_jobs(request):
+        timeout = params.wait_seconds(request)
+        services.count(request.verb.lower(), 0)
+        waited = await engine.wait(query, timeout)
+        if not waited:
+            return Answer(Response(NO_JOB), waited=True)
+        return _handing_out(engine, query, waited, waited=True)
+    # A GLOB's search of a long queue, or a search under many limits and
+    # pauses, runs off the event loop.
+    heavy = query.scans or flow.is_heavy(services.store)
+    taken: list[Taken] = await engine.call(partial(selection.take, query=query), heavy)
+    if not taken:
+        # Jobs failed on the way (out of leases) stay failed.
+        return Answer(Response(NO_JOB))
+    return _handing_out(engine, query, taken, waited=False)
+
+
+def _handing_out(engine: Engine, query: JobQuery, taken: list[Taken], waited: bool) -> Answer:
+    try:
+        response = selection.reply(query, taken)
+    except BaseException:
+        engine.give_back(taken)
+        raise
+    return Answer(response, Undo(tuple(taken), engine), waited)

@@ -1,0 +1,120 @@
+"""What every route is given and what it returns: one signature for all.
+
+A route is `async (services, request, peer) -> Answer`: `Services` holds
+what a command may need besides the request (the store, the engine, the
+rules of access, the server's gauges, the limits on threads), and the
+`Answer` is the reply to write, with an `Undo` when it hands out jobs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import trio
+
+from jobserver.core.engine.engine import Engine
+from jobserver.core.rules.selection import Taken
+from jobserver.storage.interface import BackupDirectory, Storage
+from jobserver.wire.framing import Request, Response
+from jobserver.wire.limits import DEFAULT_MAX_REPLY_BYTES
+
+# A query that runs longer than this holds a reader thread and the
+# database's read snapshot; it is stopped and answered `555 Timeout`.
+DEFAULT_QUERY_SECONDS = 5.0
+# Query and Queues run in worker threads; a few at once is plenty for
+# people typing.
+QUERY_THREADS = 4
+
+
+def is_loopback(host: str) -> bool:
+    """Whether an address (or a --host) is this machine's own."""
+    return host.startswith("127.") or host in ("::1", "::ffff:127.0.0.1", "localhost")
+
+
+@dataclass(frozen=True)
+class Undo:
+    """The jobs a reply hands out, which go back to the queue if it never
+    reaches its client (`run`)."""
+
+    taken: tuple[Taken, ...]
+    engine: Engine
+
+    @property
+    def job_ids(self) -> tuple[int, ...]:
+        return tuple(t.job.jobID for t in self.taken)
+
+    def run(self) -> None:
+        self.engine.give_back(list(self.taken))
+
+
+@dataclass(frozen=True)
+class Answer:
+    response: Response
+    undo: Undo | None = None
+    # A GetJob that waited: counted as it began to (code 0 in the metrics).
+    waited: bool = False
+
+
+class Gauges(Protocol):
+    """What Status reports of the server around the core."""
+
+    @property
+    def open_connections(self) -> int: ...
+
+    @property
+    def commands_served(self) -> int: ...
+
+
+@dataclass
+class NoGauges:
+    """The gauges of a core with no server around it (tests)."""
+
+    open_connections: int = 0
+    commands_served: int = 0
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who may do what (--auth-token-file, --allow-remote-query)."""
+
+    auth_token: str | None = None
+    allow_remote_query: bool = False
+    query_seconds: float = DEFAULT_QUERY_SECONDS
+    # The largest reply Query may build (--max-reply-bytes).
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+    # Where Backup writes (--backup-dir); None: nowhere (no file database).
+    backup_dir: BackupDirectory | None = None
+
+
+@dataclass
+class Services:
+    """What a route may use besides its request."""
+
+    store: Storage
+    engine: Engine
+    access: Access = Access()
+    gauges: Gauges = field(default_factory=NoGauges)
+    started: float = field(default_factory=time.monotonic)
+    # Query and Queues read in threads, a few at once.
+    query_threads: trio.CapacityLimiter = field(
+        default_factory=lambda: trio.CapacityLimiter(QUERY_THREADS)
+    )
+    # Status counts what running jobs use of each limit one at a time.
+    status_thread: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
+    # CRON rules are checked the first time one at a time.
+    rule_checks: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
+    # One backup at a time: each reads the whole database and holds its
+    # log from being checkpointed until it is done.
+    backing_up: trio.Lock = field(default_factory=trio.Lock)
+    # Answers given, by (command name, status code): for metrics. A
+    # waiting GetJob counts, with code 0, when it begins to wait.
+    answered: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def count(self, command: str, code: int) -> None:
+        self.answered[command, code] = self.answered.get((command, code), 0) + 1
+
+
+class Route(Protocol):
+    async def __call__(self, services: Services, request: Request, peer: str) -> Answer: ...

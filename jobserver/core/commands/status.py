@@ -1,0 +1,78 @@
+"""Ping and Status: what the server says of itself.
+
+Status reads its counts in the writer, one consistent look, and what
+running jobs use of each concurrency limit in a thread, on a connection of
+the store's own: matching every running job's name against every limit
+must hold up neither the writer nor the event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import trio
+
+from jobserver import __version__
+from jobserver.core.commands.route import Answer, Services
+from jobserver.core.commands.views import ok
+from jobserver.core.engine.context import Context
+from jobserver.core.rules import flow
+from jobserver.model import times
+from jobserver.model.jobs import State
+from jobserver.wire.framing import Request, Response
+
+
+async def ping(services: Services, request: Request, peer: str) -> Answer:
+    return Answer(Response("200 OK"))
+
+
+async def status(services: Services, request: Request, peer: str) -> Answer:
+    engine = services.engine
+    counts, limits, paused, early, size = await engine.call(_snapshot)
+    try:
+        in_use = await _limits_in_use(services, limits)
+    except services.store.errors as error:
+        return Answer(Response(f"503 Database unavailable: {error}"))
+    body = {
+        "version": __version__,
+        "uptime": round(time.monotonic() - services.started, 3),
+        "database": {"path": services.store.path, "bytes": size},
+        "jobs": counts,
+        "waitingGetJobs": len(engine.waits),
+        "connections": services.gauges.open_connections,
+        "commandsServed": services.gauges.commands_served,
+        "transactions": engine.batches,
+        "limits": in_use,
+        "paused": sorted(paused),
+        "replies": {"waiting": counts.get(State.WAITING, 0), "early": early},
+    }
+    return Answer(ok(body))
+
+
+async def _limits_in_use(services: Services, limits: dict[str, int]) -> dict[str, Any]:
+    """Each limit and what running jobs use of it, one Status at a time."""
+    if not limits:
+        return {}
+    now = times.to_millis(times.utcnow())
+    store = services.store
+    running = await trio.to_thread.run_sync(
+        lambda: flow.running_under(limits, store.running_by_name(now)),
+        limiter=services.status_thread,
+    )
+    return {
+        pattern: {"max": capacity, "running": running[pattern]}
+        for pattern, capacity in sorted(limits.items())
+    }
+
+
+def _snapshot(
+    ctx: Context,
+) -> tuple[dict[str, int], dict[str, int], frozenset[str], int, int]:
+    """Job counts, the concurrency limits, the paused patterns, the early
+    replies not yet awaited, and the database's size (a query, on PostgreSQL)."""
+    store = ctx.store
+    return (
+        store.count_by_state(), dict(store.limits), store.paused,
+        store.early_replies(ctx.now_ms), store.size_bytes(),
+    )

@@ -1,0 +1,484 @@
+"""The engine: group commit, pipelined, and the waiting GetJobs it serves.
+
+Requests from all connections queue up; the engine's task takes everything
+waiting (up to `MAX_BATCH`), has the writer (writer.py) run it in one
+transaction on the event loop, serves the waiting GetJobs the batch made
+ready in the same transaction (the wait queue, waiters.py, says which;
+`selection.serve_waiters` tries them), and commits without waiting for the
+disk: a worker blocked in GetJob gets a new job with the same sync that
+stored it. The batch then goes to the durability stage (durability.py),
+which makes it durable with one sync of the log in a thread, while the
+event loop goes on serving connections and the engine runs the next batch.
+Each request's outcome is handed out only once a sync that began after its
+commit has returned: a `200` is never sent for a write that would not
+survive a power cut.
+
+A batch runs in a worker thread instead when one of its requests is heavy
+(a thousand jobs in one request, the pruner's deletions), so that the event
+loop goes on answering meanwhile, or when another process holds the
+database's lock, so that the event loop never waits for it. The waiters
+such a batch makes ready are served by the next batch (the wait queue
+lives on the event loop).
+
+The engine's clock (`_run_clock`) fires at the earliest time something is
+due (a future job, a lease's end, a reply deadline, a stale deadline): it
+runs the tick (deadlines.py) and tries every waiter. What other nodes
+commit is heard through the store (`heard`).
+
+Without threads (`threaded=False`) every batch, and its sync, runs on the
+event loop: for tests on trio's MockClock, which may move time forward only
+when every task waits, and cannot see a thread's work.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import outcome
+import trio
+
+from jobserver.core.engine.clock import Clock, seconds_until
+from jobserver.core.engine.context import Context, Settings
+from jobserver.core.engine.durability import Durability
+from jobserver.core.engine.histogram import BATCH_BOUNDS, SECONDS_BOUNDS, Histogram
+from jobserver.core.engine.waiters import Waiter, WaitQueue
+from jobserver.core.engine.work import Call, GiveBack, Serve, Tick, Work
+from jobserver.core.engine.writer import (
+    TRANSIENT_ATTEMPTS,
+    Committed,
+    Transient,
+    TransientFailed,
+    Writer,
+    earliest,
+    ran,
+)
+from jobserver.core.rules import flow
+from jobserver.core.rules.selection import JobQuery, Taken
+from jobserver.model import times
+from jobserver.storage.interface import Storage
+
+log = logging.getLogger("jobserver")
+
+# Enough requests to amortise one transaction over many, few enough that
+# the first request of a batch is not kept waiting long for the last.
+MAX_BATCH = 256
+# Rounds of late work a stopping engine runs (see Engine.stop): each one is
+# what the previous round's outcomes asked for, so two or three suffice.
+STOP_ROUNDS = 5
+# After a failed transaction (the database locked past its busy timeout, a
+# full disk), what the clock and the give-backs still owe is tried again
+# this long after: soon enough for a waiting worker, slow enough not to spin.
+RETRY_SECONDS = 1.0
+
+
+def _refuse_abort(raise_cancel: Any) -> trio.lowlevel.Abort:
+    # A request handed to the engine is on its way to the disk: waiting for
+    # its answer survives a cancellation, so nothing is left half-reported.
+    return trio.lowlevel.Abort.FAILED
+
+
+class Engine:
+    def __init__(
+        self, store: Storage, clock: Clock, settings: Settings = Settings(), threaded: bool = True
+    ) -> None:
+        self._store = store
+        self._clock = clock
+        self.settings = settings
+        self._threaded = threaded
+        self.writer = Writer(store, clock, settings)
+        self.waits = WaitQueue()
+        self._pending: deque[Work] = deque()
+        # Set while the engine's task sleeps for want of work.
+        self._wakeup: trio.Event | None = None
+        self._running = False
+        self._stopping = False
+        self._finished = trio.Event()
+        self._batch_ended = trio.Event()
+        self._durability = Durability(store, self._deliver, threaded)
+        # When the clock fires next, and the event that makes it look again.
+        self._next_due: str | None = None
+        self._rearm = trio.Event()
+        # Give-backs whose transaction failed: tried again when the clock
+        # next fires, so no job is left RUNNING without an owner.
+        self._owed: list[list[Taken]] = []
+        self.batches = 0
+        self.requests = 0
+        self.batch_sizes = Histogram(BATCH_BOUNDS)
+        # From a batch's start to its commit (not its sync), as the event
+        # loop sees it: a thread's hop included.
+        self.commit_seconds = Histogram(SECONDS_BOUNDS)
+
+    @property
+    def sync_seconds(self) -> Histogram:
+        """How long each sync of the log to disk took."""
+        return self._durability.sync_seconds
+
+    def start(self, due: str | None = None) -> None:
+        """Start committing; `due`: what the store holds at start that the
+        clock must fire for (deadlines.at_start)."""
+        self._lower_due(due)
+        self._durability.start()
+        trio.lowlevel.spawn_system_task(self._commit_loop, name="jobserver-engine")
+
+    async def run(self) -> None:
+        """The clock and the matcher, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._run_clock)
+            nursery.start_soon(self._run_matcher)
+
+    async def listen(self) -> None:
+        """Hear what other nodes commit (`heard`), until cancelled; returns at
+        once when no other node can share the jobs. Not with `threaded=False`
+        on PostgreSQL: a commit on the event loop would wait for the
+        listening connection, which waits for the event loop."""
+        await self._store.listen(self.heard)
+
+    # Requests.
+
+    def submit(self, work: Work) -> None:
+        self._pending.append(work)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def call(self, run: Callable[[Context], Any], heavy: bool = False) -> Any:
+        """Run `run` in a transaction and return its result once durable."""
+        self.submit(Call(run, heavy, trio.lowlevel.current_task()))
+        return await trio.lowlevel.wait_task_rescheduled(_refuse_abort)
+
+    async def settled(self) -> None:
+        """Until every commit made so far is durable: for replies that read
+        the database some other way (Query's own connection)."""
+        await self._durability.settled()
+
+    # Waiting GetJobs.
+
+    # The timeout is GetJob's: it ends in None (a 404 reply), not in a cancellation.
+    async def wait(self, query: JobQuery, timeout: float) -> list[Taken] | None:  # noqa: ASYNC109
+        """Wait up to `timeout` seconds for jobs; None if none came.
+
+        Jobs that are returned have been taken: if the caller cannot deliver
+        them it must give them back with `give_back`.
+        """
+        if self.waits.closed:
+            return None
+        waiter = self.waits.join(query)
+        self._try([waiter])
+        deadline = trio.current_time() + timeout
+        try:
+            # The first try is always seen through, so even `timeout: 0`
+            # gets a job that is due now.
+            await waiter.tried.wait()
+            with trio.move_on_at(deadline):
+                await waiter.woken.wait()
+        except BaseException:
+            if waiter.jobs is not None:
+                self.give_back(waiter.jobs)
+            raise
+        finally:
+            if waiter.jobs is None:
+                self.waits.leave(waiter)
+        return waiter.jobs
+
+    def give_back(self, taken: list[Taken]) -> None:
+        """Return undeliverable jobs to the queue, as many times as it takes."""
+        self.submit(GiveBack(taken))
+
+    def heard(self, ready: set[str] | None, due: str | None) -> None:
+        """What another node's commit made due (None: look at everything)."""
+        if ready is None:
+            self.recheck()
+        else:
+            self.notify(ready, due)
+
+    def notify(self, ready: set[str], due: str | None) -> None:
+        """These names became due; `due` is the earliest future time a
+        commit wrote."""
+        self._lower_due(due)
+        self._try(self.waits.ready(ready))
+
+    def recheck(self) -> None:
+        """Another node may have changed what is due (or a notice of it was
+        lost): run the tick now, which asks the store when the clock must
+        next fire, and try every waiter."""
+        if self.waits.closed:
+            return
+        self.submit(Tick())
+        self._try(self.waits.everyone())
+
+    def close(self) -> None:
+        """Answer every waiter now (with no jobs) and accept no more."""
+        self.waits.close()
+
+    async def stop(self) -> None:
+        """Finish everything queued, then stop. While another process holds
+        the database, what is left fails fast instead of each batch
+        waiting out the busy timeout.
+
+        The last batches' outcomes are delivered on the event loop, and
+        what they submit (jobs given back by a waiting GetJob that left)
+        queues behind them: so the engine goes on until a round submits
+        nothing, or STOP_ROUNDS have passed."""
+        self._store.stop_waiting_long()
+        for _ in range(STOP_ROUNDS):
+            await self._quiet()
+            # The last deliveries run now.
+            await trio.lowlevel.checkpoint()
+            if not self._pending:
+                break
+        else:
+            log.error("the engine was still given work after %d rounds of stopping", STOP_ROUNDS)
+        self._stopping = True
+        if self._wakeup is not None:
+            self._wakeup.set()
+        await self._finished.wait()
+        await self._durability.stop()
+
+    async def _quiet(self) -> None:
+        """Until nothing is queued or running, and all of it is durable."""
+        while self._pending or self._running:
+            self._batch_ended = trio.Event()
+            await self._batch_ended.wait()
+        await self._durability.settled()
+
+    # Group commit.
+
+    async def _commit_loop(self) -> None:
+        try:
+            while self._pending or not self._stopping:
+                if not self._pending:
+                    self._wakeup = trio.Event()
+                    await self._wakeup.wait()
+                    # The task that woke the engine ran in the same round as
+                    # every other task ready then: their requests are all here.
+                    self._wakeup = None
+                    continue
+                # While the disk is behind, requests gather into a larger batch.
+                await self._durability.room()
+                count = min(len(self._pending), MAX_BATCH)
+                batch = [self._pending.popleft() for _ in range(count)]
+                self._running = True
+                try:
+                    await self._run_batch(batch)
+                finally:
+                    self._running = False
+                    self._batch_ended.set()
+                if self._pending:
+                    # Work that followed this batch (what its outcomes asked
+                    # for) waits a round, so connections are never starved.
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+        finally:
+            self._finished.set()
+
+    async def _run_batch(self, batch: list[Work]) -> None:
+        began = time.perf_counter()
+        if not self._threaded:
+            committed = self._transact(batch, begun=False, wake=True)
+        elif self._store.blocking or any(work.heavy for work in batch) or not self._try_begin():
+            # Waiting for another process's lock, or a long run, happens off
+            # the event loop. Waiters it wakes are served by the next batch.
+            committed = await trio.to_thread.run_sync(self._transact, batch, False, False)
+        else:
+            committed = self._transact(batch, begun=True, wake=True)
+        self.batches += 1
+        self.requests += len(committed.works)
+        self.batch_sizes.observe(len(committed.works))
+        self.commit_seconds.observe(time.perf_counter() - began)
+        # Waiting GetJobs hear of new jobs at once: the batch that serves
+        # them is synced after this one, so nothing is handed out early.
+        if committed.ready or committed.due is not None:
+            self.notify(committed.ready, committed.due)
+        if committed.ok:
+            self._durability.committed(committed.works, committed.outcomes, committed.wrote)
+        else:
+            self._deliver(committed.works, committed.outcomes)
+
+    def _try_begin(self) -> bool:
+        """Open the transaction at once, if no other process holds the lock."""
+        try:
+            return self._store.try_begin()
+        except self._store.errors:
+            # Tried again in the thread, which reports what goes wrong.
+            return False
+
+    def _transact(self, batch: list[Work], begun: bool, wake: bool) -> Committed:
+        """Run a batch and commit it (not yet durable), again if the
+        database undid it for a reason that running it again removes (two
+        nodes' transactions in a deadlock)."""
+        for attempt in range(1, TRANSIENT_ATTEMPTS + 1):
+            try:
+                return self._transact_once(batch, begun and attempt == 1, wake)
+            except Transient as transient:
+                log.warning(
+                    "transaction undone by the database (%s); running it again (%d of %d)",
+                    transient.error, attempt, TRANSIENT_ATTEMPTS,
+                )
+                self.writer.abandon(transient.error)
+        return Committed(batch, self.writer.failed(batch, TransientFailed()), False)
+
+    def _transact_once(self, batch: list[Work], begun: bool, wake: bool) -> Committed:
+        """Run a batch, serve the waiters it made ready (`wake`, on the
+        event loop), and commit. Whatever goes wrong, every request gets an
+        outcome, waiters' tries included: a caller must never wait for a
+        commit that will not come."""
+        store = self._store
+        tries: list[Serve] = []
+        try:
+            if not begun:
+                store.begin()
+            changes_before = store.total_changes
+            done = self.writer.execute(batch)
+            outcomes, ready, due = done.outcomes, done.ready, done.due
+            announced, announced_due = set(ready), due
+            if wake and ready:
+                # Recorded before they run, so that they are answered even
+                # if the transaction fails from here on.
+                tries = self._woken(ready, due)
+                # What the tries in turn made ready or due: heard of after
+                # the commit.
+                ready, due = set(), None
+                if tries:
+                    served = ran(self.writer.run_all(tries, savepoints=True) or [])
+                    outcomes += served.outcomes
+                    ready, due = served.ready, served.due
+            announced |= ready
+            announced_due = earliest(announced_due, due)
+            if announced or announced_due is not None:
+                # Other nodes' waiters hear of it when it commits.
+                store.announce(announced, announced_due)
+            store.commit()
+            wrote = store.total_changes != changes_before
+            return Committed([*batch, *tries], outcomes, True, ready, due, wrote)
+        except Exception as error:  # a boundary: see above
+            if isinstance(error, store.transient) and not tries:
+                raise Transient(error) from error
+            works: list[Work] = [*batch, *tries]
+            return Committed(works, self.writer.failed(works, error), False)
+
+    def _woken(self, ready: set[str], due: str | None) -> list[Serve]:
+        """The tries of the waiters these names made ready, to run in this
+        transaction."""
+        try:
+            self._lower_due(due)
+            woken = self.waits.ready(ready)
+            return self._tries(woken) if woken else []
+        except Exception:
+            log.exception("finding the waiting GetJobs to serve failed")
+            return []
+
+    # Outcomes.
+
+    def _deliver(self, works: list[Work], outcomes: list[outcome.Maybe[Any]]) -> None:
+        """On the event loop. An exception from here would end the whole
+        trio run, so each delivery's is logged and kept to itself."""
+        reschedule = trio.lowlevel.reschedule
+        for work, result in zip(works, outcomes, strict=True):
+            if isinstance(work, Call):
+                if work.task is not None:
+                    reschedule(work.task, result)
+                continue
+            try:
+                if isinstance(work, Serve):
+                    self._served(work, result)
+                elif isinstance(work, GiveBack):
+                    self._given_back(work, result)
+                else:
+                    self._ticked(result)
+            except Exception:
+                log.exception("handing out a commit's outcome failed")
+
+    def _served(self, serve: Serve, result: outcome.Maybe[Any]) -> None:
+        if serve.later:
+            later = self.waits.next_later()
+            if later is not None:
+                self.submit(self._serve(later, later=True))
+        if isinstance(result, outcome.Error):
+            log.error("serving waiting GetJobs failed: %s", result.error)
+            handed: list[list[Taken] | None] = [None] * len(serve.waiters)
+            # Whatever made them worth trying may still hold.
+            self._retry_soon()
+        else:
+            handed, due = result.value
+            self._lower_due(due)
+        served = self.waits.served(serve.waiters, handed)
+        for taken in served.unwanted:
+            self.give_back(taken)
+        if served.again:
+            self._try(served.again)
+
+    def _given_back(self, give_back: GiveBack, result: outcome.Maybe[Any]) -> None:
+        if isinstance(result, outcome.Error):
+            log.error(
+                "could not put undelivered jobs back: %s; trying again in %gs",
+                result.error, RETRY_SECONDS,
+            )
+            self._owed.append(give_back.taken)
+            self._retry_soon()
+
+    def _ticked(self, result: outcome.Maybe[Any]) -> None:
+        if isinstance(result, outcome.Error):
+            log.error(
+                "the clock's tick failed: %s; trying again in %gs", result.error, RETRY_SECONDS
+            )
+            # The due time that fired was cleared: without this the clock
+            # would sleep until some later commit happened to write one.
+            self._retry_soon()
+            return
+        self._lower_due(result.value)
+
+    # Trying waiters.
+
+    def _try(self, waiters: list[Waiter]) -> None:
+        if waiters:
+            for serve in self._tries(waiters):
+                self.submit(serve)
+
+    def _tries(self, waiters: list[Waiter]) -> list[Serve]:
+        return [self._serve(group, later) for group, later in self.waits.to_try(waiters)]
+
+    def _serve(self, waiters: list[Waiter], later: bool) -> Serve:
+        heavy = any(w.selector.scans for w in waiters) or flow.is_heavy(self._store)
+        return Serve(waiters, later, heavy)
+
+    async def _run_matcher(self) -> None:
+        """Find the waiters of names the wait queue left for later, a slice
+        of matches at a time, trying each slice's waiters as they are found.
+        A waiter that arrives meanwhile is tried on arrival, as always."""
+        while True:
+            names = await self.waits.unmatched()
+            for found in self.waits.matching_slices(names):
+                self._try(found)
+                await trio.lowlevel.checkpoint()
+
+    # The clock.
+
+    async def _run_clock(self) -> None:
+        """Wake waiters when the earliest future job becomes due, and run
+        the tick then, even with nobody waiting."""
+        while True:
+            self._rearm = trio.Event()
+            due = self._next_due
+            if due is None:
+                await self._rearm.wait()
+                continue
+            with trio.move_on_after(seconds_until(self._clock, due)):
+                await self._rearm.wait()
+                continue
+            self._next_due = None
+            owed, self._owed = self._owed, []
+            for taken in owed:
+                self.give_back(taken)
+            self.submit(Tick())
+            self._try(self.waits.everyone())
+
+    def _retry_soon(self) -> None:
+        self._lower_due(times.to_millis(self._clock.now() + timedelta(seconds=RETRY_SECONDS)))
+
+    def _lower_due(self, due: str | None) -> None:
+        if due is not None and (self._next_due is None or due < self._next_due):
+            self._next_due = due
+            self._rearm.set()

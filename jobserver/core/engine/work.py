@@ -1,0 +1,69 @@
+"""What the engine runs in the writer's transactions: four kinds of work.
+
+A `Call` is a request (a command, a prune step), whose caller awaits its
+outcome. The other three are the engine's own: trying waiting GetJobs
+(`Serve`), putting back jobs whose reply never reached the client
+(`GiveBack`), and what the clock does when it fires (`Tick`). Each runs on
+the transaction's Context and says whether it is heavy (its batch then
+runs in a thread). Their outcomes come back to the engine (engine.py),
+which reads each by its kind: nothing here is called back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from jobserver.core.engine import deadlines
+from jobserver.core.engine.context import Context
+from jobserver.core.engine.waiters import Waiter
+from jobserver.core.rules import selection
+from jobserver.core.rules.selection import Taken
+
+
+@dataclass(eq=False, slots=True)
+class Call:
+    run: Callable[[Context], Any]
+    # Runs long enough to hold up the event loop: its batch goes to a thread.
+    heavy: bool = False
+    # The task awaiting the outcome (Engine.call), woken with it; None
+    # when nobody waits for it.
+    task: trio.lowlevel.Task | None = None
+
+
+@dataclass(eq=False, slots=True)
+class Serve:
+    """Try waiters, oldest first; `later` for a group that hands out the
+    next one when it is served (waiters.WaitQueue.next_later)."""
+
+    waiters: list[Waiter]
+    later: bool = False
+    # A GLOB's search of a long queue, or a search under many limits and
+    # pauses, runs off the event loop.
+    heavy: bool = False
+
+    def run(self, ctx: Context) -> tuple[list[list[Taken] | None], str | None]:
+        return selection.serve_waiters(ctx, [waiter.query for waiter in self.waiters])
+
+
+@dataclass(eq=False, slots=True)
+class GiveBack:
+    taken: list[Taken]
+    heavy: bool = False
+
+    def run(self, ctx: Context) -> None:
+        selection.give_back(ctx, self.taken)
+
+
+@dataclass(eq=False, slots=True)
+class Tick:
+    heavy: bool = False
+
+    def run(self, ctx: Context) -> str | None:
+        return deadlines.tick(ctx)
+
+
+Work = Call | Serve | GiveBack | Tick

@@ -1,0 +1,67 @@
+"""The wait queue's book, without a database: the waiter's states (MOVES),
+and the order rules they keep (first come, first served)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobserver.core.engine.waiters import MOVES, IllegalWaiterMove, Phase, WaitQueue
+from jobserver.core.rules.selection import JobQuery
+
+
+def query(name: str) -> JobQuery:
+    return JobQuery(name, (), None, 1)
+
+
+def test_every_state_has_its_moves_and_the_final_ones_have_none() -> None:
+    assert set(MOVES) == set(Phase)
+    assert MOVES[Phase.SERVED] == MOVES[Phase.GONE] == frozenset()
+    # Every state can be reached (IDLE again after a try that found nothing).
+    assert set().union(*MOVES.values()) == set(Phase)
+
+
+async def test_an_illegal_move_raises() -> None:
+    waiter = WaitQueue().join(query("a"))
+    with pytest.raises(IllegalWaiterMove, match="IDLE to SERVED"):
+        waiter.move(Phase.SERVED)
+    assert waiter.phase is Phase.IDLE
+
+
+async def test_a_younger_waiter_is_held_behind_an_older_ones_try() -> None:
+    waits = WaitQueue()
+    older, younger = waits.join(query("a")), waits.join(query("a"))
+    assert waits.to_try([older]) == [([older], False)]
+    # A job became ready while the older waiter's try ran: it may have
+    # looked too early, so it is poked, and the younger one waits for it.
+    assert waits.to_try(waits.ready({"a"})) == []
+    assert (older.phase, younger.phase) == (Phase.POKED, Phase.HELD)
+    assert older.held == [younger]
+    served = waits.served([older], [None])
+    # Nothing found: the older one is tried again, the younger one with it.
+    assert served.again == [younger, older]
+    assert (older.phase, younger.phase) == (Phase.IDLE, Phase.HELD)
+    assert waits.to_try(served.again) == [([older, younger], False)]
+    assert older.phase is younger.phase is Phase.TRYING
+
+
+async def test_a_waiter_that_leaves_during_its_try_gives_its_jobs_back() -> None:
+    waits = WaitQueue()
+    waiter = waits.join(query("a"))
+    waits.to_try([waiter])
+    waits.leave(waiter)
+    assert waiter.phase is Phase.LEAVING and len(waits) == 0
+    jobs: list = [object()]
+    served = waits.served([waiter], [jobs])
+    assert served.unwanted == [jobs] and waiter.jobs is None
+    assert waiter.phase is Phase.GONE
+
+
+async def test_closing_answers_idle_waiters_and_those_not_yet_sent() -> None:
+    waits = WaitQueue()
+    idle = waits.join(query("idle"))
+    trying = waits.join(query("trying"))
+    waits.to_try([trying])
+    waits.close()
+    assert idle.woken.is_set() and not trying.woken.is_set()
+    waits.served([trying], [None])
+    assert trying.woken.is_set() and trying.phase is Phase.IDLE
