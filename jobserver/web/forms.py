@@ -5,52 +5,15 @@ redirect may lead (never to another site)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from urllib.parse import parse_qs, unquote
 
 from starlette.requests import Request
 
 from jobserver.core.commands import params
 from jobserver.core.errors import CommandError
-from jobserver.model.jobs import State
 from jobserver.web.incoming import read_body
 from jobserver.wire.framing import Response as WireResponse
 
-HERE = Path(__file__).parent
-
-# How much of each list a page shows: enough to act on, little enough to
-# render at once.
-QUEUES_SHOWN = 50
-FAILED_SHOWN = 100
-FOUND_SHOWN = 200
-# The last lines of a failed job's output in the table; its page shows all.
-ERROR_TAIL = 5
-# Seconds between refreshes of the live part of `/`: often enough to watch
-# a queue drain; each refresh reads every job (Queues).
-REFRESH_SECONDS = 5
-
-# States in the order of a job's life, for the columns of the queues.
-STATE_ORDER = (
-    State.QUEUED, State.RUNQUEUED, State.RUNNING, State.WAITING, State.PAUSED,
-    State.FAILED, State.FINISHED, State.CANCELLED,
-)
-# Where the job page offers each button (protocol.md 4.2 and 5.10).
-DELETABLE = frozenset(
-    (State.QUEUED, State.RUNQUEUED, State.FINISHED, State.CANCELLED, State.FAILED, State.WAITING)
-)
-CANCELLABLE = frozenset((State.QUEUED, State.RUNQUEUED, State.FAILED, State.WAITING))
-
-# Pages show job data, and their buttons act: no other site may frame
-# them, and no script but the dashboard's own may run in them.
-PAGE_HEADERS = {
-    "Content-Security-Policy": (
-        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
-        "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
-    ),
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "same-origin",
-    "Cache-Control": "no-store",
-}
 # A form's body: a 255-byte pattern, percent-encoded, and room to spare.
 MAX_FORM = 16 * 1024
 MAX_FORM_FIELDS = 16

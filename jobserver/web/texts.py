@@ -5,48 +5,12 @@ as lines, a CRON job's next runs."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from jobserver.core.rules import schedule
 from jobserver.model import cron, times
-from jobserver.model.jobs import Job, State
+from jobserver.model.jobs import Job
 from jobserver.wire import jsonbody, last_error
 
-HERE = Path(__file__).parent
-
-# How much of each list a page shows: enough to act on, little enough to
-# render at once.
-QUEUES_SHOWN = 50
-FAILED_SHOWN = 100
-FOUND_SHOWN = 200
-# The last lines of a failed job's output in the table; its page shows all.
-ERROR_TAIL = 5
-# Seconds between refreshes of the live part of `/`: often enough to watch
-# a queue drain; each refresh reads every job (Queues).
-REFRESH_SECONDS = 5
-
-# States in the order of a job's life, for the columns of the queues.
-STATE_ORDER = (
-    State.QUEUED, State.RUNQUEUED, State.RUNNING, State.WAITING, State.PAUSED,
-    State.FAILED, State.FINISHED, State.CANCELLED,
-)
-# Where the job page offers each button (protocol.md 4.2 and 5.10).
-DELETABLE = frozenset(
-    (State.QUEUED, State.RUNQUEUED, State.FINISHED, State.CANCELLED, State.FAILED, State.WAITING)
-)
-CANCELLABLE = frozenset((State.QUEUED, State.RUNQUEUED, State.FAILED, State.WAITING))
-
-# Pages show job data, and their buttons act: no other site may frame
-# them, and no script but the dashboard's own may run in them.
-PAGE_HEADERS = {
-    "Content-Security-Policy": (
-        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
-        "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
-    ),
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "same-origin",
-    "Cache-Control": "no-store",
-}
 
 def pretty(data: str) -> str:
     try:
