@@ -111,8 +111,10 @@ def test_get_job__test_priorities_with_different_next_run_times(client):
     # Bedrock: low/medium/high due at +1/+4/+7 s, then high/medium/low at
     # +15/+13/+10 s. Here one second apart, from the next whole second on.
     now = utcnow()
-    # At least 0.3 s to create the six jobs before the first one is due.
-    base = now.replace(microsecond=0) + timedelta(seconds=1 if now.microsecond < 700_000 else 2)
+    # At least 1 s to create the six jobs and query them before the first
+    # one is due (each create waits for its sync, and Query on SQLite
+    # starts a process: 0.3 s was once too little on a loaded machine).
+    base = now.replace(microsecond=0) + timedelta(seconds=2)
     plan = [("low", "0", 0), ("medium", "500", 1), ("high", "1000", 2),
             ("high", "1000", 5), ("medium", "500", 4), ("low", "0", 3)]
     ids = [
