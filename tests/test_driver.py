@@ -359,17 +359,3 @@ def test_oldest_report_and_stale(store: Storage) -> None:
         assert [j.jobID for j in store.stale(NOW, 10)] == [unreported, old, new]
         assert [j.jobID for j in store.stale(NOW, 1)] == [unreported]
 
-
-def test_a_sqlite_without_returning_is_refused_at_open(tmp_path, monkeypatch):
-    # Creating jobs needs INSERT ... RETURNING (SQLite 3.35): an older
-    # library is named at start, not met as a syntax error at the first job.
-    import sqlite3
-
-    from jobserver.storage.sqlite import Store
-    from jobserver.storage.sqlite_schema import StoreError
-
-    monkeypatch.setattr(sqlite3, "sqlite_version_info", (3, 34, 1))
-    monkeypatch.setattr(sqlite3, "sqlite_version", "3.34.1")
-    with pytest.raises(StoreError, match=r"SQLite is 3\.34\.1; jobserver needs 3\.35\.0 or later"):
-        Store(str(tmp_path / "jobs.db"))
-    assert not (tmp_path / "jobs.db").exists()

@@ -95,12 +95,15 @@ class SqlStore:
                 retryDelay=policy.delay, retryMaxDelay=policy.max_delay,
             )
         marks = ", ".join(self.dialect.mark for _ in row)
-        # Every row read: a statement left unfinished would hold SQLite's COMMIT.
-        (job_id,) = self._ids(
-            f"INSERT INTO jobs ({', '.join(row)}) VALUES ({marks}) RETURNING jobID",
-            list(row.values()),
+        job_id = self._insert_row(
+            f"INSERT INTO jobs ({', '.join(row)}) VALUES ({marks})", list(row.values())
         )
         self._noted(new.priority, new.parent_id)
+        return job_id
+
+    def _insert_row(self, statement: str, args: Sequence[Any]) -> int:
+        """Run an INSERT of one job; its jobID."""
+        (job_id,) = self._ids(f"{statement} RETURNING jobID", args)
         return job_id
 
     def set_state_if(
@@ -133,6 +136,7 @@ class SqlStore:
         lease: str | None = None,
     ) -> list[int]:
         d = self.dialect
+        args: list[Any]
         # Column names come from JobChanges' fields, never from a request.
         columns = {**assigned, **changes.columns()}
         if not columns or not ids:
@@ -140,16 +144,15 @@ class SqlStore:
         priority = columns.get("priority")
         if isinstance(priority, int):
             self._noted(priority, 0)
-        where, args = d.any_of("jobID", ids, "bigint")
+        where, args = "", []
         if in_states is not None:
-            clause, state_args = d.any_of("state", [State(s).value for s in in_states])
-            where, args = f"{where} AND {clause}", [*args, *state_args]
+            clause, args = d.any_of("state", [State(s).value for s in in_states])
+            where = f" AND {clause}"
         if lease is not None:
             where, args = f"{where} AND leaseID = {d.mark}", [*args, lease]
         assignments = ", ".join(f"{column} = {d.mark}" for column in columns)
-        return self._ids(
-            f"UPDATE jobs SET {assignments} WHERE {where} RETURNING jobID",
-            [*columns.values(), *args],
+        return self._changed(
+            f"UPDATE jobs SET {assignments}", list(columns.values()), ids, where, args
         )
 
     def delete(self, ids: Sequence[int], in_states: Sequence[str] | None = None) -> list[int]:
@@ -157,11 +160,31 @@ class SqlStore:
         jobIDs deleted."""
         if not ids:
             return []
-        where, args = self.dialect.any_of("jobID", ids, "bigint")
+        args: list[Any]
+        where, args = "", []
         if in_states is not None:
-            clause, state_args = self.dialect.any_of("state", [State(s).value for s in in_states])
-            where, args = f"{where} AND {clause}", [*args, *state_args]
-        return self._ids(f"DELETE FROM jobs WHERE {where} RETURNING jobID", args)
+            clause, args = self.dialect.any_of("state", [State(s).value for s in in_states])
+            where = f" AND {clause}"
+        return self._changed("DELETE FROM jobs", [], ids, where, args)
+
+    def _changed(
+        self, head: str, head_args: list[Any], ids: Sequence[int], where: str, args: list[Any]
+    ) -> list[int]:
+        """Run `head` (an UPDATE's SET, or a DELETE) on the jobs `ids` that
+        also meet `where`; the jobIDs it changed. Where RETURNING is cheap,
+        one statement for them all; elsewhere (SQLite, whose RETURNING costs
+        more than the write itself) one statement a job, counted."""
+        d = self.dialect
+        if d.returning:
+            by_id, id_args = d.any_of("jobID", ids, "bigint")
+            return self._ids(
+                f"{head} WHERE {by_id}{where} RETURNING jobID", [*head_args, *id_args, *args]
+            )
+        statement = f"{head} WHERE jobID = {d.mark}{where}"
+        return [
+            job_id for job_id in ids
+            if self._execute(statement, [*head_args, job_id, *args]).rowcount
+        ]
 
     # Reading jobs. A read by ID or name locks what it returns where other
     # nodes write (the caller may go on to change it).

@@ -52,10 +52,6 @@ RECLAIM_MIN_PAGES = 256
 RECLAIM_PAGES = 2048
 
 
-# The oldest SQLite with INSERT ... RETURNING (2021), which creating jobs uses.
-OLDEST_SQLITE = (3, 35, 0)
-
-
 class Store(SqlStore):
     dialect = SQLITE
     # A local file: every call is quick enough for the event loop.
@@ -66,11 +62,6 @@ class Store(SqlStore):
     ) -> None:
         if synchronous not in SYNCHRONOUS_MODES:
             raise ValueError(f"synchronous must be one of {SYNCHRONOUS_MODES}")
-        if sqlite3.sqlite_version_info < OLDEST_SQLITE:
-            raise StoreError(
-                f"this Python's SQLite is {sqlite3.sqlite_version}; jobserver needs "
-                f"{'.'.join(map(str, OLDEST_SQLITE))} or later (INSERT ... RETURNING)"
-            )
         self.path = path
         self.errors: tuple[type[Exception], ...] = (sqlite3.Error,)
         # One writer per file: no transaction is ever undone for another's.
@@ -225,6 +216,12 @@ class Store(SqlStore):
 
     def _execute(self, statement: str, args: Sequence[Any] = ()) -> sqlite3.Cursor:
         return self._db.execute(statement, args)
+
+    def _insert_row(self, statement: str, args: Sequence[Any]) -> int:
+        # The cursor's lastrowid: SQLite's RETURNING costs more than the insert.
+        job_id = self._db.execute(statement, args).lastrowid
+        assert job_id is not None
+        return job_id
 
     def _noted(self, priority: int, parent_id: int) -> None:
         self._priorities.add(priority)
