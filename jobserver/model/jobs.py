@@ -6,7 +6,7 @@ from state to state is lifecycle.py's business alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from enum import Enum, StrEnum
 
 
@@ -111,11 +111,13 @@ class _Keep(Enum):
 KEEP = _Keep.KEEP
 
 
-@dataclass(frozen=True)
+@dataclass
 class JobChanges:
     """What a write sets of a job's row besides its state: every field left
     at KEEP stays as it is. The only columns a command may change, by name:
-    a column's name never comes from a request."""
+    a column's name never comes from a request. Not frozen: one is made for
+    every write, and a frozen dataclass takes three times as long to make;
+    none is changed once made."""
 
     name: str | _Keep = KEEP
     nextRun: str | _Keep = KEEP
@@ -132,12 +134,10 @@ class JobChanges:
     lastReport: str | _Keep = KEEP
 
     def columns(self) -> dict[str, object]:
-        """The columns set, by name, in a fixed order."""
-        return {
-            field.name: value
-            for field in fields(self)
-            if (value := getattr(self, field.name)) is not KEEP
-        }
+        """The columns set, by name, in a fixed order (the fields')."""
+        # vars() is the fields in their order: a write's hot path, where
+        # dataclasses.fields() cost more than the SQL.
+        return {name: value for name, value in vars(self).items() if value is not KEEP}
 
 
 NO_CHANGES = JobChanges()

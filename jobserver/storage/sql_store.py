@@ -73,31 +73,28 @@ class SqlStore:
         self, jobs: Sequence[NewJob], *, created: str, state: str, ended: str = ""
     ) -> list[int]:
         """Store new jobs in `state`; their jobIDs, in order."""
-        return [self._insert(new, created, State(state), ended) for new in jobs]
+        stored = State(state)
+        return [self._insert(new, created, stored, ended) for new in jobs]
 
     def _insert(self, new: NewJob, created: str, state: State, ended: str) -> int:
         # Only what differs from the schema's defaults is written.
-        row: dict[str, Any] = {
-            "created": created, "state": state.value, "name": new.name,
-            "nextRun": new.next_run, "repeat": new.repeat, "data": new.data,
-            "priority": new.priority, "parentJobID": new.parent_id,
-            "retryAfter": new.retry_after,
-        }
-        if new.flow != PLAIN:
-            flow = new.flow
-            row.update(cost=flow.cost, timeWindows=flow.windows, timeZone=flow.zone)
+        columns: tuple[str, ...] = _NEW_JOB
+        values: list[Any] = [
+            created, state.value, new.name, new.next_run, new.repeat, new.data,
+            new.priority, new.parent_id, new.retry_after,
+        ]
+        flow = new.flow
+        if flow is not PLAIN and flow != PLAIN:
+            columns += _FLOW
+            values += (flow.cost, flow.windows, flow.zone)
         if ended:
-            row["ended"] = ended
-        if new.policy is not None:
-            policy = new.policy
-            row.update(
-                maxAttempts=policy.max_attempts, retryBackoff=policy.backoff,
-                retryDelay=policy.delay, retryMaxDelay=policy.max_delay,
-            )
-        marks = ", ".join(self.dialect.mark for _ in row)
-        job_id = self._insert_row(
-            f"INSERT INTO jobs ({', '.join(row)}) VALUES ({marks})", list(row.values())
-        )
+            columns += ("ended",)
+            values.append(ended)
+        policy = new.policy
+        if policy is not None:
+            columns += _POLICY
+            values += (policy.max_attempts, policy.backoff, policy.delay, policy.max_delay)
+        job_id = self._insert_row(_insert(self.dialect, columns), values)
         self._noted(new.priority, new.parent_id)
         return job_id
 
@@ -116,7 +113,7 @@ class SqlStore:
     ) -> list[int]:
         """Move the jobs still in one of `from_states` (and holding `lease`,
         if given) to `to_state`, with `changes`; the jobIDs moved."""
-        return self._write(ids, {"state": State(to_state).value}, changes, from_states, lease)
+        return self._write(ids, {"state": _state_name(to_state)}, changes, from_states, lease)
 
     def amend(self, ids: Sequence[int], changes: JobChanges) -> list[int]:
         """Set `changes` (never a state) on the jobs, in whatever state
@@ -135,8 +132,6 @@ class SqlStore:
         in_states: Sequence[str] | None = None,
         lease: str | None = None,
     ) -> list[int]:
-        d = self.dialect
-        args: list[Any]
         # Column names come from JobChanges' fields, never from a request.
         columns = {**assigned, **changes.columns()}
         if not columns or not ids:
@@ -144,28 +139,19 @@ class SqlStore:
         priority = columns.get("priority")
         if isinstance(priority, int):
             self._noted(priority, 0)
-        where, args = "", []
-        if in_states is not None:
-            clause, args = d.any_of("state", [State(s).value for s in in_states])
-            where = f" AND {clause}"
-        if lease is not None:
-            where, args = f"{where} AND leaseID = {d.mark}", [*args, lease]
-        assignments = ", ".join(f"{column} = {d.mark}" for column in columns)
-        return self._changed(
-            f"UPDATE jobs SET {assignments}", list(columns.values()), ids, where, args
-        )
+        head = _update_head(self.dialect, tuple(columns))
+        states = None if in_states is None else tuple(in_states)
+        fence = _fence(self.dialect, states, lease is not None)
+        leased = [] if lease is None else [lease]
+        return self._changed(head, list(columns.values()), ids, fence, leased)
 
     def delete(self, ids: Sequence[int], in_states: Sequence[str] | None = None) -> list[int]:
         """Delete the jobs (only those in one of `in_states`, if given); the
         jobIDs deleted."""
         if not ids:
             return []
-        args: list[Any]
-        where, args = "", []
-        if in_states is not None:
-            clause, args = self.dialect.any_of("state", [State(s).value for s in in_states])
-            where = f" AND {clause}"
-        return self._changed("DELETE FROM jobs", [], ids, where, args)
+        fence = _fence(self.dialect, None if in_states is None else tuple(in_states), False)
+        return self._changed("DELETE FROM jobs", [], ids, fence, [])
 
     def _changed(
         self, head: str, head_args: list[Any], ids: Sequence[int], where: str, args: list[Any]
@@ -181,9 +167,9 @@ class SqlStore:
                 f"{head} WHERE {by_id}{where} RETURNING jobID", [*head_args, *id_args, *args]
             )
         statement = f"{head} WHERE jobID = {d.mark}{where}"
+        execute = self._execute
         return [
-            job_id for job_id in ids
-            if self._execute(statement, [*head_args, job_id, *args]).rowcount
+            job_id for job_id in ids if execute(statement, [*head_args, job_id, *args]).rowcount
         ]
 
     # Reading jobs. A read by ID or name locks what it returns where other
@@ -443,3 +429,57 @@ class SqlStore:
         )
         return max(rows.rowcount, 0)
 
+
+
+# The text of a write is made once per shape: a job's writes are few shapes,
+# run many times (a hand-out, a finish), and building the text each time
+# cost as much as SQLite's own work. Keyed by the dialect's mark (a str
+# hashes at once; a frozen dataclass hashes every field, every time).
+_HEADS: dict[tuple[str, tuple[str, ...]], str] = {}
+_FENCES: dict[tuple[str, tuple[str, ...] | None, bool], str] = {}
+_INSERTS: dict[tuple[str, tuple[str, ...]], str] = {}
+# A new job's columns: always, with flow options, with a retry policy.
+_NEW_JOB = (
+    "created", "state", "name", "nextRun", "repeat", "data", "priority", "parentJobID",
+    "retryAfter",
+)
+_FLOW = ("cost", "timeWindows", "timeZone")
+_POLICY = ("maxAttempts", "retryBackoff", "retryDelay", "retryMaxDelay")
+_STATE_NAMES = {state.value: state.value for state in State}
+
+
+def _state_name(state: str) -> str:
+    """A state's stored name; ValueError for anything that is not a State."""
+    try:
+        return _STATE_NAMES[state]
+    except KeyError:
+        raise ValueError(f"{state!r} is not a State") from None
+
+
+def _update_head(d: Dialect, columns: tuple[str, ...]) -> str:
+    key = (d.mark, columns)
+    head = _HEADS.get(key)
+    if head is None:
+        head = _HEADS[key] = "UPDATE jobs SET " + ", ".join(f"{c} = {d.mark}" for c in columns)
+    return head
+
+
+def _fence(d: Dialect, in_states: tuple[str, ...] | None, leased: bool) -> str:
+    """What a write asks of a job's row besides its ID: one of `in_states`
+    (literals made from State, so a partial index serves them), and the
+    lease given (a parameter)."""
+    key = (d.mark, in_states, leased)
+    fence = _FENCES.get(key)
+    if fence is None:
+        where = "" if in_states is None else f" AND state IN ({sql.states(in_states)})"
+        fence = _FENCES[key] = f"{where} AND leaseID = {d.mark}" if leased else where
+    return fence
+
+
+def _insert(d: Dialect, columns: tuple[str, ...]) -> str:
+    key = (d.mark, columns)
+    statement = _INSERTS.get(key)
+    if statement is None:
+        marks = ", ".join(d.mark for _ in columns)
+        statement = _INSERTS[key] = f"INSERT INTO jobs ({', '.join(columns)}) VALUES ({marks})"
+    return statement
