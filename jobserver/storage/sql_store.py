@@ -158,10 +158,12 @@ class SqlStore:
     ) -> list[int]:
         """Run `head` (an UPDATE's SET, or a DELETE) on the jobs `ids` that
         also meet `where`; the jobIDs it changed. Where RETURNING is cheap,
-        one statement for them all; elsewhere (SQLite, whose RETURNING costs
-        more than the write itself) one statement a job, counted."""
+        one statement for many; elsewhere (SQLite, whose RETURNING costs
+        more than the write itself), and for one job everywhere, a
+        statement a job by its key, counted: PostgreSQL plans `jobID = ANY`
+        of an array for one job at a third more of its CPU than `jobID =`."""
         d = self.dialect
-        if d.returning:
+        if d.returning and len(ids) > 1:
             by_id, id_args = d.any_of("jobID", ids, "bigint")
             return self._ids(
                 f"{head} WHERE {by_id}{where} RETURNING jobID", [*head_args, *id_args, *args]
