@@ -47,6 +47,11 @@ Scenarios, each peer in turn:
   first node, the create goes through the second, whose commit notifies
   the first (LISTEN/NOTIFY).
 
+While jobserver on SQLite runs its scenarios, a thread samples the size of
+its log (`bench.db-wal`) every 20 ms; the table's last row is the largest
+it reached. SQLite reuses the log from its start only once a checkpoint has
+copied all of it, which under writes that never pause may never happen.
+
 After each scenario the server's CPU per operation is the growth of utime +
 stime in /proc/PID/stat (the whole process, all its threads, and the
 kernel's work on its behalf: socket calls, fsync) divided by the
@@ -75,6 +80,7 @@ checkout this script is in. If that jobserver lacks FinishJobs (it answers
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import os
 import platform
@@ -86,6 +92,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -347,6 +354,7 @@ class Peer:
     client: str  # its client in bench/clients.py
     nodes: list[Node]
     database: BenchDatabase | None = None  # where jobserver-pg keeps its queue
+    wal: Path | None = None  # jobserver's SQLite log, watched for its size
 
     @property
     def port(self) -> int:
@@ -372,7 +380,7 @@ def start_jobserver(workdir: Path, root: Path) -> Peer:
     port = free_port()
     proc = scale.start_server(workdir / "bench.db", port, root, "--synchronous", "FULL")
     wait_port(port, proc)
-    return Peer("jobserver", "jobserver", [Node(port, proc)])
+    return Peer("jobserver", "jobserver", [Node(port, proc)], wal=workdir / "bench.db-wal")
 
 
 DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -481,7 +489,44 @@ class Measured:
     notes: list[str] = field(default_factory=list)
 
 
+class WalWatch:
+    """The largest size SQLite's log (`-wal`) reaches while the scenarios
+    run, sampled every WAL_SAMPLE_SECONDS in a thread of its own: under
+    sustained writes a log whose checkpoints never complete only grows."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self.largest = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> WalWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(WAL_SAMPLE_SECONDS):
+            with contextlib.suppress(FileNotFoundError):
+                self.largest = max(self.largest, self._path.stat().st_size)
+
+
+WAL_SAMPLE_SECONDS = 0.02
+
+
 def measure(peer: Peer, sizes: Sizes) -> Measured:
+    if peer.wal is None:
+        return measure_scenarios(peer, sizes)
+    with WalWatch(peer.wal) as watch:
+        m = measure_scenarios(peer, sizes)
+    m.figures["wal_mb"] = watch.largest / 1e6
+    return m
+
+
+def measure_scenarios(peer: Peer, sizes: Sizes) -> Measured:
     kind, one, spread = peer.client, [peer.port], peer.ports(WORKERS)
     m = Measured()
     f = m.figures
@@ -556,6 +601,7 @@ def rows(sizes: Sizes) -> list[tuple[str, str, str]]:
         *_cpu_rows("fill", "bulk create", "job"),
         ("drain", f"drain {sizes.drain:,}, 8 workers (jobs/s)", rate),
         *_cpu_rows("drain", "drain", "job"),
+        ("wal_mb", "SQLite log (-wal) high-water mark, all scenarios (MB)", "{:,.1f}"),
     ]
 
 
