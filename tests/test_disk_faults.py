@@ -8,11 +8,14 @@ are skipped where mounting is not possible.
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 import sqlite3
 import subprocess
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -466,3 +469,48 @@ def test_garbage_after_the_last_wal_frame_is_ignored(start_server, tmp_path: Pat
             assert client.request("QueryJob", jobID=job_id).status == "200 OK"
         assert client.request("CreateJob", name="after").json["jobID"] == ids[-1] + 1
     assert_clean(second.log)
+
+
+
+# The server cuts its log back past this (storage/sqlite.py: LOG_BOUND).
+LOG_BOUND = 32 * 1024 * 1024
+# A request of 100 jobs of 10 kB: about 1 MB to write.
+BULK_BYTES = 100 * 10_000
+
+
+def test_the_log_stays_bounded_under_writes_that_never_pause(tmp_path):
+    # Four clients write 1 MB requests back to back, so that some write is
+    # always under way: a PASSIVE checkpoint alone never copies the whole
+    # log then, SQLite never starts it over, and the log grew to the size
+    # of everything written (183 MB in bench/run.py --quick).
+    server = ServerProcess(tmp_path / "jobs.db")
+    wal = tmp_path / "jobs.db-wal"
+    jobs = json.dumps([{"name": "bulk", "data": {"x": "a" * 10_000}}] * 100)
+    requests = 6 * LOG_BOUND // BULK_BYTES
+    sent = iter(range(requests))
+    lock = threading.Lock()
+
+    def write() -> None:
+        with server.client(timeout=60) as client:
+            while True:
+                with lock:
+                    if next(sent, None) is None:
+                        return
+                reply = client.request("CreateJobs", jobs=jobs)
+                assert reply.status == "200 OK", reply.status
+
+    largest = 0
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            writers = [pool.submit(write) for _ in range(4)]
+            while not all(writer.done() for writer in writers):
+                time.sleep(0.02)
+                if wal.exists():
+                    largest = max(largest, wal.stat().st_size)
+            for writer in writers:
+                writer.result()
+    finally:
+        server.kill()
+    # The bound, and what the writes between two checkpoints add: never
+    # the whole of what was written (six times the bound).
+    assert largest < 3 * LOG_BOUND, f"the log reached {largest / 1e6:.0f} MB"

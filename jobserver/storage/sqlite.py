@@ -45,6 +45,13 @@ STOPPING_BUSY_MS = 100
 # every read's search of it, stays short; rarely enough to cost little.
 CHECKPOINT_SECONDS = 0.25
 
+# The log's size past which checkpoints make SQLite start it over, and to
+# which its file is cut back then: a few seconds of writes at full speed.
+LOG_BOUND = 32 * 1024 * 1024
+# How long the checkpoint that starts the log over waits for the writer's
+# transaction under way to end: a heavy batch's, at most a few hundred ms.
+RESTART_WAIT_MS = 500
+
 # Free pages worth a vacuum on their own: 1 MiB of 4 KiB pages. Below
 # that, the next jobs will reuse them anyway.
 RECLAIM_MIN_PAGES = 256
@@ -112,6 +119,9 @@ class Store(SqlStore):
         self._db.execute("PRAGMA synchronous = NORMAL")
         if self.needs_sync:
             self._db.execute("PRAGMA wal_autocheckpoint = 0")
+            # When this connection starts the log over, its file is cut
+            # back to this size (see _restart_log).
+            self._db.execute(f"PRAGMA journal_size_limit = {LOG_BOUND}")
         self._db.execute("PRAGMA busy_timeout = 0")
         self._log_fd: int | None = None
         self._checkpointer: sqlite3.Connection | None = None
@@ -180,11 +190,39 @@ class Store(SqlStore):
             # A connection of its own, so the writer's goes on meanwhile;
             # its synchronous FULL makes the checkpoint sync the log before
             # copying it, and the file after.
+            # It never waits for a lock (timeout 0): see _restart_log.
             self._checkpointer = sqlite3.connect(
-                self.path, isolation_level=None, check_same_thread=False
+                self.path, isolation_level=None, check_same_thread=False, timeout=0
             )
         # PASSIVE: copies what no reader still needs, and never waits.
         self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        if self._log_bytes() > LOG_BOUND:
+            self._restart_log()
+
+    def _log_bytes(self) -> int:
+        try:
+            return os.stat(self.path + "-wal").st_size
+        except FileNotFoundError:
+            return 0
+
+    def _restart_log(self) -> None:
+        """Under writes that never pause, a PASSIVE checkpoint never copies
+        the whole log (the writer appends while it copies), so SQLite never
+        starts the log over and it only grows. Past LOG_BOUND, a RESTART
+        checkpoint right after the PASSIVE one waits for the transaction
+        under way to end (up to RESTART_WAIT_MS; past that it gives up and
+        is tried at the next checkpoint), copies the little written since
+        the PASSIVE one, holding the write lock only for that; the writer's
+        next transaction then starts the log over, and journal_size_limit
+        cuts the file back. Meanwhile a batch waits for the lock in a
+        thread, never on the event loop (writer.py)."""
+        checkpointer = self._checkpointer
+        assert checkpointer is not None
+        checkpointer.execute(f"PRAGMA busy_timeout = {RESTART_WAIT_MS}")
+        try:
+            checkpointer.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
+        finally:
+            checkpointer.execute("PRAGMA busy_timeout = 0")
 
     def rollback(self) -> None:
         if self._db.in_transaction:
