@@ -103,7 +103,11 @@ async def _receive_some(stream: ByteStream) -> bytes:
 
 
 def _why(error: BaseException) -> BaseException:
-    """What went wrong underneath: anyio raises BrokenResourceError from it."""
-    if isinstance(error, anyio.BrokenResourceError) and error.__cause__ is not None:
-        return error.__cause__
+    """What went wrong underneath: anyio raises BrokenResourceError from it,
+    or, on asyncio when the peer resets the connection, with no cause at
+    all (seen with anyio 4.4): that is a connection that ended."""
+    if isinstance(error, anyio.BrokenResourceError):
+        if error.__cause__ is not None:
+            return error.__cause__
+        return ConnectionResetError("the connection was reset")
     return error
