@@ -514,3 +514,44 @@ def test_the_log_stays_bounded_under_writes_that_never_pause(tmp_path):
     # The bound, and what the writes between two checkpoints add: never
     # the whole of what was written (six times the bound).
     assert largest < 3 * LOG_BOUND, f"the log reached {largest / 1e6:.0f} MB"
+
+
+def test_a_reader_that_stays_holds_writes_back_only_now_and_then(tmp_path):
+    # The checkpoint that starts the log over holds new writes back while
+    # it waits for readers of the old log. A reader that stays (a long
+    # Query, a scan of every job) must not make every checkpoint do so: a
+    # try that could not finish makes the next wait, doubling.
+    from jobserver.storage import sqlite as backend
+
+    path = str(tmp_path / "jobs.db")
+    store = backend.Store(path, "FULL")
+    store.begin()
+    for _ in range(LOG_BOUND // 1_000_000 + 4):
+        store._db.execute(
+            "INSERT INTO jobs (created, state, name, nextRun, data) "
+            "VALUES ('', 'QUEUED', 'x', '', ?)",
+            ("a" * 1_000_000,),
+        )
+    store.commit()
+    store.sync()
+    reader = sqlite3.connect(path, isolation_level=None)
+    try:
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM jobs").fetchall()
+        held_back = 0.0
+        began = time.monotonic()
+        while time.monotonic() - began < 3.0:
+            started = time.monotonic()
+            store.checkpoint_if_due()
+            held_back += time.monotonic() - started
+            time.sleep(backend.CHECKPOINT_SECONDS)
+        # One try of RESTART_WAIT_MS (and the copies), not one each quarter second.
+        assert held_back < 1.0, f"checkpoints held writes back {held_back:.1f} s of 3"
+        # The writer itself is never made to wait for long meanwhile.
+        started = time.monotonic()
+        store.begin()
+        store.commit()
+        assert time.monotonic() - started < 1.0
+    finally:
+        reader.close()
+        store.close()

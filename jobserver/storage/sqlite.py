@@ -50,7 +50,11 @@ CHECKPOINT_SECONDS = 0.25
 LOG_BOUND = 32 * 1024 * 1024
 # How long the checkpoint that starts the log over waits for the writer's
 # transaction under way to end: a heavy batch's, at most a few hundred ms.
-RESTART_WAIT_MS = 500
+RESTART_WAIT_MS = 200
+# After a RESTART checkpoint that could not finish, the pause before the
+# next try: doubling from the first to the last while they keep failing.
+RESTART_BACKOFF_MIN = 1.0
+RESTART_BACKOFF_MAX = 30.0
 
 # Free pages worth a vacuum on their own: 1 MiB of 4 KiB pages. Below
 # that, the next jobs will reuse them anyway.
@@ -126,6 +130,8 @@ class Store(SqlStore):
         self._log_fd: int | None = None
         self._checkpointer: sqlite3.Connection | None = None
         self._last_checkpoint = time.monotonic()
+        self._restart_after = 0.0
+        self._restart_backoff = RESTART_BACKOFF_MIN
 
     def close(self) -> None:
         if self._checkpointer is not None:
@@ -196,7 +202,7 @@ class Store(SqlStore):
             )
         # PASSIVE: copies what no reader still needs, and never waits.
         self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-        if self._log_bytes() > LOG_BOUND:
+        if self._log_bytes() > LOG_BOUND and time.monotonic() >= self._restart_after:
             self._restart_log()
 
     def _log_bytes(self) -> int:
@@ -211,7 +217,7 @@ class Store(SqlStore):
         starts the log over and it only grows. Past LOG_BOUND, a RESTART
         checkpoint right after the PASSIVE one waits for the transaction
         under way to end (up to RESTART_WAIT_MS; past that it gives up and
-        is tried at the next checkpoint), copies the little written since
+        is tried again later), copies the little written since
         the PASSIVE one, holding the write lock only for that; the writer's
         next transaction then starts the log over, and journal_size_limit
         cuts the file back. Meanwhile a batch waits for the lock in a
@@ -220,9 +226,19 @@ class Store(SqlStore):
         assert checkpointer is not None
         checkpointer.execute(f"PRAGMA busy_timeout = {RESTART_WAIT_MS}")
         try:
-            checkpointer.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
+            (busy, _, _), = checkpointer.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
         finally:
             checkpointer.execute("PRAGMA busy_timeout = 0")
+        # While it waits (for the writer, then for readers of the old log)
+        # it holds new writes back. A reader that stays (a long Query, a
+        # scan of every job) would make every try hold them back for the
+        # whole wait: after a try that could not finish, the next waits
+        # longer, doubling up to RESTART_BACKOFF_MAX seconds.
+        if busy:
+            self._restart_after = time.monotonic() + self._restart_backoff
+            self._restart_backoff = min(self._restart_backoff * 2, RESTART_BACKOFF_MAX)
+        else:
+            self._restart_backoff = RESTART_BACKOFF_MIN
 
     def rollback(self) -> None:
         if self._db.in_transaction:
