@@ -60,15 +60,15 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit, urlunsplit
+
+from wire_client import Client, free_port
 
 WRAPPER = r"""
 import dis, json, os, runpy, signal, sys, threading
@@ -132,53 +132,6 @@ runpy.run_module("jobserver", run_name="__main__", alter_sys=True)
 """
 
 DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/postgres"
-
-
-class Client:
-    def __init__(self, port: int, timeout: float = 30.0) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-        self.buffer = b""
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def send(self, method: str, **params: object) -> None:
-        lines = [method, *(f"{k}: {v}" for k, v in params.items())]
-        self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
-
-    def reply(self) -> tuple[str, bytes]:
-        while b"\r\n\r\n" not in self.buffer:
-            self._fill()
-        head, self.buffer = self.buffer.split(b"\r\n\r\n", 1)
-        lines = head.decode().split("\r\n")
-        length = 0
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            if name.strip().lower() == "content-length":
-                length = int(value)
-        while len(self.buffer) < length:
-            self._fill()
-        body, self.buffer = self.buffer[:length], self.buffer[length:]
-        return lines[0], body
-
-    def ok(self, method: str, **params: object) -> Any:
-        self.send(method, **params)
-        status, body = self.reply()
-        if not status.startswith("200"):
-            raise RuntimeError(f"{method}: {status} {body[:200]!r}")
-        return json.loads(body) if body else {}
-
-    def _fill(self) -> None:
-        chunk = self.sock.recv(1 << 20)
-        if not chunk:
-            raise ConnectionError("server closed the connection")
-        self.buffer += chunk
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -54,7 +54,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -68,70 +67,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 from psycopg import sql
+from wire_client import Client, free_port
 
 DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/postgres"
 # Waiting for the end of a background transaction (Runner.sync): at most
 # this long, and this long without a new statement after its COMMIT.
 SYNC_TIMEOUT = 1.5
 QUIET = 0.03
-
-
-# --- a plain wire client ------------------------------------------------
-
-
-def encode(method: str, params: dict) -> bytes:
-    lines = [method]
-    for name, value in params.items():
-        if isinstance(value, (dict, list)):
-            value = json.dumps(value, separators=(",", ":")).replace("\\", "\\\\")
-        lines.append(f"{name}: {value}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode()
-
-
-class Client:
-    def __init__(self, port: int, timeout: float = 30.0) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-        self.buffer = b""
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def send(self, method: str, **params: object) -> None:
-        self.sock.sendall(encode(method, params))
-
-    def reply(self) -> tuple[str, bytes]:
-        while b"\r\n\r\n" not in self.buffer:
-            self._fill()
-        head, self.buffer = self.buffer.split(b"\r\n\r\n", 1)
-        lines = head.decode().split("\r\n")
-        length = 0
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            if name.strip().lower() == "content-length":
-                length = int(value)
-        while len(self.buffer) < length:
-            self._fill()
-        body, self.buffer = self.buffer[:length], self.buffer[length:]
-        return lines[0], body
-
-    def request(self, method: str, **params: object) -> tuple[str, bytes]:
-        self.send(method, **params)
-        return self.reply()
-
-    def ok(self, method: str, **params: object) -> Any:
-        status, body = self.request(method, **params)
-        if not status.startswith("200"):
-            raise RuntimeError(f"{method}: {status} {body[:200]!r}")
-        return json.loads(body) if body else {}
-
-    def _fill(self) -> None:
-        chunk = self.sock.recv(1 << 20)
-        if not chunk:
-            raise ConnectionError("server closed the connection")
-        self.buffer += chunk
-
-
-# --- the server's log -----------------------------------------------------
 
 
 class StatementLog:
@@ -201,12 +143,6 @@ def kind(statement: str) -> str:
 
 
 # --- the run ---------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_node(url: str, root: Path | None, log: Path) -> tuple[subprocess.Popen, int]:
