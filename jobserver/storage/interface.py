@@ -26,6 +26,7 @@ follow SQLite's semantics everywhere (model/sqlite_functions.py).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -228,6 +229,24 @@ class Jobs(Protocol):
     def delete(self, ids: Sequence[int], in_states: Sequence[str] | None = None) -> list[int]:
         """Delete the jobs (only those in one of `in_states`, if given); the
         jobIDs deleted."""
+
+    # Many jobs in a few statements (held_writes.py).
+
+    def holding_writes(self) -> AbstractContextManager[None]:
+        """Within: writes to held jobs are checked and answered at once and
+        sent together, before any other statement and at the end; a
+        savepoint is sent only if a statement must run inside it. Every
+        operation answers as if each write had been sent."""
+
+    def hold(self, ids: Sequence[int]) -> None:
+        """While writes are held: read these jobs in one statement (locked
+        where other nodes write), with whether each has children. The
+        finds of `find_ready` are held too."""
+
+    def reserve_ids(self, count: int) -> None:
+        """While writes are held: the next `count` jobs created take jobIDs
+        given now (in one statement, where that costs a round trip less
+        than an insert's own), so that their inserts can be held too."""
 
     # Reading jobs.
 

@@ -199,7 +199,7 @@ class PostgresStore(SqlStore):
     # changed; a failed statement counts as a change, because in PostgreSQL
     # it spoils the transaction until the savepoint around it is undone.
 
-    def _execute(self, statement: str, args: Sequence[Any] = ()) -> psycopg.Cursor[Any]:
+    def _run(self, statement: str, args: Sequence[Any] = ()) -> psycopg.Cursor[Any]:
         try:
             cursor = self._db.execute(statement, args)
         except psycopg.Error:
@@ -208,6 +208,25 @@ class PostgresStore(SqlStore):
         if cursor.rowcount > 0 and not statement.startswith("SELECT"):
             self._changes += cursor.rowcount
         return cursor
+
+    def _run_many(self, statement: str, args: list[list[Any]]) -> None:
+        # psycopg sends them in one pipeline: one round trip for all.
+        try:
+            with self._db.cursor() as cursor:
+                cursor.executemany(statement, args)
+        except psycopg.Error:
+            self._changes += 1
+            raise
+        self._changes += max(cursor.rowcount, len(args))
+
+    def _next_ids(self, count: int) -> list[int]:
+        # From the column's own sequence: an ID is never handed out twice,
+        # whether the insert that takes it commits or not.
+        return self._ids(
+            "SELECT nextval(pg_get_serial_sequence('jobs', 'jobid')) "
+            "FROM generate_series(1, %s) ORDER BY 1",
+            (count,),
+        )
 
     def _lock(self, purpose: str, key: str) -> None:
         """A transaction lock on `key` for `purpose`, shared by every node
@@ -292,17 +311,6 @@ class PostgresStore(SqlStore):
             self._db.execute(b"ROLLBACK")
         self._load_flow_control()
 
-    def savepoint(self, name: str = "request") -> None:
-        self._execute(f'SAVEPOINT "{name}"')
-
-    def release(self, name: str = "request") -> None:
-        self._execute(f'RELEASE SAVEPOINT "{name}"')
-
-    def rollback_savepoint(self, name: str = "request") -> None:
-        self._db.execute(f'ROLLBACK TO SAVEPOINT "{name}"'.encode())
-        self._db.execute(f'RELEASE SAVEPOINT "{name}"'.encode())
-        self._load_flow_control()
-
     async def listen(self, heard: postgres_listen.Heard) -> None:
         await postgres_listen.listen(
             lambda: connect(self._url), self.channel, self.node, heard
@@ -340,13 +348,14 @@ class PostgresStore(SqlStore):
             regex = glob_to_regex(pattern)
         else:
             exact = [pattern] if pattern is not None else list(names)
-        return self._jobs(
+        found = self._jobs(
             f"SELECT {JOB} FROM jobserver_find_ready(%s, %s, %s, %s, %s, %s, %s)",
             (
                 now, list(priorities), limit, regex, exact,
                 [], list(skipped),
             ),
         )
+        return self._found(found)
 
     def hold_limits(self) -> None:
         """Take the limits' lock: hand-outs under limits, on any node, then

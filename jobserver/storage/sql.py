@@ -26,6 +26,12 @@ COLUMNS = (
     "lastReport",
 )
 JOB = ", ".join(COLUMNS)
+# The columns that are not text, as PostgreSQL's array types (a write of
+# many rows binds one array per column).
+ARRAY_TYPES = {
+    "jobID": "bigint", "priority": "bigint", "parentJobID": "bigint", "maxAttempts": "bigint",
+    "attempts": "bigint", "cost": "bigint", "retryDelay": "float8", "retryMaxDelay": "float8",
+}
 
 # Standalone jobs in these states are kept for retention, then pruned.
 RETAINED = (State.FINISHED, State.FAILED)

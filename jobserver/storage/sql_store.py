@@ -1,7 +1,7 @@
 """The named operations of storage (interface.Jobs), written once in the
 SQL both backends speak (sql.py), for the writer's connection.
 
-A backend subclasses SqlStore and gives it a connection (`_execute`) and
+A backend subclasses SqlStore and gives it a connection (`_run`) and
 its dialect, and overrides the few hooks where it must do more: take a
 lock other nodes respect (PostgreSQL), or keep a cache of what the file
 holds (SQLite). The hand-out search, `find_ready`, is each backend's own:
@@ -20,18 +20,18 @@ from typing import Any
 
 from jobserver.model.jobs import NO_CHANGES, PLAIN, Job, JobChanges, NewJob, State
 from jobserver.storage import sql
-from jobserver.storage.sql import JOB, Dialect, Rows
+from jobserver.storage.held_writes import Write
+from jobserver.storage.sql import JOB, Dialect
+from jobserver.storage.sql_statements import Statements
 
 # Limits (with their capacity) and paused patterns (with none), in one query.
 FLOW_CONTROL = "SELECT pattern, capacity FROM limits UNION ALL SELECT pattern, NULL FROM paused"
 
 
-class SqlStore:
+class SqlStore(Statements):
     """The named operations in SQL; a backend gives it a connection
-    (`_execute`), a dialect, and its hooks."""
+    (`_run`), a dialect, and its hooks."""
 
-    dialect: Dialect
-    errors: tuple[type[Exception], ...]
     # Limits given at start (--limit) are the base; those set by SetLimit
     # are stored and win.
     _base_limits: dict[str, int]
@@ -40,32 +40,15 @@ class SqlStore:
 
     # Hooks.
 
-    def _execute(self, statement: str, args: Sequence[Any] = ()) -> Rows:
-        raise NotImplementedError
-
     def _lock(self, purpose: str, key: str) -> None:
         """Until the transaction ends, no other node takes the same lock."""
 
     def _noted(self, priority: int, parent_id: int) -> None:
         """A job of this priority, and a child of this parent, may exist."""
 
-    def _may_have_children(self, parent_id: int) -> bool:
-        return True
-
     def _may_prune(self) -> bool:
         """False while another node prunes."""
         return True
-
-    # Shorthands.
-
-    def _one(self, statement: str, args: Sequence[Any] = ()) -> Any:
-        return self._execute(statement, args).fetchone()
-
-    def _jobs(self, statement: str, args: Sequence[Any] = ()) -> list[Job]:
-        return [Job(*row) for row in self._execute(statement, args).fetchall()]
-
-    def _ids(self, statement: str, args: Sequence[Any] = ()) -> list[int]:
-        return [int(row[0]) for row in self._execute(statement, args).fetchall()]
 
     # Writing jobs.
 
@@ -94,9 +77,18 @@ class SqlStore:
         if policy is not None:
             columns += _POLICY
             values += (policy.max_attempts, policy.backoff, policy.delay, policy.max_delay)
-        job_id = self._insert_row(_insert(self.dialect, columns), values)
         self._noted(new.priority, new.parent_id)
-        return job_id
+        held = self._held
+        if held is not None and held.new_ids:
+            job_id = held.new_ids.pop()
+            columns += ("jobID",)
+            values.append(job_id)
+            statement = _insert(self.dialect, columns)
+            write = Write(statement, columns, tuple(values), job_id, insert=True)
+            held.create(write, new.parent_id)
+            return job_id
+        self._settle("INSERT")
+        return self._insert_row(_insert(self.dialect, columns), values)
 
     def _insert_row(self, statement: str, args: Sequence[Any]) -> int:
         """Run an INSERT of one job; its jobID."""
@@ -143,6 +135,11 @@ class SqlStore:
         states = None if in_states is None else tuple(in_states)
         fence = _fence(self.dialect, states, lease is not None)
         leased = [] if lease is None else [lease]
+        held = self._held
+        if held is not None and len(ids) == 1 and ids[0] in held.rows:
+            values = tuple(columns.values())
+            write = Write(head, tuple(columns), values, ids[0], fence, tuple(leased))
+            return list(ids) if held.write(write, columns, states, lease) else []
         return self._changed(head, list(columns.values()), ids, fence, leased)
 
     def delete(self, ids: Sequence[int], in_states: Sequence[str] | None = None) -> list[int]:
@@ -150,7 +147,12 @@ class SqlStore:
         jobIDs deleted."""
         if not ids:
             return []
-        fence = _fence(self.dialect, None if in_states is None else tuple(in_states), False)
+        states = None if in_states is None else tuple(in_states)
+        fence = _fence(self.dialect, states, False)
+        held = self._held
+        if held is not None and len(ids) == 1 and ids[0] in held.rows:
+            write = Write("DELETE FROM jobs", (), (), ids[0], fence)
+            return list(ids) if held.write(write, None, states, None) else []
         return self._changed("DELETE FROM jobs", [], ids, fence, [])
 
     def _changed(
@@ -178,6 +180,9 @@ class SqlStore:
     # nodes write (the caller may go on to change it).
 
     def get(self, job_id: int) -> Job | None:
+        held = self._held
+        if held is not None and job_id in held.rows:
+            return held.rows[job_id]
         d = self.dialect
         rows = self._jobs(f"SELECT {JOB} FROM jobs WHERE jobID = {d.mark}{d.lock}", (job_id,))
         return rows[0] if rows else None
@@ -220,6 +225,9 @@ class SqlStore:
         """Children of a job in these states, oldest first."""
         if not self._may_have_children(parent_id):
             return []
+        held = self._held
+        if held is not None and held.parents.get(parent_id) is False:
+            return []
         clause, args = self.dialect.any_of("state", states)
         return self._jobs(
             f"SELECT {JOB} FROM jobs WHERE parentJobID != 0 AND parentJobID = "
@@ -231,6 +239,9 @@ class SqlStore:
         """Whether a job has children (in these states, if given)."""
         if not self._may_have_children(parent_id):
             return False
+        held = self._held
+        if held is not None and states is None and parent_id in held.parents:
+            return held.parents[parent_id]
         where, args = f"parentJobID != 0 AND parentJobID = {self.dialect.mark}", [parent_id]
         if states is not None:
             clause, state_args = self.dialect.any_of("state", states)

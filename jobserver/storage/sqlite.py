@@ -253,23 +253,13 @@ class Store(SqlStore):
     async def listen(self, heard: Heard) -> None:
         pass
 
-    # Savepoint names are the core's own constants, quoted as identifiers.
-
-    def savepoint(self, name: str = "request") -> None:
-        self._db.execute(f'SAVEPOINT "{name}"')
-
-    def release(self, name: str = "request") -> None:
-        self._db.execute(f'RELEASE "{name}"')
-
-    def rollback_savepoint(self, name: str = "request") -> None:
-        self._db.execute(f'ROLLBACK TO "{name}"')
-        self._db.execute(f'RELEASE "{name}"')
-        self._load_flow_control()
-
     # Hooks of the shared operations (sql_store.py).
 
-    def _execute(self, statement: str, args: Sequence[Any] = ()) -> sqlite3.Cursor:
+    def _run(self, statement: str, args: Sequence[Any] = ()) -> sqlite3.Cursor:
         return self._db.execute(statement, args)
+
+    def _run_many(self, statement: str, args: list[list[Any]]) -> None:
+        self._db.executemany(statement, args)
 
     def _insert_row(self, statement: str, args: Sequence[Any]) -> int:
         # The cursor's lastrowid: SQLite's RETURNING costs more than the insert.
@@ -328,11 +318,11 @@ class Store(SqlStore):
         for priority in priorities:
             if priority not in self._priorities:
                 continue
-            rows = self._db.execute(sql, (priority, now, *name_args, limit - len(found)))
-            found += (Job(*row) for row in rows)
+            rows = self._execute(sql, (priority, now, *name_args, limit - len(found)))
+            found += (Job(*row) for row in rows.fetchall())
             if len(found) >= limit:
                 break
-        return found
+        return self._found(found)
 
     # Retention: giving space back.
 

@@ -38,8 +38,17 @@ def finish_jobs(ctx: Context, request: Request) -> Response:
     if len(elements) > MAX_FINISH_JOBS:
         raise CommandError(f"413 Too many jobs (max {MAX_FINISH_JOBS})")
     reports = [params.from_json(element, "FinishJob") for element in elements]
-    results = [_finish_element(ctx, report) for report in reports]
+    # Their jobs are read in one statement, and their writes sent together.
+    with ctx.store.holding_writes():
+        ctx.store.hold(_named_jobs(reports))
+        results = [_finish_element(ctx, report) for report in reports]
     return known_headers.with_ignored_elements(ok({"results": results}), reports)
+
+
+def _named_jobs(reports: list[Request]) -> list[int]:
+    """The jobIDs the elements name, of those that may be jobs."""
+    ids = (params.given_job_id(report) for report in reports)
+    return [job_id for job_id in ids if job_id is not None and 0 < job_id <= params.MAX_JOB_ID]
 
 
 def _finish_element(ctx: Context, request: Request) -> dict[str, Any]:

@@ -131,6 +131,12 @@ def take(ctx: Context, query: JobQuery, holds: Holds | None = None) -> list[Take
     that would take its reply past --max-reply-bytes; that job and the
     rest are not taken.
     """
+    # The hand-outs' writes are sent together (storage's held_writes.py).
+    with ctx.store.holding_writes():
+        return _take(ctx, query, holds)
+
+
+def _take(ctx: Context, query: JobQuery, holds: Holds | None) -> list[Taken]:
     store = ctx.store
     taken: list[Taken] = []
     # Flow control, only when some is set: a plain queue pays nothing.
@@ -282,11 +288,12 @@ def serve_waiters(
     handed: list[list[Taken] | None] = []
     # One budget and one count of usage for the whole pass.
     holds = Holds(ctx) if ctx.store.limits or ctx.store.paused else None
-    for query in queries:
-        taken = [] if query.selector in empty else take(ctx, query, holds)
-        if not taken:
-            empty.add(query.selector)
-        handed.append(taken or None)
+    with ctx.store.holding_writes():
+        for query in queries:
+            taken = [] if query.selector in empty else take(ctx, query, holds)
+            if not taken:
+                empty.add(query.selector)
+            handed.append(taken or None)
     return handed, ctx.store.next_due(ctx.now_ms)
 
 

@@ -1,0 +1,245 @@
+"""Writes held back while one command works through many jobs, sent
+together: a FinishJobs of a hundred jobs, a GetJobs of a hundred.
+
+Done one at a time, each job's read and write is a statement of its own:
+on PostgreSQL a round trip each, about five per job. While writes are held
+(`SqlStore.holding_writes`):
+
+- the jobs a command is about to change are read in one statement
+  (`SqlStore.hold`), locked where other nodes write, with whether each has
+  children; a search's hand-out candidates are held as found (they are
+  locked already);
+- a write to a held job is checked against the row as this transaction
+  left it (its state, its lease), applied to that copy, and kept here; a
+  read of a held job is answered from the copy. The answer is the one the
+  database would give: nothing else can change a row this transaction
+  holds (PostgreSQL's row lock; SQLite's single writer);
+- before any other statement, and when the command ends, the kept writes
+  are sent: one statement for the writes that set the same values (`jobID
+  = ANY`), one batch (`executemany`, pipelined by psycopg) for those that
+  differ, so that reads always see every write made before them;
+- a savepoint opened meanwhile (FinishJobs' one per element) is kept here
+  too, and sent to the database only if a statement has to run inside it;
+  undoing it drops the element's kept writes and restores the copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from jobserver.model.jobs import Job
+from jobserver.storage.sql import ARRAY_TYPES
+
+
+@dataclass(frozen=True)
+class Write:
+    """One job's write: `{head} WHERE jobID = ?{fence}`, bound to
+    head_args, the jobID, fence_args; for an insert, `head` bound to
+    head_args (the jobID among them). `columns` are those head_args set."""
+
+    head: str
+    columns: tuple[str, ...]
+    head_args: tuple[Any, ...]
+    job_id: int
+    fence: str = ""
+    fence_args: tuple[Any, ...] = ()
+    insert: bool = False
+
+
+# A group of writes sent as one: a statement and its parameters, once
+# (a plain execute) or several times (executemany).
+Batch = tuple[str, list[list[Any]]]
+
+
+class HeldWrites:
+    """The jobs a transaction holds, as its writes left them, and the
+    writes not yet sent."""
+
+    def __init__(self) -> None:
+        # None: deleted by a kept write.
+        self.rows: dict[int, Job | None] = {}
+        # Of the held jobs, whether each has children (when read by `hold`).
+        self.parents: dict[int, bool] = {}
+        # jobIDs taken in advance for new jobs, whose inserts are then held.
+        self.new_ids: list[int] = []
+        self._pending: list[Write] = []
+        # The open savepoint's name, where its kept writes start, and the
+        # rows as they were before each write since it opened.
+        self._savepoint: str | None = None
+        self._mark = 0
+        self._undo: list[tuple[int, Job | None]] = []
+        self._savepoint_sent = False
+
+    def write(
+        self,
+        write: Write,
+        columns: dict[str, Any] | None,
+        in_states: tuple[str, ...] | None,
+        lease: str | None,
+    ) -> bool:
+        """Keep a write to a held job (columns None: delete it); False if
+        its fence would leave the row as it is."""
+        row = self.rows[write.job_id]
+        if row is None:
+            return False
+        if in_states is not None and row.state not in in_states:
+            return False
+        if lease is not None and row.leaseID != lease:
+            return False
+        if self._savepoint is not None:
+            self._undo.append((write.job_id, row))
+        self.rows[write.job_id] = None if columns is None else replace(row, **columns)
+        self._pending.append(write)
+        return True
+
+    def create(self, write: Write, parent_id: int) -> None:
+        """Keep a new job's insert."""
+        if parent_id in self.parents:
+            self.parents[parent_id] = True
+        self._pending.append(write)
+
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    # Savepoints (one at a time: FinishJobs' per element).
+
+    def opens(self, name: str) -> bool:
+        """Keep savepoint `name` here; False if one is open already (the
+        caller then sends it to the database)."""
+        if self._savepoint is not None:
+            return False
+        self._savepoint, self._mark, self._undo = name, len(self._pending), []
+        self._savepoint_sent = False
+        return True
+
+    def is_open(self, name: str) -> bool:
+        return self._savepoint == name
+
+    def must_send_savepoint(self) -> bool:
+        """Whether the open savepoint must reach the database before the
+        next statement: it has not yet."""
+        return self._savepoint is not None and not self._savepoint_sent
+
+    def take_pending(self) -> tuple[list[Write], str | None, list[Write]]:
+        """The kept writes, to send: those from before the open savepoint,
+        the savepoint's name if the database must now have it, and the
+        writes since."""
+        pending, self._pending = self._pending, []
+        mark, self._mark = self._mark, 0
+        if self._savepoint is None or self._savepoint_sent:
+            return pending, None, []
+        self._savepoint_sent = True
+        return pending[:mark], self._savepoint, pending[mark:]
+
+    def forget(self) -> None:
+        """A statement that may change jobs runs: the copies may be wrong
+        from here on, and reads and writes go to the database. An undo
+        after this is the database's (the savepoint was sent before it)."""
+        self.rows.clear()
+        self.parents.clear()
+        self._undo.clear()
+
+    def drop(self) -> None:
+        """The transaction is being rolled back past everything held."""
+        self.forget()
+        self._pending, self._mark = [], 0
+        self._savepoint = None
+
+    def close(self) -> bool:
+        """Release the open savepoint; whether the database has it."""
+        sent = self._savepoint_sent
+        self._savepoint, self._undo = None, []
+        return sent
+
+    def undo(self) -> bool:
+        """Drop the writes kept since the open savepoint and restore the
+        rows; whether the database has the savepoint (to roll back there)."""
+        del self._pending[self._mark :]
+        for job_id, row in reversed(self._undo):
+            self.rows[job_id] = row
+        return self.close()
+
+
+def batches(writes: list[Write], mark: str, arrays: bool) -> list[Batch]:
+    """The statements that make `writes`, in an order that keeps each
+    job's writes in theirs. Writes of one shape are grouped into one
+    statement: where the database takes arrays (PostgreSQL), over `jobID =
+    ANY` if they bind the same values, else over the rows of `unnest`;
+    elsewhere, one executemany."""
+    out: list[Batch] = []
+    groups: dict[tuple[str, str], list[Write]] = {}
+    seen: set[int] = set()
+    for write in writes:
+        if write.job_id in seen:
+            # A second write to a job waits for everything before it.
+            out += _grouped(groups, mark, arrays)
+            groups, seen = {}, set()
+        seen.add(write.job_id)
+        groups.setdefault((write.head, write.fence), []).append(write)
+    return out + _grouped(groups, mark, arrays)
+
+
+def _grouped(groups: dict[tuple[str, str], list[Write]], mark: str, arrays: bool) -> list[Batch]:
+    out: list[Batch] = []
+    for writes in groups.values():
+        if len(writes) == 1 or not arrays:
+            out.append(_one_by_one(writes, mark))
+        elif writes[0].insert:
+            out.append(_insert_rows(writes, mark))
+        elif all(_same_values(w, writes[0]) for w in writes):
+            out.append(_any_of(writes, mark))
+        elif not writes[0].fence_args:
+            out.append(_update_rows(writes, mark))
+        else:
+            out.append(_one_by_one(writes, mark))
+    return out
+
+
+def _one_by_one(writes: list[Write], mark: str) -> Batch:
+    first = writes[0]
+    if first.insert:
+        return first.head, [list(w.head_args) for w in writes]
+    statement = f"{first.head} WHERE jobID = {mark}{first.fence}"
+    return statement, [[*w.head_args, w.job_id, *w.fence_args] for w in writes]
+
+
+def _same_values(write: Write, first: Write) -> bool:
+    return write.head_args == first.head_args and write.fence_args == first.fence_args
+
+
+def _any_of(writes: list[Write], mark: str) -> Batch:
+    first = writes[0]
+    ids = [w.job_id for w in writes]
+    statement = f"{first.head} WHERE jobID = ANY({mark}::bigint[]){first.fence}"
+    return statement, [[*first.head_args, ids, *first.fence_args]]
+
+
+def _arrays(
+    columns: tuple[str, ...], rows: list[tuple[Any, ...]], mark: str
+) -> tuple[str, list[Any]]:
+    """`unnest` of one array per column, typed, and the arrays."""
+    typed = ", ".join(f"{mark}::{ARRAY_TYPES.get(column, 'text')}[]" for column in columns)
+    return f"unnest({typed})", [list(values) for values in zip(*rows, strict=True)]
+
+
+def _insert_rows(writes: list[Write], mark: str) -> Batch:
+    columns = writes[0].columns
+    source, args = _arrays(columns, [w.head_args for w in writes], mark)
+    statement = f"INSERT INTO jobs ({', '.join(columns)}) SELECT * FROM {source}"
+    return statement, [args]
+
+
+def _update_rows(writes: list[Write], mark: str) -> Batch:
+    """Writes of the same columns with different values (a hand-out's
+    lease token each): one UPDATE joined to their rows. The rows' columns
+    are named v0, v1, ... so that the fence's names stay the table's."""
+    first = writes[0]
+    columns = ("jobID", *first.columns)
+    source, args = _arrays(columns, [(w.job_id, *w.head_args) for w in writes], mark)
+    names = ", ".join(f"v{i}" for i in range(len(columns)))
+    sets = ", ".join(f"{column} = v.v{i}" for i, column in enumerate(first.columns, 1))
+    statement = (
+        f"UPDATE jobs SET {sets} FROM {source} AS v({names}) WHERE jobID = v.v0{first.fence}"
+    )
+    return statement, [args]

@@ -1,0 +1,185 @@
+"""How the named operations' statements reach the database: one at a
+time, or, while a command holds writes back (held_writes.py), together.
+
+SqlStore (sql_store.py) says what each operation asks; this class runs it
+through `_execute`, which first sends the writes held back, so that every
+statement sees every write made before it, and keeps the savepoints a
+command opens while writes are held until a statement must run inside one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from jobserver.model.jobs import Job
+from jobserver.storage.held_writes import HeldWrites, Write, batches
+from jobserver.storage.sql import COLUMNS, Dialect, Rows
+
+# Statements that change no job: the copies of held rows stay right.
+_LEAVES_JOBS_ALONE = ("SELECT", "SAVEPOINT", "RELEASE")
+# A held job's row, and whether it has children (`hold`).
+_JOB_OF_J = ", ".join(f"j.{column}" for column in COLUMNS)
+
+
+class Statements:
+    """A backend's connection (`_run`, `_run_many`), and what holds
+    writes back in front of it."""
+
+    dialect: Dialect
+    errors: tuple[type[Exception], ...]
+    # While a command holds writes back.
+    _held: HeldWrites | None = None
+
+    # Hooks.
+
+    def _run(self, statement: str, args: Sequence[Any] = ()) -> Rows:
+        """Run one statement."""
+        raise NotImplementedError
+
+    def _run_many(self, statement: str, args: list[list[Any]]) -> None:
+        """Run one statement for each of `args`, in one go."""
+        raise NotImplementedError
+
+    def _may_have_children(self, parent_id: int) -> bool:
+        return True
+
+    def _next_ids(self, count: int) -> list[int]:
+        """`count` jobIDs no job has or will have, taken now; none where a
+        new job's ID is its insert's own at no cost (SQLite)."""
+        return []
+
+    def _load_flow_control(self) -> None:
+        """Read limits and pauses again, after a rollback."""
+
+    # Statements: every one goes through _execute, which first sends the
+    # writes held back, so that it sees them.
+
+    def _execute(self, statement: str, args: Sequence[Any] = ()) -> Rows:
+        self._settle(statement)
+        return self._run(statement, args)
+
+    def _settle(self, statement: str) -> None:
+        """Before `statement` runs: send the held writes (and the savepoint
+        they are in); if it may write jobs, forget the copies of held rows."""
+        held = self._held
+        if held is None:
+            return
+        if held.has_pending() or held.must_send_savepoint():
+            self._send(held)
+        if not statement.startswith(_LEAVES_JOBS_ALONE):
+            held.forget()
+
+    def _send(self, held: HeldWrites) -> None:
+        before, savepoint, since = held.take_pending()
+        self._run_writes(before)
+        if savepoint is not None:
+            self._run(f'SAVEPOINT "{savepoint}"')
+        self._run_writes(since)
+
+    def _run_writes(self, writes: list[Write]) -> None:
+        for statement, args in batches(writes, self.dialect.mark, self.dialect.arrays):
+            if len(args) == 1:
+                self._run(statement, args[0])
+            else:
+                self._run_many(statement, args)
+
+    # Holding writes back (held_writes.py).
+
+    @contextmanager
+    def holding_writes(self) -> Iterator[None]:
+        """Within: writes to held jobs (`hold`, and a search's finds) are
+        kept and sent together, before any other statement and at the end.
+        On an exception they are dropped: the caller's transaction or
+        savepoint is being undone."""
+        if self._held is not None:
+            yield
+            return
+        held = self._held = HeldWrites()
+        try:
+            yield
+            self._send(held)
+        finally:
+            self._held = None
+
+    def hold(self, ids: Sequence[int]) -> None:
+        """While writes are held: read these jobs in one statement, locked
+        where other nodes write, with whether each has children; reads
+        and writes of them are then answered here."""
+        held = self._held
+        if held is None or not ids:
+            return
+        d = self.dialect
+        by_id, args = d.any_of("j.jobID", sorted(set(ids)), "bigint")
+        rows = self._execute(
+            f"SELECT {_JOB_OF_J}, EXISTS (SELECT 1 FROM jobs c WHERE c.parentJobID != 0 "
+            f"AND c.parentJobID = j.jobID) FROM jobs j WHERE {by_id} ORDER BY j.jobID{d.lock}",
+            args,
+        ).fetchall()
+        for row in rows:
+            job = Job(*row[:-1])
+            held.rows[job.jobID] = job
+            held.parents[job.jobID] = bool(row[-1])
+
+    def reserve_ids(self, count: int) -> None:
+        """While writes are held: the next `count` jobs created take jobIDs
+        given now, and their inserts are held too."""
+        held = self._held
+        if held is not None and count > 1:
+            held.new_ids = self._next_ids(count)[::-1]
+
+    def _found(self, jobs: list[Job]) -> list[Job]:
+        """A search's finds, locked (or this process's alone): held, while
+        writes are."""
+        held = self._held
+        if held is None or not jobs:
+            return jobs
+        # Whether each has children, which its hand-out reads: one
+        # statement for all, not one each.
+        maybe = [job.jobID for job in jobs if self._may_have_children(job.jobID)]
+        if maybe:
+            by_id, args = self.dialect.any_of("parentJobID", maybe, "bigint")
+            parents = set(
+                self._ids(
+                    f"SELECT DISTINCT parentJobID FROM jobs WHERE parentJobID != 0 AND {by_id}",
+                    args,
+                )
+            )
+            held.parents.update((job_id, job_id in parents) for job_id in maybe)
+        for job in jobs:
+            held.rows[job.jobID] = job
+        return jobs
+
+    def savepoint(self, name: str = "request") -> None:
+        if self._held is not None and self._held.opens(name):
+            return
+        self._execute(f'SAVEPOINT "{name}"')
+
+    def release(self, name: str = "request") -> None:
+        held = self._held
+        if held is not None and held.is_open(name) and not held.close():
+            return
+        self._execute(f'RELEASE SAVEPOINT "{name}"')
+
+    def rollback_savepoint(self, name: str = "request") -> None:
+        held = self._held
+        if held is not None:
+            if not held.is_open(name):
+                held.drop()
+            elif not held.undo():
+                return
+        self._run(f'ROLLBACK TO SAVEPOINT "{name}"')
+        self._run(f'RELEASE SAVEPOINT "{name}"')
+        self._load_flow_control()
+
+    # Shorthands.
+
+    def _one(self, statement: str, args: Sequence[Any] = ()) -> Any:
+        return self._execute(statement, args).fetchone()
+
+    def _jobs(self, statement: str, args: Sequence[Any] = ()) -> list[Job]:
+        return [Job(*row) for row in self._execute(statement, args).fetchall()]
+
+    def _ids(self, statement: str, args: Sequence[Any] = ()) -> list[int]:
+        return [int(row[0]) for row in self._execute(statement, args).fetchall()]

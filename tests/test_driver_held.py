@@ -1,0 +1,315 @@
+"""The driver's many-job path (storage/held_writes.py): while writes are
+held, every named operation must answer exactly as it does one statement
+at a time, and the database must end up the same. Part of the driver's
+own suite (test_driver.py says what that is), on every backend.
+
+The property test runs random sequences of fenced writes, reads,
+savepoints and plain statements twice on one store, once written one at a
+time and once held, and compares every answer and the rows left.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+from driver import NOW, PAST, create, job, open_store, transaction
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jobserver.model.jobs import Job, JobChanges, State
+from jobserver.storage import held_writes
+from jobserver.storage.held_writes import Write
+from jobserver.storage.interface import Storage
+
+pytestmark = pytest.mark.backends()
+
+
+@pytest.fixture
+def store(backend: str, db: Path | str) -> Iterator[Storage]:
+    opened = open_store(backend, db)
+    yield opened
+    opened.close()
+
+
+def rows(store: Storage, ids: list[int]) -> list[Job | None]:
+    with transaction(store):
+        return [store.get(job_id) for job_id in ids]
+
+
+def test_held_writes_reach_the_database_at_the_end(store: Storage) -> None:
+    ids = create(store, *(job(f"j{i}") for i in range(5)))
+    with transaction(store):
+        with store.holding_writes():
+            store.hold(ids)
+            for job_id in ids:
+                assert store.set_state_if([job_id], [State.QUEUED], State.RUNNING) == [job_id]
+            # Answered from the held copy, as the database would.
+            held = store.get(ids[0])
+            assert held is not None and held.state == State.RUNNING
+        assert store.count_by_state() == {"RUNNING": 5}
+    assert [r.state for r in rows(store, ids) if r] == ["RUNNING"] * 5
+
+
+def test_a_statement_sees_every_write_held_before_it(store: Storage) -> None:
+    ids = create(store, job("a"), job("b"))
+    with transaction(store), store.holding_writes():
+        store.hold(ids)
+        store.delete([ids[0]], [State.QUEUED])
+        # A plain statement: the held delete goes first.
+        assert store.count_by_state() == {"QUEUED": 1}
+        assert store.get(ids[0]) is None
+
+
+def test_held_writes_are_fenced_by_state_and_lease(store: Storage) -> None:
+    first, second = create(store, job("a"), job("b"))
+    with transaction(store):
+        store.set_state_if([second], [State.QUEUED], State.RUNNING, JobChanges(leaseID="L"))
+    with transaction(store), store.holding_writes():
+        store.hold([first, second])
+        assert store.set_state_if([first], [State.RUNNING], State.FINISHED) == []
+        assert store.set_state_if([second], [State.RUNNING], State.QUEUED, lease="M") == []
+        assert store.delete([first], [State.RUNNING]) == []
+        assert store.delete([second], [State.RUNNING]) == [second]
+        assert store.delete([second]) == []
+    a, b = rows(store, [first, second])
+    assert a is not None and a.state == State.QUEUED and b is None
+
+
+def test_an_exception_drops_what_was_held(store: Storage) -> None:
+    (job_id,) = create(store, job("a"))
+    with transaction(store):
+        before = store.total_changes
+        with pytest.raises(RuntimeError), store.holding_writes():
+            store.hold([job_id])
+            store.set_state_if([job_id], [State.QUEUED], State.CANCELLED)
+            raise RuntimeError("the command failed")
+        assert store.total_changes == before
+    (row,) = rows(store, [job_id])
+    assert row is not None and row.state == State.QUEUED
+
+
+def test_a_held_savepoint_undoes_its_own_writes_only(store: Storage) -> None:
+    first, second = create(store, job("a"), job("b"))
+    with transaction(store), store.holding_writes():
+        store.hold([first, second])
+        store.set_state_if([first], [State.QUEUED], State.CANCELLED)
+        store.savepoint("element")
+        store.set_state_if([second], [State.QUEUED], State.CANCELLED)
+        store.rollback_savepoint("element")
+        again = store.get(second)
+        assert again is not None and again.state == State.QUEUED
+        store.savepoint("element")
+        store.amend([second], JobChanges(data='{"kept":1}'))
+        store.release("element")
+    a, b = rows(store, [first, second])
+    assert a is not None and a.state == State.CANCELLED
+    assert b is not None and b.state == State.QUEUED and b.data == '{"kept":1}'
+
+
+def test_a_savepoint_reaches_the_database_when_a_statement_runs_inside(store: Storage) -> None:
+    parent, other = create(store, job("p"), job("o"))
+    (child,) = create(store, job("c", parent_id=parent), state=State.FINISHED)
+    with transaction(store), store.holding_writes():
+        store.hold([parent, other])
+        store.set_state_if([other], [State.QUEUED], State.CANCELLED)
+        store.savepoint("element")
+        store.set_state_if([parent], [State.QUEUED], State.CANCELLED)
+        # Not a held write: it runs inside the savepoint, sent first.
+        assert store.delete_children(parent, [State.FINISHED]) == 1
+        store.rollback_savepoint("element")
+        assert store.children(parent, [State.FINISHED])
+    p, o, c = rows(store, [parent, other, child])
+    assert p is not None and p.state == State.QUEUED
+    assert o is not None and o.state == State.CANCELLED
+    assert c is not None
+
+
+def test_hand_outs_found_by_the_search_are_held_and_sent_together(store: Storage) -> None:
+    ids = create(store, *(job(f"j{i}") for i in range(4)))
+    with transaction(store), store.holding_writes():
+        found = store.find_ready(now=NOW, priorities=[500], limit=10, pattern="*")
+        for row in found:
+            changes = JobChanges(leaseID=f"lease{row.jobID}", lastRun=NOW)
+            assert store.set_state_if([row.jobID], [State.QUEUED], State.RUNNING, changes)
+        assert not store.has_children(found[0].jobID)
+        assert store.children(found[0].jobID, [State.FINISHED]) == []
+    for row in rows(store, ids):
+        assert row is not None and row.state == State.RUNNING
+        assert row.leaseID == f"lease{row.jobID}" and row.lastRun == NOW
+
+
+def test_held_jobs_know_their_children(store: Storage) -> None:
+    parent, lone = create(store, job("p"), job("l"))
+    create(store, job("c", parent_id=parent))
+    with transaction(store), store.holding_writes():
+        store.hold([parent, lone, 999_999])
+        assert store.has_children(parent) and not store.has_children(lone)
+        assert store.get(999_999) is None
+
+
+def test_jobs_created_while_held_keep_their_order_and_fields(store: Storage) -> None:
+    (first,) = create(store, job("before"))
+    with transaction(store):
+        with store.holding_writes():
+            store.reserve_ids(3)
+            new = [job(f"n{i}", priority=i, data=f'{{"i":{i}}}') for i in range(3)]
+            ids = [store.create([one], created=PAST, state=State.QUEUED)[0] for one in new]
+        assert ids == sorted(ids) and ids[0] > first
+        assert [
+            j.jobID for j in store.find_ready(now=NOW, priorities=[2, 1, 0], limit=10, pattern="n*")
+        ] == ids[::-1]
+    stored = rows(store, ids)
+    assert [(r.name, r.priority, r.data) for r in stored if r] == [
+        (f"n{i}", i, f'{{"i":{i}}}') for i in range(3)
+    ]
+
+
+def test_two_writes_to_one_job_keep_their_order(store: Storage) -> None:
+    ids = create(store, job("a"), job("b"))
+    with transaction(store), store.holding_writes():
+        store.hold(ids)
+        for job_id in ids:
+            store.set_state_if([job_id], [State.QUEUED], State.RUNNING, JobChanges(leaseID="x"))
+        store.set_state_if([ids[0]], [State.RUNNING], State.QUEUED, JobChanges(leaseID=""))
+    a, b = rows(store, ids)
+    assert a is not None and (a.state, a.leaseID) == (State.QUEUED, "")
+    assert b is not None and (b.state, b.leaseID) == (State.RUNNING, "x")
+
+
+def test_writes_group_into_few_statements() -> None:
+    same = [Write("DELETE FROM jobs", (), (), i, " AND state IN ('RUNNING')") for i in (1, 2)]
+    ((statement, args),) = held_writes.batches(same, "%s", arrays=True)
+    assert "ANY" in statement and args == [[[1, 2]]]
+    ((statement, args),) = held_writes.batches(same, "?", arrays=False)
+    assert args == [[1], [2]]
+    leases = [Write("UPDATE jobs SET leaseID = %s", ("leaseID",), (f"L{i}",), i) for i in (1, 2)]
+    ((statement, args),) = held_writes.batches(leases, "%s", arrays=True)
+    assert "unnest" in statement and args == [[[1, 2], ["L1", "L2"]]]
+    twice = [*same, Write("DELETE FROM jobs", (), (), 1, " AND state IN ('RUNNING')")]
+    assert len(held_writes.batches(twice, "%s", arrays=True)) == 2
+
+
+# The property: held or not, the same answers and the same rows.
+
+RUNS = itertools.count()
+STATES = [State.QUEUED, State.RUNNING, State.FAILED]
+operations = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("move"),
+            st.integers(0, 1),
+            st.sampled_from(STATES[:2]),
+            st.sampled_from(STATES),
+            st.sampled_from([None, "L", "M"]),
+        ),
+        st.tuples(st.just("amend"), st.integers(0, 1), st.text("ab", max_size=3)),
+        st.tuples(st.just("delete"), st.integers(0, 1), st.sampled_from([None, *STATES])),
+        st.tuples(st.just("get"), st.integers(0, 1)),
+        st.tuples(st.just("failed")),
+        st.tuples(st.just("children"), st.integers(0, 1)),
+        st.tuples(st.just("savepoint")),
+        st.tuples(st.just("rollback")),
+        st.tuples(st.just("release")),
+    ),
+    max_size=25,
+)
+
+
+def run(
+    store: Storage, ids: list[int], names: list[str], ops: list[tuple[Any, ...]], held: bool
+) -> list[Any]:
+    """The operations' answers, with jobIDs as indexes into `ids`."""
+    answers: list[Any] = []
+    depth = 0
+    with transaction(store), store.holding_writes() if held else nullcontext():
+        if held:
+            store.hold(ids)
+        for op in ops:
+            answers.append(_apply(store, ids, names, op, depth))
+            if op[0] == "savepoint" and depth == 0:
+                depth = 1
+            elif op[0] in ("rollback", "release") and depth:
+                depth = 0
+        if depth:
+            store.release("element")
+    return answers
+
+
+def _apply(
+    store: Storage, ids: list[int], names: list[str], op: tuple[Any, ...], depth: int
+) -> Any:
+    kind = op[0]
+    if kind == "move":
+        _, i, source, target, lease = op
+        moved = store.set_state_if(
+            [ids[i]], [source], target, JobChanges(leaseID=lease or ""), lease=lease
+        )
+        return [ids.index(m) for m in moved]
+    if kind == "amend":
+        return [ids.index(m) for m in store.amend([ids[op[1]]], JobChanges(data=op[2]))]
+    if kind == "delete":
+        states = None if op[2] is None else [op[2]]
+        return [ids.index(m) for m in store.delete([ids[op[1]]], states)]
+    if kind == "get":
+        row = store.get(ids[op[1]])
+        return None if row is None else (row.state, row.data, row.leaseID)
+    if kind == "failed":
+        # A plain statement, which must see every write before it.
+        failed = store.failed(pattern=None, names=names, limit=10)
+        return [ids.index(j.jobID) for j in failed]
+    if kind == "children":
+        # A statement that may change jobs: the held copies are forgotten
+        # and what follows goes to the database, inside the savepoint.
+        return store.delete_children(ids[op[1]], [State.FINISHED])
+    if kind == "savepoint":
+        if depth == 0:
+            store.savepoint("element")
+        return None
+    if depth:
+        if kind == "rollback":
+            store.rollback_savepoint("element")
+        else:
+            store.release("element")
+    return None
+
+
+def fields(row: Job | None) -> dict[str, Any] | None:
+    if row is None:
+        return None
+    return {k: v for k, v in asdict(row).items() if k not in ("jobID", "name")}
+
+
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=operations)
+def test_held_or_not_the_same_answers_and_rows(store: Storage, ops: list[Any]) -> None:
+    outcomes = []
+    for held in (False, True):
+        names = [f"run{next(RUNS)}.{i}" for i in range(4)]
+        ids = create(store, *(job(name) for name in names))
+        with transaction(store):
+            store.set_state_if(ids[2:], [State.QUEUED], State.RUNNING, JobChanges(leaseID="L"))
+        answers = run(store, ids, names, ops, held)
+        outcomes.append((answers, [fields(r) for r in rows(store, ids)]))
+    assert outcomes[0] == outcomes[1]
+
+
+def test_a_savepoint_with_nothing_held_yet_reaches_the_database_too(store: Storage) -> None:
+    parent, other = create(store, job("p"), job("o"))
+    with transaction(store), store.holding_writes():
+        store.hold([parent, other])
+        store.savepoint("element")
+        # A statement that may change jobs, with no held write before it:
+        # the savepoint goes first, and what follows is inside it.
+        assert store.delete_children(parent, [State.FINISHED]) == 0
+        store.set_state_if([other], [State.QUEUED], State.CANCELLED)
+        store.rollback_savepoint("element")
+    (row,) = rows(store, [other])
+    assert row is not None and row.state == State.QUEUED
