@@ -108,10 +108,11 @@ class Statements:
         where other nodes write, with whether each has children; reads
         and writes of them are then answered here."""
         held = self._held
-        if held is None or not ids:
+        wanted = sorted({job_id for job_id in ids if held is not None and job_id not in held.rows})
+        if held is None or not wanted:
             return
         d = self.dialect
-        by_id, args = d.any_of("j.jobID", sorted(set(ids)), "bigint")
+        by_id, args = d.any_of("j.jobID", wanted, "bigint")
         rows = self._execute(
             f"SELECT {_JOB_OF_J}, EXISTS (SELECT 1 FROM jobs c WHERE c.parentJobID != 0 "
             f"AND c.parentJobID = j.jobID) FROM jobs j WHERE {by_id} ORDER BY j.jobID{d.lock}",

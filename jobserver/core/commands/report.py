@@ -20,11 +20,18 @@ from jobserver.wire.limits import MAX_FINISH_JOBS
 
 
 def finish_job(ctx: Context, request: Request) -> Response:
-    return _finish_or_retry(ctx, request, retry=False)
+    return _report_end_of_run(ctx, request, retry=False)
 
 
 def retry_job(ctx: Context, request: Request) -> Response:
-    return _finish_or_retry(ctx, request, retry=True)
+    return _report_end_of_run(ctx, request, retry=True)
+
+
+def _report_end_of_run(ctx: Context, request: Request, retry: bool) -> Response:
+    # The job, and whether it has children, in one statement.
+    with ctx.store.holding_writes():
+        ctx.store.hold(_named_jobs([request]))
+        return _finish_or_retry(ctx, request, retry)
 
 
 # The savepoint of one FinishJobs element, inside the writer's own.
