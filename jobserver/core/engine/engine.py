@@ -333,10 +333,13 @@ class Engine:
             done = self.writer.execute(batch)
             outcomes, ready, due = done.outcomes, done.ready, done.due
             announced, announced_due = set(ready), due
-            if ready:
+            # From a thread, only if someone waits (read from here, a race
+            # that loses nothing: a GetJob that joins meanwhile hears of
+            # these names after the commit): the wait queue is the event
+            # loop's, asked there.
+            if ready and (not in_thread or len(self.waits)):
                 # Recorded before they run, so that they are answered even
-                # if the transaction fails from here on. The wait queue is
-                # the event loop's: from a thread, asked there.
+                # if the transaction fails from here on.
                 woken = self._woken_from_thread if in_thread else self._woken
                 tries = woken(ready, due)
                 # What the tries in turn made ready or due: heard of after
