@@ -183,16 +183,38 @@ def test_two_writes_to_one_job_keep_their_order(store: Storage) -> None:
 
 
 def test_writes_group_into_few_statements() -> None:
-    same = [Write("DELETE FROM jobs", (), (), i, " AND state IN ('RUNNING')") for i in (1, 2)]
+    fence = " AND state IN ('RUNNING')"
+    same = [Write("DELETE FROM jobs", (), (), i, fence) for i in (1, 2)]
     ((statement, args),) = held_writes.batches(same, "%s", arrays=True)
-    assert "ANY" in statement and args == [[[1, 2]]]
+    assert "ANY" in statement and args == [["{1,2}"]]
     ((statement, args),) = held_writes.batches(same, "?", arrays=False)
     assert args == [[1], [2]]
     leases = [Write("UPDATE jobs SET leaseID = %s", ("leaseID",), (f"L{i}",), i) for i in (1, 2)]
     ((statement, args),) = held_writes.batches(leases, "%s", arrays=True)
-    assert "unnest" in statement and args == [[[1, 2], ["L1", "L2"]]]
-    twice = [*same, Write("DELETE FROM jobs", (), (), 1, " AND state IN ('RUNNING')")]
+    assert "json_array_elements" in statement and args == [['[[1,"L1"],[2,"L2"]]']]
+    twice = [*same, Write("DELETE FROM jobs", (), (), 1, fence)]
     assert len(held_writes.batches(twice, "%s", arrays=True)) == 2
+
+
+def test_many_rows_keep_every_value_byte_for_byte(store: Storage) -> None:
+    texts = ['{"q":"\\"\'}', "ünïcödé ✓", "a\tb\nc", "", "'; DROP TABLE jobs; --"]
+    with transaction(store), store.holding_writes():
+        store.reserve_ids(len(texts))
+        ids = [
+            store.create([job(f"t{i}", data=t)], created=PAST, state=State.QUEUED)[0]
+            for i, t in enumerate(texts)
+        ]
+    with transaction(store), store.holding_writes():
+        found = store.find_ready(now=NOW, priorities=[500], limit=10, pattern="t*")
+        for row in found:
+            text = texts[ids.index(row.jobID)]
+            store.set_state_if([row.jobID], [State.QUEUED], State.RUNNING, JobChanges(leaseID=text))
+    for i, row in enumerate(rows(store, ids)):
+        assert row is not None and (row.data, row.leaseID, row.state) == (
+            texts[i],
+            texts[i],
+            "RUNNING",
+        )
 
 
 # The property: held or not, the same answers and the same rows.

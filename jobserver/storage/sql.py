@@ -26,9 +26,9 @@ COLUMNS = (
     "lastReport",
 )
 JOB = ", ".join(COLUMNS)
-# The columns that are not text, as PostgreSQL's array types (a write of
-# many rows binds one array per column).
-ARRAY_TYPES = {
+# The columns that are not text, as PostgreSQL's types (a write of many
+# rows reads them from text).
+NOT_TEXT = {
     "jobID": "bigint", "priority": "bigint", "parentJobID": "bigint", "maxAttempts": "bigint",
     "attempts": "bigint", "cost": "bigint", "retryDelay": "float8", "retryMaxDelay": "float8",
 }
