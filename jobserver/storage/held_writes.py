@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobserver.model.jobs import Job
-from jobserver.storage.sql import NOT_TEXT
+from jobserver.storage.sql import NOT_TEXT, integers
 
 
 @dataclass(frozen=True)
@@ -219,9 +219,7 @@ def _same_values(write: Write, first: Write) -> bool:
 
 def _any_of(writes: list[Write], mark: str) -> Batch:
     first = writes[0]
-    # An array literal of integers, as text: psycopg dumps a list element
-    # by element in Python, at a cost that showed in the profile.
-    ids = "{" + ",".join(str(w.job_id) for w in writes) + "}"
+    ids = integers(w.job_id for w in writes)
     statement = f"{first.head} WHERE jobID = ANY({mark}::bigint[]){first.fence}"
     return statement, [[*first.head_args, ids, *first.fence_args]]
 
