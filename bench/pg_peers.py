@@ -25,11 +25,14 @@ own (bench/peers/, described in bench/pg_peers_drivers.py):
 3. drain: jobs inserted 1,000 a call beforehand, then one worker process
    empties the queue with a no-op handler, in the configuration each
    documents for speed: jobserver, GetJobs numResults 100 + one FinishJobs
-   per batch on 4 connections (threads); Graphile Worker, its performance
-   page's: concurrentJobs 24, a pool of 25, localQueue size 500,
-   completeJobBatchDelay 0 and failJobBatchDelay 0; PgQueuer,
-   QueueManager.run in drain mode with batch_size 100 (jobs per dequeue and
-   per batch of completions);
+   per batch on --jobserver-connections connections (threads, default 4);
+   Graphile Worker, its performance page's: concurrentJobs 24, a pool of
+   25, localQueue size 500, completeJobBatchDelay 0 and failJobBatchDelay
+   0; PgQueuer, QueueManager.run in drain mode with --pgqueuer-batch jobs
+   per dequeue and per batch of completions (default 500: of 10, its
+   default, 100 and 500, 500 drained fastest here; 1, 4, 8 and 16
+   connections for jobserver were within this machine's noise, 4 used the
+   least CPU per job);
 4. idle enqueue-to-start latency: a worker waits on an empty queue (GetJob
    with Connection: wait; the drain's worker configurations); a producer
    process enqueues one job; the latency is from just before the producer
@@ -242,23 +245,26 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
     return f"{ours / theirs:.2f}x" if theirs else "n/a"
 
 
-def notes(sizes: Sizes, rounds: int) -> str:
+def notes(args: argparse.Namespace, sizes: Sizes, peers: list[Peer]) -> str:
     return "\n".join([
-        f"Median of {rounds} interleaved rounds. Ratios are jobserver-pg / peer: above 1 is"
+        f"Median of {args.rounds} interleaved rounds. Ratios are jobserver-pg / peer: above 1 is"
         " better for rates, below 1 is better for CPU and latency.",
         "Single enqueue: CreateJob; addJob; enqueue(name, payload), one client. Batch insert:"
         f" CreateJobs; addJobs; enqueue with lists, {BATCH:,} jobs a call. 100-byte payloads.",
         f"Drain of {sizes.drain:,} jobs inserted beforehand, by one worker process: jobserver,"
-        " GetJobs numResults 100 + one FinishJobs per batch on 4 connections (threads);"
+        " GetJobs numResults 100 + one FinishJobs per batch on"
+        f" {args.jobserver_connections} connections (threads);"
         " Graphile Worker, concurrentJobs 24, pool 25, localQueue size 500,"
         " completeJobBatchDelay 0, failJobBatchDelay 0 (its performance page's); PgQueuer,"
-        " QueueManager.run(batch_size=100, mode=drain) on asyncpg.",
+        f" QueueManager.run(batch_size={args.pgqueuer_batch}, mode=drain) on asyncpg.",
         f"Latency: {sizes.samples} samples ({WARM_UP} more not counted), 50-150 ms apart, from"
         " just before the producer process sends the job to the waiting worker's handler"
         " starting (GetJob with Connection: wait returning, for jobserver).",
         "CPU: utime + stime per job of the backends serving the peer's database (PostgreSQL),"
         " jobserver's node (server; n/a for the peers, which have none) and the peer's"
         " client or worker process, exact to 10 ms per shape.",
+        *(f"{peer.name}: UNLOGGED tables, not durable: {', '.join(peer.unlogged)}."
+          for peer in peers if peer.unlogged),
     ])
 
 
@@ -294,6 +300,14 @@ def parse_args() -> argparse.Namespace:
         help="where Graphile Worker and PgQueuer are installed (default:"
         f" $JOBSERVER_BENCH_PEERS, else {DEFAULT_PEERS_DIR})",
     )
+    parser.add_argument(
+        "--jobserver-connections", type=int, default=4, metavar="N",
+        help="connections (threads) of jobserver's drain worker (default 4)",
+    )
+    parser.add_argument(
+        "--pgqueuer-batch", type=int, default=500, metavar="N",
+        help="PgQueuer's batch_size, jobs per dequeue (default 500)",
+    )
     return parser.parse_args()
 
 
@@ -301,6 +315,9 @@ def main() -> int:
     args = parse_args()
     sizes = QUICK if args.quick else FULL
     command = " ".join(["python bench/pg_peers.py", *sys.argv[1:]])
+    # The drivers' settings, in the environment they inherit.
+    os.environ["BENCH_JOBSERVER_CONNECTIONS"] = str(args.jobserver_connections)
+    os.environ["BENCH_PGQUEUER_BATCH"] = str(args.pgqueuer_batch)
     peers: list[Peer] = []
     with tempfile.TemporaryDirectory(prefix="jobserver-pg-peers-") as tmp:
         try:
@@ -311,6 +328,8 @@ def main() -> int:
                     print(f"skipped {name}: {why}")
             if not peers:
                 return 1
+            for peer in peers:
+                peer.check_durable()
             results = measure(peers, sizes, args.rounds)
         finally:
             for peer in peers:
@@ -318,7 +337,7 @@ def main() -> int:
     for figures in results.values():
         add_totals(figures)
     postgres = peers[0].database.described
-    report = table(results, peers, sizes, postgres) + "\n\n" + notes(sizes, args.rounds)
+    report = table(results, peers, sizes, postgres) + "\n\n" + notes(args, sizes, peers)
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"\n{stamp}; {machine()}; `{command}`\n\n{report}\n")
     if args.record:

@@ -76,6 +76,7 @@ class Peer:
     clear_sql: str  # deletes every job it holds
     node: Node | None = None  # jobserver's server process
     logs: Path = field(default_factory=Path)  # where drivers' stderr goes
+    unlogged: list[str] = field(default_factory=list)  # its UNLOGGED tables, if any
 
     def cpu(self, driver: subprocess.Popen) -> Cpu:
         return Cpu(
@@ -91,7 +92,17 @@ class Peer:
 
         with psycopg.connect(self.database.url, autocommit=True) as db:
             db.execute(self.clear_sql)
-            db.execute("VACUUM ANALYZE")
+
+    def check_durable(self) -> None:
+        """Note the tables whose writes skip PostgreSQL's log (none, for
+        all three as installed): a crash would lose their jobs."""
+        import psycopg
+
+        with psycopg.connect(self.database.url, autocommit=True) as db:
+            rows = db.execute(
+                "SELECT relname FROM pg_class WHERE relpersistence = 'u' AND relkind = 'r'"
+            ).fetchall()
+        self.unlogged = [row[0] for row in rows]
 
     def stop(self) -> None:
         if self.node:

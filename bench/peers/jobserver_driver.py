@@ -25,9 +25,9 @@ DATA = {"p": "x" * 90}
 # Jobs per GetJobs in the drain, as in bench/run.py.
 DRAIN_BATCH = 100
 # Connections the drain's one process takes jobs on, each in a thread of its
-# own: while one waits for its batch's commit, another's batch is in the
-# same or the next one.
-DRAIN_CONNECTIONS = int(os.environ.get("BENCH_JOBSERVER_CONNECTIONS", "4"))
+# own (pg_peers.py's --jobserver-connections): while one waits for its
+# batch's commit, another's batch is in the same or the next one.
+DRAIN_CONNECTIONS = int(os.environ["BENCH_JOBSERVER_CONNECTIONS"])
 
 
 def say(line: str) -> None:

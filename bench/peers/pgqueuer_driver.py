@@ -27,9 +27,9 @@ from pgqueuer.types import QueueExecutionMode  # type: ignore[import-not-found]
 
 URL = os.environ["BENCH_DATABASE_URL"]
 PAYLOAD = b'{"p":"' + b"x" * 90 + b'"}'
-# Jobs per dequeue, and so per batch of completions logged: the drain's
-# best on this machine of 10 (the default), 100 and 500 (see pg_peers.py).
-BATCH_SIZE = int(os.environ.get("BENCH_PGQUEUER_BATCH", "100"))
+# Jobs per dequeue, and so per batch of completions logged (pg_peers.py's
+# --pgqueuer-batch).
+BATCH_SIZE = int(os.environ["BENCH_PGQUEUER_BATCH"])
 
 
 async def read_line() -> str | None:
