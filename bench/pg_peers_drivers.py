@@ -23,6 +23,7 @@ time into a folder of its own under --peers-dir, never into the repository.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -180,7 +181,9 @@ def install_graphile(peers_dir: Path) -> tuple[Path, str]:
         raise Unavailable(f"npm install graphile-worker failed: {npm_run.stderr[-500:]}")
     version = _json_field(installed, "version")
     node_version = subprocess.run([node, "--version"], capture_output=True, text=True).stdout
-    described = f"{version} (Node {node_version.strip()})"
+    # npm only warns when Node is older than the release asks for: say so.
+    wanted = json.loads(installed.read_text()).get("engines", {}).get("node", "any")
+    described = f"{version} (Node {node_version.strip()}; it asks for {wanted})"
     if npm_run.returncode:
         described += ", npm could not update it"
     return folder, described
@@ -212,8 +215,6 @@ def install_pgqueuer(peers_dir: Path) -> tuple[Path, str]:
 
 
 def _json_field(path: Path, name: str) -> str:
-    import json
-
     value: str = json.loads(path.read_text())[name]
     return value
 
