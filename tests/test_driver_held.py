@@ -335,3 +335,46 @@ def test_a_savepoint_with_nothing_held_yet_reaches_the_database_too(store: Stora
         store.rollback_savepoint("element")
     (row,) = rows(store, [other])
     assert row is not None and row.state == State.QUEUED
+
+
+def test_what_a_finished_command_held_rides_with_the_commit(
+    store: Storage, backend: str, db: Path | str
+) -> None:
+    ids = create(store, job("a"), job("b"))
+    with transaction(store), store.holding_writes():
+        store.hold(ids)
+        store.delete([ids[0]], [State.QUEUED])
+        # No statement runs after it: the delete goes with the COMMIT.
+    other = open_store(backend, db)
+    try:
+        assert rows(other, ids)[0] is None
+    finally:
+        other.close()
+    with transaction(store):
+        with store.holding_writes():
+            store.hold(ids[1:])
+            store.delete([ids[1]], [State.QUEUED])
+        # A statement first sends it.
+        assert store.get(ids[1]) is None
+
+
+def test_what_a_finished_command_held_goes_with_a_rollback(store: Storage) -> None:
+    ids = create(store, job("a"), job("b"))
+    with transaction(store):
+        store.savepoint("request")
+        with store.holding_writes():
+            store.hold(ids)
+            store.delete([ids[0]], [State.QUEUED])
+        store.rollback_savepoint("request")
+        store.savepoint("request")
+        with store.holding_writes():
+            store.hold(ids)
+            store.delete([ids[1]], [State.QUEUED])
+        store.release("request")
+    assert [r is None for r in rows(store, ids)] == [False, True]
+    store.begin()
+    with store.holding_writes():
+        store.hold(ids[:1])
+        store.delete([ids[0]], [State.QUEUED])
+    store.rollback()
+    assert rows(store, ids)[0] is not None

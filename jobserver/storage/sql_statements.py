@@ -31,6 +31,8 @@ class Statements:
     errors: tuple[type[Exception], ...]
     # While a command holds writes back.
     _held: HeldWrites | None = None
+    # What a finished command held and nothing has sent yet.
+    _unsent: tuple[Write, ...] = ()
 
     # Hooks.
 
@@ -61,8 +63,11 @@ class Statements:
         return self._run(statement, args)
 
     def _settle(self, statement: str) -> None:
-        """Before `statement` runs: send the held writes (and the savepoint
-        they are in); if it may write jobs, forget the copies of held rows."""
+        """Before `statement` runs: send the writes a finished command left
+        unsent, and the held ones (and the savepoint they are in); if it
+        may write jobs, forget the copies of held rows."""
+        if self._unsent:
+            self._run_writes(self.take_unsent())
         held = self._held
         if held is None:
             return
@@ -78,12 +83,21 @@ class Statements:
             self._run(f'SAVEPOINT "{savepoint}"')
         self._run_writes(since)
 
-    def _run_writes(self, writes: list[Write]) -> None:
-        for statement, args in batches(writes, self.dialect.mark, self.dialect.arrays):
+    def _run_writes(self, writes: Sequence[Write]) -> None:
+        for statement, args in self._batches(writes):
             if len(args) == 1:
                 self._run(statement, args[0])
             else:
                 self._run_many(statement, args)
+
+    def _batches(self, writes: Sequence[Write]) -> list[tuple[str, list[list[Any]]]]:
+        return batches(writes, self.dialect.mark, self.dialect.arrays)
+
+    def take_unsent(self) -> tuple[Write, ...]:
+        """The writes of finished commands not sent yet, to send now: before
+        the next statement, or with the COMMIT (PostgreSQL: in its round trip)."""
+        unsent, self._unsent = self._unsent, ()
+        return unsent
 
     # Holding writes back (held_writes.py).
 
@@ -99,7 +113,11 @@ class Statements:
         held = self._held = HeldWrites()
         try:
             yield
-            self._send(held)
+            if held.is_open_anywhere():
+                self._send(held)
+            else:
+                # Sent before the next statement, or with the COMMIT.
+                self._unsent = tuple(held.take_pending()[0])
         finally:
             self._held = None
 
@@ -164,6 +182,9 @@ class Statements:
         self._execute(f'RELEASE SAVEPOINT "{name}"')
 
     def rollback_savepoint(self, name: str = "request") -> None:
+        # Every write not sent came after the last statement, so after the
+        # savepoint: undone with it.
+        self._unsent = ()
         held = self._held
         if held is not None:
             if not held.is_open(name):
