@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -132,6 +133,8 @@ class Store(SqlStore):
         self._last_checkpoint = time.monotonic()
         self._restart_after = 0.0
         self._restart_backoff = RESTART_BACKOFF_MIN
+        # Held while a checkpoint starts the log over (_restart_log).
+        self._restarting = threading.Lock()
 
     def close(self) -> None:
         if self._checkpointer is not None:
@@ -157,6 +160,9 @@ class Store(SqlStore):
         return self._db.in_transaction
 
     def begin(self) -> None:
+        # A checkpoint that starts the log over goes first (_restart_log).
+        with self._restarting:
+            pass
         wait_ms = STOPPING_BUSY_MS if self._stopping else BUSY_MS
         self._db.execute(f"PRAGMA busy_timeout = {wait_ms}")
         try:
@@ -165,6 +171,8 @@ class Store(SqlStore):
             self._db.execute("PRAGMA busy_timeout = 0")
 
     def try_begin(self) -> bool:
+        if self._restarting.locked():
+            return False
         try:
             self._db.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as error:
@@ -226,8 +234,13 @@ class Store(SqlStore):
         checkpointer = self._checkpointer
         assert checkpointer is not None
         checkpointer.execute(f"PRAGMA busy_timeout = {RESTART_WAIT_MS}")
+        # Meanwhile this process's writer opens no transaction: SQLite's
+        # busy handler looks for the lock only now and then, and a writer
+        # that begins again at once after each commit took it every time
+        # (every try failed while the writes lasted).
         try:
-            (busy, _, _), = checkpointer.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
+            with self._restarting:
+                (busy, _, _), = checkpointer.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
         finally:
             checkpointer.execute("PRAGMA busy_timeout = 0")
         # While it waits (for the writer, then for readers of the old log)
