@@ -3,10 +3,10 @@ together: a FinishJobs of a hundred jobs, a GetJobs of a hundred.
 
 Done one at a time, each job's read and write is a statement of its own:
 on PostgreSQL a round trip each, about five per job. While writes are held
-(`Statements.holding_writes`, sql_statements.py):
+(`SqlStore.holding_writes`):
 
 - the jobs a command is about to change are read in one statement
-  (`Statements.hold`), locked where other nodes write, with whether each has
+  (`SqlStore.hold`), locked where other nodes write, with whether each has
   children; a search's hand-out candidates are held as found (they are
   locked already);
 - a write to a held job is checked against the row as this transaction
@@ -14,10 +14,10 @@ on PostgreSQL a round trip each, about five per job. While writes are held
   read of a held job is answered from the copy. The answer is the one the
   database would give: nothing else can change a row this transaction
   holds (PostgreSQL's row lock; SQLite's single writer);
-- before any other statement, or with the COMMIT if none follows (on
-  PostgreSQL in its round trip), the kept writes are sent (`batches`):
-  one statement for the writes of one shape, so that reads always see
-  every write made before them;
+- before any other statement, and when the command ends, the kept writes
+  are sent: one statement for the writes that set the same values (`jobID
+  = ANY`), one batch (`executemany`, pipelined by psycopg) for those that
+  differ, so that reads always see every write made before them;
 - a savepoint opened meanwhile (FinishJobs' one per element) is kept here
   too, and sent to the database only if a statement has to run inside it;
   undoing it drops the element's kept writes and restores the copies.
@@ -26,7 +26,6 @@ on PostgreSQL a round trip each, about five per job. While writes are held
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,9 +114,6 @@ class HeldWrites:
         self._savepoint_sent = False
         return True
 
-    def is_open_anywhere(self) -> bool:
-        return self._savepoint is not None
-
     def is_open(self, name: str) -> bool:
         return self._savepoint == name
 
@@ -174,7 +170,7 @@ def _changed(row: Job, columns: dict[str, Any]) -> Job:
     return copy
 
 
-def batches(writes: Sequence[Write], mark: str, arrays: bool) -> list[Batch]:
+def batches(writes: list[Write], mark: str, arrays: bool) -> list[Batch]:
     """The statements that make `writes`, in an order that keeps each
     job's writes in theirs. Writes of one shape are grouped into one
     statement: where the database takes arrays (PostgreSQL), over `jobID =

@@ -288,16 +288,9 @@ class PostgresStore(SqlStore):
         log.info("reconnected to %s", self.path)
 
     def commit(self) -> None:
-        # The writes not sent yet, the notice and the commit in one round trip.
-        unsent = self.take_unsent()
+        # The notice and the commit in one round trip.
         try:
             with self._db.pipeline():
-                for statement, args in self._batches(unsent):
-                    if len(args) == 1:
-                        self._db.execute(statement, args[0])
-                    else:
-                        self._db.cursor().executemany(statement, args)
-                self._changes += len(unsent)
                 if self._notice is not None:
                     self._db.execute(
                         "SELECT pg_notify(%s, %s)", (self.channel, self._notice)
@@ -314,7 +307,6 @@ class PostgresStore(SqlStore):
 
     def rollback(self) -> None:
         self._notice = None
-        self.take_unsent()
         if self.in_transaction:
             self._db.execute(b"ROLLBACK")
         self._load_flow_control()

@@ -31,8 +31,6 @@ class Statements:
     errors: tuple[type[Exception], ...]
     # While a command holds writes back.
     _held: HeldWrites | None = None
-    # What a finished command held and nothing has sent yet.
-    _unsent: tuple[Write, ...] = ()
 
     # Hooks.
 
@@ -63,11 +61,8 @@ class Statements:
         return self._run(statement, args)
 
     def _settle(self, statement: str) -> None:
-        """Before `statement` runs: send the writes a finished command left
-        unsent, and the held ones (and the savepoint they are in); if it
-        may write jobs, forget the copies of held rows."""
-        if self._unsent:
-            self._run_writes(self.take_unsent())
+        """Before `statement` runs: send the held writes (and the savepoint
+        they are in); if it may write jobs, forget the copies of held rows."""
         held = self._held
         if held is None:
             return
@@ -83,21 +78,12 @@ class Statements:
             self._run(f'SAVEPOINT "{savepoint}"')
         self._run_writes(since)
 
-    def _run_writes(self, writes: Sequence[Write]) -> None:
-        for statement, args in self._batches(writes):
+    def _run_writes(self, writes: list[Write]) -> None:
+        for statement, args in batches(writes, self.dialect.mark, self.dialect.arrays):
             if len(args) == 1:
                 self._run(statement, args[0])
             else:
                 self._run_many(statement, args)
-
-    def _batches(self, writes: Sequence[Write]) -> list[tuple[str, list[list[Any]]]]:
-        return batches(writes, self.dialect.mark, self.dialect.arrays)
-
-    def take_unsent(self) -> tuple[Write, ...]:
-        """The writes of finished commands not sent yet, to send now: before
-        the next statement, or with the COMMIT (PostgreSQL: in its round trip)."""
-        unsent, self._unsent = self._unsent, ()
-        return unsent
 
     # Holding writes back (held_writes.py).
 
@@ -113,11 +99,7 @@ class Statements:
         held = self._held = HeldWrites()
         try:
             yield
-            if held.is_open_anywhere():
-                self._send(held)
-            else:
-                # Sent before the next statement, or with the COMMIT.
-                self._unsent = tuple(held.take_pending()[0])
+            self._send(held)
         finally:
             self._held = None
 
@@ -182,9 +164,6 @@ class Statements:
         self._execute(f'RELEASE SAVEPOINT "{name}"')
 
     def rollback_savepoint(self, name: str = "request") -> None:
-        # Every write not sent came after the last statement, so after the
-        # savepoint: undone with it.
-        self._unsent = ()
         held = self._held
         if held is not None:
             if not held.is_open(name):

@@ -183,7 +183,6 @@ class Store(SqlStore):
         return True
 
     def commit(self) -> None:
-        self._run_writes(self.take_unsent())
         self._db.execute("COMMIT")
 
     def sync(self) -> None:
@@ -255,7 +254,6 @@ class Store(SqlStore):
             self._restart_backoff = RESTART_BACKOFF_MIN
 
     def rollback(self) -> None:
-        self.take_unsent()
         if self._db.in_transaction:
             self._db.execute("ROLLBACK")
         self._load_flow_control()
