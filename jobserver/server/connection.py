@@ -274,7 +274,7 @@ class Connection:
         return self._request_began + config.request_timeout
 
     async def _receive(self) -> None:
-        data = await self.stream.receive_some(RECEIVE_SIZE)
+        data = await self._receive_some()
         if not data:
             self.eof = True
             return
@@ -284,6 +284,24 @@ class Connection:
                 await self.say_and_close(TLS_NOT_SPOKEN)
                 raise TLSOnPlainPort("TLS handshake on a plain-text port")
         self.pending.extend(self.parser.feed(data))
+
+    async def _receive_some(self) -> bytes | bytearray:
+        """What has arrived, once something has. On plain TCP: one wait
+        for the socket to be readable, then one read, as `_send_at_once`
+        writes, where trio's stream first tries a read that fails (a client
+        waiting for its reply has sent nothing yet) and passes through
+        several layers on each request. TLS reads through its stream."""
+        if not isinstance(self.stream, trio.SocketStream):
+            return await self.stream.receive_some(RECEIVE_SIZE)
+        fd = self.stream.socket.fileno()
+        while True:
+            await trio.lowlevel.wait_readable(fd)
+            try:
+                return os.read(fd, RECEIVE_SIZE)
+            except BlockingIOError:
+                continue
+            except OSError as error:
+                raise trio.BrokenResourceError(f"socket connection broken: {error}") from error
 
     async def _deliver(self, answer: Answer, close: bool) -> None:
         """Write a reply. Jobs in it stay this connection's to give back

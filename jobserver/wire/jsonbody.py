@@ -89,6 +89,11 @@ def has_lone_surrogate(text: str) -> bool:
     return _LONE_SURROGATE.search(text) is not None
 
 
+# One decoder for every parse: json.loads with options builds a new one
+# (and its scanner) on each call, which cost more than parsing a job's data.
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+
+
 def parse(text: str, *, stored: bool = False) -> Any:
     """Strict JSON: no NaN or Infinity (written, or reached by overflowing
     a number like 1e400), which could never be written back as JSON, and
@@ -101,7 +106,7 @@ def parse(text: str, *, stored: bool = False) -> Any:
     if not stored:
         check_depth(text)
     try:
-        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        return _DECODER.decode(text)
     except RecursionError as error:
         raise ValueError("JSON nested too deeply") from error
 

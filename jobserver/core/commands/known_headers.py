@@ -93,6 +93,8 @@ def ignored_headers(request: Request) -> str:
 def describe_ignored(ignored: list[str]) -> str:
     """Names for `ignoredHeaders`: at most MAX_IGNORED_LISTED, each cut to
     MAX_IGNORED_NAME characters, then how many more."""
+    if not ignored:  # nearly every request, spared the joining
+        return ""
     listed = [
         name if len(name) <= MAX_IGNORED_NAME else name[: MAX_IGNORED_NAME - 3] + "..."
         for name in ignored[:MAX_IGNORED_LISTED]
