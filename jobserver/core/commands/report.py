@@ -65,7 +65,8 @@ def _finish_element(ctx: Context, request: Request) -> dict[str, Any]:
     # database failing, a bug) fails the whole request, and the writer
     # undoes all of it, this savepoint included.
     try:
-        status = finish_job(part, request).status
+        # Its job is held already (finish_jobs).
+        status = _finish_or_retry(part, request, retry=False).status
     except CommandError as error:
         ctx.store.rollback_savepoint(_ELEMENT)
         status = error.status

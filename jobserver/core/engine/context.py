@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from jobserver.model import times
 from jobserver.storage.interface import Storage
@@ -55,6 +55,9 @@ class Context:
     # whose requests share one moment as they share one commit.
     now_ms: str = ""
     now_s: str = field(init=False)
+    # When a job that runs from now becomes stale (--stale-after), made at
+    # the first hand-out or report that asks: a GetJobs asks for each job.
+    _stale_at: str | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         # Formatted once: handlers compare against these many times.
@@ -74,6 +77,13 @@ class Context:
         job becoming due (a running job's stale deadline)."""
         if self.due is None or moment < self.due:
             self.due = moment
+
+    def stale_at(self) -> str:
+        """now + --stale-after, to the millisecond, as nextRun is stored."""
+        if self._stale_at is None:
+            later = self.now + timedelta(seconds=self.settings.stale_after)
+            self._stale_at = times.to_millis(later)
+        return self._stale_at
 
     def wake_all(self) -> None:
         """Note that jobs of any name may have become available (capacity

@@ -99,7 +99,7 @@ def _watch_for_staleness(ctx: Context) -> None:
     """A job became RUNNING or was reported on just now: the clock must fire
     when it would become stale (stale.py), unless it fires sooner anyway."""
     if ctx.settings.stale_after:
-        ctx.fire_at(schedule.retry_time(ctx, ctx.settings.stale_after))
+        ctx.fire_at(ctx.stale_at())
 
 
 # Creating.
