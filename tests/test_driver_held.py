@@ -184,14 +184,16 @@ def test_two_writes_to_one_job_keep_their_order(store: Storage) -> None:
 
 def test_writes_group_into_few_statements() -> None:
     fence = " AND state IN ('RUNNING')"
-    same = [Write("DELETE FROM jobs", (), (), i, fence) for i in (1, 2)]
+    many = " AND (state || '') IN ('RUNNING')"
+    same = [Write("DELETE FROM jobs", (), (), i, fence, (), many) for i in (1, 2)]
     ((statement, args),) = held_writes.batches(same, "%s", arrays=True)
-    assert "ANY" in statement and args == [["{1,2}"]]
+    assert statement == f"DELETE FROM jobs WHERE jobID = ANY(%s::bigint[]){many}"
+    assert args == [["{1,2}"]]
     ((statement, args),) = held_writes.batches(same, "?", arrays=False)
     assert args == [[1], [2]]
     leases = [Write("UPDATE jobs SET leaseID = %s", ("leaseID",), (f"L{i}",), i) for i in (1, 2)]
     ((statement, args),) = held_writes.batches(leases, "%s", arrays=True)
-    assert "json_array_elements" in statement and args == [['[[1,"L1"],[2,"L2"]]']]
+    assert "json_array_elements" in statement and args == [['[[1,"L1"],[2,"L2"]]', "{1,2}"]]
     twice = [*same, Write("DELETE FROM jobs", (), (), 1, fence)]
     assert len(held_writes.batches(twice, "%s", arrays=True)) == 2
 
