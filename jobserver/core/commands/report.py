@@ -28,6 +28,9 @@ def retry_job(ctx: Context, request: Request) -> Response:
 
 
 def _report_end_of_run(ctx: Context, request: Request, retry: bool) -> Response:
+    if not ctx.store.blocking:
+        # No round trip to spare (SQLite): holding one job costs more.
+        return _finish_or_retry(ctx, request, retry)
     # The job, and whether it has children, in one statement.
     with ctx.store.holding_writes():
         ctx.store.hold(_named_jobs([request]))

@@ -131,6 +131,9 @@ def take(ctx: Context, query: JobQuery, holds: Holds | None = None) -> list[Take
     that would take its reply past --max-reply-bytes; that job and the
     rest are not taken.
     """
+    if query.limit == 1 and not ctx.store.blocking:
+        # No round trip to spare (SQLite): holding one job costs more.
+        return _take(ctx, query, holds)
     # The hand-outs' writes are sent together (storage's held_writes.py).
     with ctx.store.holding_writes():
         return _take(ctx, query, holds)
