@@ -337,3 +337,25 @@ def test_a_savepoint_with_nothing_held_yet_reaches_the_database_too(store: Stora
         store.rollback_savepoint("element")
     (row,) = rows(store, [other])
     assert row is not None and row.state == State.QUEUED
+
+
+def test_savepoints_with_nothing_inside_and_nested_ones(store: Storage) -> None:
+    first, second = create(store, job("a"), job("b"))
+    with transaction(store):
+        # Nothing runs inside the first two.
+        store.savepoint("request")
+        store.rollback_savepoint("request")
+        store.savepoint("request")
+        store.release("request")
+        store.savepoint("request")
+        store.set_state_if([first], [State.QUEUED], State.CANCELLED)
+        store.savepoint("element")
+        store.set_state_if([second], [State.QUEUED], State.CANCELLED)
+        store.rollback_savepoint("element")
+        store.release("request")
+        store.savepoint("request")
+        store.amend([second], JobChanges(data='{"undone":1}'))
+        store.rollback_savepoint("request")
+    a, b = rows(store, [first, second])
+    assert a is not None and a.state == State.CANCELLED
+    assert b is not None and (b.state, b.data) == (State.QUEUED, "{}")
