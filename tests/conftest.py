@@ -11,8 +11,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 import pg
+from driver import open_store
 
 from harness import ManagerProcess, Nodes, ServerProcess, ThreadServer
+from jobserver.storage.interface import Storage
 from powercut import BuildFailed, build
 from tls_certs import Certificates, tls_server
 from wire import Client
@@ -138,3 +140,12 @@ def manager(workers: Path) -> Iterator[Callable[..., ManagerProcess]]:
     yield start
     for proc in started:
         proc.stop()
+
+
+@pytest.fixture
+def store(backend: str, db: Path | str) -> Iterator[Storage]:
+    """A store opened straight on the test's database: the driver suite
+    (test_driver*.py) calls its operations itself."""
+    opened = open_store(backend, db)
+    yield opened
+    opened.close()

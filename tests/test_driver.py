@@ -11,7 +11,6 @@ its order, failed jobs), parents and children, and the clock's questions.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,13 +29,6 @@ from jobserver.storage.interface import Storage
 pytestmark = pytest.mark.backends()
 
 ALL = tuple(State)
-
-
-@pytest.fixture
-def store(backend: str, db: Path | str) -> Iterator[Storage]:
-    opened = open_store(backend, db)
-    yield opened
-    opened.close()
 
 
 def ready(store: Storage, **asked: object) -> list[int]:

@@ -23,13 +23,6 @@ from jobserver.storage.postgres import PostgresStore
 pytestmark = pytest.mark.backends()
 
 
-@pytest.fixture
-def store(backend: str, db: Path | str) -> Iterator[Storage]:
-    opened = open_store(backend, db)
-    yield opened
-    opened.close()
-
-
 # Replies (protocol.md 14.12).
 
 

@@ -11,14 +11,12 @@ time and once held, and compares every answer and the rows left.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import pytest
-from driver import NOW, PAST, create, job, open_store, transaction
+from driver import NOW, PAST, create, job, transaction
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,15 +24,9 @@ from jobserver.model.jobs import Job, JobChanges, State
 from jobserver.storage import held_writes
 from jobserver.storage.held_writes import Write
 from jobserver.storage.interface import Storage
+from jobserver.storage.sql_statements import RESERVE_CHUNK
 
 pytestmark = pytest.mark.backends()
-
-
-@pytest.fixture
-def store(backend: str, db: Path | str) -> Iterator[Storage]:
-    opened = open_store(backend, db)
-    yield opened
-    opened.close()
 
 
 def rows(store: Storage, ids: list[int]) -> list[Job | None]:
@@ -359,3 +351,19 @@ def test_savepoints_with_nothing_inside_and_nested_ones(store: Storage) -> None:
     a, b = rows(store, [first, second])
     assert a is not None and a.state == State.CANCELLED
     assert b is not None and (b.state, b.data) == (State.QUEUED, "{}")
+
+
+def test_jobids_asked_for_in_advance_are_taken_a_chunk_at_a_time(store: Storage) -> None:
+    # A CreateJobs of a million elements asks for a million: none are taken
+    # before its first job is created, and no more than a chunk at once.
+    (before,) = create(store, job("before"))
+    with transaction(store), store.holding_writes():
+        store.reserve_ids(1_000_000)
+    (after,) = create(store, job("after"))
+    assert after == before + 1
+    with transaction(store), store.holding_writes():
+        store.reserve_ids(1_000_000)
+        made = [store.create([job(f"m{i}")], created=PAST, state=State.QUEUED)[0] for i in (0, 1)]
+    (last,) = create(store, job("last"))
+    assert made == [after + 1, after + 2]
+    assert last - made[-1] <= RESERVE_CHUNK

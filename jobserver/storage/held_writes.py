@@ -65,8 +65,10 @@ class HeldWrites:
         self.rows: dict[int, Job | None] = {}
         # Of the held jobs, whether each has children (when read by `hold`).
         self.parents: dict[int, bool] = {}
-        # jobIDs taken in advance for new jobs, whose inserts are then held.
+        # jobIDs taken in advance for new jobs, whose inserts are then held,
+        # and how many more the command may still create.
         self.new_ids: list[int] = []
+        self.ids_wanted = 0
         self._pending: list[Write] = []
         # The open savepoint's name, where its kept writes start, and the
         # rows as they were before each write since it opened.

@@ -17,6 +17,8 @@ from jobserver.model.jobs import Job
 from jobserver.storage.held_writes import HeldWrites, Write, batches
 from jobserver.storage.sql import COLUMNS, Dialect, Rows
 
+# jobIDs taken from the sequence at once by reserve_ids.
+RESERVE_CHUNK = 1000
 # Statements that change no job: the copies of held rows stay right.
 _LEAVES_JOBS_ALONE = ("SELECT", "SAVEPOINT", "RELEASE")
 # A held job's row, and whether it has children (`hold`).
@@ -124,11 +126,26 @@ class Statements:
             held.parents[job.jobID] = bool(row[-1])
 
     def reserve_ids(self, count: int) -> None:
-        """While writes are held: the next `count` jobs created take jobIDs
-        given now, and their inserts are held too."""
+        """While writes are held: up to `count` jobs created next take
+        jobIDs given in advance, and their inserts are held too."""
         held = self._held
         if held is not None and count > 1:
-            held.new_ids = self._next_ids(count)[::-1]
+            held.ids_wanted = count
+
+    def _reserved_id(self) -> int | None:
+        """A jobID given in advance for the next new job, if any. They are
+        taken RESERVE_CHUNK at a time, at the first job that is created:
+        a CreateJobs whose first element is refused takes none, and one of
+        a hundred thousand elements that fails on the second no more than
+        a chunk."""
+        held = self._held
+        if held is None:
+            return None
+        if not held.new_ids and held.ids_wanted > 0:
+            chunk = self._next_ids(min(held.ids_wanted, RESERVE_CHUNK))
+            held.ids_wanted = held.ids_wanted - len(chunk) if chunk else 0
+            held.new_ids = chunk[::-1]
+        return held.new_ids.pop() if held.new_ids else None
 
     def _found(self, jobs: list[Job]) -> list[Job]:
         """A search's finds, locked (or this process's alone): held, while
@@ -181,6 +198,11 @@ class Statements:
 
     def _jobs(self, statement: str, args: Sequence[Any] = ()) -> list[Job]:
         return [Job(*row) for row in self._execute(statement, args).fetchall()]
+
+    def _job(self, statement: str, args: Sequence[Any] = ()) -> Job | None:
+        """The first row as a job, if there is one."""
+        row = self._execute(statement, args).fetchone()
+        return None if row is None else Job(*row)
 
     def _ids(self, statement: str, args: Sequence[Any] = ()) -> list[int]:
         return [int(row[0]) for row in self._execute(statement, args).fetchall()]

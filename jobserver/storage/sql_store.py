@@ -79,8 +79,8 @@ class SqlStore(Statements):
             values += (policy.max_attempts, policy.backoff, policy.delay, policy.max_delay)
         self._noted(new.priority, new.parent_id)
         held = self._held
-        if held is not None and held.new_ids:
-            job_id = held.new_ids.pop()
+        job_id = self._reserved_id()
+        if held is not None and job_id is not None:
             columns += ("jobID",)
             values.append(job_id)
             statement = _insert(self.dialect, columns)
@@ -190,8 +190,7 @@ class SqlStore(Statements):
         if held is not None and job_id in held.rows:
             return held.rows[job_id]
         d = self.dialect
-        rows = self._jobs(f"SELECT {JOB} FROM jobs WHERE jobID = {d.mark}{d.lock}", (job_id,))
-        return rows[0] if rows else None
+        return self._job(f"SELECT {JOB} FROM jobs WHERE jobID = {d.mark}{d.lock}", (job_id,))
 
     def find_by_name(self, name: str) -> Job | None:
         """The oldest job with exactly this name that is not history. Two
@@ -199,12 +198,11 @@ class SqlStore(Statements):
         to commit, then finds its job."""
         d = self.dialect
         self._lock("name", name)
-        rows = self._jobs(
+        return self._job(
             f"SELECT {JOB} FROM jobs WHERE name = {d.mark} AND {sql.NOT_HISTORY} "
             f"ORDER BY jobID LIMIT 1{d.lock}",
             (name,),
         )
-        return rows[0] if rows else None
 
     def failed(self, *, pattern: str | None, names: Sequence[str], limit: int) -> list[Job]:
         """FAILED jobs whose name matches a GLOB `pattern` or is one of
@@ -311,12 +309,11 @@ class SqlStore(Statements):
     def waiting_on(self, key: str) -> Job | None:
         d = self.dialect
         self._lock("reply", key)
-        rows = self._jobs(
+        return self._job(
             f"SELECT {JOB} FROM jobs WHERE state = {sql.WAITING_SQL} AND replyKey = {d.mark}"
             f"{d.lock}",
             (key,),
         )
-        return rows[0] if rows else None
 
     def overdue(self, now: str, limit: int) -> list[Job]:
         """WAITING jobs whose reply deadline has passed, earliest first."""
