@@ -114,6 +114,15 @@ def test_data_at_the_depth_limit_is_kept_and_one_past_is_refused(wire: Client) -
     assert reply.status == f"402 Malformed data: JSON nested deeper than {MAX_JSON_DEPTH} levels"
 
 
+def test_data_behind_a_byte_order_mark_is_refused_as_malformed(wire: Client) -> None:
+    # The parser is one decoder made once, which (unlike json.loads) does
+    # not look for a BOM itself: it must still refuse one.
+    reply = send_raw(wire, "CreateJob", {"name": "bom", "data": "\ufeff{}"})
+    assert reply.status == "402 Data is not a valid JSON Object"
+    reply = send_raw(wire, "CreateJobs", {"jobs": '\ufeff[{"name":"bom"}]'})
+    assert reply.status == "401 Invalid JSON"
+
+
 def test_a_jobs_list_at_the_depth_limit_is_taken_and_one_past_is_refused(wire: Client) -> None:
     # The list and its element are two levels: the data has the rest.
     def jobs(data_depth: int) -> str:

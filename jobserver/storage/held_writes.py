@@ -3,10 +3,10 @@ together: a FinishJobs of a hundred jobs, a GetJobs of a hundred.
 
 Done one at a time, each job's read and write is a statement of its own:
 on PostgreSQL a round trip each, about five per job. While writes are held
-(`SqlStore.holding_writes`):
+(`Statements.holding_writes`, sql_statements.py):
 
 - the jobs a command is about to change are read in one statement
-  (`SqlStore.hold`), locked where other nodes write, with whether each has
+  (`Statements.hold`), locked where other nodes write, with whether each has
   children; a search's hand-out candidates are held as found (they are
   locked already);
 - a write to a held job is checked against the row as this transaction
@@ -15,9 +15,11 @@ on PostgreSQL a round trip each, about five per job. While writes are held
   database would give: nothing else can change a row this transaction
   holds (PostgreSQL's row lock; SQLite's single writer);
 - before any other statement, and when the command ends, the kept writes
-  are sent: one statement for the writes that set the same values (`jobID
-  = ANY`), one batch (`executemany`, pipelined by psycopg) for those that
-  differ, so that reads always see every write made before them;
+  are sent (`batches`), so that reads always see every write made before
+  them: on PostgreSQL one statement per shape (`jobID = ANY` where they
+  set the same values, a join to their rows where they differ, one
+  multi-row insert); on SQLite, with no round trip to spare, one
+  executemany per shape;
 - a savepoint opened meanwhile (FinishJobs' one per element) is kept here
   too, and sent to the database only if a statement has to run inside it;
   undoing it drops the element's kept writes and restores the copies.
