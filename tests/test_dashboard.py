@@ -234,7 +234,13 @@ def test_a_jobs_page_shows_its_state_times_attempts_lease_and_family(server: Thr
     assert f'data-confirm="Job {parent} is RUNQUEUED: requeue it anyway?' in page
     assert "&#34;files&#34;: [\n    &#34;a&#34;," in page  # data, pretty
     assert f'<a href="/jobs/{child}">{child}</a>' in page and "split/part" in page
-    assert re.search(r"created</th><td>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \(", page)
+    # A time is a <time> element in UTC (the script shows it in the viewer's
+    # zone), with how long ago.
+    created = re.search(
+        r'created</th><td><time datetime="(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z)" '
+        r'title="([^"]+) UTC">\2</time> \(', page
+    )
+    assert created and created[1].replace("T", " ").startswith(created[2])
     page = visitor.get(f"/jobs/{child}").text
     assert f'<a href="/jobs/{parent}">{parent}</a>' in page and "PAUSED" in page
     assert 'action="/actions/cancel"' not in page  # a PAUSED child cannot be cancelled
@@ -498,13 +504,27 @@ def sample_jobs(client: Client) -> int:
     jobs += [{"name": "webhook/deliver"}]
     ok(client.request("CreateJobs", jobs=json.dumps(jobs)))
     ok(client.request("SetLimit", name="thumbs/*", max=2))
-    ok(client.request("GetJob", name="thumbs/make"))
+    # The limit full: drawn as full.
+    ok(client.request("GetJobs", name="thumbs/make", numResults=2))
     ok(client.request("GetJob", name="email/send"))
     ok(client.request("PauseJobs", name="report/*"))
     failed_job(client, "webhook/retry", "HTTP 502 from https://hooks.example.com/orders")
     return failed_job(
         client, "email/bounce", "SMTP 451 4.7.1 try again later", data='{"to":"ann@example.com"}'
     )
+
+
+def times_shown_in_the_viewers_zone(page: Any, shown: Any) -> None:
+    """A stored time reads on the viewer's wall clock (New York's: 5 hours
+    behind UTC in winter, 4 in summer), its UTC value on hover."""
+    from playwright.sync_api import expect
+
+    expect(shown).to_have_text(re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d E[SD]T"))
+    utc = shown.get_attribute("title") or ""
+    assert utc.endswith(" UTC")
+    stored = datetime.fromisoformat(utc.removesuffix(" UTC")).replace(tzinfo=UTC)
+    local = datetime.strptime(shown.inner_text()[:19], "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC)
+    assert stored.replace(microsecond=0) - local in (timedelta(hours=5), timedelta(hours=4))
 
 
 def test_in_a_browser_a_failed_job_is_requeued_with_a_click(
@@ -517,13 +537,18 @@ def test_in_a_browser_a_failed_job_is_requeued_with_a_click(
         weekdays = create(
             client, "report/weekday", repeat="CRON 0 9 * * MON-FRI", timeZone="Europe/Paris"
         )
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    # A viewer far from UTC: times are shown in their zone.
+    page = browser.new_page(viewport={"width": 1280, "height": 900}, timezone_id="America/New_York")
     try:
         # The page's clock is the test's: its refresh runs when told to.
         page.clock.install()
         page.goto(f"http://127.0.0.1:{server.server.http_port}/")
         row = page.locator(f'#failed tr:has(a[href="/jobs/{job_id}"])')
         expect(row).to_contain_text("SMTP 451 4.7.1 try again later")
+        times_shown_in_the_viewers_zone(page, row.locator("time"))
+        full = page.locator("#limits tr.full")
+        expect(full).to_contain_text("thumbs/* full")
+        assert full.locator("meter").evaluate("m => m.value >= m.high && m.optimum < m.low")
         late = re.compile(r"\blate\b")
         email = page.locator('#live tbody tr:has(td:text-is("email"))')
         expect(email.locator("td").last).to_have_class(late)
@@ -569,7 +594,7 @@ def worker_errors_read_as_text(page: Any, server: ThreadServer) -> None:
     raw = json.dumps({"exitStatus": 1, "stderr": "\n".join(output) + "\n"})
     with server.client() as client:
         # A header value's backslashes are escaped, as the client library does.
-        crashed = failed_job(client, "thumbs/crash", raw.replace("\\", "\\\\"))
+        crashed = failed_job(client, "video/crash", raw.replace("\\", "\\\\"))
     dialogs: list[str] = []
     page.on("dialog", lambda dialog: dialogs.append(dialog.message))
     page.goto(f"http://127.0.0.1:{server.server.http_port}/")

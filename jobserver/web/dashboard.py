@@ -119,6 +119,7 @@ class Dashboard:
         )
         env.filters["age"] = texts.age_text
         env.filters["since"] = texts.since_text
+        env.filters["time"] = texts.time_html
         env.filters["error_lines"] = texts.error_lines
         self._templates = Jinja2Templates(env=env)
         self._static = {
@@ -187,7 +188,7 @@ class Dashboard:
             "more_queues": listed["more"] if listed else 0,
             "queues_error": queues_error,
             "states": [state for state in STATE_ORDER if state in present],
-            "updated": times.to_seconds(times.utcnow())[11:],
+            "updated": times.to_seconds(times.utcnow()),
         }
 
     async def job(self, request: Request) -> Response:

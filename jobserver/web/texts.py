@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+from markupsafe import Markup, escape
+
 from jobserver.core.rules import schedule
 from jobserver.model import cron, times
 from jobserver.model.jobs import Job
@@ -51,16 +53,27 @@ def next_runs(job: Job) -> list[tuple[str, str]]:
     return [(f"{cron.in_zone(run, job.timeZone):%a %Y-%m-%d %H:%M %Z}", run) for run in runs]
 
 
-def since_text(stored: str | None) -> str:
-    """A stored time (UTC) and how far it is from now: `... (5 min ago)`."""
+def time_html(stored: str | None) -> Markup:
+    """A stored time (UTC) as a `<time>` element: its text the UTC value,
+    which the page's script shows in the viewer's own zone, keeping the UTC
+    value on hover. Text that is not a time is shown as it is."""
     if not stored:
-        return "never"
+        return Markup("never")
     try:
         moment = times.parse_stored(stored)
     except ValueError:
-        return stored
-    seconds = (times.utcnow() - moment).total_seconds()
+        return escape(stored)
+    machine = moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return Markup('<time datetime="{}" title="{} UTC">{}</time>').format(machine, stored, stored)
+
+
+def since_text(stored: str | None) -> Markup:
+    """A stored time (UTC) and how far it is from now: `... (5 min ago)`."""
+    shown = time_html(stored)
+    if not stored or "<time" not in shown:
+        return shown
+    seconds = (times.utcnow() - times.parse_stored(stored)).total_seconds()
     if abs(seconds) < 1:
-        return f"{stored} (now)"
+        return shown + " (now)"
     relative = f"{age_text(seconds)} ago" if seconds > 0 else f"in {age_text(-seconds)}"
-    return f"{stored} ({relative})"
+    return shown + f" ({relative})"
