@@ -43,7 +43,7 @@ from jobserver.core.commands import params
 from jobserver.core.errors import CommandError
 from jobserver.model import times
 from jobserver.model.jobs import State
-from jobserver.web import access, forms, texts
+from jobserver.web import access, bulk_pages, forms, texts
 from jobserver.web.incoming import peer
 from jobserver.web.reads import Reads
 from jobserver.wire.framing import Request as WireRequest
@@ -120,6 +120,7 @@ class Dashboard:
         env.filters["age"] = texts.age_text
         env.filters["since"] = texts.since_text
         env.filters["error_lines"] = texts.error_lines
+        env.globals["queue_paused"] = bulk_pages.queue_paused
         self._templates = Jinja2Templates(env=env)
         self._static = {
             path.name: (path.read_bytes(), STATIC_TYPES[path.suffix])
@@ -134,6 +135,8 @@ class Dashboard:
             "resume": self._resume,
             "limit": self._set_limit,
         }
+        self._bulk = bulk_pages.BulkPages(self)
+        self._actions.update(self._bulk.actions())
 
     def routes(self) -> list[Route]:
         return [
@@ -142,6 +145,7 @@ class Dashboard:
             Route("/jobs", self.jobs, methods=["GET"]),
             Route("/jobs/{id}", self.job, methods=["GET"]),
             Route("/actions/{action}", self.act, methods=["POST"]),
+            Route("/bulk/confirm", self._bulk.confirm, methods=["POST"]),
             Route("/signin", self.sign_in, methods=["POST"]),
             Route("/signout", self.sign_out, methods=["POST"]),
             Route("/static/{name}", self.static, methods=["GET"]),
@@ -188,6 +192,7 @@ class Dashboard:
             "queues_error": queues_error,
             "states": [state for state in STATE_ORDER if state in present],
             "updated": times.to_seconds(times.utcnow())[11:],
+            "can_act": self._may_act(request),
         }
 
     async def job(self, request: Request) -> Response:
