@@ -5,6 +5,7 @@ resumed from its row; and no bulk action from another site's page."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -218,3 +219,21 @@ def test_in_a_browser_a_queue_is_paused_and_resumed_from_its_row(
         page.close()
     with server.client() as client:
         assert client.request("GetJob", name="email/*").status == "200 OK"
+
+
+# Over the HTTP API (openapi.py's table).
+
+
+def test_the_api_runs_the_bulk_commands(server: ThreadServer) -> None:
+    from test_http import api
+
+    with server.client() as client:
+        ids = failed_jobs(client, ["a/1", "a/2"])
+    code, _, body = api(server, "RequeueFailedJobs", {"name": "a/*", "dryRun": True})
+    assert (code, json.loads(body)["jobIDs"]) == (200, ids)
+    code, _, body = api(server, "DeleteFailedJobs", {"jobIDs": f"{ids[0]}", "limit": 1})
+    assert (code, json.loads(body)["acted"]) == (200, 1)
+    code, _, body = api(server, "CancelQueuedJobs", {"queue": "a/b"})
+    assert code == 400, body
+    code, headers, _ = api(server, "RequeueFailedJobs", {})
+    assert (code, headers["Jobserver-Status"]) == (402, "402 Missing name, queue or jobIDs")

@@ -11,6 +11,9 @@ Pages (GET):
 - `/jobs?name=PATTERN`: the newest jobs whose name matches; `/jobs?id=N`
   goes to job N's page.
 
+Bulk actions (bulk_pages.py) show a confirmation first (`POST
+/bulk/confirm`, which changes nothing), then act as the other actions do.
+
 Actions are form POSTs to `/actions/{name}`, answered with a redirect
 (303) back to the page, which shows once what came of it (a short-lived
 cookie carries the message). A refusal is shown the same way; nothing a
