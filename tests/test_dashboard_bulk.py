@@ -14,11 +14,12 @@ from typing import Any
 import pytest
 from bulk_jobs import create_many, failed_jobs, states
 from test_dashboard import TOKEN, Visitor, artifacts, flash_of, start
+from test_security_web import AttackSite, attack_site
 
 from harness import ThreadServer
-from helpers import chromium
+from helpers import chromium as launch_chromium
 
-__all__ = ["artifacts"]  # a fixture, used by name
+__all__ = ["artifacts", "attack_site"]  # fixtures, used by name
 
 CROSS_SITE = {"Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site"}
 
@@ -94,6 +95,9 @@ def test_cancel_queued_of_a_queue_and_refusals(server: ThreadServer) -> None:
         ):
             refused = visitor.post("/bulk/confirm", fields, Origin=f"http://{visitor.host}")
             assert refused.status == 400, fields
+        too_many = [("command", "delete-failed")] + [("jobID", i) for i in range(1, 600)]
+        refused = visitor.post("/bulk/confirm", too_many, Origin=f"http://{visitor.host}")  # type: ignore[arg-type]
+        assert refused.status == 400 and "at most 500 jobs at once" in refused.text
         bad = visitor.act("bulk", command="cancel-queued", queue="q", count="lots")
         assert flash_of(visitor, bad) == "error: Nothing was done: &#39;lots&#39; is not a count."
         done = visitor.act("bulk", command="cancel-queued", queue="q", count=2)
@@ -157,7 +161,7 @@ def test_no_bulk_action_from_another_site_or_without_signing_in(guarded: ThreadS
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    with chromium() as launched:
+    with launch_chromium() as launched:
         yield launched
 
 
@@ -182,6 +186,7 @@ def test_in_a_browser_a_hundred_failed_jobs_are_requeued_in_one_confirmed_action
         # The selection: the two left, checked and deleted.
         for job_id in ids[100:]:
             page.get_by_label(f"select job {job_id}").check()
+        page.screenshot(path=str(artifacts / "dashboard-bulk-selected.png"), full_page=True)
         page.get_by_role("button", name="Delete selected").click()
         expect(page.locator("h1")).to_have_text("Delete 2 failed jobs selected?")
         page.get_by_role("button", name="Confirm: delete 2 failed jobs").click()
@@ -219,6 +224,52 @@ def test_in_a_browser_a_queue_is_paused_and_resumed_from_its_row(
         page.close()
     with server.client() as client:
         assert client.request("GetJob", name="email/*").status == "200 OK"
+
+
+BULK_ATTACK_PAGE = """<!doctype html>
+<iframe name="sink"></iframe>
+<form id="bulk" method="post" action="{target}/actions/bulk" target="sink">
+<input name="command" value="delete-failed"><input name="name" value="*">
+<input name="count" value="1000"><input name="back" value="/"></form>
+<script>
+window.attack = async () => {{
+  const sink = document.querySelector("iframe");
+  const loaded = new Promise((done) => sink.addEventListener("load", done, {{once: true}}));
+  document.getElementById("bulk").submit();
+  await loaded;
+}};
+</script>
+"""
+
+
+def test_in_a_browser_another_page_cannot_act_in_bulk_for_a_signed_in_person(
+    browser: Any, guarded: ThreadServer, attack_site: AttackSite
+) -> None:
+    """A page on another port of this host is same-site: the browser sends
+    the SameSite=Strict cookie with its form; Origin gives it away."""
+    from playwright.sync_api import expect
+
+    with guarded.client() as client:
+        ids = failed_jobs(client, ["a", "b"], {"authToken": TOKEN})
+    target = f"http://127.0.0.1:{guarded.server.http_port}"
+    attack_site.html = BULK_ATTACK_PAGE.format(target=target)
+    context = browser.new_context()
+    try:
+        page = context.new_page()
+        page.goto(f"{target}/")
+        page.get_by_label("auth token").fill(TOKEN)
+        page.get_by_role("button", name="Sign in").click()
+        expect(page.locator(".flash.ok")).to_have_text("Signed in.")
+        attack = context.new_page()
+        attack.goto(f"http://127.0.0.1:{attack_site.port}/")
+        with attack.expect_response(f"{target}/actions/bulk") as posted:
+            attack.evaluate("attack()")
+        assert posted.value.status == 403
+        assert posted.value.request.header_value("cookie") is not None
+    finally:
+        context.close()
+    with guarded.client() as client:
+        assert set(states(client, ids, {"authToken": TOKEN}).values()) == {"FAILED"}
 
 
 # Over the HTTP API (openapi.py's table).

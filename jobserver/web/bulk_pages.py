@@ -90,10 +90,10 @@ class BulkPages:
         refusal = board._guard(request)
         if refusal is not None:
             return refusal
-        form = await _read_selection_form(request)
-        if form is None:
-            return board._message(request, 400, "Not a form", "Nothing was done.")
         try:
+            form = await _read_selection_form(request)
+            if form is None:
+                return board._message(request, 400, "Not a form", "Nothing was done.")
             command, selection = _asked(form)
         except forms.Refused as error:
             return board._message(request, 400, "Nothing to confirm", str(error))
@@ -190,10 +190,12 @@ def _described(selection: dict[str, str]) -> str:
 
 async def _read_selection_form(request: Request) -> dict[str, str] | None:
     """A bulk form: as forms.read_form, but the checked `jobID` boxes (up
-    to MAX_SELECTED) joined into one `jobIDs` field."""
+    to MAX_SELECTED, else Refused) joined into one `jobIDs` field."""
     body = await read_body(request, forms.MAX_FORM)
     if body is None:
         return None
+    if body.count(b"&") >= MAX_SELECTED + forms.MAX_FORM_FIELDS:
+        raise forms.Refused(f"Nothing was done: at most {MAX_SELECTED} jobs at once.")
     try:
         fields = parse_qs(
             body.decode("ascii"),
