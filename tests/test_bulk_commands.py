@@ -12,7 +12,7 @@ from bulk_jobs import create_many, failed_jobs, states
 from harness import ThreadServer
 from helpers import create, ok
 from jobserver.wire.limits import MAX_BULK
-from wire import Client
+from wire import Client, encode
 
 pytestmark = pytest.mark.backends()
 
@@ -162,3 +162,17 @@ def test_the_auth_token_is_needed(tmp_path: Path) -> None:
             assert done["acted"] == 2
     finally:
         running.stop()
+
+
+@pytest.mark.backends(nodes=True)
+def test_two_at_once_act_on_each_job_once(server: ThreadServer) -> None:
+    """Through two connections (two nodes, on three): each job is acted
+    on by one of them, never both."""
+    with server.client() as first, server.client() as second:
+        ids = failed_jobs(first, [f"x/{i}" for i in range(50)])
+        for client in (first, second):
+            client.send(encode("RequeueFailedJobs", {"name": "x/*"}))
+        replies = [ok(client.read_reply()).json for client in (first, second)]
+        acted = [job_id for reply in replies for job_id in reply["jobIDs"]]
+        assert sorted(acted) == ids
+        assert set(states(first, ids).values()) == {"QUEUED"}

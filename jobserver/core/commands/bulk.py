@@ -58,19 +58,8 @@ def _bulk(ctx: Context, request: Request, state: str, act: Act) -> Response:
     selection = _selection(request)
     limit = params.bulk_limit(request)
     dry_run = params.is_true(request.get("dryrun"))
-    store = ctx.store
-    with store.holding_writes():
-        if selection.match is not None:
-            matched = store.count_in_state(state, selection.match)
-            candidates = store.in_state(state, selection.match, limit)
-        else:
-            matched = 0
-            candidates = list(selection.ids)
-        store.hold(candidates)
-        jobs = [job for job in map(store.get, candidates) if job is not None and job.state == state]
-        if selection.match is None:
-            matched = len(jobs)
-            jobs = jobs[:limit]
+    with ctx.store.holding_writes():
+        matched, jobs = _found(ctx, selection, state, limit)
         if not dry_run:
             for job in jobs:
                 act(ctx, job)
@@ -87,6 +76,23 @@ def _bulk(ctx: Context, request: Request, state: str, act: Act) -> Response:
     if dry_run:
         reply["dryRun"] = True
     return ok(reply)
+
+
+def _found(ctx: Context, selection: Selection, state: str, limit: int) -> tuple[int, list[Job]]:
+    """How many jobs in `state` the selection takes, and the first `limit`
+    of them, held: read again in one statement (locked where other nodes
+    write), so each is moved from the state it is in now."""
+    store = ctx.store
+    if selection.match is not None:
+        matched = store.count_in_state(state, selection.match)
+        candidates = store.in_state(state, selection.match, limit)
+    else:
+        candidates = list(selection.ids)
+    store.hold(candidates)
+    jobs = [job for job in map(store.get, candidates) if job is not None and job.state == state]
+    if selection.match is None:
+        matched = len(jobs)
+    return matched, jobs[:limit]
 
 
 def _selection(request: Request) -> Selection:
