@@ -89,7 +89,8 @@ def _add_dead_set(command: CommandAdder) -> None:
         "signal, then its stderr line by line; characters that are not printable are "
         'escaped. With --json, as {"jobs": [...]}, each with its jobID, name, created, '
         "lastRun and lastError as the server has it (and attempt and maxAttempts). "
-        "Revive them with 'jobserver requeue ID...'.",
+        "Revive them with 'jobserver requeue ID...', or all of a pattern with "
+        "'jobserver requeue-failed PATTERN'.",
     )
     failed.add_argument(
         "--json",

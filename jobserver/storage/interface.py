@@ -38,6 +38,17 @@ from jobserver.model.jobs import NO_CHANGES, Job, JobChanges, NewJob
 QueueStats = tuple[dict[tuple[str, str], int], dict[str, str], dict[str, int]]
 
 
+@dataclass(frozen=True)
+class NameMatch:
+    """Which names a bulk action's search takes (protocol.md 14.19): those
+    a GLOB `pattern` matches, or one of `names`, or a `queue`'s (the name
+    itself, or one that starts with it and a `/`)."""
+
+    pattern: str | None = None
+    names: tuple[str, ...] = ()
+    queue: str | None = None
+
+
 class QueryRows(Protocol):
     """Where a backend puts what the Query command's SQL returns (its
     dialect is the backend's), a row at a time as it reads them, so that a
@@ -275,6 +286,13 @@ class Jobs(Protocol):
         """FAILED jobs matching a GLOB `pattern` or one of `names`, oldest first."""
 
     def count_by_state(self) -> dict[str, int]: ...
+
+    def in_state(self, state: str, match: NameMatch, limit: int) -> list[int]:
+        """The jobIDs of jobs in `state` whose name matches, oldest first,
+        at most `limit`; read without a lock (`hold` them to change them)."""
+
+    def count_in_state(self, state: str, match: NameMatch) -> int:
+        """How many jobs in `state` have a name that matches."""
 
     # Parents and children.
 

@@ -21,6 +21,7 @@ from typing import Any
 from jobserver.model.jobs import NO_CHANGES, PLAIN, Job, JobChanges, NewJob, State
 from jobserver.storage import sql
 from jobserver.storage.held_writes import Write
+from jobserver.storage.interface import NameMatch
 from jobserver.storage.sql import JOB, Dialect
 from jobserver.storage.sql_statements import Statements
 
@@ -217,6 +218,22 @@ class SqlStore(Statements):
             f"ORDER BY jobID LIMIT {d.mark}",
             (*args, limit),
         )
+
+    def in_state(self, state: str, match: NameMatch, limit: int) -> list[int]:
+        """The jobIDs of jobs in `state` whose name matches, oldest first."""
+        clause, args = _name_match(self.dialect, match)
+        return self._ids(
+            f"SELECT jobID FROM jobs WHERE state = {sql.states((state,))} AND {clause} "
+            f"ORDER BY jobID LIMIT {self.dialect.mark}",
+            (*args, limit),
+        )
+
+    def count_in_state(self, state: str, match: NameMatch) -> int:
+        clause, args = _name_match(self.dialect, match)
+        row = self._one(
+            f"SELECT COUNT(*) FROM jobs WHERE state = {sql.states((state,))} AND {clause}", args
+        )
+        return int(row[0])
 
     def count_by_state(self) -> dict[str, int]:
         rows = self._execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()
@@ -478,6 +495,19 @@ def _update_head(d: Dialect, columns: tuple[str, ...]) -> str:
     if head is None:
         head = _HEADS[key] = "UPDATE jobs SET " + ", ".join(f"{c} = {d.mark}" for c in columns)
     return head
+
+
+def _name_match(d: Dialect, match: NameMatch) -> tuple[str, list[Any]]:
+    """A bulk action's names as a WHERE clause and its arguments. A
+    queue's jobs are its name and the names that start with it and `/`
+    (a prefix compared as text: a queue's name may hold GLOB's `*`)."""
+    if match.queue is not None:
+        prefix = match.queue + "/"
+        clause = f"(name = {d.mark} OR substr(name, 1, {d.mark}) = {d.mark})"
+        return clause, [match.queue, len(prefix), prefix]
+    if match.pattern is not None:
+        return d.matches("name", match.pattern)
+    return d.any_of("name", match.names)
 
 
 def _fence(

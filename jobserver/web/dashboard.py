@@ -11,6 +11,9 @@ Pages (GET):
 - `/jobs?name=PATTERN`: the newest jobs whose name matches; `/jobs?id=N`
   goes to job N's page.
 
+Bulk actions (bulk_pages.py) show a confirmation first (`POST
+/bulk/confirm`, which changes nothing), then act as the other actions do.
+
 Actions are form POSTs to `/actions/{name}`, answered with a redirect
 (303) back to the page, which shows once what came of it (a short-lived
 cookie carries the message). A refusal is shown the same way; nothing a
@@ -43,7 +46,7 @@ from jobserver.core.commands import params
 from jobserver.core.errors import CommandError
 from jobserver.model import times
 from jobserver.model.jobs import State
-from jobserver.web import access, forms, texts
+from jobserver.web import access, bulk_pages, forms, texts
 from jobserver.web.incoming import peer
 from jobserver.web.reads import Reads
 from jobserver.wire.framing import Request as WireRequest
@@ -121,6 +124,7 @@ class Dashboard:
         env.filters["since"] = texts.since_text
         env.filters["time"] = texts.time_html
         env.filters["error_lines"] = texts.error_lines
+        env.globals["queue_paused"] = bulk_pages.queue_paused
         self._templates = Jinja2Templates(env=env)
         self._static = {
             path.name: (path.read_bytes(), STATIC_TYPES[path.suffix])
@@ -135,6 +139,8 @@ class Dashboard:
             "resume": self._resume,
             "limit": self._set_limit,
         }
+        self._bulk = bulk_pages.BulkPages(self)
+        self._actions.update(self._bulk.actions())
 
     def routes(self) -> list[Route]:
         return [
@@ -143,6 +149,7 @@ class Dashboard:
             Route("/jobs", self.jobs, methods=["GET"]),
             Route("/jobs/{id}", self.job, methods=["GET"]),
             Route("/actions/{action}", self.act, methods=["POST"]),
+            Route("/bulk/confirm", self._bulk.confirm, methods=["POST"]),
             Route("/signin", self.sign_in, methods=["POST"]),
             Route("/signout", self.sign_out, methods=["POST"]),
             Route("/static/{name}", self.static, methods=["GET"]),
@@ -189,6 +196,7 @@ class Dashboard:
             "queues_error": queues_error,
             "states": [state for state in STATE_ORDER if state in present],
             "updated": times.to_seconds(times.utcnow()),
+            "can_act": self._may_act(request),
         }
 
     async def job(self, request: Request) -> Response:

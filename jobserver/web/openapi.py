@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobserver import __version__
-from jobserver.wire.limits import MAX_FINISH_JOBS, MAX_JOB_ID, PRIORITIES
+from jobserver.wire.limits import MAX_BULK, MAX_FINISH_JOBS, MAX_JOB_ID, PRIORITIES
 
 Schema = dict[str, Any]
 
@@ -52,6 +52,18 @@ def _object_of(params: list[Param]) -> Schema:
         "required": [p.name for p in params if p.required],
         "additionalProperties": False,
     }
+
+
+# The bulk actions' parameters (protocol.md 14.19): one of name, queue, jobIDs.
+_BULK = [
+    Param("name", PATTERN, "a GLOB pattern, or a comma list of exact names"),
+    Param("queue", {**NAME, "pattern": "^[^/]*$"}, "a queue: its name, and names under it and /"),
+    Param("jobIDs", {"type": "string", "pattern": "^[0-9]+(,[0-9]+)*$", "examples": ["12,13"]},
+          f"comma-separated jobIDs, at most {MAX_BULK}"),
+    Param("limit", {"type": "integer", "minimum": 1, "maximum": MAX_BULK},
+          "act on at most this many jobs"),
+    Param("dryRun", FLAG, "act on none: count them and list those it would act on"),
+]
 
 
 def _job_id(text: str = "the job") -> Param:
@@ -160,6 +172,9 @@ COMMANDS: dict[str, tuple[str, str, list[Param]]] = {
         Param("name", PATTERN, "which jobs"),
         Param("limit", {"type": "integer", "minimum": 1, "maximum": 10_000}, "at most this many"),
     ]),
+    "RequeueFailedJobs": ("Requeue FAILED jobs by pattern, queue or jobIDs", "14.19", _BULK),
+    "DeleteFailedJobs": ("Delete FAILED jobs by pattern, queue or jobIDs", "14.19", _BULK),
+    "CancelQueuedJobs": ("Cancel QUEUED jobs by pattern, queue or jobIDs", "14.19", _BULK),
     "SetLimit": ("Set, change or remove a concurrency limit", "14.7", [
         Param("name", NAME, "the GLOB pattern the limit holds for", required=True),
         Param("max", {"type": "integer", "minimum": 0, "maximum": 1_000_000_000},

@@ -77,6 +77,12 @@ MAX_WAIT_MS = 3_600_000
 # (about 30 for a thousand), not seconds.
 MAX_FINISH_JOBS = 1000
 
+# A bulk action (RequeueFailedJobs, DeleteFailedJobs, CancelQueuedJobs)
+# acts on at most this many jobs, and takes at most this many jobIDs: a
+# thousand moves hold the writer for tens of milliseconds, as FinishJobs'
+# thousand reports do; a client repeats it for more.
+MAX_BULK = 1000
+
 # FailedJobs lists at most this many jobs, as Query returns at most this
 # many rows, and this many when it names no limit.
 MAX_LISTED = 10_000

@@ -10,8 +10,8 @@ reads ahead meanwhile so that a client that hangs up cancels the wait.
 Every route has one signature (route.py); which command runs where (a
 transaction, a thread for Query, Queues and Backup, nowhere for Ping) is
 its handler's business. Commands that run in a transaction are the
-functions of create.py, report.py, manage.py, flow_control.py and
-replies.py, each wrapped in `InWriter`.
+functions of create.py, report.py, manage.py, bulk.py, flow_control.py
+and replies.py, each wrapped in `InWriter`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import trio
 
 from jobserver.core.commands import (
     backup,
+    bulk,
     create,
     flow_control,
     get_jobs,
@@ -48,7 +49,9 @@ from jobserver.wire.framing import Request, Response
 HEAVY_REQUEST_BYTES = 16 * 1024
 # Commands whose work has no small bound (every job of a pattern, a long
 # list): always heavy.
-HEAVY_VERBS = frozenset(("requeuejobs", "failedjobs"))
+HEAVY_VERBS = frozenset((
+    "requeuejobs", "failedjobs", "requeuefailedjobs", "deletefailedjobs", "cancelqueuedjobs",
+))
 
 
 class Command(Protocol):
@@ -164,6 +167,9 @@ ROUTES: dict[str, Route] = {
     "requeuejobs": InWriter(manage.requeue_jobs),
     "touchjob": InWriter(report.touch_job),
     "failedjobs": InWriter(manage.failed_jobs),
+    "requeuefailedjobs": InWriter(bulk.requeue_failed_jobs),
+    "deletefailedjobs": InWriter(bulk.delete_failed_jobs),
+    "cancelqueuedjobs": InWriter(bulk.cancel_queued_jobs),
     "setlimit": InWriter(flow_control.set_limit),
     "pausejobs": InWriter(flow_control.pause_jobs),
     "resumejobs": InWriter(flow_control.resume_jobs),

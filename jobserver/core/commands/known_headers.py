@@ -16,6 +16,7 @@ _NEW_JOB = (
     "parentjobid", "unique", "overwrite", "maxattempts", "retrybackoff", "retrydelay",
     "retrymaxdelay", "cost", "timewindows", "timezone",
 )
+_BULK = ("name", "queue", "jobids", "limit", "dryrun")
 _HAND_OUT = ("name", "jobpriority", "includeleaseid")
 KNOWN_HEADERS: dict[str, frozenset[str]] = {
     verb: frozenset(names)
@@ -39,6 +40,9 @@ KNOWN_HEADERS: dict[str, frozenset[str]] = {
         "query:": ("format",),
         "touchjob": (*_JOB, "leaseid"),
         "failedjobs": ("limit", "name"),
+        "requeuefailedjobs": _BULK,
+        "deletefailedjobs": _BULK,
+        "cancelqueuedjobs": _BULK,
         "setlimit": ("name", "max"),
         "pausejobs": ("name",),
         "resumejobs": ("name",),

@@ -21,6 +21,7 @@ from jobserver.wire.limits import (
     DEFAULT_RETRY_DELAY,
     DEFAULT_WAIT_MS,
     MAX_ATTEMPTS,
+    MAX_BULK,
     MAX_CAPACITY,
     MAX_COST,
     MAX_DELAY_DIGITS,
@@ -282,6 +283,11 @@ def error_text(request: Request, data: str | None) -> str:
 def limit(request: Request) -> int:
     """FailedJobs' `limit`: how many jobs to list."""
     return _count("limit", present(request, "limit"), DEFAULT_LISTED, MAX_LISTED)
+
+
+def bulk_limit(request: Request) -> int:
+    """A bulk action's `limit`: how many jobs to act on (protocol.md 14.19)."""
+    return _count("limit", present(request, "limit"), MAX_BULK, MAX_BULK)
 
 
 def queue_limit(request: Request) -> int:

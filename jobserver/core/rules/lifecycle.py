@@ -395,6 +395,17 @@ def delete(ctx: Context, job: Job) -> None:
     _move(ctx, job, "delete", GONE)
 
 
+def cancel_queued(ctx: Context, job: Job) -> None:
+    """CancelQueuedJobs: a QUEUED child is cancelled as CancelJob cancels
+    it (its parent may resume); a standalone job is deleted, as DeleteJob
+    deletes it: CANCELLED is the state a parent's children end in, and a
+    standalone job left in it would never be pruned."""
+    if job.parentJobID:
+        cancel(ctx, job)
+    else:
+        delete(ctx, job)
+
+
 # Parents and children (protocol.md section 8).
 
 

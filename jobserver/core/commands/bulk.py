@@ -1,0 +1,124 @@
+"""Bulk actions (protocol.md 14.19): RequeueFailedJobs, DeleteFailedJobs
+and CancelQueuedJobs act on every job in one state whose name matches a
+pattern (or of a queue, or of a list of jobIDs), up to MAX_BULK jobs per
+request, in the request's one transaction.
+
+Each finds its jobs in the state it is for, holds them (read again, locked
+where other nodes write), and moves each one through lifecycle.py, which
+fences every write by the state it read: a job another request moved
+meanwhile is passed over, never moved from a state the action is not for.
+With `dryRun: true` nothing is moved: the reply says how many jobs match
+and which would be acted on, for a confirmation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from jobserver.core.commands import params
+from jobserver.core.commands.views import ok
+from jobserver.core.engine.context import Context
+from jobserver.core.errors import CommandError
+from jobserver.core.rules import lifecycle
+from jobserver.core.rules.selection import name_selector
+from jobserver.model.jobs import Job, State
+from jobserver.storage.interface import NameMatch
+from jobserver.wire.framing import Request, Response
+from jobserver.wire.limits import MAX_BULK, MAX_NAME
+
+Act = Callable[[Context, Job], None]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The jobs a bulk action is asked about: those a NameMatch takes, or
+    the listed jobIDs (in the order given, without repeats)."""
+
+    match: NameMatch | None
+    ids: tuple[int, ...] = ()
+
+
+def requeue_failed_jobs(ctx: Context, request: Request) -> Response:
+    """FAILED jobs back to QUEUED, due now, with every attempt again."""
+    return _bulk(ctx, request, State.FAILED, lifecycle.requeue)
+
+
+def delete_failed_jobs(ctx: Context, request: Request) -> Response:
+    return _bulk(ctx, request, State.FAILED, lifecycle.delete)
+
+
+def cancel_queued_jobs(ctx: Context, request: Request) -> Response:
+    """QUEUED jobs taken out of the queue: a child CANCELLED (as CancelJob
+    does), a standalone job deleted (lifecycle.cancel_queued says why)."""
+    return _bulk(ctx, request, State.QUEUED, lifecycle.cancel_queued)
+
+
+def _bulk(ctx: Context, request: Request, state: str, act: Act) -> Response:
+    selection = _selection(request)
+    limit = params.bulk_limit(request)
+    dry_run = params.is_true(request.get("dryrun"))
+    with ctx.store.holding_writes():
+        matched, jobs = _found(ctx, selection, state, limit)
+        if not dry_run:
+            for job in jobs:
+                act(ctx, job)
+    acted = 0 if dry_run else len(jobs)
+    reply: dict[str, object] = {
+        "matched": matched,
+        "acted": acted,
+        "remaining": max(matched - acted, 0),
+        "jobIDs": [job.jobID for job in jobs],
+    }
+    if selection.match is None:
+        # Listed jobs that are gone or in another state: passed over.
+        reply["skipped"] = len(selection.ids) - matched
+    if dry_run:
+        reply["dryRun"] = True
+    return ok(reply)
+
+
+def _found(ctx: Context, selection: Selection, state: str, limit: int) -> tuple[int, list[Job]]:
+    """How many jobs in `state` the selection takes, and the first `limit`
+    of them, held: read again in one statement (locked where other nodes
+    write), so each is moved from the state it is in now."""
+    store = ctx.store
+    if selection.match is not None:
+        matched = store.count_in_state(state, selection.match)
+        candidates = store.in_state(state, selection.match, limit)
+    else:
+        candidates = list(selection.ids)
+    store.hold(candidates)
+    jobs = [job for job in map(store.get, candidates) if job is not None and job.state == state]
+    if selection.match is None:
+        matched = len(jobs)
+    return matched, jobs[:limit]
+
+
+def _selection(request: Request) -> Selection:
+    """Exactly one of `name` (a GLOB pattern, or a comma list of exact
+    names), `queue` and `jobIDs`."""
+    given = [key for key in ("name", "queue", "jobids") if params.present(request, key)]
+    if not given:
+        raise CommandError("402 Missing name, queue or jobIDs")
+    if len(given) > 1:
+        raise CommandError("402 Give one of name, queue or jobIDs")
+    if given[0] == "jobids":
+        ids = params.job_ids(request)
+        if len(ids) > MAX_BULK:
+            raise CommandError(f"413 Too many jobIDs (max {MAX_BULK})")
+        return Selection(None, tuple(dict.fromkeys(ids)))
+    if given[0] == "queue":
+        return Selection(NameMatch(queue=_queue(request)))
+    pattern, names = name_selector(params.require(request, "name"))
+    return Selection(NameMatch(pattern=pattern, names=names))
+
+
+def _queue(request: Request) -> str:
+    """A queue's name (protocol.md 14.17): a job name up to its first `/`."""
+    value = params.require(request, "queue")
+    if len(value.encode("utf-8")) > MAX_NAME:
+        raise params.too_large("queue", MAX_NAME)
+    if params.has_control(value) or "/" in value:
+        raise CommandError("402 Malformed queue")
+    return value

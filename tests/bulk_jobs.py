@@ -1,0 +1,44 @@
+"""Many jobs in a state, made fast for the tests of bulk actions: created
+with CreateJobs, taken with GetJobs and failed with pipelined FailJobs."""
+
+from __future__ import annotations
+
+from helpers import ok
+from jobserver.wire.limits import MAX_RESULTS
+from wire import Client, encode
+
+
+def create_many(
+    client: Client, names: list[str], headers: dict[str, str] | None = None
+) -> list[int]:
+    """CreateJobs of one job per name; their jobIDs, in order."""
+    jobs = [{"name": name} for name in names]
+    ids: list[int] = ok(client.request("CreateJobs", headers, jobs=jobs)).json["jobIDs"]
+    assert len(ids) == len(names)
+    return ids
+
+
+def failed_jobs(
+    client: Client, names: list[str], headers: dict[str, str] | None = None
+) -> list[int]:
+    """One FAILED job per name (no other job may be due meanwhile); their jobIDs."""
+    extra = headers or {}
+    ids = sorted(create_many(client, names, extra))
+    taken: list[int] = []
+    while len(taken) < len(ids):  # GetJobs hands out at most MAX_RESULTS at once
+        reply = ok(client.request("GetJobs", extra, name="*", numResults=MAX_RESULTS))
+        taken += [job["jobID"] for job in reply.json["jobs"]]
+    assert sorted(taken) == ids
+    client.send(b"".join(encode("FailJob", {**extra, "jobID": i, "error": "boom"}) for i in ids))
+    for _ in ids:
+        ok(client.read_reply())
+    return ids
+
+
+def states(client: Client, ids: list[int], headers: dict[str, str] | None = None) -> dict[int, str]:
+    """Each job's state, or "gone"."""
+    found = {}
+    for job_id in ids:
+        reply = client.request("QueryJob", headers or {}, jobID=job_id)
+        found[job_id] = reply.json["state"] if reply.code == 200 else "gone"
+    return found

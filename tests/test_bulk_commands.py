@@ -1,0 +1,178 @@
+"""RequeueFailedJobs, DeleteFailedJobs and CancelQueuedJobs (protocol.md
+14.19) over a real socket, on every backend: what they select, their dry
+run, their bounds and refusals, and that they move no job of another state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from bulk_jobs import create_many, failed_jobs, states
+
+from harness import ThreadServer
+from helpers import create, ok
+from jobserver.wire.limits import MAX_BULK
+from wire import Client, encode
+
+pytestmark = pytest.mark.backends()
+
+
+def test_requeue_by_pattern_counts_and_moves_only_failed_jobs(server: ThreadServer) -> None:
+    with server.client() as client:
+        failed = failed_jobs(client, [f"email/{i}" for i in range(5)] + ["sms/1"])
+        emails, sms = failed[:5], failed[5]
+        running = create(client, "email/running")
+        assert ok(client.request("GetJob", name="email/running")).json["jobID"] == running
+        queued = create(client, "email/later", firstRun="2999-01-01 00:00:00")
+
+        dry = ok(client.request("RequeueFailedJobs", name="email/*", dryRun="true")).json
+        assert dry == {"matched": 5, "acted": 0, "remaining": 5, "jobIDs": emails, "dryRun": True}
+        assert set(states(client, emails).values()) == {"FAILED"}
+
+        first = ok(client.request("RequeueFailedJobs", name="email/*", limit=2)).json
+        assert first == {"matched": 5, "acted": 2, "remaining": 3, "jobIDs": emails[:2]}
+        rest = ok(client.request("RequeueFailedJobs", name="email/*")).json
+        assert rest == {"matched": 3, "acted": 3, "remaining": 0, "jobIDs": emails[2:]}
+        again = ok(client.request("RequeueFailedJobs", name="email/*")).json
+        assert again == {"matched": 0, "acted": 0, "remaining": 0, "jobIDs": []}
+
+        found = states(client, [*emails, sms, running, queued])
+        assert [found[i] for i in emails] == ["QUEUED"] * 5
+        assert (found[sms], found[running], found[queued]) == ("FAILED", "RUNNING", "QUEUED")
+
+
+def test_delete_by_selection_skips_jobs_not_failed(server: ThreadServer) -> None:
+    with server.client() as client:
+        failed = failed_jobs(client, ["a", "b", "c"])
+        running = create(client, "r")
+        ok(client.request("GetJob", name="r"))
+        listed = ",".join(map(str, [failed[0], running, failed[2], failed[0], 999999]))
+        reply = ok(client.request("DeleteFailedJobs", jobIDs=listed)).json
+        assert reply == {
+            "matched": 2,
+            "acted": 2,
+            "remaining": 0,
+            "jobIDs": [failed[0], failed[2]],
+            "skipped": 2,
+        }
+        assert states(client, [*failed, running]) == {
+            failed[0]: "gone",
+            failed[1]: "FAILED",
+            failed[2]: "gone",
+            running: "RUNNING",
+        }
+
+
+def test_delete_by_names_and_queue(server: ThreadServer) -> None:
+    with server.client() as client:
+        ids = failed_jobs(client, ["q", "q/1", "q/2", "q2/1", "x", "y"])
+        by_queue = ok(client.request("DeleteFailedJobs", queue="q", dryRun=1)).json
+        assert by_queue["jobIDs"] == ids[:3]
+        by_names = ok(client.request("DeleteFailedJobs", name="x, y")).json
+        assert by_names["jobIDs"] == ids[4:]
+        assert ok(client.request("DeleteFailedJobs", queue="q")).json["acted"] == 3
+        assert list(states(client, ids).values()) == ["gone"] * 3 + ["FAILED", "gone", "gone"]
+
+
+def test_cancel_queued_jobs_of_a_queue(server: ThreadServer) -> None:
+    with server.client() as client:
+        queued = create_many(client, ["mail", "mail/a", "mail/b", "mailer/a"])
+        later = create(client, "mail/later", firstRun="2999-01-01 00:00:00")
+        running = create(client, "mail/run")
+        ok(client.request("GetJob", name="mail/run"))
+        dry = ok(client.request("CancelQueuedJobs", queue="mail", dryRun="true")).json
+        assert dry["matched"] == 4 and dry["jobIDs"] == [*queued[:3], later]
+        done = ok(client.request("CancelQueuedJobs", queue="mail")).json
+        assert done["acted"] == 4 and done["remaining"] == 0
+        found = states(client, [*queued, later, running])
+        assert found == {
+            queued[0]: "gone",
+            queued[1]: "gone",
+            queued[2]: "gone",
+            queued[3]: "QUEUED",
+            later: "gone",
+            running: "RUNNING",
+        }
+
+
+def test_cancel_queued_child_is_cancelled_and_its_parent_resumes(server: ThreadServer) -> None:
+    with server.client() as client:
+        parent = create(client, "parent")
+        ok(client.request("GetJob", name="parent"))
+        child = create(client, "child/1", parentJobID=parent)
+        ok(client.request("FinishJob", jobID=parent))
+        assert states(client, [parent, child]) == {parent: "PAUSED", child: "QUEUED"}
+        assert ok(client.request("CancelQueuedJobs", name="child/*")).json["acted"] == 1
+        assert states(client, [parent, child]) == {parent: "QUEUED", child: "CANCELLED"}
+
+
+BAD_REQUESTS = [
+    ({}, "402 Missing name, queue or jobIDs"),
+    ({"name": "a", "jobIDs": "1"}, "402 Give one of name, queue or jobIDs"),
+    ({"name": "a", "queue": "a"}, "402 Give one of name, queue or jobIDs"),
+    ({"jobIDs": "1,x"}, "402 Malformed jobIDs"),
+    ({"jobIDs": ",,"}, "402 Malformed jobIDs"),
+    (
+        {"jobIDs": ",".join(map(str, range(1, MAX_BULK + 2)))},
+        f"413 Too many jobIDs (max {MAX_BULK})",
+    ),
+    ({"name": "a\x01"}, "402 Malformed name"),
+    ({"name": "a" * 12751}, "402 Name too large (12750 bytes at most)"),
+    ({"queue": "a/b"}, "402 Malformed queue"),
+    ({"queue": "a" * 256}, "402 Queue too large (255 bytes at most)"),
+    ({"name": "*", "limit": "many"}, "402 Malformed limit"),
+]
+
+
+def test_bad_requests_are_refused_and_change_nothing(server: ThreadServer) -> None:
+    with server.client() as client:
+        failed = failed_jobs(client, ["a"])
+        queued = create(client, "a")
+        for verb in ("RequeueFailedJobs", "DeleteFailedJobs", "CancelQueuedJobs"):
+            for params, status in BAD_REQUESTS:
+                reply = client.request(verb, **params)
+                assert (reply.status, reply.body) == (status, b""), (verb, params)
+        assert states(client, [*failed, queued]) == {failed[0]: "FAILED", queued: "QUEUED"}
+
+
+def test_at_most_a_thousand_jobs_per_request(server: ThreadServer) -> None:
+    with server.client() as client:
+        ids = create_many(client, [f"n/{i}" for i in range(MAX_BULK + 5)])
+        asked = {"name": "n/*", "limit": MAX_BULK * 10}
+        dry = ok(client.request("CancelQueuedJobs", dryRun="true", **asked)).json
+        assert (dry["matched"], dry["jobIDs"]) == (MAX_BULK + 5, ids[:MAX_BULK])
+        done = ok(client.request("CancelQueuedJobs", **asked)).json
+        assert (done["matched"], done["acted"], done["remaining"]) == (MAX_BULK + 5, MAX_BULK, 5)
+        assert ok(client.request("CancelQueuedJobs", name="n/*", limit=0)).json["acted"] == 1
+        assert ok(client.request("CancelQueuedJobs", name="n/*")).json["acted"] == 4
+
+
+def test_the_auth_token_is_needed(tmp_path: Path) -> None:
+    running = ThreadServer(tmp_path / "jobs.db", auth_token="t0k")
+    try:
+        with Client(running.port) as client:
+            token = {"authToken": "t0k"}
+            ids = failed_jobs(client, ["a", "b"], token)
+            for verb in ("RequeueFailedJobs", "DeleteFailedJobs", "CancelQueuedJobs"):
+                assert client.request(verb, name="*").status == "401 Unauthorized"
+                wrong = client.request(verb, {"authToken": "nope"}, name="*")
+                assert wrong.status == "401 Unauthorized"
+            assert set(states(client, ids, token).values()) == {"FAILED"}
+            done = ok(client.request("DeleteFailedJobs", token, name="*")).json
+            assert done["acted"] == 2
+    finally:
+        running.stop()
+
+
+@pytest.mark.backends(nodes=True)
+def test_two_at_once_act_on_each_job_once(server: ThreadServer) -> None:
+    """Through two connections (two nodes, on three): each job is acted
+    on by one of them, never both."""
+    with server.client() as first, server.client() as second:
+        ids = failed_jobs(first, [f"x/{i}" for i in range(50)])
+        for client in (first, second):
+            client.send(encode("RequeueFailedJobs", {"name": "x/*"}))
+        replies = [ok(client.read_reply()).json for client in (first, second)]
+        acted = [job_id for reply in replies for job_id in reply["jobIDs"]]
+        assert sorted(acted) == ids
+        assert set(states(first, ids).values()) == {"QUEUED"}
