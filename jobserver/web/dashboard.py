@@ -9,7 +9,8 @@ Pages (GET):
   then the end of its stderr), its raw text one click away;
 - `/jobs/{id}`: one job, with its parent and children;
 - `/jobs?name=PATTERN`: the newest jobs whose name matches; `/jobs?id=N`
-  goes to job N's page.
+  goes to job N's page;
+- `/queues/{queue}` and the graphs on `/`: history_pages.py.
 
 Actions are form POSTs to `/actions/{name}`, answered with a redirect
 (303) back to the page, which shows once what came of it (a short-lived
@@ -44,6 +45,7 @@ from jobserver.core.errors import CommandError
 from jobserver.model import times
 from jobserver.model.jobs import State
 from jobserver.web import access, forms, texts
+from jobserver.web.history_pages import GRAPH_MINUTES, GRAPH_REFRESH_SECONDS, HistoryPages
 from jobserver.web.incoming import peer
 from jobserver.web.reads import Reads
 from jobserver.wire.framing import Request as WireRequest
@@ -134,6 +136,7 @@ class Dashboard:
             "resume": self._resume,
             "limit": self._set_limit,
         }
+        self._history = HistoryPages(self._call, self._page, self._message)
 
     def routes(self) -> list[Route]:
         return [
@@ -145,6 +148,7 @@ class Dashboard:
             Route("/signin", self.sign_in, methods=["POST"]),
             Route("/signout", self.sign_out, methods=["POST"]),
             Route("/static/{name}", self.static, methods=["GET"]),
+            *self._history.routes(),
         ]
 
     # Pages.
@@ -164,6 +168,8 @@ class Dashboard:
             "paused": status.get("paused", []),
             "refresh_seconds": REFRESH_SECONDS,
             "error_tail": ERROR_TAIL,
+            "graph_minutes": GRAPH_MINUTES,
+            "graph_refresh": GRAPH_REFRESH_SECONDS,
         })
 
     async def live(self, request: Request) -> Response:
