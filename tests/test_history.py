@@ -15,7 +15,8 @@ import trio
 import trio.testing
 
 from conformance_helpers import get_job
-from helpers import create, ok
+from harness import ThreadServer
+from helpers import create, ok, until
 from jobserver.core.engine import depth, history
 from jobserver.core.engine.history import History
 from jobserver.storage.sqlite import Store
@@ -121,6 +122,28 @@ def test_minutes_reads_the_last_minutes_and_typos_are_named(client):
     assert body["series"]["created"] == [0, 0, 1]
     reply = client.request("History", minuts=3)
     assert reply.headers.get("ignoredHeaders") == "minuts"
+
+
+def test_counts_are_lost_on_restart_and_depth_is_read_as_the_server_starts(tmp_path):
+    first = ThreadServer(tmp_path / "jobs.db")
+    try:
+        with first.client() as client:
+            for _ in range(3):
+                create(client, "mail/send")
+    finally:
+        first.stop()
+    second = ThreadServer(tmp_path / "jobs.db")
+    try:
+        with second.client() as client:
+            depth_now = until(
+                lambda: read(client, name="mail", minutes=1)["series"]["depth"][0],
+                10,
+                "the depth read at start",
+            )
+            assert depth_now == 3
+            assert totals(read(client))["created"] == 0
+    finally:
+        second.stop()
 
 
 def test_no_history_when_turned_off(start_server, tmp_path):

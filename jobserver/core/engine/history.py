@@ -207,18 +207,20 @@ class History:
         self._head = minute
         if head is None:
             return minute
-        cleared = [
-            m % self.minutes for m in range(max(head + 1, minute - self.minutes + 1), minute + 1)
-        ]
-        for track in (self._total, *self._tracks()):
-            for values in track.series:
-                for slot in cleared:
-                    values[slot] = 0
         oldest = minute - self.minutes
         for queue in [q for q, track in self._queues.items() if track.seen <= oldest]:
             del self._queues[queue]
         if self._other is not None and self._other.seen <= oldest:
             self._other = None
+        passed = range(max(head + 1, minute - self.minutes + 1), minute + 1)
+        for track in (self._total, *self._tracks()):
+            if len(passed) == self.minutes:
+                # Silent for a whole window: one new array a series.
+                track.series = Track.empty(self.minutes).series
+                continue
+            for values in track.series:
+                for m in passed:
+                    values[m % self.minutes] = 0
         return minute
 
 
