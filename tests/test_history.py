@@ -89,6 +89,22 @@ def test_a_refused_request_counts_nothing(client):
     assert read(client, name="undone")["tracked"] is False
 
 
+@pytest.mark.backends
+def test_finishjobs_counts_the_elements_that_finished(client):
+    jobs = [create(client, "batch/x") for _ in range(3)]
+    for _ in jobs:
+        get_job(client, "batch/x")
+    # The second element names the first job again: 404, undone alone.
+    reply = client.request(
+        "FinishJobs", jobs=json.dumps([{"jobID": j} for j in (*jobs[:1], *jobs)])
+    )
+    assert [e["status"] for e in ok(reply).json["results"]] == [
+        "200 OK",
+        "404 No job with this jobID",
+    ] + ["200 OK"] * 2
+    assert totals(read(client, name="batch"))["finished"] == 3
+
+
 def test_a_repeating_jobs_run_is_finished_and_a_queue_not_seen_reads_as_zeros(client):
     job = create(client, "nightly/backup", repeat="FINISHED, +1 HOUR")
     get_job(client, "nightly/backup")

@@ -13,7 +13,10 @@ that wakes waiting GetJobs:
 - a job that stops running may have freed capacity of a concurrency limit,
   so every waiting GetJob is tried again (`wake_all`);
 - a job that starts running, or is reported on, sets the clock for its
-  stale deadline (stale.py).
+  stale deadline (stale.py);
+- a move the history counts (created, handed out, finished, failed,
+  retried: `_EVENTS`) is noted on the Context, which the engine adds to
+  the history only once the transaction commits (engine/history.py).
 
 A move asked of a job in a state that cannot make it is refused here, and
 nowhere else: commands check no states. A move a client can ask for
