@@ -210,7 +210,7 @@ def test_in_a_browser_a_queue_is_paused_and_resumed_from_its_row(
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     try:
         page.goto(f"http://127.0.0.1:{server.server.http_port}/")
-        row = page.locator('#live tbody tr:has(td:text-is("email"))')
+        row = page.locator('#live tbody tr:has(td > a:text-is("email"))')
         row.get_by_role("button", name="Pause").click()
         expect(page.locator(".flash.ok")).to_have_text("Queue email paused: email and email/*.")
         expect(row.locator(".state.paused").first).to_be_visible()

@@ -14,6 +14,7 @@ import trio
 from jobserver import web
 from jobserver.cli.options import LOG_LEVELS, duration, log_level, number
 from jobserver.core.commands import backup
+from jobserver.core.engine import history
 from jobserver.core.engine.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER
 from jobserver.model.times import duration_text
 from jobserver.server.app import Config, HttpListenError, Server
@@ -282,6 +283,16 @@ def _add_job_options(serve: argparse.ArgumentParser) -> None:
         f"else FAILED; 0 (never, as Bedrock) or 1s to {duration_text(MAX_DURATION_SECONDS)} "
         f"(default: {duration_text(DEFAULT_STALE_AFTER)})",
     )
+    serve.add_argument(
+        "--history-minutes",
+        type=number(int, 0, history.MAX_MINUTES),
+        default=Config.history_minutes,
+        metavar="N",
+        help="keep, in memory, per minute for the last N minutes, the jobs created, handed "
+        "out, finished, failed and retried and the queues' depths (History, the dashboard's "
+        f"graphs; lost on restart): 0 (none) to {history.MAX_MINUTES:,} "
+        f"(default: {Config.history_minutes:,}, a day)",
+    )
 
 
 def _add_security_and_log_options(serve: argparse.ArgumentParser) -> None:
@@ -431,6 +442,7 @@ def run(args: argparse.Namespace) -> int:
         keep_failed=args.keep_failed,
         reply_grace=args.reply_grace,
         stale_after=args.stale_after,
+        history_minutes=args.history_minutes,
         backup_dir=args.backup_dir,
     )
     try:

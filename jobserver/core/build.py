@@ -13,6 +13,7 @@ from jobserver.core.commands.route import Access, Gauges, NoGauges, Services
 from jobserver.core.engine.clock import Clock
 from jobserver.core.engine.context import Settings
 from jobserver.core.engine.engine import Engine
+from jobserver.core.engine.history import DEFAULT_MINUTES, History
 from jobserver.storage.interface import Storage
 
 
@@ -30,10 +31,12 @@ def build_core(
     access: Access | None = None,
     gauges: Gauges | None = None,
     threaded: bool = True,
+    history_minutes: int = DEFAULT_MINUTES,
 ) -> Core:
     """The core over `store`; `threaded=False` runs every batch on the event
-    loop (for trio's MockClock). Start it with `core.engine.start()` and
+    loop (for trio's MockClock); `history_minutes` is the window of the
+    history (--history-minutes, 0 none). Start it with `core.engine.start()` and
     run `core.engine.run()` (and, with other nodes, `listen()`) beside it."""
-    engine = Engine(store, clock, settings, threaded)
+    engine = Engine(store, clock, settings, threaded, History(history_minutes, clock))
     services = Services(store, engine, access or Access(), gauges or NoGauges())
     return Core(store, engine, Dispatcher(services))

@@ -31,7 +31,7 @@ import trio
 from jobserver.core.build import Core, build_core
 from jobserver.core.commands import backup
 from jobserver.core.commands.route import DEFAULT_QUERY_SECONDS, Access, is_loopback
-from jobserver.core.engine import deadlines, retention
+from jobserver.core.engine import deadlines, depth, history, retention
 from jobserver.core.engine.clock import SystemClock
 from jobserver.core.engine.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER, Settings
 from jobserver.model.times import to_millis
@@ -106,6 +106,8 @@ class Config:
     # Seconds a RUNNING job may go without a report before it counts as a
     # failed attempt (--stale-after); 0 keeps Bedrock's "RUNNING forever".
     stale_after: float = DEFAULT_STALE_AFTER
+    # Minutes of history kept in memory (--history-minutes); 0 keeps none.
+    history_minutes: int = history.DEFAULT_MINUTES
     # The HTTP side's port (--http-port), on the same host; None: no HTTP.
     http_port: int | None = None
     # HTTP connections served at once (--max-http-connections): each holds
@@ -232,6 +234,7 @@ class Server:
                         retention.run_pruner, engine, self.store, self.clock,
                         config.keep_finished, config.keep_failed, config.prune_interval,
                     )
+                    core.start_soon(depth.run_sampler, self.store, engine.history, self.clock)
                 async with trio.open_nursery() as conns:
                     accept = trio.CancelScope()
                     conns.start_soon(self._accept, listeners, conns, accept)
@@ -287,7 +290,9 @@ class Server:
             config.auth_token, config.allow_remote_query, config.query_seconds,
             config.max_reply_bytes, backup.directory(config.db, config.backup_dir),
         )
-        return build_core(store, self.clock, settings, access, self)
+        return build_core(
+            store, self.clock, settings, access, self, history_minutes=config.history_minutes
+        )
 
     @property
     def open_connections(self) -> int:

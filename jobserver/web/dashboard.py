@@ -9,7 +9,8 @@ Pages (GET):
   then the end of its stderr), its raw text one click away;
 - `/jobs/{id}`: one job, with its parent and children;
 - `/jobs?name=PATTERN`: the newest jobs whose name matches; `/jobs?id=N`
-  goes to job N's page.
+  goes to job N's page;
+- `/queues/{queue}` and the graphs on `/`: history_pages.py.
 
 Bulk actions (bulk_pages.py) show a confirmation first (`POST
 /bulk/confirm`, which changes nothing), then act as the other actions do.
@@ -47,6 +48,7 @@ from jobserver.core.errors import CommandError
 from jobserver.model import times
 from jobserver.model.jobs import State
 from jobserver.web import access, bulk_pages, forms, texts
+from jobserver.web.history_pages import GRAPH_MINUTES, GRAPH_REFRESH_SECONDS, HistoryPages
 from jobserver.web.incoming import peer
 from jobserver.web.reads import Reads
 from jobserver.wire.framing import Request as WireRequest
@@ -141,6 +143,7 @@ class Dashboard:
         }
         self._bulk = bulk_pages.BulkPages(self)
         self._actions.update(self._bulk.actions())
+        self._history = HistoryPages(self._call, self._page, self._message)
 
     def routes(self) -> list[Route]:
         return [
@@ -153,6 +156,7 @@ class Dashboard:
             Route("/signin", self.sign_in, methods=["POST"]),
             Route("/signout", self.sign_out, methods=["POST"]),
             Route("/static/{name}", self.static, methods=["GET"]),
+            *self._history.routes(),
         ]
 
     # Pages.
@@ -172,6 +176,8 @@ class Dashboard:
             "paused": status.get("paused", []),
             "refresh_seconds": REFRESH_SECONDS,
             "error_tail": ERROR_TAIL,
+            "graph_minutes": GRAPH_MINUTES,
+            "graph_refresh": GRAPH_REFRESH_SECONDS,
         })
 
     async def live(self, request: Request) -> Response:

@@ -207,6 +207,11 @@ COMMANDS: dict[str, tuple[str, str, list[Param]]] = {
         Param("limit", {"type": "integer", "minimum": 1, "maximum": 1000},
               "list at most this many queues"),
     ]),
+    "History": ("What the queues did, minute by minute (kept in memory)", "14.20", [
+        Param("name", {**NAME, "pattern": "^[^/]+$"}, "one queue; all together if absent"),
+        Param("minutes", {"type": "integer", "minimum": 1, "maximum": 10_080},
+              "the last this many minutes, at most the server's --history-minutes"),
+    ]),
 }
 
 _WIRE_STATUS = {

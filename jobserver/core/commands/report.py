@@ -113,7 +113,7 @@ def _finish_or_retry(ctx: Context, request: Request, retry: bool) -> Response:
         lifecycle.fail(ctx, job, str(stalled), **changes)
         return ok()
     if next_run is not None:
-        lifecycle.retry(ctx, job, next_run, **changes)
+        lifecycle.retry(ctx, job, next_run, repeats=not retry, **changes)
     else:
         lifecycle.finish(ctx, job, parent, **changes)
     return ok()

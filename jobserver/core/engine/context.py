@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from jobserver.core.engine.history import Events, add_events, new_events
 from jobserver.model import times
 from jobserver.storage.interface import Storage
 from jobserver.wire.limits import DEFAULT_MAX_LIMITS, DEFAULT_MAX_REPLY_BYTES
@@ -58,6 +59,10 @@ class Context:
     # When a job that runs from now becomes stale (--stale-after), made at
     # the first hand-out or report that asks: a GetJobs asks for each job.
     _stale_at: str | None = field(default=None, init=False, repr=False)
+    # What this request's moves count in the history (history.py), by
+    # kind and job name: made at its first event, added up only if its
+    # transaction commits.
+    events: Events | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         # Formatted once: handlers compare against these many times.
@@ -77,6 +82,15 @@ class Context:
         job becoming due (a running job's stale deadline)."""
         if self.due is None or moment < self.due:
             self.due = moment
+
+    def note(self, kind: int, name: str) -> None:
+        """Count an event of `kind` (history.CREATED, ...) for job `name`:
+        a dict's increment, for every job a batch moves."""
+        events = self.events
+        if events is None:
+            events = self.events = new_events()
+        counts = events[kind]
+        counts[name] = counts.get(name, 0) + 1
 
     def stale_at(self) -> str:
         """now + --stale-after, to the millisecond, as nextRun is stored."""
@@ -102,3 +116,7 @@ class Context:
         self.ready |= part.ready
         if part.due is not None:
             self.fire_at(part.due)
+        if part.events is not None:
+            if self.events is None:
+                self.events = new_events()
+            add_events(self.events, part.events)

@@ -46,6 +46,7 @@ from jobserver.core.engine.clock import Clock, seconds_until
 from jobserver.core.engine.context import Context, Settings
 from jobserver.core.engine.durability import Durability
 from jobserver.core.engine.histogram import BATCH_BOUNDS, SECONDS_BOUNDS, Histogram
+from jobserver.core.engine.history import History
 from jobserver.core.engine.waiters import Waiter, WaitQueue
 from jobserver.core.engine.work import Call, GiveBack, Serve, Tick, Work
 from jobserver.core.engine.writer import (
@@ -84,10 +85,17 @@ def _refuse_abort(raise_cancel: Any) -> trio.lowlevel.Abort:
 
 class Engine:
     def __init__(
-        self, store: Storage, clock: Clock, settings: Settings = Settings(), threaded: bool = True
+        self,
+        store: Storage,
+        clock: Clock,
+        settings: Settings = Settings(),
+        threaded: bool = True,
+        history: History | None = None,
     ) -> None:
         self._store = store
         self._clock = clock
+        # What committed batches moved, per minute (--history-minutes).
+        self.history = history if history is not None else History(clock=clock)
         self.settings = settings
         self._threaded = threaded
         self.writer = Writer(store, clock, settings)
@@ -293,6 +301,8 @@ class Engine:
         if committed.ready or committed.due is not None:
             self.notify(committed.ready, committed.due)
         if committed.ok:
+            if committed.events:
+                self.history.record(committed.events)
             self._durability.committed(committed.works, committed.outcomes, committed.wrote)
         else:
             self._deliver(committed.works, committed.outcomes)
@@ -331,7 +341,7 @@ class Engine:
                 store.begin()
             changes_before = store.total_changes
             done = self.writer.execute(batch)
-            outcomes, ready, due = done.outcomes, done.ready, done.due
+            outcomes, ready, due, events = done.outcomes, done.ready, done.due, done.events
             announced, announced_due = set(ready), due
             # From a thread, only if someone waits (read from here, a race
             # that loses nothing: a GetJob that joins meanwhile hears of
@@ -348,6 +358,7 @@ class Engine:
                 if tries:
                     served = ran(self.writer.run_all(tries, savepoints=True) or [])
                     outcomes += served.outcomes
+                    events += served.events
                     ready, due = served.ready, served.due
             announced |= ready
             announced_due = earliest(announced_due, due)
@@ -356,7 +367,7 @@ class Engine:
                 store.announce(announced, announced_due)
             store.commit()
             wrote = store.total_changes != changes_before
-            return Committed([*batch, *tries], outcomes, True, ready, due, wrote)
+            return Committed([*batch, *tries], outcomes, True, ready, due, wrote, events)
         except Exception as error:  # a boundary: see above
             if isinstance(error, store.transient) and not tries:
                 raise Transient(error) from error

@@ -23,6 +23,7 @@ import outcome
 
 from jobserver.core.engine.clock import Clock
 from jobserver.core.engine.context import Context, Settings
+from jobserver.core.engine.history import Events
 from jobserver.core.engine.work import Work
 from jobserver.core.errors import CommandError
 from jobserver.model import times
@@ -48,6 +49,8 @@ class Ran:
     outcomes: list[outcome.Maybe[Any]]
     ready: set[str]
     due: str | None
+    # What the requests that succeeded count in the history.
+    events: list[Events] = field(default_factory=list)
 
 
 class Writer:
@@ -171,6 +174,8 @@ class Committed:
     due: str | None = None
     # Whether it changed anything: a batch of reads needs no sync of its own.
     wrote: bool = True
+    # What its requests count in the history, once it committed.
+    events: list[Events] = field(default_factory=list)
 
 
 class Transient(Exception):
@@ -187,18 +192,22 @@ class TransientFailed(Exception):
 
 
 def ran(results: Results) -> Ran:
-    """The outcomes of many requests, the names they made due and the
-    earliest future nextRun they wrote."""
+    """The outcomes of many requests, the names they made due, the
+    earliest future nextRun they wrote, and the events of those that
+    succeeded."""
     outcomes: list[outcome.Maybe[Any]] = []
     ready: set[str] = set()
     due: str | None = None
+    events: list[Events] = []
     for result, ctx in results:
         outcomes.append(result)
         if ctx is not None:
             ready |= ctx.ready
             if ctx.due is not None and (due is None or ctx.due < due):
                 due = ctx.due
-    return Ran(outcomes, ready, due)
+            if ctx.events is not None:
+                events.append(ctx.events)
+    return Ran(outcomes, ready, due, events)
 
 
 def earliest(a: str | None, b: str | None) -> str | None:

@@ -13,7 +13,10 @@ that wakes waiting GetJobs:
 - a job that stops running may have freed capacity of a concurrency limit,
   so every waiting GetJob is tried again (`wake_all`);
 - a job that starts running, or is reported on, sets the clock for its
-  stale deadline (stale.py).
+  stale deadline (stale.py);
+- a move the history counts (created, handed out, finished, failed,
+  retried: `_EVENTS`) is noted on the Context, which the engine adds to
+  the history only once the transaction commits (engine/history.py).
 
 A move asked of a job in a state that cannot make it is refused here, and
 nowhere else: commands check no states. A move a client can ask for
@@ -33,6 +36,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from jobserver.core.engine import history
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
 from jobserver.core.rules import flow, schedule
@@ -61,10 +65,25 @@ LEASE_BYTES = 8
 LEASE_EXPIRED = "lease expired without a report"
 
 
+# The moves the history counts (history.py), by the state they reach. A
+# retry's event is its caller's to say (`retry`).
+_EVENTS: dict[str, dict[str, int]] = {
+    "hand out": {State.RUNNING: history.HANDED_OUT, State.RUNQUEUED: history.HANDED_OUT},
+    "finish": {State.FINISHED: history.FINISHED, GONE: history.FINISHED},
+    "expire a lease": {State.FAILED: history.FAILED},
+    "fail": {State.FAILED: history.FAILED},
+    "fail an attempt": {State.FAILED: history.FAILED, State.QUEUED: history.RETRIED},
+    "time out a reply": {State.FAILED: history.FAILED, State.QUEUED: history.RETRIED},
+}
+
+
 def _move(ctx: Context, job: Job, name: str, target: str, /, **changes: Any) -> None:
     move = MOVES[name]
     if (job.state, target) not in move.pairs:
         raise illegal(job, name, target)
+    counted = _EVENTS.get(name)
+    if counted is not None:
+        ctx.note(counted[target], job.name)
     if move.ends_run:
         _freed(ctx, job)
     # Fenced by the state the move starts from: a job another node moved
@@ -129,6 +148,7 @@ def create(ctx: Context, new: NewJob, parent: Job | None) -> int:
         check_parent(parent)
     state = State.PAUSED if parent is not None and parent.state != State.PAUSED else State.QUEUED
     (job_id,) = ctx.store.create([new], created=ctx.now_s, state=state)
+    ctx.note(history.CREATED, new.name)
     if state == State.QUEUED:
         ctx.scheduled(new.name, new.next_run)
     return job_id
@@ -310,11 +330,15 @@ def finish(ctx: Context, job: Job, parent: Job | None, **changes: Any) -> None:
         _move(ctx, job, "finish", GONE)
 
 
-def retry(ctx: Context, job: Job, next_run: str, **changes: Any) -> None:
+def retry(
+    ctx: Context, job: Job, next_run: str, /, repeats: bool = False, **changes: Any
+) -> None:
     """A run ended and the job runs again at `next_run` (RetryJob, or a
-    repeat), or at the start of its next time window after that."""
+    repeat), or at the start of its next time window after that. The
+    history counts a repeat's run as finished, a RetryJob's as retried."""
     next_run = schedule.in_window(job.timeWindows, job.timeZone, next_run)
     _move(ctx, job, "retry", State.QUEUED, nextRun=next_run, **changes)
+    ctx.note(history.FINISHED if repeats else history.RETRIED, job.name)
 
 
 def fail_attempt(ctx: Context, job: Job, error: str, **changes: Any) -> None:

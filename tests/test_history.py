@@ -1,0 +1,289 @@
+"""History (protocol.md 14.20): what the queues did, minute by minute,
+counted by the server for committed work only. A real server on a loopback
+port, on every backend; the ring itself on trio's MockClock, where minutes
+pass in no time."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from conformance_helpers import get_job
+from harness import ThreadServer
+from helpers import create, ok, until
+from jobserver.core.engine import depth, history
+from jobserver.core.engine.history import History
+from jobserver.storage.sqlite import Store
+from wire import Client
+
+SERIES = ("created", "handedOut", "finished", "failed", "retried", "depth")
+
+
+def read(client: Client, **params: Any) -> dict[str, Any]:
+    body: dict[str, Any] = ok(client.request("History", **params)).json
+    return body
+
+
+def totals(body: dict[str, Any]) -> dict[str, int]:
+    """Each counted series summed over the window (depth is a gauge)."""
+    return {name: sum(body["series"][name]) for name in SERIES[:-1]}
+
+
+@pytest.mark.backends
+def test_each_event_is_counted_in_its_queue(client):
+    sent = [create(client, "email/send") for _ in range(4)]
+    create(client, "report")
+    retried = create(client, "email/bounce", maxAttempts=3)
+    handed = [get_job(client, "email/send")["jobID"] for _ in range(3)]
+    assert handed == sent[:3]
+    ok(client.request("FinishJob", jobID=sent[0]))
+    ok(client.request("FailJob", jobID=sent[1], error="boom"))
+    ok(client.request("RetryJob", jobID=sent[2], delay=0))
+    assert get_job(client, "email/bounce")["jobID"] == retried
+    # A failed attempt that the retry policy queues again is a retry.
+    ok(client.request("FailJob", jobID=retried, error="again"))
+
+    email = read(client, name="email")
+    assert totals(email) == {
+        "created": 5,
+        "handedOut": 4,
+        "finished": 1,
+        "failed": 1,
+        "retried": 2,
+    }
+    assert email["queue"] == "email" and email["tracked"] is True
+    everything = read(client)
+    assert totals(everything)["created"] == 6
+    assert everything["queues"] == ["email", "report"]
+    assert everything["interval"] == 60
+    # The whole window by default, each series one value a minute, this
+    # minute last.
+    assert everything["minutes"] == everything["window"] == history.DEFAULT_MINUTES
+    assert all(len(everything["series"][name]) == everything["minutes"] for name in SERIES)
+    assert everything["series"]["created"][-1] == 6
+    assert everything["start"].endswith(":00Z")
+    assert everything["startTime"] % 60 == 0
+
+
+@pytest.mark.backends
+def test_a_refused_request_counts_nothing(client):
+    create(client, "kept")
+    # Two jobs are stored before the third element is refused: the request
+    # is undone, and so are its counts.
+    reply = client.request(
+        "CreateJobs",
+        jobs=json.dumps(
+            [{"name": "undone"}, {"name": "undone"}, {"name": "undone", "priority": 7}]
+        ),
+    )
+    assert reply.status == "402 Invalid priority value"
+    body = read(client)
+    assert totals(body)["created"] == 1
+    assert body["queues"] == ["kept"]
+    assert read(client, name="undone")["tracked"] is False
+
+
+@pytest.mark.backends
+def test_finishjobs_counts_the_elements_that_finished(client):
+    jobs = [create(client, "batch/x") for _ in range(3)]
+    for _ in jobs:
+        get_job(client, "batch/x")
+    # The second element names the first job again: 404, undone alone.
+    reply = client.request(
+        "FinishJobs", jobs=json.dumps([{"jobID": j} for j in (*jobs[:1], *jobs)])
+    )
+    assert [e["status"] for e in ok(reply).json["results"]] == [
+        "200 OK",
+        "404 No job with this jobID",
+    ] + ["200 OK"] * 2
+    assert totals(read(client, name="batch"))["finished"] == 3
+
+
+def test_a_repeating_jobs_run_is_finished_and_a_queue_not_seen_reads_as_zeros(client):
+    job = create(client, "nightly/backup", repeat="FINISHED, +1 HOUR")
+    get_job(client, "nightly/backup")
+    ok(client.request("FinishJob", jobID=job))
+    assert totals(read(client, name="nightly"))["finished"] == 1
+    unseen = read(client, name="nothing", minutes=5)
+    assert unseen["tracked"] is False
+    assert unseen["series"] == {name: [0] * 5 for name in SERIES}
+
+
+@pytest.mark.parametrize(
+    ("params", "status"),
+    [
+        ({"minutes": "0"}, "402 Malformed minutes: 1 to 1440"),
+        ({"minutes": "1441"}, "402 Malformed minutes: 1 to 1440"),
+        ({"minutes": "-5"}, "402 Malformed minutes"),
+        ({"minutes": "ten"}, "402 Malformed minutes"),
+        ({"minutes": "9" * 40}, "402 Malformed minutes"),
+        ({"name": "a/b"}, "402 Malformed name: a queue has no '/'"),
+        ({"name": "a\x01"}, "402 Malformed name"),
+        ({"name": "q" * 256}, "402 Name too large (255 bytes at most)"),
+    ],
+)
+def test_bad_parameters_are_refused(client, params, status):
+    assert client.request("History", **params).status == status
+
+
+def test_minutes_reads_the_last_minutes_and_typos_are_named(client):
+    create(client, "q")
+    body = read(client, minutes=3)
+    assert body["series"]["created"] == [0, 0, 1]
+    reply = client.request("History", minuts=3)
+    assert reply.headers.get("ignoredHeaders") == "minuts"
+
+
+def test_counts_are_lost_on_restart_and_depth_is_read_as_the_server_starts(tmp_path):
+    first = ThreadServer(tmp_path / "jobs.db")
+    try:
+        with first.client() as client:
+            for _ in range(3):
+                create(client, "mail/send")
+    finally:
+        first.stop()
+    second = ThreadServer(tmp_path / "jobs.db")
+    try:
+        with second.client() as client:
+            depth_now = until(
+                lambda: read(client, name="mail", minutes=1)["series"]["depth"][0],
+                10,
+                "the depth read at start",
+            )
+            assert depth_now == 3
+            assert totals(read(client))["created"] == 0
+    finally:
+        second.stop()
+
+
+def test_no_history_when_turned_off(start_server, tmp_path):
+    server = start_server(tmp_path / "off.db", "--history-minutes", "0")
+    with Client(server.port) as client:
+        create(client, "q")
+        assert client.request("History").status == "404 No history kept (--history-minutes 0)"
+
+
+@pytest.mark.parametrize("value", ["-1", "10081", "1.5", "day"])
+def test_bad_history_minutes_are_refused(value, tmp_path):
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jobserver",
+            "serve",
+            "--db",
+            str(tmp_path / "x.db"),
+            "--history-minutes",
+            value,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2
+    assert "--history-minutes" in run.stderr and "0 to 10080" in run.stderr
+
+
+def test_history_minutes_is_in_help():
+    run = subprocess.run(
+        [sys.executable, "-m", "jobserver", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "--history-minutes N" in run.stdout
+
+
+# The ring on trio's MockClock.
+
+
+class TrioClock:
+    """The engine's Clock, following trio's (mock) time from a fixed epoch."""
+
+    def __init__(self, epoch: float) -> None:
+        self.epoch = epoch
+
+    def now(self) -> Any:
+        from datetime import UTC, datetime
+
+        return datetime.fromtimestamp(self.epoch + trio.current_time(), UTC)
+
+
+def _events(kind: int, name: str, count: int = 1) -> history.Events:
+    events = history.new_events()
+    events[kind][name] = count
+    return events
+
+
+def _run(test: Any) -> None:
+    trio.run(test, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_events_land_in_the_minute_they_commit_and_the_window_is_bounded():
+    async def main() -> None:
+        ring = History(5, TrioClock(1_800_000_000.0))
+        ring.record([_events(history.CREATED, "a/x", 2)])
+        await trio.sleep(60)
+        ring.record([_events(history.FINISHED, "a/y"), _events(history.FAILED, "b")])
+        window = ring.read("a", 5)
+        assert window.series["created"] == [0, 0, 0, 2, 0]
+        assert window.series["finished"] == [0, 0, 0, 0, 1]
+        assert ring.read(None, 5).series["failed"] == [0, 0, 0, 0, 1]
+        # Four minutes later the first minute has left the window of five.
+        await trio.sleep(4 * 60)
+        assert ring.read("a", 5).series["created"] == [0] * 5
+        assert ring.read("a", 5).series["finished"] == [1, 0, 0, 0, 0]
+        # A queue silent for a whole window is forgotten.
+        await trio.sleep(5 * 60)
+        assert ring.read(None, 5).queues == []
+        assert ring.read(None, 5).series["finished"] == [0] * 5
+
+    _run(main)
+
+
+def test_queues_past_the_tracked_many_are_added_up_as_other():
+    async def main() -> None:
+        ring = History(3, TrioClock(0.0))
+        ring.record(
+            [_events(history.CREATED, f"q{i}") for i in range(history.MAX_TRACKED_QUEUES + 7)]
+        )
+        window = ring.read(None, 3)
+        assert len(window.queues) == history.MAX_TRACKED_QUEUES and window.other
+        assert window.series["created"][-1] == history.MAX_TRACKED_QUEUES + 7
+        assert ring.read(f"q{history.MAX_TRACKED_QUEUES + 1}", 3).tracked is False
+        # The memory it costs: 48 bytes a minute for each series kept.
+        assert ring.bytes_per_minute() == (history.MAX_TRACKED_QUEUES + 2) * 6 * 8
+
+    _run(main)
+
+
+def test_depth_is_sampled_from_the_store(tmp_path):
+    async def main() -> None:
+        from jobserver.core.build import build_core
+        from jobserver.core.engine.context import Settings
+
+        clock = TrioClock(1_800_000_000.0)
+        store = Store(str(tmp_path / "jobs.db"), "NORMAL")
+        core = build_core(store, clock, Settings(), threaded=False, history_minutes=10)
+        core.engine.start()
+        try:
+            from jobserver.wire.framing import Request
+
+            for name in ("a/1", "a/2", "b", "b"):
+                answer = await core.dispatcher.dispatch(Request("CreateJob", {"name": name}), "t")
+                assert answer.response.code == 200
+            await depth.sample_once(store, core.engine.history, clock)
+            assert core.engine.history.read("a", 1).series["depth"] == [2]
+            assert core.engine.history.read(None, 1).series["depth"] == [4]
+            assert core.engine.history.read(None, 1).series["created"] == [4]
+        finally:
+            await core.engine.stop()
+            store.close()
+
+    _run(main)
