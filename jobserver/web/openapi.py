@@ -192,6 +192,12 @@ COMMANDS: dict[str, tuple[str, str, list[Param]]] = {
         Param("limit", {"type": "integer", "minimum": 1, "maximum": 1000},
               "list at most this many queues"),
     ]),
+    "RunningJobs": ("The jobs handed out now, the longest running first, with their workers",
+                    "14.19", [
+        Param("name", PATTERN, "only jobs whose name matches this GLOB pattern"),
+        Param("limit", {"type": "integer", "minimum": 1, "maximum": 1000},
+              "list at most this many jobs (default 100)"),
+    ]),
 }
 
 _WIRE_STATUS = {

@@ -46,6 +46,7 @@ KNOWN_HEADERS: dict[str, frozenset[str]] = {
         "deliverreply": ("key", "data"),
         "backup": ("name", "path"),
         "queues": ("limit",),
+        "runningjobs": ("limit", "name"),
     }.items()
 }
 # Headers any command may carry: the framing's and the server's own, and
