@@ -148,6 +148,9 @@ def test_a_limit_and_a_name_pattern_bound_the_list_and_the_total_counts_all(clie
     emails = running(client, name="email/*")
     assert [job["name"] for job in emails["jobs"]] == ["email/a", "email/b", "email/c"]
     assert emails["total"] == 3
+    newest = running(client, order="NEWEST", limit=2)
+    assert [job["name"] for job in newest["jobs"]] == ["sms/a", "email/c"]
+    assert newest["total"] == 4
     nothing = running(client, name="none*")
     assert (nothing["jobs"], nothing["total"], nothing["more"]) == ([], 0, 0)
 
@@ -158,6 +161,7 @@ def test_a_limit_and_a_name_pattern_bound_the_list_and_the_total_counts_all(clie
         ({"limit": "ten"}, "402 Malformed limit"),
         ({"limit": 0}, "402 Malformed limit: 1 to 1000"),
         ({"limit": 1001}, "402 Malformed limit: 1 to 1000"),
+        ({"order": "age"}, "402 Malformed order: oldest or newest"),
         ({"name": "a\x01b"}, "402 Malformed name"),
         ({"name": "x" * 12751}, "402 Name too large (12750 bytes at most)"),
     ],

@@ -406,11 +406,14 @@ class Readers(Protocol):
         """Jobs in any state whose name matches a GLOB `pattern`, newest
         first: the dashboard's search. It may read every job."""
 
-    def running_jobs(self, now: str, pattern: str | None, limit: int) -> RunningStats:
+    def running_jobs(
+        self, now: str, pattern: str | None, limit: int, newest: bool = False
+    ) -> RunningStats:
         """Up to `limit` jobs handed out now (RUNNING, and RUNQUEUED with a
         lease that has not ended) whose name matches a GLOB `pattern` (any
-        with None), the longest running first, and how many match in all:
-        RunningJobs. It reads the jobs handed out, through an index."""
+        with None), the longest running first (`newest`: the last handed
+        out first), and how many match in all: RunningJobs. It reads the
+        jobs handed out, through an index."""
 
     def backup(
         self, directory: BackupDirectory, name: str, stopped: Callable[[], bool]

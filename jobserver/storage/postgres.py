@@ -431,8 +431,10 @@ class PostgresStore(SqlStore):
             rows = db.execute(*sql.find_matching(POSTGRES, pattern, limit)).fetchall()
         return [Job(*row) for row in rows]
 
-    def running_jobs(self, now: str, pattern: str | None, limit: int) -> RunningStats:
-        listed, counted = sql.running_jobs(POSTGRES, now, pattern, limit)
+    def running_jobs(
+        self, now: str, pattern: str | None, limit: int, newest: bool = False
+    ) -> RunningStats:
+        listed, counted = sql.running_jobs(POSTGRES, now, pattern, limit, newest)
         # One snapshot for both: the count is of the same moment.
         with connect(self._url) as db, db.transaction():
             db.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")

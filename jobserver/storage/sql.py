@@ -162,18 +162,18 @@ RUNNING_JOB = "jobID, name, state, lastRun, nextRun, lastReport, worker, node"
 
 
 def running_jobs(
-    d: Dialect, now: str, pattern: str | None, limit: int
+    d: Dialect, now: str, pattern: str | None, limit: int, newest: bool = False
 ) -> tuple[Clause, Clause]:
     """The jobs handed out at `now` whose name matches `pattern`, the
-    longest running first (an index range read in order, up to `limit`),
-    and how many there are."""
+    longest running first, or the newest first (an index range read in
+    order, either way, up to `limit`), and how many there are."""
     where, args = d.holding(), [now]
     if pattern is not None:
         clause, more = d.matches("name", pattern)
         where, args = f"{where} AND {clause}", [now, *more]
     listed = (
         f"SELECT {RUNNING_JOB} FROM jobs {d.indexed_by('jobsActiveStarted')} WHERE {where} "
-        f"ORDER BY lastRun, jobID LIMIT {d.mark}",
+        f"ORDER BY {'lastRun DESC, jobID DESC' if newest else 'lastRun, jobID'} LIMIT {d.mark}",
         [*args, limit],
     )
     return listed, (f"SELECT COUNT(*) FROM jobs WHERE {where}", args)

@@ -377,8 +377,10 @@ class Store(SqlStore):
         rows = sqlite_readers.find_matching(self.path, pattern, limit)
         return [Job(*row) for row in rows]
 
-    def running_jobs(self, now: str, pattern: str | None, limit: int) -> RunningStats:
-        return sqlite_readers.running_jobs(self.path, now, pattern, limit)
+    def running_jobs(
+        self, now: str, pattern: str | None, limit: int, newest: bool = False
+    ) -> RunningStats:
+        return sqlite_readers.running_jobs(self.path, now, pattern, limit, newest)
 
     def size_bytes(self) -> int:
         total = 0

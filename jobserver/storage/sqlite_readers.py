@@ -291,10 +291,12 @@ def find_matching(path: str, pattern: str, limit: int) -> list[tuple[Any, ...]]:
         db.close()
 
 
-def running_jobs(path: str, now: str, pattern: str | None, limit: int) -> RunningStats:
-    """The jobs handed out, the longest running first, and their count,
-    in one read transaction: the count is of the same moment."""
-    listed, counted = sql.running_jobs(SQLITE, now, pattern, limit)
+def running_jobs(
+    path: str, now: str, pattern: str | None, limit: int, newest: bool
+) -> RunningStats:
+    """The jobs handed out, in the order asked, and their count, in one
+    read transaction: the count is of the same moment."""
+    listed, counted = sql.running_jobs(SQLITE, now, pattern, limit, newest)
     db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
     try:
         db.execute("BEGIN")

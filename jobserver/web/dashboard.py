@@ -43,7 +43,7 @@ from jobserver.core.commands import params
 from jobserver.core.errors import CommandError
 from jobserver.model import times
 from jobserver.model.jobs import State
-from jobserver.web import access, forms, texts
+from jobserver.web import access, forms, running_pages, texts
 from jobserver.web.incoming import peer
 from jobserver.web.reads import Reads
 from jobserver.wire.framing import Request as WireRequest
@@ -188,6 +188,7 @@ class Dashboard:
             "queues_error": queues_error,
             "states": [state for state in STATE_ORDER if state in present],
             "updated": times.to_seconds(times.utcnow())[11:],
+            **await running_pages.running_now(self._call, request, status),
         }
 
     async def job(self, request: Request) -> Response:

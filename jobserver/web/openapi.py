@@ -197,6 +197,8 @@ COMMANDS: dict[str, tuple[str, str, list[Param]]] = {
         Param("name", PATTERN, "only jobs whose name matches this GLOB pattern"),
         Param("limit", {"type": "integer", "minimum": 1, "maximum": 1000},
               "list at most this many jobs (default 100)"),
+        Param("order", {"type": "string", "enum": ["oldest", "newest"]},
+              "the longest running first (default), or the last handed out first"),
     ]),
 }
 

@@ -46,7 +46,7 @@ KNOWN_HEADERS: dict[str, frozenset[str]] = {
         "deliverreply": ("key", "data"),
         "backup": ("name", "path"),
         "queues": ("limit",),
-        "runningjobs": ("limit", "name"),
+        "runningjobs": ("limit", "name", "order"),
     }.items()
 }
 # Headers any command may carry: the framing's and the server's own, and

@@ -28,11 +28,14 @@ from jobserver.wire.framing import Request, Response
 # and a node of 100 each) to well under a megabyte.
 DEFAULT_RUNNING = 100
 MAX_RUNNING = 1000
+# `order`: the longest running first (the default), or the last handed out.
+ORDERS = ("oldest", "newest")
 
 
 async def running_jobs(services: Services, request: Request, peer: str) -> Answer:
     pattern = name_pattern(request)
     limit = running_limit(request)
+    newest = newest_first(request)
     now = times.utcnow()
     store = services.store
     try:
@@ -41,6 +44,7 @@ async def running_jobs(services: Services, request: Request, peer: str) -> Answe
             times.to_millis(now),
             pattern,
             limit,
+            newest,
             limiter=services.query_threads,
         )
     except store.errors as error:
@@ -79,6 +83,14 @@ def running_limit(request: Request) -> int:
     if not 1 <= number <= MAX_RUNNING:
         raise CommandError(f"402 Malformed limit: 1 to {MAX_RUNNING}")
     return number
+
+
+def newest_first(request: Request) -> bool:
+    """The optional `order`: `oldest` (the longest running first) or `newest`."""
+    text = (params.present(request, "order") or ORDERS[0]).lower()
+    if text not in ORDERS:
+        raise CommandError("402 Malformed order: oldest or newest")
+    return text == "newest"
 
 
 def job_view(job: RunningJob, now: datetime, stale_after: float) -> dict[str, object]:
