@@ -18,8 +18,12 @@ import psycopg
 import pytest
 
 from conformance_helpers import fmt, force, get_job, parse_time, utcnow
-from harness import ThreadServer
+from harness import Nodes, ThreadServer
 from helpers import create, ok, until
+from jobserver.core.engine.context import Context, Settings
+from jobserver.core.rules import lifecycle
+from jobserver.model import times
+from jobserver.model.jobs import NewJob
 from jobserver.storage import postgres_schema, sql
 from jobserver.storage.postgres import PostgresStore
 from jobserver.storage.sqlite import Store
@@ -283,3 +287,55 @@ def _sqlite_layout(path: Path) -> tuple[Any, ...]:
         return db.execute("PRAGMA user_version").fetchone()[0], columns, objects
     finally:
         db.close()
+
+
+def test_on_several_nodes_each_job_names_the_node_it_was_taken_on(backend, db):
+    if backend != "postgres":
+        pytest.skip("nodes share a PostgreSQL queue")
+    nodes = Nodes(str(db), 2)
+    try:
+        first, second = nodes.nodes
+        with first.client() as one, second.client() as two:
+            taken = {}
+            for worker in (one, two):
+                create(worker, "shared")
+                taken[get_job(worker, "shared")["jobID"]] = worker
+            # Either node lists every job of the queue, each with its own node.
+            for asker in (one, two):
+                listed = {job["jobID"]: job for job in running(asker)["jobs"]}
+                assert {job_id: (job["worker"], job["node"]) for job_id, job in listed.items()} == {
+                    job_id: (address(worker), f"127.0.0.1:{node.port}")
+                    for (job_id, worker), node in zip(taken.items(), (first, second), strict=True)
+                }
+            # Each node's waiting GetJobs are its own.
+            one.send(encode("GetJob", {"name": "idle", "Connection": "wait", "timeout": 10000}))
+            with first.client() as here:
+                waiting = until(
+                    lambda: ok(here.request("Status")).json["waiting"], TIMEOUT, "the waiter"
+                )
+            assert [w["peer"] for w in waiting] == [address(one)]
+            assert ok(two.request("Status")).json["waiting"] == []
+            create(two, "idle")
+            assert ok(one.read_reply()).code == 200
+    finally:
+        nodes.stop()
+
+
+def test_a_give_back_restores_who_had_the_job_before(store):
+    """A hand-out whose reply never reached its worker is undone whole:
+    the job names no worker it never reached."""
+    ctx = Context(store, times.utcnow(), Settings(node="node-a:8888"))
+    store.begin()
+    job_id = lifecycle.create(ctx, NewJob(name="job", next_run=ctx.now_ms, priority=500), None)
+    before = store.get(job_id)
+    assert before is not None
+    lease = lifecycle.hand_out(ctx, before, "10.0.0.7:4242")
+    assert lease is not None
+    taken = store.get(job_id)
+    assert taken is not None
+    assert (taken.state, taken.worker, taken.node) == ("RUNNING", "10.0.0.7:4242", "node-a:8888")
+    lifecycle.give_back(ctx, before, lease)
+    back = store.get(job_id)
+    assert back is not None
+    assert (back.state, back.worker, back.node) == ("QUEUED", "", "")
+    store.rollback()
