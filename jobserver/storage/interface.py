@@ -48,7 +48,7 @@ class RunningJob:
     # When it was handed out (lastRun), its nextRun (a RUNQUEUED job's
     # lease end), when it was handed out or last reported on (a RUNNING
     # job's, the stale-job net counts from it), and who took it.
-    started: str
+    started: str | None
     next_run: str
     last_report: str
     worker: str

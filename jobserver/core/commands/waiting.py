@@ -1,9 +1,10 @@
 """The waiting GetJobs as Status shows them: which workers are idle, since
 when, and what they wait for.
 
-Read from this node's wait queue (waiters.py), on the event loop: it holds
-no more than a few hundred waiters' worth of work (a bounded heap of the
-oldest), and touches no database. Another node's waiters are its own.
+Read from this node's wait queue (waiters.py), on the event loop: the
+oldest waiters merged from the groups of each name waited for (reading
+MAX_WAITERS_LISTED of them), the names counted from those groups, and no
+database. Another node's waiters are its own.
 """
 
 from __future__ import annotations

@@ -161,8 +161,17 @@ class WaitQueue:
         return waiter
 
     def oldest(self, limit: int) -> list[Waiter]:
-        """The `limit` waiters that have waited longest, oldest first."""
-        return heapq.nsmallest(limit, self.everyone(), key=lambda w: w.seq)
+        """The `limit` waiters that have waited longest, oldest first. Each
+        selector's group is in the order its waiters joined, so they are in
+        the groups whose first waiters are the `limit` oldest: those are
+        merged, and not every waiter is read."""
+        firsts = heapq.nsmallest(
+            limit, (next(iter(group)) for group in self._by_selector.values()),
+            key=lambda w: w.seq,
+        )
+        groups = [self._by_selector[first.selector] for first in firsts]
+        merged = heapq.merge(*groups, key=lambda w: w.seq)
+        return list(itertools.islice(merged, limit))
 
     def by_selector(self, limit: int) -> list[tuple[Selector, int]]:
         """The `limit` selectors most waiters wait on, with how many."""
