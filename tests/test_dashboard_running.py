@@ -100,6 +100,9 @@ def test_the_running_jobs_show_their_worker_the_oldest_highlighted(web, db):
             flipped = rows_of(visitor.get(path).text)
             assert f'href="/jobs/{newest}"' in flipped[0]
             assert f'href="/jobs/{oldest}"' in flipped[1] and 'class="oldest"' in flipped[1]
+        # A job's page says who took it.
+        job_page = visitor.get(f"/jobs/{newest}").text
+        assert f"<code>{address(worker)}</code> on <code>127.0.0.1:{web.port}</code>" in job_page
         # An order it does not know is the default.
         assert f'href="/jobs/{oldest}"' in rows_of(visitor.get("/live?running=x%00").text)[0]
         with web.client() as admin:
