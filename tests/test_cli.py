@@ -622,9 +622,16 @@ def test_top_once_shows_the_headline_and_the_queues_with_their_ages(cli_here, jo
     ]
     assert lines[6].split() == ["email", "2", "0", "2", "-", "2"]
     assert lines[7].split() == ["report", "0", "1", "1", "-", "0"]
-    assert len(lines) == 8
+    # What runs, and who took it (this client's library connection): the
+    # longest first; then the idle workers.
+    assert lines[8:10] == ["", "running: 1 of 1, the longest first"]
+    assert lines[10].split() == ["JOB", "NAME", "WORKER", "RUNNING", "FOR", "LAST", "REPORT"]
+    row = lines[11].split()
+    assert row[:2] == [str(waiting + 2), "report/daily"] and row[2].startswith("127.0.0.1:")
+    assert row[-1] == "ago"
+    assert lines[12:] == ["idle workers: none waiting"]
     shorter = cli_here("top", "--once", "--limit", "1").stdout.splitlines()
-    assert shorter[-1] == "... and 1 more queue (--limit)"
+    assert "... and 1 more queue (--limit)" in shorter
 
 
 @pytest.mark.parametrize("seconds, shown", [
@@ -645,6 +652,22 @@ def test_top_cuts_long_names_and_shows_no_control_characters():
     assert frame.splitlines()[-2].split() == ["QUEUE", "QUEUED", "FAILED", "NEWSTATE", "TOTAL",
                                              "OLDEST", "READY"]
     assert frame.splitlines()[-1].split() == ["x" * 29 + "...", "3", "1", "2", "6", "-"]
+
+
+def test_top_shows_what_runs_by_whom_and_which_workers_wait_for_what():
+    status = {"waitingByName": [
+        {"name": "email/*", "waiting": 2}, {"name": "sms\x1b", "waiting": 1}]}
+    running = {
+        "jobs": [{"jobID": 7, "name": "report", "worker": "10.0.0.2:5000",
+                  "runningSeconds": 312.5, "lastReport": "2030-01-01 00:00:00"}],
+        "total": 3, "now": "2030-01-01 00:00:12",
+    }
+    frame = top.render("h:1", datetime(2030, 1, 1, tzinfo=UTC), status, {"queues": []}, running)
+    lines = frame.splitlines()
+    assert "\x1b" not in frame
+    at = lines.index("running: 1 of 3, the longest first")
+    assert lines[at + 2].split() == ["7", "report", "10.0.0.2:5000", "5m12s", "12.0s", "ago"]
+    assert lines[-1] == "idle workers (waiting GetJobs by name): email/* 2, sms? 1"
 
 
 def test_top_once_exits_as_the_client_commands_when_the_server_is_away(capsys):

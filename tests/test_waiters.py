@@ -65,3 +65,23 @@ async def test_closing_answers_idle_waiters_and_those_not_yet_sent() -> None:
     assert idle.woken.is_set() and not trying.woken.is_set()
     waits.served([trying], [None])
     assert trying.woken.is_set() and trying.phase is Phase.IDLE
+
+
+@pytest.mark.parametrize("names", [1, 7, 300])
+async def test_the_oldest_waiters_are_those_that_joined_first_whatever_they_wait_for(
+    names: int,
+) -> None:
+    """Status lists them (core/commands/waiting.py): the groups of each
+    name are merged, and waiters that left are not among them."""
+    waits = WaitQueue()
+    joined = [waits.join(query(f"name{(n * 7919) % names}")) for n in range(600)]
+    for waiter in joined[::3]:
+        waits.leave(waiter)
+    staying = [w for w in joined if w.phase is Phase.IDLE]
+    assert waits.oldest(100) == staying[:100]
+    assert waits.oldest(1000) == staying
+    counts = waits.by_selector(5)
+    assert [count for _, count in counts] == sorted(
+        (sum(1 for w in staying if w.selector == s) for s in {w.selector for w in staying}),
+        reverse=True,
+    )[:5]

@@ -1,8 +1,10 @@
 """`jobserver top`: a live view of the queues in a terminal.
 
-Each frame is two read-only requests on one kept connection, Status (the
-headline: connections, waiting GetJobs, jobs by state) and Queues (each
-queue's jobs by state, total and oldest ready age), drawn as plain text.
+Each frame is three read-only requests on one kept connection, Status (the
+headline: connections, waiting GetJobs, jobs by state; the idle workers:
+waiting GetJobs by name), Queues (each queue's jobs by state, total and
+oldest ready age) and RunningJobs (the jobs running longest, with their
+workers), drawn as plain text.
 On a terminal every frame clears the screen first; anywhere else (a pipe,
 a file) frames follow one another, a blank line between, without escape
 codes. A server that cannot be reached or refuses is shown in the frame and
@@ -42,6 +44,12 @@ DEFAULT_LIMIT = 20
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 # Longer queue names are cut, so that the counts stay on the line.
 NAME_WIDTH = 32
+# The jobs running longest, and the names most waited for, shown: the
+# frame stays on one screen; the rest are counted.
+RUNNING_ROWS = 10
+WAITING_ROWS = 5
+# A server older than RunningJobs answers it so.
+UNRECOGNIZED = 430
 
 # States in the order of a job's life; states a newer server may add follow, by name.
 STATE_ORDER = (
@@ -66,7 +74,9 @@ def add_parser(sub: Any) -> None:
         "Show the server's headline (version, uptime, connections, waiting GetJobs, "
         "jobs by state, paused patterns and limits) and its queues (a job name up to its "
         "first '/'), the largest first, each with its jobs by state, total and how long "
-        "its oldest ready job has waited; redrawn every --interval until Ctrl-C. On a "
+        "its oldest ready job has waited; the jobs running longest, with their workers "
+        "and last reports; and the idle workers, by the name they wait for; redrawn "
+        "every --interval until Ctrl-C. On a "
         "terminal each frame replaces the last; otherwise frames are printed one after "
         "another, a blank line between, without escape codes.",
         epilog=TOP_EXIT_HELP,
@@ -113,10 +123,10 @@ def watch(client: Client, args: argparse.Namespace) -> int:
 
 def _once(client: Client, server: str, limit: int) -> int:
     try:
-        status, queues = _read(client, limit)
+        status, queues, running = _read(client, limit)
     except (JobServerError, ConnectionFailed) as error:
         return failed(error)
-    print(render(server, _now(), status, queues), end="", flush=True)
+    print(render(server, _now(), status, queues, running), end="", flush=True)
     return 0
 
 
@@ -125,8 +135,8 @@ def _live(client: Client, server: str, limit: int, interval: float, out: TextIO)
     first = True
     while True:
         try:
-            status, queues = _read(client, limit)
-            frame = render(server, _now(), status, queues)
+            status, queues, running = _read(client, limit)
+            frame = render(server, _now(), status, queues, running)
         except (JobServerError, ConnectionFailed) as error:
             frame = render_failure(server, _now(), error, interval)
         if terminal:
@@ -139,8 +149,21 @@ def _live(client: Client, server: str, limit: int, interval: float, out: TextIO)
         time.sleep(interval)
 
 
-def _read(client: Client, limit: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    return client.status(), client.queues(limit)
+def _read(
+    client: Client, limit: int
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
+    return client.status(), client.queues(limit), _running(client)
+
+
+def _running(client: Client) -> dict[str, Any] | None:
+    """The jobs running longest; None from a server without RunningJobs."""
+    try:
+        body: dict[str, Any] = client.request("RunningJobs", {"limit": RUNNING_ROWS}).json()
+    except JobServerError as error:
+        if error.code == UNRECOGNIZED:
+            return None
+        raise
+    return body
 
 
 def _now() -> datetime:
@@ -150,12 +173,25 @@ def _now() -> datetime:
 # Drawing: pure functions of what the server said.
 
 
-def render(server: str, now: datetime, status: dict[str, Any], queues: dict[str, Any]) -> str:
-    """One frame: the headline, then the table of queues."""
+def render(
+    server: str,
+    now: datetime,
+    status: dict[str, Any],
+    queues: dict[str, Any],
+    running: dict[str, Any] | None = None,
+) -> str:
+    """One frame: the headline, the table of queues, then what runs (from
+    a server that has RunningJobs) and who waits."""
     lines = [_title(server, now, status), _counts(status)]
     lines.extend(_flow_control(status))
     lines.append("")
     lines.extend(_queue_table(queues))
+    # From a server that has them (an older one has neither).
+    if running is not None:
+        lines.append("")
+        lines.extend(_running_table(running))
+    if "waitingByName" in status:
+        lines.extend(_idle_workers(status))
     return "\n".join(lines) + "\n"
 
 
@@ -226,6 +262,68 @@ def _queue_table(body: dict[str, Any]) -> list[str]:
     if more:
         lines.append(f"... and {more} more queue{'s' if more != 1 else ''} (--limit)")
     return lines
+
+
+def _running_table(body: dict[str, Any]) -> list[str]:
+    """The jobs running longest, with who runs them and when they last
+    reported (ages by the server's clock, as it answered)."""
+    jobs: list[dict[str, Any]] = body.get("jobs", [])
+    total = body.get("total", len(jobs))
+    if not jobs:
+        return ["running: none"]
+    server_now = _parse(body.get("now"))
+    header = ["JOB", "NAME", "WORKER", "RUNNING FOR", "LAST REPORT"]
+    rows = [
+        [
+            str(job.get("jobID", "?")),
+            _cut(_clean(str(job.get("name", "")))),
+            _clean(str(job.get("worker") or "?")),
+            _age(job.get("runningSeconds")),
+            _ago(server_now, _parse(job.get("lastReport"))),
+        ]
+        for job in jobs
+    ]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = [f"running: {len(jobs)} of {total}, the longest first"]
+    lines += [_text_line(header, widths), *(_text_line(row, widths) for row in rows)]
+    return lines
+
+
+def _idle_workers(status: dict[str, Any]) -> list[str]:
+    """The waiting GetJobs by the name they wait for: idle workers."""
+    names: list[dict[str, Any]] = status.get("waitingByName") or []
+    if not names:
+        return ["idle workers: none waiting"]
+    shown = ", ".join(
+        f"{_cut(_clean(str(entry.get('name', ''))))} {entry.get('waiting', '?')}"
+        for entry in names[:WAITING_ROWS]
+    )
+    more = len(names) - WAITING_ROWS
+    if more > 0:
+        shown += f" (+{more} more)"
+    return [f"idle workers (waiting GetJobs by name): {shown}"]
+
+
+def _text_line(cells: list[str], widths: list[int]) -> str:
+    """Every cell left-aligned but the first (a number), two spaces apart."""
+    first = cells[0].rjust(widths[0])
+    rest = (cell.ljust(width) for cell, width in zip(cells[1:], widths[1:], strict=True))
+    return "  ".join([first, *rest]).rstrip()
+
+
+def _parse(text: object) -> datetime | None:
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        return datetime.fromisoformat(text).replace(tzinfo=UTC)
+    except ValueError:
+        return None
+
+
+def _ago(now: datetime | None, then: datetime | None) -> str:
+    if now is None or then is None:
+        return "-"
+    return _age(max(0.0, (now - then).total_seconds())) + " ago"
 
 
 def _line(cells: list[str], widths: list[int]) -> str:

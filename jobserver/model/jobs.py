@@ -62,6 +62,10 @@ class Job:
     ended: str = ""
     replyKey: str = ""
     lastReport: str = ""
+    # Who took it at its last hand-out: the connection's peer address, and
+    # the node (server) it was taken on; "" before its first.
+    worker: str = ""
+    node: str = ""
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,8 @@ class JobChanges:
     ended: str | _Keep = KEEP
     replyKey: str | _Keep = KEEP
     lastReport: str | _Keep = KEEP
+    worker: str | _Keep = KEEP
+    node: str | _Keep = KEEP
 
     def columns(self) -> dict[str, object]:
         """The columns set, by name, in a fixed order (the fields')."""

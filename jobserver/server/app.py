@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import resource
 import signal
+import socket
 import ssl
 import sys
 import threading
@@ -30,7 +31,7 @@ import trio
 
 from jobserver.core.build import Core, build_core
 from jobserver.core.commands import backup
-from jobserver.core.commands.route import DEFAULT_QUERY_SECONDS, Access, is_loopback
+from jobserver.core.commands.route import DEFAULT_QUERY_SECONDS, Access, bounded, is_loopback
 from jobserver.core.engine import deadlines, depth, history, retention
 from jobserver.core.engine.clock import SystemClock
 from jobserver.core.engine.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER, Settings
@@ -203,7 +204,7 @@ class Server:
             if http is not None:
                 http.close()
             raise
-        self.core = self._build_core(self.store)
+        self.core = self._build_core(self.store, node_name(config.host, port))
         engine = self.core.engine
         # Reply deadlines and running jobs from before a restart still fire
         # (at once, for those that passed while the server was down).
@@ -275,7 +276,7 @@ class Server:
             names, config.session_seconds, config.max_http_connections,
         )
 
-    def _build_core(self, store: Storage) -> Core:
+    def _build_core(self, store: Storage, node: str) -> Core:
         config = self.config
         self.clock = SystemClock()
         settings = Settings(
@@ -285,6 +286,7 @@ class Server:
             serving_since=to_millis(self.clock.now()),
             max_reply_bytes=config.max_reply_bytes,
             max_limits=config.max_limits,
+            node=node,
         )
         access = Access(
             config.auth_token, config.allow_remote_query, config.query_seconds,
@@ -415,3 +417,10 @@ def _raise_file_limit(wanted: int) -> int:
 async def serve(config: Config) -> None:
     await Server(config).run()
 
+
+def node_name(host: str, port: int) -> str:
+    """This node as the jobs handed out here record it: the address it
+    listens on, or the machine's name when that is every address."""
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.gethostname()
+    return bounded(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")

@@ -38,6 +38,8 @@ from typing import Any, TypeVar
 
 import trio
 
+from jobserver.core.commands.route import Peer
+
 # How long a connection that ends waits for the client's kernel to
 # acknowledge its last replies with jobs: several round trips on any real
 # network, and short enough not to hold up a shutdown. Past it, a reply
@@ -61,12 +63,16 @@ def transport_socket(stream: trio.abc.Stream) -> Any:
 
 
 def address(stream: trio.abc.Stream) -> str:
-    """The client's address, or "" when the socket no longer knows it."""
+    """The client's address (with its port: route.Peer), or "" when the
+    socket no longer knows it."""
     sock = transport_socket(stream)
     try:
-        return str(sock.getpeername()[0]) if sock is not None else ""
+        name = sock.getpeername() if sock is not None else None
     except OSError:
         return ""
+    if not isinstance(name, tuple) or len(name) < 2:
+        return ""
+    return Peer(str(name[0]), int(name[1]))
 
 
 def describe(stream: trio.abc.Stream) -> str:

@@ -49,6 +49,27 @@ class NameMatch:
     queue: str | None = None
 
 
+@dataclass(frozen=True)
+class RunningJob:
+    """What RunningJobs shows of a job handed out: never its data."""
+
+    jobID: int
+    name: str
+    state: str
+    # When it was handed out (lastRun), its nextRun (a RUNQUEUED job's
+    # lease end), when it was handed out or last reported on (a RUNNING
+    # job's, the stale-job net counts from it), and who took it.
+    started: str | None
+    next_run: str
+    last_report: str
+    worker: str
+    node: str
+
+
+# Jobs handed out, the longest running first, and how many there are in all.
+RunningStats = tuple[list[RunningJob], int]
+
+
 class QueryRows(Protocol):
     """Where a backend puts what the Query command's SQL returns (its
     dialect is the backend's), a row at a time as it reads them, so that a
@@ -402,6 +423,15 @@ class Readers(Protocol):
     def find_matching(self, pattern: str, limit: int) -> list[Job]:
         """Jobs in any state whose name matches a GLOB `pattern`, newest
         first: the dashboard's search. It may read every job."""
+
+    def running_jobs(
+        self, now: str, pattern: str | None, limit: int, newest: bool = False
+    ) -> RunningStats:
+        """Up to `limit` jobs handed out now (RUNNING, and RUNQUEUED with a
+        lease that has not ended) whose name matches a GLOB `pattern` (any
+        with None), the longest running first (`newest`: the last handed
+        out first), and how many match in all: RunningJobs. It reads the
+        jobs handed out, through an index."""
 
     def backup(
         self, directory: BackupDirectory, name: str, stopped: Callable[[], bool]

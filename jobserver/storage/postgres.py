@@ -56,6 +56,8 @@ from jobserver.storage.interface import (
     BackupUnsupported,
     QueryRows,
     QueueStats,
+    RunningJob,
+    RunningStats,
 )
 from jobserver.storage.sql import COLUMNS, JOB, POSTGRES
 from jobserver.storage.sql_store import FLOW_CONTROL, SqlStore
@@ -428,6 +430,17 @@ class PostgresStore(SqlStore):
         with connect(self._url) as db:
             rows = db.execute(*sql.find_matching(POSTGRES, pattern, limit)).fetchall()
         return [Job(*row) for row in rows]
+
+    def running_jobs(
+        self, now: str, pattern: str | None, limit: int, newest: bool = False
+    ) -> RunningStats:
+        listed, counted = sql.running_jobs(POSTGRES, now, pattern, limit, newest)
+        # One snapshot for both: the count is of the same moment.
+        with connect(self._url) as db, db.transaction():
+            db.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            jobs = [RunningJob(*row) for row in db.execute(*listed).fetchall()]
+            row = db.execute(*counted).fetchone()
+        return jobs, int(row[0]) if row else 0
 
     def size_bytes(self) -> int:
         row = self._one(

@@ -34,7 +34,9 @@ from jobserver.storage.sqlite_schema import StoreError
 # 4: jobserver_create_job runs with the nodes' rights (SECURITY DEFINER,
 # its search_path fixed), so an application that enqueues needs EXECUTE on
 # it and no right on the tables; EXECUTE is no longer PUBLIC's.
-SCHEMA_VERSION = 4
+# 5: jobs record who took them (worker, node), with an index of the jobs
+# handed out by when their run started (RunningJobs).
+SCHEMA_VERSION = 5
 
 # Rows of jobserver_locks. The nodes lock these rows, with FOR UPDATE,
 # where they once took advisory locks: any role that can connect to the
@@ -95,7 +97,9 @@ CREATE TABLE jobs (
     timeZone      TEXT COLLATE "C" NOT NULL DEFAULT '',
     ended         TEXT COLLATE "C" NOT NULL DEFAULT '',
     replyKey      TEXT COLLATE "C" NOT NULL DEFAULT '',
-    lastReport    TEXT COLLATE "C" NOT NULL DEFAULT ''
+    lastReport    TEXT COLLATE "C" NOT NULL DEFAULT '',
+    worker        TEXT COLLATE "C" NOT NULL DEFAULT '',
+    node          TEXT COLLATE "C" NOT NULL DEFAULT ''
 );
 -- Hand-out order within a priority (jobserver_find_ready): oldest nextRun,
 -- then name, then jobID: by pattern, and by exact name.
@@ -116,6 +120,8 @@ CREATE INDEX jobsEnded ON jobs (state, ended)
 CREATE UNIQUE INDEX jobsReplyKey ON jobs (replyKey) WHERE state = 'WAITING';
 CREATE INDEX jobsWaiting ON jobs (nextRun) WHERE state = 'WAITING';
 CREATE INDEX jobsRunningReport ON jobs (lastReport) WHERE state = 'RUNNING';
+CREATE INDEX jobsActiveStarted ON jobs (lastRun, jobID)
+    WHERE state IN ('RUNNING', 'RUNQUEUED');
 CREATE TABLE limits (
     pattern  TEXT COLLATE "C" PRIMARY KEY,
     capacity INTEGER NOT NULL
@@ -345,7 +351,9 @@ def _migrate(db: psycopg.Connection, where: str, schema: str) -> None:
             _version_2(db, schema)
         if version < 3:
             _version_3(db)
-        _version_4(db, schema)
+        if version < 4:
+            _version_4(db, schema)
+        _version_5(db)
     db.execute("DELETE FROM jobserver_schema")
     db.execute("INSERT INTO jobserver_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
 
@@ -405,6 +413,22 @@ def _version_4(db: psycopg.Connection, schema: str) -> None:
         f"SET search_path = {ident(schema)}, pg_temp".encode()
     )
     db.execute(f"REVOKE EXECUTE ON FUNCTION {ENQUEUE_SIGNATURE} FROM PUBLIC".encode())
+
+
+# Version 5's columns and index (in SCHEMA for a new schema).
+_VERSION_5 = (
+    "ALTER TABLE jobs ADD COLUMN worker TEXT COLLATE \"C\" NOT NULL DEFAULT ''",
+    "ALTER TABLE jobs ADD COLUMN node TEXT COLLATE \"C\" NOT NULL DEFAULT ''",
+    "CREATE INDEX jobsActiveStarted ON jobs (lastRun, jobID) "
+    "WHERE state IN ('RUNNING', 'RUNQUEUED')",
+)
+
+
+def _version_5(db: psycopg.Connection) -> None:
+    # Jobs handed out before the upgrade have no known taker: "". Adding a
+    # column with a constant default rewrites no rows.
+    for statement in _VERSION_5:
+        db.execute(statement.encode())
 
 
 def lock_slot(purpose: str, key: str) -> int:

@@ -23,7 +23,7 @@ COLUMNS = (
     "created", "jobID", "state", "name", "nextRun", "lastRun", "repeat", "data", "priority",
     "parentJobID", "retryAfter", "maxAttempts", "retryBackoff", "retryDelay", "retryMaxDelay",
     "attempts", "lastError", "leaseID", "cost", "timeWindows", "timeZone", "ended", "replyKey",
-    "lastReport",
+    "lastReport", "worker", "node",
 )
 JOB = ", ".join(COLUMNS)
 # The columns that are not text, as PostgreSQL's types (a write of many
@@ -155,6 +155,28 @@ def find_matching(d: Dialect, pattern: str, limit: int) -> Clause:
         f"SELECT {JOB} FROM jobs WHERE {clause} ORDER BY jobID DESC LIMIT {d.mark}",
         [*args, limit],
     )
+
+
+# What RunningJobs reads of a job handed out (interface.RunningJob).
+RUNNING_JOB = "jobID, name, state, lastRun, nextRun, lastReport, worker, node"
+
+
+def running_jobs(
+    d: Dialect, now: str, pattern: str | None, limit: int, newest: bool = False
+) -> tuple[Clause, Clause]:
+    """The jobs handed out at `now` whose name matches `pattern`, the
+    longest running first, or the newest first (an index range read in
+    order, either way, up to `limit`), and how many there are."""
+    where, args = d.holding(), [now]
+    if pattern is not None:
+        clause, more = d.matches("name", pattern)
+        where, args = f"{where} AND {clause}", [now, *more]
+    listed = (
+        f"SELECT {RUNNING_JOB} FROM jobs {d.indexed_by('jobsActiveStarted')} WHERE {where} "
+        f"ORDER BY {'lastRun DESC, jobID DESC' if newest else 'lastRun, jobID'} LIMIT {d.mark}",
+        [*args, limit],
+    )
+    return listed, (f"SELECT COUNT(*) FROM jobs WHERE {where}", args)
 
 
 def prunable(d: Dialect) -> str:

@@ -28,6 +28,7 @@ from jobserver.storage.interface import (
     Heard,
     QueryRows,
     QueueStats,
+    RunningStats,
 )
 from jobserver.storage.sql import HAND_OUT_ORDER, JOB, READY_SQL, SQLITE
 from jobserver.storage.sql_store import SqlStore
@@ -375,6 +376,11 @@ class Store(SqlStore):
     def find_matching(self, pattern: str, limit: int) -> list[Job]:
         rows = sqlite_readers.find_matching(self.path, pattern, limit)
         return [Job(*row) for row in rows]
+
+    def running_jobs(
+        self, now: str, pattern: str | None, limit: int, newest: bool = False
+    ) -> RunningStats:
+        return sqlite_readers.running_jobs(self.path, now, pattern, limit, newest)
 
     def size_bytes(self) -> int:
         total = 0

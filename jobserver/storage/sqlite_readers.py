@@ -22,6 +22,8 @@ from jobserver.storage.interface import (
     QueryTimeout,
     QueueStats,
     ReplyTooLarge,
+    RunningJob,
+    RunningStats,
 )
 from jobserver.storage.sql import SQLITE
 
@@ -285,6 +287,22 @@ def find_matching(path: str, pattern: str, limit: int) -> list[tuple[Any, ...]]:
     db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
     try:
         return db.execute(*sql.find_matching(SQLITE, pattern, limit)).fetchall()
+    finally:
+        db.close()
+
+
+def running_jobs(
+    path: str, now: str, pattern: str | None, limit: int, newest: bool
+) -> RunningStats:
+    """The jobs handed out, in the order asked, and their count, in one
+    read transaction: the count is of the same moment."""
+    listed, counted = sql.running_jobs(SQLITE, now, pattern, limit, newest)
+    db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
+    try:
+        db.execute("BEGIN")
+        jobs = [RunningJob(*row) for row in db.execute(*listed)]
+        total = int(db.execute(*counted).fetchone()[0])
+        return jobs, total
     finally:
         db.close()
 

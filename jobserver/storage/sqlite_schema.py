@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sqlite3
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 class StoreError(Exception):
@@ -55,7 +55,11 @@ CREATE TABLE jobs (
     replyKey      TEXT NOT NULL DEFAULT '',
     -- When a RUNNING job was handed out or last reported on (UpdateJob,
     -- TouchJob): the stale-job safety net counts from it (--stale-after).
-    lastReport    TEXT NOT NULL DEFAULT ''
+    lastReport    TEXT NOT NULL DEFAULT '',
+    -- Who took the job at its last hand-out (RunningJobs): the peer address
+    -- of the connection, and the node it was taken on.
+    worker        TEXT NOT NULL DEFAULT '',
+    node          TEXT NOT NULL DEFAULT ''
 );
 -- GetJob with a pattern: per priority, the due jobs in hand-out order
 -- (nextRun, name, then jobID, which every index ends with), so the first
@@ -103,6 +107,9 @@ CREATE TABLE replies (
 CREATE INDEX repliesExpires ON replies (expires);
 -- The RUNNING job heard from least recently, for the stale-job deadline.
 CREATE INDEX jobsRunningReport ON jobs (lastReport) WHERE state = 'RUNNING';
+-- RunningJobs: the jobs handed out, the longest running first.
+CREATE INDEX jobsActiveStarted ON jobs (lastRun)
+    WHERE state IN ('RUNNING', 'RUNQUEUED');
 """
 
 # Statements that bring a file of version N up to N + 1. They run in one
@@ -150,6 +157,13 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "UPDATE jobs SET lastReport = COALESCE(NULLIF(lastRun, ''), created) "
         "WHERE state = 'RUNNING'",
         "CREATE INDEX jobsRunningReport ON jobs (lastReport) WHERE state = 'RUNNING'",
+    ),
+    5: (
+        # Jobs handed out before the upgrade have no known taker: "".
+        "ALTER TABLE jobs ADD COLUMN worker TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE jobs ADD COLUMN node TEXT NOT NULL DEFAULT ''",
+        "CREATE INDEX jobsActiveStarted ON jobs (lastRun)\n"
+        "    WHERE state IN ('RUNNING', 'RUNQUEUED')",
     ),
 }
 

@@ -47,7 +47,7 @@ from jobserver.core.commands import params
 from jobserver.core.errors import CommandError
 from jobserver.model import times
 from jobserver.model.jobs import State
-from jobserver.web import access, bulk_pages, forms, texts
+from jobserver.web import access, bulk_pages, forms, running_pages, texts
 from jobserver.web.history_pages import GRAPH_MINUTES, GRAPH_REFRESH_SECONDS, HistoryPages
 from jobserver.web.incoming import peer
 from jobserver.web.reads import Reads
@@ -203,6 +203,7 @@ class Dashboard:
             "states": [state for state in STATE_ORDER if state in present],
             "updated": times.to_seconds(times.utcnow()),
             "can_act": self._may_act(request),
+            **await running_pages.running_now(self._call, request, status),
         }
 
     async def job(self, request: Request) -> Response:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from starlette.requests import Request
 
+from jobserver.core.commands.route import Peer
+
 
 async def read_body(request: Request, limit: int) -> bytes | None:
     """The body, or None past `limit` bytes (read no further than that)."""
@@ -20,4 +22,6 @@ async def read_body(request: Request, limit: int) -> bytes | None:
 
 
 def peer(request: Request) -> str:
-    return request.client.host if request.client is not None else ""
+    """The client's host, with its port (a GetJob records both)."""
+    client = request.client
+    return Peer(client.host, client.port) if client is not None else ""

@@ -212,6 +212,14 @@ COMMANDS: dict[str, tuple[str, str, list[Param]]] = {
         Param("minutes", {"type": "integer", "minimum": 1, "maximum": 10_080},
               "the last this many minutes, at most the server's --history-minutes"),
     ]),
+    "RunningJobs": ("The jobs handed out now, the longest running first, with their workers",
+                    "14.21", [
+        Param("name", PATTERN, "only jobs whose name matches this GLOB pattern"),
+        Param("limit", {"type": "integer", "minimum": 1, "maximum": 1000},
+              "list at most this many jobs (default 100)"),
+        Param("order", {"type": "string", "enum": ["oldest", "newest"]},
+              "the longest running first (default), or the last handed out first"),
+    ]),
 }
 
 _WIRE_STATUS = {

@@ -36,6 +36,7 @@ from jobserver.core.commands import (
     queues,
     replies,
     report,
+    running,
     status,
 )
 from jobserver.core.commands.route import Answer, Route, Services
@@ -178,6 +179,7 @@ ROUTES: dict[str, Route] = {
     "awaitreply": InWriter(replies.await_reply),
     "deliverreply": InWriter(replies.deliver_reply),
     "backup": backup.backup,
+    "runningjobs": running.running_jobs,
 }
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import partial
 
 from jobserver.core.commands import params
-from jobserver.core.commands.route import Answer, Services, Undo
+from jobserver.core.commands.route import Answer, Services, Undo, worker_name
 from jobserver.core.engine.engine import Engine
 from jobserver.core.rules import flow, selection
 from jobserver.core.rules.selection import JobQuery, Taken
@@ -31,7 +31,7 @@ def waits_for_jobs(request: Request) -> bool:
 
 
 async def get_jobs(services: Services, request: Request, peer: str) -> Answer:
-    query = selection.query_of(request)
+    query = selection.query_of(request, worker_name(peer))
     engine = services.engine
     if waits_for_jobs(request):
         timeout = params.wait_seconds(request)

@@ -51,6 +51,7 @@ KNOWN_HEADERS: dict[str, frozenset[str]] = {
         "backup": ("name", "path"),
         "queues": ("limit",),
         "history": ("name", "minutes"),
+        "runningjobs": ("limit", "name", "order"),
     }.items()
 }
 # Headers any command may carry: the framing's and the server's own, and

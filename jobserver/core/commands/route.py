@@ -28,6 +28,39 @@ DEFAULT_QUERY_SECONDS = 5.0
 QUERY_THREADS = 4
 
 
+# A worker's or a node's name as a job keeps it (RunningJobs): an address
+# and port is under 60 bytes; a longer host name is cut.
+MAX_WORKER_BYTES = 100
+
+
+class Peer(str):
+    """A client's address as routes take it: the host, a plain str (what
+    the rules of access read, is_loopback), with the port of its
+    connection, which tells two workers on one host apart."""
+
+    port: int | None
+
+    def __new__(cls, host: str, port: int | None = None) -> Peer:
+        peer = super().__new__(cls, host)
+        peer.port = port
+        return peer
+
+
+def worker_name(peer: str) -> str:
+    """`host:port` of a client (`[host]:port` for IPv6), as a hand-out
+    records who took a job; the host alone if the port is unknown."""
+    port = getattr(peer, "port", None)
+    host = str(peer)
+    if port is None:
+        return bounded(host)
+    return bounded(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+
+
+def bounded(text: str) -> str:
+    """`text` cut to MAX_WORKER_BYTES of UTF-8, whole characters only."""
+    return text.encode("utf-8")[:MAX_WORKER_BYTES].decode("utf-8", "ignore")
+
+
 def is_loopback(host: str) -> bool:
     """Whether an address (or a --host) is this machine's own."""
     return host.startswith("127.") or host in ("::1", "::ffff:127.0.0.1", "localhost")

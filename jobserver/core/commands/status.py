@@ -14,6 +14,7 @@ from typing import Any
 import trio
 
 from jobserver import __version__
+from jobserver.core.commands import waiting
 from jobserver.core.commands.route import Answer, Services
 from jobserver.core.commands.views import ok
 from jobserver.core.engine.context import Context
@@ -46,6 +47,8 @@ async def status(services: Services, request: Request, peer: str) -> Answer:
         "limits": in_use,
         "paused": sorted(paused),
         "replies": {"waiting": counts.get(State.WAITING, 0), "early": early},
+        # This node's waiting GetJobs: who, since when, for what.
+        **waiting.waiting(engine.waits, engine.now()),
     }
     return Answer(ok(body))
 

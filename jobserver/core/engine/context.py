@@ -40,6 +40,9 @@ class Settings:
     # The most concurrency limits, and the most paused patterns, SetLimit
     # and PauseJobs may add (--max-limits).
     max_limits: int = DEFAULT_MAX_LIMITS
+    # This server's name as a job handed out here records it (its listen
+    # address): which of several nodes a worker took a job from.
+    node: str = ""
 
 
 @dataclass

@@ -36,7 +36,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import outcome
@@ -174,7 +174,7 @@ class Engine:
         """
         if self.waits.closed:
             return None
-        waiter = self.waits.join(query)
+        waiter = self.waits.join(query, self._clock.now())
         self._try([waiter])
         deadline = trio.current_time() + timeout
         try:
@@ -191,6 +191,10 @@ class Engine:
             if waiter.jobs is None:
                 self.waits.leave(waiter)
         return waiter.jobs
+
+    def now(self) -> datetime:
+        """The time of day by the engine's clock."""
+        return self._clock.now()
 
     def give_back(self, taken: list[Taken]) -> None:
         """Return undeliverable jobs to the queue, as many times as it takes."""

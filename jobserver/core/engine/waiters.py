@@ -24,10 +24,12 @@ A waiter moves through the states of `MOVES`, each move checked:
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from enum import Enum
 
 import trio
@@ -108,6 +110,8 @@ class Waiter:
     selector: Selector
     query: JobQuery
     seq: int = 0
+    # When its GetJob began to wait (Status shows who waits since when).
+    since: datetime | None = None
     phase: Phase = Phase.IDLE
     # While trying: younger waiters that a job this try missed could have
     # gone to (HELD); they are tried once it ends, so the job cannot pass it.
@@ -149,11 +153,30 @@ class WaitQueue:
     def __len__(self) -> int:
         return sum(len(group) for group in self._by_selector.values())
 
-    def join(self, query: JobQuery) -> Waiter:
+    def join(self, query: JobQuery, since: datetime | None = None) -> Waiter:
         """A new waiter, IDLE: the engine tries it at once."""
-        waiter = Waiter(Selector(query.pattern, frozenset(query.names)), query, next(self._seq))
+        selector = Selector(query.pattern, frozenset(query.names))
+        waiter = Waiter(selector, query, next(self._seq), since)
         self._by_selector.setdefault(waiter.selector, {})[waiter] = None
         return waiter
+
+    def oldest(self, limit: int) -> list[Waiter]:
+        """The `limit` waiters that have waited longest, oldest first. Each
+        selector's group is in the order its waiters joined, so they are in
+        the groups whose first waiters are the `limit` oldest: those are
+        merged, and not every waiter is read."""
+        firsts = heapq.nsmallest(
+            limit, (next(iter(group)) for group in self._by_selector.values()),
+            key=lambda w: w.seq,
+        )
+        groups = [self._by_selector[first.selector] for first in firsts]
+        merged = heapq.merge(*groups, key=lambda w: w.seq)
+        return list(itertools.islice(merged, limit))
+
+    def by_selector(self, limit: int) -> list[tuple[Selector, int]]:
+        """The `limit` selectors most waiters wait on, with how many."""
+        counts = ((selector, len(group)) for selector, group in self._by_selector.items())
+        return heapq.nsmallest(limit, counts, key=lambda pair: -pair[1])
 
     def leave(self, waiter: Waiter) -> None:
         """Its GetJob ended without jobs: a try still under way hands

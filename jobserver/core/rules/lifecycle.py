@@ -168,12 +168,16 @@ class Lease:
     next_run: str
 
 
-def hand_out(ctx: Context, job: Job) -> Lease | None:
-    """Mark a due job as handed out: RUNNING, or RUNQUEUED until the end of
-    its lease (retryAfter). None if the job was failed instead: out of
-    leases or attempts, or a lease that cannot be computed."""
+def hand_out(ctx: Context, job: Job, worker: str = "") -> Lease | None:
+    """Mark a due job as handed out to `worker` (its address) on this node:
+    RUNNING, or RUNQUEUED until the end of its lease (retryAfter). None if
+    the job was failed instead: out of leases or attempts, or a lease that
+    cannot be computed."""
     lease = secrets.token_hex(LEASE_BYTES)
-    changes: dict[str, Any] = {"lastRun": ctx.now_s, "leaseID": lease}
+    # Who took it goes in the hand-out's own write (RunningJobs).
+    changes: dict[str, Any] = {
+        "lastRun": ctx.now_s, "leaseID": lease, "worker": worker, "node": ctx.settings.node,
+    }
     policy = job.maxAttempts > 0
     if policy:
         if job.state == State.RUNQUEUED:
@@ -251,6 +255,8 @@ def give_back(ctx: Context, job: Job, lease: Lease) -> None:
         lastError=job.lastError,
         leaseID=job.leaseID,
         lastReport=job.lastReport,
+        worker=job.worker,
+        node=job.node,
     )
 
 

@@ -48,6 +48,8 @@ class JobQuery:
     include_lease_id: bool = False
     # GetJobs: the reply lists the jobs under "jobs".
     many: bool = False
+    # Who asks (route.worker_name): each job taken records it.
+    worker: str = ""
 
     @property
     def scans(self) -> bool:
@@ -80,8 +82,8 @@ def name_selector(text: str) -> tuple[str | None, tuple[str, ...]]:
     return text, ()
 
 
-def query_of(request: Request) -> JobQuery:
-    """The query of a GetJob or GetJobs request."""
+def query_of(request: Request, worker: str = "") -> JobQuery:
+    """The query of a GetJob or GetJobs request from `worker`."""
     many = request.verb.lower() == "getjobs"
     if many:
         limit = params.num_results(request)
@@ -91,7 +93,7 @@ def query_of(request: Request) -> JobQuery:
         limit = 1
     pattern, names = name_selector(params.require(request, "name"))
     priority = params.priority(request, "jobPriority")
-    query = JobQuery(pattern, names, priority, limit, many=many)
+    query = JobQuery(pattern, names, priority, limit, many=many, worker=worker)
     if params.is_true(request.get("includeLeaseID")):
         query = replace(query, include_lease_id=True)
     return query
@@ -189,7 +191,7 @@ def _take(ctx: Context, query: JobQuery, holds: Holds | None) -> list[Taken]:
 
 
 def _hand_out(ctx: Context, job: Job, obj: dict[str, Any], query: JobQuery) -> Taken | None:
-    lease = lifecycle.hand_out(ctx, job)
+    lease = lifecycle.hand_out(ctx, job, query.worker)
     if lease is None:
         return None
     if job.maxAttempts:

@@ -34,7 +34,8 @@ if (live) {
   const seconds = Number(live.dataset.refresh) || 5;
   setInterval(async () => {
     try {
-      const reply = await fetch("/live", {cache: "no-store"});
+      // With the page's query: the order it shows (?running=newest) stays.
+      const reply = await fetch("/live" + window.location.search, {cache: "no-store"});
       if (reply.ok) {
         live.innerHTML = await reply.text();
         localiseTimes(live);
