@@ -44,8 +44,9 @@ the nodes. A new connection goes to the client's node first, then to each
 other once; when none takes it, ConnectionFailed names every address and
 why. A connection that breaks, or whose reply does not come in time, sends
 the client's next connection to another node, picked at random among the
-others (so that the clients of a dead node spread over the rest);
-`switch_server()` does the same by hand, say after a `503`. A client does
+others (so that the clients of a dead node spread over the rest), and
+that node is tried last; `switch_server()` does the same by hand, say
+after a `503`. A client does
 not come back to a node that returns; new clients spread over it again.
 
 Reconnect rules. Bedrock's PHP client sends a request again after failures

@@ -83,9 +83,7 @@ def parse_servers(
     if not items or (isinstance(servers, str) and not servers.strip()):
         raise ValueError("no server address given: give HOST:PORT, or several separated by commas")
     if len(items) > MAX_SERVERS:
-        raise ValueError(
-            f"{len(items)} server addresses given: a client takes 1 to {MAX_SERVERS}"
-        )
+        raise ValueError(f"{len(items)} server addresses given: a client takes 1 to {MAX_SERVERS}")
     addresses: list[Address] = []
     for item in items:
         address = _pair(item) if isinstance(item, tuple) else parse_address(item, default_port)
@@ -117,24 +115,33 @@ class Servers:
         self.current = next(_spread) % len(addresses)
         # The server the next connection tries first.
         self.first = self.current
+        # The server the client last moved away from: tried last.
+        self.left: int | None = None
 
     @property
     def now(self) -> Address:
         return self.addresses[self.current]
 
     def rotation(self) -> Iterator[Address]:
-        """Each server once, from the one to try first, `current` following.
-        A caller that stops at a server that answered keeps it for the
-        next connections; one that tried them all starts where it did."""
-        start = self.first
-        for step in range(len(self.addresses)):
-            self.current = self.first = (start + step) % len(self.addresses)
+        """Each server once, from the one to try first, the one last moved
+        away from at the end; `current` follows. A caller that stops at a
+        server that answered keeps it for the next connections; one that
+        tried them all starts where it did."""
+        start, count = self.first, len(self.addresses)
+        order = sorted(((start + step) % count for step in range(count)), key=self._left_last)
+        for index in order:
+            self.current = self.first = index
             yield self.now
         self.first = start
 
     def move_on(self) -> None:
         """Start the next connection at another server than the current
-        one, picked at random. Does nothing with one server."""
+        one, picked at random, and come back to this one last. Does
+        nothing with one server."""
         count = len(self.addresses)
         if count > 1:
+            self.left = self.current
             self.first = (self.current + 1 + random.randrange(count - 1)) % count
+
+    def _left_last(self, index: int) -> bool:
+        return index == self.left
