@@ -15,7 +15,7 @@ to its neighbour.
 from __future__ import annotations
 
 import itertools
-import random
+import os
 import re
 from collections.abc import Iterator, Sequence
 from typing import TypeAlias
@@ -34,10 +34,17 @@ ServersArgument: TypeAlias = "str | Sequence[str | Address]"
 # attempt when all are down.
 MAX_SERVERS = 16
 
+
+def _random_below(bound: int) -> int:
+    """A random number from 0 to `bound` - 1 (`bound` at most 65536): not
+    the random module, whose import would cost every command's start-up
+    more than this whole module."""
+    return int.from_bytes(os.urandom(2), "big") % bound
+
+
 # Where the next client made in this process starts (modulo its count of
 # servers); from a random place, so that processes spread too.
-_spread = itertools.count(random.randrange(1 << 16))
-
+_spread = itertools.count(_random_below(1 << 16))
 
 _ADDRESS = re.compile(r"(?:\[(?P<ipv6>[^\[\]]+)\]|(?P<host>[^:\[\]\s]+))(?::(?P<port>[0-9]{1,5}))?")
 
@@ -141,7 +148,7 @@ class Servers:
         count = len(self.addresses)
         if count > 1:
             self.left = self.current
-            self.first = (self.current + 1 + random.randrange(count - 1)) % count
+            self.first = (self.current + 1 + _random_below(count - 1)) % count
 
     def _left_last(self, index: int) -> bool:
         return index == self.left
