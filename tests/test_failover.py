@@ -31,6 +31,7 @@ from harness import LoggedProcess, ManagerProcess, ServerProcess, ThreadServer
 from helpers import ok, until
 from jobserver.cli import main
 from jobserver.client import MAX_SERVERS, Client, ConnectionFailed, TrioClient, parse_servers
+from jobserver.worker.settings import Settings
 
 DEADLINE = 10.0
 
@@ -270,8 +271,9 @@ async def step(data, job):
         done.write(f"{{job.id}}\\n")
 """
 
+# Its line also says which servers the manager gave it.
 MANAGED_WORKER = """#!/bin/sh
-echo "$JOB_ID" >> {done}
+echo "$JOB_ID $JOBSERVER_SERVER" >> {done}
 """
 
 
@@ -299,8 +301,12 @@ def left(node: ServerProcess) -> dict[str, int]:
         return jobs
 
 
+def done_lines(path: Path) -> list[list[str]]:
+    return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def done_ids(path: Path) -> set[int]:
-    return {int(line) for line in path.read_text().split()} if path.exists() else set()
+    return {int(line[0]) for line in done_lines(path)}
 
 
 class Creator:
@@ -403,6 +409,8 @@ def test_workers_keep_running_while_one_of_three_nodes_is_killed(nodes, tmp_path
         until(lambda: left(survivors[0]) == {}, DEADLINE, "no job left in the queue")
         for worker in workers:
             assert worker.proc.poll() is None, "a worker ended:\n" + worker.log
+        # Workers the manager starts are given every node, for their own requests.
+        assert {tuple(line[1:]) for line in done_lines(done)} == {(), (listed,)}
     finally:
         for worker in workers:
             stop(worker)
@@ -417,6 +425,16 @@ def test_workers_keep_running_while_one_of_three_nodes_is_killed(nodes, tmp_path
         # A GetJobs that lost its node was sent to another at once, not
         # given up and retried after a backoff wait.
         assert "cannot get jobs" not in worker.log, worker.log
+
+
+def test_the_python_workers_settings_take_a_list():
+    assert Settings(servers="a:1,b:2").addresses == (("a", 1), ("b", 2))
+    assert Settings(servers=[("a", 1)], host="ignored").addresses == (("a", 1),)
+    assert Settings(host="::1", port=9000).addresses == (("::1", 9000),)
+    with pytest.raises(ValueError, match="listed twice"):
+        Settings(servers=["a:1", "a:1"])
+    with pytest.raises(ValueError, match="a client takes 1 to 16"):
+        Settings(servers=[f"h:{i + 1}" for i in range(MAX_SERVERS + 1)])
 
 
 def test_servers_of_a_list_each_hold_their_own_order():
