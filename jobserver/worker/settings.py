@@ -27,9 +27,6 @@ class Settings:
 
     host: str = "127.0.0.1"
     port: int = 8888
-    # The nodes of one queue, instead of host and port: "HOST:PORT" strings
-    # or (host, port) pairs, or one string of them separated by commas.
-    servers: str | Sequence[str | Address] = ()
     token: str | None = None
     tls: ssl.SSLContext | None = None
     concurrency: int = 8
@@ -38,6 +35,9 @@ class Settings:
     touch_interval: float = 30.0
     jobs: str | None = None  # the GetJobs name; None: the worker's
     signals: bool = True  # SIGTERM and SIGINT stop it (main thread only)
+    # The nodes of one queue, instead of host and port: "HOST:PORT" strings
+    # or (host, port) pairs, or one string of them separated by commas.
+    servers: str | Sequence[str | Address] = ()
 
     # The addresses to connect to, from servers, else host and port.
     addresses: tuple[Address, ...] = field(init=False)
