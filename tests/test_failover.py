@@ -216,6 +216,14 @@ def test_the_command_line_takes_several_servers_and_passes_over_a_dead_one(
     assert json.loads(out)["jobs"] == {"QUEUED": 2}
 
 
+def test_top_takes_several_servers(servers, capsys):
+    listed = f"{address(free_port())},{address(servers[0].port)}"
+    for _ in range(2):  # from each end of the list
+        code, out, err = run_here(capsys, "top", "--once", "--server", listed)
+        assert (code, err) == (0, ""), err
+        assert out.startswith("jobserver "), out
+
+
 @pytest.mark.parametrize(
     "given, message",
     [
