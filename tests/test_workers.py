@@ -457,7 +457,7 @@ class LoadedManager(Manager):
 
 async def test_the_load_notice_is_logged_at_most_once_a_minute(autojump_clock, caplog, tmp_path):
     manager = LoadedManager(
-        host="127.0.0.1", port=1, directory=str(tmp_path), pattern="*", max_load=2.0,
+        servers=(("127.0.0.1", 1),), directory=str(tmp_path), pattern="*", max_load=2.0,
         max_workers=3, worker_timeout=60, max_iterations=None, grace=0,
     )
     caplog.set_level("INFO", logger="jobserver.workers")

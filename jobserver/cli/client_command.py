@@ -18,7 +18,8 @@ from typing import Any
 
 from jobserver.cli.options import (
     AUTH_TOKEN_HELP,
-    DEFAULT_SERVER,
+    SERVER_HELP,
+    SERVER_METAVAR,
     add_tls_arguments,
     chosen_server,
     server_address,
@@ -108,8 +109,8 @@ def connection_options() -> argparse.ArgumentParser:
     common.add_argument(
         "--server",
         type=server_address,
-        metavar="HOST:PORT",
-        help=f"the server, PORT 1 to 65535 (default: $JOBSERVER_SERVER, else {DEFAULT_SERVER})",
+        metavar=SERVER_METAVAR,
+        help=SERVER_HELP,
     )
     common.add_argument("--auth-token-file", metavar="FILE", help=AUTH_TOKEN_HELP)
     add_tls_arguments(common)
@@ -184,10 +185,10 @@ def run(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace) -> Client:
     """The client --server (else $JOBSERVER_SERVER), the token and TLS ask
     for; ValueError saying what is wrong with them."""
-    host, port = chosen_server(args.server)
+    servers = chosen_server(args.server)
     try:
         token = auth_token(args.auth_token_file)
-        return Client(host, port, auth_token=token, tls=tls_option(args))
+        return Client(list(servers), auth_token=token, tls=tls_option(args))
     except OSError as error:
         raise ValueError(str(error)) from error
 

@@ -12,7 +12,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from jobserver.client import TLS, parse_address
+from jobserver.client import MAX_SERVERS, TLS, parse_servers
+from jobserver.client.servers import Address
 from jobserver.model import globmatch
 from jobserver.model.times import duration_text, parse_duration
 from jobserver.wire import jsonbody
@@ -251,32 +252,44 @@ def time_zone(text: str) -> str:
     return text.strip()
 
 
-def server_address(text: str) -> tuple[str, int]:
-    """--server: HOST:PORT or [IPV6]:PORT, the port 1 to 65535. A bare
-    host is refused rather than sent to a default port: the operator who
-    wrote one meant some server, and may not be running it on 8888."""
+def server_address(text: str) -> tuple[Address, ...]:
+    """--server: HOST:PORT or [IPV6]:PORT, the port 1 to 65535, or several
+    separated by commas (the nodes of one queue, up to 16). A bare host is
+    refused rather than sent to a default port: the operator who wrote one
+    meant some server, and may not be running it on 8888."""
     try:
-        return command_line_address(text)
+        return command_line_servers(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def chosen_server(given: tuple[str, int] | None) -> tuple[str, int]:
-    """The server a command talks to: --server if `given`, else
+def chosen_server(given: tuple[Address, ...] | None) -> tuple[Address, ...]:
+    """The servers a command talks to: --server if `given`, else
     $JOBSERVER_SERVER, else 127.0.0.1:8888; ValueError naming the variable
-    if it holds no HOST:PORT."""
+    if it holds no HOST:PORT list."""
     if given is not None:
         return given
     try:
-        return command_line_address(os.environ.get("JOBSERVER_SERVER") or DEFAULT_SERVER)
+        return command_line_servers(os.environ.get("JOBSERVER_SERVER") or DEFAULT_SERVER)
     except ValueError as error:
         raise ValueError(f"$JOBSERVER_SERVER: {error}") from None
 
 
-def command_line_address(text: str) -> tuple[str, int]:
-    """A server address as the command line takes it (--server,
-    $JOBSERVER_SERVER): with its port; ValueError saying what is wrong."""
-    return parse_address(text, default_port=None)
+def command_line_servers(text: str) -> tuple[Address, ...]:
+    """Server addresses as the command line takes them (--server,
+    $JOBSERVER_SERVER): each with its port, separated by commas;
+    ValueError saying what is wrong."""
+    return parse_servers(text, default_port=None)
+
+
+# What --server takes, wherever it is offered.
+SERVER_METAVAR = "HOST:PORT[,...]"
+SERVER_HELP = (
+    f"the server, PORT 1 to 65535; or the nodes of one queue (several servers on one "
+    f"PostgreSQL), up to {MAX_SERVERS} separated by commas, each connection going to one "
+    f"and moving to another when it stops answering (default: $JOBSERVER_SERVER, which "
+    f"takes the same, else {DEFAULT_SERVER})"
+)
 
 
 def log_level(text: str) -> str:

@@ -27,6 +27,28 @@ beyond the runtime dependencies: the worker manager is built on it, so that
 running a server and its workers never needs anyio. Both are imported on
 first use.
 
+Several servers. A queue served by several nodes on one PostgreSQL (README,
+"Running several nodes") is given to a client as a list of its nodes:
+
+    jobs = Client(["10.0.0.1:8888", "10.0.0.2:8888", "10.0.0.3:8888"])
+    jobs = Client("10.0.0.1:8888,10.0.0.2:8888")   # the same, as one string
+    jobs = Client.from_address("10.0.0.1:8888,10.0.0.2:8888")
+
+Up to 16 addresses (MAX_SERVERS), each "HOST:PORT", "[IPV6]:PORT" or a
+(host, port) pair (a HOST without its port is at `port`); an empty list,
+a longer one, one that is not an address or one listed twice is a
+ValueError saying which. A client keeps one connection, to one node at a
+time (`client.address` says which). Clients made one after another start
+at successive nodes, from a random one, so that many workers spread over
+the nodes. A new connection goes to the client's node first, then to each
+other once; when none takes it, ConnectionFailed names every address and
+why. A connection that breaks, or whose reply does not come in time, sends
+the client's next connection to another node, picked at random among the
+others (so that the clients of a dead node spread over the rest), and
+that node is tried last; `switch_server()` does the same by hand, say
+after a `503`. A client does
+not come back to a node that returns; new clients spread over it again.
+
 Reconnect rules. Bedrock's PHP client sends a request again after failures
 that can come after the server acted on it (a `500` or `555` reply; a broken
 connection, for requests it marks idempotent, FinishJob and RetryJob among
@@ -34,16 +56,23 @@ them), so work can be done twice. Here a request is sent again only when
 that cannot do anything twice:
 
 - Before sending, a kept connection that died while idle (the server was
-  restarted or shut down) is replaced by a new one, once. Sending that
-  failed part-way counts the same: the server does nothing with a request
-  until its final blank line has arrived (protocol.md 1.2).
+  restarted or shut down) is replaced by a new one, to the same node first
+  and then to each other. Sending that failed part-way counts the same:
+  the server does nothing with a request until its final blank line has
+  arrived (protocol.md 1.2).
 - Once a request has been sent, a connection that breaks, or a reply that
   does not come within the timeout, raises ConnectionFailed. The request is
   not sent again: the server may have carried it out (created the job,
-  handed one out) and only the caller can tell whether repeating it is safe.
-- Except the read-only commands QueryJob, Ping, Status and Query, which are
-  sent once more on a new connection. GetJob and GetJobs are not read-only:
-  they hand jobs out.
+  finished it) and only the caller can tell whether repeating it is safe;
+  the next request goes to another node, if there is one.
+- Except the read-only commands QueryJob, Ping, Status, Queues and Query,
+  and GetJob and GetJobs (waiting or not), which are sent once more on a
+  new connection, to another node if there is one. A GetJob sent again may
+  get another job, but none is run twice: a job handed out in a reply that
+  never arrived is put back by the server (protocol.md 9) or, if its node
+  died, comes back when its lease (retryAfter) or the server's
+  --stale-after runs out. So a worker waiting on a node that dies goes on
+  waiting on another.
 - A reply with `Connection: close` closes the connection once it is read;
   so does an error or an interruption (KeyboardInterrupt, a cancellation
   on asyncio or trio) in the middle of a request, since the connection is
@@ -84,7 +113,6 @@ from jobserver.client.endpoint import (
     DEFAULT_TIMEOUT,
     TLS,
     auth_token,
-    parse_address,
     tls_context,
 )
 from jobserver.client.errors import (
@@ -100,6 +128,7 @@ from jobserver.client.errors import (
     UnrecognizedCommand,
     error_for,
 )
+from jobserver.client.servers import MAX_SERVERS, format_servers, parse_address, parse_servers
 from jobserver.client.sync import Client
 from jobserver.wire.framing import Reply, ReplyReader, encode_request, encode_value
 from jobserver.wire.limits import DEFAULT_HOST, DEFAULT_PORT
@@ -112,6 +141,7 @@ __all__ = [
     "DEFAULT_HOST",
     "DEFAULT_PORT",
     "DEFAULT_TIMEOUT",
+    "MAX_SERVERS",
     "TLS",
     "AsyncClient",
     "Client",
@@ -135,7 +165,9 @@ __all__ = [
     "encode_request",
     "encode_value",
     "error_for",
+    "format_servers",
     "parse_address",
+    "parse_servers",
     "tls_context",
 ]
 

@@ -241,7 +241,10 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
         except TLSFailed:
             raise
         except ConnectionFailed:
-            if not call.read_only:
+            # The server that broke the connection or did not answer may be
+            # gone: the next connection tries another first.
+            self.switch_server()
+            if not call.repeatable:
                 raise
         return await self._receive(await self._send(request), patience)
 
@@ -253,7 +256,15 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
                 return await self._send_on(kept, request)
             except ConnectionFailed:
                 pass  # the request's end never left, so the server ignores it
-        return await self._send_on(await self._connect(), request)
+        failures: list[ConnectionFailed] = []
+        for _ in self.servers.rotation():
+            try:
+                return await self._send_on(await self._connect(), request)
+            except TLSFailed:
+                raise  # the options must change: another server would not help
+            except ConnectionFailed as failure:
+                failures.append(failure)  # nothing was carried out: try the next
+        raise self._unreachable(failures)
 
     @abstractmethod
     async def _connect(self) -> Stream:

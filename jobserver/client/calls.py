@@ -29,6 +29,11 @@ BACKUP_WAIT = 3600.0
 
 # Commands that change nothing, so sending one twice does no harm.
 _READ_ONLY = frozenset({"queryjob", "ping", "status", "queues", "query"})
+# Commands that hand jobs out: sent again, they may hand out more, but a
+# job handed out in a reply that never arrived is not run twice: the server
+# puts it back when the reply cannot be delivered, or, if the node died,
+# it comes back when its lease (retryAfter) or --stale-after runs out.
+_HAND_OUT = frozenset({"getjob", "getjobs"})
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,12 @@ class Call(Generic[T]):
     def read_only(self) -> bool:
         """Whether sending it twice does no harm."""
         return self.method.split(" ", 1)[0].lower() in _READ_ONLY
+
+    @property
+    def repeatable(self) -> bool:
+        """Whether it may be sent again after its connection broke: no work
+        is done twice if the first was carried out."""
+        return self.read_only or self.method.split(" ", 1)[0].lower() in _HAND_OUT
 
     @property
     def wait_seconds(self) -> float:

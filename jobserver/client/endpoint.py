@@ -4,12 +4,19 @@ what the clients share besides the calls."""
 from __future__ import annotations
 
 import os
-import re
 import select
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeAlias
 
 from jobserver.client.calls import Call
 from jobserver.client.errors import ConnectionFailed, TLSFailed
+from jobserver.client.servers import (
+    Address,
+    Servers,
+    ServersArgument,
+    format_address,
+    parse_servers,
+)
 from jobserver.wire.framing import TLS_REQUIRED, Reply, encode_request
 from jobserver.wire.limits import DEFAULT_HOST, DEFAULT_PORT
 
@@ -29,24 +36,12 @@ RECEIVE_SIZE = 65536
 # loading it is a tenth of a client command's start-up.
 TLS: TypeAlias = "bool | str | os.PathLike[str] | ssl.SSLContext | None"
 
-_ADDRESS = re.compile(r"(?:\[(?P<ipv6>[^\[\]]+)\]|(?P<host>[^:\[\]\s]+))(?::(?P<port>[0-9]{1,5}))?")
-
-
-def parse_address(address: str, default_port: int | None = DEFAULT_PORT) -> tuple[str, int]:
-    """`host:port`, `host`, `[ipv6]:port` or `[ipv6]` -> (host, port); the
-    port is `default_port` (8888) when not given. With `default_port`
-    None, an address without a port is refused (the command line's rule)."""
-    match = _ADDRESS.fullmatch(address.strip())
-    if match is not None and match["port"] is None and default_port is None:
-        raise ValueError(
-            f"a server address needs its port, HOST:PORT or [IPV6]:PORT (such as "
-            f"{DEFAULT_HOST}:{DEFAULT_PORT}), not {address!r}"
-        )
-    port = int(match["port"] or default_port or 0) if match else 0
-    if match is None or not 0 < port < 65536:
-        forms = "HOST, HOST:PORT or [IPV6]:PORT" if default_port else "HOST:PORT or [IPV6]:PORT"
-        raise ValueError(f"not a server address ({forms}, PORT 1 to 65535): {address!r}")
-    return match["ipv6"] or match["host"], port
+def servers_of(host: ServersArgument, port: int) -> tuple[Address, ...]:
+    """The addresses a client's `host` and `port` name: a host alone (any
+    string without a comma, an IPv6 address among them) is at `port`."""
+    if isinstance(host, str) and "," not in host:
+        return ((host, port),)
+    return parse_servers(host, default_port=port)
 
 
 def tls_context(tls: TLS) -> ssl.SSLContext | None:
@@ -104,14 +99,17 @@ class Endpoint:
 
     def __init__(
         self,
-        host: str = DEFAULT_HOST,
+        host: ServersArgument = DEFAULT_HOST,
         port: int = DEFAULT_PORT,
         timeout: float = DEFAULT_TIMEOUT,
         auth_token: str | None = None,
         tls: TLS = None,
     ) -> None:
-        self.host = host
-        self.port = port
+        """`host` is one host, or the servers of a queue served by several
+        nodes: a list of "HOST:PORT" (or (host, port)), or one string of
+        them separated by commas; `port` is then the port of an address
+        that gives none. ValueError for a list that cannot be used."""
+        self.servers = Servers(servers_of(host, port))
         self.timeout = timeout
         # Sent with every request when the server runs with --auth-token-file.
         self.auth_token = auth_token
@@ -125,19 +123,44 @@ class Endpoint:
         auth_token: str | None = None,
         tls: TLS = None,
     ) -> Self:
-        """A client for `host:port`, `host` (port 8888) or `[ipv6]:port`."""
-        host, port = parse_address(address)
-        return cls(host, port, timeout, auth_token, tls)
+        """A client for `host:port`, `host` (port 8888) or `[ipv6]:port`, or
+        for several of them separated by commas."""
+        return cls(list(parse_servers(address)), DEFAULT_PORT, timeout, auth_token, tls)
+
+    @property
+    def host(self) -> str:
+        """The host of the current (or next) connection."""
+        return self.servers.now[0]
+
+    @property
+    def port(self) -> int:
+        return self.servers.now[1]
+
+    @property
+    def address(self) -> str:
+        return format_address(self.servers.now)
+
+    def switch_server(self) -> None:
+        """Have the next connection go to another of the servers (one picked
+        at random), as after a node answered 5xx; the current connection
+        stays until closed. Does nothing with one server."""
+        self.servers.move_on()
 
     def _encode(self, call: Call[Any]) -> bytes:
         return encode_request(call.method, {**call.params, "authToken": self.auth_token})
 
-    @property
-    def address(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
     def _failed(self, what: str, error: BaseException) -> ConnectionFailed:
         return ConnectionFailed(f"{what} {self.address}: {self._describe(error)}")
+
+    def _unreachable(self, failures: Sequence[ConnectionFailed]) -> ConnectionFailed:
+        """What a new connection that no server took raises: the one
+        failure, or, with several servers, one naming them all."""
+        if len(failures) == 1:
+            return failures[0]
+        return ConnectionFailed(
+            f"{CANNOT_CONNECT} any of the {len(failures)} servers: "
+            + "; ".join(str(failure) for failure in failures)
+        )
 
     def _handshake_failed(self, error: BaseException) -> ConnectionFailed:
         """What a failed TLS handshake means, for a person to act on."""

@@ -223,7 +223,10 @@ class Client(Endpoint):
         except TLSFailed:
             raise
         except ConnectionFailed:
-            if not call.read_only:
+            # The server that broke the connection or did not answer may be
+            # gone: the next connection tries another first.
+            self.switch_server()
+            if not call.repeatable:
                 raise
         return self._receive(self._send(request), patience)
 
@@ -234,7 +237,15 @@ class Client(Endpoint):
                 return self._send_on(self._sock, request)
             except ConnectionFailed:
                 pass  # the request's end never left, so the server ignores it
-        return self._send_on(self._connect(), request)
+        failures: list[ConnectionFailed] = []
+        for _ in self.servers.rotation():
+            try:
+                return self._send_on(self._connect(), request)
+            except TLSFailed:
+                raise  # the options must change: another server would not help
+            except ConnectionFailed as failure:
+                failures.append(failure)  # nothing was carried out: try the next
+        raise self._unreachable(failures)
 
     def _send_on(self, sock: socket.socket, request: bytes) -> socket.socket:
         try:

@@ -15,8 +15,9 @@ import threading
 
 from jobserver.cli.options import (
     AUTH_TOKEN_HELP,
-    DEFAULT_SERVER,
     LOG_LEVELS,
+    SERVER_HELP,
+    SERVER_METAVAR,
     add_tls_arguments,
     chosen_server,
     job_names,
@@ -128,9 +129,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--server",
         type=server_address,
-        metavar="HOST:PORT",
-        help=f"the job server, PORT 1 to 65535 (default: $JOBSERVER_SERVER, else "
-        f"{DEFAULT_SERVER})",
+        metavar=SERVER_METAVAR,
+        help=SERVER_HELP,
     )
     parser.add_argument("--auth-token-file", metavar="FILE", help=AUTH_TOKEN_HELP)
     add_tls_arguments(parser)
@@ -208,7 +208,7 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
     """The settings the options describe; None, once the reason is logged,
     if they cannot work."""
     try:
-        host, port = chosen_server(args.server)
+        servers = chosen_server(args.server)
     except ValueError as error:  # names $JOBSERVER_SERVER: --server was checked
         log.error("%s", error)
         return None
@@ -223,8 +223,7 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
         log.error("cannot use --tls-ca: %s", error)
         return None
     return Settings(
-        host=host,
-        port=port,
+        servers=servers,
         token=token,
         tls=tls,
         concurrency=args.concurrency,

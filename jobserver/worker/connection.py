@@ -17,7 +17,7 @@ __all__ = ["BACKOFF_MAX", "Backoff", "Link", "Server", "client", "close"]
 
 def client(server: Server) -> AsyncClient:
     """A new client for `server`; it connects on its first request."""
-    return AsyncClient(server.host, server.port, auth_token=server.token, tls=server.tls)
+    return AsyncClient(list(server.addresses), auth_token=server.token, tls=server.tls)
 
 
 async def close(client: AsyncClient) -> None:
@@ -29,15 +29,17 @@ async def close(client: AsyncClient) -> None:
 
 class Link:
     """A connection that outlives its breakages: after each one, it is closed
-    and replaced by a new one."""
+    and replaced by a new one, to another node if there are several."""
 
     def __init__(self, server: Server) -> None:
         self.server = server
         self.client = client(server)
 
     async def reconnect(self) -> None:
+        """After a broken connection or a 5xx: the node may be gone, or
+        without its database, while another serves."""
         await close(self.client)
-        self.client = client(self.server)
+        self.client.switch_server()
 
     async def aclose(self) -> None:
         await close(self.client)

@@ -82,7 +82,7 @@ class Runner:
         self.worker = worker
         self.settings = settings
         self.jobs_name = settings.jobs or worker.get_jobs_name()
-        self.server = Server(settings.host, settings.port, settings.token, settings.tls)
+        self.server = Server(settings.addresses, settings.token, settings.tls)
 
         self.running: dict[int, str] = {}  # job ID -> printable name, while its task runs
         self.reserved = 0  # slots asked for by GetJobs on their way

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import math
 import ssl
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from jobserver.client.servers import Address, parse_servers
 
 # Each running job is a task or a thread: more than this is a mistake.
 MAX_CONCURRENCY = 10_000
@@ -32,10 +35,18 @@ class Settings:
     touch_interval: float = 30.0
     jobs: str | None = None  # the GetJobs name; None: the worker's
     signals: bool = True  # SIGTERM and SIGINT stop it (main thread only)
+    # The nodes of one queue, instead of host and port: "HOST:PORT" strings
+    # or (host, port) pairs, or one string of them separated by commas.
+    servers: str | Sequence[str | Address] = ()
+
+    # The addresses to connect to, from servers, else host and port.
+    addresses: tuple[Address, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         if not (type(self.port) is int and 0 < self.port < 65536):
             raise ValueError(f"port must be 1 to 65535, not {self.port!r}")
+        addresses = parse_servers(self.servers) if self.servers else ((self.host, self.port),)
+        object.__setattr__(self, "addresses", addresses)  # frozen: set once, here
         if not (type(self.concurrency) is int and 1 <= self.concurrency <= MAX_CONCURRENCY):
             raise ValueError(
                 f"concurrency must be 1 to {MAX_CONCURRENCY}, not {self.concurrency!r}"

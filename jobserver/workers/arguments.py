@@ -14,9 +14,10 @@ import trio
 
 from jobserver.cli.options import (
     AUTH_TOKEN_HELP,
-    DEFAULT_SERVER,
     JOB_NAMES_HELP,
     LOG_LEVELS,
+    SERVER_HELP,
+    SERVER_METAVAR,
     add_tls_arguments,
     chosen_server,
     job_names,
@@ -118,9 +119,8 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--server",
         type=server_address,
-        metavar="HOST:PORT",
-        help=f"the job server, PORT 1 to 65535 (default: $JOBSERVER_SERVER, else "
-        f"{DEFAULT_SERVER})",
+        metavar=SERVER_METAVAR,
+        help=SERVER_HELP,
     )
     parser.add_argument("--auth-token-file", metavar="FILE", help=AUTH_TOKEN_HELP)
     add_tls_arguments(parser)
@@ -165,7 +165,7 @@ def manager_from(args: argparse.Namespace) -> Manager | None:
     """The manager the options describe; None, once the reason is logged,
     if they cannot work."""
     try:
-        server = chosen_server(args.server)
+        servers = chosen_server(args.server)
     except ValueError as error:
         log.error("%s", error)
         return None
@@ -184,8 +184,7 @@ def manager_from(args: argparse.Namespace) -> Manager | None:
         log.error("cannot use --tls-ca: %s", error)
         return None
     return Manager(
-        host=server[0],
-        port=server[1],
+        servers=servers,
         token=token,
         tls=tls,
         tls_setting=tls_option(args),

@@ -1,9 +1,11 @@
-"""How the worker manager reaches the server: its address, new connections
-in place of broken ones, and the backoff between tries while it is down.
+"""How the worker manager reaches the server: its address (or the nodes of
+one queue, each connection going to one of them and moving to another when
+it stops answering: jobserver.client), new connections in place of broken
+ones, and the backoff between tries while it is down.
 
 Fetching jobs, reporting results and renewing leases each use a connection
 of their own, so that none waits behind another (a blocking GetJobs can
-take a minute to answer)."""
+take a minute to answer); with several nodes the three spread over them."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import trio
 
+from jobserver.client.servers import Address, format_servers
 from jobserver.client.trio_client import TrioClient
 
 # Retrying an unreachable server: quick at first (a restart takes a moment),
@@ -22,21 +25,22 @@ BACKOFF_MAX = 5.0
 
 @dataclass(frozen=True)
 class Server:
-    """The job server the manager works for."""
+    """The job server the manager works for: one address, or the nodes of
+    one queue."""
 
-    host: str
-    port: int
+    addresses: tuple[Address, ...]
     token: str | None = None
     tls: ssl.SSLContext | None = None
 
     @property
     def address(self) -> str:
-        """`host:port`, IPv6 hosts in brackets: for the log and for workers."""
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        """`host:port`, IPv6 hosts in brackets, several separated by commas:
+        for the log, and for workers as --server takes it."""
+        return format_servers(self.addresses)
 
     def client(self) -> TrioClient:
         """A new client; it connects on its first request."""
-        return TrioClient(self.host, self.port, auth_token=self.token, tls=self.tls)
+        return TrioClient(list(self.addresses), auth_token=self.token, tls=self.tls)
 
 
 async def close(client: TrioClient) -> None:
@@ -67,15 +71,17 @@ class Backoff:
 
 class Link:
     """A connection that outlives its breakages: after each one, it is closed
-    and replaced by a new one."""
+    and replaced by a new one, to another node if there are several."""
 
     def __init__(self, server: Server) -> None:
         self.server = server
         self.client = server.client()
 
     async def reconnect(self) -> None:
+        """After a broken connection or a 5xx: the node may be gone, or
+        without its database, while another serves."""
         await close(self.client)
-        self.client = self.server.client()
+        self.client.switch_server()
 
     async def aclose(self) -> None:
         await close(self.client)

@@ -33,8 +33,9 @@ jobs. See ARCHITECTURE.md ("The worker manager's guard").
 The guard runs in a session of its own (a signal to the manager's process
 group does not reach it) and ignores SIGINT, SIGTERM and SIGHUP: only the
 pipe's end stops it. It connects to the server only at the end, with the
-manager's address, token ($JOBSERVER_AUTH_TOKEN in its environment, never
-its command line) and TLS setting.
+manager's addresses (all the nodes, if several), token
+($JOBSERVER_AUTH_TOKEN in its environment, never its command line) and
+TLS setting.
 
 It runs as a script (`python -P .../guard.py`), so that starting it imports
 the standard library only, not the worker manager (nor trio) that
@@ -187,13 +188,12 @@ def connect(args: argparse.Namespace) -> Client:
 
     tls: TLS = True if args.tls_ca == "system" else args.tls_ca
     token = os.environ.get(TOKEN_VARIABLE) or None
-    return Client(args.host, args.port, auth_token=token, tls=tls)
+    return Client.from_address(args.servers, auth_token=token, tls=tls)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="guard.py")
-    parser.add_argument("host")
-    parser.add_argument("port", type=int)
+    parser.add_argument("servers", help="HOST:PORT, or several separated by commas")
     parser.add_argument("--tls-ca", help="the CA file, or 'system' for the system's CAs")
     args = parser.parse_args(argv)
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -212,15 +212,16 @@ class Guard:
     """The manager's handle on its guard: starts it, and tells it what the
     manager holds. Until started, and once it is gone, it tells nothing."""
 
-    def __init__(self, host: str, port: int, token: str | None, tls: TLS) -> None:
-        self.host, self.port, self.token, self.tls = host, port, token, tls
+    def __init__(self, servers: str, token: str | None, tls: TLS) -> None:
+        """`servers`: HOST:PORT, or several separated by commas."""
+        self.servers, self.token, self.tls = servers, token, tls
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         """Start the guard process; OSError if it cannot be started."""
         # -P: the script's directory is not put on sys.path, where its
         # neighbours would hide modules of the same names.
-        command = [sys.executable, "-P", os.path.abspath(__file__), self.host, str(self.port)]
+        command = [sys.executable, "-P", os.path.abspath(__file__), self.servers]
         if self.tls:
             command += ["--tls-ca", "system" if self.tls is True else str(self.tls)]
         env = {k: v for k, v in os.environ.items() if k != TOKEN_VARIABLE}

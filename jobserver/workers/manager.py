@@ -30,6 +30,7 @@ import trio
 
 from jobserver.client import ConnectionFailed, JobServerError, ServerError, TLSFailed
 from jobserver.client.endpoint import TLS
+from jobserver.client.servers import Address
 from jobserver.workers.connection import BACKOFF_MAX, Backoff, Link, Server
 from jobserver.workers.contract import (
     Outcome,
@@ -94,8 +95,7 @@ class Manager:
     def __init__(
         self,
         *,
-        host: str,
-        port: int,
+        servers: tuple[Address, ...],
         directory: str,
         pattern: str,
         max_load: float | None,
@@ -108,10 +108,11 @@ class Manager:
         tls: ssl.SSLContext | None = None,
         tls_setting: TLS = None,
     ) -> None:
-        """`tls` is the context made from `tls_setting` (--tls, --tls-ca),
-        which the guard is given to make its own."""
-        self.server = Server(host, port, token, tls)
-        self.guard = Guard(host, port, token, tls_setting)
+        """`servers`: the server's address, or those of the nodes of one
+        queue. `tls` is the context made from `tls_setting` (--tls,
+        --tls-ca), which the guard is given to make its own."""
+        self.server = Server(servers, token, tls)
+        self.guard = Guard(self.server.address, token, tls_setting)
         self.directory = directory
         self.pattern = pattern
         self.max_load = max_load
