@@ -94,6 +94,11 @@ def redact(url: str) -> str:
 
 # How Query's connections name themselves to PostgreSQL (pg_stat_activity).
 QUERY_APPLICATION = "jobserver query"
+# How the short reads off the writer (Queues, Status' limits, the
+# dashboard's search, RunningJobs, the history's depth sample) name theirs:
+# apart from the node's lasting connections (the writer, the listener),
+# which keep "jobserver".
+READ_APPLICATION = "jobserver read"
 
 # libpq settings a URL does not give: a PostgreSQL that stops answering
 # without closing the connection (a cable pulled, a host gone) is noticed
@@ -384,7 +389,7 @@ class PostgresStore(SqlStore):
     # Connections of their own, for other threads.
 
     def prune_pending(self, before: Mapping[str, str], now: str) -> bool:
-        with connect(self._url) as db:
+        with connect(self._url, application_name=READ_APPLICATION) as db:
             for state, cutoff in before.items():
                 if db.execute(sql.prunable(POSTGRES), (state, cutoff)).fetchone() is not None:
                     return True
@@ -395,7 +400,7 @@ class PostgresStore(SqlStore):
         postgres_query.run(self._query, self.schema, text, seconds, _AsOnSQLite(rows))
 
     def queue_stats(self, now: str) -> QueueStats:
-        with connect(self._url) as db:
+        with connect(self._url, application_name=READ_APPLICATION) as db:
             counts = {
                 (str(queue), str(state)): int(count)
                 for queue, state, count in db.execute(
@@ -422,12 +427,12 @@ class PostgresStore(SqlStore):
         return counts, oldest, held
 
     def running_by_name(self, now: str) -> list[tuple[str, int]]:
-        with connect(self._url) as db:
+        with connect(self._url, application_name=READ_APPLICATION) as db:
             rows = db.execute(sql.running_by_name(POSTGRES), (now,)).fetchall()
         return [(str(name), int(cost)) for name, cost in rows]
 
     def find_matching(self, pattern: str, limit: int) -> list[Job]:
-        with connect(self._url) as db:
+        with connect(self._url, application_name=READ_APPLICATION) as db:
             rows = db.execute(*sql.find_matching(POSTGRES, pattern, limit)).fetchall()
         return [Job(*row) for row in rows]
 
@@ -436,7 +441,7 @@ class PostgresStore(SqlStore):
     ) -> RunningStats:
         listed, counted = sql.running_jobs(POSTGRES, now, pattern, limit, newest)
         # One snapshot for both: the count is of the same moment.
-        with connect(self._url) as db, db.transaction():
+        with connect(self._url, application_name=READ_APPLICATION) as db, db.transaction():
             db.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
             jobs = [RunningJob(*row) for row in db.execute(*listed).fetchall()]
             row = db.execute(*counted).fetchone()

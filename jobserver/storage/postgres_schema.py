@@ -415,11 +415,13 @@ def _version_4(db: psycopg.Connection, schema: str) -> None:
     db.execute(f"REVOKE EXECUTE ON FUNCTION {ENQUEUE_SIGNATURE} FROM PUBLIC".encode())
 
 
-# Version 5's columns and index (in SCHEMA for a new schema).
+# Version 5's columns and index (in SCHEMA for a new schema); IF NOT
+# EXISTS, so that a schema that has them already (brought back from an
+# older version's number by hand) is upgraded rather than refused.
 _VERSION_5 = (
-    "ALTER TABLE jobs ADD COLUMN worker TEXT COLLATE \"C\" NOT NULL DEFAULT ''",
-    "ALTER TABLE jobs ADD COLUMN node TEXT COLLATE \"C\" NOT NULL DEFAULT ''",
-    "CREATE INDEX jobsActiveStarted ON jobs (lastRun, jobID) "
+    "ALTER TABLE jobs ADD COLUMN IF NOT EXISTS worker TEXT COLLATE \"C\" NOT NULL DEFAULT ''",
+    "ALTER TABLE jobs ADD COLUMN IF NOT EXISTS node TEXT COLLATE \"C\" NOT NULL DEFAULT ''",
+    "CREATE INDEX IF NOT EXISTS jobsActiveStarted ON jobs (lastRun, jobID) "
     "WHERE state IN ('RUNNING', 'RUNQUEUED')",
 )
 
