@@ -48,3 +48,14 @@ def test_counts_past_the_limit(store: Storage) -> None:
         assert store.count_in_state("FAILED", NameMatch(pattern="n/*")) == 30
         assert store.count_in_state("QUEUED", NameMatch(queue="n")) == 5
         assert store.count_in_state("RUNNING", NameMatch(queue="n")) == 0
+
+
+def test_ready_by_queue_counts_the_jobs_waiting_to_run_of_each_queue(store: Storage) -> None:
+    """The history's depth sample: QUEUED and RUNQUEUED jobs by queue (a name
+    up to its first /), whatever their nextRun; no other state."""
+    later = job("later", next_run="2999-01-01 00:00:00")
+    create(store, job("q/a"), job("q/b"), job("q"), job("é/1"), later)
+    create(store, job("q/runqueued"), state="RUNQUEUED")
+    create(store, job("q/failed"), job("r/failed"), state="FAILED")
+    create(store, job("q/running"), state="RUNNING")
+    assert store.ready_by_queue() == {"q": 4, "é": 1, "later": 1}

@@ -420,6 +420,11 @@ class Readers(Protocol):
         """The cost of the running jobs, as `usage` counts it, by name, for
         Status."""
 
+    def ready_by_queue(self) -> dict[str, int]:
+        """The jobs QUEUED or RUNQUEUED (due or not) by queue, for the
+        history's depth: only the jobs waiting to run are read, through an
+        index of them."""
+
     def find_matching(self, pattern: str, limit: int) -> list[Job]:
         """Jobs in any state whose name matches a GLOB `pattern`, newest
         first: the dashboard's search. It may read every job."""

@@ -426,6 +426,16 @@ class PostgresStore(SqlStore):
                     held[str(queue)] = int(count)
         return counts, oldest, held
 
+    def ready_by_queue(self) -> dict[str, int]:
+        with connect(self._url, application_name=READ_APPLICATION) as db:
+            return {
+                str(queue): int(count)
+                for queue, count in db.execute(
+                    "SELECT split_part(name, '/', 1) AS queue, COUNT(*) FROM jobs "
+                    f"WHERE state IN ({sql.READY_SQL}) GROUP BY queue"
+                ).fetchall()
+            }
+
     def running_by_name(self, now: str) -> list[tuple[str, int]]:
         with connect(self._url, application_name=READ_APPLICATION) as db:
             rows = db.execute(sql.running_by_name(POSTGRES), (now,)).fetchall()

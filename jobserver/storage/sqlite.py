@@ -373,6 +373,9 @@ class Store(SqlStore):
     def running_by_name(self, now: str) -> list[tuple[str, int]]:
         return sqlite_readers.running_by_name(self.path, now)
 
+    def ready_by_queue(self) -> dict[str, int]:
+        return sqlite_readers.ready_by_queue(self.path)
+
     def find_matching(self, pattern: str, limit: int) -> list[Job]:
         rows = sqlite_readers.find_matching(self.path, pattern, limit)
         return [Job(*row) for row in rows]

@@ -271,6 +271,19 @@ def queue_stats(path: str, now: str, paused: frozenset[str]) -> QueueStats:
         db.close()
 
 
+def ready_by_queue(path: str) -> dict[str, int]:
+    """The jobs waiting to run by queue, read through an index of them."""
+    db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
+    try:
+        rows = db.execute(
+            f"SELECT {_QUEUE} AS queue, COUNT(*) FROM jobs "
+            f"WHERE state IN ({sql.READY_SQL}) GROUP BY queue"
+        )
+        return {queue: int(count) for queue, count in rows}
+    finally:
+        db.close()
+
+
 def running_by_name(path: str, now: str) -> list[tuple[str, int]]:
     """The cost of the running jobs, as a limit's usage counts it, by name."""
     db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)

@@ -1,9 +1,12 @@
 """The history's depth series: each queue's waiting jobs, once a minute.
 
-A background task reads the jobs by queue and state the way Queues does
-(`Storage.queue_stats`, on a read-only connection of its own, in a
-thread), a few seconds into each minute, and gives the ring the jobs
-QUEUED or RUNQUEUED per queue. The writer never waits for it.
+A background task reads the jobs QUEUED or RUNQUEUED per queue
+(`Storage.ready_by_queue`: only those jobs, through an index of them, on
+a read-only connection of its own, in a thread) a few seconds into each
+minute, and gives them to the ring. The writer never waits for it. It is
+not Queues' read, which reads every job and matches the due ones against
+the paused patterns: a node would pay that every minute, and a node
+killed while it ran would leave PostgreSQL running it.
 """
 
 from __future__ import annotations
@@ -14,9 +17,7 @@ import trio
 
 from jobserver.core.engine.clock import Clock
 from jobserver.core.engine.history import INTERVAL_SECONDS, History
-from jobserver.model import times
-from jobserver.model.jobs import READY
-from jobserver.storage.interface import QueueStats, Storage
+from jobserver.storage.interface import Storage
 
 log = logging.getLogger("jobserver")
 
@@ -25,25 +26,14 @@ log = logging.getLogger("jobserver")
 SAMPLE_OFFSET_SECONDS = 2.0
 
 
-def depths(stats: QueueStats) -> dict[str, int]:
-    """The jobs waiting to be handed out (due or not), by queue."""
-    counts, _, _ = stats
-    found: dict[str, int] = {}
-    for (queue, state), count in counts.items():
-        if state in READY:
-            found[queue] = found.get(queue, 0) + count
-    return found
-
-
 async def sample_once(store: Storage, history: History, clock: Clock) -> None:
     """Read every queue's depth now into this minute of the history."""
-    now = times.to_millis(clock.now())
     try:
-        stats = await trio.to_thread.run_sync(store.queue_stats, now)
+        depths = await trio.to_thread.run_sync(store.ready_by_queue)
     except Exception as error:  # noqa: BLE001 - the sampler lives on and reads again next minute
         log.warning("history cannot read the queues' depths: %s", error)
         return
-    history.sample_depth(depths(stats))
+    history.sample_depth(depths)
 
 
 async def run_sampler(store: Storage, history: History, clock: Clock) -> None:
