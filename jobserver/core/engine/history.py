@@ -16,7 +16,7 @@ for all queues together, per minute:
 - retried: runs that ended to run again (RetryJob, a failed attempt that a
   retry policy queues again);
 - depth: the jobs QUEUED or RUNQUEUED (due or not) when the minute was
-  sampled (`sample_depth`, once a minute, off the writer).
+  sampled (`sample_depth`, every 15 seconds, off the writer).
 
 Events are noted on a request's Context as its moves are made
 (lifecycle.py), gathered by the writer from the requests that succeeded,
