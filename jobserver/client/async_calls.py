@@ -213,6 +213,52 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
     async def status(self) -> dict[str, Any]:
         return await self._call(calls.status())
 
+    @documented_by(calls.running_jobs)
+    async def running_jobs(
+        self, name: str | None = None, limit: int | None = None, newest: bool = False
+    ) -> dict[str, Any]:
+        return await self._call(calls.running_jobs(name, limit, newest))
+
+    @documented_by(calls.history)
+    async def history(self, queue: str | None = None, minutes: int | None = None) -> dict[str, Any]:
+        return await self._call(calls.history(queue, minutes))
+
+    @documented_by(calls.requeue_failed_jobs)
+    async def requeue_failed_jobs(
+        self,
+        name: str | None = None,
+        *,
+        queue: str | None = None,
+        job_ids: list[int] | None = None,
+        limit: int | None = None,
+        dry_run: bool = False,
+    ) -> dict[str, Any]:
+        return await self._call(calls.requeue_failed_jobs(name, queue, job_ids, limit, dry_run))
+
+    @documented_by(calls.delete_failed_jobs)
+    async def delete_failed_jobs(
+        self,
+        name: str | None = None,
+        *,
+        queue: str | None = None,
+        job_ids: list[int] | None = None,
+        limit: int | None = None,
+        dry_run: bool = False,
+    ) -> dict[str, Any]:
+        return await self._call(calls.delete_failed_jobs(name, queue, job_ids, limit, dry_run))
+
+    @documented_by(calls.cancel_queued_jobs)
+    async def cancel_queued_jobs(
+        self,
+        name: str | None = None,
+        *,
+        queue: str | None = None,
+        job_ids: list[int] | None = None,
+        limit: int | None = None,
+        dry_run: bool = False,
+    ) -> dict[str, Any]:
+        return await self._call(calls.cancel_queued_jobs(name, queue, job_ids, limit, dry_run))
+
     @documented_by(calls.backup)
     async def backup(self, name: str) -> dict[str, Any]:
         return await self._call(calls.backup(name))

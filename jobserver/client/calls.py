@@ -28,7 +28,9 @@ When = str | datetime
 BACKUP_WAIT = 3600.0
 
 # Commands that change nothing, so sending one twice does no harm.
-_READ_ONLY = frozenset({"queryjob", "ping", "status", "queues", "query"})
+_READ_ONLY = frozenset(
+    {"queryjob", "ping", "status", "queues", "query", "history", "runningjobs"}
+)
 # Commands that hand jobs out: sent again, they may hand out more, but a
 # job handed out in a reply that never arrived is not run twice: the server
 # puts it back when the reply cannot be delivered, or, if the node died,
@@ -444,6 +446,74 @@ def queues(limit: int | None) -> Call[dict[str, Any]]:
     jobs by state and how long its oldest ready job has waited
     (protocol.md 14.17)."""
     return Call("Queues", {"limit": limit}, _body)
+
+
+def running_jobs(
+    name: str | None, limit: int | None, newest: bool
+) -> Call[dict[str, Any]]:
+    """The jobs handed out now (RUNNING, and RUNQUEUED under a lease), the
+    longest running first (`newest` for the last handed out first), each
+    with the worker that took it and the node it was taken on; at most
+    `limit` (1 to 1,000; 100 if None), only those whose name matches the
+    GLOB `name` if given. Returns {"jobs": [...], "total", "more", "now"}
+    (protocol.md 14.21)."""
+    order = "newest" if newest else None
+    return Call("RunningJobs", {"name": name, "limit": limit, "order": order}, _body)
+
+
+def history(queue: str | None, minutes: int | None) -> Call[dict[str, Any]]:
+    """What the queues did, minute by minute: jobs created, handed out,
+    finished, failed and retried, and the depth, for the last `minutes`
+    (the server's whole window if None) of one queue or of all; kept in
+    the server's memory since it started (protocol.md 14.20)."""
+    return Call("History", {"name": queue, "minutes": minutes}, _body)
+
+
+def _bulk(
+    method: str,
+    name: str | None,
+    queue: str | None,
+    job_ids: list[int] | None,
+    limit: int | None,
+    dry_run: bool,
+) -> Call[dict[str, Any]]:
+    ids = ",".join(map(str, job_ids)) if job_ids is not None else None
+    params: dict[str, object] = {
+        "name": name, "queue": queue, "jobIDs": ids, "limit": limit,
+        "dryRun": "true" if dry_run else None,
+    }
+    return Call(method, params, _body)
+
+
+def requeue_failed_jobs(
+    name: str | None, queue: str | None, job_ids: list[int] | None, limit: int | None,
+    dry_run: bool,
+) -> Call[dict[str, Any]]:
+    """Requeue FAILED jobs, due now, in one transaction: those whose name
+    matches the GLOB `name`, those of `queue`, or those of `job_ids` (give
+    one); at most `limit` (1,000 if None). With `dry_run`, nothing changes.
+    Returns {"matched", "acted", "remaining", "jobIDs"} (protocol.md 14.19):
+    call again while "remaining" is not 0."""
+    return _bulk("RequeueFailedJobs", name, queue, job_ids, limit, dry_run)
+
+
+def delete_failed_jobs(
+    name: str | None, queue: str | None, job_ids: list[int] | None, limit: int | None,
+    dry_run: bool,
+) -> Call[dict[str, Any]]:
+    """Delete FAILED jobs, chosen and answered as requeue_failed_jobs'
+    (protocol.md 14.19)."""
+    return _bulk("DeleteFailedJobs", name, queue, job_ids, limit, dry_run)
+
+
+def cancel_queued_jobs(
+    name: str | None, queue: str | None, job_ids: list[int] | None, limit: int | None,
+    dry_run: bool,
+) -> Call[dict[str, Any]]:
+    """Take QUEUED jobs out of the queue (a child is cancelled, any other
+    job deleted), chosen and answered as requeue_failed_jobs' (protocol.md
+    14.19)."""
+    return _bulk("CancelQueuedJobs", name, queue, job_ids, limit, dry_run)
 
 
 def backup(name: str) -> Call[dict[str, Any]]:

@@ -207,6 +207,52 @@ class Client(Endpoint):
     def status(self) -> dict[str, Any]:
         return self._call(calls.status())
 
+    @documented_by(calls.running_jobs)
+    def running_jobs(
+        self, name: str | None = None, limit: int | None = None, newest: bool = False
+    ) -> dict[str, Any]:
+        return self._call(calls.running_jobs(name, limit, newest))
+
+    @documented_by(calls.history)
+    def history(self, queue: str | None = None, minutes: int | None = None) -> dict[str, Any]:
+        return self._call(calls.history(queue, minutes))
+
+    @documented_by(calls.requeue_failed_jobs)
+    def requeue_failed_jobs(
+        self,
+        name: str | None = None,
+        *,
+        queue: str | None = None,
+        job_ids: list[int] | None = None,
+        limit: int | None = None,
+        dry_run: bool = False,
+    ) -> dict[str, Any]:
+        return self._call(calls.requeue_failed_jobs(name, queue, job_ids, limit, dry_run))
+
+    @documented_by(calls.delete_failed_jobs)
+    def delete_failed_jobs(
+        self,
+        name: str | None = None,
+        *,
+        queue: str | None = None,
+        job_ids: list[int] | None = None,
+        limit: int | None = None,
+        dry_run: bool = False,
+    ) -> dict[str, Any]:
+        return self._call(calls.delete_failed_jobs(name, queue, job_ids, limit, dry_run))
+
+    @documented_by(calls.cancel_queued_jobs)
+    def cancel_queued_jobs(
+        self,
+        name: str | None = None,
+        *,
+        queue: str | None = None,
+        job_ids: list[int] | None = None,
+        limit: int | None = None,
+        dry_run: bool = False,
+    ) -> dict[str, Any]:
+        return self._call(calls.cancel_queued_jobs(name, queue, job_ids, limit, dry_run))
+
     @documented_by(calls.backup)
     def backup(self, name: str) -> dict[str, Any]:
         return self._call(calls.backup(name))
