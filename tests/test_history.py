@@ -287,3 +287,21 @@ def test_depth_is_sampled_from_the_store(tmp_path):
             store.close()
 
     _run(main)
+
+
+@pytest.mark.parametrize(
+    ("into_minute", "slow", "wait"),
+    [
+        (0.0, False, 13.0), (12.5, False, 0.5), (13.0, False, 15.0), (20.0, False, 8.0),
+        (57.9, False, 0.1), (58.0, False, 15.0), (59.0, False, 14.0),
+        (0.0, True, 58.0), (13.0, True, 45.0), (58.0, True, 60.0), (59.5, True, 58.5),
+    ],
+)
+def test_the_depth_is_sampled_four_times_a_minute_or_once_after_a_slow_read(
+    into_minute: float, slow: bool, wait: float
+) -> None:
+    """At 13, 28, 43 and 58 seconds into each minute, the last just before
+    the minute ends; at 58 alone while a read takes long (a huge queue)."""
+    minute = 1_800_000_000.0  # a whole minute since 1970
+    assert minute % 60 == 0
+    assert depth.seconds_to_next_sample(minute + into_minute, slow) == pytest.approx(wait)
