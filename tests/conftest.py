@@ -3,9 +3,11 @@ them are in harness.py, shared helpers in helpers.py."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,6 +16,7 @@ import pg
 from driver import open_store
 
 from harness import ManagerProcess, Nodes, ServerProcess, ThreadServer
+from helpers import chromium
 from jobserver.storage.interface import Storage
 from powercut import BuildFailed, build
 from tls_certs import Certificates, tls_server
@@ -149,3 +152,19 @@ def store(backend: str, db: Path | str) -> Iterator[Storage]:
     opened = open_store(backend, db)
     yield opened
     opened.close()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """One headless Chromium for a module's browser tests."""
+    with chromium() as launched:
+        yield launched
+
+
+@pytest.fixture
+def artifacts(tmp_path: Path) -> Path:
+    """Where screenshots go: $JOBSERVER_TEST_ARTIFACTS, else the test's own
+    directory; never the repository."""
+    directory = Path(os.environ.get("JOBSERVER_TEST_ARTIFACTS") or tmp_path)
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory

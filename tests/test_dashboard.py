@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
 import ssl
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from urllib.parse import urlencode
 import pytest
 
 from harness import ThreadServer
-from helpers import chromium, create, ok, until
+from helpers import create, ok, until
 from jobserver.web.dashboard import REFRESH_SECONDS
 from jobserver.web.forms import FLASH_COOKIE
 from tls_certs import tls_server
@@ -473,22 +472,6 @@ def test_the_flash_cookie_cannot_carry_markup(server: ThreadServer) -> None:
 
 
 # End to end in headless Chromium (helpers.chromium).
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    """One browser for the module."""
-    with chromium() as launched:
-        yield launched
-
-
-@pytest.fixture
-def artifacts(tmp_path: Path) -> Path:
-    """Where screenshots go: $JOBSERVER_TEST_ARTIFACTS, else the test's own
-    directory; never the repository."""
-    directory = Path(os.environ.get("JOBSERVER_TEST_ARTIFACTS") or tmp_path)
-    directory.mkdir(parents=True, exist_ok=True)
-    return directory
 
 
 def sample_jobs(client: Client) -> int:

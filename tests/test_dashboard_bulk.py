@@ -13,13 +13,12 @@ from typing import Any
 
 import pytest
 from bulk_jobs import create_many, failed_jobs, states
-from test_dashboard import TOKEN, Visitor, artifacts, flash_of, start
+from test_dashboard import TOKEN, Visitor, flash_of, start
 from test_security_web import AttackSite, attack_site
 
 from harness import ThreadServer
-from helpers import chromium as launch_chromium
 
-__all__ = ["artifacts", "attack_site"]  # fixtures, used by name
+__all__ = ["attack_site"]  # a fixture, used by name
 
 CROSS_SITE = {"Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site"}
 
@@ -157,12 +156,6 @@ def test_no_bulk_action_from_another_site_or_without_signing_in(guarded: ThreadS
 
 
 # In headless Chromium.
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    with launch_chromium() as launched:
-        yield launched
 
 
 def test_in_a_browser_a_hundred_failed_jobs_are_requeued_in_one_confirmed_action(

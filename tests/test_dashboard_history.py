@@ -5,7 +5,6 @@ in headless Chromium from jobs created and finished through the wire."""
 from __future__ import annotations
 
 import json
-import os
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,13 +116,6 @@ def test_the_vendored_chart_library_is_served_from_here(server):
     assert visitor.get("/static/graphs.js").status == 200
     license_text = Path(__file__).parent.parent / "jobserver/web/static/uPlot.LICENSE"
     assert "MIT License" in license_text.read_text()
-
-
-@pytest.fixture
-def artifacts(tmp_path: Path) -> Path:
-    directory = Path(os.environ.get("JOBSERVER_TEST_ARTIFACTS") or tmp_path)
-    directory.mkdir(parents=True, exist_ok=True)
-    return directory
 
 
 def test_in_a_browser_the_graphs_draw_the_counts(server, artifacts):

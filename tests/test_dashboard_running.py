@@ -4,7 +4,6 @@ once in headless Chromium, on every backend."""
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
 from datetime import timedelta
@@ -16,7 +15,7 @@ from test_dashboard import Visitor, start
 
 from conformance_helpers import fmt, force, get_job, utcnow
 from harness import ThreadServer
-from helpers import chromium, create, ok, until
+from helpers import create, ok, until
 from wire import Client, encode
 
 pytestmark = pytest.mark.backends
@@ -30,21 +29,6 @@ def web(db: Path | str) -> Iterator[ThreadServer]:
     running = start(db)
     yield running
     running.stop()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    with chromium() as launched:
-        yield launched
-
-
-@pytest.fixture
-def artifacts(tmp_path: Path) -> Path:
-    """Where screenshots go: $JOBSERVER_TEST_ARTIFACTS, else the test's own
-    directory; never the repository."""
-    directory = Path(os.environ.get("JOBSERVER_TEST_ARTIFACTS") or tmp_path)
-    directory.mkdir(parents=True, exist_ok=True)
-    return directory
 
 
 def address(client: Client) -> str:
