@@ -184,7 +184,10 @@ def glob_to_regex(pattern: str) -> str:
     parts = ["^"]
     for token in _compile(pattern.partition("\0")[0]):
         if token == _STAR:
-            parts.append(".*")
+            # A run of stars is one: PostgreSQL takes seconds to compile
+            # hundreds of `.*` in a row (17 s for 800), holding the writer.
+            if parts[-1] != ".*":
+                parts.append(".*")
         elif token == _ONE:
             parts.append(".")
         elif isinstance(token, _CharSet):
