@@ -121,6 +121,14 @@ BAD_REQUESTS = [
     ({"queue": "a/b"}, "402 Malformed queue"),
     ({"queue": "a" * 256}, "402 Queue too large (255 bytes at most)"),
     ({"name": "*", "limit": "many"}, "402 Malformed limit"),
+    # A flag that is not true or false acts on nothing (Bedrock would read
+    # these as false, and act).
+    *(
+        ({"name": "*", "dryRun": value}, "402 Malformed dryRun: true or false")
+        for value in ("yes", "on", "tru", "", "9" * 5000, "2")
+    ),
+    # A megabyte of jobIDs is counted, not read.
+    ({"jobIDs": "1," * 200_000 + "1"}, f"413 Too many jobIDs (max {MAX_BULK})"),
 ]
 
 

@@ -38,6 +38,9 @@ class Selection:
     match: NameMatch | None
     ids: tuple[int, ...] = ()
 
+# What `dryRun` may be.
+DRY_RUN_VALUES = {"true": True, "1": True, "false": False, "0": False}
+
 
 def requeue_failed_jobs(ctx: Context, request: Request) -> Response:
     """FAILED jobs back to QUEUED, due now, with every attempt again."""
@@ -57,7 +60,7 @@ def cancel_queued_jobs(ctx: Context, request: Request) -> Response:
 def _bulk(ctx: Context, request: Request, state: str, act: Act) -> Response:
     selection = _selection(request)
     limit = params.bulk_limit(request)
-    dry_run = params.is_true(request.get("dryrun"))
+    dry_run = _dry_run(request)
     with ctx.store.holding_writes():
         matched, jobs = _found(ctx, selection, state, limit)
         if not dry_run:
@@ -95,6 +98,19 @@ def _found(ctx: Context, selection: Selection, state: str, limit: int) -> tuple[
     return matched, jobs[:limit]
 
 
+def _dry_run(request: Request) -> bool:
+    """`dryRun`: true or false, 1 or 0, or absent (false). Anything else is
+    refused rather than read as false as Bedrock's flags are: a typo in it
+    must not act on a thousand jobs."""
+    value = request.get("dryrun")
+    if value is None:
+        return False
+    word = value.strip().lower()
+    if word not in DRY_RUN_VALUES:
+        raise CommandError("402 Malformed dryRun: true or false")
+    return DRY_RUN_VALUES[word]
+
+
 def _selection(request: Request) -> Selection:
     """Exactly one of `name` (a GLOB pattern, or a comma list of exact
     names), `queue` and `jobIDs`."""
@@ -104,6 +120,9 @@ def _selection(request: Request) -> Selection:
     if len(given) > 1:
         raise CommandError("402 Give one of name, queue or jobIDs")
     if given[0] == "jobids":
+        # Counted before they are parsed: a megabyte of them is refused at once.
+        if params.require(request, "jobids").count(",") >= MAX_BULK:
+            raise CommandError(f"413 Too many jobIDs (max {MAX_BULK})")
         ids = params.job_ids(request)
         if len(ids) > MAX_BULK:
             raise CommandError(f"413 Too many jobIDs (max {MAX_BULK})")
