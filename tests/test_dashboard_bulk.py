@@ -17,6 +17,7 @@ from test_dashboard import TOKEN, Visitor, flash_of, start
 from test_security_web import AttackSite, attack_site
 
 from harness import ThreadServer
+from helpers import ok
 
 __all__ = ["attack_site"]  # a fixture, used by name
 
@@ -53,14 +54,21 @@ def test_requeue_by_pattern_confirms_the_count_then_acts(server: ThreadServer) -
         assert re.search(
             r'Requeue <span class="count">7</span> failed jobs matching email/\*', page
         )
-        assert 'name="count" value="7"' in page
+        shown = ",".join(map(str, ids[:7]))
+        assert f'name="shown" value="{shown}"' in page
         assert set(states(client, ids).values()) == {"FAILED"}
-        # The count shown is the most it acts on.
-        done = visitor.act("bulk", command="requeue-failed", name="email/*", count=5)
+        # Meanwhile one of them is requeued by someone else, and another job
+        # of the pattern fails: the confirmed action acts on the jobs shown
+        # alone, and says it passed one over.
+        late = failed_jobs(client, ["email/late"])
+        ok(client.request("RequeueJobs", jobIDs=ids[1]))
+        done = visitor.act("bulk", command="requeue-failed", name="email/*", shown=shown)
         assert flash_of(visitor, done) == (
-            "ok: 5 failed jobs matching email/* requeued. 2 more match: act again for them."
+            "ok: 6 failed jobs matching email/* requeued. "
+            "1 had changed since the confirmation: left as they are."
         )
-        assert list(states(client, ids).values()) == ["QUEUED"] * 5 + ["FAILED"] * 3
+        assert list(states(client, ids).values()) == ["QUEUED"] * 7 + ["FAILED"]
+        assert states(client, late) == {late[0]: "FAILED"}
 
 
 def test_delete_a_selection(server: ThreadServer) -> None:
@@ -74,7 +82,9 @@ def test_delete_a_selection(server: ThreadServer) -> None:
         )
         assert 'Delete <span class="count">2</span> failed jobs selected' in page.text
         assert f'name="jobIDs" value="{ids[0]},{ids[2]}"' in page.text
-        done = visitor.act("bulk", command="delete-failed", jobIDs=f"{ids[0]},{ids[2]}", count=2)
+        done = visitor.act(
+            "bulk", command="delete-failed", jobIDs=f"{ids[0]},{ids[2]}", shown=f"{ids[0]},{ids[2]}"
+        )
         assert flash_of(visitor, done) == "ok: 2 failed jobs selected deleted."
         assert states(client, ids) == {ids[0]: "gone", ids[1]: "FAILED", ids[2]: "gone"}
 
@@ -97,9 +107,14 @@ def test_cancel_queued_of_a_queue_and_refusals(server: ThreadServer) -> None:
         too_many = [("command", "delete-failed")] + [("jobID", i) for i in range(1, 600)]
         refused = visitor.post("/bulk/confirm", too_many, Origin=f"http://{visitor.host}")  # type: ignore[arg-type]
         assert refused.status == 400 and "at most 500 jobs at once" in refused.text
-        bad = visitor.act("bulk", command="cancel-queued", queue="q", count="lots")
-        assert flash_of(visitor, bad) == "error: Nothing was done: &#39;lots&#39; is not a count."
-        done = visitor.act("bulk", command="cancel-queued", queue="q", count=2)
+        bad = visitor.act("bulk", command="cancel-queued", queue="q", shown="1,lots")
+        assert flash_of(visitor, bad) == (
+            "error: Nothing was done: confirm from the confirmation page."
+        )
+        too_many = ",".join(map(str, range(1, 1002)))
+        bad = visitor.act("bulk", command="cancel-queued", queue="q", shown=too_many)
+        assert flash_of(visitor, bad) == "error: Nothing was done: at most 1000 jobs at once."
+        done = visitor.act("bulk", command="cancel-queued", queue="q", shown=f"{ids[0]},{ids[1]}")
         assert flash_of(visitor, done) == "ok: 2 queued jobs of queue q cancelled."
         assert list(states(client, ids).values()) == ["gone", "gone", "QUEUED"]
 
@@ -127,7 +142,8 @@ def test_no_bulk_action_from_another_site_or_without_signing_in(guarded: ThreadS
     with guarded.client() as client:
         ids = failed_jobs(client, ["a", "b"], token)
         # Not signed in: refused, and the pages offer no bulk buttons.
-        assert visitor.act("bulk", command="delete-failed", name="*", count=2).status == 401
+        shown = ",".join(map(str, ids))
+        assert visitor.act("bulk", command="delete-failed", name="*", shown=shown).status == 401
         assert (
             visitor.post(
                 "/bulk/confirm",
@@ -143,7 +159,7 @@ def test_no_bulk_action_from_another_site_or_without_signing_in(guarded: ThreadS
         assert signed_in.status == 303
         assert "/bulk/confirm" in visitor.get("/").text
         for path, fields in (
-            ("/actions/bulk", {"command": "delete-failed", "name": "*", "count": 2}),
+            ("/actions/bulk", {"command": "delete-failed", "name": "*", "shown": shown}),
             ("/bulk/confirm", {"command": "delete-failed", "name": "*"}),
             ("/actions/pause-queue", {"queue": "a"}),
         ):
@@ -151,7 +167,7 @@ def test_no_bulk_action_from_another_site_or_without_signing_in(guarded: ThreadS
             assert refused.status == 403, (path, refused.text)
         assert set(states(client, ids, token).values()) == {"FAILED"}
         assert client.request("Status", token).json["paused"] == []
-        done = visitor.act("bulk", command="delete-failed", name="*", count=2)
+        done = visitor.act("bulk", command="delete-failed", name="*", shown=shown)
         assert flash_of(visitor, done) == "ok: 2 failed jobs matching * deleted."
 
 
@@ -223,7 +239,7 @@ BULK_ATTACK_PAGE = """<!doctype html>
 <iframe name="sink"></iframe>
 <form id="bulk" method="post" action="{target}/actions/bulk" target="sink">
 <input name="command" value="delete-failed"><input name="name" value="*">
-<input name="count" value="1000"><input name="back" value="/"></form>
+<input name="shown" value="1,2,3"><input name="back" value="/"></form>
 <script>
 window.attack = async () => {{
   const sink = document.querySelector("iframe");

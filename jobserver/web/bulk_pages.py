@@ -6,10 +6,12 @@ A bulk action is asked in two steps. The first form (on `/`) posts to
 `/bulk/confirm`, which changes nothing: it runs the command's dry run and
 shows how many jobs it would act on, the first of them, and a Confirm
 button. That button posts to `/actions/bulk` (Dashboard.act: the same
-guard as every action) with the selection and the count shown, and the
-command acts on at most that many: jobs that matched only since the
-confirmation are left for another. Both steps go through the dispatcher
-as the wire commands do (`Dashboard._call`).
+guard as every action) with the selection and the jobIDs the dry run
+found (`shown`, at most 1,000), and the command acts on those jobs alone,
+by jobIDs: a job that matched only since the confirmation is left for
+another, and one that left the state meanwhile is passed over (the
+command's fence) and counted. Both steps go through the dispatcher as the
+wire commands do (`Dashboard._call`).
 """
 
 from __future__ import annotations
@@ -116,15 +118,15 @@ class BulkPages:
 
     async def _act(self, request: Request, form: dict[str, str]) -> forms.Flash:
         command, selection = _asked(form)
-        count = _count(form)
-        reply = await self._dashboard._call(request, command.verb, limit=str(count), **selection)
+        shown = _shown(form)
+        reply = await self._dashboard._call(request, command.verb, jobIDs=shown)
         what = _described(selection)
         if reply.code != 200:
             return forms.Flash("error", f"Nothing was {command.done}: {reply.status}")
         found = json.loads(reply.body)
         text = f"{found['acted']} {command.jobs} {what} {command.done}."
-        if found["remaining"]:
-            text += f" {found['remaining']} more match: act again for them."
+        if found.get("skipped"):
+            text += f" {found['skipped']} had changed since the confirmation: left as they are."
         return forms.Flash("ok", text)
 
     async def _pause_queue(self, request: Request, form: dict[str, str]) -> forms.Flash:
@@ -170,14 +172,16 @@ def _job_ids(text: str) -> list[int]:
         raise forms.Refused("Nothing was done: a selection of jobIDs only.") from None
 
 
-def _count(form: dict[str, str]) -> int:
-    """The count the confirmation showed: the most the action acts on."""
-    text = forms.field(form, "count").strip()
+def _shown(form: dict[str, str]) -> str:
+    """The jobIDs the confirmation showed (`shown`), checked: the only jobs
+    the action may act on."""
+    parts = forms.field(form, "shown").split(",")
+    if len(parts) > MAX_BULK:
+        raise forms.Refused(f"Nothing was done: at most {MAX_BULK} jobs at once.")
     try:
-        count = params.parse_job_id(text, "count")
+        return ",".join(str(params.parse_job_id(part.strip())) for part in parts)
     except CommandError:
-        raise forms.Refused(f"Nothing was done: {text!r} is not a count.") from None
-    return min(count, MAX_BULK)
+        raise forms.Refused("Nothing was done: confirm from the confirmation page.") from None
 
 
 def _described(selection: dict[str, str]) -> str:
