@@ -136,6 +136,22 @@ def test_a_queue_is_paused_and_resumed_from_its_row(server: ThreadServer) -> Non
         assert client.request("Status").json["paused"] == []
 
 
+def test_a_queue_that_cannot_be_paused_whole_is_not_paused_at_all(tmp_path: Path) -> None:
+    """Room for one more paused pattern, not two: `plain` is not left
+    paused without `plain/*` (a row offering Pause again over a held queue)."""
+    server = start(tmp_path / "jobs.db", max_limits=1)
+    try:
+        visitor = Visitor(server)
+        with server.client() as client:
+            create_many(client, ["plain"])
+            done = visitor.act("pause-queue", queue="plain")
+            assert flash_of(visitor, done).startswith("error: Queue plain was not paused: 413")
+            assert client.request("Status").json["paused"] == []
+            assert client.request("GetJob", name="plain").status == "200 OK"
+    finally:
+        server.stop()
+
+
 def test_no_bulk_action_from_another_site_or_without_signing_in(guarded: ThreadServer) -> None:
     visitor = Visitor(guarded)
     token = {"authToken": TOKEN}

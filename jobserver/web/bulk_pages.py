@@ -131,11 +131,17 @@ class BulkPages:
 
     async def _pause_queue(self, request: Request, form: dict[str, str]) -> forms.Flash:
         queue = forms.field(form, "queue")
+        paused: list[str] = []
         for pattern in queue_patterns(queue):
             reply = await self._dashboard._call(request, "PauseJobs", name=pattern)
             if reply.code != 200:
+                # Not half paused (`q` held, `q/*` not) behind a row that
+                # offers Pause again: the first pattern is resumed.
+                for done in paused:
+                    await self._dashboard._call(request, "ResumeJobs", name=done)
                 return forms.Flash("error", f"Queue {queue} was not paused: {reply.status}")
-        return forms.Flash("ok", f"Queue {queue} paused: {' and '.join(queue_patterns(queue))}.")
+            paused.append(pattern)
+        return forms.Flash("ok", f"Queue {queue} paused: {' and '.join(paused)}.")
 
     async def _resume_queue(self, request: Request, form: dict[str, str]) -> forms.Flash:
         queue = forms.field(form, "queue")
