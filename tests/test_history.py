@@ -305,3 +305,16 @@ def test_the_depth_is_sampled_four_times_a_minute_or_once_after_a_slow_read(
     minute = 1_800_000_000.0  # a whole minute since 1970
     assert minute % 60 == 0
     assert depth.seconds_to_next_sample(minute + into_minute, slow) == pytest.approx(wait)
+
+
+@pytest.mark.parametrize("window", [1, 2, 5, 60])
+def test_a_read_of_the_ring_is_its_last_minutes_oldest_first_across_the_wrap(window: int) -> None:
+    """The slices a read takes agree with reading slot by slot, for every
+    head position and length, the ring's end crossed or not."""
+    from array import array
+
+    values = array("q", range(100, 100 + window))
+    for minute in range(3 * window):
+        for minutes in range(1, window + 1):
+            slots = [m % window for m in range(minute - minutes + 1, minute + 1)]
+            assert history._last(values, minute, minutes) == [values[s] for s in slots]

@@ -13,6 +13,7 @@ from jobserver.core.commands.views import ok
 from jobserver.core.engine import history
 from jobserver.core.errors import CommandError
 from jobserver.wire.framing import Request, Response
+from jobserver.wire.jsonbody import Raw
 
 OFF = "404 No history kept (--history-minutes 0)"
 
@@ -32,11 +33,17 @@ async def history_command(services: Services, request: Request, peer: str) -> An
         "window": ring.minutes,
         "queue": queue,
         "tracked": window.tracked,
-        "series": window.series,
+        # Written here as JSON text: the reply's encoder, made for small
+        # objects, took 16 ms for a week of six series on the event loop.
+        "series": {name: Raw(_numbers(values)) for name, values in window.series.items()},
         "queues": window.queues,
         "other": window.other,
     }
     return Answer(ok(body))
+
+
+def _numbers(values: list[int]) -> str:
+    return "[" + ",".join(map(str, values)) + "]"
 
 
 def _queue(request: Request) -> str | None:

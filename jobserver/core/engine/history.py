@@ -172,9 +172,8 @@ class History:
         start = minute - minutes + 1
         track = self._total if queue is None else self._queues.get(queue)
         tracked = track is not None
-        slots = [m % self.minutes for m in range(start, minute + 1)] if self.minutes else []
         series = {
-            name: [values[s] for s in slots] if track is not None else [0] * len(slots)
+            name: _last(values, minute, minutes) if track is not None else [0] * minutes
             for name, values in zip(SERIES, (track or self._total).series, strict=True)
         }
         return Window(start, series, tracked, sorted(self._queues), self._other is not None)
@@ -222,6 +221,19 @@ class History:
                 for m in passed:
                     values[m % self.minutes] = 0
         return minute
+
+
+def _last(values: array[int], minute: int, minutes: int) -> list[int]:
+    """The `minutes` values of a ring up to `minute`'s slot, oldest first:
+    one or two slices (a request may ask for a week: a loop per value on the
+    event loop took milliseconds)."""
+    if not values:
+        return []
+    end = minute % len(values) + 1
+    first = end - minutes
+    if first >= 0:
+        return values[first:end].tolist()
+    return values[first:].tolist() + values[:end].tolist()
 
 
 def utc_text(minute: int) -> str:
