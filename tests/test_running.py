@@ -163,6 +163,10 @@ def test_a_limit_and_a_name_pattern_bound_the_list_and_the_total_counts_all(clie
     ("params", "status"),
     [
         ({"limit": "ten"}, "402 Malformed limit"),
+        ({"limit": "+5"}, "402 Malformed limit"),
+        ({"limit": "1_0"}, "402 Malformed limit"),
+        ({"limit": "\u0665"}, "402 Malformed limit"),  # an Arabic-Indic 5
+        ({"limit": "9" * 5000}, "402 Malformed limit"),
         ({"limit": 0}, "402 Malformed limit: 1 to 1000"),
         ({"limit": 1001}, "402 Malformed limit: 1 to 1000"),
         ({"order": "age"}, "402 Malformed order: oldest or newest"),

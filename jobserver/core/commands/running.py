@@ -76,10 +76,11 @@ def running_limit(request: Request) -> int:
     text = params.present(request, "limit")
     if text is None:
         return DEFAULT_RUNNING
-    try:
-        number = int(text)
-    except ValueError:
-        raise CommandError("402 Malformed limit") from None
+    # Plain ASCII digits: int() would also take "+5", "1_0" and other
+    # scripts' digits, and a long run of digits is no limit either.
+    if not (text.isascii() and text.isdigit() and len(text) <= 8):
+        raise CommandError("402 Malformed limit")
+    number = int(text)
     if not 1 <= number <= MAX_RUNNING:
         raise CommandError(f"402 Malformed limit: 1 to {MAX_RUNNING}")
     return number
