@@ -69,8 +69,9 @@ that cannot do anything twice:
   and GetJob and GetJobs (waiting or not), which are sent once more on a
   new connection, to another node if there is one. A GetJob sent again may
   get another job, but none is run twice: a job handed out in a reply that
-  never arrived is put back by the server (protocol.md 9) or, if its node
-  died, comes back when its lease (retryAfter) or the server's
+  never arrived is put back by the server when it sees the reply fail
+  (protocol.md 9); otherwise (its node died, or the reply was lost on the
+  way) it comes back when its lease (retryAfter) or the server's
   --stale-after runs out. So a worker waiting on a node that dies goes on
   waiting on another.
 - A reply with `Connection: close` closes the connection once it is read;

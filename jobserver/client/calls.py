@@ -33,8 +33,9 @@ _READ_ONLY = frozenset(
 )
 # Commands that hand jobs out: sent again, they may hand out more, but a
 # job handed out in a reply that never arrived is not run twice: the server
-# puts it back when the reply cannot be delivered, or, if the node died,
-# it comes back when its lease (retryAfter) or --stale-after runs out.
+# puts it back when the reply cannot be delivered; otherwise (the node
+# died, or the reply was lost on the way) it comes back when its lease
+# (retryAfter) or --stale-after runs out.
 _HAND_OUT = frozenset({"getjob", "getjobs"})
 
 
