@@ -65,7 +65,8 @@ that cannot do anything twice:
   not sent again: the server may have carried it out (created the job,
   finished it) and only the caller can tell whether repeating it is safe;
   the next request goes to another node, if there is one.
-- Except the read-only commands QueryJob, Ping, Status, Queues and Query,
+- Except the read-only commands QueryJob, Ping, Status, Queues, Query,
+  History and RunningJobs,
   and GetJob and GetJobs (waiting or not), which are sent once more on a
   new connection, to another node if there is one. A GetJob sent again may
   get another job, but none is run twice: a job handed out in a reply that
