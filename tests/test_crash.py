@@ -35,7 +35,7 @@ from jobserver.client import ConnectionFailed, JobServerError
 from wire import encode
 
 THREADS = 8
-RESTARTS = 20
+RESTARTS = 12
 LEASE = "+2 SECONDS"
 LEASE_SECONDS = 2
 PLAIN, LEASED = "crash/plain", "crash/lease"

@@ -97,7 +97,7 @@ def test_sqlite_query_refuses_what_is_not_on_its_lists(sqlite_node: ThreadServer
 _UNLISTED = sorted(set(_functions_of_this_sqlite()) - QUERY_FUNCTIONS)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=75, deadline=None)
 @given(
     name=st.one_of(
         st.sampled_from(_UNLISTED),
