@@ -312,8 +312,9 @@ class Jobs(Protocol):
         """The jobIDs of jobs in `state` whose name matches, oldest first,
         at most `limit`; read without a lock (`hold` them to change them)."""
 
-    def count_in_state(self, state: str, match: NameMatch) -> int:
-        """How many jobs in `state` have a name that matches."""
+    def count_in_state(self, state: str, match: NameMatch, at_most: int) -> int:
+        """How many jobs in `state` have a name that matches, counted up to
+        `at_most`: the count reads no further."""
 
     # Parents and children.
 

@@ -228,10 +228,12 @@ class SqlStore(Statements):
             (*args, limit),
         )
 
-    def count_in_state(self, state: str, match: NameMatch) -> int:
+    def count_in_state(self, state: str, match: NameMatch, at_most: int) -> int:
         clause, args = _name_match(self.dialect, match)
         row = self._one(
-            f"SELECT COUNT(*) FROM jobs WHERE state = {sql.states((state,))} AND {clause}", args
+            f"SELECT COUNT(*) FROM (SELECT 1 FROM jobs WHERE state = {sql.states((state,))} "
+            f"AND {clause} LIMIT {self.dialect.mark}) AS found",
+            (*args, at_most),
         )
         return int(row[0])
 

@@ -82,6 +82,10 @@ MAX_FINISH_JOBS = 1000
 # thousand moves hold the writer for tens of milliseconds, as FinishJobs'
 # thousand reports do; a client repeats it for more.
 MAX_BULK = 1000
+# ... and counts the jobs its selection matches up to this many: the count
+# runs in the writer, and a pattern over a queue of millions would hold it
+# for seconds; past it, `matched` says this many.
+MAX_BULK_COUNT = 100_000
 
 # FailedJobs lists at most this many jobs, as Query returns at most this
 # many rows, and this many when it names no limit.

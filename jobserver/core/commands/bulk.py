@@ -25,7 +25,7 @@ from jobserver.core.rules.selection import name_selector
 from jobserver.model.jobs import Job, State
 from jobserver.storage.interface import NameMatch
 from jobserver.wire.framing import Request, Response
-from jobserver.wire.limits import MAX_BULK, MAX_NAME
+from jobserver.wire.limits import MAX_BULK, MAX_BULK_COUNT, MAX_NAME
 
 Act = Callable[[Context, Job], None]
 
@@ -87,7 +87,7 @@ def _found(ctx: Context, selection: Selection, state: str, limit: int) -> tuple[
     write), so each is moved from the state it is in now."""
     store = ctx.store
     if selection.match is not None:
-        matched = store.count_in_state(state, selection.match)
+        matched = store.count_in_state(state, selection.match, MAX_BULK_COUNT)
         candidates = store.in_state(state, selection.match, limit)
     else:
         candidates = list(selection.ids)
