@@ -7,35 +7,19 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from bulk_jobs import create_many, failed_jobs, states
-from test_dashboard import TOKEN, Visitor, flash_of, start
+from test_dashboard import TOKEN, Visitor, flash_of, guarded, server, start
 from test_security_web import AttackSite, attack_site
 
 from harness import ThreadServer
 from helpers import ok
 
-__all__ = ["attack_site"]  # a fixture, used by name
+__all__ = ["attack_site", "guarded", "server"]  # fixtures, used by name
 
 CROSS_SITE = {"Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site"}
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[ThreadServer]:
-    running = start(tmp_path / "jobs.db")
-    yield running
-    running.stop()
-
-
-@pytest.fixture
-def guarded(tmp_path: Path) -> Iterator[ThreadServer]:
-    running = start(tmp_path / "jobs.db", auth_token=TOKEN)
-    yield running
-    running.stop()
 
 
 def confirm(visitor: Visitor, **fields: Any) -> str:
