@@ -3,6 +3,8 @@ and the order rules they keep (first come, first served)."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from jobserver.core.engine.waiters import MOVES, IllegalWaiterMove, Phase, WaitQueue
@@ -85,3 +87,53 @@ async def test_the_oldest_waiters_are_those_that_joined_first_whatever_they_wait
         (sum(1 for w in staying if w.selector == s) for s in {w.selector for w in staying}),
         reverse=True,
     )[:5]
+
+
+def test_the_count_of_waiters_may_be_read_from_another_thread_while_they_change() -> None:
+    """The writer's thread asks how many wait (to serve those it woke) while
+    the event loop lets waiters join and leave: summing over the groups
+    there raised "dictionary changed size during iteration" and failed a
+    whole transaction (seen once in the chaos test)."""
+    import threading
+
+    waits = WaitQueue()
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def count() -> None:
+        while not done.is_set():
+            try:
+                assert len(waits) >= 0
+            except BaseException as error:  # noqa: BLE001 - reported below
+                errors.append(error)
+                return
+
+    # Many groups to count, and threads switched as often as can be, so
+    # that a count over the groups would meet a change.
+    standing = [waits.join(query(f"s{i}")) for i in range(2_000)]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    reader = threading.Thread(target=count)
+    reader.start()
+    try:
+        for i in range(20_000):
+            # A name of its own each: the dict of groups grows and shrinks.
+            waiter = waits.join(query(f"n{i}"))
+            waits.leave(waiter)
+    finally:
+        done.set()
+        reader.join(10)
+        sys.setswitchinterval(switch)
+    assert errors == []
+    assert len(waits) == len(standing)
+
+
+async def test_the_count_follows_joins_and_leaves() -> None:
+    waits = WaitQueue()
+    a, b, c = waits.join(query("a")), waits.join(query("a")), waits.join(query("b"))
+    assert len(waits) == 3
+    waits.leave(a)
+    assert len(waits) == 2
+    waits.leave(b)
+    waits.leave(c)
+    assert len(waits) == 0

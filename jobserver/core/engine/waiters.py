@@ -141,6 +141,7 @@ class WaitQueue:
         # Grouped by selector, so a new job is matched once per distinct
         # pattern rather than once per waiter.
         self._by_selector: dict[Selector, dict[Waiter, None]] = {}
+        self._count = 0
         self.closed = False
         # Names made due whose waiters the matcher has still to find.
         self._unmatched: set[str] = set()
@@ -151,13 +152,18 @@ class WaitQueue:
         self._trying_later = False
 
     def __len__(self) -> int:
-        return sum(len(group) for group in self._by_selector.values())
+        # A count kept as waiters join and go, not a sum over the groups:
+        # the writer's thread asks it while the event loop changes them
+        # (iterating the dict there raised "changed size during iteration"
+        # and failed a whole transaction).
+        return self._count
 
     def join(self, query: JobQuery, since: datetime | None = None) -> Waiter:
         """A new waiter, IDLE: the engine tries it at once."""
         selector = Selector(query.pattern, frozenset(query.names))
         waiter = Waiter(selector, query, next(self._seq), since)
         self._by_selector.setdefault(waiter.selector, {})[waiter] = None
+        self._count += 1
         return waiter
 
     def oldest(self, limit: int) -> list[Waiter]:
@@ -308,8 +314,9 @@ class WaitQueue:
 
     def _forget(self, waiter: Waiter) -> None:
         group = self._by_selector.get(waiter.selector)
-        if group is not None:
-            group.pop(waiter, None)
+        if group is not None and waiter in group:
+            del group[waiter]
+            self._count -= 1
             if not group:
                 del self._by_selector[waiter.selector]
 
