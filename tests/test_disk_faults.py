@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from harness import ServerProcess
-from helpers import locked, tmpfs, unprivileged
+from helpers import locked, ok, tmpfs, unprivileged, until
+from powercut import Disk
 from wire import Client, encode
 
 # The server waits this long for another process's lock (store.py: BUSY_MS).
@@ -332,6 +333,41 @@ def test_a_failed_transaction_answers_each_of_its_requests(start_server, tmp_pat
     finally:
         for client in clients:
             client.close()
+
+
+def test_a_failed_sync_is_an_unknown_outcome_and_its_hand_outs_come_back(
+    powercut_shim: Path, start_server, tmp_path: Path
+) -> None:
+    """A sync that fails leaves commits made but maybe not kept: their
+    requests are answered `504 Outcome unknown`, never `200` nor a 5xx
+    that says nothing was done, and the jobs their transactions handed out
+    come back to the queue (protocol.md 10)."""
+    directory = tmp_path / "disk"
+    directory.mkdir()
+    disk = Disk(powercut_shim, directory, tmp_path / "shadow")
+    failing = tmp_path / "fail-syncs"
+    server = start_server(directory / "jobs.db", wrapper=disk.wrapper(fail_syncs=failing))
+    with server.client() as client, server.client(timeout=60) as worker:
+        kept = ok(client.request("CreateJob", name="kept")).json["jobID"]
+        worker.send(encode("GetJob", {"name": "woken", "Connection": "wait", "timeout": 50_000}))
+        until(lambda: ok(client.request("Status")).json["waitingGetJobs"] == 1, 10, "the wait")
+        failing.touch()
+        # Served in the create's own transaction, the waiter's hand-out is
+        # not kept either.
+        created = client.request("CreateJob", name="woken")
+        taken = client.request("GetJob", name="kept")
+        for reply in (created, taken):
+            assert reply.status.startswith("504 Outcome unknown: cannot sync to disk: "), reply
+        failing.unlink()
+        handed = ok(worker.read_reply()).json
+        assert handed["name"] == "woken"
+        again = until(
+            lambda: (reply := client.request("GetJob", name="kept")).code == 200 and reply,
+            10, "the job back in the queue",
+        )
+        assert again.json["jobID"] == kept
+    assert server.proc.poll() is None
+    assert "Traceback" not in server.log, server.log
 
 
 # (d) Corrupt or truncated database files. (A file that is not SQLite at

@@ -15,7 +15,6 @@ its one-second fallback, would not meet.
 from __future__ import annotations
 
 import signal
-import socket
 import statistics
 import threading
 import time
@@ -25,13 +24,13 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from functools import partial
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import pg
 import pytest
 
 from harness import ServerProcess
 from helpers import create, ok, until
+from pgproxy import Proxy
 from wire import Client, Reply, encode
 
 DEADLINE = 15.0
@@ -413,81 +412,9 @@ def test_replies_racing_their_awaits_on_two_nodes_each_reach_their_job(nodes):
 # 7. A node that loses PostgreSQL for a while recovers by itself.
 
 
-class Proxy:
-    """A TCP relay to PostgreSQL that a test can cut: while cut, it drops
-    every relayed connection and closes each new one at once."""
-
-    def __init__(self, upstream: tuple[str, int]) -> None:
-        self.upstream = upstream
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self.listener.getsockname()[1]
-        self._guard = threading.Lock()
-        self._open: set[socket.socket] = set()
-        self._cut = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def url(self, url: str) -> str:
-        """`url`, through this proxy."""
-        parts = urlsplit(url)
-        user = f"{parts.username}@" if parts.username else ""
-        return urlunsplit(parts._replace(netloc=f"{user}127.0.0.1:{self.port}"))
-
-    def cut(self) -> None:
-        with self._guard:
-            self._cut = True
-            dropped = list(self._open)
-        self._drop(*dropped)
-
-    def restore(self) -> None:
-        with self._guard:
-            self._cut = False
-
-    def close(self) -> None:
-        self.cut()
-        self.listener.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return  # closed
-            try:
-                server = socket.create_connection(self.upstream, timeout=5)
-            except OSError:
-                client.close()
-                continue
-            server.settimeout(None)
-            with self._guard:
-                relayed = not self._cut
-                if relayed:
-                    self._open |= {client, server}
-            if not relayed:
-                self._drop(client, server)
-                continue
-            for source, sink in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
-        with suppress(OSError):
-            while chunk := source.recv(65536):
-                sink.sendall(chunk)
-        self._drop(source, sink)
-
-    def _drop(self, *sockets: socket.socket) -> None:
-        for sock in sockets:
-            with self._guard:
-                self._open.discard(sock)
-            # shutdown wakes the pump blocked in recv; close alone would not.
-            with suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-
-
 @pytest.fixture
 def proxy(queue_url: str) -> Iterator[Proxy]:
-    parts = urlsplit(queue_url)
-    relay = Proxy((parts.hostname or "127.0.0.1", parts.port or 5432))
+    relay = Proxy.to(queue_url)
     yield relay
     relay.close()
 

@@ -64,7 +64,9 @@ that cannot do anything twice:
   does not come within the timeout, raises ConnectionFailed. The request is
   not sent again: the server may have carried it out (created the job,
   finished it) and only the caller can tell whether repeating it is safe;
-  the next request goes to another node, if there is one.
+  the next request goes to another node, if there is one. A
+  `504 Outcome unknown` reply (OutcomeUnknown) says the same: the server
+  could not learn whether its database committed the request.
 - Except the read-only commands QueryJob, Ping, Status, Queues, Query,
   History and RunningJobs,
   and GetJob and GetJobs (waiting or not), which are sent once more on a
@@ -125,6 +127,7 @@ from jobserver.client.errors import (
     JobNotFound,
     JobServerError,
     MalformedRequest,
+    OutcomeUnknown,
     ServerError,
     TLSFailed,
     UnrecognizedCommand,
@@ -156,6 +159,7 @@ __all__ = [
     "JobNotFound",
     "JobServerError",
     "MalformedRequest",
+    "OutcomeUnknown",
     "Reply",
     "ReplyReader",
     "ServerError",

@@ -47,7 +47,15 @@ class UnrecognizedCommand(JobServerError):
 
 
 class ServerError(JobServerError):
-    """5xx: a problem in the server; the request was not carried out and may be retried."""
+    """5xx: a problem in the server; the request was not carried out and may
+    be retried, unless it is an OutcomeUnknown."""
+
+
+class OutcomeUnknown(ServerError):
+    """504: the server could not learn whether the database committed the
+    request (protocol.md 10): it may or may not have been carried out, as
+    when a connection breaks before the reply. Send again only what is safe
+    to repeat; look first (QueryJob) before repeating anything else."""
 
 
 class ConnectionFailed(OSError):
@@ -68,6 +76,7 @@ _ERRORS: dict[int, type[JobServerError]] = {
     405: IllegalState,
     409: Conflict,
     430: UnrecognizedCommand,
+    504: OutcomeUnknown,
 }
 
 

@@ -149,6 +149,13 @@ class BackupDirectoryUnusable(Exception):
 Heard = Callable[["set[str] | None", "str | None"], None]
 
 
+class OutcomeUnknown(Exception):
+    """A commit whose outcome could not be learned: the connection to the
+    database was lost after COMMIT was sent, and asking again on a new
+    one found no answer in time. The transaction may or may not have
+    committed."""
+
+
 class Transactions(Protocol):
     """One transaction per batch of the writer, a savepoint per request
     where needed. Savepoints nest: a request may open one of its own, by
@@ -192,7 +199,10 @@ class Transactions(Protocol):
         another process holds the lock."""
 
     def commit(self) -> None:
-        """Commit, not necessarily durably: see `sync`."""
+        """Commit, not necessarily durably: see `sync`. Returns only if the
+        transaction committed; raises one of `errors` only if it certainly
+        did not (a COMMIT whose connection was lost is asked about again),
+        and OutcomeUnknown when that could not be learned."""
 
     def sync(self) -> None:
         """Make every commit so far durable. Called from another thread

@@ -54,6 +54,7 @@ from jobserver.storage.interface import (
     BackupCopy,
     BackupDirectory,
     BackupUnsupported,
+    OutcomeUnknown,
     QueryRows,
     QueueStats,
     RunningJob,
@@ -69,6 +70,13 @@ log = logging.getLogger("jobserver")
 # the next is tried: meanwhile requests fail at once with 503.
 CONNECT_SECONDS = 3
 RECONNECT_SECONDS = 0.5
+# How long a node that lost its connection while COMMIT was under way asks
+# PostgreSQL, on new connections, whether that transaction committed,
+# before its requests are answered `504 Outcome unknown`; and how long it
+# waits between two asks. The writer waits meanwhile: no other batch could
+# commit on a database it cannot reach.
+OUTCOME_SECONDS = 10.0
+OUTCOME_POLL_SECONDS = 0.2
 
 # The longest NOTIFY payload PostgreSQL takes is 8000 bytes; past this the
 # notice says "anything may be ready" instead of listing names.
@@ -143,6 +151,10 @@ class PostgresStore(SqlStore):
         )
         self._changes = 0
         self._retry_at = 0.0
+        # The open transaction's ID (PostgreSQL's xid8, as text) and the
+        # backend running it: what is asked about if its COMMIT is cut off.
+        self._xid = ""
+        self._backend = 0
         # Whether a reconnection has failed since the last success.
         self._lost = False
         # The notice to send with the next COMMIT (announce).
@@ -262,15 +274,24 @@ class PostgresStore(SqlStore):
         if self._db.closed or self._db.broken:
             self._reconnect()
         self._notice = None
-        # One round trip for both (a pipeline): BEGIN, and what another
-        # node changed of limits and pauses since the last batch.
+        # One round trip for all three (a pipeline): BEGIN; the
+        # transaction's ID, known before anything is written, so that a
+        # COMMIT whose reply is lost can be asked about (commit); and what
+        # another node changed of limits and pauses since the last batch.
+        # The ID is taken even if the batch only reads: a transaction that
+        # wrote has one anyway, and one that did not costs PostgreSQL a
+        # commit record.
         try:
             with self._db.pipeline():
                 self._db.execute(b"BEGIN")
+                xid = self._db.execute(b"SELECT pg_current_xact_id()::text, pg_backend_pid()")
                 flow = self._db.execute(FLOW_CONTROL)
         except psycopg.Error:
             self._changes += 1
             raise
+        row = xid.fetchone()
+        assert row is not None
+        self._xid, self._backend = str(row[0]), int(row[1])
         self._set_flow_control(flow.fetchall())
 
     def try_begin(self) -> bool:
@@ -295,16 +316,66 @@ class PostgresStore(SqlStore):
         log.info("reconnected to %s", self.path)
 
     def commit(self) -> None:
+        """Commit; return only if PostgreSQL committed. A COMMIT cut off
+        with its connection may have been carried out: the node asks on a
+        new connection (`_committed`) before it says either way."""
+        notice, self._notice = self._notice, None
         # The notice and the commit in one round trip.
         try:
             with self._db.pipeline():
-                if self._notice is not None:
-                    self._db.execute(
-                        "SELECT pg_notify(%s, %s)", (self.channel, self._notice)
-                    )
-                self._db.execute(b"COMMIT")
-        finally:
-            self._notice = None
+                if notice is not None:
+                    self._db.execute("SELECT pg_notify(%s, %s)", (self.channel, notice))
+                done = self._db.execute(b"COMMIT")
+        except psycopg.Error as error:
+            self._changes += 1
+            if self._committed(error):
+                return
+            raise
+        if done.statusmessage != "COMMIT":
+            # PostgreSQL answers COMMIT of a transaction that an error
+            # spoiled with ROLLBACK, not with an error.
+            raise psycopg.OperationalError(
+                f"the transaction was rolled back instead of committed ({done.statusmessage})"
+            )
+
+    def _committed(self, error: psycopg.Error) -> bool:
+        """Whether the open transaction committed, after its COMMIT raised
+        `error`: the connection is closed (it may be in any state), and
+        PostgreSQL is asked on new connections what became of the
+        transaction, for up to OUTCOME_SECONDS. One still in progress (the
+        old connection's backend lives on, cut off from this node) is
+        ended first, so that the answer is final. Raises OutcomeUnknown
+        when no answer came."""
+        xid, backend = self._xid, self._backend
+        self._db.close()
+        log.warning(
+            "COMMIT of transaction %s failed (%s); asking PostgreSQL whether it committed",
+            xid, str(error).strip(),
+        )
+        deadline = time.monotonic() + OUTCOME_SECONDS
+        failure = str(error).strip()
+        while True:
+            try:
+                db = connect(self._url)
+            except psycopg.Error as connecting:
+                failure = str(connecting).strip()
+            else:
+                try:
+                    status = _transaction_status(db, xid, backend)
+                except psycopg.Error as asking:
+                    failure = str(asking).strip()
+                    status = None
+                if status in ("committed", "aborted"):
+                    self._db, self._lost, self._retry_at = db, False, 0.0
+                    log.warning("transaction %s was %s", xid, status)
+                    return status == "committed"
+                db.close()
+            if time.monotonic() + OUTCOME_POLL_SECONDS > deadline:
+                log.error("whether transaction %s committed is unknown: %s", xid, failure)
+                raise OutcomeUnknown(
+                    f"the connection to PostgreSQL was lost during COMMIT ({failure})"
+                )
+            time.sleep(OUTCOME_POLL_SECONDS)
 
     def sync(self) -> None:
         """Commits are durable when COMMIT returns."""
@@ -474,6 +545,24 @@ class PostgresStore(SqlStore):
             "Backup is for SQLite: back up PostgreSQL with pg_dump "
             "(README, Backups and restore)"
         )
+
+
+def _transaction_status(db: psycopg.Connection[Any], xid: str, backend: int) -> str | None:
+    """What PostgreSQL says of transaction `xid`: committed, aborted, or
+    None while it is in progress. A transaction in progress is the node's
+    own, on a backend its lost connection left behind: that backend is
+    terminated (if it still runs that transaction: a backend's process ID
+    is reused), so the next ask gets a final answer."""
+    row = db.execute("SELECT pg_xact_status(%s::xid8)", (xid,)).fetchone()
+    status = None if row is None else row[0]
+    if status in ("committed", "aborted"):
+        return str(status)
+    db.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+        "WHERE pid = %s AND backend_xid::text = (%s::xid8::text::bigint %% 4294967296)::text",
+        (backend, xid),
+    )
+    return None
 
 
 class _AsOnSQLite:

@@ -95,8 +95,7 @@ def build(
         if answer.response.code == 200:
             job_id = json.loads(answer.response.body)["jobID"]
             return JSONResponse({"job-id": str(job_id)}, status_code=201)
-        code = 400 if answer.response.code < 500 else 503
-        return _error(code, status)
+        return _error(_queue_status(answer.response.code), status)
 
     validators = _validators()
 
@@ -259,6 +258,14 @@ def _jobber_job(body: bytes) -> tuple[str, str, str]:
     if not isinstance(payload, dict):
         return "", "", '"payload" must be a JSON object'
     return name, jsonbody.compact(payload), ""
+
+def _queue_status(code: int) -> int:
+    """POST /queue's HTTP status for a wire refusal: 400 for the request's
+    fault, 504 when the server could not learn whether the job was made
+    (protocol.md 10), 503 for everything that made nothing."""
+    if code < 500:
+        return 400
+    return 504 if code == 504 else 503
 
 
 def _error(status: int, message: str) -> JSONResponse:

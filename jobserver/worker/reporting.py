@@ -21,7 +21,13 @@ from typing import Any
 
 import anyio
 
-from jobserver.client import ConnectionFailed, Finish, JobServerError, UnrecognizedCommand
+from jobserver.client import (
+    ConnectionFailed,
+    Finish,
+    JobServerError,
+    OutcomeUnknown,
+    UnrecognizedCommand,
+)
 from jobserver.wire.limits import MAX_FINISH_JOBS
 from jobserver.worker.connection import BACKOFF_MAX, Backoff, Link, Server
 from jobserver.workers.contract import Report
@@ -113,7 +119,7 @@ class Reporter:
             try:
                 results = await link.client.finish_jobs([_finish(r) for r in batch])
             except (ConnectionFailed, JobServerError) as error:
-                if isinstance(error, ConnectionFailed):
+                if isinstance(error, ConnectionFailed | OutcomeUnknown):
                     for report in batch:
                         report.uncertain = True
                 rule = rule_for(batch[0], error)
@@ -150,7 +156,7 @@ class Reporter:
                 else:
                     self._log_back(backoff, started, f"job {report.job_id}")
                     return
-            if isinstance(error, ConnectionFailed):
+            if isinstance(error, ConnectionFailed | OutcomeUnknown):
                 report.uncertain = True  # a later 404 or 405 may mean it was applied
             rule = rule_for(report, error)
             fields = self._fields(report, error)

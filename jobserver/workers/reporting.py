@@ -38,6 +38,7 @@ from jobserver.client import (
     InvalidRequest,
     JobNotFound,
     JobServerError,
+    OutcomeUnknown,
     ServerError,
     UnrecognizedCommand,
 )
@@ -129,8 +130,9 @@ GIVING_UP = _JOB + "giving up reporting %(command)s %(params)s after %(tries)d t
 # The reporting policy: the first row that matches the answer wins.
 POLICY: tuple[Rule, ...] = (
     # No answer: the server may be restarting. (A broken connection also
-    # marks the report uncertain: the server may have applied it.)
-    Rule(ConnectionFailed, _always, Action.SEND_AGAIN, logging.WARNING, HOLDING),
+    # marks the report uncertain: the server may have applied it.) A 504
+    # says the same of the server's database: uncertain, sent again.
+    Rule((ConnectionFailed, OutcomeUnknown), _always, Action.SEND_AGAIN, logging.WARNING, HOLDING),
     # "Unavailable": the server says it will take it later.
     Rule(ServerError, _unavailable, Action.SEND_AGAIN, logging.WARNING, HOLDING),
     # Any other 5xx may be the same forever (502 Failed to compute nextRun).
@@ -254,7 +256,7 @@ class Reporter:
                 else:
                     self._log_back(delivery, f"job {report.job_id}")
                     return
-            if isinstance(error, ConnectionFailed):
+            if isinstance(error, ConnectionFailed | OutcomeUnknown):
                 # The server may have applied it before the connection
                 # broke: a later 404 or 405 may mean it did.
                 delivery.report.uncertain = True
@@ -283,7 +285,7 @@ class Reporter:
             try:
                 results = await link.client.finish_jobs([_finish(r) for r in batch])
             except (ConnectionFailed, JobServerError) as error:
-                if isinstance(error, ConnectionFailed):
+                if isinstance(error, ConnectionFailed | OutcomeUnknown):
                     for report in batch:
                         report.uncertain = True
                 rule = rule_for(batch[0], error)

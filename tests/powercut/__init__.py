@@ -52,13 +52,16 @@ class Disk:
         # What is there before the program starts is on the disk already.
         shutil.copytree(directory, shadow)
 
-    def wrapper(self) -> list[str]:
-        """A command prefix that runs a program on this disk."""
+    def wrapper(self, fail_syncs: Path | None = None) -> list[str]:
+        """A command prefix that runs a program on this disk; while a file
+        exists at `fail_syncs`, its syncs fail with EIO."""
+        failing = [f"POWERCUT_FAIL_SYNCS={fail_syncs}"] if fail_syncs is not None else []
         return [
             "env",
             f"LD_PRELOAD={self.shim}",
             f"POWERCUT_DIR={self.directory}",
             f"POWERCUT_SHADOW={self.shadow}",
+            *failing,
         ]
 
     def image(self, into: Path) -> Path:

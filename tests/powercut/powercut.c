@@ -9,6 +9,10 @@
  *   POWERCUT_SHADOW  another directory, where the shim keeps the durable
  *                    image of each modelled file under the same name.
  *   Without both, the shim passes every call through and models nothing.
+ *   POWERCUT_FAIL_SYNCS  optional, a path: while a file exists there, every
+ *                    fsync() and fdatasync() of a modelled file fails with
+ *                    EIO and syncs nothing (a disk that stops taking
+ *                    writes), so a test can fail syncs at a moment it picks.
  *
  * The model:
  *   - A file's durable image is its whole content as of its last
@@ -84,6 +88,7 @@
 static char model_dir[PATH_MAX];
 static char shadow_dir[PATH_MAX];
 static int active;
+static char fail_flag[PATH_MAX];
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 
 static int (*real_fsync)(int);
@@ -128,6 +133,11 @@ __attribute__((constructor)) static void powercut_init(void) {
     if (realpath(shadow, shadow_dir) == NULL)
         die("powercut: POWERCUT_SHADOW %s: %s\n", shadow, strerror(errno));
     if (strcmp(model_dir, shadow_dir) == 0) die("powercut: POWERCUT_DIR is POWERCUT_SHADOW\n");
+    const char *fail = getenv("POWERCUT_FAIL_SYNCS");
+    if (fail != NULL) {
+        if (strlen(fail) >= sizeof fail_flag) die("powercut: POWERCUT_FAIL_SYNCS is too long\n");
+        strcpy(fail_flag, fail);
+    }
     active = 1;
 }
 
@@ -241,6 +251,10 @@ static void keep_image(int fd) {
 
 static int synced(int fd, int (*sync)(int)) {
     if (!active) return sync(fd);
+    if (fail_flag[0] != '\0' && access(fail_flag, F_OK) == 0) {
+        errno = EIO;
+        return -1;
+    }
     pthread_mutex_lock(&lock);
     int result = sync(fd);
     int error = errno;

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
 
 from jobserver.core.engine.history import Events, add_events, new_events
 from jobserver.model import times
 from jobserver.storage.interface import Storage
 from jobserver.wire.limits import DEFAULT_MAX_LIMITS, DEFAULT_MAX_REPLY_BYTES
+
+if TYPE_CHECKING:
+    from jobserver.core.rules.selection import Taken
 
 # hipq's default job timeout: a day is longer than any job should run
 # without a word from its worker, and short enough that a job lost with
@@ -66,6 +70,9 @@ class Context:
     # kind and job name: made at its first event, added up only if its
     # transaction commits.
     events: Events | None = field(default=None, init=False, repr=False)
+    # The jobs this request handed out: given back if whether its
+    # transaction committed cannot be learned (engine.py, `_unknown`).
+    taken: list[Taken] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         # Formatted once: handlers compare against these many times.

@@ -13,8 +13,9 @@ sync runs on the event loop instead: then a trip to the thread and back
 would cost more than the sync (see `_sync_here`).
 
 A batch's outcomes are delivered in commit order, and only after a sync
-that began after its commit returned. If the sync fails, the outcomes
-become `503`: the writes may or may not be on disk, so none is confirmed.
+that began after its commit returned. If the sync fails, the engine is
+told so with the batch: the writes may or may not be on disk, so none is
+confirmed (engine.py answers `504 Outcome unknown`).
 """
 
 from __future__ import annotations
@@ -27,19 +28,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import outcome
 import trio
 
 from jobserver.core.engine.histogram import SECONDS_BOUNDS, Histogram
-from jobserver.core.errors import CommandError
+from jobserver.core.engine.writer import Committed
 from jobserver.storage.interface import Storage
 
 log = logging.getLogger("jobserver")
 
-# A batch, once committed: the requests that ran in it and their outcomes.
-Batch = tuple[list[Any], list[outcome.Maybe[Any]]]
-# deliver(requests, outcomes): on the event loop.
-Deliver = Callable[[list[Any], list[outcome.Maybe[Any]]], None]
+# deliver(batch, the sync's failure or None): on the event loop.
+Deliver = Callable[[Committed, Exception | None], None]
 
 # Committed batches that may wait for the disk at once: the one a sync is
 # writing, and the next. More would only make batches smaller (and each
@@ -83,31 +81,29 @@ class Durability:
         if self._syncs and self._threaded:
             self._thread.start()
 
-    def committed(
-        self, works: list[Any], outcomes: list[outcome.Maybe[Any]], wrote: bool = True
-    ) -> None:
+    def committed(self, batch: Committed) -> None:
         """A batch was committed; deliver its outcomes once it is durable.
         One that only read is as durable as the batches before it: if they
         all are, its outcomes go out at once, with no sync."""
-        if not wrote and self._durable == self._committed:
-            self._deliver(works, outcomes)
+        if not batch.wrote and self._durable == self._committed:
+            self._deliver(batch, None)
             return
         self._committed += 1
         if not self._syncs:
-            self._done([(works, outcomes)], None)
+            self._done([batch], None)
         elif not self._threaded:
             error = self._sync()
-            self._done([(works, outcomes)], error)
+            self._done([batch], error)
             self._maintain()
         elif self._sync_here():
             error = self._sync()
-            self._done([(works, outcomes)], error)
+            self._done([batch], error)
             # Checkpoints stay the thread's: they take longer than a sync.
             if time.monotonic() - self._asked_maintain >= MAINTAIN_SECONDS:
                 self._asked_maintain = time.monotonic()
                 self._queue.put(_MAINTAIN)
         else:
-            self._queue.put((works, outcomes))
+            self._queue.put(batch)
 
     def _sync_here(self) -> bool:
         """Whether to sync on the event loop: when nothing else is in flight
@@ -150,7 +146,7 @@ class Durability:
             if first is _MAINTAIN:
                 self._maintain()
                 continue
-            batches: list[Batch] = [first]
+            batches: list[Committed] = [first]
             stop = False
             while True:
                 try:
@@ -188,14 +184,10 @@ class Durability:
             # line, as a failed sync gets: it is the disk's state, not a bug.
             log.error("checkpointing the database failed: %s", error)
 
-    def _done(self, batches: list[Batch], error: Exception | None) -> None:
+    def _done(self, batches: list[Committed], error: Exception | None) -> None:
         """On the event loop: these batches are durable (or failed to be)."""
-        for works, outcomes in batches:
-            if error is None:
-                self._deliver(works, outcomes)
-            else:
-                status = f"503 Database unavailable: cannot sync to disk: {error}"
-                self._deliver(works, [outcome.Error(CommandError(status)) for _ in works])
+        for batch in batches:
+            self._deliver(batch, error)
         self._durable += len(batches)
         self._room.set()
         if self._settling:

@@ -56,12 +56,13 @@ from jobserver.core.engine.writer import (
     TransientFailed,
     Writer,
     earliest,
+    outcomes_unknown,
     ran,
 )
 from jobserver.core.rules import flow
 from jobserver.core.rules.selection import JobQuery, Taken
 from jobserver.model import times
-from jobserver.storage.interface import Storage
+from jobserver.storage.interface import OutcomeUnknown, Storage
 
 log = logging.getLogger("jobserver")
 
@@ -107,7 +108,7 @@ class Engine:
         self._stopping = False
         self._finished = trio.Event()
         self._batch_ended = trio.Event()
-        self._durability = Durability(store, self._deliver, threaded)
+        self._durability = Durability(store, self._delivered, threaded)
         # When the clock fires next, and the event that makes it look again.
         self._next_due: str | None = None
         self._rearm = trio.Event()
@@ -307,9 +308,9 @@ class Engine:
         if committed.ok:
             if committed.events:
                 self.history.record(committed.events)
-            self._durability.committed(committed.works, committed.outcomes, committed.wrote)
+            self._durability.committed(committed)
         else:
-            self._deliver(committed.works, committed.outcomes)
+            self._delivered(committed, None)
 
     def _try_begin(self) -> bool:
         """Open the transaction at once, if no other process holds the lock."""
@@ -340,12 +341,14 @@ class Engine:
         included: a caller must never wait for a commit that will not come."""
         store = self._store
         tries: list[Serve] = []
+        taken: list[Taken] = []
         try:
             if not begun:
                 store.begin()
             changes_before = store.total_changes
             done = self.writer.execute(batch)
             outcomes, ready, due, events = done.outcomes, done.ready, done.due, done.events
+            taken = done.taken
             announced, announced_due = set(ready), due
             # From a thread, only if someone waits (read from here, a race
             # that loses nothing: a GetJob that joins meanwhile hears of
@@ -363,6 +366,7 @@ class Engine:
                     served = ran(self.writer.run_all(tries, savepoints=True) or [])
                     outcomes += served.outcomes
                     events += served.events
+                    taken = taken + served.taken
                     ready, due = served.ready, served.due
             announced |= ready
             announced_due = earliest(announced_due, due)
@@ -371,11 +375,13 @@ class Engine:
                 store.announce(announced, announced_due)
             store.commit()
             wrote = store.total_changes != changes_before
-            return Committed([*batch, *tries], outcomes, True, ready, due, wrote, events)
+            return Committed([*batch, *tries], outcomes, True, ready, due, wrote, events, taken)
         except Exception as error:  # a boundary: see above
             if isinstance(error, store.transient) and not tries:
                 raise Transient(error) from error
             works: list[Work] = [*batch, *tries]
+            if isinstance(error, OutcomeUnknown):
+                return Committed(works, self.writer.unknown(works, error), False, taken=taken)
             return Committed(works, self.writer.failed(works, error), False)
 
     def _woken(self, ready: set[str], due: str | None) -> list[Serve]:
@@ -400,6 +406,29 @@ class Engine:
             return []
 
     # Outcomes.
+
+    def _delivered(self, batch: Committed, sync_failed: Exception | None) -> None:
+        """A batch's end: committed and durable, failed, or (its commit
+        cut off, its sync failed) not known to have committed. Whether a
+        batch of that last kind committed cannot be told, so its requests
+        are answered `504 Outcome unknown`, and the jobs it handed out are
+        given back: a give-back moves a job only if it is still as the
+        hand-out left it (lifecycle.give_back), so each job is queued again
+        if the batch committed and left alone if it did not, and none stays
+        RUNNING with no one to run it."""
+        outcomes = batch.outcomes
+        if sync_failed is not None:
+            outcomes = outcomes_unknown(batch.works, f"cannot sync to disk: {sync_failed}")
+        if sync_failed is not None or (batch.taken and not batch.ok):
+            # Given back when the clock next fires, RETRY_SECONDS from now,
+            # with everything tried again: what the batch made ready, if it
+            # committed, was never heard of. Not at once: while the disk or
+            # the database fails, a give-back at once would hand the job
+            # out again, fail again, and spin.
+            if batch.taken:
+                self._owed.append(batch.taken)
+            self._retry_soon()
+        self._deliver(batch.works, outcomes)
 
     def _deliver(self, works: list[Work], outcomes: list[outcome.Maybe[Any]]) -> None:
         """On the event loop. An exception from here would end the whole

@@ -8,7 +8,10 @@ or fail before they write anything, so a batch first runs without a
 savepoint per request; only if a request failed after writing is the batch
 rolled back and run again with savepoints. A transaction that fails as a
 whole is rolled back here, and each of its requests gets the status that
-says why.
+says why. A transaction that ends under the batch (SQLite rolled it back,
+PostgreSQL's connection was lost) takes every request of the batch with
+it: the writer never opens another in its place midway, since the commit
+of that one would seem to confirm what the lost one held.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from jobserver.core.engine.context import Context, Settings
 from jobserver.core.engine.history import Events
 from jobserver.core.engine.work import Work
 from jobserver.core.errors import CommandError
+from jobserver.core.rules.selection import Taken
 from jobserver.model import times
-from jobserver.storage.interface import Storage
+from jobserver.storage.interface import OutcomeUnknown, Storage
 
 log = logging.getLogger("jobserver")
 
@@ -51,6 +55,8 @@ class Ran:
     due: str | None
     # What the requests that succeeded count in the history.
     events: list[Events] = field(default_factory=list)
+    # The jobs they handed out.
+    taken: list[Taken] = field(default_factory=list)
 
 
 class Writer:
@@ -75,7 +81,9 @@ class Writer:
 
     def run_all(self, batch: Sequence[Work], savepoints: bool) -> Results | None:
         """Each request's outcome and, if it succeeded, its context. None
-        when, without savepoints, a failed request left changes behind."""
+        when, without savepoints, a failed request left changes behind or
+        lost the transaction; with savepoints, a lost transaction raises
+        TransactionLost."""
         store = self._store
         settings = self.settings
         now = self._clock.now()
@@ -92,18 +100,19 @@ class Writer:
                     store.release()
                 results.append((result, ctx))
                 continue
-            if not savepoints and store.total_changes != before:
+            if not savepoints and (store.total_changes != before or not store.in_transaction):
+                # The batch starts over (execute): nothing of this run is kept.
                 return None
-            if savepoints and store.in_transaction:
-                store.rollback_savepoint()
             if not store.in_transaction:
-                # SQLite rolled the whole transaction back (disk full, I/O
-                # error): the requests before this one are undone too.
-                results = [
-                    (outcome.Error(CommandError("502 Transaction rolled back")), None)
-                    for _ in results
-                ]
-                store.begin()
+                # The whole transaction is gone: SQLite rolled it back (disk
+                # full, I/O error), or PostgreSQL's connection was lost. The
+                # requests before this one, and the batch these tries were
+                # added to, went with it: none of them may be answered as
+                # done, and no later one may open a new transaction whose
+                # commit their answers would then seem to follow.
+                raise TransactionLost(_failure(result))
+            if savepoints:
+                store.rollback_savepoint()
             results.append((result, None))
         return results
 
@@ -113,9 +122,18 @@ class Writer:
         status = self.abandon(error)
         return [outcome.Error(CommandError(status)) for _ in works]
 
+    def unknown(self, works: Sequence[Work], error: OutcomeUnknown) -> list[outcome.Maybe[Any]]:
+        """A transaction whose COMMIT was cut off, and whose outcome could
+        not be learned: its requests' outcomes."""
+        self._log_failure(error)
+        # Nothing is left to undo on the lost connection: this makes the
+        # store read flow control again.
+        self._store_rollback()
+        return outcomes_unknown(works, str(error))
+
     def abandon(self, error: Exception) -> str:
         """Roll a failed transaction back; the status its requests get."""
-        if isinstance(error, TransientFailed):
+        if isinstance(error, TransientFailed | TransactionLost):
             status = f"503 Database unavailable: {error}"
         elif isinstance(error, self._store.errors):
             self._log_failure(error)
@@ -123,13 +141,16 @@ class Writer:
         else:
             log.exception("transaction failed")
             status = "500 Unhandled Exception"
+        self._store_rollback()
+        return status
+
+    def _store_rollback(self) -> None:
         try:
             self._store.rollback()
         except self._store.errors as rollback_error:
             # SQLite undoes an uncommitted transaction itself when it next
             # opens one; the engine must live on to answer the next batch.
             log.error("rollback failed: %s", rollback_error)
-        return status
 
     def _log_failure(self, error: Exception) -> None:
         """Log a failed transaction, at most once every REPEAT_LOG_SECONDS
@@ -176,6 +197,9 @@ class Committed:
     wrote: bool = True
     # What its requests count in the history, once it committed.
     events: list[Events] = field(default_factory=list)
+    # The jobs it handed out: given back if it is not known to have
+    # committed (a commit cut off, a sync that failed).
+    taken: list[Taken] = field(default_factory=list)
 
 
 class Transient(Exception):
@@ -186,9 +210,33 @@ class Transient(Exception):
         self.error = error
 
 
+class TransactionLost(Exception):
+    """The open transaction ended under a request (rolled back by the
+    database, or its connection lost): nothing in it was committed."""
+
+    def __init__(self, failure: str) -> None:
+        super().__init__(f"the transaction was lost: {failure}")
+
+
 class TransientFailed(Exception):
     def __init__(self) -> None:
         super().__init__(f"transaction undone {TRANSIENT_ATTEMPTS} times in a row")
+
+
+def outcomes_unknown(works: Sequence[Work], reason: str) -> list[outcome.Maybe[Any]]:
+    """The outcomes of requests whose transaction may or may not have
+    committed (or been made durable): `504 Outcome unknown`, which a
+    client must not take for "nothing was done" (protocol.md 11)."""
+    status = f"504 Outcome unknown: {reason}"
+    return [outcome.Error(CommandError(status)) for _ in works]
+
+
+def _failure(result: outcome.Maybe[Any]) -> str:
+    """What a failed request's outcome says, for the log and the status."""
+    if isinstance(result, outcome.Error):
+        error = result.error
+        return error.status if isinstance(error, CommandError) else str(error)
+    return "the transaction ended"
 
 
 def ran(results: Results) -> Ran:
@@ -199,6 +247,7 @@ def ran(results: Results) -> Ran:
     ready: set[str] = set()
     due: str | None = None
     events: list[Events] = []
+    taken: list[Taken] = []
     for result, ctx in results:
         outcomes.append(result)
         if ctx is not None:
@@ -207,7 +256,8 @@ def ran(results: Results) -> Ran:
                 due = ctx.due
             if ctx.events is not None:
                 events.append(ctx.events)
-    return Ran(outcomes, ready, due, events)
+            taken += ctx.taken
+    return Ran(outcomes, ready, due, events, taken)
 
 
 def earliest(a: str | None, b: str | None) -> str | None:

@@ -199,7 +199,9 @@ def _hand_out(ctx: Context, job: Job, obj: dict[str, Any], query: JobQuery) -> T
         obj["maxAttempts"] = job.maxAttempts
     if query.include_lease_id:
         obj["leaseID"] = lease.token
-    return Taken(job, obj, lease)
+    taken = Taken(job, obj, lease)
+    ctx.taken.append(taken)
+    return taken
 
 
 class Holds:

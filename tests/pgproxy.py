@@ -1,0 +1,163 @@
+"""A TCP relay between a node and PostgreSQL that a test can cut: the
+network failing, on a real connection to a real PostgreSQL.
+
+`cut` drops every relayed connection and closes each new one at once
+until `restore`. `cut_at_commit` arms a cut of the next connection that
+sends a COMMIT: either the COMMIT reaches PostgreSQL and its reply is
+lost (`reaches=True`: the database commits, the node cannot know), or it
+never leaves the relay (`reaches=False`: the transaction dies with its
+connection).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import suppress
+from urllib.parse import urlsplit, urlunsplit
+
+# The text of a COMMIT in the frontend's Parse or Query message.
+COMMIT = b"COMMIT\x00"
+# How long the relay lets PostgreSQL work on a COMMIT it forwarded before
+# the connection is cut: a commit on loopback takes milliseconds.
+COMMIT_SECONDS = 0.5
+
+
+class Proxy:
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        self._guard = threading.Lock()
+        self._open: set[socket.socket] = set()
+        self._cut = False
+        # An armed cut at the next COMMIT: whether it reaches PostgreSQL,
+        # and whether the relay stays cut afterwards.
+        self._at_commit: tuple[bool, bool] | None = None
+        # Set once an armed cut has happened.
+        self.commit_cut = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @classmethod
+    def to(cls, url: str) -> Proxy:
+        parts = urlsplit(url)
+        return cls((parts.hostname or "127.0.0.1", parts.port or 5432))
+
+    def url(self, url: str) -> str:
+        """`url`, through this proxy."""
+        parts = urlsplit(url)
+        user = f"{parts.username}@" if parts.username else ""
+        return urlunsplit(parts._replace(netloc=f"{user}127.0.0.1:{self.port}"))
+
+    def cut(self) -> None:
+        with self._guard:
+            self._cut = True
+            dropped = list(self._open)
+        self._drop(*dropped)
+
+    def restore(self) -> None:
+        with self._guard:
+            self._cut = False
+
+    def cut_at_commit(self, reaches: bool, stay_cut: bool = False) -> None:
+        """Cut the next connection that sends COMMIT, as it sends it
+        (`reaches`: after PostgreSQL has it, its reply never coming back);
+        with `stay_cut`, every connection is refused from then on, until
+        `restore`."""
+        with self._guard:
+            self.commit_cut.clear()
+            self._at_commit = (reaches, stay_cut)
+
+    def close(self) -> None:
+        self.cut()
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            try:
+                server = socket.create_connection(self.upstream, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            server.settimeout(None)
+            with self._guard:
+                relayed = not self._cut
+                if relayed:
+                    self._open |= {client, server}
+            if not relayed:
+                self._drop(client, server)
+                continue
+            replies = threading.Event()  # set: the server's bytes are dropped
+            threading.Thread(
+                target=self._pump_requests, args=(client, server, replies), daemon=True
+            ).start()
+            threading.Thread(
+                target=self._pump_replies, args=(server, client, replies), daemon=True
+            ).start()
+
+    def _pump_requests(
+        self, source: socket.socket, sink: socket.socket, replies: threading.Event
+    ) -> None:
+        armed: tuple[bool, bool] | None = None
+        cut_at = 0.0
+        with suppress(OSError):
+            while chunk := self._next_chunk(source, cut_at):
+                if armed is None:
+                    armed = self._take_armed(chunk)
+                    if armed is not None:
+                        replies.set()
+                        if not armed[0]:
+                            break
+                        # The rest of the COMMIT's messages (its Execute, the
+                        # Sync) may follow in later chunks: relayed too.
+                        cut_at = time.monotonic() + COMMIT_SECONDS
+                sink.sendall(chunk)
+        if armed is not None:
+            if armed[1]:
+                self.cut()
+            self.commit_cut.set()
+        self._drop(source, sink)
+
+    @staticmethod
+    def _next_chunk(source: socket.socket, cut_at: float) -> bytes:
+        """The next bytes from `source`; none once `cut_at` (if set) has passed."""
+        if not cut_at:
+            return source.recv(65536)
+        left = cut_at - time.monotonic()
+        if left <= 0:
+            return b""
+        source.settimeout(left)
+        try:
+            return source.recv(65536)
+        except TimeoutError:
+            return b""
+
+    def _pump_replies(
+        self, source: socket.socket, sink: socket.socket, dropped: threading.Event
+    ) -> None:
+        with suppress(OSError):
+            while chunk := source.recv(65536):
+                if not dropped.is_set():
+                    sink.sendall(chunk)
+        self._drop(source, sink)
+
+    def _take_armed(self, chunk: bytes) -> tuple[bool, bool] | None:
+        with self._guard:
+            if self._at_commit is None or COMMIT not in chunk:
+                return None
+            armed, self._at_commit = self._at_commit, None
+            return armed
+
+    def _drop(self, *sockets: socket.socket) -> None:
+        for sock in sockets:
+            with self._guard:
+                self._open.discard(sock)
+            # shutdown wakes the pump blocked in recv; close alone would not.
+            with suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()

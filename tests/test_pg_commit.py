@@ -1,0 +1,200 @@
+"""A reply follows what PostgreSQL did, exactly, when the connection to it
+fails in the middle of a batch (protocol.md 10 and 11).
+
+A node's connection is cut by a relay (pgproxy.py) at the COMMIT: after
+PostgreSQL has it (it commits; the node never hears so) or before (it
+never commits). Or the node's backend is terminated while a waiting
+GetJob is served in the batch's own transaction. Each time the reply must
+say what the database holds: `200` only for what committed, a 5xx other
+than `504` only for what did not, `504 Outcome unknown` when the node
+could not find out; and a job handed out in a batch of unknown outcome
+comes back to the queue.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pg
+import psycopg
+import pytest
+
+from harness import ThreadServer
+from helpers import create, ok, until
+from jobserver.storage import postgres
+from pgproxy import Proxy
+from wire import Client, encode
+
+DEADLINE = 20.0
+
+
+@pytest.fixture
+def url() -> Iterator[str]:
+    with pg.fresh_schema() as schema_url:
+        yield schema_url
+
+
+@pytest.fixture
+def proxy(url: str) -> Iterator[Proxy]:
+    relay = Proxy.to(url)
+    yield relay
+    relay.close()
+
+
+@pytest.fixture
+def node(url: str, proxy: Proxy) -> Iterator[ThreadServer]:
+    running = ThreadServer(proxy.url(url))
+    yield running
+    running.stop()
+
+
+def jobs(url: str) -> dict[int, tuple[str, str]]:
+    """Every job in the queue's table: (name, state) by jobID."""
+    with psycopg.connect(url, autocommit=True) as db:
+        rows = db.execute("SELECT jobID, name, state FROM jobs").fetchall()
+    return {int(job_id): (str(name), str(state)) for job_id, name, state in rows}
+
+
+def waiting(node: ThreadServer, name: str, timeout_ms: int = 30_000) -> Client:
+    """A connection whose GetJob waits on the node."""
+    before = len(node.server.core.engine.waits)
+    client = node.client(timeout=timeout_ms / 1000 + 10)
+    client.send(encode("GetJob", {"name": name, "Connection": "wait", "timeout": timeout_ms}))
+    until(lambda: len(node.server.core.engine.waits) > before, DEADLINE, "the GetJob to wait")
+    # Its first try is queued in the writer: a request sent now is
+    # answered after that try's transaction, so no cut a test arms next
+    # can fall on it.
+    with node.client(timeout=DEADLINE) as other:
+        assert other.request("QueryJob", jobID=1).status in ("200 OK", "404 No job with this jobID")
+    return client
+
+
+def test_a_commit_whose_reply_is_lost_is_answered_200_when_postgres_committed(
+    node, url, proxy
+):
+    with node.client(timeout=DEADLINE) as client:
+        proxy.cut_at_commit(reaches=True)
+        reply = client.request("CreateJobs", jobs=[{"name": "kept"}, {"name": "kept"}])
+        assert proxy.commit_cut.is_set()
+        assert reply.status == "200 OK", reply
+        assert set(reply.json["jobIDs"]) == set(jobs(url))
+        # The node works on, on the connection it asked on.
+        create(client, "after")
+    assert sorted(name for name, _ in jobs(url).values()) == ["after", "kept", "kept"]
+
+
+def test_a_commit_that_never_reached_postgres_is_a_503_and_wrote_nothing(node, url, proxy):
+    with node.client(timeout=DEADLINE) as client:
+        job_id = create(client, "running")
+        ok(client.request("GetJob", name="running"))
+        proxy.cut_at_commit(reaches=False)
+        reply = client.request("FinishJob", jobID=job_id)
+        assert proxy.commit_cut.is_set()
+        assert reply.status.startswith("503 "), reply
+        # Not done: the job still runs, and the resend finishes it.
+        assert jobs(url) == {job_id: ("running", "RUNNING")}
+        ok(client.request("FinishJob", jobID=job_id))
+    assert jobs(url) == {}
+
+
+def test_a_finish_whose_reply_is_lost_is_answered_200_and_not_done_twice(node, url, proxy):
+    with node.client(timeout=DEADLINE) as client:
+        job_ids = [create(client, "work") for _ in range(3)]
+        taken = ok(client.request("GetJobs", name="work", numResults=3)).json["jobs"]
+        proxy.cut_at_commit(reaches=True)
+        reply = client.request("FinishJobs", jobs=[{"jobID": j["jobID"]} for j in taken])
+        assert proxy.commit_cut.is_set()
+        assert ok(reply).json["results"] == [
+            {"jobID": job_id, "status": "200 OK"} for job_id in job_ids
+        ]
+    assert jobs(url) == {}
+
+
+def test_a_commit_whose_outcome_cannot_be_learned_is_a_504_and_its_hand_outs_come_back(
+    node, url, proxy, monkeypatch
+):
+    # PostgreSQL stays out of reach for longer than the node asks.
+    monkeypatch.setattr(postgres, "OUTCOME_SECONDS", 1.0)
+    with waiting(node, "served") as worker, node.client(timeout=DEADLINE) as client:
+        proxy.cut_at_commit(reaches=True, stay_cut=True)
+        # The create and the waiting GetJob it wakes share one transaction.
+        reply = client.request("CreateJob", name="served")
+        assert reply.status.startswith("504 Outcome unknown: "), reply
+        # It did commit, the job handed out to the waiter: yet the waiter
+        # never heard of it, so once PostgreSQL is back the node gives the
+        # job back, and the waiter (still waiting) gets it.
+        proxy.restore()
+        handed = ok(worker.read_reply()).json
+    assert jobs(url) == {handed["jobID"]: ("served", "RUNNING")}
+
+
+def test_a_connection_lost_while_a_waiter_is_served_fails_the_whole_batch(url):
+    """The waiters a batch wakes are served in its own transaction: a
+    connection lost there takes the batch with it, and the node must not
+    answer the batch from a transaction it opened again in its place."""
+    running = ThreadServer(url, limits={"held": 10})
+    try:
+        with waiting(running, "held") as worker, running.client(timeout=DEADLINE) as client:
+            with psycopg.connect(url) as locker, psycopg.connect(url, autocommit=True) as admin:
+                # The waiter's hand-out counts the limit's use under its
+                # lock, which this transaction holds: the batch stops there.
+                locker.execute("SELECT slot FROM jobserver_locks WHERE slot = 0 FOR UPDATE")
+                client.send(encode("CreateJob", {"name": "held"}))
+                backend = until(
+                    lambda: admin.execute(
+                        "SELECT pid FROM pg_stat_activity WHERE application_name = 'jobserver' "
+                        "AND wait_event_type = 'Lock'"
+                    ).fetchone(),
+                    DEADLINE, "the node's batch to wait for the lock",
+                )
+                # Past the node's pause between reconnections.
+                time.sleep(postgres.RECONNECT_SECONDS)
+                admin.execute("SELECT pg_terminate_backend(%s)", (backend[0],))
+                locker.rollback()
+                reply = client.read_reply()
+            assert reply.status.startswith("503 "), reply
+            assert jobs(url) == {}
+            # Sent again, it is done once, and the waiter gets it.
+            job_id = create(client, "held")
+            assert ok(worker.read_reply()).json["jobID"] == job_id
+    finally:
+        running.stop()
+
+
+def test_a_transaction_spoiled_by_an_error_is_never_answered_as_committed(url):
+    """PostgreSQL answers COMMIT of a transaction an error spoiled with
+    ROLLBACK, not with an error: the store must not take it for a commit."""
+    store = postgres.PostgresStore(url)
+    try:
+        store.begin()
+        with pytest.raises(psycopg.Error):
+            store._execute("SELECT 1/0")
+        with pytest.raises(psycopg.Error, match="rolled back instead of committed"):
+            store.commit()
+    finally:
+        store.close()
+
+
+def test_the_writer_thread_waits_for_the_answer_not_the_event_loop(node, proxy):
+    """While the node asks what became of a COMMIT, Ping is answered."""
+    answered: list[float] = []
+
+    def ping_meanwhile() -> None:
+        with node.client(timeout=DEADLINE) as pinger:
+            while not proxy.commit_cut.is_set():
+                time.sleep(0.01)
+            started = time.monotonic()
+            ok(pinger.request("Ping"))
+            answered.append(time.monotonic() - started)
+
+    pinger = threading.Thread(target=ping_meanwhile)
+    pinger.start()
+    with node.client(timeout=DEADLINE) as client:
+        proxy.cut_at_commit(reaches=True, stay_cut=True)
+        client.send(encode("CreateJob", {"name": "x"}))
+        pinger.join(DEADLINE)
+        proxy.restore()
+        assert client.read_reply().status in ("200 OK",), "the node found out after all"
+    assert answered and answered[0] < 2.0, answered
