@@ -218,7 +218,7 @@ def test_reconnect_rules_and_timeouts(loop, fake):
             with pytest.raises(ConnectionFailed, match="may have been carried out"):
                 await jobs.finish_job(1)
             with pytest.raises(ConnectionFailed, match="not a status line"):
-                await jobs.create_job("x")
+                await jobs.update_job(1, {})
             # A read-only command is sent once more, on a new connection.
             assert await jobs.query_job(1) == {}
             # The fake now keeps silent: a waiting GetJob's reply is
@@ -235,7 +235,7 @@ def test_reconnect_rules_and_timeouts(loop, fake):
 
     run(loop, scenario)
     assert server.methods() == [
-        (0, "Ping"), (1, "FinishJob"), (2, "CreateJob"), (3, "QueryJob"), (4, "QueryJob"),
+        (0, "Ping"), (1, "FinishJob"), (2, "UpdateJob"), (3, "QueryJob"), (4, "QueryJob"),
         (4, "GetJob"), (5, "GetJob"),
     ]
 

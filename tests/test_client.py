@@ -28,6 +28,7 @@ from jobserver.client import (
     JobNotFound,
     JobServerError,
     MalformedRequest,
+    OutcomeUnknown,
     ReplyReader,
     ServerError,
     TLSFailed,
@@ -559,8 +560,6 @@ def test_connection_close_from_the_real_server(jobs):
 
 
 SENT_ONCE = {
-    "CreateJob": lambda c: c.create_job("x", {"a": 1}),
-    "CreateJobs": lambda c: c.create_jobs([{"name": "x"}]),
     "UpdateJob": lambda c: c.update_job(1, {}),
     "FinishJob": lambda c: c.finish_job(1),
     "FailJob": lambda c: c.fail_job(1),
@@ -580,6 +579,30 @@ def test_a_request_that_may_have_run_is_not_sent_again(fake, method):
     ):
         SENT_ONCE[method](client)
     assert server.methods() == [(0, method)]
+
+
+@pytest.mark.parametrize("method, action, body", [
+    ("CreateJob", lambda c: c.create_job("x", {"a": 1}), b'{"jobID":7}'),
+    ("CreateJobs", lambda c: c.create_jobs([{"name": "x"}]), b'{"jobIDs":[7]}'),
+])
+def test_a_create_is_sent_once_more_under_the_same_idempotency_key(fake, method, action, body):
+    server = fake([NO_REPLY], [reply("200 OK", body)])
+    with fake_client(server) as client:
+        action(client)
+    assert server.methods() == [(0, method), (1, method)]
+    keys = [
+        [line for line in head.split(b"\r\n") if line.startswith(b"idempotencyKey: ")]
+        for _, head in server.requests
+    ]
+    assert len(keys[0]) == 1 and keys[0] == keys[1], keys
+
+
+def test_a_create_whose_second_try_is_refused_with_a_5xx_is_an_unknown_outcome(fake):
+    server = fake([NO_REPLY], [reply("503 Database unavailable: gone")])
+    with fake_client(server) as client, pytest.raises(OutcomeUnknown) as unknown:
+        client.create_job("x", idempotency_key="mine")
+    assert unknown.value.status == "503 Database unavailable: gone"
+    assert "idempotency key mine" in str(unknown.value)
 
 
 @pytest.mark.parametrize("method, action", [
@@ -610,9 +633,9 @@ def test_a_garbled_reply_breaks_the_connection(fake):
     server = fake([b"HTTP/1.1 200 OK\r\n\r\n"], [OK])
     with fake_client(server) as client:
         with pytest.raises(ConnectionFailed, match="not a status line"):
-            client.create_job("x")
+            client.finish_job(1)
         client.ping()  # on a new connection
-    assert server.methods() == [(0, "CreateJob"), (1, "Ping")]
+    assert server.methods() == [(0, "FinishJob"), (1, "Ping")]
 
 
 # TrioClient, with trio.

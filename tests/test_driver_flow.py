@@ -66,6 +66,33 @@ def test_prune_replies_in_batches_oldest_first(store: Storage) -> None:
         assert store.prune_replies(NOW, 2) == 0
 
 
+# Idempotency keys (protocol.md 14.22).
+
+
+def test_idempotency_keys_are_kept_until_they_expire_and_replaced_after(store: Storage) -> None:
+    with transaction(store):
+        assert store.idempotent("k", NOW) is None
+        store.keep_idempotent("k", "f1", '{"jobID":1}', LATER)
+        store.keep_idempotent("old", "f2", '{"jobID":2}', PAST)
+        assert store.idempotent("k", NOW) == ("f1", '{"jobID":1}')
+        # Expired: as if never kept, and kept anew over it.
+        assert store.idempotent("old", NOW) is None
+        store.keep_idempotent("old", "f3", '{"jobIDs":[3]}', LATER)
+        assert store.idempotent("old", NOW) == ("f3", '{"jobIDs":[3]}')
+        assert store.idempotent("k", LATER) is None
+
+
+def test_prune_idempotency_in_batches_oldest_first(store: Storage) -> None:
+    with transaction(store):
+        for n, expires in enumerate(("2030-01-01 00:00:03", PAST, "2030-01-01 00:00:02", LATER)):
+            store.keep_idempotent(f"k{n}", "f", "{}", expires)
+        assert store.prune_idempotency(NOW, 2) == 2
+        assert store.idempotent("k0", PAST) is not None
+        assert store.prune_idempotency(NOW, 2) == 1
+        assert store.prune_idempotency(NOW, 2) == 0
+        assert store.idempotent("k3", NOW) is not None
+
+
 def test_overdue_waiting_jobs_earliest_first(store: Storage) -> None:
     late, early, future = create(store, job("a"), job("b"), job("c"))
     deadlines = {late: "2030-01-01 00:00:05", early: "2030-01-01 00:00:01", future: LATER}

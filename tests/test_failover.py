@@ -150,8 +150,21 @@ def test_a_write_whose_node_breaks_is_not_sent_again_and_the_next_goes_elsewhere
         with Client([address(fake.port), address(servers[0].port)], timeout=DEADLINE) as client:
             on_the_fake_first(client, fake)
             with pytest.raises(ConnectionFailed, match="may have been carried out"):
-                client.create_job("maybe")
+                client.finish_job(1)
             assert client.create_job("surely") > 0
+    finally:
+        fake.stop()
+    assert fake.methods() == [(0, "FinishJob")]
+    assert job_count(servers[0]) == 1
+
+
+def test_a_create_whose_node_breaks_is_sent_to_another_under_its_idempotency_key(servers):
+    fake = FakeServer([NO_REPLY])
+    try:
+        with Client([address(fake.port), address(servers[0].port)], timeout=DEADLINE) as client:
+            on_the_fake_first(client, fake)
+            assert client.create_job("moved") > 0
+            assert client.address == address(servers[0].port)
     finally:
         fake.stop()
     assert fake.methods() == [(0, "CreateJob")]

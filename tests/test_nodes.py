@@ -30,7 +30,7 @@ import pytest
 
 from harness import ServerProcess
 from helpers import create, ok, until
-from pgproxy import Proxy
+from relay import Relay
 from wire import Client, Reply, encode
 
 DEADLINE = 15.0
@@ -413,8 +413,8 @@ def test_replies_racing_their_awaits_on_two_nodes_each_reach_their_job(nodes):
 
 
 @pytest.fixture
-def proxy(queue_url: str) -> Iterator[Proxy]:
-    relay = Proxy.to(queue_url)
+def proxy(queue_url: str) -> Iterator[Relay]:
+    relay = Relay.to(queue_url)
     yield relay
     relay.close()
 

@@ -1,7 +1,7 @@
 """A reply follows what PostgreSQL did, exactly, when the connection to it
 fails in the middle of a batch (protocol.md 10 and 11).
 
-A node's connection is cut by a relay (pgproxy.py) at the COMMIT: after
+A node's connection is cut by a relay (relay.py) at the COMMIT: after
 PostgreSQL has it (it commits; the node never hears so) or before (it
 never commits). Or the node's backend is terminated while a waiting
 GetJob is served in the batch's own transaction. Each time the reply must
@@ -24,7 +24,7 @@ import pytest
 from harness import ThreadServer
 from helpers import create, ok, until
 from jobserver.storage import postgres
-from pgproxy import Proxy
+from relay import Relay
 from wire import Client, encode
 
 DEADLINE = 20.0
@@ -37,14 +37,14 @@ def url() -> Iterator[str]:
 
 
 @pytest.fixture
-def proxy(url: str) -> Iterator[Proxy]:
-    relay = Proxy.to(url)
+def proxy(url: str) -> Iterator[Relay]:
+    relay = Relay.to(url)
     yield relay
     relay.close()
 
 
 @pytest.fixture
-def node(url: str, proxy: Proxy) -> Iterator[ThreadServer]:
+def node(url: str, proxy: Relay) -> Iterator[ThreadServer]:
     running = ThreadServer(proxy.url(url))
     yield running
     running.stop()
@@ -77,7 +77,7 @@ def test_a_commit_whose_reply_is_lost_is_answered_200_when_postgres_committed(
     with node.client(timeout=DEADLINE) as client:
         proxy.cut_at_commit(reaches=True)
         reply = client.request("CreateJobs", jobs=[{"name": "kept"}, {"name": "kept"}])
-        assert proxy.commit_cut.is_set()
+        assert proxy.was_cut.is_set()
         assert reply.status == "200 OK", reply
         assert set(reply.json["jobIDs"]) == set(jobs(url))
         # The node works on, on the connection it asked on.
@@ -91,7 +91,7 @@ def test_a_commit_that_never_reached_postgres_is_a_503_and_wrote_nothing(node, u
         ok(client.request("GetJob", name="running"))
         proxy.cut_at_commit(reaches=False)
         reply = client.request("FinishJob", jobID=job_id)
-        assert proxy.commit_cut.is_set()
+        assert proxy.was_cut.is_set()
         assert reply.status.startswith("503 "), reply
         # Not done: the job still runs, and the resend finishes it.
         assert jobs(url) == {job_id: ("running", "RUNNING")}
@@ -105,7 +105,7 @@ def test_a_finish_whose_reply_is_lost_is_answered_200_and_not_done_twice(node, u
         taken = ok(client.request("GetJobs", name="work", numResults=3)).json["jobs"]
         proxy.cut_at_commit(reaches=True)
         reply = client.request("FinishJobs", jobs=[{"jobID": j["jobID"]} for j in taken])
-        assert proxy.commit_cut.is_set()
+        assert proxy.was_cut.is_set()
         assert ok(reply).json["results"] == [
             {"jobID": job_id, "status": "200 OK"} for job_id in job_ids
         ]
@@ -183,7 +183,7 @@ def test_the_writer_thread_waits_for_the_answer_not_the_event_loop(node, proxy):
 
     def ping_meanwhile() -> None:
         with node.client(timeout=DEADLINE) as pinger:
-            while not proxy.commit_cut.is_set():
+            while not proxy.was_cut.is_set():
                 time.sleep(0.01)
             started = time.monotonic()
             ok(pinger.request("Ping"))

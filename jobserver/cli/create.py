@@ -12,6 +12,7 @@ from jobserver.cli import create_from
 from jobserver.cli.client_command import CommandAdder, UsageError, add_check
 from jobserver.cli.options import (
     add_priority,
+    idempotency_key,
     job_id,
     json_object,
     number,
@@ -19,7 +20,8 @@ from jobserver.cli.options import (
     time_windows,
     time_zone,
 )
-from jobserver.client import Client
+from jobserver.client import Client, ConnectionFailed, OutcomeUnknown
+from jobserver.client.calls import new_idempotency_key
 from jobserver.wire.limits import (
     BACKOFFS,
     DEFAULT_BACKOFF,
@@ -163,12 +165,37 @@ def _add_flow_options(create: argparse.ArgumentParser) -> None:
         help="the IANA time zone of --time-windows and of a CRON --repeat, e.g. "
         "Europe/Paris (default: UTC)",
     )
+    create.add_argument(
+        "--idempotency-key",
+        type=idempotency_key,
+        metavar="KEY",
+        help="create the job at most once under KEY, however often the command is run "
+        "within the server's --idempotency-keep (a day, unless set): run again after a "
+        "failure that may or may not have created it, it creates nothing twice; with "
+        "--from, batch N goes under KEY/N, so a run again creates only the batches not "
+        "yet created. 1 to 255 bytes (default: a new random key, named in the error when "
+        "the outcome is unknown)",
+    )
 
 
 def _create(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    key = args.idempotency_key or new_idempotency_key()
     if args.from_file is not None:
-        return _create_from(client, args.from_file)
-    job_id = client.create_job(
+        return _create_from(client, args.from_file, key)
+    try:
+        return {"jobID": _create_one(client, args, key)}
+    except (ConnectionFailed, OutcomeUnknown) as error:
+        advice = create_from.run_again(key)
+        if isinstance(error, ConnectionFailed):
+            if not error.sent:
+                raise
+            message = f"{error}; the job may or may not have been created: {advice}"
+            raise ConnectionFailed(message, sent=True) from None
+        raise OutcomeUnknown(error.status, f"{error.detail or 'unknown'}; {advice}") from None
+
+
+def _create_one(client: Client, args: argparse.Namespace, key: str) -> int:
+    return client.create_job(
         args.name,
         data=args.data,
         first_run=args.first_run,
@@ -185,16 +212,16 @@ def _create(client: Client, args: argparse.Namespace) -> dict[str, Any]:
         time_windows=args.time_windows,
         time_zone=args.time_zone,
         overwrite=not args.no_overwrite,
+        idempotency_key=key,
     )
-    return {"jobID": job_id}
 
 
-def _create_from(client: Client, path: str) -> dict[str, list[int]]:
+def _create_from(client: Client, path: str, key: str) -> dict[str, list[int]]:
     if path == "-":
-        return create_from.create_from(client, sys.stdin.buffer)
+        return create_from.create_from(client, sys.stdin.buffer, key)
     try:
         with open(path, "rb") as stream:
-            return create_from.create_from(client, stream)
+            return create_from.create_from(client, stream, key)
     except OSError as error:
         # Opening or reading the file: a request that failed (ConnectionFailed,
         # an OSError too) came out as PartlyRefused.

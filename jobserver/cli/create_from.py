@@ -5,7 +5,10 @@ batches.
 Every line is read and checked before anything is sent, so a file with a
 bad line creates nothing and the message names the line. The server
 creates each batch all or none; a batch it refuses ends the run, and the
-jobs of the batches before it stay created, their jobIDs printed.
+jobs of the batches before it stay created, their jobIDs printed. Each
+batch goes under an idempotency key of its own, the run's key and its
+number, so the same command run again with the same key creates only the
+batches that were not created.
 """
 
 from __future__ import annotations
@@ -16,7 +19,13 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from jobserver.cli.client_command import PartlyRefused, UsageError
-from jobserver.client import Client, ConnectionFailed, JobServerError
+from jobserver.client import (
+    Client,
+    ConnectionFailed,
+    JobServerError,
+    OutcomeUnknown,
+    ServerError,
+)
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import encode_value
 from jobserver.wire.limits import MAX_LINE
@@ -39,17 +48,25 @@ class Line:
     size: int
 
 
-def create_from(client: Client, stream: BinaryIO) -> dict[str, list[int]]:
+def create_from(client: Client, stream: BinaryIO, key: str) -> dict[str, list[int]]:
     """Create the jobs of every line of `stream`; {"jobIDs": [...]} in line
-    order. UsageError for a line that is not a job, before anything is
-    sent; PartlyRefused, with the jobIDs created, when a batch fails."""
+    order. Batch N goes under idempotency key `key`/N, so a run again with
+    the same key and lines creates only what was not created. UsageError
+    for a line that is not a job, before anything is sent; PartlyRefused,
+    with the jobIDs created, when a batch fails."""
     created: list[int] = []
-    for batch in batches(read_jobs(stream)):
+    for number, batch in enumerate(batches(read_jobs(stream))):
         try:
-            created += client.create_jobs([line.job for line in batch])
+            created += client.create_jobs([line.job for line in batch], f"{key}/{number}")
         except (JobServerError, ConnectionFailed) as error:
-            raise PartlyRefused({"jobIDs": created}, [_batch_failed(batch, error)], error) from None
+            complaint = _batch_failed(batch, error, key)
+            raise PartlyRefused({"jobIDs": created}, [complaint], error) from None
     return {"jobIDs": created}
+
+
+def run_again(key: str) -> str:
+    """How to try again without creating anything twice."""
+    return f"run the command again with --idempotency-key {key} to create nothing twice"
 
 
 def read_jobs(stream: BinaryIO) -> list[Line]:
@@ -120,11 +137,16 @@ def batches(lines: list[Line]) -> Iterator[list[Line]]:
         yield batch
 
 
-def _batch_failed(batch: list[Line], error: JobServerError | ConnectionFailed) -> str:
+def _batch_failed(batch: list[Line], error: JobServerError | ConnectionFailed, key: str) -> str:
     lines = f"lines {batch[0].number} to {batch[-1].number}"
-    if isinstance(error, ConnectionFailed):
+    if isinstance(error, OutcomeUnknown) or (isinstance(error, ConnectionFailed) and error.sent):
         return (
             f"{lines}: {error}; their jobs may or may not have been created, "
-            "later lines were not sent"
+            f"later lines were not sent: {run_again(key)}"
+        )
+    if isinstance(error, ServerError | ConnectionFailed):
+        return (
+            f"{lines}: {error}; none of their jobs was created, nor of later lines: "
+            f"{run_again(key)}"
         )
     return f"{lines}: {error}; none of their jobs was created, nor of later lines"

@@ -15,6 +15,7 @@ from typing import Any
 from jobserver.client import MAX_SERVERS, TLS, parse_servers
 from jobserver.client.servers import Address
 from jobserver.model import globmatch
+from jobserver.model.names import has_control
 from jobserver.model.times import duration_text, parse_duration
 from jobserver.wire import jsonbody
 from jobserver.wire.limits import (
@@ -22,6 +23,7 @@ from jobserver.wire.limits import (
     DEFAULT_PORT,
     MAX_DELAY,
     MAX_DELAY_DIGITS,
+    MAX_IDEMPOTENCY_KEY,
     MAX_JOB_ID,
     MAX_NAME,
     MAX_REPLY_KEY,
@@ -162,10 +164,6 @@ def json_object(text: str) -> dict[str, Any]:
 def pattern(text: str) -> str:
     """The one GLOB pattern of pause, resume and set-limit: 1 to 255 bytes
     of UTF-8 without control characters, as the server takes it."""
-    # Here, not at the top: the server's parameter rules bring its time
-    # zones and repeat grammar, which most commands never need (start-up).
-    from jobserver.core.commands.params import has_control
-
     if not text or len(text.encode("utf-8")) > MAX_NAME or has_control(text):
         raise argparse.ArgumentTypeError(
             f"must be a GLOB pattern of 1 to {MAX_NAME} bytes without control "
@@ -205,6 +203,18 @@ def reply_key(text: str) -> str:
     if not 1 <= len(text.encode("utf-8")) <= MAX_REPLY_KEY:
         raise argparse.ArgumentTypeError(
             f"must be a key of 1 to {MAX_REPLY_KEY} bytes, not {text!r}"
+        )
+    return text
+
+
+def idempotency_key(text: str) -> str:
+    """create's --idempotency-key: 1 to 255 bytes of UTF-8 without control
+    characters, as the server takes it (protocol.md 14.22)."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if not 1 <= size <= MAX_IDEMPOTENCY_KEY or has_control(text):
+        raise argparse.ArgumentTypeError(
+            f"must be 1 to {MAX_IDEMPOTENCY_KEY} bytes without control characters, "
+            f"not {text!r}"
         )
     return text
 

@@ -25,9 +25,12 @@ from jobserver.storage.sqlite import SYNCHRONOUS_MODES
 from jobserver.storage.sqlite_schema import StoreError
 from jobserver.wire.limits import (
     DEFAULT_HOST,
+    DEFAULT_IDEMPOTENCY_KEEP,
     DEFAULT_PORT,
+    MAX_IDEMPOTENCY_KEEP,
     MAX_MAX_LIMITS,
     MAX_MAX_REPLY_BYTES,
+    MIN_IDEMPOTENCY_KEEP,
     MIN_MAX_REPLY_BYTES,
 )
 
@@ -274,6 +277,16 @@ def _add_job_options(serve: argparse.ArgumentParser) -> None:
         f"(default: {duration_text(DEFAULT_REPLY_GRACE)})",
     )
     serve.add_argument(
+        "--idempotency-keep",
+        type=duration(MIN_IDEMPOTENCY_KEEP, MAX_IDEMPOTENCY_KEEP),
+        default=DEFAULT_IDEMPOTENCY_KEEP,
+        metavar="DURATION",
+        help="keep a CreateJob's or CreateJobs' idempotencyKey and its reply this long: "
+        "sent again with the key meanwhile, the request creates nothing and gets the same "
+        f"reply; {duration_text(MIN_IDEMPOTENCY_KEEP)} to {duration_text(MAX_IDEMPOTENCY_KEEP)} "
+        f"(default: {duration_text(DEFAULT_IDEMPOTENCY_KEEP)})",
+    )
+    serve.add_argument(
         "--stale-after",
         type=duration(0.0, MAX_DURATION_SECONDS),
         default=DEFAULT_STALE_AFTER,
@@ -441,6 +454,7 @@ def run(args: argparse.Namespace) -> int:
         keep_finished=args.keep_finished,
         keep_failed=args.keep_failed,
         reply_grace=args.reply_grace,
+        idempotency_keep=args.idempotency_keep,
         stale_after=args.stale_after,
         history_minutes=args.history_minutes,
         backup_dir=args.backup_dir,

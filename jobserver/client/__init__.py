@@ -68,9 +68,13 @@ that cannot do anything twice:
   `504 Outcome unknown` reply (OutcomeUnknown) says the same: the server
   could not learn whether its database committed the request.
 - Except the read-only commands QueryJob, Ping, Status, Queues, Query,
-  History and RunningJobs,
-  and GetJob and GetJobs (waiting or not), which are sent once more on a
-  new connection, to another node if there is one. A GetJob sent again may
+  History and RunningJobs, GetJob and GetJobs (waiting or not), and
+  CreateJob and CreateJobs, which are sent once more on a new connection,
+  to another node if there is one. A create carries an idempotency key
+  (the caller's `idempotency_key`, else a random one: protocol.md 14.22),
+  under which the server creates its jobs once however often it is sent;
+  if that second try is refused with a 5xx, the first may still have been
+  carried out, and OutcomeUnknown says so, naming the key. A GetJob sent again may
   get another job, but none is run twice: a job handed out in a reply that
   never arrived is put back by the server when it sees the reply fail
   (protocol.md 9); otherwise (its node died, or the reply was lost on the

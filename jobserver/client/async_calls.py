@@ -66,18 +66,21 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
         time_windows: str | None = None,
         time_zone: str | None = None,
         overwrite: bool = True,
+        idempotency_key: str | None = None,
     ) -> int:
         return await self._call(
             calls.create_job(
                 name, data, first_run, repeat, priority, retry_after, unique, parent_job_id,
                 max_attempts, retry_backoff, retry_delay, retry_max_delay, cost, time_windows,
-                time_zone, overwrite,
+                time_zone, overwrite, idempotency_key,
             )
         )
 
     @documented_by(calls.create_jobs)
-    async def create_jobs(self, jobs: list[dict[str, Any]]) -> list[int]:
-        return await self._call(calls.create_jobs(jobs))
+    async def create_jobs(
+        self, jobs: list[dict[str, Any]], idempotency_key: str | None = None
+    ) -> list[int]:
+        return await self._call(calls.create_jobs(jobs, idempotency_key))
 
     @documented_by(calls.get_job)
     async def get_job(
@@ -273,17 +276,19 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
             )
         self._in_request = True
         try:
-            reply = await self._exchange(call)
+            reply, earlier_lost = await self._exchange(call)
         finally:
             self._in_request = False
-        return call.outcome(reply)
+        return call.outcome(reply, earlier_lost)
 
-    async def _exchange(self, call: Call[Any]) -> Reply:
+    async def _exchange(self, call: Call[Any]) -> tuple[Reply, bool]:
+        """The reply, and whether it answers a second try (the first one's
+        reply lost)."""
         request = self._encode(call)
         patience = self.timeout + call.wait_seconds
         stream = await self._send(request)
         try:
-            return await self._receive(stream, patience)
+            return await self._receive(stream, patience), False
         except TLSFailed:
             raise
         except ConnectionFailed:
@@ -292,7 +297,7 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
             self.switch_server()
             if not call.repeatable:
                 raise
-        return await self._receive(await self._send(request), patience)
+        return await self._receive(await self._send(request), patience), True
 
     async def _send(self, request: bytes) -> Stream:
         """Send on the kept connection or, if it has died, on a new one."""

@@ -7,12 +7,13 @@ name; its docstring is that method's, on Client and the async clients alike
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Generic, NamedTuple, TypeVar
 
-from jobserver.client.errors import JobServerError, error_for
+from jobserver.client.errors import JobServerError, OutcomeUnknown, error_for
 from jobserver.wire.framing import Reply
 from jobserver.wire.limits import DEFAULT_WAIT_MS, MAX_FINISH_JOBS, MAX_WAIT_MS
 
@@ -51,10 +52,21 @@ class Call(Generic[T]):
     # How long the server may work on it before it answers (Backup).
     held: float = 0.0
 
-    def outcome(self, reply: Reply) -> T:
+    def outcome(self, reply: Reply, earlier_lost: bool = False) -> T:
+        """The method's result, or the exception for a refusal. After a try
+        whose reply was lost (`earlier_lost`), a 5xx to a write sent again
+        under its idempotency key says nothing of that first try, which
+        may have been carried out: OutcomeUnknown, naming the key."""
         if reply.code == 404 and self.none_found is not None:
             return self.none_found()
         if not 200 <= reply.code <= 299:
+            key = self.params.get("idempotencyKey")
+            if earlier_lost and key and reply.code >= 500:
+                raise OutcomeUnknown(
+                    reply.status,
+                    "the reply to an earlier try was lost, and it may have been carried "
+                    f"out: send it again with idempotency key {key}",
+                )
             # A refusal's detail, if any, is in its `error` header (protocol.md 2).
             raise error_for(reply.status, reply.headers.get("error"))
         return self.result(reply)
@@ -67,8 +79,13 @@ class Call(Generic[T]):
     @property
     def repeatable(self) -> bool:
         """Whether it may be sent again after its connection broke: no work
-        is done twice if the first was carried out."""
-        return self.read_only or self.method.split(" ", 1)[0].lower() in _HAND_OUT
+        is done twice if the first was carried out (a CreateJob or
+        CreateJobs under an idempotency key creates nothing twice)."""
+        return (
+            self.read_only
+            or self.method.split(" ", 1)[0].lower() in _HAND_OUT
+            or bool(self.params.get("idempotencyKey"))
+        )
 
     @property
     def wait_seconds(self) -> float:
@@ -157,6 +174,7 @@ def create_job(
     time_windows: str | None,
     time_zone: str | None,
     overwrite: bool,
+    idempotency_key: str | None,
 ) -> Call[int]:
     """Create a job; returns its jobID. `max_attempts` gives it a retry
     policy: FailJob queues it again after `retry_delay` seconds
@@ -166,7 +184,15 @@ def create_job(
     ("01:00-05:00,22:00-23:30") keep it to those hours of `time_zone` (an
     IANA name, default UTC), which is also the zone of a CRON `repeat`
     ("CRON 0 9 * * MON-FRI", protocol.md 6.1). With `unique`, the oldest job of this name is
-    reused, `data` merged into its data unless `overwrite` is False."""
+    reused, `data` merged into its data unless `overwrite` is False.
+
+    The request carries an idempotency key (protocol.md 14.22):
+    `idempotency_key`, or a random one. Under it the job is created once
+    however often the request is sent, so a reply lost on a broken
+    connection is asked for again, once, on a new connection (to another
+    node, if there is one). Give your own key (an order ID, a UUID you
+    keep) to send it again yourself later, after a ConnectionFailed or an
+    OutcomeUnknown, without creating the job twice."""
     params: dict[str, object] = {
         "name": name,
         "data": data,
@@ -186,14 +212,25 @@ def create_job(
         "timeZone": time_zone,
         # Absent means true: only the refusal to overwrite is sent.
         "overwrite": None if overwrite else False,
+        "idempotencyKey": idempotency_key or new_idempotency_key(),
     }
     return Call("CreateJob", params, _field("jobID"))
 
 
-def create_jobs(jobs: list[dict[str, Any]]) -> Call[list[int]]:
+def create_jobs(jobs: list[dict[str, Any]], idempotency_key: str | None) -> Call[list[int]]:
     """Create several jobs, all or none. Each dict holds CreateJob's
-    parameters by their protocol names (`name`, `data`, `jobPriority`...)."""
-    return Call("CreateJobs", {"jobs": jobs}, _field("jobIDs"))
+    parameters by their protocol names (`name`, `data`, `jobPriority`...).
+    An idempotency key goes with the request as with create_job: the
+    jobs are created once however often it is sent."""
+    params: dict[str, object] = {
+        "jobs": jobs, "idempotencyKey": idempotency_key or new_idempotency_key(),
+    }
+    return Call("CreateJobs", params, _field("jobIDs"))
+
+
+def new_idempotency_key() -> str:
+    """A key no other request has: 128 random bits."""
+    return secrets.token_hex(16)
 
 
 def get_job(name: str, wait: float | None, priority: int | None) -> Call[dict[str, Any] | None]:

@@ -150,7 +150,8 @@ class Endpoint:
         return encode_request(call.method, {**call.params, "authToken": self.auth_token})
 
     def _failed(self, what: str, error: BaseException) -> ConnectionFailed:
-        return ConnectionFailed(f"{what} {self.address}: {self._describe(error)}")
+        message = f"{what} {self.address}: {self._describe(error)}"
+        return ConnectionFailed(message, sent=what == NO_REPLY)
 
     def _unreachable(self, failures: Sequence[ConnectionFailed]) -> ConnectionFailed:
         """What a new connection that no server took raises: the one

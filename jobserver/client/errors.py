@@ -60,7 +60,16 @@ class OutcomeUnknown(ServerError):
 
 class ConnectionFailed(OSError):
     """The server could not be reached, or the connection broke (or its
-    reply did not come in time) during a request."""
+    reply did not come in time) during a request. `sent` says whether the
+    request had been sent whole, so that the server may have carried it
+    out; when false, it certainly did not."""
+
+    def __init__(self, message: str, sent: bool = False) -> None:
+        super().__init__(message)
+        self.sent = sent
+
+    def __reduce__(self) -> tuple[type[ConnectionFailed], tuple[str, bool]]:
+        return type(self), (str(self), self.sent)
 
 
 class TLSFailed(ConnectionFailed):

@@ -62,18 +62,21 @@ class Client(Endpoint):
         time_windows: str | None = None,
         time_zone: str | None = None,
         overwrite: bool = True,
+        idempotency_key: str | None = None,
     ) -> int:
         return self._call(
             calls.create_job(
                 name, data, first_run, repeat, priority, retry_after, unique, parent_job_id,
                 max_attempts, retry_backoff, retry_delay, retry_max_delay, cost, time_windows,
-                time_zone, overwrite,
+                time_zone, overwrite, idempotency_key,
             )
         )
 
     @documented_by(calls.create_jobs)
-    def create_jobs(self, jobs: list[dict[str, Any]]) -> list[int]:
-        return self._call(calls.create_jobs(jobs))
+    def create_jobs(
+        self, jobs: list[dict[str, Any]], idempotency_key: str | None = None
+    ) -> list[int]:
+        return self._call(calls.create_jobs(jobs, idempotency_key))
 
     @documented_by(calls.get_job)
     def get_job(
@@ -258,14 +261,17 @@ class Client(Endpoint):
         return self._call(calls.backup(name))
 
     def _call(self, call: Call[T]) -> T:
-        return call.outcome(self._exchange(call))
+        reply, earlier_lost = self._exchange(call)
+        return call.outcome(reply, earlier_lost)
 
-    def _exchange(self, call: Call[Any]) -> Reply:
+    def _exchange(self, call: Call[Any]) -> tuple[Reply, bool]:
+        """The reply, and whether it answers a second try (the first one's
+        reply lost)."""
         request = self._encode(call)
         patience = self.timeout + call.wait_seconds
         sock = self._send(request)
         try:
-            return self._receive(sock, patience)
+            return self._receive(sock, patience), False
         except TLSFailed:
             raise
         except ConnectionFailed:
@@ -274,7 +280,7 @@ class Client(Endpoint):
             self.switch_server()
             if not call.repeatable:
                 raise
-        return self._receive(self._send(request), patience)
+        return self._receive(self._send(request), patience), True
 
     def _send(self, request: bytes) -> socket.socket:
         """Send on the kept connection or, if it has died, on a new one."""

@@ -42,6 +42,7 @@ from jobserver.storage.backends import is_postgres, open_store
 from jobserver.storage.interface import Storage
 from jobserver.wire.limits import (
     DEFAULT_HOST,
+    DEFAULT_IDEMPOTENCY_KEEP,
     DEFAULT_MAX_LIMITS,
     DEFAULT_MAX_REPLY_BYTES,
     DEFAULT_PORT,
@@ -107,6 +108,8 @@ class Config:
     # Seconds a RUNNING job may go without a report before it counts as a
     # failed attempt (--stale-after); 0 keeps Bedrock's "RUNNING forever".
     stale_after: float = DEFAULT_STALE_AFTER
+    # How long an idempotency key is kept (--idempotency-keep).
+    idempotency_keep: float = DEFAULT_IDEMPOTENCY_KEEP
     # Minutes of history kept in memory (--history-minutes); 0 keeps none.
     history_minutes: int = history.DEFAULT_MINUTES
     # The HTTP side's port (--http-port), on the same host; None: no HTTP.
@@ -283,6 +286,7 @@ class Server:
             keep_finished=config.keep_finished > 0,
             reply_grace=config.reply_grace,
             stale_after=config.stale_after,
+            idempotency_keep=config.idempotency_keep,
             serving_since=to_millis(self.clock.now()),
             max_reply_bytes=config.max_reply_bytes,
             max_limits=config.max_limits,

@@ -372,6 +372,18 @@ class Jobs(Protocol):
     def early_replies(self, now: str) -> int:
         """Unexpired replies that no job has claimed yet."""
 
+    # Idempotency keys (protocol.md 14.22).
+
+    def idempotent(self, key: str, now: str) -> tuple[str, str] | None:
+        """The request (its fingerprint) and the reply kept under `key`,
+        unless it expired by `now`; where other nodes write, the key is
+        locked until the transaction ends, so a request given the same key
+        on another node meanwhile waits and then finds this one's."""
+
+    def keep_idempotent(self, key: str, request: str, reply: str, expires: str) -> None:
+        """Keep a request's fingerprint and reply under `key` until
+        `expires` (replacing one that expired)."""
+
     # Flow control (protocol.md 14.7 to 14.9).
 
     def set_limit(self, pattern: str, capacity: int) -> None:
@@ -398,6 +410,9 @@ class Jobs(Protocol):
 
     def prune_replies(self, now: str, batch: int) -> int:
         """Delete up to `batch` expired replies; how many went."""
+
+    def prune_idempotency(self, now: str, batch: int) -> int:
+        """Delete up to `batch` expired idempotency keys; how many went."""
 
     def reclaim_space(self, pruned: bool) -> bool:
         """Give freed space back to the system, a bounded step; True when

@@ -464,7 +464,10 @@ class PostgresStore(SqlStore):
             for state, cutoff in before.items():
                 if db.execute(sql.prunable(POSTGRES), (state, cutoff)).fetchone() is not None:
                     return True
-            return db.execute(sql.expired_reply(POSTGRES), (now,)).fetchone() is not None
+            return any(
+                db.execute(expired, (now,)).fetchone() is not None
+                for expired in (sql.expired_reply(POSTGRES), sql.expired_idempotency_key(POSTGRES))
+            )
 
     def run_query(self, text: str, seconds: float, rows: QueryRows) -> None:
         """The client's SQL as Query's own role (postgres_query.py)."""

@@ -36,7 +36,8 @@ from jobserver.storage.sqlite_schema import StoreError
 # it and no right on the tables; EXECUTE is no longer PUBLIC's.
 # 5: jobs record who took them (worker, node), with an index of the jobs
 # handed out by when their run started (RunningJobs).
-SCHEMA_VERSION = 5
+# 6: idempotency keys of CreateJob and CreateJobs (protocol.md 14.22).
+SCHEMA_VERSION = 6
 
 # Rows of jobserver_locks. The nodes lock these rows, with FOR UPDATE,
 # where they once took advisory locks: any role that can connect to the
@@ -137,6 +138,13 @@ CREATE TABLE replies (
     jobID    BIGINT NOT NULL DEFAULT 0
 );
 CREATE INDEX repliesExpires ON replies (expires);
+CREATE TABLE idempotency (
+    idempotencyKey TEXT COLLATE "C" PRIMARY KEY,
+    request        TEXT COLLATE "C" NOT NULL,
+    reply          TEXT COLLATE "C" NOT NULL,
+    expires        TEXT COLLATE "C" NOT NULL
+);
+CREATE INDEX idempotencyExpires ON idempotency (expires);
 """
 
 # Transactional enqueue (README, "Creating jobs from your own
@@ -354,6 +362,7 @@ def _migrate(db: psycopg.Connection, where: str, schema: str) -> None:
         if version < 4:
             _version_4(db, schema)
         _version_5(db)
+        _version_6(db)
     db.execute("DELETE FROM jobserver_schema")
     db.execute("INSERT INTO jobserver_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
 
@@ -430,6 +439,20 @@ def _version_5(db: psycopg.Connection) -> None:
     # Jobs handed out before the upgrade have no known taker: "". Adding a
     # column with a constant default rewrites no rows.
     for statement in _VERSION_5:
+        db.execute(statement.encode())
+
+
+# Version 6's table (in SCHEMA for a new schema), IF NOT EXISTS as above.
+_VERSION_6 = (
+    'CREATE TABLE IF NOT EXISTS idempotency (idempotencyKey TEXT COLLATE "C" PRIMARY KEY, '
+    'request TEXT COLLATE "C" NOT NULL, reply TEXT COLLATE "C" NOT NULL, '
+    'expires TEXT COLLATE "C" NOT NULL)',
+    "CREATE INDEX IF NOT EXISTS idempotencyExpires ON idempotency (expires)",
+)
+
+
+def _version_6(db: psycopg.Connection) -> None:
+    for statement in _VERSION_6:
         db.execute(statement.encode())
 
 

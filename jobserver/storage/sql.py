@@ -190,3 +190,8 @@ def prunable(d: Dialect) -> str:
 def expired_reply(d: Dialect) -> str:
     """Whether a reply expired; binds now."""
     return f"SELECT 1 FROM replies WHERE expires <= {d.mark} LIMIT 1"
+
+
+def expired_idempotency_key(d: Dialect) -> str:
+    """Whether an idempotency key expired; binds now."""
+    return f"SELECT 1 FROM idempotency WHERE expires <= {d.mark} LIMIT 1"

@@ -378,6 +378,28 @@ class SqlStore(Statements):
         )
         return int(row[0])
 
+    # Idempotency keys (protocol.md 14.22). A key's lock orders two nodes
+    # given the same key at once: the second finds the first's reply.
+
+    def idempotent(self, key: str, now: str) -> tuple[str, str] | None:
+        m = self.dialect.mark
+        self._lock("idempotency", key)
+        row = self._one(
+            f"SELECT request, reply FROM idempotency WHERE idempotencyKey = {m} "
+            f"AND expires > {m}",
+            (key, now),
+        )
+        return None if row is None else (str(row[0]), str(row[1]))
+
+    def keep_idempotent(self, key: str, request: str, reply: str, expires: str) -> None:
+        marks = ", ".join(self.dialect.mark for _ in range(4))
+        self._execute(
+            f"INSERT INTO idempotency (idempotencyKey, request, reply, expires) VALUES ({marks}) "
+            "ON CONFLICT (idempotencyKey) DO UPDATE SET request = excluded.request, "
+            "reply = excluded.reply, expires = excluded.expires",
+            (key, request, reply, expires),
+        )
+
     # Flow control: concurrency limits and paused patterns. The tables are
     # tiny; the copies in memory are read again whenever a transaction (or
     # a savepoint) is rolled back, so they never disagree with what is stored.
@@ -460,6 +482,17 @@ class SqlStore(Statements):
         rows = self._execute(
             "DELETE FROM replies WHERE replyKey IN (SELECT replyKey FROM replies "
             f"WHERE expires <= {d.mark} ORDER BY expires LIMIT {d.mark}{d.skip_locked})",
+            (now, batch),
+        )
+        return max(rows.rowcount, 0)
+
+    def prune_idempotency(self, now: str, batch: int) -> int:
+        """Delete up to `batch` expired idempotency keys; how many went."""
+        d = self.dialect
+        rows = self._execute(
+            "DELETE FROM idempotency WHERE idempotencyKey IN (SELECT idempotencyKey "
+            f"FROM idempotency WHERE expires <= {d.mark} ORDER BY expires "
+            f"LIMIT {d.mark}{d.skip_locked})",
             (now, batch),
         )
         return max(rows.rowcount, 0)

@@ -218,16 +218,17 @@ def prune_pending(
     """Whether the pruner has work, asked on a connection of its own so that
     an idle server adds no transaction: a standalone job in a state of
     `before` that ended before its time there, a reply kept past its grace
-    period (expired at `now`), or free pages to reclaim."""
+    period or an idempotency key past its keep (expired at `now`), or free
+    pages to reclaim."""
     db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
     try:
         for state, cutoff in before.items():
             row = db.execute(sql.prunable(SQLITE), (state, cutoff)).fetchone()
             if row is not None:
                 return True
-        row = db.execute(sql.expired_reply(SQLITE), (now,)).fetchone()
-        if row is not None:
-            return True
+        for expired in (sql.expired_reply(SQLITE), sql.expired_idempotency_key(SQLITE)):
+            if db.execute(expired, (now,)).fetchone() is not None:
+                return True
         return int(db.execute("PRAGMA freelist_count").fetchone()[0]) >= min_free_pages
     finally:
         db.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sqlite3
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 
 class StoreError(Exception):
@@ -110,6 +110,15 @@ CREATE INDEX jobsRunningReport ON jobs (lastReport) WHERE state = 'RUNNING';
 -- RunningJobs: the jobs handed out, the longest running first.
 CREATE INDEX jobsActiveStarted ON jobs (lastRun)
     WHERE state IN ('RUNNING', 'RUNQUEUED');
+-- Idempotency keys (protocol.md 14.22): the fingerprint of the CreateJob
+-- or CreateJobs that first came with a key, and its reply, until expires.
+CREATE TABLE idempotency (
+    idempotencyKey TEXT PRIMARY KEY,
+    request        TEXT NOT NULL,
+    reply          TEXT NOT NULL,
+    expires        TEXT NOT NULL
+);
+CREATE INDEX idempotencyExpires ON idempotency (expires);
 """
 
 # Statements that bring a file of version N up to N + 1. They run in one
@@ -164,6 +173,12 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE jobs ADD COLUMN node TEXT NOT NULL DEFAULT ''",
         "CREATE INDEX jobsActiveStarted ON jobs (lastRun)\n"
         "    WHERE state IN ('RUNNING', 'RUNQUEUED')",
+    ),
+    6: (
+        "CREATE TABLE idempotency (\n    idempotencyKey TEXT PRIMARY KEY,\n"
+        "    request        TEXT NOT NULL,\n    reply          TEXT NOT NULL,\n"
+        "    expires        TEXT NOT NULL\n)",
+        "CREATE INDEX idempotencyExpires ON idempotency (expires)",
     ),
 }
 

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobserver import __version__
-from jobserver.wire.limits import MAX_BULK, MAX_FINISH_JOBS, MAX_JOB_ID, PRIORITIES
+from jobserver.wire.limits import (
+    MAX_BULK,
+    MAX_FINISH_JOBS,
+    MAX_IDEMPOTENCY_KEY,
+    MAX_JOB_ID,
+    PRIORITIES,
+)
 
 Schema = dict[str, Any]
 
@@ -100,6 +106,11 @@ _NEW_JOB = [
     Param("timeZone", {"type": "string", "examples": ["Europe/Paris"]},
           "the zone of the time windows and of a CRON repeat (6.1, 14.8)"),
 ]
+_IDEMPOTENCY_KEY = Param(
+    "idempotencyKey", {"type": "string", "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY},
+    "sent again with this key, the request creates nothing and gets the first one's reply "
+    "(14.22)",
+)
 _FINISH = [_job_id(), Param("data", OBJECT, "replace the job's data"), _LEASE_ID]
 _TAKE = [
     Param("name", PATTERN, "a GLOB pattern, or exact names separated by commas", required=True),
@@ -109,10 +120,11 @@ _TAKE = [
 
 # Command -> (summary, protocol.md section, parameters).
 COMMANDS: dict[str, tuple[str, str, list[Param]]] = {
-    "CreateJob": ("Create a job", "5.1", _NEW_JOB),
+    "CreateJob": ("Create a job", "5.1", [*_NEW_JOB, _IDEMPOTENCY_KEY]),
     "CreateJobs": ("Create several jobs in one transaction", "5.2", [
         Param("jobs", {"type": "array", "items": _object_of(_NEW_JOB), "minItems": 1},
               "CreateJob's parameters for each job", required=True),
+        _IDEMPOTENCY_KEY,
     ]),
     "GetJob": ("Take the next due job (never waits over HTTP)", "5.3", _TAKE),
     "GetJobs": ("Take up to numResults due jobs", "5.4", [

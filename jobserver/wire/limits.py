@@ -101,6 +101,15 @@ MAX_QUEUES = 1000
 # an order id, a URL or a UUID with a prefix; the same as a job name, so a
 # key is never the thing that makes a request too big.
 MAX_REPLY_KEY = 255
+# Idempotency keys of CreateJob and CreateJobs (protocol.md 14.22): room
+# for a UUID with a prefix, a hash, or a request ID from elsewhere.
+MAX_IDEMPOTENCY_KEY = 255
+# How long a key is kept after its request (--idempotency-keep): a day
+# covers any client's retries and a worker restarted the next morning;
+# at least a minute, at most thirty days.
+DEFAULT_IDEMPOTENCY_KEEP = 86400.0
+MIN_IDEMPOTENCY_KEEP = 60.0
+MAX_IDEMPOTENCY_KEEP = 30 * 86400.0
 # How long a job waits for its reply: a day unless it says otherwise (a
 # human approval or a slow partner answers within it); thirty days at most,
 # past which a job waiting is more likely forgotten than slow.

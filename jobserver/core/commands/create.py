@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobserver.core.commands import known_headers, params
+from jobserver.core.commands import idempotency, known_headers, params
 from jobserver.core.commands.views import ok
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
@@ -25,11 +25,27 @@ from jobserver.wire.limits import DEFAULT_PRIORITY
 
 
 def create_job(ctx: Context, request: Request) -> Response:
-    return Response("200 OK", b'{"jobID":%d}' % _create(ctx, request))
+    key = idempotency.key_of(request)
+    done = idempotency.replay(ctx, request, key)
+    if done is not None:
+        return done
+    response = Response("200 OK", b'{"jobID":%d}' % _create(ctx, request))
+    idempotency.remember(ctx, request, key, response)
+    return response
 
 
 def create_jobs(ctx: Context, request: Request) -> Response:
     """All or nothing: any bad element fails the whole request."""
+    key = idempotency.key_of(request)
+    done = idempotency.replay(ctx, request, key)
+    if done is not None:
+        return done
+    response = _create_all(ctx, request)
+    idempotency.remember(ctx, request, key, response)
+    return response
+
+
+def _create_all(ctx: Context, request: Request) -> Response:
     elements = params.job_list(request)
     ids = []
     created = []

@@ -21,8 +21,8 @@ _HAND_OUT = ("name", "jobpriority", "includeleaseid")
 KNOWN_HEADERS: dict[str, frozenset[str]] = {
     verb: frozenset(names)
     for verb, names in {
-        "createjob": _NEW_JOB,
-        "createjobs": ("jobs",),
+        "createjob": (*_NEW_JOB, "idempotencykey"),
+        "createjobs": ("jobs", "idempotencykey"),
         "getjob": _HAND_OUT,
         "getjobs": (*_HAND_OUT, "numresults"),
         "queryjob": _JOB,

@@ -9,7 +9,11 @@ from typing import TYPE_CHECKING
 from jobserver.core.engine.history import Events, add_events, new_events
 from jobserver.model import times
 from jobserver.storage.interface import Storage
-from jobserver.wire.limits import DEFAULT_MAX_LIMITS, DEFAULT_MAX_REPLY_BYTES
+from jobserver.wire.limits import (
+    DEFAULT_IDEMPOTENCY_KEEP,
+    DEFAULT_MAX_LIMITS,
+    DEFAULT_MAX_REPLY_BYTES,
+)
 
 if TYPE_CHECKING:
     from jobserver.core.rules.selection import Taken
@@ -47,6 +51,8 @@ class Settings:
     # This server's name as a job handed out here records it (its listen
     # address): which of several nodes a worker took a job from.
     node: str = ""
+    # Seconds an idempotency key and its reply are kept (--idempotency-keep).
+    idempotency_keep: float = DEFAULT_IDEMPOTENCY_KEEP
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Retention: deleting finished and failed jobs once they are old enough,
-replies once their grace period is over, and giving the freed pages back to
+replies once their grace period is over, idempotency keys once their keep
+is, and giving the freed pages back to
 the file system (protocol.md 14.10).
 
 A background task looks every few seconds, on a read-only connection of
@@ -60,6 +61,11 @@ def prune_step(ctx: Context, before: dict[str, str]) -> bool:
     expired = store.prune_replies(ctx.now_ms, PRUNE_BATCH)
     pruned += expired
     more = more or expired == PRUNE_BATCH
+    # Idempotency keys past --idempotency-keep: a request sent again with
+    # one is done anew.
+    forgotten = store.prune_idempotency(ctx.now_ms, PRUNE_BATCH)
+    pruned += forgotten
+    more = more or forgotten == PRUNE_BATCH
     return store.reclaim_space(pruned > 0) or more
 
 

@@ -1,12 +1,13 @@
-"""A TCP relay between a node and PostgreSQL that a test can cut: the
-network failing, on a real connection to a real PostgreSQL.
+"""A TCP relay that a test can cut: the network failing, on real
+connections to a real server (a node's to PostgreSQL, a client's to a
+node).
 
 `cut` drops every relayed connection and closes each new one at once
-until `restore`. `cut_at_commit` arms a cut of the next connection that
-sends a COMMIT: either the COMMIT reaches PostgreSQL and its reply is
-lost (`reaches=True`: the database commits, the node cannot know), or it
-never leaves the relay (`reaches=False`: the transaction dies with its
-connection).
+until `restore`. `cut_at` arms a cut of the next connection that sends
+some bytes (a COMMIT in PostgreSQL's protocol, `cut_at_commit`; a
+command's verb in jobserver's): either they reach the server and its
+reply is lost (`reaches=True`: the server acts, the client cannot know),
+or they never leave the relay (`reaches=False`).
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ import time
 from contextlib import suppress
 from urllib.parse import urlsplit, urlunsplit
 
-# The text of a COMMIT in the frontend's Parse or Query message.
+# The text of a COMMIT in PostgreSQL's Parse or Query message.
 COMMIT = b"COMMIT\x00"
-# How long the relay lets PostgreSQL work on a COMMIT it forwarded before
+# How long the relay lets the server work on what it forwarded before
 # the connection is cut: a commit on loopback takes milliseconds.
-COMMIT_SECONDS = 0.5
+WORK_SECONDS = 0.5
 
 
-class Proxy:
+class Relay:
     def __init__(self, upstream: tuple[str, int]) -> None:
         self.upstream = upstream
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -32,15 +33,15 @@ class Proxy:
         self._guard = threading.Lock()
         self._open: set[socket.socket] = set()
         self._cut = False
-        # An armed cut at the next COMMIT: whether it reaches PostgreSQL,
-        # and whether the relay stays cut afterwards.
-        self._at_commit: tuple[bool, bool] | None = None
+        # An armed cut: the bytes it waits for, whether they reach the
+        # server, and whether the relay stays cut afterwards.
+        self._armed: tuple[bytes, bool, bool] | None = None
         # Set once an armed cut has happened.
-        self.commit_cut = threading.Event()
+        self.was_cut = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
     @classmethod
-    def to(cls, url: str) -> Proxy:
+    def to(cls, url: str) -> Relay:
         parts = urlsplit(url)
         return cls((parts.hostname or "127.0.0.1", parts.port or 5432))
 
@@ -61,13 +62,17 @@ class Proxy:
             self._cut = False
 
     def cut_at_commit(self, reaches: bool, stay_cut: bool = False) -> None:
-        """Cut the next connection that sends COMMIT, as it sends it
-        (`reaches`: after PostgreSQL has it, its reply never coming back);
+        """Cut the next connection that sends PostgreSQL a COMMIT (`cut_at`)."""
+        self.cut_at(COMMIT, reaches, stay_cut)
+
+    def cut_at(self, marker: bytes, reaches: bool, stay_cut: bool = False) -> None:
+        """Cut the next connection that sends `marker`, as it sends it
+        (`reaches`: after the server has it, its reply never coming back);
         with `stay_cut`, every connection is refused from then on, until
         `restore`."""
         with self._guard:
-            self.commit_cut.clear()
-            self._at_commit = (reaches, stay_cut)
+            self.was_cut.clear()
+            self._armed = (marker, reaches, stay_cut)
 
     def close(self) -> None:
         self.cut()
@@ -113,14 +118,14 @@ class Proxy:
                         replies.set()
                         if not armed[0]:
                             break
-                        # The rest of the COMMIT's messages (its Execute, the
+                        # The rest of the messages (a COMMIT's Execute, the
                         # Sync) may follow in later chunks: relayed too.
-                        cut_at = time.monotonic() + COMMIT_SECONDS
+                        cut_at = time.monotonic() + WORK_SECONDS
                 sink.sendall(chunk)
         if armed is not None:
             if armed[1]:
                 self.cut()
-            self.commit_cut.set()
+            self.was_cut.set()
         self._drop(source, sink)
 
     @staticmethod
@@ -148,10 +153,11 @@ class Proxy:
 
     def _take_armed(self, chunk: bytes) -> tuple[bool, bool] | None:
         with self._guard:
-            if self._at_commit is None or COMMIT not in chunk:
+            if self._armed is None or self._armed[0] not in chunk:
                 return None
-            armed, self._at_commit = self._at_commit, None
-            return armed
+            _, reaches, stay_cut = self._armed
+            self._armed = None
+            return reaches, stay_cut
 
     def _drop(self, *sockets: socket.socket) -> None:
         for sock in sockets:
