@@ -312,6 +312,44 @@ def test_a_thousand_jobs_run_eight_at_a_time_in_threads_and_tasks(server, client
     assert query(client, "SELECT count(*) AS n FROM jobs;") == [{"n": 0}]
 
 
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_burst_of_failures_is_reported_in_batches_as_successes_are(server, client, loop):
+    """Half the jobs fail and a quarter are put back: their reports go as
+    FailJobs and RetryJobs of many jobs each, as the successes go as
+    FinishJobs, not a request per job."""
+    worker = Worker(jobs="burst/*")
+
+    @worker.handler("burst/ok")
+    async def fine(data: dict[str, Any]) -> None:
+        return None
+
+    @worker.handler("burst/bad")
+    async def bad(data: dict[str, Any]) -> None:
+        raise ValueError("no")
+
+    @worker.handler("burst/later")
+    async def later(data: dict[str, Any]) -> None:
+        raise RetryLater(delay=3600)
+
+    names = ["burst/bad", "burst/ok", "burst/bad", "burst/later"]
+    jobs = [{"name": names[n % 4], "maxAttempts": 5, "retryDelay": 3600} for n in range(800)]
+    ok(client.request("CreateJobs", jobs=json.dumps(jobs)))
+    answered = server.server.core.dispatcher.answered
+    with in_process(worker, server.port, loop, concurrency=200) as running:
+        until(lambda: query(client, "SELECT COUNT(*) AS n FROM jobs WHERE state = 'QUEUED' "
+                            "AND lastRun != '';") == [{"n": 600}],
+              DEADLINE, "every job reported")
+        assert running.stop() == 0
+    single = ("finishjob", "failjob", "retryjob")
+    one_by_one = sum(answered.get((verb, 200), 0) for verb in single)
+    batches = {verb: answered.get((verb + "s", 200), 0) for verb in single}
+    assert all(batches.values()), batches
+    # Reports per request: far more than one.
+    assert one_by_one + sum(batches.values()) <= 800 / 5, (one_by_one, batches)
+    counts = query(client, "SELECT state, COUNT(*) AS n FROM jobs GROUP BY state ORDER BY state;")
+    assert counts == [{"state": "QUEUED", "n": 600}], counts
+
+
 # Leases.
 
 

@@ -736,11 +736,12 @@ def test_the_example_workers(server, client, manager):
 
 
 def reported(request: bytes) -> tuple[str, list[int]]:
-    """The verb of a request, and the jobs it reports finished."""
+    """The verb of a request, and the jobs it reports on (finished, failed
+    or put back)."""
     [parsed] = RequestParser().feed(request)
-    if parsed.verb == "FinishJob":
+    if parsed.verb in ("FinishJob", "FailJob", "RetryJob"):
         return parsed.verb, [int(parsed.headers["jobid"])]
-    if parsed.verb == "FinishJobs":
+    if parsed.verb in ("FinishJobs", "FailJobs", "RetryJobs"):
         return parsed.verb, [element["jobID"] for element in json.loads(parsed.headers["jobs"])]
     return parsed.verb, []
 
@@ -973,6 +974,73 @@ def test_a_server_without_finish_jobs_gets_each_result_alone(
     assert verbs == ["FinishJob", "FinishJobs", "FinishJob", "FinishJob", "FinishJob"]
     assert [jobs for _, jobs in gate.reports[2:]] == [[j] for j in gate.reports[1][1]]
     assert "refused" not in running.log
+
+
+def test_failures_and_retries_that_wait_together_go_as_one_fail_jobs_and_one_retry_jobs(
+    server, client, workers, manager, tmp_path
+):
+    """A burst of failures costs what a burst of successes costs: the
+    reports that wait together go as one request per kind, not one each."""
+    release = tmp_path / "release"
+    write_worker(workers, "Quick", "cat >/dev/null\n")
+    write_worker(workers, "Broken", "cat >/dev/null\n" + wait_for_file(release) + "exit 3\n")
+    write_worker(
+        workers, "Later",
+        "cat >/dev/null\n" + wait_for_file(release) + "echo '{\"delay\": 3600}'; exit 75\n",
+    )
+    quick = create(client, "Quick")
+    broken = [create(client, "Broken", maxAttempts=5, retryDelay=3600) for _ in range(3)]
+    later = [create(client, "Later") for _ in range(2)]
+    gate = ReportGate(server.port)
+    try:
+        running = manager(gate.port, "--max-workers", "6", "--job-name", "Quick,Broken,Later")
+        assert gate.held.wait(DEADLINE), "no FinishJob came"
+        until(lambda: all(job(client, j)["state"] == "RUNNING" for j in [*broken, *later]),
+              DEADLINE, "the jobs to run")
+        release.touch()
+        running.wait_for(r"job \d+ (Broken failed|Later retried)", count=5)
+        gate.open()
+        for failed in broken:
+            until(lambda failed=failed: job(client, failed)["state"] == "QUEUED", DEADLINE,
+                  "the failures to be reported")
+        for retried in later:
+            until(lambda retried=retried: job(client, retried)["state"] == "QUEUED", DEADLINE,
+                  "the retries to be reported")
+    finally:
+        gate.open()
+        gate.close()
+    assert gate.reports[0] == ("FinishJob", [quick])
+    assert sorted((verb, sorted(ids)) for verb, ids in gate.reports[1:]) == [
+        ("FailJobs", broken), ("RetryJobs", later),
+    ]
+    assert {job(client, j)["attempt"] for j in broken} == {1}
+    assert "refused" not in running.log
+
+
+def test_a_lease_is_renewed_until_the_report_reaches_the_server(
+    server, client, workers, manager
+):
+    """A report that waits (behind others, or through an outage) keeps its
+    job's lease: nobody else is handed the job meanwhile, and the report is
+    taken when it arrives, not refused for a lease that ran out."""
+    write_worker(workers, "Quick", "cat >/dev/null; exit 0\n")
+    job_id = create(client, "Quick", retryAfter="+2 SECONDS", repeat="FINISHED, +1 HOUR")
+    gate = ReportGate(server.port)
+    try:
+        running = manager(gate.port, "--max-workers", "1")
+        assert gate.held.wait(DEADLINE), "no FinishJob came"
+        # The worker has ended and its report waits at the gate for longer
+        # than the lease: renewals keep the job from being handed out.
+        waited = time.monotonic() + 3.5
+        while time.monotonic() < waited:
+            assert client.request("GetJob", name="Quick").status == "404 No job found"
+            time.sleep(0.05)
+        gate.open()
+        until(lambda: job(client, job_id)["state"] == "QUEUED", DEADLINE, "the report")
+    finally:
+        gate.open()
+        gate.close()
+    assert "refused" not in running.log and "lost its lease" not in running.log
 
 
 # Leases: renewed while the worker runs, and carried by every report.

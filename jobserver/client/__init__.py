@@ -94,7 +94,10 @@ finish_job, retry_job, fail_job, update_job and touch_job: if the job has
 been handed to another worker since, the server refuses with `Conflict`
 (`409 Lease expired`) and changes nothing. finish_jobs reports many jobs
 in one request, each `Finish(job_id, lease_id, data)` with its own
-`FinishResult`: a refused job is a result, not an exception.
+`FinishResult`: a refused job is a result, not an exception. fail_jobs and
+retry_jobs do the same for failures (`Fail(job_id, lease_id, error,
+data)`) and jobs put back (`Retry(job_id, lease_id, delay, next_run, data,
+ignore_repeat)`).
 
 TLS. `tls=True` speaks TLS and trusts the system's certificate
 authorities; `tls="ca.pem"` trusts the CA certificates in that PEM file
@@ -116,7 +119,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from jobserver.client.calls import Finish, FinishResult, When
+from jobserver.client.calls import Fail, Finish, FinishResult, Retry, When
 from jobserver.client.endpoint import (
     DEFAULT_TIMEOUT,
     TLS,
@@ -156,6 +159,7 @@ __all__ = [
     "Client",
     "Conflict",
     "ConnectionFailed",
+    "Fail",
     "Finish",
     "FinishResult",
     "IllegalState",
@@ -166,6 +170,7 @@ __all__ = [
     "OutcomeUnknown",
     "Reply",
     "ReplyReader",
+    "Retry",
     "ServerError",
     "TLSFailed",
     "TrioClient",

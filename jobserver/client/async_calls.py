@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Generic, Self, TypeVar
 
 from jobserver.client import calls
-from jobserver.client.calls import Call, FinishResult, When, documented_by
+from jobserver.client.calls import Call, Fail, FinishResult, Retry, When, documented_by
 from jobserver.client.endpoint import Endpoint, idle_connection_dead
 from jobserver.client.errors import ConnectionFailed, TLSFailed
 from jobserver.wire.framing import Reply
@@ -124,6 +124,14 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
         self, jobs: Sequence[tuple[int, str | None, dict[str, Any] | None]]
     ) -> list[FinishResult]:
         return await self._call(calls.finish_jobs(jobs))
+
+    @documented_by(calls.fail_jobs)
+    async def fail_jobs(self, jobs: Sequence[Fail]) -> list[FinishResult]:
+        return await self._call(calls.fail_jobs(jobs))
+
+    @documented_by(calls.retry_jobs)
+    async def retry_jobs(self, jobs: Sequence[Retry]) -> list[FinishResult]:
+        return await self._call(calls.retry_jobs(jobs))
 
     @documented_by(calls.fail_job)
     async def fail_job(

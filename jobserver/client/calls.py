@@ -299,9 +299,10 @@ class Finish(NamedTuple):
 
 @dataclass(frozen=True)
 class FinishResult:
-    """What finish_jobs did with one job. `status` is the status line that
-    finish_job would have had for it; `job_id` the jobID as the server read
-    it (None if it was not an integer)."""
+    """What finish_jobs (fail_jobs, retry_jobs) did with one job. `status`
+    is the status line that finish_job (fail_job, retry_job) would have had
+    for it; `job_id` the jobID as the server read it (None if it was not an
+    integer)."""
 
     job_id: int | None
     status: str
@@ -315,19 +316,8 @@ class FinishResult:
         return 200 <= self.code <= 299
 
     def error(self) -> JobServerError | None:
-        """The exception finish_job would have raised, or None for success."""
+        """The exception the one-job call would have raised, or None for success."""
         return None if self.ok else error_for(self.status)
-
-
-def _finish_element(
-    job_id: int, lease_id: str | None, data: dict[str, Any] | None
-) -> dict[str, Any]:
-    element: dict[str, Any] = {"jobID": job_id}
-    if lease_id is not None:
-        element["leaseID"] = lease_id
-    if data is not None:
-        element["data"] = data
-    return element
 
 
 def _finish_results(reply: Reply) -> list[FinishResult]:
@@ -346,8 +336,72 @@ def finish_jobs(
     call itself raises only when the whole request fails."""
     if not 1 <= len(jobs) <= MAX_FINISH_JOBS:
         raise ValueError(f"finish_jobs takes 1 to {MAX_FINISH_JOBS} jobs, not {len(jobs)}")
-    elements = [_finish_element(*job) for job in jobs]
+    elements = [_element(job_id, lease_id, data=data) for job_id, lease_id, data in jobs]
     return Call("FinishJobs", {"jobs": elements}, _finish_results)
+
+
+class Fail(NamedTuple):
+    """One job for fail_jobs: as fail_job's job_id, lease_id, error and data."""
+
+    job_id: int
+    lease_id: str | None = None
+    error: str | None = None
+    data: dict[str, Any] | None = None
+
+
+class Retry(NamedTuple):
+    """One job for retry_jobs: as retry_job's job_id, lease_id, delay,
+    next_run, data and ignore_repeat."""
+
+    job_id: int
+    lease_id: str | None = None
+    delay: int | None = None
+    next_run: When | None = None
+    data: dict[str, Any] | None = None
+    ignore_repeat: bool = False
+
+
+def fail_jobs(jobs: Sequence[Fail]) -> Call[list[FinishResult]]:
+    """Report many handed-out jobs failed in one request: each
+    Fail(job_id, lease_id, error, data) as fail_job would report it, 1 to
+    1,000 of them (ValueError otherwise, before sending). Returns a
+    FinishResult per job, in order, as finish_jobs does."""
+    elements = [
+        _element(job.job_id, job.lease_id, data=job.data, error=job.error) for job in jobs
+    ]
+    return _reports("FailJobs", elements)
+
+
+def retry_jobs(jobs: Sequence[Retry]) -> Call[list[FinishResult]]:
+    """Put many handed-out jobs back in the queue in one request: each
+    Retry(job_id, lease_id, delay, next_run, data, ignore_repeat) as
+    retry_job would, 1 to 1,000 of them (ValueError otherwise, before
+    sending). Returns a FinishResult per job, in order, as finish_jobs does."""
+    elements = [
+        _element(
+            job.job_id, job.lease_id, delay=job.delay, nextRun=_time_text(job.next_run),
+            data=job.data, ignoreRepeat=job.ignore_repeat or None,
+        )
+        for job in jobs
+    ]
+    return _reports("RetryJobs", elements)
+
+
+def _element(job_id: int, lease_id: str | None, **params: object) -> dict[str, Any]:
+    """One job of a many-job report: its parameters that are not None."""
+    element: dict[str, Any] = {"jobID": job_id}
+    if lease_id is not None:
+        element["leaseID"] = lease_id
+    element |= {name: value for name, value in params.items() if value is not None}
+    return element
+
+
+def _reports(method: str, elements: list[dict[str, Any]]) -> Call[list[FinishResult]]:
+    if not 1 <= len(elements) <= MAX_FINISH_JOBS:
+        raise ValueError(
+            f"{method} takes 1 to {MAX_FINISH_JOBS} jobs, not {len(elements)}"
+        )
+    return Call(method, {"jobs": elements}, _finish_results)
 
 
 def fail_job(

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Self, TypeVar
 
 from jobserver.client import calls
-from jobserver.client.calls import Call, FinishResult, When, documented_by
+from jobserver.client.calls import Call, Fail, FinishResult, Retry, When, documented_by
 from jobserver.client.endpoint import (
     CANNOT_CONNECT,
     CANNOT_SEND,
@@ -120,6 +120,14 @@ class Client(Endpoint):
         self, jobs: Sequence[tuple[int, str | None, dict[str, Any] | None]]
     ) -> list[FinishResult]:
         return self._call(calls.finish_jobs(jobs))
+
+    @documented_by(calls.fail_jobs)
+    def fail_jobs(self, jobs: Sequence[Fail]) -> list[FinishResult]:
+        return self._call(calls.fail_jobs(jobs))
+
+    @documented_by(calls.retry_jobs)
+    def retry_jobs(self, jobs: Sequence[Retry]) -> list[FinishResult]:
+        return self._call(calls.retry_jobs(jobs))
 
     @documented_by(calls.fail_job)
     def fail_job(

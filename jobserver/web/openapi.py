@@ -112,6 +112,35 @@ _IDEMPOTENCY_KEY = Param(
     "(14.22)",
 )
 _FINISH = [_job_id(), Param("data", OBJECT, "replace the job's data"), _LEASE_ID]
+_RETRY = [
+    _job_id(),
+    Param("data", OBJECT, "replace the job's data"),
+    Param("name", NAME, "rename the job"),
+    Param("jobPriority", PRIORITY, "a new priority"),
+    Param("nextRun", TIME, "when it is due again"),
+    Param("delay", {"type": "integer", "minimum": 0, "maximum": 99_999_999},
+          "seconds from now before it is due again"),
+    Param("ignoreRepeat", FLAG, "do not use the repeat rule for the next run"),
+    _LEASE_ID,
+]
+_FAIL = [
+    _job_id(),
+    Param("data", OBJECT, "replace the job's data"),
+    Param("error", TEXT, "why it failed: the job's last error"),
+    _LEASE_ID,
+]
+
+
+def _reports_of(params: list[Param], command: str) -> Param:
+    """The `jobs` of FinishJobs, FailJobs or RetryJobs: `command`'s
+    parameters for each job."""
+    return Param(
+        "jobs",
+        {"type": "array", "items": _object_of(params), "minItems": 1,
+         "maxItems": MAX_FINISH_JOBS},
+        f"{command}'s parameters for each job", required=True,
+    )
+
 _TAKE = [
     Param("name", PATTERN, "a GLOB pattern, or exact names separated by commas", required=True),
     Param("jobPriority", PRIORITY, "only jobs of this priority"),
@@ -144,26 +173,15 @@ COMMANDS: dict[str, tuple[str, str, list[Param]]] = {
     ]),
     "FinishJob": ("Report a job done", "5.7", _FINISH),
     "FinishJobs": ("Report many jobs done in one request", "14.15", [
-        Param("jobs", {"type": "array", "items": _object_of(_FINISH), "minItems": 1,
-                       "maxItems": MAX_FINISH_JOBS},
-              "FinishJob's parameters for each job", required=True),
+        _reports_of(_FINISH, "FinishJob"),
     ]),
-    "RetryJob": ("Put a job that was handed out back in the queue", "5.8", [
-        _job_id(),
-        Param("data", OBJECT, "replace the job's data"),
-        Param("name", NAME, "rename the job"),
-        Param("jobPriority", PRIORITY, "a new priority"),
-        Param("nextRun", TIME, "when it is due again"),
-        Param("delay", {"type": "integer", "minimum": 0, "maximum": 99_999_999},
-              "seconds from now before it is due again"),
-        Param("ignoreRepeat", FLAG, "do not use the repeat rule for the next run"),
-        _LEASE_ID,
+    "RetryJob": ("Put a job that was handed out back in the queue", "5.8", _RETRY),
+    "RetryJobs": ("Put many jobs that were handed out back in the queue", "14.15", [
+        _reports_of(_RETRY, "RetryJob"),
     ]),
-    "FailJob": ("Report a job failed", "5.9", [
-        _job_id(),
-        Param("data", OBJECT, "replace the job's data"),
-        Param("error", TEXT, "why it failed: the job's last error"),
-        _LEASE_ID,
+    "FailJob": ("Report a job failed", "5.9", _FAIL),
+    "FailJobs": ("Report many jobs failed in one request", "14.15", [
+        _reports_of(_FAIL, "FailJob"),
     ]),
     "CancelJob": ("Cancel a queued child job", "5.10", [_job_id()]),
     "DeleteJob": ("Delete a job that is not running", "5.11", [_job_id()]),

@@ -1,7 +1,7 @@
 """Lease renewal, as the worker manager does it (jobserver.workers.leases):
-while a job with retryAfter runs, its lease is renewed (TouchJob) after a
-third of it or every --touch-interval seconds, whichever is sooner, over a
-connection of its own. A handler may also ask for a renewal now
+while a job with retryAfter runs, and until its report is done with, its
+lease is renewed (TouchJob) after a third of it or every --touch-interval
+seconds, whichever is sooner, over a connection of its own. A handler may also ask for a renewal now
 (`Job.renew_lease`), from its thread or its task."""
 
 from __future__ import annotations
@@ -52,8 +52,15 @@ class Leases:
             self._wake()  # the renewer may be waiting for a later one
         return lease_id
 
+    def ended(self, lease_id: str) -> None:
+        """The job's handler has ended: its lease is renewed until its
+        report is done with (`release`)."""
+        lease = self.held.get(lease_id)
+        if lease is not None:
+            lease.ended = True
+
     def release(self, lease_id: str) -> None:
-        """Stop renewing a lease: its job has ended."""
+        """Stop renewing a lease: its job's report is done with."""
         self.held.pop(lease_id, None)
 
     def renewal(self, lease_id: str | None) -> Renewal:
@@ -112,16 +119,18 @@ class Leases:
             await link.reconnect()
             return
         except JobServerError as error:
-            # Unless the job ended meanwhile (its report is on its way), the
-            # lease is gone: 409 when another worker has the job now. The
-            # handler runs on; its result will be refused if so.
+            # The lease is gone: 409 when another worker has the job now (its
+            # result will be refused), or the job's report was applied
+            # before its lease was let go.
             if self.held.pop(lease.lease_id, None) is not None:
-                log.warning(
-                    "job %s %s: lost its lease (%s %s); the handler runs on",
+                log.log(
+                    logging.INFO if lease.ended else logging.WARNING,
+                    "job %s %s: lost its lease (%s %s); %s",
                     lease.job_id,
                     lease.name,
                     error.code,
                     error.reason,
+                    "its report decides" if lease.ended else "the handler runs on",
                 )
             return
         if self.failing:

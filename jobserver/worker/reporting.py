@@ -4,14 +4,17 @@ server cannot be reached, by the worker manager's policy
 (jobserver.workers.reporting.POLICY: the server's answer -> what to do with
 the report, and what to log).
 
-Whatever waits in the queue goes at once: every FinishJob report waiting
-(up to 1,000) as one FinishJobs (protocol.md 14.15), then each other report
-alone. So reports cost a round trip per batch, not per job, however fast
-the handlers end. An answer to one job of a FinishJobs that is not a
-success goes through POLICY as that job's own FinishJob's would; a
-failure of the whole request holds the batch and sends it again after the
-backoff wait (SEND_AGAIN), or sends its reports one at a time. A server
-that does not know FinishJobs (430) gets every report alone from then on."""
+Whatever waits in the queue goes at once: every FinishJob, FailJob and
+RetryJob report waiting (up to 1,000 of each) as one FinishJobs, FailJobs
+and RetryJobs (protocol.md 14.15; workers.reporting.MANY), then each other
+report alone. So reports cost a round trip per batch, not per job, however
+fast the handlers end and however many fail. An answer to one job of such
+a request that is not a success goes through POLICY as that job's own
+report's would; a failure of the whole request holds the batch and sends
+it again after the backoff wait (SEND_AGAIN), or sends its reports one at
+a time. A server that does not know one of the three (430) gets those
+reports alone from then on. A job's lease is renewed until its report is
+done with (leases.py)."""
 
 from __future__ import annotations
 
@@ -21,23 +24,22 @@ from typing import Any
 
 import anyio
 
-from jobserver.client import (
-    ConnectionFailed,
-    Finish,
-    JobServerError,
-    OutcomeUnknown,
-    UnrecognizedCommand,
-)
+from jobserver.client import ConnectionFailed, JobServerError, OutcomeUnknown
 from jobserver.wire.limits import MAX_FINISH_JOBS
 from jobserver.worker.connection import BACKOFF_MAX, Backoff, Link, Server
+from jobserver.worker.leases import Leases
 from jobserver.workers.contract import Report
 from jobserver.workers.reporting import (
     GIVING_UP,
+    MANY,
     REPORT_TRIES_ON_ERROR,
     Action,
     Failure,
     Rule,
+    batchable,
     rule_for,
+    send_many,
+    stop_batching_if_unknown,
 )
 
 log = logging.getLogger("jobserver.worker")
@@ -46,15 +48,17 @@ log = logging.getLogger("jobserver.worker")
 class Reporter:
     """The queue of reports, and the task that delivers them."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, leases: Leases) -> None:
         self.server = server
+        self.leases = leases  # renewed until the job's report is done with
         self.pending: list[Report] = []  # not yet taken by the delivering task
         self.sending: list[Report] = []  # taken, on their way
         self.added = anyio.Event()  # set (and replaced) when a report is queued
         self.closed = False  # no more reports will come
         self.scope = anyio.CancelScope()  # its deadline ends delivery early
         self.given_up = 0  # reports the server would not take
-        self.batching = True  # whether the server takes FinishJobs
+        # The verbs the server takes many at a time (MANY).
+        self.batching = set(MANY)
 
     def add(self, report: Report) -> None:
         self.pending.append(report)
@@ -93,31 +97,39 @@ class Reporter:
             done.set()
 
     async def _deliver_all(self, link: Link) -> None:
-        """Deliver `sending`: the finishes in batches, then the rest."""
-        finishes = [r for r in self.sending if self.batching and _batchable(r)]
-        others = [r for r in self.sending if not (self.batching and _batchable(r))]
-        for start in range(0, len(finishes), MAX_FINISH_JOBS):
-            batch = finishes[start : start + MAX_FINISH_JOBS]
-            if len(batch) > 1:
-                await self.deliver_finishes(batch, link)
-            else:
-                await self.deliver(batch[0], link)
-            self._sent(batch)
+        """Deliver `sending`: those that go many to a request in batches of
+        each verb, then the rest."""
+        many = [r for r in self.sending if batchable(r, self.batching)]
+        others = [r for r in self.sending if not batchable(r, self.batching)]
+        for verb in MANY:
+            reports = [r for r in many if r.verb == verb]
+            for start in range(0, len(reports), MAX_FINISH_JOBS):
+                batch = reports[start : start + MAX_FINISH_JOBS]
+                if len(batch) > 1:
+                    await self.deliver_many(batch, link)
+                else:
+                    await self.deliver(batch[0], link)
+                self._sent(batch)
         for report in others:
             await self.deliver(report, link)
             self._sent([report])
 
     def _sent(self, reports: list[Report]) -> None:
+        """These reports are done with (delivered, dropped or given up):
+        their jobs' leases are no longer renewed."""
         done = {id(r) for r in reports}
         self.sending = [r for r in self.sending if id(r) not in done]
+        for report in reports:
+            if report.lease_id is not None:
+                self.leases.release(report.lease_id)
 
-    async def deliver_finishes(self, batch: list[Report], link: Link) -> None:
-        """Send `batch` as one FinishJobs until the server answers it, then
-        each report it refused as POLICY says."""
+    async def deliver_many(self, batch: list[Report], link: Link) -> None:
+        """Send `batch`, reports of one verb, as one request until the server
+        answers it, then each report it refused as POLICY says."""
         backoff, started = Backoff(), anyio.current_time()
         while True:
             try:
-                results = await link.client.finish_jobs([_finish(r) for r in batch])
+                results = await send_many(link.client, batch)
             except (ConnectionFailed, JobServerError) as error:
                 if isinstance(error, ConnectionFailed | OutcomeUnknown):
                     for report in batch:
@@ -129,7 +141,7 @@ class Reporter:
                     await link.reconnect()
                     await anyio.sleep(backoff.next())
                     continue
-                self._stop_batching_if_unknown(error)
+                stop_batching_if_unknown(self.batching, batch[0], error, self.server.address)
                 for report in batch:
                     await self.deliver(report, link)
                 return
@@ -190,15 +202,6 @@ class Reporter:
             self.given_up += 1
         return None
 
-    def _stop_batching_if_unknown(self, error: Failure) -> None:
-        if isinstance(error, UnrecognizedCommand):
-            log.warning(
-                "server %s does not take FinishJobs (%s); reporting each job alone",
-                self.server.address,
-                error.status,
-            )
-            self.batching = False
-
     def _log_back(self, backoff: Backoff, started: float, what: str) -> None:
         """After an outage, say that the server took reports again."""
         if backoff.failing:
@@ -233,15 +236,6 @@ class Reporter:
                 report.command,
                 json.dumps(report.params, default=str),
             )
-
-
-def _batchable(report: Report) -> bool:
-    """A FinishJob report, with no parameter that FinishJobs cannot carry."""
-    return report.verb == "finish" and set(report.params) <= {"data"}
-
-
-def _finish(report: Report) -> Finish:
-    return Finish(report.job_id, report.lease_id, report.params.get("data"))
 
 
 async def _send(link: Link, report: Report) -> None:

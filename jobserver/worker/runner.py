@@ -96,8 +96,8 @@ class Runner:
         self.root_scope: anyio.CancelScope | None = None
 
         self.caller = Caller(settings.timeout, settings.concurrency)
-        self.reporter = Reporter(self.server)
         self.leases = Leases(self.server, settings.touch_interval)
+        self.reporter = Reporter(self.server, self.leases)
 
     # Top level.
 
@@ -311,15 +311,24 @@ class Runner:
         held = self.leases.hold(raw)
         job = Job.handed_out(raw, self.leases.renewal(held))
         try:
-            handler = self.worker.handler_for(job.name)
-            if handler is None:
-                return outcome.no_handler(job)
-            if self.stopping:
-                return outcome.handed_back(job, "handed back (stopping)")
-            return await self.caller.call(handler, job, started)
-        finally:
+            ended = await self._call(job, started)
+        except BaseException:
+            # No report will come: the lease is let go now.
             if held is not None:
                 self.leases.release(held)
+            raise
+        if held is not None:
+            # Renewed until the reporter is done with the job's report.
+            self.leases.ended(held)
+        return ended
+
+    async def _call(self, job: Job, started: float) -> Outcome:
+        handler = self.worker.handler_for(job.name)
+        if handler is None:
+            return outcome.no_handler(job)
+        if self.stopping:
+            return outcome.handed_back(job, "handed back (stopping)")
+        return await self.caller.call(handler, job, started)
 
 
 def _event_loop() -> str:

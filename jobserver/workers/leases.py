@@ -1,7 +1,10 @@
-"""Lease renewal: while a leased job's worker runs, its lease is renewed
-(TouchJob) after a third of it or every --touch-interval seconds, whichever
-is sooner, so that a worker may run longer than the lease without its job
-being handed out twice. Renewals go over a connection of their own."""
+"""Lease renewal: while a leased job's worker runs, and until its report
+is done with, its lease is renewed (TouchJob) after a third of it or every
+--touch-interval seconds, whichever is sooner, so that a worker may run
+longer than the lease without its job being handed out twice, and a
+report that waits behind others (or through an outage) is not refused for
+a lease that ran out meanwhile. Renewals go over a connection of their
+own."""
 
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ class Lease:
     lease_id: str
     period: float  # seconds between renewals
     due: float  # trio time of the next renewal
+    # The worker has ended: the job's report is on its way.
+    ended: bool = False
 
 
 def touch_period(retry_after: str, interval: float) -> float:
@@ -76,8 +81,15 @@ class Leases:
         self.changed.set()
         return lease_id
 
+    def ended(self, lease_id: str) -> None:
+        """The job's worker has ended: its lease is renewed until its report
+        is done with (`release`)."""
+        lease = self.held.get(lease_id)
+        if lease is not None:
+            lease.ended = True
+
     def release(self, lease_id: str) -> None:
-        """Stop renewing a lease: its job has ended."""
+        """Stop renewing a lease: its job's report is done with."""
         self.held.pop(lease_id, None)
 
     async def renew_loop(self) -> None:
@@ -119,16 +131,18 @@ class Leases:
             await link.reconnect()
             return
         except JobServerError as error:
-            # Unless the job ended meanwhile (its report is on its way), the
-            # lease is gone: 409 when another worker has the job now. The
-            # worker runs on; its result will be refused if so.
+            # The lease is gone: 409 when another worker has the job now (its
+            # result will be refused), or the job's report was applied
+            # before its lease was let go.
             if self.held.pop(lease.lease_id, None) is not None:
-                log.warning(
-                    "job %s %s: lost its lease (%s %s); the worker runs on",
+                log.log(
+                    logging.INFO if lease.ended else logging.WARNING,
+                    "job %s %s: lost its lease (%s %s); %s",
                     lease.job_id,
                     lease.name,
                     error.code,
                     error.reason,
+                    "its report decides" if lease.ended else "the worker runs on",
                 )
             return
         if self.failing:

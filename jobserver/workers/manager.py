@@ -131,8 +131,8 @@ class Manager:
         self.fetch_scope = trio.CancelScope()
 
         self.supervisor = Supervisor(worker_timeout)
-        self.reporter = Reporter(self.server, self.guard)
         self.leases = Leases(self.server, touch_interval)
+        self.reporter = Reporter(self.server, self.guard, self.leases)
 
     # Top level.
 
@@ -337,10 +337,16 @@ class Manager:
             return failed(job, str(refusal), f"failed ({refusal})")
         held = self.leases.hold(job)
         try:
-            return await self._run_worker(job, path, started)
-        finally:
+            ended = await self._run_worker(job, path, started)
+        except BaseException:
+            # No report will come: the lease is let go now.
             if held is not None:
                 self.leases.release(held)
+            raise
+        if held is not None:
+            # Renewed until the reporter is done with the job's report.
+            self.leases.ended(held)
+        return ended
 
     async def _run_worker(self, job: dict[str, Any], path: str, started: float) -> Outcome:
         try:

@@ -8,15 +8,20 @@ what to log. Every report carries its job's lease token, so a result for a
 job that has since been handed to another worker is refused (409) and
 dropped.
 
-FinishJob reports that wait together at the head of the queue (jobs that
-ended while a report was on its way, or while the server was down) go as
-one FinishJobs. The server answers each job on its own, and each answer
-that is not a success goes through POLICY as the answer to that job's own
-FinishJob would. For the request as a whole, POLICY decides as for its
-first report: a SEND_AGAIN sends it again after the backoff wait, with the
-reports that joined the queue meanwhile; anything else sends its reports
-one at a time. A server that does not know FinishJobs (430) gets every
-report alone from then on."""
+FinishJob, FailJob and RetryJob reports that wait together at the head of
+the queue (jobs that ended while a report was on its way, or while the
+server was down) go as one FinishJobs, one FailJobs and one RetryJobs
+(MANY), so that a burst of failures costs what a burst of successes
+costs. The server answers each job on its own, and each answer that is
+not a success goes through POLICY as the answer to that job's own report
+would. For a request as a whole, POLICY decides as for its first report:
+a SEND_AGAIN sends it again after the backoff wait; anything else sends
+its reports one at a time. A server that does not know one of the three
+(430) gets those reports alone from then on.
+
+A job's lease is renewed until its report is done with (leases.py): a
+report that waits behind others, or through an outage, is not refused
+for a lease that ran out meanwhile."""
 
 from __future__ import annotations
 
@@ -33,12 +38,15 @@ import trio
 from jobserver.client import (
     Conflict,
     ConnectionFailed,
+    Fail,
     Finish,
+    FinishResult,
     IllegalState,
     InvalidRequest,
     JobNotFound,
     JobServerError,
     OutcomeUnknown,
+    Retry,
     ServerError,
     UnrecognizedCommand,
 )
@@ -46,6 +54,7 @@ from jobserver.wire.limits import MAX_FINISH_JOBS
 from jobserver.workers.connection import BACKOFF_MAX, Backoff, Link, Server
 from jobserver.workers.contract import Report
 from jobserver.workers.guard import Guard
+from jobserver.workers.leases import Leases
 
 log = logging.getLogger("jobserver.workers")
 
@@ -195,15 +204,17 @@ class Delivery:
 class Reporter:
     """The queue of reports, and the task that delivers them."""
 
-    def __init__(self, server: Server, guard: Guard) -> None:
+    def __init__(self, server: Server, guard: Guard, leases: Leases) -> None:
         self.server = server
         self.guard = guard  # told of each job whose report is done with
-        self.pending: deque[Report] = deque()  # the first is being delivered
+        self.leases = leases  # renewed until the job's report is done with
+        self.pending: deque[Report] = deque()  # the first are being delivered
         self.added = trio.Event()  # set (and replaced) when a report is queued
         self.closed = False  # no more reports will come
         self.scope = trio.CancelScope()  # its deadline ends delivery early
         self.given_up = 0  # reports the server would not take
-        self.batching = True  # whether the server takes FinishJobs
+        # The verbs the server takes many at a time (MANY).
+        self.batching = set(MANY)
 
     def add(self, report: Report) -> None:
         self.pending.append(report)
@@ -231,11 +242,13 @@ class Reporter:
                         self.added = trio.Event()
                         await self.added.wait()
                         continue
-                    if len(self._finishes()) > 1:
-                        await self.deliver_finishes(link)
+                    batch = self._batch()
+                    if len(batch) > 1:
+                        await self.deliver_batch(batch, link)
                         continue
-                    await self.deliver(self.pending[0], link)
-                    self._done()
+                    report = self.pending[0]
+                    await self.deliver(report, link)
+                    self._done(report)
         finally:
             await link.aclose()
             done.set()
@@ -264,63 +277,69 @@ class Reporter:
                 return
             error = None
 
-    def _finishes(self) -> list[Report]:
-        """The FinishJob reports at the head of the queue, as many as one
-        FinishJobs takes: sent together, they keep their order."""
+    def _batch(self) -> list[Report]:
+        """The reports at the head of the queue that go many to a request,
+        as many as one request of each verb takes."""
         batch: list[Report] = []
-        if self.batching:
-            for report in self.pending:
-                if not _batchable(report) or len(batch) == MAX_FINISH_JOBS:
-                    break
-                batch.append(report)
+        counts = dict.fromkeys(MANY, 0)
+        for report in self.pending:
+            if not batchable(report, self.batching) or counts[report.verb] == MAX_FINISH_JOBS:
+                break
+            counts[report.verb] += 1
+            batch.append(report)
         return batch
 
-    async def deliver_finishes(self, link: Link) -> None:
-        """Send the FinishJob reports at the head of the queue as one
-        FinishJobs, then each the server refused as POLICY says; remove
-        them from the queue as each is done with."""
-        delivery = Delivery(self.pending[0])
+    async def deliver_batch(self, batch: list[Report], link: Link) -> None:
+        """Send `batch` as one request per verb (FinishJobs, FailJobs,
+        RetryJobs), then each report the server refused as POLICY says;
+        remove each from the queue as it is done with."""
+        for verb in MANY:
+            group = [report for report in batch if report.verb == verb]
+            if len(group) > 1:
+                await self._deliver_many(group, link)
+            elif group:
+                await self.deliver(group[0], link)
+                self._done(group[0])
+
+    async def _deliver_many(self, group: list[Report], link: Link) -> None:
+        delivery = Delivery(group[0])
         while True:
-            batch = self._finishes()
             try:
-                results = await link.client.finish_jobs([_finish(r) for r in batch])
+                results = await send_many(link.client, group)
             except (ConnectionFailed, JobServerError) as error:
                 if isinstance(error, ConnectionFailed | OutcomeUnknown):
-                    for report in batch:
+                    for report in group:
                         report.uncertain = True
-                rule = rule_for(batch[0], error)
+                rule = rule_for(group[0], error)
                 if rule.action is Action.SEND_AGAIN:
                     if not delivery.backoff.failing:
-                        log.log(rule.level, rule.message, self._fields(batch[0], error))
+                        log.log(rule.level, rule.message, self._fields(group[0], error))
                     await link.reconnect()
                     await trio.sleep(delivery.backoff.next())
                     continue
-                self._stop_batching_if_unknown(error)
-                for report in batch:
+                stop_batching_if_unknown(self.batching, group[0], error, self.server.address)
+                for report in group:
                     await self.deliver(report, link)
-                    self._done()
+                    self._done(report)
                 return
-            self._log_back(delivery, f"job {batch[0].job_id} and {len(batch) - 1} more")
-            for report, result in zip(batch, results, strict=True):
+            self._log_back(delivery, f"job {group[0].job_id} and {len(group) - 1} more")
+            for report, result in zip(group, results, strict=True):
                 refused = result.error()
                 if refused is not None:
                     await self.deliver(report, link, refused)
-                self._done()
+                self._done(report)
             return
 
-    def _done(self) -> None:
-        """The first report is done with (delivered, dropped or given up):
-        its job is no longer the guard's to hand back."""
-        self.guard.done(self.pending.popleft().job_id)
-
-    def _stop_batching_if_unknown(self, error: Failure) -> None:
-        if isinstance(error, UnrecognizedCommand):
-            log.warning(
-                "server %s does not take FinishJobs (%s); reporting each job alone",
-                self.server.address,
-                error.status,
-            )
-            self.batching = False
+    def _done(self, report: Report) -> None:
+        """A report is done with (delivered, dropped or given up): its job
+        is no longer the guard's to hand back, nor its lease to renew."""
+        for index, queued in enumerate(self.pending):
+            if queued is report:
+                del self.pending[index]
+                break
+        self.guard.done(report.job_id)
+        if report.lease_id is not None:
+            self.leases.release(report.lease_id)
 
     def _log_back(self, delivery: Delivery, what: str) -> None:
         """After an outage, say that the server took reports again."""
@@ -373,13 +392,51 @@ class Reporter:
             )
 
 
-def _batchable(report: Report) -> bool:
-    """A FinishJob report, with no parameter that FinishJobs cannot carry."""
-    return report.verb == "finish" and set(report.params) <= {"data"}
+@dataclass(frozen=True)
+class Many:
+    """The request that carries many reports of one verb: the client
+    method, the element each report becomes, and the parameters an element
+    can carry (a report with another goes alone)."""
+
+    method: str
+    element: Callable[..., Any]
+    params: frozenset[str]
+    command: str
 
 
-def _finish(report: Report) -> Finish:
-    return Finish(report.job_id, report.lease_id, report.params.get("data"))
+MANY: dict[str, Many] = {
+    "finish": Many("finish_jobs", Finish, frozenset({"data"}), "FinishJobs"),
+    "fail": Many("fail_jobs", Fail, frozenset({"error", "data"}), "FailJobs"),
+    "retry": Many(
+        "retry_jobs", Retry, frozenset({"delay", "next_run", "data", "ignore_repeat"}), "RetryJobs"
+    ),
+}
+
+
+def batchable(report: Report, verbs: set[str]) -> bool:
+    """Whether `report` may go with others of its verb (one of `verbs`)."""
+    many = MANY.get(report.verb)
+    return many is not None and report.verb in verbs and set(report.params) <= many.params
+
+
+async def send_many(client: Any, reports: list[Report]) -> list[FinishResult]:
+    """Reports of one verb, in one request of `client` (a TrioClient or an
+    AsyncClient); a result for each, in order."""
+    many = MANY[reports[0].verb]
+    elements = [many.element(r.job_id, r.lease_id, **r.params) for r in reports]
+    results: list[FinishResult] = await getattr(client, many.method)(elements)
+    return results
+
+
+def stop_batching_if_unknown(verbs: set[str], report: Report, error: Failure, server: str) -> None:
+    """A server that does not know a many-report command (430) gets those
+    reports one at a time from then on."""
+    if isinstance(error, UnrecognizedCommand) and report.verb in verbs:
+        log.warning(
+            "server %s does not take %s (%s); reporting each job alone",
+            server, MANY[report.verb].command, error.status,
+        )
+        verbs.discard(report.verb)
 
 
 async def _send(link: Link, report: Report) -> None:

@@ -163,6 +163,8 @@ ROUTES: dict[str, Route] = {
     "updatejob": InWriter(manage.update_job),
     "finishjob": InWriter(report.finish_job),
     "finishjobs": InWriter(report.finish_jobs),
+    "failjobs": InWriter(report.fail_jobs),
+    "retryjobs": InWriter(report.retry_jobs),
     "retryjob": InWriter(report.retry_job),
     "failjob": InWriter(report.fail_job),
     "canceljob": InWriter(manage.cancel_job),

@@ -29,6 +29,8 @@ KNOWN_HEADERS: dict[str, frozenset[str]] = {
         "updatejob": (*_REPORT, "repeat", "jobpriority", "nextrun", "shouldclearrepeat"),
         "finishjob": _REPORT,
         "finishjobs": ("jobs",),
+        "failjobs": ("jobs",),
+        "retryjobs": ("jobs",),
         "retryjob": (*_REPORT, "delay", "ignorerepeat", "jobpriority", "name", "nextrun"),
         "failjob": (*_REPORT, "error"),
         "canceljob": _JOB,
@@ -81,7 +83,8 @@ def unread_headers(request: Request) -> list[str]:
 
 
 def ignored_in_elements(elements: list[Request]) -> list[str]:
-    """The keys the elements of CreateJobs' or FinishJobs' `jobs` carry
+    """The keys the elements of CreateJobs', FinishJobs', FailJobs' or
+    RetryJobs' `jobs` carry
     that their command does not read, as `jobs[INDEX].KEY`."""
     return [
         f"jobs[{index}].{name}"

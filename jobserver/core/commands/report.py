@@ -1,9 +1,10 @@
-"""Reports on a job that was handed out: FinishJob, FinishJobs, RetryJob,
-FailJob and TouchJob. Every change of a job's state goes through
-lifecycle.py."""
+"""Reports on a job that was handed out: FinishJob, RetryJob, FailJob and
+TouchJob, and FinishJobs, FailJobs and RetryJobs, many of the first three
+in one request. Every change of a job's state goes through lifecycle.py."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from jobserver.core.commands import known_headers, params
@@ -37,21 +38,45 @@ def _report_end_of_run(ctx: Context, request: Request, retry: bool) -> Response:
         return _finish_or_retry(ctx, request, retry)
 
 
-# The savepoint of one FinishJobs element, inside the writer's own.
+# The savepoint of one element of FinishJobs, FailJobs or RetryJobs, inside
+# the writer's own.
 _ELEMENT = "element"
+
+# What an element of a many-job report is: its one-job command.
+Report = Callable[[Context, Request], Response]
 
 
 def finish_jobs(ctx: Context, request: Request) -> Response:
-    """FinishJob for each element of `jobs`, in order, each with its own
+    return _report_each(ctx, request, "FinishJob", _finish)
+
+
+def fail_jobs(ctx: Context, request: Request) -> Response:
+    return _report_each(ctx, request, "FailJob", fail_job)
+
+
+def retry_jobs(ctx: Context, request: Request) -> Response:
+    return _report_each(ctx, request, "RetryJob", _retry)
+
+
+def _finish(ctx: Context, request: Request) -> Response:
+    return _finish_or_retry(ctx, request, retry=False)
+
+
+def _retry(ctx: Context, request: Request) -> Response:
+    return _finish_or_retry(ctx, request, retry=True)
+
+
+def _report_each(ctx: Context, request: Request, command: str, report: Report) -> Response:
+    """`command` for each element of `jobs`, in order, each with its own
     outcome: an element that fails undoes its own writes and no others."""
     elements = params.job_list(request)
     if len(elements) > MAX_FINISH_JOBS:
         raise CommandError(f"413 Too many jobs (max {MAX_FINISH_JOBS})")
-    reports = [params.from_json(element, "FinishJob") for element in elements]
+    reports = [params.from_json(element, command) for element in elements]
     # Their jobs are read in one statement, and their writes sent together.
     with ctx.store.holding_writes():
         ctx.store.hold(_named_jobs(reports))
-        results = [_finish_element(ctx, report) for report in reports]
+        results = [_report_element(ctx, each, report) for each in reports]
     return known_headers.with_ignored_elements(ok({"results": results}), reports)
 
 
@@ -61,15 +86,15 @@ def _named_jobs(reports: list[Request]) -> list[int]:
     return [job_id for job_id in ids if job_id is not None and 0 < job_id <= params.MAX_JOB_ID]
 
 
-def _finish_element(ctx: Context, request: Request) -> dict[str, Any]:
+def _report_element(ctx: Context, request: Request, report: Report) -> dict[str, Any]:
     part = ctx.part()
     ctx.store.savepoint(_ELEMENT)
-    # Only FinishJob's answers are an element's own. Anything else (the
+    # Only the command's own answers are an element's. Anything else (the
     # database failing, a bug) fails the whole request, and the writer
     # undoes all of it, this savepoint included.
     try:
-        # Its job is held already (finish_jobs).
-        status = _finish_or_retry(part, request, retry=False).status
+        # Its job is held already (_report_each).
+        status = report(part, request).status
     except CommandError as error:
         ctx.store.rollback_savepoint(_ELEMENT)
         status = error.status
