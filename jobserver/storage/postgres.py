@@ -28,7 +28,8 @@ Every call may wait on the network, so the writer runs each batch in a
 thread (`blocking`). A commit is durable when PostgreSQL says so
 (synchronous_commit), so there is nothing to sync afterwards. When the
 connection is lost, transactions fail (`503`) until `begin` has
-reconnected, which it tries at most every RECONNECT_SECONDS.
+reconnected: at once, and after a failed attempt at most every
+RECONNECT_SECONDS.
 """
 
 from __future__ import annotations
@@ -288,6 +289,10 @@ class PostgresStore(SqlStore):
                 flow = self._db.execute(FLOW_CONTROL)
         except psycopg.Error:
             self._changes += 1
+            # A pipeline cut off midway can leave the connection in a state
+            # psycopg does not call broken ("cannot exit pipeline mode while
+            # busy"): the next batch starts on a new one.
+            self._db.close()
             raise
         row = xid.fetchone()
         assert row is not None
@@ -299,13 +304,16 @@ class PostgresStore(SqlStore):
         return True
 
     def _reconnect(self) -> None:
-        now = time.monotonic()
-        if now < self._retry_at:
+        """A new connection at once, unless the last attempt failed less
+        than RECONNECT_SECONDS ago: a connection ended alone (its backend
+        terminated) costs the next batch a connection, while a PostgreSQL
+        out of reach is not hammered."""
+        if time.monotonic() < self._retry_at:
             raise psycopg.OperationalError("the connection to PostgreSQL is lost")
-        self._retry_at = now + RECONNECT_SECONDS
         try:
             db = connect(self._url)
         except psycopg.Error as error:
+            self._retry_at = time.monotonic() + RECONNECT_SECONDS
             if not self._lost:
                 log.error("lost %s; reconnecting: %s", self.path, error)
             self._lost = True
@@ -386,7 +394,13 @@ class PostgresStore(SqlStore):
     def rollback(self) -> None:
         self._notice = None
         if self.in_transaction:
-            self._db.execute(b"ROLLBACK")
+            try:
+                self._db.execute(b"ROLLBACK")
+            except psycopg.Error:
+                # Nothing is committed on a connection that cannot roll
+                # back; the next batch starts on a new one.
+                self._db.close()
+                raise
         self._load_flow_control()
 
     async def listen(self, heard: postgres_listen.Heard) -> None:
