@@ -78,6 +78,8 @@ RECONNECT_SECONDS = 0.5
 # commit on a database it cannot reach.
 OUTCOME_SECONDS = 10.0
 OUTCOME_POLL_SECONDS = 0.2
+# The same, once the server is stopping: its shutdown waits for no longer.
+STOPPING_OUTCOME_SECONDS = 1.0
 
 # The longest NOTIFY payload PostgreSQL takes is 8000 bytes; past this the
 # notice says "anything may be ready" instead of listing names.
@@ -156,6 +158,7 @@ class PostgresStore(SqlStore):
         # backend running it: what is asked about if its COMMIT is cut off.
         self._xid = ""
         self._backend = 0
+        self._stopping = False
         # Whether a reconnection has failed since the last success.
         self._lost = False
         # The notice to send with the next COMMIT (announce).
@@ -212,8 +215,10 @@ class PostgresStore(SqlStore):
         self._db.close()
 
     def stop_waiting_long(self) -> None:
-        """Nothing waits long here: a lock wait is bounded by the other
-        node's transaction, and a connection attempt by CONNECT_SECONDS."""
+        """A lock wait is bounded by the other node's transaction, and a
+        connection attempt by CONNECT_SECONDS; asking what became of a
+        COMMIT cut off (`_committed`) stops after STOPPING_OUTCOME_SECONDS."""
+        self._stopping = True
 
     # Statements. Every one goes through _execute, which counts what it
     # changed; a failed statement counts as a change, because in PostgreSQL
@@ -350,7 +355,8 @@ class PostgresStore(SqlStore):
         """Whether the open transaction committed, after its COMMIT raised
         `error`: the connection is closed (it may be in any state), and
         PostgreSQL is asked on new connections what became of the
-        transaction, for up to OUTCOME_SECONDS. One still in progress (the
+        transaction, for up to OUTCOME_SECONDS (STOPPING_OUTCOME_SECONDS once
+        the server stops). One still in progress (the
         old connection's backend lives on, cut off from this node) is
         ended first, so that the answer is final. Raises OutcomeUnknown
         when no answer came."""
@@ -360,7 +366,7 @@ class PostgresStore(SqlStore):
             "COMMIT of transaction %s failed (%s); asking PostgreSQL whether it committed",
             xid, str(error).strip(),
         )
-        deadline = time.monotonic() + OUTCOME_SECONDS
+        began = time.monotonic()
         failure = str(error).strip()
         while True:
             try:
@@ -378,7 +384,8 @@ class PostgresStore(SqlStore):
                     log.warning("transaction %s was %s", xid, status)
                     return status == "committed"
                 db.close()
-            if time.monotonic() + OUTCOME_POLL_SECONDS > deadline:
+            patience = STOPPING_OUTCOME_SECONDS if self._stopping else OUTCOME_SECONDS
+            if time.monotonic() + OUTCOME_POLL_SECONDS > began + patience:
                 log.error("whether transaction %s committed is unknown: %s", xid, failure)
                 raise OutcomeUnknown(
                     f"the connection to PostgreSQL was lost during COMMIT ({failure})"
