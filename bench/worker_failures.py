@@ -48,6 +48,10 @@ def queue(port: int, jobs: int) -> None:
             client.create_jobs([job] * BATCH)
 
 
+def jobs_left(client: Client) -> int:
+    return sum(client.status()["jobs"].values())
+
+
 def worker_cpu(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -63,10 +67,10 @@ def drain(port: int, jobs: int, root: Path, log_path: Path) -> dict[str, float]:
         proc = subprocess.Popen(command, cwd=HERE, env=env, stderr=log, stdout=subprocess.DEVNULL)
     try:
         with Client("127.0.0.1", port, timeout=60) as client:
-            while client.status()["jobs"] == jobs and proc.poll() is None:
+            while jobs_left(client) == jobs and proc.poll() is None:
                 time.sleep(POLL)
             began = time.perf_counter()
-            while (left := client.status()["jobs"]) > jobs // 2:
+            while jobs_left(client) > jobs // 2:
                 time.sleep(POLL)
             cpu = worker_cpu(proc.pid)
             halfway = time.perf_counter() - began
@@ -75,7 +79,7 @@ def drain(port: int, jobs: int, root: Path, log_path: Path) -> dict[str, float]:
             stopping = time.perf_counter()
             proc.wait(120)
             stopped = time.perf_counter() - stopping
-            left = client.status()["jobs"]
+            left = jobs_left(client)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -85,7 +89,7 @@ def drain(port: int, jobs: int, root: Path, log_path: Path) -> dict[str, float]:
         "done": done,
         "seconds": halfway,
         "rate": (jobs - jobs // 2) / halfway,
-        "cpu_ms_per_job": cpu * 1000 / max(done, 1),
+        "cpu_ms_per_job": cpu * 1000 / (jobs - jobs // 2),
         "refused": len(re.findall(r"refused", text)),
         "stop_seconds": stopped,
     }
