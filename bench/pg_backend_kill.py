@@ -63,11 +63,13 @@ def main() -> int:
     parser.add_argument("--postgres", help="the PostgreSQL server (default: the tests')")
     args = parser.parse_args()
     if args.server_root is not None:
-        # The server process imports jobserver from there first.
+        # The server process (`python -m jobserver`, which looks in its
+        # working directory first) imports jobserver from there.
         root = str(args.server_root.resolve())
         os.environ["PYTHONPATH"] = os.pathsep.join(
             filter(None, [root, os.environ.get("PYTHONPATH")])
         )
+        os.chdir(root)
     if args.postgres:
         os.environ["JOBSERVER_TEST_POSTGRES"] = args.postgres
     pg.recreate_database()
