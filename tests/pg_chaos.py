@@ -154,7 +154,8 @@ class Chaos:
     def _work_once(self, client: Client, number: int) -> None:
         ledger = self.ledger
         reply = client.request(
-            "GetJobs", name=NAME, numResults=10, Connection="wait", timeout=1000
+            "GetJobs", name=NAME, numResults=10, Connection="wait", timeout=1000,
+            includeLeaseID="true",
         )
         ledger.count("GetJobs", reply)
         if reply.code != 200:
@@ -162,9 +163,11 @@ class Chaos:
                 self.stop.set()
             return
         fail, finish = [], []
+        leases = {}
         with ledger.lock:
             for job in reply.json["jobs"]:
                 key, job_id, attempt = job["data"]["k"], job["jobID"], job.get("attempt", 1)
+                leases[job_id] = job["leaseID"]
                 ledger.handed[key] += 1
                 if job_id in ledger.finished:
                     ledger.handed_after_finish.append(key)
@@ -177,21 +180,25 @@ class Chaos:
                 ledger.attempts[job_id] = attempt
                 # Every other job fails its first attempt.
                 (fail if attempt == 1 and job_id % 2 else finish).append(job_id)
-        failures = [{"jobID": j, "error": "chaos"} for j in fail]
+        # Each report names its hand-out's lease: sent again after a 504, it
+        # cannot end another worker's attempt of the same job.
+        failures = [{"jobID": j, "leaseID": leases[j], "error": "chaos"} for j in fail]
         if failures and not self._report(client, "FailJobs", failures):
             # An older server (bench/pg_backend_kill.py --server-root): one
             # FailJob a job.
             for failure in failures:
                 self._report(client, "FailJob", [failure])
         if finish:
-            self._report(client, "FinishJobs", [{"jobID": j} for j in finish])
+            finishes = [{"jobID": j, "leaseID": leases[j]} for j in finish]
+            self._report(client, "FinishJobs", finishes)
 
     def _report(self, client: Client, command: str, elements: list[dict[str, Any]]) -> bool:
         """Send a report until it is answered with something but a 5xx. A
         5xx other than 504 says nothing was done, so every element must
         then be taken when sent again; after a 504 an element may have been
         done (`404 No job with this jobID`, `405` for a job failed and
-        queued again). False if the server does not know the command.
+        queued again, `409` for one handed out again since). False if the
+        server does not know the command.
         FailJob (one job) is sent as the element's parameters."""
         ledger, refused, unknown = self.ledger, False, False
         while True:
@@ -219,7 +226,7 @@ class Chaos:
             for result in results:
                 job_id, status = result["jobID"], result["status"]
                 if status != "200 OK":
-                    if unknown and status[:3] in ("404", "405"):
+                    if unknown and status[:3] in ("404", "405", "409"):
                         continue  # the attempt whose outcome was unknown was done
                     ledger.violations.append(
                         f"{command} of job {job_id}: {status}"

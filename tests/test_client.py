@@ -586,19 +586,41 @@ def test_a_request_that_may_have_run_is_not_sent_again(fake, method):
     ("CreateJobs", lambda c: c.create_jobs([{"name": "x"}]), b'{"jobIDs":[7]}'),
 ])
 def test_a_create_is_sent_once_more_under_the_same_idempotency_key(fake, method, action, body):
-    server = fake([NO_REPLY], [reply("200 OK", body)])
+    # The server the second try goes to is asked first whether it keeps
+    # keys: a CreateJobs of no jobs, refused, that names no key ignored.
+    server = fake([NO_REPLY], [reply("401 Invalid JSON"), reply("200 OK", body)])
     with fake_client(server) as client:
         action(client)
-    assert server.methods() == [(0, method), (1, method)]
+    assert server.methods() == [(0, method), (1, "CreateJobs"), (1, method)]
     keys = [
         [line for line in head.split(b"\r\n") if line.startswith(b"idempotencyKey: ")]
         for _, head in server.requests
     ]
-    assert len(keys[0]) == 1 and keys[0] == keys[1], keys
+    assert keys[1] == [b"idempotencyKey: probe"]
+    assert len(keys[0]) == 1 and keys[0] == keys[2], keys
+
+
+def test_a_create_is_not_sent_again_to_a_server_that_ignores_idempotency_keys(fake):
+    # A server older than the keys names the key among the headers it
+    # ignores: sent there again, the create would be made twice.
+    older = reply("401 Invalid JSON", b"", "ignoredHeaders: idempotencyKey")
+    server = fake([NO_REPLY], [older])
+    with fake_client(server) as client, pytest.raises(ConnectionFailed) as lost:
+        client.create_job("x")
+    assert lost.value.sent
+    assert server.methods() == [(0, "CreateJob"), (1, "CreateJobs")]
+
+
+def test_a_server_seen_to_keep_keys_is_not_asked_again(fake):
+    server = fake([reply("200 OK", b'{"jobID":1}'), NO_REPLY], [reply("200 OK", b'{"jobID":2}')])
+    with fake_client(server) as client:
+        assert client.create_job("x") == 1
+        assert client.create_job("y") == 2
+    assert server.methods() == [(0, "CreateJob"), (0, "CreateJob"), (1, "CreateJob")]
 
 
 def test_a_create_whose_second_try_is_refused_with_a_5xx_is_an_unknown_outcome(fake):
-    server = fake([NO_REPLY], [reply("503 Database unavailable: gone")])
+    server = fake([NO_REPLY], [reply("401 Invalid JSON"), reply("503 Database unavailable: gone")])
     with fake_client(server) as client, pytest.raises(OutcomeUnknown) as unknown:
         client.create_job("x", idempotency_key="mine")
     assert unknown.value.status == "503 Database unavailable: gone"

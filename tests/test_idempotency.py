@@ -204,7 +204,7 @@ async def test_the_async_client_sends_a_create_again_when_its_reply_is_lost(rela
         assert [job["jobID"] for job in await jobs.get_jobs("lost", 10)] == [one]
 
 
-def test_a_lost_reply_then_a_5xx_is_an_unknown_outcome_that_names_the_key(relay):
+def test_a_lost_reply_with_the_server_out_of_reach_is_a_failure_that_was_sent(relay):
     with jobclient.Client("127.0.0.1", relay.port, timeout=DEADLINE) as jobs:
         relay.cut_at(b"CreateJob\r", reaches=True, stay_cut=True)
         with pytest.raises(jobclient.ConnectionFailed) as failed:

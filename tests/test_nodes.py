@@ -469,3 +469,36 @@ def test_nodes_starting_together_on_a_fresh_schema_all_start(start_nodes, queue_
         with node.client() as client:
             taken.add(ok(client.request("GetJob", name="shared")).json["jobID"])
     assert taken == job_ids
+
+
+# 9. Idempotency keys: creates under other keys on two nodes wait for
+# nothing of each other.
+
+
+def test_creates_under_other_keys_on_two_nodes_do_not_wait_for_each_other(
+    start_nodes, queue_url
+):
+    """Each create claims its own key (protocol.md 14.22). A lock slot shared
+    by the keys' hash made unrelated creates of two nodes' batches wait on
+    each other, and deadlock: PostgreSQL undid whole batches."""
+    first, second = start_nodes(queue_url, queue_url)
+    clients = [(first if n % 2 else second).client() for n in range(120)]
+    statuses: list[str] = []
+
+    def create_many(client: Client, number: int) -> None:
+        for n in range(15):
+            reply = client.request("CreateJob", name="many", idempotencyKey=f"k-{number}-{n}")
+            statuses.append(reply.status)
+
+    try:
+        run_threads(
+            [partial(create_many, client, number) for number, client in enumerate(clients)],
+            DEADLINE * 4,
+        )
+    finally:
+        for client in clients:
+            client.close()
+    assert statuses == ["200 OK"] * 1800
+    for node in (first, second):
+        assert "undone by the database" not in node.log, node.log
+    assert sum(jobs_left(first).values()) == 1800

@@ -287,6 +287,7 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
             reply, earlier_lost = await self._exchange(call)
         finally:
             self._in_request = False
+        self._learn_keys(call, reply)
         return call.outcome(reply, earlier_lost)
 
     async def _exchange(self, call: Call[Any]) -> tuple[Reply, bool]:
@@ -303,9 +304,26 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
             # The server that broke the connection or did not answer may be
             # gone: the next connection tries another first.
             self.switch_server()
-            if not call.repeatable:
+            if not (call.repeatable or (call.keyed and await self._keeps_keys())):
                 raise
-        return await self._receive(await self._send(request), patience), True
+        try:
+            return await self._receive(await self._send(request), patience), True
+        except ConnectionFailed as failure:
+            failure.sent = True  # the first try was, whatever became of this one
+            raise
+
+    async def _keeps_keys(self) -> bool:
+        """Whether the server the next request goes to keeps idempotency
+        keys: asked (keys_probe) unless every server is known to."""
+        if all(address in self.keys_kept for address in self.servers.addresses):
+            return True
+        probe = calls.keys_probe()
+        try:
+            reply, _ = await self._exchange(probe)
+        except ConnectionFailed:
+            return False
+        self._learn_keys(probe, reply)
+        return self.servers.now in self.keys_kept
 
     async def _send(self, request: bytes) -> Stream:
         """Send on the kept connection or, if it has died, on a new one."""

@@ -51,6 +51,8 @@ class Call(Generic[T]):
     none_found: Callable[[], T] | None = None
     # How long the server may work on it before it answers (Backup).
     held: float = 0.0
+    # Changes nothing, whatever its command (keys_probe): sent again freely.
+    harmless: bool = False
 
     def outcome(self, reply: Reply, earlier_lost: bool = False) -> T:
         """The method's result, or the exception for a refusal. After a try
@@ -79,13 +81,18 @@ class Call(Generic[T]):
     @property
     def repeatable(self) -> bool:
         """Whether it may be sent again after its connection broke: no work
-        is done twice if the first was carried out (a CreateJob or
-        CreateJobs under an idempotency key creates nothing twice)."""
+        is done twice if the first was carried out."""
         return (
-            self.read_only
+            self.harmless
+            or self.read_only
             or self.method.split(" ", 1)[0].lower() in _HAND_OUT
-            or bool(self.params.get("idempotencyKey"))
         )
+
+    @property
+    def keyed(self) -> bool:
+        """A create under an idempotency key: it may be sent again to a
+        server that keeps keys, which creates nothing twice."""
+        return bool(self.params.get("idempotencyKey"))
 
     @property
     def wait_seconds(self) -> float:
@@ -226,6 +233,12 @@ def create_jobs(jobs: list[dict[str, Any]], idempotency_key: str | None) -> Call
         "jobs": jobs, "idempotencyKey": idempotency_key or new_idempotency_key(),
     }
     return Call("CreateJobs", params, _field("jobIDs"))
+
+
+def keys_probe() -> Call[Reply]:
+    """A request that creates nothing (`401 Invalid JSON`) and shows whether
+    the server keeps idempotency keys (client/endpoint.py)."""
+    return Call("CreateJobs", {"jobs": [], "idempotencyKey": "probe"}, _reply, harmless=True)
 
 
 def new_idempotency_key() -> str:

@@ -110,6 +110,11 @@ class Endpoint:
         them separated by commas; `port` is then the port of an address
         that gives none. ValueError for a list that cannot be used."""
         self.servers = Servers(servers_of(host, port))
+        # The servers seen to keep idempotency keys (a keyed create answered
+        # without naming the key ignored): only to these is a create whose
+        # reply was lost sent again. A server older than idempotency keys
+        # would create its jobs a second time.
+        self.keys_kept: set[Address] = set()
         self.timeout = timeout
         # Sent with every request when the server runs with --auth-token-file.
         self.auth_token = auth_token
@@ -139,6 +144,18 @@ class Endpoint:
     @property
     def address(self) -> str:
         return format_address(self.servers.now)
+
+    def _learn_keys(self, call: Call[Any], reply: Reply) -> None:
+        """Whether the server that answered a keyed create keeps its key: a
+        server that does not names it in `ignoredHeaders` (protocol.md
+        5.0), even when it refuses the request."""
+        if not call.keyed or reply.code >= 500:
+            return
+        ignored = reply.headers.get("ignoredheaders", "").lower()
+        if "idempotencykey" in ignored:
+            self.keys_kept.discard(self.servers.now)
+        else:
+            self.keys_kept.add(self.servers.now)
 
     def switch_server(self) -> None:
         """Have the next connection go to another of the servers (one picked

@@ -270,6 +270,7 @@ class Client(Endpoint):
 
     def _call(self, call: Call[T]) -> T:
         reply, earlier_lost = self._exchange(call)
+        self._learn_keys(call, reply)
         return call.outcome(reply, earlier_lost)
 
     def _exchange(self, call: Call[Any]) -> tuple[Reply, bool]:
@@ -286,9 +287,26 @@ class Client(Endpoint):
             # The server that broke the connection or did not answer may be
             # gone: the next connection tries another first.
             self.switch_server()
-            if not call.repeatable:
+            if not (call.repeatable or (call.keyed and self._keeps_keys())):
                 raise
-        return self._receive(self._send(request), patience), True
+        try:
+            return self._receive(self._send(request), patience), True
+        except ConnectionFailed as failure:
+            failure.sent = True  # the first try was, whatever became of this one
+            raise
+
+    def _keeps_keys(self) -> bool:
+        """Whether the server the next request goes to keeps idempotency
+        keys: asked (keys_probe) unless every server is known to."""
+        if all(address in self.keys_kept for address in self.servers.addresses):
+            return True
+        probe = calls.keys_probe()
+        try:
+            reply, _ = self._exchange(probe)
+        except ConnectionFailed:
+            return False
+        self._learn_keys(probe, reply)
+        return self.servers.now in self.keys_kept
 
     def _send(self, request: bytes) -> socket.socket:
         """Send on the kept connection or, if it has died, on a new one."""

@@ -67,6 +67,9 @@ from jobserver.storage.sqlite_schema import StoreError
 
 log = logging.getLogger("jobserver")
 
+# The oldest PostgreSQL a node runs on (as server_version_num).
+MIN_SERVER_VERSION = 130000
+
 # How long a connection attempt may take, and how long after a failed one
 # the next is tried: meanwhile requests fail at once with 503.
 CONNECT_SECONDS = 3
@@ -80,6 +83,8 @@ OUTCOME_SECONDS = 10.0
 OUTCOME_POLL_SECONDS = 0.2
 # The same, once the server is stopping: its shutdown waits for no longer.
 STOPPING_OUTCOME_SECONDS = 1.0
+# The longest one ask's statements may take.
+ASK_MILLISECONDS = 2000
 
 # The longest NOTIFY payload PostgreSQL takes is 8000 bytes; past this the
 # notice says "anything may be ready" instead of listing names.
@@ -159,6 +164,9 @@ class PostgresStore(SqlStore):
         self._xid = ""
         self._backend = 0
         self._stopping = False
+        # Idempotency keys kept in the open transaction, written with its
+        # COMMIT (keep_idempotent): key -> (request, reply, expires).
+        self._kept_keys: dict[str, tuple[str, str, str]] = {}
         # Whether a reconnection has failed since the last success.
         self._lost = False
         # The notice to send with the next COMMIT (announce).
@@ -170,6 +178,7 @@ class PostgresStore(SqlStore):
         self.node = secrets.token_hex(6)
         try:
             self._db = connect(url)
+            _check_version(self._db, self.path)
             self.schema = postgres_schema.prepare(self._db, self.path)
             self._query = self._query_login(query_url)
             self._load_flow_control()
@@ -280,6 +289,7 @@ class PostgresStore(SqlStore):
         if self._db.closed or self._db.broken:
             self._reconnect()
         self._notice = None
+        self._kept_keys = {}
         # One round trip for all three (a pipeline): BEGIN; the
         # transaction's ID, known before anything is written, so that a
         # COMMIT whose reply is lost can be asked about (commit); and what
@@ -315,9 +325,18 @@ class PostgresStore(SqlStore):
         out of reach is not hammered."""
         if time.monotonic() < self._retry_at:
             raise psycopg.OperationalError("the connection to PostgreSQL is lost")
+        db: psycopg.Connection[Any] | None = None
         try:
             db = connect(self._url)
+            if self._xid:
+                # Cut off from this node by the network, the last backend may
+                # still hold its transaction, and the locks taken in it, for
+                # as long as PostgreSQL takes to notice: the next batch would
+                # wait on them.
+                end_own_backend(db, self._xid, self._backend)
         except psycopg.Error as error:
+            if db is not None:
+                db.close()
             self._retry_at = time.monotonic() + RECONNECT_SECONDS
             if not self._lost:
                 log.error("lost %s; reconnecting: %s", self.path, error)
@@ -333,9 +352,12 @@ class PostgresStore(SqlStore):
         with its connection may have been carried out: the node asks on a
         new connection (`_committed`) before it says either way."""
         notice, self._notice = self._notice, None
-        # The notice and the commit in one round trip.
+        kept, self._kept_keys = self._kept_keys, {}
+        # The idempotency keys, the notice and the commit in one round trip.
         try:
             with self._db.pipeline():
+                if kept:
+                    self._db.execute(KEEP_KEYS, [list(column) for column in _columns(kept)])
                 if notice is not None:
                     self._db.execute("SELECT pg_notify(%s, %s)", (self.channel, notice))
                 done = self._db.execute(b"COMMIT")
@@ -375,7 +397,12 @@ class PostgresStore(SqlStore):
                 failure = str(connecting).strip()
             else:
                 try:
+                    # A PostgreSQL that answers but hangs does not hold the
+                    # ask past its time.
+                    db.execute(f"SET statement_timeout = {ASK_MILLISECONDS}".encode())
                     status = _transaction_status(db, xid, backend)
+                    if status is not None:
+                        db.execute(b"RESET statement_timeout")
                 except psycopg.Error as asking:
                     failure = str(asking).strip()
                     status = None
@@ -400,6 +427,7 @@ class PostgresStore(SqlStore):
 
     def rollback(self) -> None:
         self._notice = None
+        self._kept_keys = {}
         if self.in_transaction:
             try:
                 self._db.execute(b"ROLLBACK")
@@ -409,6 +437,28 @@ class PostgresStore(SqlStore):
                 self._db.close()
                 raise
         self._load_flow_control()
+
+    # Idempotency keys (protocol.md 14.22): each costs a create one round
+    # trip, its claim; what the request kept goes with the COMMIT.
+
+    def idempotent(self, key: str, now: str) -> tuple[str, str] | None:
+        kept = self._kept_keys.get(key)
+        if kept is None:
+            return super().idempotent(key, now)
+        # Kept by a request earlier in this transaction, not yet written.
+        request, reply, expires = kept
+        return None if expires <= now else (request, reply)
+
+    def keep_idempotent(self, key: str, request: str, reply: str, expires: str) -> None:
+        self._kept_keys[key] = (request, reply, expires)
+
+    def prune_idempotency(self, now: str, batch: int) -> int:
+        # What this transaction kept is written first, as if it had been
+        # at once.
+        kept, self._kept_keys = self._kept_keys, {}
+        if kept:
+            self._execute(KEEP_KEYS, [list(column) for column in _columns(kept)])
+        return super().prune_idempotency(now, batch)
 
     async def listen(self, heard: postgres_listen.Heard) -> None:
         await postgres_listen.listen(
@@ -571,22 +621,59 @@ class PostgresStore(SqlStore):
         )
 
 
+# The idempotency keys a transaction kept, written in one statement.
+KEEP_KEYS = (
+    "INSERT INTO idempotency (idempotencyKey, request, reply, expires) "
+    "SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[]) "
+    "ON CONFLICT (idempotencyKey) DO UPDATE SET request = excluded.request, "
+    "reply = excluded.reply, expires = excluded.expires"
+)
+
+
+def _columns(kept: Mapping[str, tuple[str, str, str]]) -> tuple[tuple[str, ...], ...]:
+    """Keys kept, as the four columns KEEP_KEYS takes."""
+    rows = [(key, *values) for key, values in kept.items()]
+    return tuple(zip(*rows, strict=True))
+
+
+def _check_version(db: psycopg.Connection[Any], where: str) -> None:
+    """A PostgreSQL that has what a node needs: 13 for a transaction's ID as
+    xid8 and pg_xact_status, with which a COMMIT cut off is asked about."""
+    version = db.info.server_version
+    if version < MIN_SERVER_VERSION:
+        raise StoreError(
+            f"{where} runs PostgreSQL {version // 10000}: jobserver needs "
+            f"{MIN_SERVER_VERSION // 10000} or later"
+        )
+
+
 def _transaction_status(db: psycopg.Connection[Any], xid: str, backend: int) -> str | None:
     """What PostgreSQL says of transaction `xid`: committed, aborted, or
     None while it is in progress. A transaction in progress is the node's
     own, on a backend its lost connection left behind: that backend is
-    terminated (if it still runs that transaction: a backend's process ID
-    is reused), so the next ask gets a final answer."""
+    terminated (end_own_backend), so the next ask gets a final answer;
+    unless it waits for a synchronous standby to confirm its commit, which
+    a termination would leave committed here and not on the standby."""
     row = db.execute("SELECT pg_xact_status(%s::xid8)", (xid,)).fetchone()
     status = None if row is None else row[0]
     if status in ("committed", "aborted"):
         return str(status)
+    end_own_backend(db, xid, backend, unless_waiting="SyncRep")
+    return None
+
+
+def end_own_backend(
+    db: psycopg.Connection[Any], xid: str, backend: int, unless_waiting: str = ""
+) -> None:
+    """Terminate `backend` if it still runs transaction `xid`, the node's
+    own (a backend's process ID is reused, a transaction ID is not), and
+    does not wait on `unless_waiting`."""
     db.execute(
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-        "WHERE pid = %s AND backend_xid::text = (%s::xid8::text::bigint %% 4294967296)::text",
-        (backend, xid),
+        "WHERE pid = %s AND backend_xid::text = (%s::xid8::text::bigint %% 4294967296)::text "
+        "AND wait_event IS DISTINCT FROM %s",
+        (backend, xid, unless_waiting or None),
     )
-    return None
 
 
 class _AsOnSQLite:

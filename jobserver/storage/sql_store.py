@@ -378,18 +378,31 @@ class SqlStore(Statements):
         )
         return int(row[0])
 
-    # Idempotency keys (protocol.md 14.22). A key's lock orders two nodes
-    # given the same key at once: the second finds the first's reply.
+    # Idempotency keys (protocol.md 14.22). A key is claimed by inserting
+    # its row: a second transaction with the same key waits on that row
+    # (its primary key) until the first ends, then finds its reply; other
+    # keys wait on nothing (a lock slot shared by hash made unrelated
+    # creates on two nodes wait on each other, and deadlock).
 
     def idempotent(self, key: str, now: str) -> tuple[str, str] | None:
         m = self.dialect.mark
-        self._lock("idempotency", key)
-        row = self._one(
-            f"SELECT request, reply FROM idempotency WHERE idempotencyKey = {m} "
-            f"AND expires > {m}",
-            (key, now),
+        claimed = self._execute(
+            "INSERT INTO idempotency (idempotencyKey, request, reply, expires) "
+            f"VALUES ({m}, '', '', '') ON CONFLICT (idempotencyKey) DO NOTHING",
+            (key,),
         )
-        return None if row is None else (str(row[0]), str(row[1]))
+        if claimed.rowcount == 1:
+            return None
+        row = self._one(
+            f"SELECT request, reply, expires FROM idempotency WHERE idempotencyKey = {m}"
+            f"{self.dialect.lock}",
+            (key,),
+        )
+        if row is None or row[2] <= now:
+            # Expired (or pruned just now): the request is done anew, and
+            # keep_idempotent writes over it.
+            return None
+        return str(row[0]), str(row[1])
 
     def keep_idempotent(self, key: str, request: str, reply: str, expires: str) -> None:
         marks = ", ".join(self.dialect.mark for _ in range(4))

@@ -77,7 +77,7 @@ class Context:
     # transaction commits.
     events: Events | None = field(default=None, init=False, repr=False)
     # The jobs this request handed out: given back if whether its
-    # transaction committed cannot be learned (engine.py, `_unknown`).
+    # transaction committed cannot be learned (Engine._delivered).
     taken: list[Taken] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -237,6 +237,12 @@ class Engine:
         queues behind them: so the engine goes on until a round submits
         nothing, or STOP_ROUNDS have passed."""
         self._store.stop_waiting_long()
+        # Give-backs still owed (their transaction failed, or a batch's
+        # outcome was unknown) are tried once more now, not at a clock
+        # that will not fire again.
+        owed, self._owed = self._owed, []
+        for taken in owed:
+            self.give_back(taken)
         for _ in range(STOP_ROUNDS):
             await self._quiet()
             # The last deliveries run now.
@@ -245,6 +251,11 @@ class Engine:
                 break
         else:
             log.error("the engine was still given work after %d rounds of stopping", STOP_ROUNDS)
+        if self._owed:
+            log.warning(
+                "%d jobs could not be given back before the server stopped: they come back "
+                "by their lease, or by --stale-after", sum(map(len, self._owed)),
+            )
         self._stopping = True
         if self._wakeup is not None:
             self._wakeup.set()
