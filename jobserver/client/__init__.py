@@ -73,8 +73,10 @@ that cannot do anything twice:
   to another node if there is one. A create carries an idempotency key
   (the caller's `idempotency_key`, else a random one: protocol.md 14.22),
   under which the server creates its jobs once however often it is sent;
-  if that second try is refused with a 5xx, the first may still have been
-  carried out, and OutcomeUnknown says so, naming the key. A GetJob sent again may
+  it is sent again only to a server seen to keep keys, or asked first (a
+  server older than the keys would create the jobs twice). If that second
+  try is refused with a 5xx, the first may still have been carried out,
+  and OutcomeUnknown says so, naming the key. A GetJob sent again may
   get another job, but none is run twice: a job handed out in a reply that
   never arrived is put back by the server when it sees the reply fail
   (protocol.md 9); otherwise (its node died, or the reply was lost on the
