@@ -262,9 +262,14 @@ class Chaos:
     def run(self, seconds: float, producers: int = 2, workers: int = 2) -> list[str]:
         """Load, kills for `seconds`, then the workers drain what is left
         with no kills; the ledger's violations."""
-        making = [threading.Thread(target=self.producer, args=(n,)) for n in range(producers)]
-        taking = [threading.Thread(target=self.worker, args=(n,)) for n in range(workers)]
-        killing = threading.Thread(target=self.killer)
+        making = [
+            threading.Thread(target=self.producer, args=(n,), daemon=True)
+            for n in range(producers)
+        ]
+        taking = [
+            threading.Thread(target=self.worker, args=(n,), daemon=True) for n in range(workers)
+        ]
+        killing = threading.Thread(target=self.killer, daemon=True)
         for thread in [*making, *taking, killing]:
             thread.start()
         time.sleep(seconds)
@@ -276,11 +281,16 @@ class Chaos:
         # Drained with no kills: every job left is handed out and reported.
         self.stop.clear()
         self.draining.set()
-        taking = [threading.Thread(target=self.worker, args=(n,)) for n in range(workers)]
+        taking = [
+            threading.Thread(target=self.worker, args=(n,), daemon=True) for n in range(workers)
+        ]
         for thread in taking:
             thread.start()
         for thread in taking:
             thread.join(120)
+        # A drain that never empties the queue (a node stuck) ends here; what
+        # it left is counted below.
+        self.stop.set()
         return self.check(self.table())
 
     def check(self, table: dict[str, tuple[int, str]]) -> list[str]:
