@@ -23,6 +23,7 @@ from jobserver.client import (
     Client,
     Conflict,
     ConnectionFailed,
+    Fail,
     IllegalState,
     InvalidRequest,
     JobNotFound,
@@ -617,6 +618,20 @@ def test_a_server_seen_to_keep_keys_is_not_asked_again(fake):
         assert client.create_job("x") == 1
         assert client.create_job("y") == 2
     assert server.methods() == [(0, "CreateJob"), (0, "CreateJob"), (1, "CreateJob")]
+
+
+def test_a_lone_surrogate_in_a_report_is_sent_as_utf_8_can_carry_it(fake):
+    """Data or an error text made of what a client sent may hold a lone
+    surrogate (a JSON escape), which UTF-8 cannot carry: data keeps it as
+    an escape, a plain text gets U+FFFD, and the report is sent."""
+    server = fake([OK, reply("200 OK", b'{"results":[{"jobID":2,"status":"200 OK"}]}')])
+    with fake_client(server) as client:
+        client.fail_job(1, data={"to": "\udcff"}, error="bad \udcff")
+        client.fail_jobs([Fail(2, error="\ud800", data={"k": ["\udfff"]})])
+    [(_, first), (_, second)] = server.requests
+    assert b'data: {"to":"\\\\udcff"}' in first and "error: bad \ufffd".encode() in first
+    # The data's lone surrogate made the whole text ASCII, U+FFFD escaped.
+    assert b'"error":"\\\\ufffd"' in second and b'\\\\udfff' in second
 
 
 def test_a_create_whose_second_try_is_refused_with_a_5xx_is_an_unknown_outcome(fake):

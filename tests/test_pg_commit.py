@@ -198,3 +198,26 @@ def test_the_writer_thread_waits_for_the_answer_not_the_event_loop(node, proxy):
         proxy.restore()
         assert client.read_reply().status in ("200 OK",), "the node found out after all"
     assert answered and answered[0] < 2.0, answered
+
+
+def test_an_ask_whose_answer_never_comes_is_cut_off_at_its_time(url):
+    """What a node asks after a COMMIT cut off is bounded on its own side:
+    a statement whose answer does not come (here PostgreSQL sleeps; a path
+    that drops requests does the same) fails at the deadline."""
+    db = postgres.connect(url)
+    try:
+        started = time.monotonic()
+        with pytest.raises(psycopg.OperationalError), postgres.cut_off_after(db, 0.5):
+            db.execute("SELECT pg_sleep(20)")
+        assert time.monotonic() - started < 5
+    finally:
+        db.close()
+    # Once the block has ended, nothing is cut.
+    db = postgres.connect(url)
+    try:
+        with postgres.cut_off_after(db, 0.2):
+            db.execute("SELECT 1")
+        time.sleep(0.4)
+        assert db.execute("SELECT 2").fetchone() == (2,)
+    finally:
+        db.close()

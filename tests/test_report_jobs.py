@@ -7,6 +7,7 @@ by one, and require the same answers and the same jobs after."""
 from __future__ import annotations
 
 import itertools
+import json
 from typing import Any
 
 import pytest
@@ -29,6 +30,8 @@ from test_finish_jobs import (
 from helpers import create, ok
 from jobserver.client import Client as LibraryClient
 from jobserver.client import Conflict, Fail, IllegalState, JobNotFound, Retry, TrioClient
+from jobserver.core.commands import dispatch
+from jobserver.wire.framing import Request
 from jobserver.wire.limits import MAX_FINISH_JOBS
 from wire import Client
 
@@ -183,3 +186,15 @@ async def test_the_trio_client_fails_many_jobs_at_once(server):
         results = await jobs.fail_jobs([Fail(j["jobID"], j["leaseID"], "no") for j in taken])
         assert [r.status for r in results] == ["200 OK"] * 3
         assert [j["lastError"] for j in await jobs.failed_jobs("async")] == ["no"] * 3
+
+
+@pytest.mark.parametrize("verb", ["CreateJobs", "FinishJobs", "FailJobs", "RetryJobs"])
+def test_many_elements_run_off_the_event_loop_even_in_a_small_request(verb):
+    """A thousand small elements fit in 16 KiB, and each may cost half a
+    millisecond (a backoff placed in a job's time windows): past 64
+    elements a request runs in the writer's thread."""
+    few = json.dumps([{"jobID": n} for n in range(1, 60)])
+    many = json.dumps([{"jobID": n} for n in range(1, 900)])
+    assert len(many) < dispatch.HEAVY_REQUEST_BYTES
+    assert not dispatch._is_heavy(Request(verb, {"jobs": few}))
+    assert dispatch._is_heavy(Request(verb, {"jobs": many}))

@@ -253,6 +253,12 @@ def _options_needed(args: argparse.Namespace) -> str | None:
         if args.name is not None or given:
             what = "NAME" if args.name is not None else given[0]
             return f"--from takes each job from its line: {what} cannot go with it"
+        key = args.idempotency_key or ""
+        if len(key.encode("utf-8", "surrogatepass")) > create_from.MAX_BATCH_KEY:
+            return (
+                f"with --from, --idempotency-key is at most {create_from.MAX_BATCH_KEY} bytes: "
+                "batch N goes under KEY/N"
+            )
         return None
     if args.name is None:
         return "give the job's NAME, or --from FILE"

@@ -28,7 +28,7 @@ from jobserver.client import (
 )
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import encode_value
-from jobserver.wire.limits import MAX_LINE
+from jobserver.wire.limits import MAX_IDEMPOTENCY_KEY, MAX_LINE
 
 # Jobs per CreateJobs: one transaction and one reply of ordinary size. The
 # server bounds a batch only by the length of its `jobs` line.
@@ -36,6 +36,9 @@ BATCH_JOBS = 1000
 # The bytes a batch's jobs may take on its `jobs` line: the line's limit
 # less its name, brackets and line end.
 BATCH_BYTES = MAX_LINE - len("jobs: []\r\n")
+# The longest --idempotency-key with --from: room left for "/N", N up to
+# seven digits (a file of four gigabytes holds fewer batches).
+MAX_BATCH_KEY = MAX_IDEMPOTENCY_KEY - 8
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from jobserver.client.errors import JobServerError, OutcomeUnknown, error_for
-from jobserver.wire.framing import Reply
+from jobserver.wire.framing import Reply, without_lone_surrogates
 from jobserver.wire.limits import DEFAULT_WAIT_MS, MAX_FINISH_JOBS, MAX_WAIT_MS
 
 T = TypeVar("T")
@@ -380,9 +380,17 @@ def fail_jobs(jobs: Sequence[Fail]) -> Call[list[FinishResult]]:
     1,000 of them (ValueError otherwise, before sending). Returns a
     FinishResult per job, in order, as finish_jobs does."""
     elements = [
-        _element(job.job_id, job.lease_id, data=job.data, error=job.error) for job in jobs
+        _element(job.job_id, job.lease_id, data=job.data, error=_text(job.error))
+        for job in jobs
     ]
     return _reports("FailJobs", elements)
+
+
+def _text(text: str | None) -> str | None:
+    """A text for a string inside `jobs`: a lone surrogate (an error made of
+    a client's data) becomes U+FFFD, as it does in a header; the server
+    refuses one as a JSON escape (protocol.md 3)."""
+    return None if text is None else without_lone_surrogates(text)
 
 
 def retry_jobs(jobs: Sequence[Retry]) -> Call[list[FinishResult]]:

@@ -36,9 +36,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
+import socket
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
 from decimal import Decimal
 from functools import partial
 from typing import Any
@@ -83,7 +87,7 @@ OUTCOME_SECONDS = 10.0
 OUTCOME_POLL_SECONDS = 0.2
 # The same, once the server is stopping: its shutdown waits for no longer.
 STOPPING_OUTCOME_SECONDS = 1.0
-# The longest one ask's statements may take.
+# The longest one ask's statements may take, whatever PostgreSQL does.
 ASK_MILLISECONDS = 2000
 
 # The longest NOTIFY payload PostgreSQL takes is 8000 bytes; past this the
@@ -333,7 +337,8 @@ class PostgresStore(SqlStore):
                 # still hold its transaction, and the locks taken in it, for
                 # as long as PostgreSQL takes to notice: the next batch would
                 # wait on them.
-                end_own_backend(db, self._xid, self._backend)
+                with cut_off_after(db, ASK_MILLISECONDS / 1000):
+                    end_own_backend(db, self._xid, self._backend)
         except psycopg.Error as error:
             if db is not None:
                 db.close()
@@ -397,12 +402,10 @@ class PostgresStore(SqlStore):
                 failure = str(connecting).strip()
             else:
                 try:
-                    # A PostgreSQL that answers but hangs does not hold the
-                    # ask past its time.
-                    db.execute(f"SET statement_timeout = {ASK_MILLISECONDS}".encode())
-                    status = _transaction_status(db, xid, backend)
-                    if status is not None:
-                        db.execute(b"RESET statement_timeout")
+                    # A PostgreSQL, or a path to it, that takes the ask and
+                    # never answers does not hold it past its time.
+                    with cut_off_after(db, ASK_MILLISECONDS / 1000):
+                        status = _transaction_status(db, xid, backend)
                 except psycopg.Error as asking:
                     failure = str(asking).strip()
                     status = None
@@ -619,6 +622,35 @@ class PostgresStore(SqlStore):
             "Backup is for SQLite: back up PostgreSQL with pg_dump "
             "(README, Backups and restore)"
         )
+
+
+@contextmanager
+def cut_off_after(db: psycopg.Connection[Any], seconds: float) -> Iterator[None]:
+    """Within: the connection's socket is shut down if the block has not
+    ended after `seconds`, so that a statement whose answer never comes
+    (PostgreSQL hung, or a path that takes requests and drops them)
+    fails instead of waiting for good. libpq's own timeouts cover a
+    connection attempt and a peer that stops acknowledging, not this."""
+    guard = threading.Lock()
+    ended = False
+    fd = db.pgconn.socket
+
+    def cut() -> None:
+        with guard:
+            if ended:
+                return
+            with suppress(OSError), socket.socket(fileno=os.dup(fd)) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+
+    timer = threading.Timer(seconds, cut)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        with guard:
+            ended = True
+        timer.cancel()
 
 
 # The idempotency keys a transaction kept, written in one statement.

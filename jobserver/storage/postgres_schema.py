@@ -36,7 +36,8 @@ from jobserver.storage.sqlite_schema import StoreError
 # it and no right on the tables; EXECUTE is no longer PUBLIC's.
 # 5: jobs record who took them (worker, node), with an index of the jobs
 # handed out by when their run started (RunningJobs).
-# 6: idempotency keys of CreateJob and CreateJobs (protocol.md 14.22).
+# 6: idempotency keys of CreateJob and CreateJobs (protocol.md 14.22); the
+# index of names holds their jobIDs too.
 SCHEMA_VERSION = 6
 
 # Rows of jobserver_locks. The nodes lock these rows, with FOR UPDATE,
@@ -110,7 +111,7 @@ CREATE INDEX jobsReadyName ON jobs (name, priority, nextRun, jobID)
     WHERE state IN ('QUEUED', 'RUNQUEUED');
 CREATE INDEX jobsReadyNextRun ON jobs (nextRun)
     WHERE state IN ('QUEUED', 'RUNQUEUED');
-CREATE INDEX jobsName ON jobs (name);
+CREATE INDEX jobsName ON jobs (name, jobID);
 CREATE INDEX jobsParentJobIDState ON jobs (parentJobID, state)
     WHERE parentJobID != 0;
 CREATE INDEX jobsFailedName ON jobs (name) WHERE state = 'FAILED';
@@ -442,12 +443,18 @@ def _version_5(db: psycopg.Connection) -> None:
         db.execute(statement.encode())
 
 
-# Version 6's table (in SCHEMA for a new schema), IF NOT EXISTS as above.
+# Version 6's table (in SCHEMA for a new schema), IF NOT EXISTS as above;
+# and the index of names with their jobIDs: a unique create's search for
+# the oldest job of a name (`ORDER BY jobID LIMIT 1`) walked the whole
+# table in jobID order over an index of names alone (15 ms at 100,000 jobs,
+# each element of a CreateJobs).
 _VERSION_6 = (
     'CREATE TABLE IF NOT EXISTS idempotency (idempotencyKey TEXT COLLATE "C" PRIMARY KEY, '
     'request TEXT COLLATE "C" NOT NULL, reply TEXT COLLATE "C" NOT NULL, '
     'expires TEXT COLLATE "C" NOT NULL)',
     "CREATE INDEX IF NOT EXISTS idempotencyExpires ON idempotency (expires)",
+    "DROP INDEX IF EXISTS jobsName",
+    "CREATE INDEX jobsName ON jobs (name, jobID)",
 )
 
 

@@ -37,6 +37,11 @@ from jobserver.storage.sql import SQLITE
 # memory.
 QUERY_MAX_LENGTH = 16 * 1024 * 1024
 
+# Tables Query does not read, as on PostgreSQL, whose Query role may read
+# the job tables alone: idempotency keys are the clients' own (an order ID,
+# a customer's reference), kept with the requests they made.
+QUERY_HIDDEN_TABLES = frozenset(("idempotency",))
+
 _QUERY_ALLOWED = frozenset(
     (sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE)
 )
@@ -323,6 +328,9 @@ def running_jobs(
 
 def _authorize(action: int, arg1: str | None, arg2: str | None, *_: object) -> int:
     if action not in _QUERY_ALLOWED:
+        return sqlite3.SQLITE_DENY
+    # A read names its table as arg1.
+    if action == sqlite3.SQLITE_READ and (arg1 or "").lower() in QUERY_HIDDEN_TABLES:
         return sqlite3.SQLITE_DENY
     # For a function call SQLite gives its name, lower case, as arg2.
     if action == sqlite3.SQLITE_FUNCTION and (arg2 or "").lower() not in QUERY_FUNCTIONS:

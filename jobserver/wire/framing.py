@@ -382,6 +382,25 @@ def encode_request(method: str, params: Mapping[str, object]) -> bytes:
 _NAME = re.compile(r"[^\s:]+")
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def without_lone_surrogates(text: str) -> str:
+    """`text` with each lone surrogate (from a JSON escape in a client's
+    data, say in an error made of it) as U+FFFD: UTF-8 cannot carry one."""
+    if text.isascii() or not _has_lone_surrogate(text):
+        return text
+    return _LONE_SURROGATE.sub("\ufffd", text)
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def encode_value(value: object) -> str:
     """A parameter value, escaped so that the server's unescaping gives it
     back exactly (protocol.md 1.3). Dicts and lists are sent as compact JSON."""
@@ -390,10 +409,14 @@ def encode_value(value: object) -> str:
     if isinstance(value, (int, float)):
         return str(value)
     if isinstance(value, str):
-        return _escape_text(value)
+        return _escape_text(without_lone_surrogates(value))
     if isinstance(value, (dict, list, tuple)):
         # Compact JSON holds no raw line breaks; escaping doubles its backslashes.
         text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        if not text.isascii() and _has_lone_surrogate(text):
+            # UTF-8 cannot carry one: as JSON's \u escape, which the server
+            # keeps as it is (protocol.md 3).
+            text = json.dumps(value, separators=(",", ":"), allow_nan=False)
         return escape(text)
     raise TypeError(f"cannot send a {type(value).__name__} as a parameter value")
 

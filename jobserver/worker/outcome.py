@@ -95,7 +95,8 @@ def _first_line(error: Exception) -> str:
 def _last_bytes(text: str, limit: int) -> str:
     """The end of `text` within `limit` bytes of UTF-8: a traceback's end
     says what went wrong."""
-    raw = text.encode("utf-8")
+    # A lone surrogate (from data a client sent) has no UTF-8: replaced.
+    raw = text.encode("utf-8", "replace")
     if len(raw) <= limit:
-        return text
+        return raw.decode("utf-8")
     return raw[-limit:].decode("utf-8", "ignore")

@@ -51,6 +51,10 @@ from jobserver.wire.framing import Request, Response
 HEAVY_REQUEST_BYTES = 16 * 1024
 # Commands whose work has no small bound (every job of a pattern, a long
 # list): always heavy.
+# Commands of many jobs, each element a command of its own: heavy past
+# this many elements.
+MANY_JOB_VERBS = frozenset(("createjobs", "finishjobs", "failjobs", "retryjobs"))
+HEAVY_ELEMENTS = 64
 HEAVY_VERBS = frozenset((
     "requeuejobs", "failedjobs", "requeuefailedjobs", "deletefailedjobs", "cancelqueuedjobs",
 ))
@@ -142,7 +146,14 @@ def command_name(request: Request) -> str:
 
 
 def _is_heavy(request: Request) -> bool:
-    if request.verb.lower() in HEAVY_VERBS:
+    verb = request.verb.lower()
+    if verb in HEAVY_VERBS:
+        return True
+    if verb in MANY_JOB_VERBS and (request.get("jobs") or "").count("{") > HEAVY_ELEMENTS:
+        # A thousand small elements fit under HEAVY_REQUEST_BYTES, and each
+        # may cost half a millisecond (a retry policy's backoff placed in a
+        # job's time windows): an upper bound on the elements, counted
+        # without parsing.
         return True
     return sum(map(len, request.headers.values())) > HEAVY_REQUEST_BYTES
 
