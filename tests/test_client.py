@@ -612,6 +612,15 @@ def test_a_create_is_not_sent_again_to_a_server_that_ignores_idempotency_keys(fa
     assert server.methods() == [(0, "CreateJob"), (1, "CreateJobs")]
 
 
+def test_a_create_with_an_empty_key_goes_without_one_and_is_not_sent_again(fake):
+    server = fake([NO_REPLY], [OK])
+    with fake_client(server) as client, pytest.raises(ConnectionFailed) as lost:
+        client.create_job("x", idempotency_key="")
+    assert lost.value.sent
+    assert server.methods() == [(0, "CreateJob")]
+    assert b"idempotencyKey" not in server.requests[0][1]
+
+
 def test_a_server_seen_to_keep_keys_is_not_asked_again(fake):
     server = fake([reply("200 OK", b'{"jobID":1}'), NO_REPLY], [reply("200 OK", b'{"jobID":2}')])
     with fake_client(server) as client:
