@@ -4,11 +4,11 @@ harness runs it (pg_terminate_backend of the node's active and
 idle-in-transaction backends, twice a second by default), for longer.
 
     python bench/pg_backend_kill.py [--runs 3] [--seconds 60] [--kill-every 0.5]
-        [--server-root DIR] [--postgres URL]
+        [--producers 2] [--workers 2] [--server-root DIR] [--postgres URL]
 
 Each run starts a node (`jobserver serve`) on a schema of its own, loads it
-with two producers (CreateJobs of 5) and two workers (waiting GetJobs,
-FinishJobs and FailJobs), terminates the node's backends for `--seconds`,
+with producers (CreateJobs of 5) and workers (waiting GetJobs, FinishJobs
+and FailJobs), two of each by default, terminates the node's backends for `--seconds`,
 drains what is left, and holds every reply against the table: jobs
 acknowledged and lost, jobs written behind a 5xx, reports undone or
 applied behind a 5xx, jobs left RUNNING. It prints each run's counts and
@@ -40,13 +40,15 @@ from pg_chaos import (  # type: ignore[import-not-found]  # noqa: E402
 )
 
 
-def one_run(seconds: float, kill_every: float) -> tuple[str, list[str]]:
+def one_run(
+    seconds: float, kill_every: float, producers: int, workers: int
+) -> tuple[str, list[str]]:
     application = new_application()
     with pg.fresh_schema() as url:
         node = ServerProcess(with_application(url, application))
         try:
             chaos = Chaos(node.port or 0, url, application, kill_every)
-            violations = chaos.run(seconds)
+            violations = chaos.run(seconds, producers, workers)
             if node.proc.poll() is not None:
                 violations.append(f"the node died:\n{node.log}")
             return chaos.summary(), violations
@@ -59,6 +61,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--kill-every", type=float, default=0.5, metavar="SECONDS")
+    parser.add_argument("--producers", type=int, default=2, metavar="N")
+    parser.add_argument("--workers", type=int, default=2, metavar="N")
     parser.add_argument("--server-root", type=Path, help="the checkout whose server runs")
     parser.add_argument("--postgres", help="the PostgreSQL server (default: the tests')")
     args = parser.parse_args()
@@ -77,7 +81,9 @@ def main() -> int:
     try:
         for number in range(1, args.runs + 1):
             began = time.monotonic()
-            summary, violations = one_run(args.seconds, args.kill_every)
+            summary, violations = one_run(
+                args.seconds, args.kill_every, args.producers, args.workers
+            )
             took = time.monotonic() - began
             print(f"run {number}: {took:.0f} s; {summary}")
             for violation in violations:
