@@ -200,9 +200,9 @@ def create_job(
     node, if there is one). Give your own key (an order ID, a UUID you
     keep) to send it again yourself later, after a ConnectionFailed or an
     OutcomeUnknown, without creating the job twice. `idempotency_key=""`
-    sends none: the server keeps no row for it (a key costs a single
-    create about a fifth of its throughput), and a lost reply is then
-    ConnectionFailed."""
+    sends none: the server keeps no row for it (a key costs a lone create
+    a quarter of its throughput or so, bench/idempotency_cost.py), and a
+    lost reply is then ConnectionFailed."""
     params: dict[str, object] = {
         "name": name,
         "data": data,
