@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from harness import ServerProcess, ThreadServer
 from helpers import create, ok, until
-from jobserver.storage import postgres_query, postgres_schema
+from jobserver.storage import postgres_query, postgres_schema, sqlite_readers
 from jobserver.storage.postgres import QUERY_APPLICATION
 from jobserver.storage.sqlite_readers import QUERY_FUNCTIONS
 from wire import encode
@@ -244,6 +244,90 @@ def test_a_wide_row_does_not_grow_the_server(start_server) -> None:
     assert _peak_bytes(server.proc.pid) - before < 128 * 1024**2
     with server.client() as client:
         assert ok(client.request("Query", query="SELECT 1 AS one;")).body == b"one\n1\n"
+
+
+# The Query process runs isolated: nothing in the server's working
+# directory is imported (a shared /tmp, a deploy folder where anyone may
+# write), and its temporary space is memory within its limit.
+
+
+class _Collected:
+    """QueryRows that keeps what it is given."""
+
+    max_rows = 10
+    max_bytes = 1024 * 1024
+
+    def __init__(self) -> None:
+        self.headers: list[str] = []
+        self.rows: list[tuple[object, ...]] = []
+
+    def start(self, headers: list[str]) -> None:
+        self.headers = headers
+
+    def add(self, row: tuple[object, ...]) -> None:
+        self.rows.append(row)
+
+
+def test_the_query_process_imports_nothing_from_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    planted = tmp_path / "shared"
+    planted.mkdir()
+    marker = tmp_path / "ran"
+    for module in ("json", "resource", "sqlite3", "math"):
+        (planted / f"{module}.py").write_text(
+            f"open({str(marker)!r}, 'a').write({module!r} + '\\n')\n"
+        )
+    db = tmp_path / "jobs.db"
+    sqlite3.connect(db).close()
+    monkeypatch.chdir(planted)
+    monkeypatch.setenv("PYTHONPATH", str(planted))
+    rows = _Collected()
+    sqlite_readers.query_in_child(str(db), "SELECT 1 AS one;", 5, rows)
+    assert (rows.headers, rows.rows) == (["one"], [(1,)])
+    assert not marker.exists(), marker.read_text()
+
+
+def _open_in(directory: Path) -> list[str]:
+    """Files of any process here that lie in `directory` (deleted or not)."""
+    found = []
+    for link in Path("/proc").glob("[0-9]*/fd/*"):
+        with suppress(OSError):
+            target = os.readlink(link)
+            if target.startswith(str(directory)):
+                found.append(target)
+    return found
+
+
+# A sort of 1.2 GB of random blobs: SQLite's temporary files on disk.
+SPILLING_SORT = (
+    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 300000) "
+    "SELECT x, randomblob(4000) FROM c ORDER BY 2;"
+)
+
+
+def test_a_querys_temporary_space_is_memory_within_its_limit(
+    start_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setenv("SQLITE_TMPDIR", str(temporary))
+    monkeypatch.setenv("TMPDIR", str(temporary))
+    server: ServerProcess = start_server(None, "--query-timeout", "30")
+    assert server.port is not None
+    statuses: list[str] = []
+    asking = threading.Thread(
+        target=lambda: statuses.append(_status_of(server.port or 0, SPILLING_SORT)), daemon=True
+    )
+    asking.start()
+    spilled: list[str] = []
+    while asking.is_alive():
+        spilled += _open_in(temporary)
+        asking.join(0.05)
+    # Out of the process's memory (a 402 that says so) or, on a slow
+    # machine, out of time: never files.
+    assert statuses and statuses[0].startswith(("402 ", "555 ")), statuses
+    assert not spilled, spilled[:3]
 
 
 # Finding 1: Query on PostgreSQL. The node runs as the superuser `postgres`

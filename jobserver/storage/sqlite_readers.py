@@ -6,6 +6,7 @@ write."""
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -109,6 +110,11 @@ def read_only_query(path: str, sql: str, seconds: float, rows: QueryRows) -> Non
     try:
         db.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, QUERY_MAX_LENGTH)
         db.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
+        # A sort or a DISTINCT of a large result spills to temporary files,
+        # as large as the query likes (a sort of random blobs wrote 1.8 GB
+        # of them before its timeout): in memory instead, within the Query
+        # process's limit on its address space.
+        db.execute("PRAGMA temp_store = MEMORY")
         db.set_authorizer(_authorize)
         deadline = monotonic() + seconds
         db.set_progress_handler(lambda: monotonic() > deadline, 1000)
@@ -136,6 +142,17 @@ QUERY_MEMORY_PER_REPLY_BYTE = 4
 QUERY_KILL_GRACE = 0.5
 
 
+# The Query process runs isolated (`-I`): neither the server's working
+# directory nor PYTHONPATH nor the user's site-packages is on its import
+# path, so a `json.py` planted in a shared working directory is never run;
+# it finds jobserver where this server found it, after the standard library.
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_START_CHILD = (
+    "import sys; sys.path.append(sys.argv[1]); "
+    "from jobserver.storage.sqlite_query_child import main; sys.exit(main())"
+)
+
+
 def query_in_child(path: str, sql: str, seconds: float, rows: QueryRows) -> None:
     """read_only_query, run by a process of its own (sqlite_query_child):
     killed at its deadline and bounded in memory, which a thread cannot be.
@@ -145,7 +162,7 @@ def query_in_child(path: str, sql: str, seconds: float, rows: QueryRows) -> None
         "memory": QUERY_MEMORY_BASE + QUERY_MEMORY_PER_REPLY_BYTE * rows.max_bytes,
     }
     child = subprocess.Popen(
-        [sys.executable, "-m", "jobserver.storage.sqlite_query_child"],
+        [sys.executable, "-I", "-c", _START_CHILD, _PACKAGE_ROOT],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
     )
     expired = threading.Event()
