@@ -15,7 +15,13 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from jobserver.model.globmatch import glob_match, glob_to_regex
+from jobserver.model.globmatch import (
+    MAX_WILDCARDS,
+    glob_match,
+    glob_to_regex,
+    too_many_wildcards,
+    wildcards,
+)
 
 _db = sqlite3.connect(":memory:")
 
@@ -173,3 +179,42 @@ def test_the_longest_pattern_of_stars_is_compiled_at_once_by_postgresql(
         started = time.monotonic()
         postgres_glob(postgres, pattern, "a" * 300 + "x")
         assert time.monotonic() - started < 2.0, pattern[:20]
+
+
+# A pattern's wildcards are bounded where it arrives (protocol.md 3).
+
+
+def _exact_wildcards(pattern: str) -> int:
+    """Stars, question marks and sets, read one character at a time as
+    SQLite reads a pattern: inside a set, `*`, `?` and `[` are plain."""
+    count, i = 0, 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch in "*?":
+            count += 1
+        elif ch == "[":
+            count += 1
+            i += 1
+            if i < len(pattern) and pattern[i] == "^":
+                i += 1
+            if i < len(pattern) and pattern[i] == "]":
+                i += 1
+            while i < len(pattern) and pattern[i] != "]":
+                i += 1
+        i += 1
+    return count
+
+
+@given(pattern=st.text(st.sampled_from("*?[]^ab"), max_size=120))
+@settings(max_examples=400)
+def test_wildcards_are_counted_as_sqlite_reads_the_pattern(pattern: str) -> None:
+    exact = _exact_wildcards(pattern)
+    assert wildcards(pattern) == exact
+    assert too_many_wildcards(pattern) == (exact > MAX_WILDCARDS)
+
+
+def test_a_set_of_stars_counts_once() -> None:
+    assert wildcards("[*?[]" * 40) == 40 and not too_many_wildcards("[*?[]" * 32)
+    assert too_many_wildcards("[*?[]" * 33)
+    assert wildcards("job/[*]") == 1
+    assert wildcards("plain/name") == 0

@@ -20,6 +20,7 @@ from harness import ThreadServer
 from helpers import create
 from jobserver.core.commands import known_headers, params
 from jobserver.core.errors import CommandError
+from jobserver.model.globmatch import MAX_WILDCARDS
 from jobserver.wire.framing import Request
 from jobserver.wire.limits import MAX_HEADERS
 from wire import Client
@@ -118,6 +119,33 @@ def test_patterns_refuse_a_control_character(client, verb, params, char):
         assert reply.status == "402 Malformed name", (pattern, reply)
     status = client.request("Status").json
     assert (status["limits"], status["paused"]) == ({}, [])
+
+
+@pytest.mark.parametrize(
+    ("verb", "params"),
+    [
+        ("GetJob", {}), ("GetJob", {"Connection": "wait", "timeout": 100}),
+        ("GetJobs", {"numResults": 2}), ("FailedJobs", {}),
+        ("RequeueFailedJobs", {"dryRun": "true"}), ("DeleteFailedJobs", {"dryRun": "true"}),
+        ("CancelQueuedJobs", {"dryRun": "true"}), ("RunningJobs", {}),
+        ("SetLimit", {"max": 2}), ("PauseJobs", {}), ("ResumeJobs", {}),
+    ],
+)
+def test_patterns_of_more_wildcards_than_the_bound_are_refused(client, verb, params):
+    """Each wildcard costs every match of a pattern one more search (and its
+    compile one more regular expression): a pattern holds at most
+    MAX_WILDCARDS, well above what a real one needs."""
+    refused = f"402 Name too complex ({MAX_WILDCARDS} wildcards at most)"
+    create(client, "job/a")
+    for over in ["*" * (MAX_WILDCARDS + 1), "a?" * (MAX_WILDCARDS + 1), "*[x]" * 20]:
+        assert client.request(verb, name=over, **params).status == refused, (verb, over)
+    # At the bound, and sets holding `*`, `?` and `[`, are patterns as before;
+    # where a comma makes a list of exact names, they hold no wildcards.
+    fine = ["job/" + "*" * MAX_WILDCARDS, "job/[*?[]" * 5]
+    if verb in ("GetJob", "GetJobs", "FailedJobs") or verb.endswith("FailedJobs"):
+        fine.append("job/*,job/b" + "*" * 40)
+    for pattern in fine:
+        assert client.request(verb, name=pattern, **params).status != refused, (verb, pattern)
 
 
 def test_names_with_other_unusual_characters_are_fine(client):

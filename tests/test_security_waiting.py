@@ -12,10 +12,12 @@ connections' requests.
 from __future__ import annotations
 
 import json
+import re
 import resource
 import socket
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -23,7 +25,8 @@ import pytest
 
 from harness import ThreadServer
 from helpers import ok
-from wire import Client
+from jobserver.model.globmatch import MAX_WILDCARDS
+from wire import Client, encode
 
 WAITERS = 500
 NAMES = 400
@@ -33,9 +36,10 @@ WATCH_SECONDS = 4.0
 
 
 def hostile_pattern(i: int) -> str:
-    # Forty sets between stars, then a letter no name has: every name is
-    # tried at every place, and none matches.
-    return ("*[a-a]" * 40)[:230] + f"b{i:05d}"
+    # Sets between stars, as many as a pattern may hold (MAX_WILDCARDS),
+    # then a letter no name has: every name is tried at every place, and
+    # none matches.
+    return "*[a-a]" * (MAX_WILDCARDS // 2) + f"b{i:05d}"
 
 
 @pytest.fixture
@@ -167,3 +171,79 @@ def test_getjobs_with_hostile_patterns_over_a_backlog_do_not_hold_the_event_loop
     finally:
         for client in clients:
             client.close()
+
+
+# Patterns at the bound on their wildcards (MAX_WILDCARDS), as long as a
+# pattern may be: each compiles into regular expressions that take
+# milliseconds (100 waiters of 2,400 runs each, before the bound, held both
+# ports for 9 to 15 s). They are compiled once, in a thread, as each
+# waiter arrives; matching new names against them never compiles.
+
+LONG_PATTERN_WAITERS = 100
+# What a neighbour may wait, on either port, while they are matched: nine
+# answers in ten within 0.1 s, and every one within a quarter of a second
+# (a loaded machine's scheduler alone can delay one answer past 0.1 s;
+# compiling these patterns on the event loop held it 0.65 s, and longer
+# patterns of more stars, now refused, for seconds).
+NEIGHBOUR_BOUND = 0.1
+NEIGHBOUR_WORST = 0.25
+
+
+def long_hostile_pattern(i: int) -> str:
+    """12 KB: a star, then runs each of a long literal and a set of many
+    characters, then a letter no name has."""
+    run = "x" * 450 + "[" + "".join(chr(0x100 + j) for j in range(150)) + f"{i:03d}]*"
+    return "*" + run * ((MAX_WILDCARDS - 1) // 2) + "Q"
+
+
+def _waits(ask: Callable[[], object], seconds: float) -> list[float]:
+    """How long each answer took, asking again and again for `seconds`."""
+    waits = []
+    until_at = time.monotonic() + seconds
+    while time.monotonic() < until_at:
+        began = time.monotonic()
+        ask()
+        waits.append(time.monotonic() - began)
+    return sorted(waits)
+
+
+def _assert_answering(waits: list[float], what: str) -> None:
+    ninth = waits[int(0.9 * (len(waits) - 1))]
+    assert ninth < NEIGHBOUR_BOUND and waits[-1] < NEIGHBOUR_WORST, (
+        f"{what}: 90% within {ninth:.3f}s, worst {waits[-1]:.3f}s"
+    )
+
+
+HTTP_LISTENING = re.compile(r"HTTP on [\d.]+:(\d+)")
+
+
+def test_long_patterns_at_the_bound_keep_both_ports_answering(start_server) -> None:
+    # A server process of its own: in this one, a collection of the test
+    # run's own garbage would count against the bound.
+    running = start_server(None, "--http-port", "0")
+    assert running.port is not None, running.log
+    [line] = running.matching(HTTP_LISTENING, 1, 15)
+    health = f"http://127.0.0.1:{HTTP_LISTENING.search(line).group(1)}/healthz"
+    patterns = [long_hostile_pattern(i) for i in range(LONG_PATTERN_WAITERS)]
+    assert 11_000 < len(patterns[0].encode()) <= 12_750
+    waiters = [wait_for(running.port, pattern) for pattern in patterns]
+    try:
+        with running.client() as neighbour, running.client() as creator:
+            deadline = time.monotonic() + 60
+            while ok(neighbour.request("Status")).json["waitingGetJobs"] < LONG_PATTERN_WAITERS:
+                assert time.monotonic() < deadline, "the waiters did not all arrive"
+            # New names, each matched against every waiter's pattern, while
+            # the neighbours ask.
+            for n in range(3):
+                jobs = [{"name": "x" * 200 + f"{n}-{i}"} for i in range(40)]
+                creator.send(encode("CreateJobs", {"jobs": json.dumps(jobs)}))
+                wire = _waits(lambda: ok(neighbour.request("Ping")), 0.5)
+                ok(creator.read_reply())
+                creator.send(encode("CreateJobs", {"jobs": json.dumps(jobs[:1])}))
+                http = _waits(lambda: urllib.request.urlopen(health, timeout=5).read(), 0.5)
+                ok(creator.read_reply())
+                _assert_answering(wire, "a neighbour's Ping")
+                _assert_answering(http, "/healthz")
+    finally:
+        for sock in waiters:
+            sock.close()

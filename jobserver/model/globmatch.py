@@ -11,9 +11,20 @@ sensitive, and a set that is never closed matches nothing.
 from __future__ import annotations
 
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+
+# The most wildcards (`*`, `?` and `[...]` sets) a pattern may hold: a real
+# job's pattern needs a few (`report/*/2026-*`); each star is one more
+# search per name, and each run between stars one more regular expression
+# to compile (100 patterns of 2,400 such runs each held the event loop for
+# seconds). Checked where a pattern arrives (core/commands/params.py).
+MAX_WILDCARDS = 32
+# Compiled patterns kept for the next GetJob that waits on one.
+_KEPT_MATCHERS = 4096
 
 
 @dataclass(frozen=True)
@@ -88,17 +99,65 @@ def listed_names(text: str) -> tuple[str, ...]:
     return tuple(n.lstrip(" ") for n in text.split(",") if n.lstrip(" "))
 
 
+def too_many_wildcards(pattern: str) -> bool:
+    """Whether a pattern holds more than MAX_WILDCARDS stars, question
+    marks and sets (inside a set, `*`, `?` and `[` are plain characters)."""
+    # Never fewer than the exact count, and counted in C: most patterns
+    # are read no further.
+    if pattern.count("*") + pattern.count("?") + pattern.count("[") <= MAX_WILDCARDS:
+        return False
+    return wildcards(pattern) > MAX_WILDCARDS
+
+
+def wildcards(pattern: str) -> int:
+    """How many stars, question marks and sets a pattern holds."""
+    return sum(1 for token in _compile(pattern) if token in (_STAR, _ONE) or isinstance(
+        token, _CharSet
+    ))
+
+
+Matcher = Callable[[str], bool]
+
+
 def glob_match(pattern: str, text: str) -> bool:
+    return matcher(pattern)(text)
+
+
+def matcher(pattern: str) -> Matcher:
+    """The pattern as a function of a name, compiled once: a pattern's runs
+    between stars are regular expressions to compile (milliseconds for a
+    long one), so a caller on the event loop compiles it first in a thread
+    (`compiled` says whether that is needed)."""
+    with _kept_lock:
+        found = _kept.get(pattern)
+        if found is not None:
+            _kept.move_to_end(pattern)
+            return found
+    made = _nul_ended(_matcher(pattern.partition("\0")[0]))
+    with _kept_lock:
+        _kept[pattern] = made
+        while len(_kept) > _KEPT_MATCHERS:
+            _kept.popitem(last=False)
+    return made
+
+
+def compiled(pattern: str) -> Matcher | None:
+    """The pattern's matcher if it is compiled already, else None."""
+    with _kept_lock:
+        return _kept.get(pattern)
+
+
+_kept: OrderedDict[str, Matcher] = OrderedDict()
+_kept_lock = threading.Lock()
+
+
+def _nul_ended(match: Matcher) -> Matcher:
     # SQLite's GLOB reads both as C strings, so a NUL (a job name can hold
     # one through `\u0000`) ends them there.
-    return _matcher(pattern.partition("\0")[0])(text.partition("\0")[0])
+    return lambda text: match(text.partition("\0")[0])
 
 
-_Matcher = Callable[[str], bool]
-
-
-@lru_cache(maxsize=4096)
-def _matcher(pattern: str) -> _Matcher:
+def _matcher(pattern: str) -> Matcher:
     """The pattern as a function of a name.
 
     A waiting GetJob's pattern is tried against the names of new jobs on
@@ -142,12 +201,12 @@ def _token_regex(token: _Token) -> str:
     return _escape(token)
 
 
-def _exactly(run: list[_Token]) -> _Matcher:
+def _exactly(run: list[_Token]) -> Matcher:
     regex = _run_regex(run)
     return lambda text: len(text) == len(run) and regex.match(text) is not None
 
 
-def _with_stars(first: list[_Token], middle: list[list[_Token]], last: list[_Token]) -> _Matcher:
+def _with_stars(first: list[_Token], middle: list[list[_Token]], last: list[_Token]) -> Matcher:
     head, tail = _run_regex(first), _run_regex(last)
     between = [
         (len(run), None if all(t == _ONE for t in run) else _run_regex(run)) for run in middle

@@ -45,7 +45,7 @@ from starlette.templating import Jinja2Templates
 from jobserver.core.build import Core
 from jobserver.core.commands import params
 from jobserver.core.errors import CommandError
-from jobserver.model import times
+from jobserver.model import globmatch, times
 from jobserver.model.jobs import State
 from jobserver.web import access, bulk_pages, forms, running_pages, texts
 from jobserver.web.history_pages import GRAPH_MINUTES, GRAPH_REFRESH_SECONDS, HistoryPages
@@ -238,10 +238,15 @@ class Dashboard:
         pattern = query.get("name", "")
         if not pattern:
             return RedirectResponse("/", 303)
-        if len(pattern.encode()) > params.MAX_PATTERN or params.has_control(pattern):
+        if (
+            len(pattern.encode()) > params.MAX_PATTERN
+            or params.has_control(pattern)
+            or globmatch.too_many_wildcards(pattern)
+        ):
             return self._message(
                 request, 400, "Not a name pattern",
-                f"A pattern is at most {params.MAX_PATTERN} bytes, without control characters.",
+                f"A pattern is at most {params.MAX_PATTERN} bytes, without control characters, "
+                f"with at most {globmatch.MAX_WILDCARDS} wildcards (*, ? and [...]).",
             )
         store = self._store
         try:

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from functools import partial
 
+import trio
+
 from jobserver.core.commands import params
 from jobserver.core.commands.route import Answer, Services, Undo, worker_name
 from jobserver.core.engine.engine import Engine
 from jobserver.core.rules import flow, selection
 from jobserver.core.rules.selection import JobQuery, Taken
+from jobserver.model import globmatch
 from jobserver.wire.framing import Request, Response
 
 NO_JOB = "404 No job found"
@@ -35,8 +38,9 @@ async def get_jobs(services: Services, request: Request, peer: str) -> Answer:
     engine = services.engine
     if waits_for_jobs(request):
         timeout = params.wait_seconds(request)
+        matcher = await _compiled(query)
         services.count(request.verb.lower(), 0)
-        waited = await engine.wait(query, timeout)
+        waited = await engine.wait(query, timeout, matcher)
         if not waited:
             return Answer(Response(NO_JOB), waited=True)
         return _handing_out(engine, query, waited, waited=True)
@@ -48,6 +52,19 @@ async def get_jobs(services: Services, request: Request, peer: str) -> Answer:
         # Jobs failed on the way (out of leases) stay failed.
         return Answer(Response(NO_JOB))
     return _handing_out(engine, query, taken, waited=False)
+
+
+async def _compiled(query: JobQuery) -> globmatch.Matcher | None:
+    """A waiting GetJob's GLOB as a function of a name, with which the
+    names of new jobs are matched on the event loop: compiled in a thread,
+    once per pattern (a long pattern's regular expressions take
+    milliseconds, which a hundred waiters at once would hold the loop for)."""
+    if query.pattern is None or not query.scans:
+        return None
+    kept = globmatch.compiled(query.pattern)
+    if kept is not None:
+        return kept
+    return await trio.to_thread.run_sync(globmatch.matcher, query.pattern)
 
 
 def _handing_out(engine: Engine, query: JobQuery, taken: list[Taken], waited: bool) -> Answer:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jobserver.core.errors import CommandError
-from jobserver.model import cron, repeat, times, windows
+from jobserver.model import cron, globmatch, repeat, times, windows
 from jobserver.model.jobs import PLAIN, FlowOptions, RetryPolicy
 from jobserver.model.names import has_control
 from jobserver.wire import jsonbody
@@ -435,4 +435,12 @@ def pattern(request: Request) -> str:
         raise too_large("name", MAX_NAME)
     if has_control(value):
         raise CommandError("402 Malformed name")
+    check_wildcards(value)
     return value
+
+
+def check_wildcards(pattern: str) -> None:
+    """A GLOB pattern holds at most MAX_WILDCARDS wildcards: each costs
+    every match of the pattern a search (globmatch.py)."""
+    if globmatch.too_many_wildcards(pattern):
+        raise CommandError(f"402 Name too complex ({globmatch.MAX_WILDCARDS} wildcards at most)")

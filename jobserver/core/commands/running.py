@@ -68,6 +68,7 @@ def name_pattern(request: Request) -> str | None:
         raise params.too_large("name", params.MAX_PATTERN)
     if not text or params.has_control(text):
         raise CommandError("402 Malformed name")
+    params.check_wildcards(text)
     return text
 
 

@@ -62,6 +62,7 @@ from jobserver.core.engine.writer import (
 from jobserver.core.rules import flow
 from jobserver.core.rules.selection import JobQuery, Taken
 from jobserver.model import times
+from jobserver.model.globmatch import Matcher
 from jobserver.storage.interface import OutcomeUnknown, Storage
 
 log = logging.getLogger("jobserver")
@@ -167,15 +168,18 @@ class Engine:
     # Waiting GetJobs.
 
     # The timeout is GetJob's: it ends in None (a 404 reply), not in a cancellation.
-    async def wait(self, query: JobQuery, timeout: float) -> list[Taken] | None:  # noqa: ASYNC109
+    async def wait(
+        self, query: JobQuery, timeout: float, matcher: Matcher | None = None,  # noqa: ASYNC109
+    ) -> list[Taken] | None:
         """Wait up to `timeout` seconds for jobs; None if none came.
+        `matcher`: the query's GLOB, compiled (waiters.Selector).
 
         Jobs that are returned have been taken: if the caller cannot deliver
         them it must give them back with `give_back`.
         """
         if self.waits.closed:
             return None
-        waiter = self.waits.join(query, self._clock.now())
+        waiter = self.waits.join(query, self._clock.now(), matcher)
         self._try([waiter])
         deadline = trio.current_time() + timeout
         try:

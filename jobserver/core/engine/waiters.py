@@ -35,7 +35,7 @@ from enum import Enum
 import trio
 
 from jobserver.core.rules.selection import JobQuery, Taken
-from jobserver.model.globmatch import glob_match, is_glob
+from jobserver.model.globmatch import Matcher, glob_match, is_glob
 
 # New names times waiting patterns: up to this many matches are made as a
 # commit's outcome is delivered. Past it (thousands of waiters with
@@ -57,12 +57,18 @@ SELECTORS_AT_ONCE = 64
 
 @dataclass(frozen=True)
 class Selector:
-    """The names a waiter wants: one GLOB pattern, or a set of exact names."""
+    """The names a waiter wants: one GLOB pattern, or a set of exact names.
+    A GLOB's matcher is compiled before the waiter joins (get_jobs.py, in a
+    thread: a long pattern's regular expressions take milliseconds), and
+    kept here, so matching on the event loop never compiles."""
 
     pattern: str | None
     names: frozenset[str] = frozenset()
+    matcher: Matcher | None = field(default=None, compare=False, hash=False, repr=False)
 
     def matches(self, name: str) -> bool:
+        if self.matcher is not None:
+            return self.matcher(name)
         if self.pattern is not None:
             return glob_match(self.pattern, name)
         return name in self.names
@@ -158,9 +164,12 @@ class WaitQueue:
         # and failed a whole transaction).
         return self._count
 
-    def join(self, query: JobQuery, since: datetime | None = None) -> Waiter:
-        """A new waiter, IDLE: the engine tries it at once."""
-        selector = Selector(query.pattern, frozenset(query.names))
+    def join(
+        self, query: JobQuery, since: datetime | None = None, matcher: Matcher | None = None
+    ) -> Waiter:
+        """A new waiter, IDLE: the engine tries it at once. `matcher`: its
+        GLOB, compiled (globmatch.matcher)."""
+        selector = Selector(query.pattern, frozenset(query.names), matcher)
         waiter = Waiter(selector, query, next(self._seq), since)
         self._by_selector.setdefault(waiter.selector, {})[waiter] = None
         self._count += 1

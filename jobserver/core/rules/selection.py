@@ -79,6 +79,7 @@ def name_selector(text: str) -> tuple[str | None, tuple[str, ...]]:
     names = listed_names(text)
     if len(names) > 1:
         return None, names
+    params.check_wildcards(text)
     return text, ()
 
 
