@@ -247,7 +247,7 @@ def test_events_land_in_the_minute_they_commit_and_the_window_is_bounded():
     _run(main)
 
 
-def test_queues_past_the_tracked_many_are_added_up_as_other():
+def test_queues_past_the_tracked_many_are_counted_in_the_totals_only():
     async def main() -> None:
         ring = History(3, TrioClock(0.0))
         ring.record(
@@ -257,8 +257,9 @@ def test_queues_past_the_tracked_many_are_added_up_as_other():
         assert len(window.queues) == history.MAX_TRACKED_QUEUES and window.other
         assert window.series["created"][-1] == history.MAX_TRACKED_QUEUES + 7
         assert ring.read(f"q{history.MAX_TRACKED_QUEUES + 1}", 3).tracked is False
-        # The memory it costs: 48 bytes a minute for each series kept.
-        assert ring.bytes_per_minute() == (history.MAX_TRACKED_QUEUES + 2) * 6 * 8
+        # The memory it costs: 48 bytes a minute for each series kept, the
+        # totals' and the tracked queues'.
+        assert ring.bytes_per_minute() == (history.MAX_TRACKED_QUEUES + 1) * 6 * 8
 
     _run(main)
 

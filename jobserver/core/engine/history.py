@@ -25,10 +25,11 @@ request undone, or a batch rolled back, counts nothing.
 
 Memory is bounded twice: a ring of `minutes` slots (--history-minutes),
 and at most MAX_TRACKED_QUEUES queues with series of their own; the rest
-are added up in one series, OTHER. A queue with no event and no depth for
-a whole window is forgotten, making room for another. Each series is an
-array of 8-byte counts: 6 x 8 = 48 bytes per minute of window for each
-queue tracked and for the total (`bytes_per_minute`).
+are counted in the totals only, and the ring keeps just the last minute
+it counted one (the reply's `other`). A queue with no event and no depth
+for a whole window is forgotten, making room for another. Each series is
+an array of 8-byte counts: 6 x 8 = 48 bytes per minute of window for
+each queue tracked and for the total (`bytes_per_minute`).
 """
 
 from __future__ import annotations
@@ -45,14 +46,10 @@ DEFAULT_MINUTES = 1440
 # A week: at 48 bytes per series-minute that is 480 KiB per queue.
 MAX_MINUTES = 7 * 1440
 INTERVAL_SECONDS = 60
-# Queues with series of their own; more are added up as OTHER. A hundred
-# queues is more than a dashboard can show, and 100 x 48 bytes x a day
-# of minutes is 6.6 MiB at the most.
+# Queues with series of their own; the rest are counted in the totals
+# only. A hundred queues is more than a dashboard can show, and 100 x 48
+# bytes x a day of minutes is 6.6 MiB at the most.
 MAX_TRACKED_QUEUES = 100
-# Not a queue's name (no job name is empty): the series of the queues past
-# MAX_TRACKED_QUEUES.
-OTHER = ""
-
 # The kinds of events, indexes into a Context's `events`, in the order of
 # SERIES.
 CREATED, HANDED_OUT, FINISHED, FAILED, RETRIED = range(5)
@@ -122,7 +119,10 @@ class History:
         # The engine's: minutes pass as its clock says (trio's MockClock in tests).
         self._clock = clock or SystemClock()
         self._total = Track.empty(minutes)
-        self._other: Track | None = None
+        # The last minute a queue without series was counted (in the totals
+        # only); None when none was in the window. Its own series would be
+        # read by no one.
+        self._other: int | None = None
         self._queues: dict[str, Track] = {}
         # The newest minute the ring holds; None before the first event.
         self._head: int | None = None
@@ -133,8 +133,7 @@ class History:
 
     def bytes_per_minute(self) -> int:
         """What one minute of window costs now, for every series kept."""
-        tracks = 1 + len(self._queues) + (self._other is not None)
-        return tracks * len(SERIES) * _COUNT_BYTES
+        return (1 + len(self._queues)) * len(SERIES) * _COUNT_BYTES
 
     def record(self, batches: list[Events]) -> None:
         """Add the events of a committed transaction's requests."""
@@ -147,7 +146,8 @@ class History:
             for kind, counts in enumerate(events):
                 for name, count in counts.items():
                     track = self._track(queue_of(name), minute)
-                    track.series[kind][slot] += count
+                    if track is not None:
+                        track.series[kind][slot] += count
                     total[kind][slot] += count
 
     def sample_depth(self, depths: dict[str, int]) -> None:
@@ -157,11 +157,12 @@ class History:
         minute = self._advance(minute_of(self._clock.now()))
         slot = minute % self.minutes
         # A second sample in one minute replaces the first.
-        for track in self._tracks():
+        for track in self._queues.values():
             track.series[DEPTH][slot] = 0
         for queue, depth in depths.items():
-            if depth:
-                self._track(queue, minute).series[DEPTH][slot] += depth
+            into = self._track(queue, minute) if depth else None
+            if into is not None:
+                into.series[DEPTH][slot] = depth
         self._total.series[DEPTH][slot] = sum(depths.values())
 
     def read(self, queue: str | None, minutes: int) -> Window:
@@ -178,21 +179,14 @@ class History:
         }
         return Window(start, series, tracked, sorted(self._queues), self._other is not None)
 
-    def _tracks(self) -> list[Track]:
-        tracks = list(self._queues.values())
-        if self._other is not None:
-            tracks.append(self._other)
-        return tracks
-
-    def _track(self, queue: str, minute: int) -> Track:
+    def _track(self, queue: str, minute: int) -> Track | None:
+        """The queue's series, or None: counted in the totals only."""
         track = self._queues.get(queue)
         if track is None:
-            if len(self._queues) < MAX_TRACKED_QUEUES:
-                track = self._queues[queue] = Track.empty(self.minutes)
-            else:
-                if self._other is None:
-                    self._other = Track.empty(self.minutes)
-                track = self._other
+            if len(self._queues) >= MAX_TRACKED_QUEUES:
+                self._other = minute
+                return None
+            track = self._queues[queue] = Track.empty(self.minutes)
         track.seen = minute
         return track
 
@@ -209,10 +203,10 @@ class History:
         oldest = minute - self.minutes
         for queue in [q for q, track in self._queues.items() if track.seen <= oldest]:
             del self._queues[queue]
-        if self._other is not None and self._other.seen <= oldest:
+        if self._other is not None and self._other <= oldest:
             self._other = None
         passed = range(max(head + 1, minute - self.minutes + 1), minute + 1)
-        for track in (self._total, *self._tracks()):
+        for track in (self._total, *self._queues.values()):
             if len(passed) == self.minutes:
                 # Silent for a whole window: one new array a series.
                 track.series = Track.empty(self.minutes).series
