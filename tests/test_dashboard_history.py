@@ -16,6 +16,7 @@ from test_dashboard import Visitor, start
 from conformance_helpers import get_job
 from harness import ThreadServer
 from helpers import chromium, create, ok, until
+from jobserver.core.engine import history
 
 TIMEOUT_MS = 10_000
 
@@ -173,3 +174,26 @@ def test_in_a_browser_the_graphs_draw_the_counts(server, artifacts):
         page.screenshot(path=str(artifacts / "queue-page.png"), full_page=True)
         assert errors == []
         page.close()
+
+
+def test_in_a_browser_a_queue_counted_in_the_totals_only_is_not_said_to_have_nothing(
+    tmp_path: Path,
+):
+    """A queue past the 100 with series of their own has no graphs: the
+    page says why, not that nothing was counted for it."""
+    from playwright.sync_api import expect
+
+    running = start(tmp_path / "jobs.db")
+    try:
+        with running.client() as client:
+            jobs = [{"name": f"q{i}"} for i in range(history.MAX_TRACKED_QUEUES + 1)]
+            ok(client.request("CreateJobs", jobs=json.dumps(jobs)))
+        base = f"http://127.0.0.1:{running.server.http_port}"
+        with chromium() as browser:
+            page = browser.new_page()
+            page.goto(f"{base}/queues/q{history.MAX_TRACKED_QUEUES}")
+            status = page.locator("section.graphs[data-drawn] .graph-status")
+            expect(status).to_contain_text("counted in the totals only", timeout=TIMEOUT_MS)
+            page.close()
+    finally:
+        running.stop()

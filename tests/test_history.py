@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -113,6 +114,27 @@ def test_a_repeating_jobs_run_is_finished_and_a_queue_not_seen_reads_as_zeros(cl
     unseen = read(client, name="nothing", minutes=5)
     assert unseen["tracked"] is False
     assert unseen["series"] == {name: [0] * 5 for name in SERIES}
+
+
+@pytest.mark.backends
+def test_queues_that_only_hold_jobs_give_their_series_to_a_queue_at_work(client):
+    """Issue 34: one request made a job due in 2099 in each of 100 queues,
+    and while those jobs sat, every queue after them went untracked."""
+    most = history.MAX_TRACKED_QUEUES
+    sitting = [{"name": f"sit{i}/x", "firstRun": "2099-01-01 00:00:00"} for i in range(most)]
+    ok(client.request("CreateJobs", jobs=json.dumps(sitting)))
+    job = create(client, "live/x")
+    assert get_job(client, "live/x")["jobID"] == job
+    ok(client.request("FinishJob", jobID=job))
+
+    live = read(client, name="live")
+    assert live["tracked"] is True
+    assert totals(live) == {"created": 1, "handedOut": 1, "finished": 1, "failed": 0, "retried": 0}
+    everything = read(client)
+    assert "live" in everything["queues"] and len(everything["queues"]) == most
+    # The queue that gave its series up is counted in the totals only.
+    assert everything["other"] is True
+    assert totals(everything)["created"] == most + 1
 
 
 @pytest.mark.parametrize(
@@ -247,7 +269,7 @@ def test_events_land_in_the_minute_they_commit_and_the_window_is_bounded():
     _run(main)
 
 
-def test_queues_past_the_tracked_many_are_added_up_as_other():
+def test_queues_past_the_tracked_many_are_counted_in_the_totals_only():
     async def main() -> None:
         ring = History(3, TrioClock(0.0))
         ring.record(
@@ -257,8 +279,129 @@ def test_queues_past_the_tracked_many_are_added_up_as_other():
         assert len(window.queues) == history.MAX_TRACKED_QUEUES and window.other
         assert window.series["created"][-1] == history.MAX_TRACKED_QUEUES + 7
         assert ring.read(f"q{history.MAX_TRACKED_QUEUES + 1}", 3).tracked is False
-        # The memory it costs: 48 bytes a minute for each series kept.
-        assert ring.bytes_per_minute() == (history.MAX_TRACKED_QUEUES + 2) * 6 * 8
+        # The memory it costs: 48 bytes a minute for each series kept, the
+        # totals' and the tracked queues'.
+        assert ring.bytes_per_minute() == (history.MAX_TRACKED_QUEUES + 1) * 6 * 8
+
+    _run(main)
+
+
+def _commit(ring: History, queues: Iterable[str], kind: int = history.CREATED) -> None:
+    """One committed transaction's events: one job in each queue."""
+    events = history.new_events()
+    for queue in queues:
+        events[kind][f"{queue}/x"] = 1
+    ring.record([events])
+
+
+def test_a_queue_at_work_takes_the_series_of_the_queue_idle_longest():
+    async def main() -> None:
+        most = history.MAX_TRACKED_QUEUES
+        ring = History(10, TrioClock(0.0))
+        _commit(ring, (f"q{i}" for i in range(most)))
+        await trio.sleep(60)
+        _commit(ring, (f"q{i}" for i in range(1, most)), history.FINISHED)
+        _commit(ring, ["new"])
+        window = ring.read(None, 2)
+        assert "new" in window.queues and "q0" not in window.queues
+        assert len(window.queues) == most
+        # q0's counts are in the totals only now, and the reply says so.
+        assert window.other and window.series["created"] == [most, 1]
+        assert ring.read("q0", 2).tracked is False
+        assert ring.read("new", 2).series["created"] == [0, 1]
+        # The next newcomer takes one from q1..q99, not from the newer one.
+        _commit(ring, ["newer"])
+        assert {"new", "newer"} <= set(ring.read(None, 1).queues)
+
+    _run(main)
+
+
+def test_a_queue_that_only_holds_jobs_takes_no_series_and_gives_its_own_up_first():
+    async def main() -> None:
+        most = history.MAX_TRACKED_QUEUES
+        ring = History(10, TrioClock(0.0))
+        _commit(ring, ["worked"])
+        await trio.sleep(60)
+        held = {f"d{i}": 1 for i in range(most - 1)}
+        ring.sample_depth(held)
+        # Full: a queue seen only in a depth sample is counted in the totals.
+        ring.sample_depth({**held, "deep": 5})
+        window = ring.read(None, 1)
+        assert "deep" not in window.queues and window.other
+        assert window.series["depth"] == [most - 1 + 5]
+        # A queue with an event takes a series from one that only has
+        # depth, though the last event of `worked` is older.
+        _commit(ring, ["new"])
+        queues = ring.read(None, 1).queues
+        assert "new" in queues and "worked" in queues and len(queues) == most
+
+    _run(main)
+
+
+def test_a_queue_that_lost_its_series_is_counted_in_the_totals_until_a_window_without_it():
+    async def main() -> None:
+        most = history.MAX_TRACKED_QUEUES
+        ring = History(3, TrioClock(0.0))
+        _commit(ring, (f"q{i}" for i in range(most)))
+        _commit(ring, ["new"])
+        busy = ["new", *(f"q{i}" for i in range(2, most))]
+        await trio.sleep(60)
+        _commit(ring, busy)
+        # q1 has been idle longest, but q0 lost its series: taking a new
+        # one, it would read zeros for the minute counted in the totals.
+        _commit(ring, ["q0"])
+        window = ring.read(None, 3)
+        assert "q0" not in window.queues and "q1" in window.queues and window.other
+        assert window.series["created"][-2:] == [most + 1, most - 1 + 1]
+        # By minute 3, q1 has been silent for a window: forgotten, it leaves
+        # a series free, and q0 does not take that one either while its
+        # count of minute 1 is in the window.
+        for _ in range(2):
+            await trio.sleep(60)
+            _commit(ring, busy)
+        _commit(ring, ["q0"])
+        assert ring.read(None, 1).queues == sorted(busy)
+        # A window without q0 (minutes 4 to 6): it is as new.
+        for _ in range(3):
+            await trio.sleep(60)
+            _commit(ring, busy)
+        _commit(ring, ["q0"])
+        assert ring.read("q0", 3).series["created"] == [0, 0, 1]
+
+    _run(main)
+
+
+def test_one_commit_takes_no_series_from_a_queue_it_counts():
+    async def main() -> None:
+        most = history.MAX_TRACKED_QUEUES
+        ring = History(3, TrioClock(0.0))
+        _commit(ring, (f"a{i}" for i in range(most + 50)))
+        assert ring.read(None, 1).queues == sorted(f"a{i}" for i in range(most))
+        # The next commit's queues take the series of the last one's; its
+        # own first 100 do not give theirs up to its last 50.
+        _commit(ring, (f"b{i}" for i in range(most + 50)))
+        assert ring.read(None, 1).queues == sorted(f"b{i}" for i in range(most))
+        # Counted in the totals only, a0 to a149 stay there.
+        _commit(ring, ["a0", "a120"])
+        assert ring.read(None, 1).queues == sorted(f"b{i}" for i in range(most))
+        assert ring.read(None, 1).series["created"] == [2 * (most + 50) + 2]
+
+    _run(main)
+
+
+def test_the_queues_counted_in_the_totals_only_are_remembered_up_to_a_bound():
+    async def main() -> None:
+        most, remembered = history.MAX_TRACKED_QUEUES, history.MAX_OTHER_QUEUES
+        ring = History(3, TrioClock(0.0))
+        tracked = [f"t{i}" for i in range(most)]
+        _commit(ring, [*tracked, "first"])
+        _commit(ring, [*tracked, *(f"o{i}" for i in range(remembered))])
+        # `first` was forgotten for the others: it is as new, and takes a
+        # series; the last of them is remembered, and does not.
+        _commit(ring, ["first"])
+        _commit(ring, [f"o{remembered - 1}"])
+        queues = ring.read(None, 1).queues
+        assert "first" in queues and f"o{remembered - 1}" not in queues
 
     _run(main)
 

@@ -84,7 +84,15 @@ class Graphs {
       this.section.dataset[key] = String(total);
     }
     const now = new Date().toLocaleTimeString();
-    const untracked = body.queue && !body.tracked ? " Nothing counted for this queue yet." : "";
+    // Without series of its own, a queue may still have been counted: in
+    // the totals only, past the 100 queues a server graphs (History).
+    let untracked = "";
+    if (body.queue && !body.tracked) {
+      untracked = body.other
+        ? " No graphs of this queue now: this server keeps them for 100 queues, those at work;" +
+          " the rest are counted in the totals only."
+        : " Nothing counted for this queue yet.";
+    }
     this.status.textContent =
       `Updated ${now}; kept by this server in memory since it started, ${body.window} minutes at most.` +
       untracked;
