@@ -9,6 +9,7 @@ change the handler made. Status lines are Bedrock's, word for word.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from jobserver.core.commands import idempotency, known_headers, params
@@ -26,6 +27,11 @@ from jobserver.wire.limits import DEFAULT_PRIORITY
 
 def create_job(ctx: Context, request: Request) -> Response:
     key = idempotency.key_of(request)
+    if key is not None:
+        # Checked before its key is claimed: a request refused for its
+        # parameters writes nothing (a write, then a refusal, makes the
+        # writer run its whole batch again).
+        _check_parameters(request)
     done = idempotency.replay(ctx, request, key)
     if done is not None:
         return done
@@ -37,6 +43,10 @@ def create_job(ctx: Context, request: Request) -> Response:
 def create_jobs(ctx: Context, request: Request) -> Response:
     """All or nothing: any bad element fails the whole request."""
     key = idempotency.key_of(request)
+    if key is not None:
+        # As create_job's, each element in turn.
+        for element in _elements(params.job_list(request)):
+            _check_parameters(element)
     done = idempotency.replay(ctx, request, key)
     if done is not None:
         return done
@@ -46,18 +56,38 @@ def create_jobs(ctx: Context, request: Request) -> Response:
 
 
 def _create_all(ctx: Context, request: Request) -> Response:
-    elements = params.job_list(request)
     ids = []
     created = []
     # The new jobs' inserts are sent together (storage's held_writes.py).
     with ctx.store.holding_writes():
+        elements = params.job_list(request)
         ctx.store.reserve_ids(len(elements))
-        for element in elements:
-            if not any(key.lower() == "name" for key in element):
-                raise CommandError("402 Missing name")
-            created.append(params.from_json(element, "CreateJob"))
-            ids.append(_create(ctx, created[-1]))
+        for element in _elements(elements):
+            created.append(element)
+            ids.append(_create(ctx, element))
     return known_headers.with_ignored_elements(ok({"jobIDs": ids}), created)
+
+
+def _elements(elements: list[dict[str, Any]]) -> Iterator[Request]:
+    """CreateJobs' elements, each as a CreateJob, read as they are asked for
+    (so that a bad element is refused after the elements before it)."""
+    for element in elements:
+        if not any(key.lower() == "name" for key in element):
+            raise CommandError("402 Missing name")
+        yield params.from_json(element, "CreateJob")
+
+
+def _check_parameters(request: Request) -> None:
+    """What _create checks of a request without reading the database."""
+    params.name(request)
+    params.priority(request, "jobPriority", "priority")
+    params.data(request)
+    params.retry_after(request)
+    params.time(request, "firstRun")
+    params.repeat_rule(request)
+    params.retry_policy(request)
+    params.flow_options(request)
+    _parent_id(request)
 
 
 def _create(ctx: Context, request: Request) -> int:
