@@ -1,11 +1,16 @@
 """Many jobs in a state, made fast for the tests of bulk actions: created
-with CreateJobs, taken with GetJobs and failed with pipelined FailJobs."""
+with CreateJobs (pipelined, a thousand each, for a hundred thousand),
+taken with GetJobs and failed with pipelined FailJobs."""
 
 from __future__ import annotations
 
 from helpers import ok
 from jobserver.wire.limits import MAX_RESULTS
 from wire import Client, encode
+
+# Jobs a CreateJobs of queue_many creates, and CreateJobs sent at once.
+BATCH = 1000
+PIPELINED = 10
 
 
 def create_many(
@@ -16,6 +21,21 @@ def create_many(
     ids: list[int] = ok(client.request("CreateJobs", headers, jobs=jobs)).json["jobIDs"]
     assert len(ids) == len(names)
     return ids
+
+
+def queue_many(client: Client, names: list[str]) -> None:
+    """QUEUED jobs of these names: CreateJobs of a thousand, sent ten at a
+    time before their replies are read (all at once, the replies unread
+    could fill the socket's buffers and stop both ends)."""
+    requests = [
+        encode("CreateJobs", {"jobs": [{"name": name} for name in names[at : at + BATCH]]})
+        for at in range(0, len(names), BATCH)
+    ]
+    for at in range(0, len(requests), PIPELINED):
+        sent = requests[at : at + PIPELINED]
+        client.send(b"".join(sent))
+        for _ in sent:
+            ok(client.read_reply())
 
 
 def failed_jobs(

@@ -16,6 +16,7 @@ from test_security_web import AttackSite, attack_site
 
 from harness import ThreadServer
 from helpers import ok
+from jobserver.wire.limits import BULK_PATTERN_BUDGET
 
 __all__ = ["attack_site", "guarded", "server"]  # fixtures, used by name
 
@@ -101,6 +102,23 @@ def test_cancel_queued_of_a_queue_and_refusals(server: ThreadServer) -> None:
         done = visitor.act("bulk", command="cancel-queued", queue="q", shown=f"{ids[0]},{ids[1]}")
         assert flash_of(visitor, done) == "ok: 2 queued jobs of queue q cancelled."
         assert list(states(client, ids).values()) == ["gone", "gone", "QUEUED"]
+
+
+def test_a_search_that_stopped_short_says_more_may_match(server: ThreadServer) -> None:
+    """A long pattern examines few jobs (protocol.md 14.19): the page says
+    how many, and that more may match, never "no queued job"."""
+    pattern = "n/*[" + "x" * 1000 + "]"
+    examined = BULK_PATTERN_BUDGET // 1003  # its bytes from the star
+    visitor = Visitor(server)
+    with server.client() as client:
+        create_many(client, [f"n/{i}x" for i in range(examined + 5)])
+    page = confirm(visitor, command="cancel-queued", name=pattern)
+    assert f'Cancel <span class="count">{examined}</span> queued jobs matching n/*[xx' in page
+    assert f"{examined} of the first {examined} examined match, and more may" in page
+    none = confirm(visitor, command="cancel-queued", name=pattern + "x")
+    assert "Nothing to cancel" in none
+    fewer = BULK_PATTERN_BUDGET // 1004
+    assert f"No queued job matching {pattern}x among the first {fewer} examined" in none
 
 
 def test_a_queue_is_paused_and_resumed_from_its_row(server: ThreadServer) -> None:

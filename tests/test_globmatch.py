@@ -17,8 +17,10 @@ from hypothesis import strategies as st
 
 from jobserver.model.globmatch import (
     MAX_WILDCARDS,
+    after_prefix,
     glob_match,
     glob_to_regex,
+    literal_start,
     too_many_wildcards,
     wildcards,
 )
@@ -115,6 +117,37 @@ def test_text_matches_itself_when_free_of_glob_syntax(text: str) -> None:
     literal = "".join(f"[{c}]" if c in "*?[" else c for c in text)
     assert glob_match(literal, text)
     assert sqlite_glob(literal, text)
+
+
+# A bulk search reads only the names of a pattern's literal start, an index
+# range from it to after_prefix of it: every name the pattern matches must
+# lie there, in the order of the indexes (SQLite's BINARY, code points).
+_ANY = st.characters(blacklist_categories=("Cs",))
+_EDGES = st.sampled_from(["\U0010ffff", "\ud7ff", "\ue000", "\x00", "/", "0", "a", "é"])
+
+
+@settings(max_examples=1500, deadline=None)
+@given(pattern=_PATTERN | st.text(_ANY | _EDGES, max_size=10), rest=st.text(_ANY | _EDGES))
+@example(pattern="a\0b*", rest="")
+def test_every_match_begins_with_the_literal_start(pattern: str, rest: str) -> None:
+    start = literal_start(pattern)
+    for text in (rest, start + rest):
+        if sqlite_glob(pattern, text):
+            assert text.startswith(start)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(prefix=st.text(_ANY | _EDGES, max_size=4), text=st.text(_ANY | _EDGES, max_size=6))
+@example(prefix="a\U0010ffff", text="a\U0010ffff\U0010ffff")
+@example(prefix="\U0010ffff", text="\U0010ffffz")
+@example(prefix="\ud7ff", text="\ue000")
+def test_the_names_of_a_prefix_are_an_index_range(prefix: str, text: str) -> None:
+    end = after_prefix(prefix)
+    for name in (text, prefix + text):
+        inside = _db.execute(
+            "SELECT ? >= ? AND (? IS NULL OR ? < ?)", (name, prefix, end, name, end)
+        ).fetchone()[0]
+        assert bool(inside) is name.startswith(prefix), (name, prefix, end)
 
 
 # PostgreSQL has no GLOB: the PostgreSQL backend matches names with

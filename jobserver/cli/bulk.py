@@ -11,14 +11,17 @@ from typing import Any
 from jobserver.cli.client_command import CommandAdder
 from jobserver.cli.options import JOB_ID_HELP, JOB_NAMES_HELP, job_id, job_names, number, pattern
 from jobserver.client import Client
-from jobserver.wire.limits import MAX_BULK
+from jobserver.wire.limits import MAX_BULK, MAX_BULK_EXAMINED
 
 REPLY_HELP = (
     'Prints {"matched": N, "acted": N, "remaining": N, "jobIDs": [...]}: how many jobs '
     "matched, how many it acted on (at most --limit) and how many are left, which were "
     f"acted on, oldest first. It acts on at most {MAX_BULK} jobs at a time: run it again "
     "while 'remaining' is not 0. With --dry-run nothing changes and jobIDs lists those "
-    "it would act on."
+    f"it would act on. A run examines at most {MAX_BULK_EXAMINED:,} jobs (fewer for a long "
+    'pattern); when more could match it adds "complete": false and "examined": N, and '
+    "counts only what it found: run it again while it acts on some; if it found none, "
+    "narrow the selection (--queue, or a pattern that begins with more of the name)."
 )
 
 

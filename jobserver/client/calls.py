@@ -618,7 +618,9 @@ def requeue_failed_jobs(
     matches the GLOB `name`, those of `queue`, or those of `job_ids` (give
     one); at most `limit` (1,000 if None). With `dry_run`, nothing changes.
     Returns {"matched", "acted", "remaining", "jobIDs"} (protocol.md 14.19):
-    call again while "remaining" is not 0."""
+    call again while "remaining" is not 0. A search examines at most
+    100,000 jobs; when more could match, "complete" is False and
+    "examined" says how many: the counts are of those alone."""
     return _bulk("RequeueFailedJobs", name, queue, job_ids, limit, dry_run)
 
 

@@ -92,6 +92,30 @@ def is_glob(pattern: str) -> bool:
     return not _SPECIALS.isdisjoint(pattern)
 
 
+def literal_start(pattern: str) -> str:
+    """What every name a GLOB pattern matches begins with: the pattern up
+    to its first wildcard (or NUL, where SQLite's GLOB stops reading)."""
+    text = pattern.partition("\0")[0]
+    for at, ch in enumerate(text):
+        if ch in _SPECIALS:
+            return text[:at]
+    return text
+
+
+def after_prefix(prefix: str) -> str | None:
+    """The least text above every text that begins with `prefix`, in the
+    order of code points (UTF-8's bytes: SQLite's BINARY, PostgreSQL's
+    "C"), so that those texts are an index range; None if no text is."""
+    while prefix:
+        point = ord(prefix[-1]) + 1
+        if point == 0xD800:
+            point = 0xE000  # no surrogate is a character of a UTF-8 text
+        if point <= 0x10FFFF:
+            return prefix[:-1] + chr(point)
+        prefix = prefix[:-1]
+    return None
+
+
 def listed_names(text: str) -> tuple[str, ...]:
     """The pieces a GetJob's `name` splits into at its commas, each without
     its leading spaces, empty ones dropped (protocol.md 5.3): more than one

@@ -50,6 +50,19 @@ class NameMatch:
 
 
 @dataclass(frozen=True)
+class Found:
+    """What a bulk action's search found: the jobIDs of the oldest jobs
+    that match, oldest first; how many match among the jobs examined; how
+    many were examined, and whether those were all that could match (if
+    not, more may match beyond them)."""
+
+    job_ids: list[int]
+    matched: int
+    examined: int
+    complete: bool
+
+
+@dataclass(frozen=True)
 class RunningJob:
     """What RunningJobs shows of a job handed out: never its data."""
 
@@ -318,13 +331,12 @@ class Jobs(Protocol):
 
     def count_by_state(self) -> dict[str, int]: ...
 
-    def in_state(self, state: str, match: NameMatch, limit: int) -> list[int]:
-        """The jobIDs of jobs in `state` whose name matches, oldest first,
-        at most `limit`; read without a lock (`hold` them to change them)."""
-
-    def count_in_state(self, state: str, match: NameMatch, at_most: int) -> int:
-        """How many jobs in `state` have a name that matches, counted up to
-        `at_most`: the count reads no further."""
+    def in_state(self, state: str, match: NameMatch, limit: int, examine: int) -> Found:
+        """The jobs in `state` (FAILED or QUEUED) whose name matches, among
+        at most `examine` of that state's jobs whose names could match (the
+        name, the queue's range, the range a pattern's literal start spans)
+        read from the state's index of names; the oldest `limit` of them,
+        read without a lock (`hold` them to change them)."""
 
     # Parents and children.
 

@@ -22,10 +22,11 @@ from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
 from jobserver.core.rules import lifecycle
 from jobserver.core.rules.selection import name_selector
+from jobserver.model.globmatch import literal_start
 from jobserver.model.jobs import Job, State
-from jobserver.storage.interface import NameMatch
+from jobserver.storage.interface import Found, NameMatch
 from jobserver.wire.framing import Request, Response
-from jobserver.wire.limits import MAX_BULK, MAX_BULK_COUNT, MAX_NAME
+from jobserver.wire.limits import BULK_PATTERN_BUDGET, MAX_BULK, MAX_BULK_EXAMINED, MAX_NAME
 
 Act = Callable[[Context, Job], None]
 
@@ -62,40 +63,57 @@ def _bulk(ctx: Context, request: Request, state: str, act: Act) -> Response:
     limit = params.bulk_limit(request)
     dry_run = _dry_run(request)
     with ctx.store.holding_writes():
-        matched, jobs = _found(ctx, selection, state, limit)
+        found, jobs = _found(ctx, selection, state, limit)
         if not dry_run:
             for job in jobs:
                 act(ctx, job)
     acted = 0 if dry_run else len(jobs)
     reply: dict[str, object] = {
-        "matched": matched,
+        "matched": found.matched,
         "acted": acted,
-        "remaining": max(matched - acted, 0),
+        "remaining": max(found.matched - acted, 0),
         "jobIDs": [job.jobID for job in jobs],
     }
     if selection.match is None:
         # Listed jobs that are gone or in another state: passed over.
-        reply["skipped"] = len(selection.ids) - matched
+        reply["skipped"] = len(selection.ids) - found.matched
+    if not found.complete:
+        # More may match than were found: not "nothing", nor "all".
+        reply["complete"] = False
+        reply["examined"] = found.examined
     if dry_run:
         reply["dryRun"] = True
     return ok(reply)
 
 
-def _found(ctx: Context, selection: Selection, state: str, limit: int) -> tuple[int, list[Job]]:
-    """How many jobs in `state` the selection takes, and the first `limit`
-    of them, held: read again in one statement (locked where other nodes
-    write), so each is moved from the state it is in now."""
-    store = ctx.store
-    if selection.match is not None:
-        matched = store.count_in_state(state, selection.match, MAX_BULK_COUNT)
-        candidates = store.in_state(state, selection.match, limit)
-    else:
-        candidates = list(selection.ids)
-    store.hold(candidates)
-    jobs = [job for job in map(store.get, candidates) if job is not None and job.state == state]
+def _found(ctx: Context, selection: Selection, state: str, limit: int) -> tuple[Found, list[Job]]:
+    """What the search for jobs in `state` found (listed jobs: all those
+    in it), and the first `limit` of them, held."""
     if selection.match is None:
-        matched = len(jobs)
-    return matched, jobs[:limit]
+        jobs = _held(ctx, list(selection.ids), state)
+        return Found([job.jobID for job in jobs], len(jobs), len(selection.ids), True), jobs[:limit]
+    found = ctx.store.in_state(state, selection.match, limit, _examined(selection.match))
+    return found, _held(ctx, found.job_ids, state)
+
+
+def _held(ctx: Context, ids: list[int], state: str) -> list[Job]:
+    """The jobs still in `state`, held: read again in one statement (locked
+    where other nodes write), so each is moved from the state it is in now."""
+    store = ctx.store
+    store.hold(ids)
+    return [job for job in map(store.get, ids) if job is not None and job.state == state]
+
+
+def _examined(match: NameMatch) -> int:
+    """How many jobs a search may examine: MAX_BULK_EXAMINED, fewer for a
+    long pattern: BULK_PATTERN_BUDGET over its bytes from its first
+    wildcard, which a GLOB's test of a name takes time in (the literal
+    start is the index's range)."""
+    if match.pattern is None:
+        return MAX_BULK_EXAMINED
+    tested = match.pattern.partition("\0")[0]  # what a GLOB reads of it
+    tail = len(tested.encode()) - len(literal_start(tested).encode())
+    return min(MAX_BULK_EXAMINED, BULK_PATTERN_BUDGET // max(tail, 1))
 
 
 def _dry_run(request: Request) -> bool:
