@@ -5,8 +5,17 @@ taken with GetJobs and failed with pipelined FailJobs."""
 from __future__ import annotations
 
 from helpers import ok
-from jobserver.wire.limits import MAX_RESULTS
+from jobserver.model.globmatch import MAX_SET_CHARACTERS
+from jobserver.wire.limits import BULK_PATTERN_BUDGET, MAX_RESULTS, SET_CHARACTER_WEIGHT
 from wire import Client, encode
+
+# A costly pattern, of a set as large as sets may be, that matches the
+# names `n/...x`, and how many jobs a search for it examines: the budget
+# over its bytes from the star and the weight of its set's characters.
+COSTLY = (
+    "n/*[" + "x" * (MAX_SET_CHARACTERS - 1) + "y]",
+    BULK_PATTERN_BUDGET // (MAX_SET_CHARACTERS + 3 + SET_CHARACTER_WEIGHT * MAX_SET_CHARACTERS),
+)
 
 # Jobs a CreateJobs of queue_many creates, and CreateJobs sent at once.
 BATCH = 1000

@@ -13,11 +13,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from bulk_jobs import create_many, failed_jobs, queue_many, states
+from bulk_jobs import COSTLY, create_many, failed_jobs, queue_many, states
 
 from harness import ServerProcess, ThreadServer
 from helpers import create, ok
-from jobserver.wire.limits import BULK_PATTERN_BUDGET, MAX_BULK, MAX_BULK_EXAMINED
+from jobserver.model.globmatch import MAX_SET_CHARACTERS
+from jobserver.wire.limits import (
+    BULK_PATTERN_BUDGET,
+    MAX_BULK,
+    MAX_BULK_EXAMINED,
+    SET_CHARACTER_WEIGHT,
+)
 from wire import Client, encode
 
 pytestmark = pytest.mark.backends()
@@ -27,9 +33,12 @@ pytestmark = pytest.mark.backends()
 # before, it tested every queued job's name, and the slow patterns below
 # held the writer 55 s on SQLite and 13 s on PostgreSQL.
 NEIGHBOUR_BOUND = 1.0
-# Patterns of the longest kind, slow to test against a name: a set after a
-# star on SQLite, a run of `?*` on PostgreSQL (0.5 and 0.13 ms a job here).
-SLOW_PATTERNS = ("*[" + "a" * 12747 + "]", "*" + "a" * 12749)
+# Patterns slow to test against a name, with what they weigh (limits.py):
+# a set as large as sets may be after a star, and the longest literal.
+SLOW_PATTERNS = (
+    ("*[" + "a" * MAX_SET_CHARACTERS + "]", MAX_SET_CHARACTERS * (1 + SET_CHARACTER_WEIGHT) + 3),
+    ("*" + "a" * 12749, 12750),
+)
 
 
 def test_requeue_by_pattern_counts_and_moves_only_failed_jobs(server: ThreadServer) -> None:
@@ -242,7 +251,7 @@ def test_a_search_stops_at_its_bound_says_so_and_leaves_the_writer_free(
         for pattern, examined in [
             ("*zz", MAX_BULK_EXAMINED),
             ("*match", MAX_BULK_EXAMINED),
-            *((slow, BULK_PATTERN_BUDGET // len(slow)) for slow in SLOW_PATTERNS),
+            *((slow, BULK_PATTERN_BUDGET // weight) for slow, weight in SLOW_PATTERNS),
         ]:
             with Neighbour(server.port) as neighbour:
                 started = time.monotonic()
@@ -259,11 +268,10 @@ def test_a_search_stops_at_its_bound_says_so_and_leaves_the_writer_free(
 
 
 def test_a_bounded_search_acts_on_what_it_found_then_goes_on(server: ThreadServer) -> None:
-    """A long pattern examines few jobs (BULK_PATTERN_BUDGET over its
-    bytes): each request acts on the matches among them, says more may
+    """A costly pattern examines few jobs (BULK_PATTERN_BUDGET over its
+    weight): each request acts on the matches among them, says more may
     match, and the next examines those left, until none is."""
-    pattern = "n/*[" + "x" * 11_998 + "]"
-    examined = BULK_PATTERN_BUDGET // 12_000
+    pattern, examined = COSTLY
     with server.client() as client:
         ids = create_many(client, [f"n/{i}x" for i in range(examined + 20)])
         dry = ok(client.request("CancelQueuedJobs", name=pattern, dryRun="true")).json

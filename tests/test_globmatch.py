@@ -16,11 +16,14 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from jobserver.model.globmatch import (
+    MAX_SET_CHARACTERS,
     MAX_WILDCARDS,
     after_prefix,
     glob_match,
     glob_to_regex,
     literal_start,
+    set_characters,
+    too_many_set_characters,
     too_many_wildcards,
     wildcards,
 )
@@ -217,10 +220,12 @@ def test_the_longest_pattern_of_stars_is_compiled_at_once_by_postgresql(
 # A pattern's wildcards are bounded where it arrives (protocol.md 3).
 
 
-def _exact_wildcards(pattern: str) -> int:
-    """Stars, question marks and sets, read one character at a time as
-    SQLite reads a pattern: inside a set, `*`, `?` and `[` are plain."""
-    count, i = 0, 0
+def _exact_counts(pattern: str) -> tuple[int, int]:
+    """Stars, question marks and sets, and the characters in the sets, read
+    one character at a time as SQLite reads a pattern: inside a set, `*`,
+    `?` and `[` are plain, a first `]` is one of its characters and a
+    negating `^` is not."""
+    count, in_sets, i = 0, 0, 0
     while i < len(pattern):
         ch = pattern[i]
         if ch in "*?":
@@ -231,19 +236,24 @@ def _exact_wildcards(pattern: str) -> int:
             if i < len(pattern) and pattern[i] == "^":
                 i += 1
             if i < len(pattern) and pattern[i] == "]":
+                in_sets += 1
                 i += 1
             while i < len(pattern) and pattern[i] != "]":
+                in_sets += 1
                 i += 1
         i += 1
-    return count
+    return count, in_sets
 
 
-@given(pattern=st.text(st.sampled_from("*?[]^ab"), max_size=120))
+@given(pattern=st.text(st.sampled_from("*?[]^ab-"), max_size=120))
 @settings(max_examples=400)
+@example(pattern="[^]" + "a" * MAX_SET_CHARACTERS)
+@example(pattern="[" + "a" * MAX_SET_CHARACTERS + "]")
 def test_wildcards_are_counted_as_sqlite_reads_the_pattern(pattern: str) -> None:
-    exact = _exact_wildcards(pattern)
-    assert wildcards(pattern) == exact
+    exact, in_sets = _exact_counts(pattern)
+    assert (wildcards(pattern), set_characters(pattern)) == (exact, in_sets)
     assert too_many_wildcards(pattern) == (exact > MAX_WILDCARDS)
+    assert too_many_set_characters(pattern) == (in_sets > MAX_SET_CHARACTERS)
 
 
 def test_a_set_of_stars_counts_once() -> None:

@@ -20,7 +20,7 @@ from harness import ThreadServer
 from helpers import create
 from jobserver.core.commands import known_headers, params
 from jobserver.core.errors import CommandError
-from jobserver.model.globmatch import MAX_WILDCARDS
+from jobserver.model.globmatch import MAX_SET_CHARACTERS, MAX_WILDCARDS
 from jobserver.wire.framing import Request
 from jobserver.wire.limits import MAX_HEADERS
 from wire import Client
@@ -146,6 +146,13 @@ def test_patterns_of_more_wildcards_than_the_bound_are_refused(client, verb, par
         fine.append("job/*,job/b" + "*" * 40)
     for pattern in fine:
         assert client.request(verb, name=pattern, **params).status != refused, (verb, pattern)
+    # A set is read character by character wherever it is tried: the sets
+    # of a pattern hold MAX_SET_CHARACTERS between them.
+    too_large = f"402 Name too complex ({MAX_SET_CHARACTERS} characters in sets at most)"
+    for over in ["job/*[" + "a" * (MAX_SET_CHARACTERS + 1) + "]", "[abcde]*" * 13, "*[" + "b" * 99]:
+        assert client.request(verb, name=over, **params).status == too_large, (verb, over)
+    for at in ["job/*[" + "a" * MAX_SET_CHARACTERS + "]", "[^abcd]*" * 16, "job/*[a-z0-9_]"]:
+        assert client.request(verb, name=at, **params).status not in (refused, too_large), at
 
 
 def test_names_with_other_unusual_characters_are_fine(client):

@@ -173,7 +173,8 @@ def test_getjobs_with_hostile_patterns_over_a_backlog_do_not_hold_the_event_loop
             client.close()
 
 
-# Patterns at the bound on their wildcards (MAX_WILDCARDS), as long as a
+# Patterns at the bound on their wildcards (MAX_WILDCARDS) and on the
+# characters of their sets (MAX_SET_CHARACTERS), as long as a
 # pattern may be: each compiles into regular expressions that take
 # milliseconds (100 waiters of 2,400 runs each, before the bound, held both
 # ports for 9 to 15 s). They are compiled once, in a thread, as each
@@ -190,9 +191,10 @@ NEIGHBOUR_WORST = 0.25
 
 
 def long_hostile_pattern(i: int) -> str:
-    """12 KB: a star, then runs each of a long literal and a set of many
-    characters, then a letter no name has."""
-    run = "x" * 450 + "[" + "".join(chr(0x100 + j) for j in range(150)) + f"{i:03d}]*"
+    """12 KB: a star, then runs each of a long literal and a set (of as
+    many characters as sets may hold between them), then a letter no name
+    has."""
+    run = "x" * 800 + "[\u0100" + f"{i:03d}]*"
     return "*" + run * ((MAX_WILDCARDS - 1) // 2) + "Q"
 
 

@@ -13,9 +13,10 @@ import trio
 
 from jobserver import web
 from jobserver.cli.options import LOG_LEVELS, duration, log_level, number
-from jobserver.core.commands import backup
+from jobserver.core.commands import backup, params
 from jobserver.core.engine import history
 from jobserver.core.engine.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER
+from jobserver.core.errors import CommandError
 from jobserver.model.times import duration_text
 from jobserver.server.app import Config, HttpListenError, Server
 from jobserver.storage import sqlite_backup
@@ -237,7 +238,8 @@ def _add_job_options(serve: argparse.ArgumentParser) -> None:
         metavar="PATTERN=MAX",
         help="a concurrency limit: jobs whose name matches the GLOB PATTERN may "
         "together cost at most MAX (1 or more) while running; repeatable; "
-        "SetLimit changes them at run time (default: none)",
+        "PATTERN bounded as SetLimit bounds it (255 bytes, 32 wildcards, 64 characters "
+        "in sets); SetLimit changes them at run time (default: none)",
     )
     serve.add_argument(
         "--max-limits",
@@ -357,6 +359,11 @@ def _limit(text: str) -> tuple[str, int]:
     pattern, sep, number = text.rpartition("=")
     if not sep or not pattern or not number.isdigit() or int(number) < 1:
         raise argparse.ArgumentTypeError(f"not PATTERN=MAX with MAX >= 1: {text!r}")
+    try:
+        # Bounded as SetLimit's: every GetJob tests names against it.
+        params.checked_pattern(pattern)
+    except CommandError as error:
+        raise argparse.ArgumentTypeError(f"a pattern SetLimit refuses: {error.status}") from None
     return pattern, int(number)
 
 

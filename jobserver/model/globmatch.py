@@ -23,6 +23,13 @@ from functools import lru_cache
 # to compile (100 patterns of 2,400 such runs each held the event loop for
 # seconds). Checked where a pattern arrives (core/commands/params.py).
 MAX_WILDCARDS = 32
+# The most characters a pattern's sets may hold between them (`[a-z]` is
+# three): SQLite's GLOB reads a set character by character at every place
+# it tries it, so a set after a star costs a name its length times the
+# set's. One set of 12,747 characters cost 14 ms a name in a GetJob's
+# scan; 64 cost about 60 us, as a star and a name-long literal do. A real
+# pattern's sets are a few characters (`[0-9]`, `[ab]`).
+MAX_SET_CHARACTERS = 64
 # Compiled patterns kept for the next GetJob that waits on one.
 _KEPT_MATCHERS = 4096
 
@@ -131,6 +138,24 @@ def too_many_wildcards(pattern: str) -> bool:
     if pattern.count("*") + pattern.count("?") + pattern.count("[") <= MAX_WILDCARDS:
         return False
     return wildcards(pattern) > MAX_WILDCARDS
+
+
+def too_many_set_characters(pattern: str) -> bool:
+    """Whether a pattern's sets hold more than MAX_SET_CHARACTERS between
+    them; most patterns hold no set and are read no further."""
+    return "[" in pattern and set_characters(pattern) > MAX_SET_CHARACTERS
+
+
+def set_characters(pattern: str) -> int:
+    """How many characters a pattern's sets hold, as SQLite reads them:
+    what lies between each `[` and its `]` (a first `]` is one of them, a
+    negating `^` is not), and to the end for a set that is never closed."""
+    total = 0
+    i = 0
+    while (opened := pattern.find("[", i)) >= 0:
+        charset, i = _parse_set(pattern, opened + 1)
+        total += min(i - 1, len(pattern)) - (opened + 1) - charset.invert
+    return total
 
 
 def wildcards(pattern: str) -> int:

@@ -242,11 +242,13 @@ class Dashboard:
             len(pattern.encode()) > params.MAX_PATTERN
             or params.has_control(pattern)
             or globmatch.too_many_wildcards(pattern)
+            or globmatch.too_many_set_characters(pattern)
         ):
             return self._message(
                 request, 400, "Not a name pattern",
                 f"A pattern is at most {params.MAX_PATTERN} bytes, without control characters, "
-                f"with at most {globmatch.MAX_WILDCARDS} wildcards (*, ? and [...]).",
+                f"with at most {globmatch.MAX_WILDCARDS} wildcards (*, ? and [...]) "
+                f"and {globmatch.MAX_SET_CHARACTERS} characters in its sets.",
             )
         store = self._store
         try:

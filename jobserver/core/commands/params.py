@@ -430,7 +430,11 @@ def capacity(request: Request) -> int:
 
 def pattern(request: Request) -> str:
     """The one GLOB pattern of SetLimit, PauseJobs and ResumeJobs."""
-    value = require(request, "name")
+    return checked_pattern(require(request, "name"))
+
+
+def checked_pattern(value: str) -> str:
+    """A pattern of a limit or a pause, as SetLimit and `--limit` take it."""
     if len(value.encode("utf-8")) > MAX_NAME:
         raise too_large("name", MAX_NAME)
     if has_control(value):
@@ -440,7 +444,12 @@ def pattern(request: Request) -> str:
 
 
 def check_wildcards(pattern: str) -> None:
-    """A GLOB pattern holds at most MAX_WILDCARDS wildcards: each costs
-    every match of the pattern a search (globmatch.py)."""
+    """A GLOB pattern holds at most MAX_WILDCARDS wildcards, each costing
+    every match of the pattern a search, and MAX_SET_CHARACTERS in its
+    sets, each read at every place a set is tried (globmatch.py)."""
     if globmatch.too_many_wildcards(pattern):
         raise CommandError(f"402 Name too complex ({globmatch.MAX_WILDCARDS} wildcards at most)")
+    if globmatch.too_many_set_characters(pattern):
+        raise CommandError(
+            f"402 Name too complex ({globmatch.MAX_SET_CHARACTERS} characters in sets at most)"
+        )
