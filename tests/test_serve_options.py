@@ -52,7 +52,7 @@ OUT_OF_RANGE = [
     ("--limit", "email/*=0", "not PATTERN=MAX with MAX >= 1"),
     ("--limit", "email/*", "not PATTERN=MAX with MAX >= 1"),
     ("--limit", "*" * 33 + "=1", "a pattern SetLimit refuses: 402 Name too complex (32 wildcards"),
-    ("--limit", "[" + "a" * 65 + "]=1", "SetLimit refuses: 402 Name too complex (64 char"),
+    ("--limit", "[" + "a" * 65 + "]=1", "a pattern SetLimit refuses: 402 Name too complex (64"),
     ("--limit", "a" * 256 + "=1", "a pattern SetLimit refuses: 402 Name too large (255 bytes"),
     ("--log-level", "verbose", "invalid choice"),
     ("--synchronous", "OFF", "invalid choice"),
