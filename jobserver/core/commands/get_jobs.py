@@ -58,9 +58,12 @@ async def _compiled(query: JobQuery) -> globmatch.Matcher | None:
     """A waiting GetJob's GLOB as a function of a name, with which the
     names of new jobs are matched on the event loop: compiled in a thread,
     once per pattern (a long pattern's regular expressions take
-    milliseconds, which a hundred waiters at once would hold the loop for)."""
-    if query.pattern is None or not query.scans:
+    milliseconds, which a hundred waiters at once would hold the loop for).
+    An exact name's is a comparison, made here once."""
+    if query.pattern is None:
         return None
+    if not query.scans:
+        return globmatch.matcher(query.pattern)
     kept = globmatch.compiled(query.pattern)
     if kept is not None:
         return kept
