@@ -5,17 +5,18 @@ taken with GetJobs and failed with pipelined FailJobs."""
 from __future__ import annotations
 
 from helpers import ok
-from jobserver.model.globmatch import MAX_SET_CHARACTERS
-from jobserver.wire.limits import BULK_PATTERN_BUDGET, MAX_RESULTS, SET_CHARACTER_WEIGHT
+from jobserver.wire.limits import BULK_TEST_BUDGET, MAX_RESULTS
 from wire import Client, encode
 
-# A costly pattern, of a set as large as sets may be, that matches the
-# names `n/...x`, and how many jobs a search for it examines: the budget
-# over its bytes from the star and the weight of its set's characters.
-COSTLY = (
-    "n/*[" + "x" * (MAX_SET_CHARACTERS - 1) + "y]",
-    BULK_PATTERN_BUDGET // (MAX_SET_CHARACTERS + 3 + SET_CHARACTER_WEIGHT * MAX_SET_CHARACTERS),
-)
+# A costly pattern, a star then a long literal, matching the names
+# costly_name(i), and how many jobs a search for it examines: the budget
+# over what it may cost to test a name, 1 unit and 5 for each of the 241
+# bytes from its star (globmatch.match_cost).
+COSTLY = ("n/*" + "x" * 240, BULK_TEST_BUDGET // (1 + 5 * 241))
+
+
+def costly_name(i: int) -> str:
+    return f"n/{i}" + "x" * 240
 
 # Jobs a CreateJobs of queue_many creates, and CreateJobs sent at once.
 BATCH = 1000

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from bulk_jobs import COSTLY
+from bulk_jobs import COSTLY, costly_name
 from test_cli import CliHere
 
 from harness import ThreadServer
@@ -61,7 +61,7 @@ def test_a_run_that_stopped_short_says_so(cli: CliHere, jobs: Client) -> None:
     """A costly pattern examines few jobs (protocol.md 14.19): the reply
     says how many, and that more may match."""
     pattern, examined = COSTLY
-    jobs.create_jobs([{"name": f"n/{i}x"} for i in range(examined + 1)])
+    jobs.create_jobs([{"name": costly_name(i)} for i in range(examined + 1)])
     dry = cli.ok("cancel-queued", pattern, "--dry-run")
     assert (dry["matched"], dry["complete"], dry["examined"]) == (examined, False, examined)
     assert "complete" not in cli.ok("cancel-queued", "--queue", "n", "--dry-run")

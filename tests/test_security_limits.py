@@ -30,7 +30,7 @@ from harness import ServerProcess, ThreadServer
 from helpers import create, ok
 from jobserver.core.rules import flow
 from jobserver.core.rules.flow import FlowIndex
-from jobserver.model.globmatch import glob_match
+from jobserver.model.globmatch import glob_match, match_cost
 from jobserver.wire.limits import DEFAULT_MAX_LIMITS, MAX_MAX_LIMITS, MIN_MAX_REPLY_BYTES
 from wire import Client, encode
 
@@ -76,10 +76,13 @@ def held(j: int, count: int) -> str:
 
 
 class Pinger:
-    """Pings on a connection of its own until stopped; the slowest answer."""
+    """Pings (or another request without parameters that must answer 200)
+    on a connection of its own until stopped; the slowest answer."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, verb: str = "Ping", **params: str) -> None:
         self.client = Client(port, timeout=60)
+        self.verb = verb
+        self.params = params
         self.slowest = 0.0
         self.count = 0
         self._stop = threading.Event()
@@ -88,7 +91,7 @@ class Pinger:
     def _run(self) -> None:
         while not self._stop.is_set():
             started = time.monotonic()
-            ok(self.client.request("Ping"))
+            ok(self.client.request(self.verb, **self.params))
             self.slowest = max(self.slowest, time.monotonic() - started)
             self.count += 1
             self._stop.wait(0.005)
@@ -133,6 +136,54 @@ def test_setlimit_and_pausejobs_stop_at_max_limits_and_removal_always_works(db):
             assert status["paused"] == ["a*", "c*", "d*"]
     finally:
         server.stop()
+
+
+def test_what_the_patterns_cost_a_name_is_bounded_and_a_getjob_over_costly_ones_is_quick(
+    start_server, db
+):
+    """Each of these patterns makes SQLite's GLOB try its 122 bytes at each
+    place in a name of the letter it repeats (about 25 us): once they cost
+    a name MAX_PATTERNS_COST together, another is refused, and a GetJob
+    over such names, all paused, answers within its budget while a
+    neighbour's CreateJob goes on. Counted as one test each, 999 of them
+    held the writer 4 to 5 s for one GetJob over 300 names."""
+    server = start_server(db)
+    costly = [f"*[a]{'a' * 116}{i:03d}b" for i in range(999)]
+    cost = match_cost(costly[0])
+    fits = flow.MAX_PATTERNS_COST // cost
+    with server.client(timeout=60) as client:
+        ok(client.request("PauseJobs", name="a*"))
+        for pattern in costly[: fits - 1]:
+            ok(client.request("PauseJobs", name=pattern))
+        ok(client.request("SetLimit", name=costly[fits - 1], max=1))
+        refused = f"413 Patterns too costly ({flow.MAX_PATTERNS_COST} units a name at most, "
+        assert client.request("PauseJobs", name=costly[fits]).status == f"{refused}this one {cost})"
+        assert client.request("SetLimit", name=costly[fits], max=1).status.startswith(refused)
+        # Plain patterns cost a unit each: there is room for those left.
+        ok(client.request("PauseJobs", name="plain/*"))
+        create_many(client, ["a" * 250 + f"{i:05d}" for i in range(300)])
+        with Pinger(server.port, "CreateJob", name="neighbour") as neighbour:
+            for _ in range(3):
+                started = time.monotonic()
+                assert client.request("GetJob", name="a*").status == "404 No job found"
+                took = time.monotonic() - started
+                assert took < PING_BOUND, took
+                # New patterns: what held each name is forgotten.
+                ok(client.request("PauseJobs", name="zz*"))
+                ok(client.request("ResumeJobs", name="zz*"))
+        assert neighbour.count > 0 and neighbour.slowest < PING_BOUND, neighbour.slowest
+        # Removing one is always accepted, and makes room.
+        ok(client.request("ResumeJobs", name=costly[0]))
+        ok(client.request("PauseJobs", name=costly[fits]))
+
+
+def test_a_server_does_not_start_with_limit_options_that_cost_too_much(start_server, backend):
+    if backend != "sqlite":
+        pytest.skip("the command line is the same on every backend")
+    costly = [f"--limit=*[a]{'a' * 116}{i:03d}b=1" for i in range(400)]
+    refused = start_server(None, *costly)
+    assert not refused.started and refused.wait() == 2, refused.log
+    assert "the --limit patterns cost more than 200000 units a name" in refused.log
 
 
 def test_max_limits_is_range_checked_and_counts_the_limit_options(start_server, backend):

@@ -17,6 +17,7 @@ from jobserver.core.commands import backup, params
 from jobserver.core.engine import history
 from jobserver.core.engine.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER
 from jobserver.core.errors import CommandError
+from jobserver.core.rules import flow
 from jobserver.model.times import duration_text
 from jobserver.server.app import Config, HttpListenError, Server
 from jobserver.storage import sqlite_backup
@@ -433,6 +434,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if len(dict(args.limit)) > args.max_limits:
         log.error("more --limit patterns than --max-limits %d", args.max_limits)
+        return 2
+    if flow.patterns_cost(dict(args.limit)) > flow.MAX_PATTERNS_COST:
+        log.error(
+            "the --limit patterns cost more than %d units a name to match (protocol.md 3)",
+            flow.MAX_PATTERNS_COST,
+        )
         return 2
     if args.http_port is not None and not web.available():
         log.error("%s", web.MISSING)

@@ -91,18 +91,15 @@ MAX_BULK = 1000
 # SQLite and 45 ms on PostgreSQL, 0.15 s and 0.25 s if all match (the
 # state of each read again by its jobID).
 MAX_BULK_EXAMINED = 100_000
-# ... fewer for a costly pattern: a GLOB's test of a name takes time in the
-# name's length times the pattern's from its first wildcard, more for the
-# characters of its sets, which SQLite reads again at each place it tries
-# one. Weighing a pattern as those bytes plus SET_CHARACTER_WEIGHT for each
-# set character, a search examines at most this over the weight: at worst
-# about 30 ms of tests, beside the 25 ms of reading 100,000 rows. Measured
-# on SQLite against 255-byte names of the letter the pattern repeats: `*`
-# then a 12,749-byte literal 32 us a name (78 examined), `*[` 64 other
-# letters `]` 30 us (917), `*[a]` 31 times then `b` 3 us (1,612), `*zz`
-# 0.1 us (all 100,000); a set of 12,747 letters took 4.7 ms a name.
-BULK_PATTERN_BUDGET = 1_000_000
-SET_CHARACTER_WEIGHT = 16
+# ... fewer for a costly pattern: at most this over what testing a name
+# against it may cost, in units of a plain test of about 50 ns
+# (globmatch.match_cost), about 50 ms of tests at worst beside the 25 ms of
+# reading 100,000 rows: a plain pattern examines all 100,000, `*zz` (16
+# units) 62,500, `*?` and 11 letters (66) 15,151, `*` and 12,749 letters
+# (63,746) 15.
+# Weighed by its bytes alone, `*?aaaaaaaaaab` examined 76,923 names of 255
+# `a`s and held the writer 0.3 to 0.9 s.
+BULK_TEST_BUDGET = 1_000_000
 
 # FailedJobs lists at most this many jobs, as Query returns at most this
 # many rows, and this many when it names no limit.

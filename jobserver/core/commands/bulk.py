@@ -22,17 +22,11 @@ from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
 from jobserver.core.rules import lifecycle
 from jobserver.core.rules.selection import name_selector
-from jobserver.model.globmatch import literal_start, set_characters
+from jobserver.model.globmatch import match_cost
 from jobserver.model.jobs import Job, State
 from jobserver.storage.interface import Found, NameMatch
 from jobserver.wire.framing import Request, Response
-from jobserver.wire.limits import (
-    BULK_PATTERN_BUDGET,
-    MAX_BULK,
-    MAX_BULK_EXAMINED,
-    MAX_NAME,
-    SET_CHARACTER_WEIGHT,
-)
+from jobserver.wire.limits import BULK_TEST_BUDGET, MAX_BULK, MAX_BULK_EXAMINED, MAX_NAME
 
 Act = Callable[[Context, Job], None]
 
@@ -112,20 +106,11 @@ def _held(ctx: Context, ids: list[int], state: str) -> list[Job]:
 
 def _examined(match: NameMatch) -> int:
     """How many jobs a search may examine: MAX_BULK_EXAMINED, fewer for a
-    costly pattern: BULK_PATTERN_BUDGET over its weight (limits.py)."""
+    costly pattern: BULK_TEST_BUDGET over what testing a name may cost
+    (globmatch.match_cost; its literal start is the index's range)."""
     if match.pattern is None:
         return MAX_BULK_EXAMINED
-    return min(MAX_BULK_EXAMINED, BULK_PATTERN_BUDGET // _weight(match.pattern))
-
-
-def _weight(pattern: str) -> int:
-    """What testing a name against a pattern costs, in bytes of pattern: its
-    bytes from its first wildcard (the literal start is the index's range),
-    and SET_CHARACTER_WEIGHT more for each character in its sets, which a
-    GLOB reads again at every place it tries a set."""
-    tested = pattern.partition("\0")[0]  # what a GLOB reads of it
-    tail = len(tested.encode()) - len(literal_start(tested).encode())
-    return max(tail + SET_CHARACTER_WEIGHT * set_characters(tested), 1)
+    return min(MAX_BULK_EXAMINED, BULK_TEST_BUDGET // match_cost(match.pattern))
 
 
 def _dry_run(request: Request) -> bool:

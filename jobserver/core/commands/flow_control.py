@@ -7,6 +7,8 @@ from jobserver.core.commands import params
 from jobserver.core.commands.views import ok
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
+from jobserver.core.rules import flow
+from jobserver.model.globmatch import match_cost
 from jobserver.wire.framing import Request, Response
 
 
@@ -17,8 +19,10 @@ def set_limit(ctx: Context, request: Request) -> Response:
     capacity = params.capacity(request)
     limits = ctx.store.limits
     most = ctx.settings.max_limits
-    if capacity and pattern not in limits and len(limits) >= most:
-        raise CommandError(f"413 Too many limits (max {most})")
+    if capacity and pattern not in limits:
+        if len(limits) >= most:
+            raise CommandError(f"413 Too many limits (max {most})")
+        _check_cost(ctx, pattern)
     ctx.store.set_limit(pattern, capacity)
     # A higher or removed limit may let waiting jobs run.
     ctx.wake_all()
@@ -33,8 +37,23 @@ def pause_jobs(ctx: Context, request: Request) -> Response:
     most = ctx.settings.max_limits
     if pattern not in paused and len(paused) >= most:
         raise CommandError(f"413 Too many paused patterns (max {most})")
+    if pattern not in paused:
+        _check_cost(ctx, pattern)
     ctx.store.pause(pattern)
     return ok()
+
+
+def _check_cost(ctx: Context, pattern: str) -> None:
+    """A new limit or pause is refused when judging a name against all of
+    them would cost more than flow.MAX_PATTERNS_COST: each candidate of a
+    GetJob is judged in the writer."""
+    # The index of the patterns as they are, which the next GetJob reads.
+    cost = flow.index_of(ctx.store).cost + match_cost(pattern)
+    if cost > flow.MAX_PATTERNS_COST:
+        raise CommandError(
+            f"413 Patterns too costly ({flow.MAX_PATTERNS_COST} units a name at most, "
+            f"this one {match_cost(pattern)})"
+        )
 
 
 def resume_jobs(ctx: Context, request: Request) -> Response:

@@ -15,12 +15,16 @@ for minutes. Here:
 - what holds a name is remembered per name (`MAX_CACHED_NAMES` of them)
   until the patterns change, so a queue of many jobs of few names costs
   one match per name;
-- a search spends from a `Budget`: a name not yet remembered costs one
-  unit per pattern, a limit's usage (a query) `usage_cost`; when the
-  budget is spent the GetJob answers with what it found.
+- a search spends from a `Budget`: a name not yet remembered costs what
+  testing it against every pattern may cost (`globmatch.match_cost`: one
+  unit for a plain pattern, over a thousand for one of 255 bytes that
+  SQLite's GLOB tries at each place in a name), a limit's usage (a query)
+  `usage_cost`; when the budget is spent the GetJob answers with what it
+  found.
 
-The count of patterns is capped (`--max-limits`, commands.set_limit), so a
-single name never costs more than that many tests.
+The count of patterns is capped (`--max-limits`), and so is what they cost
+a name together (`MAX_PATTERNS_COST`, commands.flow_control), so every
+name can be judged within one search's budget.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from jobserver.model.globmatch import match_cost
 from jobserver.storage.interface import Storage
 
 # Names whose verdict is remembered: enough for every queue of a large
@@ -39,14 +44,23 @@ from jobserver.storage.interface import Storage
 MAX_CACHED_NAMES = 10_000
 MAX_CACHED_LIMITS = 1_000_000
 # What one search (one GetJob or GetJobs) may spend: tests of a name
-# against a pattern, done in C at tens of nanoseconds each, so that the
-# worst search holds the writer for tens of milliseconds, not seconds.
-SEARCH_BUDGET = 100_000
+# against a pattern, done in C, in units of a plain test (about 50 ns;
+# globmatch.match_cost), so that the worst search holds the writer for
+# tens of milliseconds, not seconds: when each test counted one, however
+# costly, 999 paused patterns of about 630 units, each tested against
+# 100 names of 255 bytes, held it 4 to 5 s.
+SEARCH_BUDGET = 1_000_000
+# What the limits and paused patterns may cost a name together, so any
+# name is judged within a search, five at least. A plain pattern
+# (`email/*`) costs one unit, `*-123` 26: --max-limits' 10,000 limits and
+# 10,000 pauses of the first kind cost 20,000, a thousand of each of the
+# second 50,900; 156 of `*` and 254 letters fill it (a name judged in 6 ms).
+MAX_PATTERNS_COST = 200_000
 # A limit's usage is a query over its running jobs, counted as this many
-# tests: an index range when the pattern starts with a literal character,
+# units: an index range when the pattern starts with a literal character,
 # else a pass over every running job.
-USAGE_COST = 500
-USAGE_SCAN_COST = 5000
+USAGE_COST = 5_000
+USAGE_SCAN_COST = 50_000
 # With more limits and paused patterns than this, a hand-out is heavy (is_heavy).
 HEAVY_PATTERNS = 64
 # Indexes kept for recently seen sets of patterns: more than one store may
@@ -71,7 +85,8 @@ class FlowIndex:
         self.paused = paused
         # A job costing no more than this fits every limit's capacity.
         self.min_capacity = min(self.limits.values(), default=0)
-        self.size = len(self.limits) + len(paused)
+        # What judging one name against all of them may cost.
+        self.cost = patterns_cost([*self.limits, *paused])
         self._db = sqlite3.connect(":memory:", check_same_thread=False)
         self._db.execute("CREATE TABLE flow (pattern TEXT NOT NULL, capacity INTEGER)")
         self._db.executemany(
@@ -91,7 +106,7 @@ class FlowIndex:
         return self._verdicts.get(name)
 
     def verdict(self, name: str) -> Verdict:
-        """What holds `name`: remembered, or matched now (`size` tests)."""
+        """What holds `name`: remembered, or matched now (`cost` units)."""
         found = self._verdicts.get(name)
         if found is not None:
             return found
@@ -136,6 +151,11 @@ def index_of(store: Storage) -> FlowIndex:
         _indexes.insert(0, index)
         del _indexes[MAX_INDEXES:]
     return index
+
+
+def patterns_cost(patterns: Iterable[str]) -> int:
+    """What testing one name against all of these patterns may cost."""
+    return sum(map(match_cost, patterns))
 
 
 def is_heavy(store: Storage) -> bool:

@@ -239,7 +239,7 @@ class Holds:
 
     def _verdict(self, name: str) -> flow.Verdict | None:
         found = self._index.cached(name)
-        if found is None and self._budget.spend(self._index.size):
+        if found is None and self._budget.spend(self._index.cost):
             found = self._index.verdict(name)
         return found
 
