@@ -337,8 +337,8 @@ def add_max_reply_bytes(parser: argparse.ArgumentParser) -> None:
         help=f"read no reply larger than BYTES, {MIN_MAX_REPLY_BYTES:,} to "
         f"{MAX_CLIENT_MAX_REPLY_BYTES:,}: one announcing more is a broken connection, "
         "closed unread, and the server is tried again after a wait; keep it above the "
-        f"server's --max-reply-bytes (default: {DEFAULT_CLIENT_MAX_REPLY_BYTES:,}, four "
-        "times the server's default)",
+        f"server's --max-reply-bytes (default: {DEFAULT_CLIENT_MAX_REPLY_BYTES:,}, 4x the "
+        "server's own)",
     )
 
 
