@@ -662,7 +662,8 @@ def test_a_create_whose_second_try_is_refused_with_a_5xx_is_an_unknown_outcome(f
     ("GetJobs", lambda c: c.get_jobs("x", 5, wait=1)),
 ])
 def test_read_only_requests_and_hand_outs_are_sent_once_more(fake, method, action):
-    server = fake([NO_REPLY], [reply("200 OK", b'{"jobs": []}')])
+    # A body every one of them can read: GetJob's job, GetJobs' list.
+    server = fake([NO_REPLY], [reply("200 OK", b'{"jobID": 1, "name": "x", "jobs": []}')])
     with fake_client(server) as client:
         action(client)
     assert server.methods() == [(0, method), (1, method)]

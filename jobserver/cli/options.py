@@ -19,14 +19,17 @@ from jobserver.model.names import has_control
 from jobserver.model.times import duration_text, parse_duration
 from jobserver.wire import jsonbody
 from jobserver.wire.limits import (
+    DEFAULT_CLIENT_MAX_REPLY_BYTES,
     DEFAULT_HOST,
     DEFAULT_PORT,
+    MAX_CLIENT_MAX_REPLY_BYTES,
     MAX_DELAY,
     MAX_DELAY_DIGITS,
     MAX_IDEMPOTENCY_KEY,
     MAX_JOB_ID,
     MAX_NAME,
     MAX_REPLY_KEY,
+    MIN_MAX_REPLY_BYTES,
     PRIORITIES,
 )
 
@@ -320,6 +323,22 @@ def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="speak TLS, trusting the CA certificates in FILE (PEM) instead of the "
         "system's; implies --tls (default: none)",
+    )
+
+
+def add_max_reply_bytes(parser: argparse.ArgumentParser) -> None:
+    """--max-reply-bytes, for the worker and the worker manager: a bound on
+    what a broken or hostile server can make them hold."""
+    parser.add_argument(
+        "--max-reply-bytes",
+        type=number(int, MIN_MAX_REPLY_BYTES, MAX_CLIENT_MAX_REPLY_BYTES),
+        default=DEFAULT_CLIENT_MAX_REPLY_BYTES,
+        metavar="BYTES",
+        help=f"read no reply larger than BYTES, {MIN_MAX_REPLY_BYTES:,} to "
+        f"{MAX_CLIENT_MAX_REPLY_BYTES:,}: one announcing more is a broken connection, "
+        "closed unread, and the server is tried again after a wait; keep it above the "
+        f"server's --max-reply-bytes (default: {DEFAULT_CLIENT_MAX_REPLY_BYTES:,}, 4x the "
+        "server's own)",
     )
 
 

@@ -111,6 +111,17 @@ the certificate is not trusted, the server does not speak TLS, or the
 server requires TLS and the client was not told to use it. Nothing was
 carried out then, and sending again would fail the same way.
 
+Replies it cannot read. A reply is read only up to `max_reply_bytes`
+(default 128 MiB, four times the server's own bound, `--max-reply-bytes`):
+one announcing a larger body is not read at all, and, like a reply that
+breaks the framing, counts as a broken connection (ConnectionFailed). A
+framed reply whose body is not what its command answers (not JSON, a job
+without a `name`, a `jobID` that is not a number) is a `MalformedReply`, a
+ConnectionFailed too, whose connection the client closes. Either way the
+request may have been carried out. So a broken or hostile server can make
+a request fail, never make the client hold more than `max_reply_bytes` or
+hand its caller a job it cannot use.
+
 A client is for one thread, or one task, at a time: an async client
 refuses with RuntimeError a request made while another task's is under way
 (the two would take each other's replies), so a web application opens one
@@ -135,6 +146,7 @@ from jobserver.client.errors import (
     InvalidRequest,
     JobNotFound,
     JobServerError,
+    MalformedReply,
     MalformedRequest,
     OutcomeUnknown,
     ServerError,
@@ -168,6 +180,7 @@ __all__ = [
     "InvalidRequest",
     "JobNotFound",
     "JobServerError",
+    "MalformedReply",
     "MalformedRequest",
     "OutcomeUnknown",
     "Reply",

@@ -17,7 +17,7 @@ from typing import Any, Generic, Self, TypeVar
 from jobserver.client import calls
 from jobserver.client.calls import Call, Fail, FinishResult, Retry, When, documented_by
 from jobserver.client.endpoint import Endpoint, idle_connection_dead
-from jobserver.client.errors import ConnectionFailed, TLSFailed
+from jobserver.client.errors import ConnectionFailed, MalformedReply, TLSFailed
 from jobserver.wire.framing import Reply
 
 T = TypeVar("T")
@@ -288,7 +288,12 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
         finally:
             self._in_request = False
         self._learn_keys(call, reply)
-        return call.outcome(reply, earlier_lost)
+        try:
+            result: T = self._outcome(call, reply, earlier_lost)
+        except MalformedReply:
+            await self.aclose()
+            raise
+        return result
 
     async def _exchange(self, call: Call[Any]) -> tuple[Reply, bool]:
         """The reply, and whether it answers a second try (the first one's

@@ -7,7 +7,7 @@ import ssl
 
 from jobserver.client.async_calls import AsyncCalls
 from jobserver.client.endpoint import CANNOT_CONNECT, CANNOT_SEND, NO_REPLY, RECEIVE_SIZE
-from jobserver.wire.framing import Reply, ReplyReader
+from jobserver.wire.framing import Reply
 
 try:
     import anyio
@@ -47,7 +47,7 @@ class AsyncClient(AsyncCalls[ByteStream]):
         return stream
 
     async def _receive(self, stream: ByteStream, patience: float) -> Reply:
-        reader = ReplyReader()
+        reader = self._reader()
         try:
             with anyio.fail_after(patience):
                 while (reply := reader.reply()) is None:

@@ -15,7 +15,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 from jobserver.client.errors import JobServerError, OutcomeUnknown, error_for
 from jobserver.wire.framing import Reply, without_lone_surrogates
-from jobserver.wire.limits import DEFAULT_WAIT_MS, MAX_FINISH_JOBS, MAX_WAIT_MS
+from jobserver.wire.limits import DEFAULT_WAIT_MS, MAX_FINISH_JOBS, MAX_JOB_ID, MAX_WAIT_MS
 
 T = TypeVar("T")
 Method = TypeVar("Method", bound=Callable[..., Any])
@@ -38,6 +38,15 @@ _READ_ONLY = frozenset(
 # died, or the reply was lost on the way) it comes back when its lease
 # (retryAfter) or --stale-after runs out.
 _HAND_OUT = frozenset({"getjob", "getjobs"})
+# What reading a reply's body raises when it is not what its command
+# answers: JSON that does not parse (or nests past the stack), a field
+# missing or of another type. `Call.outcome` turns them into UnreadableReply.
+_UNREADABLE = (ValueError, KeyError, TypeError, IndexError, RecursionError)
+
+
+class UnreadableReply(Exception):
+    """A reply's body is not what its command answers; the client says so
+    as a MalformedReply, naming the server."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +80,15 @@ class Call(Generic[T]):
                 )
             # A refusal's detail, if any, is in its `error` header (protocol.md 2).
             raise error_for(reply.status, reply.headers.get("error"))
-        return self.result(reply)
+        try:
+            return self.result(reply)
+        except _UNREADABLE as error:
+            answered = f"{self.verb} answered {_shown(reply.status)}"
+            raise UnreadableReply(f"{answered}: {error}") from error
+
+    @property
+    def verb(self) -> str:
+        return self.method.split(" ", 1)[0]
 
     @property
     def read_only(self) -> bool:
@@ -138,6 +155,37 @@ def _field(name: str) -> Callable[[Reply], Any]:
 
 def _no_job() -> None:
     return None
+
+
+def _job(value: object) -> dict[str, Any]:
+    """A job object as GetJob hands it out, checked for what every worker
+    relies on: a jobID (its running jobs are kept by it) and a name (its
+    handler is picked by it)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"a job that is not an object: {_shown(value)}")
+    job_id, name = value.get("jobID"), value.get("name")
+    if type(job_id) is not int or not 1 <= job_id <= MAX_JOB_ID:
+        raise ValueError(f"a job whose jobID is {_shown(job_id)}")
+    if not isinstance(name, str):
+        raise ValueError(f"job {job_id}, whose name is {_shown(name)}")
+    return value
+
+
+def _one_job(reply: Reply) -> dict[str, Any]:
+    return _job(reply.json())
+
+
+def _jobs(reply: Reply) -> list[dict[str, Any]]:
+    jobs = reply.json()["jobs"]
+    if not isinstance(jobs, list):
+        raise ValueError(f"jobs that are not a list: {_shown(jobs)}")
+    return [_job(job) for job in jobs]
+
+
+def _shown(value: object) -> str:
+    """A value from a reply, cut short for a message: it came from a peer."""
+    text = repr(value)
+    return text if len(text) <= 100 else text[:100] + "..."
 
 
 def _time_text(when: When | None) -> str | None:
@@ -262,7 +310,7 @@ def get_job(name: str, wait: float | None, priority: int | None) -> Call[dict[st
     """Take a due job whose name matches the pattern; None if there is
     none. With `wait`, wait up to that many seconds for one."""
     params = {"name": name, "jobPriority": priority, "includeLeaseID": True, **_wait_params(wait)}
-    return Call("GetJob", params, _body, _no_job)
+    return Call("GetJob", params, _one_job, _no_job)
 
 
 def get_jobs(
@@ -276,7 +324,7 @@ def get_jobs(
         "includeLeaseID": True,
     }
     params.update(_wait_params(wait))
-    return Call("GetJobs", params, _field("jobs"), list)
+    return Call("GetJobs", params, _jobs, list)
 
 
 def update_job(

@@ -8,8 +8,8 @@ import select
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeAlias
 
-from jobserver.client.calls import Call
-from jobserver.client.errors import ConnectionFailed, TLSFailed
+from jobserver.client.calls import Call, UnreadableReply
+from jobserver.client.errors import ConnectionFailed, MalformedReply, TLSFailed
 from jobserver.client.servers import (
     Address,
     Servers,
@@ -17,8 +17,14 @@ from jobserver.client.servers import (
     format_address,
     parse_servers,
 )
-from jobserver.wire.framing import TLS_REQUIRED, Reply, encode_request
-from jobserver.wire.limits import DEFAULT_HOST, DEFAULT_PORT
+from jobserver.wire.framing import TLS_REQUIRED, Reply, ReplyReader, encode_request
+from jobserver.wire.limits import (
+    DEFAULT_CLIENT_MAX_REPLY_BYTES,
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    MAX_CLIENT_MAX_REPLY_BYTES,
+    MIN_MAX_REPLY_BYTES,
+)
 
 if TYPE_CHECKING:
     import ssl
@@ -89,6 +95,19 @@ def idle_connection_dead(fileno: int) -> bool:
 CANNOT_CONNECT = "cannot connect to"
 CANNOT_SEND = "cannot send to"
 NO_REPLY = "no reply (the request may have been carried out) from"
+BAD_REPLY = "a reply that means nothing (the request may have been carried out) from"
+
+
+def check_max_reply_bytes(value: int) -> int:
+    """`value` if a client may take it as its max_reply_bytes, else ValueError."""
+    if not (
+        type(value) is int and MIN_MAX_REPLY_BYTES <= value <= MAX_CLIENT_MAX_REPLY_BYTES
+    ):
+        raise ValueError(
+            f"max_reply_bytes must be {MIN_MAX_REPLY_BYTES:,} to "
+            f"{MAX_CLIENT_MAX_REPLY_BYTES:,}, not {value!r}"
+        )
+    return value
 
 
 class Endpoint:
@@ -104,11 +123,17 @@ class Endpoint:
         timeout: float = DEFAULT_TIMEOUT,
         auth_token: str | None = None,
         tls: TLS = None,
+        max_reply_bytes: int = DEFAULT_CLIENT_MAX_REPLY_BYTES,
     ) -> None:
         """`host` is one host, or the servers of a queue served by several
         nodes: a list of "HOST:PORT" (or (host, port)), or one string of
         them separated by commas; `port` is then the port of an address
-        that gives none. ValueError for a list that cannot be used."""
+        that gives none. ValueError for a list that cannot be used.
+        `max_reply_bytes`: a reply announcing a larger body is not read, and
+        its connection is closed as a broken one (ConnectionFailed); 4 MiB
+        to 2 GiB, by default 128 MiB, four times the server's default bound
+        (its --max-reply-bytes)."""
+        self.max_reply_bytes = check_max_reply_bytes(max_reply_bytes)
         self.servers = Servers(servers_of(host, port))
         # The servers seen to keep idempotency keys (a keyed create answered
         # without naming the key ignored): only to these is a create whose
@@ -162,6 +187,19 @@ class Endpoint:
         at random), as after a node answered 5xx; the current connection
         stays until closed. Does nothing with one server."""
         self.servers.move_on()
+
+    def _reader(self) -> ReplyReader:
+        """A reader for the next reply, held to `max_reply_bytes`."""
+        return ReplyReader(self.max_reply_bytes)
+
+    def _outcome(self, call: Call[Any], reply: Reply, earlier_lost: bool) -> Any:
+        """What `reply` means for `call` (Call.outcome); MalformedReply when
+        its body is not what the command answers. The caller closes the
+        connection then: the server is broken, or not a jobserver."""
+        try:
+            return call.outcome(reply, earlier_lost)
+        except UnreadableReply as error:
+            raise MalformedReply(f"{BAD_REPLY} {self.address}: {error}", sent=True) from error
 
     def _encode(self, call: Call[Any]) -> bytes:
         return encode_request(call.method, {**call.params, "authToken": self.auth_token})

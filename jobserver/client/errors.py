@@ -72,6 +72,16 @@ class ConnectionFailed(OSError):
         return type(self), (str(self), self.sent)
 
 
+class MalformedReply(ConnectionFailed):
+    """The server's reply is framed but means nothing: a body that is not
+    what its command answers (not JSON, a job without a name, a jobID that
+    is not a number). The client closes the connection, as it does one that
+    broke: a server that answers so is broken or is not a jobserver. The
+    request was sent, and may have been carried out (`sent` is true). A reply
+    that is not framed as the protocol says, or larger than the client's
+    `max_reply_bytes`, is a broken connection (ConnectionFailed) already."""
+
+
 class TLSFailed(ConnectionFailed):
     """TLS could not be set up with the server: its certificate is not
     trusted or not for this host, or one side speaks TLS and the other does

@@ -16,8 +16,8 @@ from jobserver.client.endpoint import (
     Endpoint,
     idle_connection_dead,
 )
-from jobserver.client.errors import ConnectionFailed, TLSFailed
-from jobserver.wire.framing import Reply, ReplyReader
+from jobserver.client.errors import ConnectionFailed, MalformedReply, TLSFailed
+from jobserver.wire.framing import Reply
 
 T = TypeVar("T")
 
@@ -271,7 +271,12 @@ class Client(Endpoint):
     def _call(self, call: Call[T]) -> T:
         reply, earlier_lost = self._exchange(call)
         self._learn_keys(call, reply)
-        return call.outcome(reply, earlier_lost)
+        try:
+            result: T = self._outcome(call, reply, earlier_lost)
+        except MalformedReply:
+            self.close()
+            raise
+        return result
 
     def _exchange(self, call: Call[Any]) -> tuple[Reply, bool]:
         """The reply, and whether it answers a second try (the first one's
@@ -338,7 +343,7 @@ class Client(Endpoint):
         return sock
 
     def _receive(self, sock: socket.socket, patience: float) -> Reply:
-        reader = ReplyReader()
+        reader = self._reader()
         try:
             sock.settimeout(patience)
             while (reply := reader.reply()) is None:

@@ -11,7 +11,7 @@ import trio
 
 from jobserver.client.async_calls import AsyncCalls
 from jobserver.client.endpoint import CANNOT_CONNECT, CANNOT_SEND, NO_REPLY, RECEIVE_SIZE
-from jobserver.wire.framing import Reply, ReplyReader
+from jobserver.wire.framing import Reply
 
 # What moving bytes with trio can raise besides cancellation.
 _TRIO_FAILURES = (OSError, ValueError, trio.BrokenResourceError, trio.TooSlowError)
@@ -40,7 +40,7 @@ class TrioClient(AsyncCalls[trio.abc.Stream]):
         return stream
 
     async def _receive(self, stream: trio.abc.Stream, patience: float) -> Reply:
-        reader = ReplyReader()
+        reader = self._reader()
         try:
             with trio.fail_after(patience):
                 while (reply := reader.reply()) is None:

@@ -21,7 +21,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobserver.wire.limits import MAX_BODY, MAX_HEAD, MAX_HEADERS, MAX_LINE
+from jobserver.wire.limits import (
+    DEFAULT_CLIENT_MAX_REPLY_BYTES,
+    MAX_BODY,
+    MAX_HEAD,
+    MAX_HEADERS,
+    MAX_LINE,
+)
 
 # Runs of what cannot stand in a status line: control characters and other
 # unprintable ones (line and paragraph separators included).
@@ -464,10 +470,13 @@ class ReplyReader:
 
     `feed` the bytes as they arrive, `b""` at the end of the stream; `reply`
     returns the next Reply once it is complete. Malformed input raises
-    ValueError.
+    ValueError, and so does a head announcing a body of more than
+    `max_body` bytes, before any of it is kept: the reader never holds more
+    than that and one read past it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_body: int = DEFAULT_CLIENT_MAX_REPLY_BYTES) -> None:
+        self.max_body = max_body
         self._buffer = bytearray()
         # Status line, headers and body length, once the head is complete.
         self._head: tuple[str, dict[str, str], int] | None = None
@@ -486,6 +495,11 @@ class ReplyReader:
                 return None
             self._head = _parse_reply_head(bytes(self._buffer[:end]))
             del self._buffer[: end + 4]
+            if self._head[2] > self.max_body:
+                raise ValueError(
+                    f"reply of {self._head[2]:,} bytes announced, more than the "
+                    f"{self.max_body:,} this client reads (max_reply_bytes)"
+                )
         status, headers, length = self._head
         if len(self._buffer) < length:
             return None

@@ -138,6 +138,16 @@ MAX_REPLY_TIMEOUT = 30 * 86400
 DEFAULT_MAX_REPLY_BYTES = 32 * 1024 * 1024
 MIN_MAX_REPLY_BYTES = 4 * 1024 * 1024
 MAX_MAX_REPLY_BYTES = 1024 * 1024 * 1024
+# The largest reply a client reads (the clients' `max_reply_bytes`, the
+# workers' --max-reply-bytes): a reply's body announced larger is refused
+# before a byte of it is read, so a broken or hostile server cannot make a
+# worker hold more (one announcing 100 GB grew a worker by 4.8 GB in 25 s).
+# Four times the server's default: a server at its default never comes
+# near it, one raised a little still gets through, and a worker holds at
+# most a few such replies. Up to twice the server's largest, so that a
+# client can follow any server (one job past the server's bound included).
+DEFAULT_CLIENT_MAX_REPLY_BYTES = 4 * DEFAULT_MAX_REPLY_BYTES
+MAX_CLIENT_MAX_REPLY_BYTES = 2 * MAX_MAX_REPLY_BYTES
 
 # Concurrency limits, and paused patterns, at most (--max-limits): every
 # job a GetJob considers is matched against them, so their number bounds

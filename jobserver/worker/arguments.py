@@ -18,6 +18,7 @@ from jobserver.cli.options import (
     LOG_LEVELS,
     SERVER_HELP,
     SERVER_METAVAR,
+    add_max_reply_bytes,
     add_tls_arguments,
     chosen_server,
     job_names,
@@ -134,6 +135,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--auth-token-file", metavar="FILE", help=AUTH_TOKEN_HELP)
     add_tls_arguments(parser)
+    add_max_reply_bytes(parser)
     parser.add_argument(
         "--log-level",
         type=log_level,
@@ -231,6 +233,7 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
         grace=args.grace,
         touch_interval=args.touch_interval,
         jobs=args.job_name,
+        max_reply_bytes=args.max_reply_bytes,
     )
 
 

@@ -17,7 +17,12 @@ __all__ = ["BACKOFF_MAX", "Backoff", "Link", "Server", "client", "close"]
 
 def client(server: Server) -> AsyncClient:
     """A new client for `server`; it connects on its first request."""
-    return AsyncClient(list(server.addresses), auth_token=server.token, tls=server.tls)
+    return AsyncClient(
+        list(server.addresses),
+        auth_token=server.token,
+        tls=server.tls,
+        max_reply_bytes=server.max_reply_bytes,
+    )
 
 
 async def close(client: AsyncClient) -> None:

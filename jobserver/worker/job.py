@@ -10,7 +10,11 @@ from jobserver.wire.limits import MAX_DELAY
 
 
 class LeaseRenewal(Protocol):
-    """How a job asks for its lease to be renewed (leases.py)."""
+    """How a job asks for its lease to be renewed (leases.py), and the
+    token of that lease: the newest hand-out's, should the job be handed
+    out again while it runs here (runner.py)."""
+
+    lease_id: str | None
 
     def renew(self) -> None: ...
 
@@ -20,15 +24,14 @@ class Job:
     """A job as GetJobs handed it out, for a handler that asks for it.
 
     `attempt` and `max_attempts` are None for a job without a retry policy
-    (protocol.md 14.1); `lease_id` is the hand-out's lease token; `raw` is
-    the whole job object (`parentData`, `finishedChildJobs`, ...)."""
+    (protocol.md 14.1); `lease_id` is the lease token its report carries;
+    `raw` is the whole job object (`parentData`, `finishedChildJobs`, ...)."""
 
     id: int
     name: str
     data: dict[str, Any]
     attempt: int | None
     max_attempts: int | None
-    lease_id: str | None
     retry_after: str
     raw: dict[str, Any] = field(repr=False)
     lease: LeaseRenewal = field(repr=False, compare=False)
@@ -42,11 +45,16 @@ class Job:
             data=data if isinstance(data, dict) else {},
             attempt=raw.get("attempt"),
             max_attempts=raw.get("maxAttempts"),
-            lease_id=raw.get("leaseID"),
             retry_after=raw.get("retryAfter") or "",
             raw=raw,
             lease=lease,
         )
+
+    @property
+    def lease_id(self) -> str | None:
+        """The token of the job's lease: its hand-out's, or a later one's
+        if the server handed the job out again while it ran here."""
+        return self.lease.lease_id
 
     def renew_lease(self) -> None:
         """Renew the job's lease now (TouchJob), from a handler's thread or

@@ -52,6 +52,14 @@ class Leases:
             self._wake()  # the renewer may be waiting for a later one
         return lease_id
 
+    def adopt(self, old: str | None, job: dict[str, Any]) -> str | None:
+        """The job, running here under the lease `old`, was handed out
+        again: renew the new hand-out's lease instead, the one its report
+        will carry (`old` is no longer the job's). The new token, or None."""
+        if old is not None:
+            self.held.pop(old, None)
+        return self.hold(job)
+
     def ended(self, lease_id: str) -> None:
         """The job's handler has ended: its lease is renewed until its
         report is done with (`release`)."""
@@ -139,7 +147,8 @@ class Leases:
 
 
 class Renewal:
-    """One job's way to ask for a renewal, from its handler's thread or task."""
+    """One job's way to ask for a renewal, from its handler's thread or
+    task; `lease_id` is replaced when the job is handed out again."""
 
     def __init__(self, leases: Leases, lease_id: str | None) -> None:
         self.leases = leases

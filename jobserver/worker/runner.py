@@ -17,6 +17,14 @@ handlers get the grace period, and those still running then are handed
 back at once (RetryJob, due now). A second signal
 hands back every running job at once, and gives the reports a few seconds.
 
+A job handed out again while it runs here (the server counted its run as
+lost: --stale-after, or a lease that could not be renewed, ran out) is
+not run a second time: the run under way goes on, and takes over the new
+hand-out's lease, so that its report is the one the server waits for
+(`_adopt`). A reply that means nothing, or is larger than
+--max-reply-bytes, is a broken connection: the fetcher that got it
+reconnects after its backoff wait, and the running jobs go on.
+
 Exit status: 0 after a clean stop; 1 after a forced stop (second signal) or
 when results could not be reported; 2 when the server refuses our GetJobs,
 or TLS cannot be set up with it (trying again would not help)."""
@@ -26,6 +34,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
@@ -38,7 +47,7 @@ from jobserver.worker import outcome
 from jobserver.worker.calling import Caller
 from jobserver.worker.connection import BACKOFF_MAX, Backoff, Link, Server
 from jobserver.worker.job import Job
-from jobserver.worker.leases import Leases
+from jobserver.worker.leases import Leases, Renewal
 from jobserver.worker.outcome import Outcome
 from jobserver.worker.registry import Worker
 from jobserver.worker.reporting import Reporter
@@ -64,6 +73,15 @@ END_WAIT_PATIENCE = 5.0
 MAX_GET_JOBS = 1000
 
 
+@dataclass
+class Running:
+    """A job whose task runs: its name for the log, and its lease, whose
+    token is replaced if the job is handed out again meanwhile."""
+
+    name: str
+    lease: Renewal
+
+
 def run(worker: Worker, settings: Settings, loop: Loop = "asyncio") -> int:
     """Run `worker` until stopped, blocking; the exit status."""
     return anyio.run(serve, worker, settings, backend=loop)
@@ -82,9 +100,11 @@ class Runner:
         self.worker = worker
         self.settings = settings
         self.jobs_name = settings.jobs or worker.get_jobs_name()
-        self.server = Server(settings.addresses, settings.token, settings.tls)
+        self.server = Server(
+            settings.addresses, settings.token, settings.tls, settings.max_reply_bytes
+        )
 
-        self.running: dict[int, str] = {}  # job ID -> printable name, while its task runs
+        self.running: dict[int, Running] = {}  # by job ID, while its task runs
         self.reserved = 0  # slots asked for by GetJobs on their way
         self.freed = anyio.Event()  # set (and replaced) whenever slots come free
         self.stopping = False
@@ -134,8 +154,8 @@ class Runner:
 
     def _stopped(self) -> int:
         """Log what the stop left undone; the exit status."""
-        for job_id, name in self.running.items():
-            log.error("job %s %s abandoned: still RUNNING on the server", job_id, name)
+        for job_id, running in self.running.items():
+            log.error("job %s %s abandoned: still RUNNING on the server", job_id, running.name)
         self.reporter.log_unreported()
         if self.caller.abandoned:
             log.warning(
@@ -218,10 +238,8 @@ class Runner:
                     batch = await self._get_jobs(link, backoff, asked) if asked else None
                 finally:
                     self.reserved -= asked
-                for job in batch or ():
-                    self.running[job["jobID"]] = printable(job["name"])
-                    jobs.start_soon(self.run_job, job)
-                if len(batch or ()) < asked:
+                started = sum(self._take(job, jobs) for job in batch or ())
+                if started < asked:
                     self._slots_changed()  # the other fetcher may ask for the rest
         except GetJobsRefused:
             self.exit_status = 2
@@ -231,6 +249,40 @@ class Runner:
             # Closing a connection left mid-request (END_WAIT_PATIENCE ran
             # out) tells the server, which puts back any job it took for us.
             await link.aclose()
+
+    def _take(self, raw: dict[str, Any], jobs: TaskGroup) -> bool:
+        """Start the job's task in `jobs`, unless it runs here already;
+        whether it was started."""
+        running = self.running.get(raw["jobID"])
+        if running is not None:
+            self._adopt(running, raw)
+            return False
+        # Held here, not in its task: a second hand-out of the job may come
+        # before the task starts (in the same reply, even), and takes over
+        # this lease.
+        lease = self.leases.renewal(self.leases.hold(raw))
+        self.running[raw["jobID"]] = Running(printable(raw["name"]), lease)
+        jobs.start_soon(self.run_job, raw, lease)
+        return True
+
+    def _adopt(self, running: Running, raw: dict[str, Any]) -> None:
+        """The job runs here, and the server handed it out again: it took
+        the run for lost (--stale-after, or a lease not renewed in time, ran
+        out; a failed attempt) and gave the job a new lease token. Starting
+        it again would run it twice at once here, and handing it back
+        (RetryJob) would queue it for a third run while this one goes on.
+        The run under way is the job's: it takes the new token, which its
+        report will carry, so that the server takes that report as the new
+        hand-out's (the old token would get 409 Lease expired)."""
+        old = running.lease.lease_id
+        running.lease.lease_id = self.leases.adopt(old, raw)
+        log.warning(
+            "job %s %s was handed out again while it runs here (the server took the run "
+            "for lost): not run twice; the run under way reports it, under the new lease %s",
+            raw["jobID"],
+            running.name,
+            running.lease.lease_id,
+        )
 
     async def _get_jobs(
         self, link: Link, backoff: Backoff, free: int
@@ -286,12 +338,12 @@ class Runner:
 
     # Running one job.
 
-    async def run_job(self, raw: dict[str, Any]) -> None:
+    async def run_job(self, raw: dict[str, Any], lease: Renewal) -> None:
         """Call the job's handler, log how it ended, and queue its report."""
         started, wall = anyio.current_time(), time.perf_counter()
         result: Outcome | None = None
         try:
-            result = await self._run(raw, started)
+            result = await self._run(raw, lease, started)
         finally:
             # A job whose task was cancelled (a forced stop that ran out of
             # time) stays in `running`, for _stopped to name as abandoned.
@@ -307,19 +359,18 @@ class Runner:
         )
         self.reporter.add(result.report)
 
-    async def _run(self, raw: dict[str, Any], started: float) -> Outcome:
-        held = self.leases.hold(raw)
-        job = Job.handed_out(raw, self.leases.renewal(held))
+    async def _run(self, raw: dict[str, Any], lease: Renewal, started: float) -> Outcome:
+        job = Job.handed_out(raw, lease)
         try:
             ended = await self._call(job, started)
         except BaseException:
             # No report will come: the lease is let go now.
-            if held is not None:
-                self.leases.release(held)
+            if lease.lease_id is not None:
+                self.leases.release(lease.lease_id)
             raise
-        if held is not None:
+        if lease.lease_id is not None:
             # Renewed until the reporter is done with the job's report.
-            self.leases.ended(held)
+            self.leases.ended(lease.lease_id)
         return ended
 
     async def _call(self, job: Job, started: float) -> Outcome:

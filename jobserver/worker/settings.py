@@ -10,7 +10,9 @@ import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from jobserver.client.endpoint import check_max_reply_bytes
 from jobserver.client.servers import Address, parse_servers
+from jobserver.wire.limits import DEFAULT_CLIENT_MAX_REPLY_BYTES
 
 # Each running job is a task or a thread: more than this is a mistake.
 MAX_CONCURRENCY = 10_000
@@ -35,6 +37,8 @@ class Settings:
     touch_interval: float = 30.0
     jobs: str | None = None  # the GetJobs name; None: the worker's
     signals: bool = True  # SIGTERM and SIGINT stop it (main thread only)
+    # A reply announcing a larger body is a broken connection, not read.
+    max_reply_bytes: int = DEFAULT_CLIENT_MAX_REPLY_BYTES
     # The nodes of one queue, instead of host and port: "HOST:PORT" strings
     # or (host, port) pairs, or one string of them separated by commas.
     servers: str | Sequence[str | Address] = ()
@@ -54,6 +58,7 @@ class Settings:
         _seconds("timeout", self.timeout, MAX_TIMEOUT, zero=False)
         _seconds("grace", self.grace, MAX_GRACE, zero=True)
         _seconds("touch_interval", self.touch_interval, MAX_TOUCH_INTERVAL, zero=False)
+        check_max_reply_bytes(self.max_reply_bytes)
 
 
 def _seconds(name: str, value: float, high: float, zero: bool) -> None:

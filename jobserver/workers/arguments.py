@@ -18,6 +18,7 @@ from jobserver.cli.options import (
     LOG_LEVELS,
     SERVER_HELP,
     SERVER_METAVAR,
+    add_max_reply_bytes,
     add_tls_arguments,
     chosen_server,
     job_names,
@@ -124,6 +125,7 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--auth-token-file", metavar="FILE", help=AUTH_TOKEN_HELP)
     add_tls_arguments(parser)
+    add_max_reply_bytes(parser)
 
 
 def _add_timing_arguments(parser: argparse.ArgumentParser) -> None:
@@ -196,4 +198,5 @@ def manager_from(args: argparse.Namespace) -> Manager | None:
         max_iterations=args.max_iterations,
         grace=args.grace,
         touch_interval=args.touch_interval,
+        max_reply_bytes=args.max_reply_bytes,
     )

@@ -16,6 +16,7 @@ import trio
 
 from jobserver.client.servers import Address, format_servers
 from jobserver.client.trio_client import TrioClient
+from jobserver.wire.limits import DEFAULT_CLIENT_MAX_REPLY_BYTES
 
 # Retrying an unreachable server: quick at first (a restart takes a moment),
 # then no more often than every 5 s, so a long outage costs nothing.
@@ -31,6 +32,8 @@ class Server:
     addresses: tuple[Address, ...]
     token: str | None = None
     tls: ssl.SSLContext | None = None
+    # A reply announcing a larger body is a broken connection, not read.
+    max_reply_bytes: int = DEFAULT_CLIENT_MAX_REPLY_BYTES
 
     @property
     def address(self) -> str:
@@ -40,7 +43,12 @@ class Server:
 
     def client(self) -> TrioClient:
         """A new client; it connects on its first request."""
-        return TrioClient(list(self.addresses), auth_token=self.token, tls=self.tls)
+        return TrioClient(
+            list(self.addresses),
+            auth_token=self.token,
+            tls=self.tls,
+            max_reply_bytes=self.max_reply_bytes,
+        )
 
 
 async def close(client: TrioClient) -> None:

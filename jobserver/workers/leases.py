@@ -81,16 +81,25 @@ class Leases:
         self.changed.set()
         return lease_id
 
-    def ended(self, lease_id: str) -> None:
-        """The job's worker has ended: its lease is renewed until its report
-        is done with (`release`)."""
-        lease = self.held.get(lease_id)
+    def adopt(self, old: str | None, job: dict[str, Any]) -> str | None:
+        """The job, running here under the lease `old`, was handed out
+        again: renew the new hand-out's lease instead, the one its report
+        will carry (`old` is no longer the job's). The new token, or None."""
+        if old is not None:
+            self.held.pop(old, None)
+        return self.hold(job)
+
+    def ended(self, lease_id: str | None) -> None:
+        """The job's worker has ended: its lease (if held) is renewed until
+        its report is done with (`release`)."""
+        lease = self.held.get(lease_id) if lease_id is not None else None
         if lease is not None:
             lease.ended = True
 
-    def release(self, lease_id: str) -> None:
-        """Stop renewing a lease: its job's report is done with."""
-        self.held.pop(lease_id, None)
+    def release(self, lease_id: str | None) -> None:
+        """Stop renewing a lease (if held): its job's report is done with."""
+        if lease_id is not None:
+            self.held.pop(lease_id, None)
 
     async def renew_loop(self) -> None:
         """Renew each held lease when it is due; runs until cancelled."""

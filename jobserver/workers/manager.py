@@ -7,9 +7,13 @@ it gets runs in a task of its own (supervision.py, its meaning contract.py);
 one more task reports results in order (reporting.py), and another renews
 the leases of running jobs (leases.py), each over a connection of its own.
 So waiting for jobs, waiting for workers and reporting all happen at once,
-and nothing polls. The guard (guard.py), a process of its own, is told of
-every job taken and every worker started, and stops the workers and hands
-the jobs back if the manager dies.
+and nothing polls. A job handed out again while its worker runs is not
+run twice: the worker under way takes over the new hand-out's lease
+(`_adopt`). A reply that means nothing, or is larger than
+--max-reply-bytes, is a broken connection: GetJobs is asked again after
+the backoff wait, and the running workers go on. The guard (guard.py), a
+process of its own, is told of every job taken and every worker started,
+and stops the workers and hands the jobs back if the manager dies.
 
 Exit status: 0 after a clean stop (signal or --max-iterations); 1 after a
 forced stop (second signal) or when results could not be reported before
@@ -31,6 +35,7 @@ import trio
 from jobserver.client import ConnectionFailed, JobServerError, ServerError, TLSFailed
 from jobserver.client.endpoint import TLS
 from jobserver.client.servers import Address
+from jobserver.wire.limits import DEFAULT_CLIENT_MAX_REPLY_BYTES
 from jobserver.workers.connection import BACKOFF_MAX, Backoff, Link, Server
 from jobserver.workers.contract import (
     Outcome,
@@ -85,6 +90,13 @@ class Every:
         return True
 
 
+def lease_of(job: dict[str, Any]) -> str | None:
+    """The job's lease token, if it came with one (a server's reply may
+    hold anything there)."""
+    lease_id = job.get("leaseID")
+    return lease_id if isinstance(lease_id, str) else None
+
+
 class GetJobsRefused(Exception):
     """The server refused GetJobs in a way that trying again cannot mend."""
 
@@ -107,11 +119,12 @@ class Manager:
         token: str | None = None,
         tls: ssl.SSLContext | None = None,
         tls_setting: TLS = None,
+        max_reply_bytes: int = DEFAULT_CLIENT_MAX_REPLY_BYTES,
     ) -> None:
         """`servers`: the server's address, or those of the nodes of one
         queue. `tls` is the context made from `tls_setting` (--tls,
         --tls-ca), which the guard is given to make its own."""
-        self.server = Server(servers, token, tls)
+        self.server = Server(servers, token, tls, max_reply_bytes)
         self.guard = Guard(self.server.address, token, tls_setting)
         self.directory = directory
         self.pattern = pattern
@@ -123,6 +136,7 @@ class Manager:
         self.grace = grace
 
         self.running = 0  # worker tasks started and not yet ended
+        self.jobs: dict[int, dict[str, Any]] = {}  # their jobs, by job ID
         self.changed = trio.Event()  # set (and replaced) whenever a worker ends
         self.stopping = False
         self.signalled = False
@@ -237,9 +251,7 @@ class Manager:
                         continue  # no answer; asked again after a backoff wait
                     rounds += 1
                     for job in jobs:
-                        self.guard.job(job["jobID"], job.get("leaseID"))
-                        self.running += 1
-                        workers.start_soon(self.run_job, job)
+                        self._take(job, workers)
             if self.max_iterations is not None and rounds >= self.max_iterations:
                 log.info(
                     "%d GetJobs rounds done; waiting for %d running workers", rounds, self.running
@@ -250,6 +262,37 @@ class Manager:
             # A cancelled GetJobs leaves the connection mid-request; closing it
             # tells the server, which puts back any job it took for us.
             await link.aclose()
+
+    def _take(self, job: dict[str, Any], workers: trio.Nursery) -> None:
+        """Start the job's worker in `workers`, unless it runs already."""
+        running = self.jobs.get(job["jobID"])
+        if running is not None:
+            self._adopt(running, job)
+            return
+        self.guard.job(job["jobID"], job.get("leaseID"))
+        self.running += 1
+        self.jobs[job["jobID"]] = job
+        workers.start_soon(self.run_job, job)
+
+    def _adopt(self, running: dict[str, Any], job: dict[str, Any]) -> None:
+        """`running`'s worker runs, and the server handed its job out again
+        (as `job`): it took the run for lost (--stale-after, or a lease not
+        renewed in time, ran out; a failed attempt) and gave the job a new
+        lease token. A second worker would run the job twice at once, and
+        handing it back (RetryJob) would queue a third run while this one
+        goes on. The worker under way is the job's: its report carries the
+        new token (run_job reads it from `running`), which the server takes
+        as the new hand-out's; the old one would get 409 Lease expired."""
+        self.leases.adopt(lease_of(running), job)
+        running["leaseID"] = job.get("leaseID")
+        self.guard.job(job["jobID"], job.get("leaseID"))  # hands back under the new one
+        log.warning(
+            "job %s %s was handed out again while its worker runs (the server took the run "
+            "for lost): not run twice; the worker under way reports it, under the new lease %s",
+            job["jobID"],
+            printable(running["name"]),
+            running["leaseID"],
+        )
 
     async def _get_jobs(
         self, link: Link, backoff: Backoff, free: int
@@ -321,10 +364,12 @@ class Manager:
             result = await self._run(job, started)
         finally:
             self.running -= 1
+            del self.jobs[job_id]
             self.changed.set()
             self.changed = trio.Event()
         duration = trio.current_time() - started
         log.info("job %s %s %s in %.3fs", job_id, name, printable(result.text), duration)
+        # The newest hand-out's, should the job have been handed out again.
         result.report.lease_id = job.get("leaseID")
         self.reporter.add(result.report)
 
@@ -335,17 +380,16 @@ class Manager:
             path = find_worker(self.directory, job["name"])
         except Refused as refusal:
             return failed(job, str(refusal), f"failed ({refusal})")
-        held = self.leases.hold(job)
+        self.leases.hold(job)
         try:
             ended = await self._run_worker(job, path, started)
         except BaseException:
             # No report will come: the lease is let go now.
-            if held is not None:
-                self.leases.release(held)
+            self.leases.release(lease_of(job))
             raise
-        if held is not None:
-            # Renewed until the reporter is done with the job's report.
-            self.leases.ended(held)
+        # Renewed until the reporter is done with the job's report. The
+        # newest hand-out's lease (`_adopt`), as the report's.
+        self.leases.ended(lease_of(job))
         return ended
 
     async def _run_worker(self, job: dict[str, Any], path: str, started: float) -> Outcome:
