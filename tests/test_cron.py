@@ -79,10 +79,10 @@ async def both(
 async def test_weekdays_at_nine_in_paris_run_at_nine_local_across_a_week_and_spring_forward(
     tmp_path: Path, db: Path | str, autojump_clock: MockClock
 ) -> None:
-    # As below: no thread at CreateJob, while which the mock clock would jump.
-    cron.warm([WEEKDAYS_AT_NINE])
     # Thursday 2027-03-25, noon; Paris goes from UTC+1 to UTC+2 on Sunday.
     start = datetime(2027, 3, 25, 12, tzinfo=UTC)
+    # As below: no thread at CreateJob, while which the mock clock would jump.
+    cron.warm([(WEEKDAYS_AT_NINE, PARIS)], start)
     async with running_core(tmp_path, db=str(db), epoch=start) as core:
         job_id = await core.create(name="report", repeat=WEEKDAYS_AT_NINE, timeZone=PARIS)
         shown = await core.json("QueryJob", jobID=job_id)
@@ -107,10 +107,12 @@ async def test_weekdays_at_nine_in_paris_run_at_nine_local_across_a_week_and_spr
 async def test_half_past_two_on_the_nights_the_clocks_change(
     tmp_path: Path, db: Path | str, autojump_clock: MockClock
 ) -> None:
-    # Checked beforehand: CreateJob then needs no thread, while which the
-    # mock clock would jump to the first job's moment.
-    cron.warm(["CRON 30 2 * * *", "CRON 30 * * * *"])
     spring = datetime(2027, 3, 27, 12, tzinfo=UTC)
+    night_and_hourly = [("CRON 30 2 * * *", PARIS), ("CRON 30 * * * *", PARIS)]
+    # Checked and their first runs found beforehand: CreateJob then needs
+    # no thread, while which the mock clock would jump to the first job's
+    # moment.
+    cron.warm(night_and_hourly, spring)
     async with running_core(tmp_path, db=str(db), epoch=spring) as core:
         await core.create(name="nightly", repeat="cron 30 2 * * *", timeZone=PARIS)
         await core.create(name="hourly", repeat="CRON 30 * * * *", timeZone=PARIS)
@@ -126,6 +128,7 @@ async def test_half_past_two_on_the_nights_the_clocks_change(
             "2027-03-28 02:30:00",
         ]
     autumn = datetime(2027, 10, 30, 12, tzinfo=UTC)
+    cron.warm(night_and_hourly, autumn)
     # The same database, seven months later: other names.
     async with running_core(tmp_path, db=str(db), epoch=autumn) as core:
         await core.create(name="autumn/nightly", repeat="CRON 30 2 * * *", timeZone=PARIS)
@@ -149,8 +152,8 @@ async def test_half_past_two_on_the_nights_the_clocks_change(
 async def test_a_cron_job_that_missed_a_day_runs_once_then_keeps_to_its_rule(
     tmp_path: Path, db: Path | str, autojump_clock: MockClock
 ) -> None:
-    cron.warm(["CRON 0 * * * *"])
     start = datetime(2027, 6, 1, 10, 0, 30, tzinfo=UTC)
+    cron.warm([("CRON 0 * * * *", "")], start)
     async with running_core(tmp_path, db=str(db), epoch=start) as core:
         job_id = await core.create(name="autumn/hourly", repeat="CRON 0 * * * *")
         assert (await core.json("QueryJob", jobID=job_id))["nextRun"] == "2027-06-01 11:00:00"

@@ -12,14 +12,21 @@ night 02:00 becomes 03:00 runs at 03:00), and runs once, at the first of
 the two, on the night that time happens twice; a rule whose minute or hour
 field starts with `*` follows real time, so it skips what does not exist
 and runs again in the repeated hour.
+
+Searching can walk decades (`0 0 * 2 MON#5` next fires in 2044), so a next
+run is remembered per (rule, zone, minute): every job of a rule asked
+about in one minute costs one search, which a thread does before the
+writer for the rules a request carries.
 """
 
 from __future__ import annotations
 
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import suppress
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, tzinfo
 from typing import TYPE_CHECKING
 
 from jobserver.model import times, windows
@@ -50,6 +57,13 @@ _CHECKED_FROM = datetime(2000, 1, 1, tzinfo=UTC)
 # back more than a few hours: this many is far more than can be skipped.
 _MOST_SKIPPED = 24 * 60
 _DISTINCT_RULES = 4096
+# Next runs remembered, each for a (rule, zone, minute): a minute's worth
+# for thousands of rules and zones at once, each entry a few hundred bytes
+# (a rule is at most MAX_LENGTH characters), about 2 MB in all.
+REMEMBERED_RUNS = 4096
+_MINUTE = timedelta(minutes=1)
+# What a next run is remembered by: a rule's fields, a zone's name, a minute.
+_Key = tuple[str, str, datetime]
 NEVER_FIRES = "never fires (no moment in 50 years)"
 # Each distinct rule's verdict ("" when it can run), oldest first, for
 # _DISTINCT_RULES rules.
@@ -65,6 +79,34 @@ class CronUnavailable(RuntimeError):
 
     def __init__(self) -> None:
         super().__init__(f"CRON repeat needs cronsim: {INSTALL}")
+
+
+class _Remembered:
+    """Next runs found lately, by _key, the least recently used forgotten
+    first. The writer and the threads that warm it share it: a lock keeps
+    its order whole."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._runs: OrderedDict[_Key, datetime] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: _Key) -> datetime | None:
+        with self._lock:
+            found = self._runs.get(key)
+            if found is not None:
+                self._runs.move_to_end(key)
+            return found
+
+    def put(self, key: _Key, found: datetime) -> None:
+        with self._lock:
+            self._runs[key] = found
+            self._runs.move_to_end(key)
+            while len(self._runs) > self._size:
+                self._runs.popitem(last=False)
+
+
+_runs = _Remembered(REMEMBERED_RUNS)
 
 
 def is_cron(rule: str) -> bool:
@@ -100,21 +142,35 @@ def _remember(fields: str, verdict: str) -> None:
     _verdicts[fields] = verdict
 
 
-def unchecked(rules: list[str]) -> bool:
-    """Whether one of these is a CRON rule whose verdict is not remembered."""
-    return any(
-        is_cron(rule) and " ".join(rule.upper().split()[1:]) not in _verdicts for rule in rules
-    )
+def unchecked(rules: list[tuple[str, str]], now: datetime) -> bool:
+    """Whether one of these (rule, zone) is a CRON rule whose verdict, or
+    next run after `now`, is not remembered."""
+    for rule, zone_name in rules:
+        if not is_cron(rule):
+            continue
+        fields = " ".join(rule.upper().split()[1:])
+        verdict = _verdicts.get(fields)
+        if verdict is None:
+            return True
+        if verdict:
+            continue  # refused: there is no next run to remember
+        try:
+            key = _key(fields, zone_name.strip(), now)
+        except ValueError:
+            continue  # an unknown zone: the writer refuses it
+        if key is not None and _runs.get(key) is None:
+            return True
+    return False
 
 
-def warm(rules: list[str]) -> None:
-    """Check these rules' CRON ones now, in a thread of their own, so that
-    the writer, which serves everyone, finds the verdicts remembered.
-    Errors are the writer's to report."""
-    for rule in rules:
+def warm(rules: list[tuple[str, str]], now: datetime) -> None:
+    """Check these (rule, zone) CRON rules and find their next runs after
+    `now`, in a thread of their own, so that the writer, which serves
+    everyone, finds both remembered. Errors are the writer's to report."""
+    for rule, zone_name in dict.fromkeys(rules):
         if is_cron(rule):
-            with suppress(MalformedCron, CronUnavailable):
-                normalise(rule)
+            with suppress(MalformedCron, CronUnavailable, ValueError):
+                next_run(normalise(rule), zone_name.strip(), now)
 
 
 def _library() -> type[CronSim]:
@@ -174,8 +230,54 @@ def runs_after(rule: str, zone_name: str, after: datetime) -> Iterator[datetime]
 
 
 def next_run(rule: str, zone_name: str, after: datetime) -> datetime | None:
-    """The first moment of the rule strictly after `after`, or None."""
+    """The first moment of the rule strictly after `after`, or None; the
+    same as `search_next_run`, remembered for the minute `after` falls in (a
+    None, which a rule checked at arrival never gives, is not). Raises
+    CronUnavailable without cronsim, ValueError for an unknown zone."""
+    _library()
+    key = _key(" ".join(rule.split()[1:]), zone_name, after)
+    if key is None:
+        return search_next_run(rule, zone_name, after)
+    found = _runs.get(key)
+    if found is None:
+        found = search_next_run(rule, zone_name, key[2])
+        if found is None:
+            return None
+        _runs.put(key, found)
+    # The minute's search gave the first moment after the minute began: on
+    # the whole-minute offsets _key admits, a later minute, so after
+    # `after` too. Checked all the same, since a wrong next run is silent.
+    return found if found > after else search_next_run(rule, zone_name, after)
+
+
+def search_next_run(rule: str, zone_name: str, after: datetime) -> datetime | None:
+    """The first moment of the rule strictly after `after`, or None: one
+    search, remembered nowhere."""
     return next(runs_after(rule, zone_name, after), None)
+
+
+def _key(fields: str, zone_name: str, after: datetime) -> _Key | None:
+    """What a next run after `after` is remembered by: the fields, the zone,
+    and the minute `after` falls in; None where moments of one minute may
+    have different next runs. cronsim steps a second, then to the next
+    whole minute of the wall clock, and compares fields of wall-clock time:
+    from any moment of a minute it walks the same steps, provided the
+    minute is a whole minute on the wall clock too and the zone's offset
+    holds through it (offsets of seconds are old local mean times)."""
+    zone = windows.parse_zone(zone_name or "UTC")
+    minute = after.astimezone(UTC).replace(second=0, microsecond=0)
+    if not _same_whole_minute_offset(zone, minute, after):
+        return None
+    return fields, zone_name or "UTC", minute
+
+
+def _same_whole_minute_offset(zone: tzinfo, start: datetime, moment: datetime) -> bool:
+    offset = moment.astimezone(zone).utcoffset()
+    return (
+        offset is not None
+        and offset % _MINUTE == timedelta(0)
+        and start.astimezone(zone).utcoffset() == offset
+    )
 
 
 def upcoming(rule: str, zone_name: str, start: datetime) -> list[datetime]:

@@ -119,13 +119,16 @@ class InWriter:
 
 
 async def _check_cron_first(services: Services, request: Request) -> None:
-    """A CRON rule is checked by searching for its next moment (cron.py),
-    which can take tens of milliseconds the first time: done here, one
-    request at a time, in a thread that does not hold up the writer, which
-    then finds the verdict remembered."""
-    texts = _repeat_rules(request)
-    if cron.unchecked(texts):
-        await trio.to_thread.run_sync(cron.warm, texts, limiter=services.rule_checks)
+    """A CRON rule is checked, and its next run found, by searching for its
+    moments (cron.py), which can take tens of milliseconds the first time
+    and walk decades: done here, one request at a time, in a thread that
+    does not hold up the writer, which then finds the verdict and the next
+    run remembered for the minute (its jobs, however many, search no
+    more)."""
+    rules = _repeat_rules(request)
+    now = services.engine.now()
+    if cron.unchecked(rules, now):
+        await trio.to_thread.run_sync(cron.warm, rules, now, limiter=services.rule_checks)
 
 
 def _with_ignored(answer: Answer, ignored: str) -> Answer:
@@ -196,13 +199,14 @@ ROUTES: dict[str, Route] = {
 }
 
 
-def _repeat_rules(request: Request) -> list[str]:
-    """The repeat rules a CreateJob, UpdateJob or CreateJobs carries, found
-    without parsing more than the `jobs` JSON; [] for anything else."""
+def _repeat_rules(request: Request) -> list[tuple[str, str]]:
+    """The repeat rules a CreateJob, UpdateJob or CreateJobs carries, each
+    with the time zone it is read in, found without parsing more than the
+    `jobs` JSON; [] for anything else."""
     verb = request.verb.lower()
     if verb in ("createjob", "updatejob"):
         text = request.get("repeat")
-        return [text] if text else []
+        return [(text, request.get("timeZone") or "")] if text else []
     if verb != "createjobs" or '"repeat"' not in (jobs := request.get("jobs") or "").lower():
         return []
     try:
@@ -211,10 +215,15 @@ def _repeat_rules(request: Request) -> list[str]:
         return []
     if not isinstance(elements, list):
         return []
-    return [
-        value
-        for element in elements
-        if isinstance(element, dict)
-        for key, value in element.items()
-        if key.lower() == "repeat" and isinstance(value, str)
-    ]
+    found = (_rule_and_zone(element) for element in elements if isinstance(element, dict))
+    return [pair for pair in found if pair is not None]
+
+
+def _rule_and_zone(element: dict[str, object]) -> tuple[str, str] | None:
+    """A CreateJobs element's repeat and timeZone, its keys read in any
+    case as the writer reads them; None without a repeat."""
+    values = {key.lower(): value for key, value in element.items()}
+    rule, zone = values.get("repeat"), values.get("timezone")
+    if not isinstance(rule, str) or not rule:
+        return None
+    return rule, zone if isinstance(zone, str) else ""
