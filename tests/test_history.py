@@ -117,24 +117,28 @@ def test_a_repeating_jobs_run_is_finished_and_a_queue_not_seen_reads_as_zeros(cl
 
 
 @pytest.mark.backends
-def test_queues_that_only_hold_jobs_give_their_series_to_a_queue_at_work(client):
-    """Issue 34: one request made a job due in 2099 in each of 100 queues,
-    and while those jobs sat, every queue after them went untracked."""
-    most = history.MAX_TRACKED_QUEUES
-    sitting = [{"name": f"sit{i}/x", "firstRun": "2099-01-01 00:00:00"} for i in range(most)]
-    ok(client.request("CreateJobs", jobs=json.dumps(sitting)))
-    job = create(client, "live/x")
-    assert get_job(client, "live/x")["jobID"] == job
-    ok(client.request("FinishJob", jobID=job))
+def test_a_burst_of_new_queues_cannot_take_a_busy_queues_series(client):
+    """The attack on issue 34's fix: one CreateJobs naming 99 new queues
+    filled the series, the same again marked them all at work, and one
+    CreateJob in a new queue took the series of the busy `email` (a job
+    every 0.5 s), which never got it back while it stayed busy."""
+    create(client, "email/send")
+    burst = json.dumps([{"name": f"atk{i}/x"} for i in range(history.MAX_TRACKED_QUEUES - 1)])
+    ok(client.request("CreateJobs", jobs=burst))
+    create(client, "email/send")
+    ok(client.request("CreateJobs", jobs=burst))
+    create(client, "atknew/x")
 
-    live = read(client, name="live")
-    assert live["tracked"] is True
-    assert totals(live) == {"created": 1, "handedOut": 1, "finished": 1, "failed": 0, "retried": 0}
+    email = read(client, name="email")
+    assert email["tracked"] is True and totals(email)["created"] == 2
+    # Its series counts from the minute it got it, in the window.
+    assert email["start"] < email["trackedSince"]
+    newcomer = read(client, name="atknew")
+    assert newcomer["tracked"] is False and newcomer["trackedSince"] is None
     everything = read(client)
-    assert "live" in everything["queues"] and len(everything["queues"]) == most
-    # The queue that gave its series up is counted in the totals only.
-    assert everything["other"] is True
-    assert totals(everything)["created"] == most + 1
+    assert "email" in everything["queues"] and "atknew" not in everything["queues"]
+    assert len(everything["queues"]) == history.MAX_TRACKED_QUEUES and everything["other"] is True
+    assert totals(everything)["created"] == 2 * (history.MAX_TRACKED_QUEUES - 1) + 3
 
 
 @pytest.mark.parametrize(
@@ -294,24 +298,106 @@ def _commit(ring: History, queues: Iterable[str], kind: int = history.CREATED) -
     ring.record([events])
 
 
-def test_a_queue_at_work_takes_the_series_of_the_queue_idle_longest():
+IDLE = history.IDLE_MINUTES * 60
+
+
+def test_a_newcomer_takes_the_series_of_a_queue_idle_for_the_idle_minutes():
     async def main() -> None:
         most = history.MAX_TRACKED_QUEUES
-        ring = History(10, TrioClock(0.0))
+        ring = History(3 * history.IDLE_MINUTES, TrioClock(0.0))
         _commit(ring, (f"q{i}" for i in range(most)))
-        await trio.sleep(60)
+        await trio.sleep(IDLE // 2)
         _commit(ring, (f"q{i}" for i in range(1, most)), history.FINISHED)
+        # No queue has been idle long enough: the newcomer is in the totals.
+        _commit(ring, ["early"])
+        assert ring.read("early", 1).tracked is False and ring.read(None, 1).other
+        await trio.sleep(IDLE // 2 - 60)
+        _commit(ring, ["early"])
+        assert ring.read("early", 1).tracked is False
+        # A minute later q0 has gone the idle minutes without an event.
+        await trio.sleep(60)
         _commit(ring, ["new"])
-        window = ring.read(None, 2)
-        assert "new" in window.queues and "q0" not in window.queues
-        assert len(window.queues) == most
-        # q0's counts are in the totals only now, and the reply says so.
-        assert window.other and window.series["created"] == [most, 1]
-        assert ring.read("q0", 2).tracked is False
-        assert ring.read("new", 2).series["created"] == [0, 1]
-        # The next newcomer takes one from q1..q99, not from the newer one.
+        queues = ring.read(None, 1).queues
+        assert "new" in queues and "q0" not in queues and len(queues) == most
+        assert ring.read("q0", 1).tracked is False
+        assert ring.read("new", 1).since == history.IDLE_MINUTES
+        # The next newcomer finds q1..q99 idle for half of that only.
         _commit(ring, ["newer"])
-        assert {"new", "newer"} <= set(ring.read(None, 1).queues)
+        assert "newer" not in ring.read(None, 1).queues
+
+    _run(main)
+
+
+def test_a_busy_queue_in_the_totals_takes_a_series_as_soon_as_one_is_idle_long_enough():
+    async def main() -> None:
+        most = history.MAX_TRACKED_QUEUES
+        window = 3 * history.IDLE_MINUTES
+        ring = History(window, TrioClock(0.0))
+        held = [f"t{i}" for i in range(most)]
+        _commit(ring, held)
+        # `busy` has a job every minute; t1..t99 too, t0 none after the first.
+        for _ in range(history.IDLE_MINUTES):
+            _commit(ring, ["busy", *held[1:]])
+            assert ring.read("busy", 1).tracked is False
+            await trio.sleep(60)
+        _commit(ring, ["busy"])
+        busy = ring.read("busy", window)
+        assert busy.tracked and "t0" not in busy.queues and len(busy.queues) == most
+        # What the totals counted of it before is not in its series, and
+        # the reply says from which minute the series counts.
+        assert busy.since == history.IDLE_MINUTES
+        assert sum(busy.series["created"]) == 1
+        assert sum(ring.read(None, window).series["created"]) == most + 61 * 1 + 60 * (most - 1)
+
+    _run(main)
+
+
+def test_a_burst_of_new_queues_takes_no_series_from_queues_at_work_and_the_bound_holds():
+    async def main() -> None:
+        most = history.MAX_TRACKED_QUEUES
+        ring = History(history.DEFAULT_MINUTES, TrioClock(0.0))
+        _commit(ring, ["email"])
+        attackers = [f"atk{i}" for i in range(most - 1)]
+        _commit(ring, attackers)
+        _commit(ring, ["email"])
+        _commit(ring, attackers)
+        # Each minute for two hours, email has a job and so do the 99; a
+        # thousand new queues a minute find none idle long enough.
+        for minute in range(2 * history.IDLE_MINUTES):
+            _commit(ring, (f"new{minute}-{i}" for i in range(1000)))
+            _commit(ring, ["email", *attackers])
+            window = ring.read("email", 1)
+            assert window.tracked and window.since == 0
+            assert len(window.queues) == most and window.other
+            assert ring.bytes_per_minute() == (most + 1) * 6 * 8
+            await trio.sleep(60)
+        # The attackers stop: after the idle minutes, a new queue takes one
+        # of their series, never email's.
+        for _ in range(history.IDLE_MINUTES):
+            _commit(ring, ["email"])
+            await trio.sleep(60)
+        _commit(ring, ["late"])
+        queues = ring.read(None, 1).queues
+        assert "late" in queues and "email" in queues and len(queues) == most
+
+    _run(main)
+
+
+def test_in_a_window_shorter_than_the_idle_minutes_a_queue_idle_for_the_window_gives_way():
+    async def main() -> None:
+        most, window = history.MAX_TRACKED_QUEUES, 5
+        assert window < history.IDLE_MINUTES
+        ring = History(window, TrioClock(0.0))
+        _commit(ring, (f"q{i}" for i in range(most)))
+        # q0 still holds jobs (its depth keeps it from being forgotten),
+        # but has had no event in the window: nothing of it to graph.
+        for _ in range(window):
+            await trio.sleep(60)
+            ring.sample_depth({"q0": 1})
+            _commit(ring, (f"q{i}" for i in range(1, most)))
+        _commit(ring, ["new"])
+        queues = ring.read(None, 1).queues
+        assert "new" in queues and "q0" not in queues
 
     _run(main)
 
@@ -338,70 +424,47 @@ def test_a_queue_that_only_holds_jobs_takes_no_series_and_gives_its_own_up_first
     _run(main)
 
 
-def test_a_queue_that_lost_its_series_is_counted_in_the_totals_until_a_window_without_it():
+def test_queues_that_only_hold_jobs_give_their_series_up_after_the_idle_minutes(tmp_path):
+    """Issue 34: one request made a job due in 2099 in each of 100 queues,
+    and while those jobs sat, every queue after them went untracked. The
+    real commands, engine and store, on trio's MockClock."""
+
     async def main() -> None:
-        most = history.MAX_TRACKED_QUEUES
-        ring = History(3, TrioClock(0.0))
-        _commit(ring, (f"q{i}" for i in range(most)))
-        _commit(ring, ["new"])
-        busy = ["new", *(f"q{i}" for i in range(2, most))]
-        await trio.sleep(60)
-        _commit(ring, busy)
-        # q1 has been idle longest, but q0 lost its series: taking a new
-        # one, it would read zeros for the minute counted in the totals.
-        _commit(ring, ["q0"])
-        window = ring.read(None, 3)
-        assert "q0" not in window.queues and "q1" in window.queues and window.other
-        assert window.series["created"][-2:] == [most + 1, most - 1 + 1]
-        # By minute 3, q1 has been silent for a window: forgotten, it leaves
-        # a series free, and q0 does not take that one either while its
-        # count of minute 1 is in the window.
-        for _ in range(2):
-            await trio.sleep(60)
-            _commit(ring, busy)
-        _commit(ring, ["q0"])
-        assert ring.read(None, 1).queues == sorted(busy)
-        # A window without q0 (minutes 4 to 6): it is as new.
-        for _ in range(3):
-            await trio.sleep(60)
-            _commit(ring, busy)
-        _commit(ring, ["q0"])
-        assert ring.read("q0", 3).series["created"] == [0, 0, 1]
+        from jobserver.core.build import build_core
+        from jobserver.core.engine.context import Settings
+        from jobserver.wire.framing import Request
 
-    _run(main)
+        clock = TrioClock(1_800_000_000.0)
+        store = Store(str(tmp_path / "jobs.db"), "NORMAL")
+        core = build_core(store, clock, Settings(), threaded=False)
+        core.engine.start()
 
+        async def call(command: str, **params: str) -> Any:
+            answer = await core.dispatcher.dispatch(Request(command, params), "t")
+            assert answer.response.code == 200, answer.response
+            return json.loads(answer.response.body) if answer.response.body else None
 
-def test_one_commit_takes_no_series_from_a_queue_it_counts():
-    async def main() -> None:
-        most = history.MAX_TRACKED_QUEUES
-        ring = History(3, TrioClock(0.0))
-        _commit(ring, (f"a{i}" for i in range(most + 50)))
-        assert ring.read(None, 1).queues == sorted(f"a{i}" for i in range(most))
-        # The next commit's queues take the series of the last one's; its
-        # own first 100 do not give theirs up to its last 50.
-        _commit(ring, (f"b{i}" for i in range(most + 50)))
-        assert ring.read(None, 1).queues == sorted(f"b{i}" for i in range(most))
-        # Counted in the totals only, a0 to a149 stay there.
-        _commit(ring, ["a0", "a120"])
-        assert ring.read(None, 1).queues == sorted(f"b{i}" for i in range(most))
-        assert ring.read(None, 1).series["created"] == [2 * (most + 50) + 2]
-
-    _run(main)
-
-
-def test_the_queues_counted_in_the_totals_only_are_remembered_up_to_a_bound():
-    async def main() -> None:
-        most, remembered = history.MAX_TRACKED_QUEUES, history.MAX_OTHER_QUEUES
-        ring = History(3, TrioClock(0.0))
-        tracked = [f"t{i}" for i in range(most)]
-        _commit(ring, [*tracked, "first"])
-        _commit(ring, [*tracked, *(f"o{i}" for i in range(remembered))])
-        # `first` was forgotten for the others: it is as new, and takes a
-        # series; the last of them is remembered, and does not.
-        _commit(ring, ["first"])
-        _commit(ring, [f"o{remembered - 1}"])
-        queues = ring.read(None, 1).queues
-        assert "first" in queues and f"o{remembered - 1}" not in queues
+        try:
+            most = history.MAX_TRACKED_QUEUES
+            due = "2099-01-01 00:00:00"
+            sitting = [{"name": f"sit{i}/x", "firstRun": due} for i in range(most)]
+            await call("CreateJobs", jobs=json.dumps(sitting))
+            await call("CreateJob", name="live/x")
+            assert (await call("History", name="live"))["tracked"] is False
+            # An hour of depth samples: the jobs sit, no event in their queues.
+            for _ in range(history.IDLE_MINUTES * 4):
+                await depth.sample_once(store, core.engine.history, clock)
+                await trio.sleep(15)
+            await call("CreateJob", name="live/x")
+            live = await call("History", name="live", minutes="2")
+            assert live["tracked"] is True and live["series"]["created"] == [0, 1]
+            assert live["trackedSince"] == history.utc_text(live["startTime"] // 60 + 1)
+            everything = await call("History")
+            assert "live" in everything["queues"] and len(everything["queues"]) == most
+            assert everything["other"] is True
+        finally:
+            await core.engine.stop()
+            store.close()
 
     _run(main)
 

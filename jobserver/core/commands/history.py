@@ -33,6 +33,9 @@ async def history_command(services: Services, request: Request, peer: str) -> An
         "window": ring.minutes,
         "queue": queue,
         "tracked": window.tracked,
+        # A queue that took its series while already counted in the totals
+        # reads zeros before this minute: the totals have those counts.
+        "trackedSince": None if window.since is None else history.utc_text(window.since),
         # Written here as JSON text: the reply's encoder, made for small
         # objects, took 16 ms for a week of six series on the event loop.
         "series": {name: Raw(_numbers(values)) for name, values in window.series.items()},

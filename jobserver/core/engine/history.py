@@ -30,19 +30,26 @@ it counted one (the reply's `other`). Each series is an array of 8-byte
 counts: 6 x 8 = 48 bytes per minute of window for each queue tracked and
 for the total (`bytes_per_minute`).
 
-The series go to the queues at work, not to the first seen: jobs due in
-2099 created in 100 queues would hold them all while they sat. When none
-is free, a queue with an event takes the series of the tracked queue
-that has gone longest without one (a queue seen only in depth samples
-first), if that queue had none in the same commit: a commit naming
-thousands of queues does not pass series around among them, each a new
-allocation. A queue seen only in a depth sample takes a free series, never
-another's. A queue counted in the totals only, or that gave its series
-up, stays there until a window has passed without it being counted
-(MAX_OTHER_QUEUES such queues remembered): a series it took would lack
-what the totals counted of it, and queues past the hundred do not take
-turns, each turn wiping a queue's day. A tracked queue with no event and
+The series go to the queues at work, and stay with them. When none is
+free, a queue with an event takes the series of the tracked queue that
+has gone longest without one (a queue seen only in depth samples first),
+only if that queue has had none for IDLE_MINUTES; otherwise it is counted
+in the totals only, and takes a series at its next event that finds one
+idle that long, or free. So one request naming a hundred new queues
+cannot take the series of a queue at work (an attack took a busy queue's
+with two CreateJobs, and it never came back while the queue stayed busy),
+and a busy queue counted in the totals only gets one back as soon as a
+tracked queue has been idle that long. A series taken by a queue already
+counted in the window lacks those counts (the totals have them): the
+reply's `trackedSince` says from which minute it counts. A series is
+taken from another queue at most once per IDLE_MINUTES, the queue that
+took it having just had an event. A queue seen only in a depth sample
+takes a free series, never another's. A tracked queue with no event and
 no depth for a whole window is forgotten, leaving its series free.
+
+The tracked queues are kept in the order of their last event, the
+idlest first, so that an event's look for a series to take is one look
+at the front, whatever the number of queues a commit names.
 """
 
 from __future__ import annotations
@@ -64,12 +71,11 @@ INTERVAL_SECONDS = 60
 # only. A hundred queues is more than a dashboard can show, and 100 x 48
 # bytes x a day of minutes is 6.6 MiB at the most.
 MAX_TRACKED_QUEUES = 100
-# Queues counted in the totals only that the ring remembers, so that none
-# takes a series that would lack what the totals counted of it: ten times
-# the tracked, a few hundred bytes each (a name is 255 bytes at most).
-# Past it, the one counted there longest ago is forgotten first (a series
-# it takes then leaves those counts out).
-MAX_OTHER_QUEUES = 1000
+# A tracked queue keeps its series until it has gone this many minutes
+# without an event (or the window, if shorter): the dashboard's graphs show
+# the last hour, so a queue with work in them keeps its series, and a burst
+# of new queues waits in the totals instead.
+IDLE_MINUTES = 60
 # The kinds of events, indexes into a Context's `events`, in the order of
 # SERIES.
 CREATED, HANDED_OUT, FINISHED, FAILED, RETRIED = range(5)
@@ -109,16 +115,18 @@ class Track:
     """One queue's series, a ring of `minutes` slots each."""
 
     series: list[array[int]]
+    # The minute it got its series: what the totals counted of it before
+    # is not in them.
+    since: int
     # The last minute it had an event or a depth: forgotten a window later.
-    seen: int = 0
-    # The commit (History's count of them) that last counted an event of
-    # it; 0 for none, only depth. The queue with the least gives its
-    # series up first.
-    active: int = 0
+    seen: int
+    # The last minute it had an event; None for none, only depth (it
+    # gives its series up first).
+    worked: int | None = None
 
     @classmethod
-    def empty(cls, minutes: int) -> Track:
-        return cls([array("q", bytes(_COUNT_BYTES * minutes)) for _ in SERIES])
+    def empty(cls, minutes: int, since: int) -> Track:
+        return cls(_zeros(minutes), since, since)
 
 
 @dataclass
@@ -129,6 +137,8 @@ class Window:
     start: int
     series: dict[str, list[int]]
     tracked: bool
+    # The minute a queue's series counts from; None for none, or all queues.
+    since: int | None = None
     queues: list[str] = field(default_factory=list)
     other: bool = False
 
@@ -142,20 +152,16 @@ class History:
         self.minutes = minutes
         # The engine's: minutes pass as its clock says (trio's MockClock in tests).
         self._clock = clock or SystemClock()
-        self._total = Track.empty(minutes)
+        self._idle = min(IDLE_MINUTES, minutes)
+        self._total = Track.empty(minutes, 0)
         # The last minute a queue without series was counted (in the totals
         # only); None when none was in the window. Its own series would be
         # read by no one.
         self._other: int | None = None
-        self._queues: dict[str, Track] = {}
-        # Queues counted in the totals only, by the last minute they were,
-        # that one longest ago first (ordered: a dict's first key, after
-        # many taken from its front, is a walk over their holes).
-        self._in_other: OrderedDict[str, int] = OrderedDict()
-        # Commits recorded, and the last one in which every tracked queue
-        # had an event (no series to take: one look per commit).
-        self._commits = 0
-        self._all_active = 0
+        # By their last event, the idlest first, those seen only in depth
+        # samples before them (ordered: a dict's first key, after many
+        # taken from its front, is a walk over their holes).
+        self._queues: OrderedDict[str, Track] = OrderedDict()
         # The newest minute the ring holds; None before the first event.
         self._head: int | None = None
 
@@ -174,7 +180,6 @@ class History:
         minute = self._advance(minute_of(self._clock.now()))
         slot = minute % self.minutes
         total = self._total.series
-        self._commits += 1
         for events in batches:
             for kind, counts in enumerate(events):
                 for name, count in counts.items():
@@ -205,67 +210,56 @@ class History:
         minute = self._advance(now) if self.minutes else now
         start = minute - minutes + 1
         track = self._total if queue is None else self._queues.get(queue)
-        tracked = track is not None
         series = {
             name: _last(values, minute, minutes) if track is not None else [0] * minutes
             for name, values in zip(SERIES, (track or self._total).series, strict=True)
         }
-        return Window(start, series, tracked, sorted(self._queues), self._other is not None)
+        since = None if track is None or queue is None else track.since
+        return Window(
+            start, series, track is not None, since, sorted(self._queues), self._other is not None
+        )
 
     def _counted(self, queue: str, minute: int) -> Track | None:
         """The series an event of `queue` adds to; None: the totals only."""
-        track = self._queues.get(queue) or self._new_series(queue, minute, take=True)
-        if track is None:
-            self._count_in_other(queue, minute)
+        track = self._queues.get(queue)
+        if track is not None:
+            self._queues.move_to_end(queue)
+        elif (track := self._new_series(queue, minute, worked=True)) is None:
+            self._other = minute
             return None
-        track.seen = minute
-        track.active = self._commits
+        track.seen = track.worked = minute
         return track
 
     def _sampled(self, queue: str, minute: int) -> Track | None:
         """The series a depth of `queue` goes in; None: the totals only."""
-        track = self._queues.get(queue) or self._new_series(queue, minute, take=False)
+        track = self._queues.get(queue) or self._new_series(queue, minute, worked=False)
         if track is None:
             self._other = minute
             return None
         track.seen = minute
         return track
 
-    def _new_series(self, queue: str, minute: int, take: bool) -> Track | None:
-        """A series for a queue without one: a free one or, if it may
-        `take` one (it has an event), the idlest queue's; None for a queue
-        the totals counted in the window."""
-        if queue in self._in_other:
+    def _new_series(self, queue: str, minute: int, worked: bool) -> Track | None:
+        """A series for a queue without one: a free one or, for a queue
+        with an event (`worked`), that of a queue idle for IDLE_MINUTES;
+        None if there is neither."""
+        if len(self._queues) >= MAX_TRACKED_QUEUES and not (worked and self._free_idlest(minute)):
             return None
-        if len(self._queues) >= MAX_TRACKED_QUEUES:
-            idlest = self._idlest() if take else None
-            if idlest is None:
-                return None
-            del self._queues[idlest]
-            self._count_in_other(idlest, minute)
-        track = self._queues[queue] = Track.empty(self.minutes)
+        track = self._queues[queue] = Track.empty(self.minutes, minute)
+        if not worked:
+            # Only depth: it gives its series up before any queue at work.
+            self._queues.move_to_end(queue, last=False)
         return track
 
-    def _idlest(self) -> str | None:
-        """The tracked queue that has gone longest without an event, if
-        it had none in this commit."""
-        if self._all_active == self._commits:
-            return None
-        queues = self._queues
-        idlest = min(queues, key=lambda queue: queues[queue].active)
-        if queues[idlest].active < self._commits:
-            return idlest
-        self._all_active = self._commits
-        return None
-
-    def _count_in_other(self, queue: str, minute: int) -> None:
-        """Note `queue` as counted in the totals only, this minute."""
+    def _free_idlest(self, minute: int) -> bool:
+        """Forget the queue at the front, if it has had no event for
+        IDLE_MINUTES (its counts are in the totals only from now)."""
+        idlest, track = next(iter(self._queues.items()))
+        if track.worked is not None and track.worked > minute - self._idle:
+            return False
+        del self._queues[idlest]
         self._other = minute
-        in_other = self._in_other
-        in_other[queue] = minute
-        in_other.move_to_end(queue)
-        if len(in_other) > MAX_OTHER_QUEUES:
-            in_other.popitem(last=False)
+        return True
 
     def _advance(self, minute: int) -> int:
         """Move the ring's head to `minute`, clearing the minutes it passes
@@ -282,19 +276,20 @@ class History:
             del self._queues[queue]
         if self._other is not None and self._other <= oldest:
             self._other = None
-        in_other = self._in_other
-        while in_other and next(iter(in_other.values())) <= oldest:
-            in_other.popitem(last=False)
         passed = range(max(head + 1, minute - self.minutes + 1), minute + 1)
         for track in (self._total, *self._queues.values()):
             if len(passed) == self.minutes:
                 # Silent for a whole window: one new array a series.
-                track.series = Track.empty(self.minutes).series
+                track.series = _zeros(self.minutes)
                 continue
             for values in track.series:
                 for m in passed:
                     values[m % self.minutes] = 0
         return minute
+
+
+def _zeros(minutes: int) -> list[array[int]]:
+    return [array("q", bytes(_COUNT_BYTES * minutes)) for _ in SERIES]
 
 
 def _last(values: array[int], minute: int, minutes: int) -> list[int]:
