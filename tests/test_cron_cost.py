@@ -148,3 +148,24 @@ def test_a_remembered_next_run_is_the_one_a_search_gives(
     first = minute + timedelta(microseconds=earlier)
     for after in (first, moment):
         assert cron.next_run(stored, zone, after) == cron.search_next_run(stored, zone, after)
+
+
+def test_a_request_carries_at_most_so_many_distinct_rules(server: ThreadServer) -> None:
+    """More distinct rules than are remembered at once were searched again
+    in the writer (7,000 held a neighbour 5 s): a request may carry
+    MOST_RULES_A_REQUEST distinct rule-and-zone pairs, however many jobs."""
+    most = cron.MOST_RULES_A_REQUEST
+    rules = [f"CRON {minute} {hour} * * *" for hour in range(24) for minute in range(60)]
+    refused = f"402 Too many CRON rules ({most} distinct rules and time zones a request at most)"
+    with server.client(timeout=120) as client:
+        over = [{"name": f"r/{i}", "repeat": rule} for i, rule in enumerate(rules[: most + 1])]
+        assert client.request("CreateJobs", jobs=over).status == refused
+        # The same rule in another zone is another pair.
+        zoned = [*over[:most], {"name": "r/z", "repeat": rules[0], "timeZone": "Europe/Paris"}]
+        assert client.request("CreateJobs", jobs=zoned).status == refused
+        nothing = client.request("CancelQueuedJobs", name="r/*", dryRun="true").json
+        assert nothing["matched"] == 0
+        # At the bound, and many jobs of one rule, are served.
+        assert client.request("CreateJobs", jobs=over[:most]).code == 200
+        same = [{"name": f"s/{i}", "repeat": rules[0]} for i in range(most + 1)]
+        assert client.request("CreateJobs", jobs=same).code == 200

@@ -56,11 +56,16 @@ _CHECKED_FROM = datetime(2000, 1, 1, tzinfo=UTC)
 # asked about. A rule lists at most 60 minutes an hour, and no zone goes
 # back more than a few hours: this many is far more than can be skipped.
 _MOST_SKIPPED = 24 * 60
-_DISTINCT_RULES = 4096
+_DISTINCT_RULES = 16_384
 # Next runs remembered, each for a (rule, zone, minute): a minute's worth
 # for thousands of rules and zones at once, each entry a few hundred bytes
-# (a rule is at most MAX_LENGTH characters), about 2 MB in all.
-REMEMBERED_RUNS = 4096
+# (a rule is at most MAX_LENGTH characters), about 8 MB in all. Each
+# request carries at most MOST_RULES_A_REQUEST distinct pairs, found in
+# the thread before the writer: sixteen such requests would have to be
+# searched between one's search and its turn in the writer for it to
+# search again there.
+REMEMBERED_RUNS = 16_384
+MOST_RULES_A_REQUEST = 1000
 _MINUTE = timedelta(minutes=1)
 # What a next run is remembered by: a rule's fields, a zone's name, a minute.
 _Key = tuple[str, str, datetime]

@@ -126,6 +126,14 @@ async def _check_cron_first(services: Services, request: Request) -> None:
     run remembered for the minute (its jobs, however many, search no
     more)."""
     rules = _repeat_rules(request)
+    distinct = {(rule, zone) for rule, zone in rules if cron.is_cron(rule)}
+    if len(distinct) > cron.MOST_RULES_A_REQUEST:
+        # More than are remembered at once would be searched again in the
+        # writer, a millisecond or more each (7,000 held it 5 s).
+        raise CommandError(
+            f"402 Too many CRON rules ({cron.MOST_RULES_A_REQUEST} distinct rules "
+            "and time zones a request at most)"
+        )
     now = services.engine.now()
     if cron.unchecked(rules, now):
         await trio.to_thread.run_sync(cron.warm, rules, now, limiter=services.rule_checks)
