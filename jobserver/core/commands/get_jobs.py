@@ -38,7 +38,7 @@ async def get_jobs(services: Services, request: Request, peer: str) -> Answer:
     engine = services.engine
     if waits_for_jobs(request):
         timeout = params.wait_seconds(request)
-        matcher = await _compiled(query)
+        matcher = await _compiled(query, services.pattern_compiles)
         services.count(request.verb.lower(), 0)
         waited = await engine.wait(query, timeout, matcher)
         if not waited:
@@ -54,7 +54,9 @@ async def get_jobs(services: Services, request: Request, peer: str) -> Answer:
     return _handing_out(engine, query, taken, waited=False)
 
 
-async def _compiled(query: JobQuery) -> globmatch.Matcher | None:
+async def _compiled(
+    query: JobQuery, limiter: trio.CapacityLimiter
+) -> globmatch.Matcher | None:
     """A waiting GetJob's GLOB as a function of a name, with which the
     names of new jobs are matched on the event loop: compiled in a thread,
     once per pattern (a long pattern's regular expressions take
@@ -67,7 +69,7 @@ async def _compiled(query: JobQuery) -> globmatch.Matcher | None:
     kept = globmatch.compiled(query.pattern)
     if kept is not None:
         return kept
-    return await trio.to_thread.run_sync(globmatch.matcher, query.pattern)
+    return await trio.to_thread.run_sync(globmatch.matcher, query.pattern, limiter=limiter)
 
 
 def _handing_out(engine: Engine, query: JobQuery, taken: list[Taken], waited: bool) -> Answer:
