@@ -6,7 +6,8 @@ again and parsed a second time, all on the event loop (HTTP), and parsed
 with three full collections of the process's objects in one C call
 (wire): a neighbour's Ping waited up to 1.5 s and /healthz 4.7 s while
 eight arrived at once. Now such JSON is parsed once, in a thread, with
-the collector held off meanwhile.
+the collector held off meanwhile; a declared body past the limit is
+refused before it is read.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from helpers import ok
-from wire import encode
+from wire import Client, encode
 
 ARRAYS = 300_000
 DATA = '{"a":[' + ",".join(["[]"] * ARRAYS) + "]}"
@@ -117,3 +118,23 @@ def test_large_json_on_both_ports_keeps_neighbours_answering(start_server) -> No
         _assert_answering(wire, "a neighbour's Ping")
         _assert_answering(http, "/healthz")
 
+
+def test_a_declared_body_past_the_limit_is_refused_at_once(start_server) -> None:
+    running = start_server(None, "--http-port", "0")
+    [line] = running.matching(HTTP_LISTENING, 1, 15)
+    http_port = int(HTTP_LISTENING.search(line).group(1))
+    for declared in (b"99999999999999999999", b"%d" % (2 * len(BODY))):
+        with socket.create_connection(("127.0.0.1", http_port), timeout=5) as sock:
+            began = time.monotonic()
+            sock.sendall(
+                b"POST /api/CreateJob HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\nContent-Length: " + declared +
+                b"\r\n\r\n{}"
+            )
+            response = sock.recv(65536)
+            while b"larger than" not in response and (chunk := sock.recv(65536)):
+                response += chunk
+            assert time.monotonic() - began < 2
+        assert response.startswith(b"HTTP/1.1 413 "), response
+    with Client(running.port) as client:
+        assert ok(client.request("Ping"))
