@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from harness import ThreadServer
 from helpers import create, ok, until
 from jobserver.web import openapi
+from jobserver.wire import jsonbody
 from jobserver.wire.limits import MAX_JSON_DEPTH
 from wire import Client
 
@@ -448,3 +449,51 @@ def test_stored_data_one_level_past_the_limit_is_still_served(wire: Client) -> N
     assert again["jobID"] == job_id
     assert json.dumps(again["data"]["reply"], separators=(",", ":")) == deepest
     ok(wire.request("FinishJob", jobID=job_id))
+
+
+# Depth is counted in linear time ----------------------------------------
+
+
+def _deeper_than_the_bound(text: str) -> bool:
+    """The reference count: brackets outside strings, one at a time, up to
+    a bracket that closes below the start (the parser stops there)."""
+    level, in_string, escaped = 0, False, False
+    for char in text:
+        if in_string:
+            in_string = escaped or char != '"'
+            escaped = not escaped and char == "\\"
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            level += 1
+            if level > MAX_JSON_DEPTH:
+                return True
+        elif char in "]}":
+            level -= 1
+            if level < 0:
+                return False
+    return False
+
+
+@given(
+    opened=st.integers(MAX_JSON_DEPTH - 5, MAX_JSON_DEPTH + 2),
+    rest=st.text(alphabet='[]{}"\\a,', max_size=40),
+)
+def test_check_depth_counts_as_the_brackets_are_read(opened: int, rest: str) -> None:
+    text = "[" * opened + rest
+    try:
+        jsonbody.check_depth(text)
+    except jsonbody.TooDeep:
+        assert _deeper_than_the_bound(text)
+    else:
+        assert not _deeper_than_the_bound(text)
+
+
+def test_escaped_quotes_in_an_unterminated_string_are_read_once(wire: Client) -> None:
+    # 80 KB of `\"` after an opening quote: the string's regular
+    # expression was tried again from every quote, 32 s before any answer.
+    data = '{"a":' + "[" * MAX_JSON_DEPTH + '"' + '\\"' * 40_000
+    began = time.monotonic()
+    reply = send_raw(wire, "CreateJob", {"name": "quotes", "data": data})
+    assert time.monotonic() - began < FAST
+    assert reply.status == f"402 Malformed data: JSON nested deeper than {MAX_JSON_DEPTH} levels"

@@ -35,9 +35,11 @@ Sec-Fetch-Site of another site (`403`). All of that is access.py's.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import Any, TypeVar
 
+import trio
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 from starlette.applications import Starlette
@@ -47,6 +49,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from jobserver.core.build import Core
+from jobserver.core.commands import params
+from jobserver.core.commands.dispatch import PARSE_IN_THREAD_BYTES
 from jobserver.core.commands.params import MAX_DATA
 from jobserver.core.commands.route import Answer
 from jobserver.web import access, openapi
@@ -55,6 +59,8 @@ from jobserver.web.incoming import peer, read_body
 from jobserver.web.metrics import CONTENT_TYPE, Metrics
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request
+
+_Read = TypeVar("_Read")
 
 LONE_SURROGATE = "a lone surrogate (\\ud800 to \\udfff), which is not text"
 
@@ -84,13 +90,12 @@ def build(
         body = await read_body(request, MAX_BODY)
         if body is None:
             return _error(413, f"the body is larger than {MAX_BODY} bytes")
-        name, data, problem = _jobber_job(body)
-        if problem:
+        job, problem = await read_json(body, partial(_jobber_job, body))
+        if job is None:
             return _error(400, problem)
-        headers = {"name": name, "data": data}
         if auth_token is not None:
-            headers["authtoken"] = auth_token
-        answer = await dispatcher.dispatch(Request("CreateJob", headers), peer(request))
+            job.headers["authtoken"] = auth_token
+        answer = await dispatcher.dispatch(job, peer(request))
         status = answer.response.status
         if answer.response.code == 200:
             job_id = json.loads(answer.response.body)["jobID"]
@@ -112,18 +117,24 @@ def build(
             # writes: a file is written only for a holder of the token.
             return _error(403, "Backup over HTTP needs the token: start the server "
                           "with --auth-token-file, or use the wire port from this machine")
-        document, problem = _json_object(body)
-        if any(name.lower() == "connection" for name in document):
-            problem = "Connection: wait is not offered over HTTP: use the wire protocol"
-        elif not problem and verb in validators:
-            problem = _invalid(validators[verb], document)
-        if problem:
+        command, problem = await read_json(
+            body, partial(_api_command, verb, body, validators.get(verb))
+        )
+        if command is None:
             return _error(400, problem)
-        headers = _headers(document)
         if auth_token is not None:
-            headers["authtoken"] = auth_token
-        answer = await dispatcher.dispatch(Request(verb, headers), peer(request))
+            command.headers["authtoken"] = auth_token
+        answer = await dispatcher.dispatch(command, peer(request))
         return _wire_reply(answer)
+
+    async def read_json(body: bytes, read: Callable[[], _Read]) -> _Read:
+        """read(), which parses `body`: in a thread when the body is large,
+        as a wire command's large JSON is (dispatch.parse_large_json)."""
+        if len(body) <= PARSE_IN_THREAD_BYTES:
+            return read()
+        return await trio.to_thread.run_sync(
+            _collection_paused, read, limiter=dispatcher.services.json_parsing
+        )
 
     metrics = Metrics(core, auth_token)
 
@@ -180,6 +191,25 @@ def _command_named(given: str) -> str:
     return _NO_COMMAND
 
 
+def _collection_paused(read: Callable[[], _Read]) -> _Read:
+    with jsonbody.collection_paused():
+        return read()
+
+
+def _api_command(
+    verb: str, body: bytes, validator: Draft202012Validator | None
+) -> tuple[Request | None, str]:
+    """The wire request an /api body stands for, or (None, what is wrong)."""
+    document, problem = _json_object(body)
+    if any(name.lower() == "connection" for name in document):
+        problem = "Connection: wait is not offered over HTTP: use the wire protocol"
+    elif not problem and validator is not None:
+        problem = _invalid(validator, document)
+    if problem:
+        return None, problem
+    return _request(verb, document), ""
+
+
 def _json_object(body: bytes) -> tuple[dict[str, Any], str]:
     document, problem = _parse_body(body or b"{}")
     if problem:
@@ -215,22 +245,22 @@ def _invalid(validator: Draft202012Validator, document: dict[str, Any]) -> str:
     return f"{where}: {error.message}" if where else error.message
 
 
-def _headers(document: dict[str, Any]) -> dict[str, str]:
-    """A JSON object of parameters as wire headers (names lower-cased;
-    objects and arrays as compact JSON text, booleans as true/false, null
-    as absent)."""
-    headers: dict[str, str] = {}
+def _request(verb: str, document: dict[str, Any]) -> Request:
+    """A JSON object of parameters as a wire request (names lower-cased;
+    objects and arrays as compact JSON text, known parsed, booleans as
+    true/false, null as absent)."""
+    request = Request(verb)
     for name, value in document.items():
         if value is None:
             continue
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        elif isinstance(value, dict | list):
-            text = jsonbody.compact(value)  # a lone surrogate inside stays escaped
-        else:
-            text = str(value)
-        headers[name.lower()] = text
-    return headers
+        if isinstance(value, dict | list):
+            # A lone surrogate inside stays escaped. Parsed with the body:
+            # the command does not parse it again.
+            params.with_json_value(request, name.lower(), jsonbody.compact(value), value)
+            continue
+        text = str(value) if not isinstance(value, bool) else "true" if value else "false"
+        request.headers[name.lower()] = text
+    return request
 
 
 def _wire_reply(answer: Answer) -> Response:
@@ -242,22 +272,24 @@ def _wire_reply(answer: Answer) -> Response:
     return Response(reply.body, reply.code, headers=status, media_type=kind)
 
 
-def _jobber_job(body: bytes) -> tuple[str, str, str]:
-    """(name, data as JSON text, "") or ("", "", what is wrong)."""
+def _jobber_job(body: bytes) -> tuple[Request | None, str]:
+    """(the CreateJob a /queue body stands for, "") or (None, what is wrong)."""
     document, problem = _parse_body(body)
     if problem:
-        return "", "", problem
+        return None, problem
     if not isinstance(document, dict):
-        return "", "", 'the body must be a JSON object: {"type": ..., "payload": {...}}'
+        return None, 'the body must be a JSON object: {"type": ..., "payload": {...}}'
     name = document.get("type")
     payload = document.get("payload", {})
     if not isinstance(name, str) or not name:
-        return "", "", '"type" must be a non-empty string: the job\'s name'
+        return None, '"type" must be a non-empty string: the job\'s name'
     if jsonbody.has_lone_surrogate(name):
-        return "", "", f'"type" holds {LONE_SURROGATE}'
+        return None, f'"type" holds {LONE_SURROGATE}'
     if not isinstance(payload, dict):
-        return "", "", '"payload" must be a JSON object'
-    return name, jsonbody.compact(payload), ""
+        return None, '"payload" must be a JSON object'
+    job = Request("CreateJob", {"name": name})
+    params.with_json_value(job, "data", jsonbody.compact(payload), payload)
+    return job, ""
 
 def _queue_status(code: int) -> int:
     """POST /queue's HTTP status for a wire refusal: 400 for the request's

@@ -10,7 +10,13 @@ from jobserver.core.commands.route import Peer
 
 
 async def read_body(request: Request, limit: int) -> bytes | None:
-    """The body, or None past `limit` bytes (read no further than that)."""
+    """The body, or None past `limit` bytes (read no further than that):
+    at once when its Content-Length says so, else as it arrives. A body
+    declared larger was waited for, up to the body's timeout (30 s), before
+    it was refused."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():

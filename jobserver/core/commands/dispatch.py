@@ -16,6 +16,7 @@ and replies.py, each wrapped in `InWriter`.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 from dataclasses import dataclass, replace
 from functools import partial
@@ -32,6 +33,7 @@ from jobserver.core.commands import (
     history,
     known_headers,
     manage,
+    params,
     query,
     queues,
     replies,
@@ -49,6 +51,10 @@ from jobserver.wire.framing import Request, Response
 # A request this large (a CreateJobs of hundreds of jobs) runs long enough
 # to hold up every other connection: its batch runs in a thread.
 HEAVY_REQUEST_BYTES = 16 * 1024
+# JSON this large is parsed in a thread (parse_large_json): 64 KiB takes
+# about 2 ms, small enough for the event loop, and a thread costs more
+# than parsing the common few hundred bytes.
+PARSE_IN_THREAD_BYTES = 64 * 1024
 # Commands whose work has no small bound (every job of a pattern, a long
 # list): always heavy.
 # Commands of many jobs, each element a command of its own: heavy past
@@ -113,9 +119,31 @@ class InWriter:
     command: Command
 
     async def __call__(self, services: Services, request: Request, peer: str) -> Answer:
+        await parse_large_json(services, request)
         await _check_cron_first(services, request)
         work = partial(self.command, request=request)
         return Answer(await services.engine.call(work, _is_heavy(request)))
+
+
+async def parse_large_json(services: Services, request: Request) -> None:
+    """Parse the request's large JSON parameters in a thread, before the
+    writer, which then finds them parsed (params.json_value). Parsing
+    900 KB takes tens of milliseconds, in C that holds the GIL throughout:
+    in a thread the event loop still waits while it runs, but between
+    parses it serves others, and the writer never waits for one."""
+    for header in params.JSON_PARAMETERS:
+        text = request.get(header)
+        if text is not None and len(text) > PARSE_IN_THREAD_BYTES:
+            await trio.to_thread.run_sync(
+                _parse_quietly, request, header, limiter=services.json_parsing
+            )
+
+
+def _parse_quietly(request: Request, header: str) -> None:
+    """Parse a parameter for later: a ValueError is kept with the request,
+    and raised when the command reads the parameter, in its turn."""
+    with contextlib.suppress(ValueError), jsonbody.collection_paused():
+        params.json_value(request, header)
 
 
 async def _check_cron_first(services: Services, request: Request) -> None:
@@ -215,10 +243,10 @@ def _repeat_rules(request: Request) -> list[tuple[str, str]]:
     if verb in ("createjob", "updatejob"):
         text = request.get("repeat")
         return [(text, request.get("timeZone") or "")] if text else []
-    if verb != "createjobs" or '"repeat"' not in (jobs := request.get("jobs") or "").lower():
+    if verb != "createjobs" or '"repeat"' not in (request.get("jobs") or "").lower():
         return []
     try:
-        elements = jsonbody.parse(jobs)
+        elements = params.json_value(request, "jobs")
     except ValueError:  # not JSON, or nested too deeply: the writer says so
         return []
     if not isinstance(elements, list):

@@ -135,23 +135,50 @@ def priority(request: Request, *names: str) -> int | None:
     return None
 
 
+# The parameters that hold JSON text: parsed once, whoever reads them first
+# (json_value), and before the writer when they are large (dispatch.py).
+JSON_PARAMETERS = ("data", "jobs")
+
+
+def json_value(request: Request, header: str) -> Any:
+    """The JSON value of the parameter `header`, which the request has:
+    strict and depth-checked (jsonbody.parse), parsed the first time it is
+    asked for and kept with the request, as is a ValueError it raises."""
+    text = request.headers[header]
+    known = request.parsed.get(header)
+    if known is None or known[0] is not text:
+        try:
+            known = (text, jsonbody.parse(text))
+        except ValueError as error:
+            known = (text, error)
+        request.parsed[header] = known
+    if isinstance(known[1], ValueError):
+        raise known[1]
+    return known[1]
+
+
+def with_json_value(request: Request, header: str, text: str, value: Any) -> None:
+    """Set the parameter `header` to `text`, the compact JSON of `value`
+    (a value parsed with jsonbody.parse, or a part of one), known parsed."""
+    request.headers[header] = text
+    request.parsed[header] = (text, value)
+
+
 def data(request: Request, header: str = "data") -> str | None:
     """A JSON object parameter as compact JSON text, or None when absent."""
-    value = request.get(header)
-    if value is None:
+    text = request.get(header)
+    if text is None:
         return None
-    if len(value.encode("utf-8")) > MAX_DATA:
+    if len(text.encode("utf-8")) > MAX_DATA:
         raise too_large(header, MAX_DATA)
-    return parse_data(value)
-
-
-def parse_data(text: str) -> str:
     try:
-        value = jsonbody.parse_object(text)
+        value = json_value(request, header)
     except jsonbody.TooDeep as error:
         raise CommandError(f"402 Malformed data: {error}") from None
     except ValueError:
         raise CommandError("402 Data is not a valid JSON Object") from None
+    if not isinstance(value, dict):
+        raise CommandError("402 Data is not a valid JSON Object")
     # Valid JSON with no white space at all is already compact: keep the
     # client's text rather than spend time writing it out again.
     if _BLANKS.isdisjoint(text):
@@ -268,10 +295,11 @@ def error_text(request: Request, data: str | None) -> str:
         if len(text.encode("utf-8")) > MAX_ERROR:
             raise too_large("error", MAX_ERROR)
         return text.replace("\0", "\ufffd")
-    # Parsed only when it may hold an error key.
+    # Read only when it may hold an error key: `data` is the request's
+    # data, which data() has parsed (an object).
     if data is None or '"error"' not in data:
         return ""
-    value = jsonbody.parse_object(data).get("error")
+    value = json_value(request, "data").get("error")
     if value is None:
         return ""
     text = value if isinstance(value, str) else jsonbody.compact(value)
@@ -346,7 +374,7 @@ def from_json(element: Mapping[str, Any], verb: str) -> Request:
     could be neither stored nor compared (inside objects, such as data,
     compact() keeps it escaped).
     """
-    headers: dict[str, str] = {}
+    request = Request(method_line=verb)
     for key, value in element.items():
         if jsonbody.has_lone_surrogate(key):
             raise CommandError("402 Malformed parameter name: a lone surrogate")
@@ -361,11 +389,13 @@ def from_json(element: Mapping[str, Any], verb: str) -> Request:
         elif value is None:
             continue
         elif isinstance(value, (dict, list)):
-            text = jsonbody.compact(value)
+            # Parsed with the list: not parsed again as the element's own.
+            with_json_value(request, key.lower(), jsonbody.compact(value), value)
+            continue
         else:
             text = str(value)
-        headers[key.lower()] = text
-    return Request(method_line=verb, headers=headers)
+        request.headers[key.lower()] = text
+    return request
 
 
 def job_list(request: Request) -> list[dict[str, Any]]:
@@ -373,7 +403,7 @@ def job_list(request: Request) -> list[dict[str, Any]]:
     non-empty objects."""
     text = present(request, "jobs")
     try:
-        elements = jsonbody.parse(text) if text is not None else None
+        elements = json_value(request, "jobs") if text is not None else None
     except jsonbody.TooDeep as error:
         raise CommandError(f"401 Invalid JSON: {error}") from None
     except ValueError:

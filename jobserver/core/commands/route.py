@@ -136,6 +136,10 @@ class Services:
     )
     # Status counts what running jobs use of each limit one at a time.
     status_thread: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
+    # Large JSON parameters and bodies are parsed in threads, one at a time:
+    # the parse holds the GIL throughout, so more threads would only take
+    # it from the event loop more often (params.parse_large_json).
+    json_parsing: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
     # CRON rules are checked the first time one at a time.
     rule_checks: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
     # Waiting GetJobs' patterns are compiled one at a time: each thread
