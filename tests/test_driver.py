@@ -24,7 +24,7 @@ from jobserver.model.jobs import (
     RetryPolicy,
     State,
 )
-from jobserver.storage.interface import Storage
+from jobserver.storage.interface import PassedOver, Storage
 
 pytestmark = pytest.mark.backends()
 
@@ -231,18 +231,42 @@ def test_hand_out_takes_due_ready_jobs_only(store: Storage) -> None:
     assert paused not in ready(store, now=LATER) and later in ready(store, now=LATER)
 
 
-def test_hand_out_by_pattern_names_and_skipped(store: Storage) -> None:
+def test_hand_out_by_pattern_names_and_what_was_passed_over(store: Storage) -> None:
     a1, b1, a2, odd = create(
         store, job("q/a"), job("q/b"), job("q/a"), job("q*[x]")
     )
     assert ready(store, pattern="q/a") == [a1, a2]
     assert ready(store, pattern="q/*") == [a1, a2, b1]
-    assert ready(store, pattern="q/[ab]", skipped=[a1]) == [a2, b1]
+    held_a = PassedOver(names=frozenset({"q/a"}))
+    assert ready(store, pattern="q/[ab]", passed=held_a) == [b1]
+    assert ready(store, pattern=None, names=["q/a", "q/b"], passed=held_a) == [b1]
+    assert ready(store, pattern="q*", passed=PassedOver(patterns=("q/?",))) == [odd]
+    assert ready(store, pattern="q*", passed=PassedOver(patterns=("q/b", "q[*]*"))) == [a1, a2]
     assert ready(store, pattern=None, names=["q/b", "q*[x]"]) == [odd, b1]
-    assert ready(store, pattern=None, names=["q*[x]"], skipped=[odd]) == []
+    odd_held = PassedOver(names=frozenset({"q*[x]"}))
+    assert ready(store, pattern=None, names=["q*[x]"], passed=odd_held) == []
     # GLOB's own special characters, on every backend.
     assert ready(store, pattern="q\\*?x]") == []
     assert ready(store, pattern="q[*][[]x]") == [odd]
+
+
+def test_a_search_goes_on_after_the_last_job_it_read(store: Storage) -> None:
+    """From any job of the hand-out order, across priorities, names and
+    nextRuns, by a pattern or by names: the jobs after it, in order."""
+    create(
+        store,
+        job("r/b", priority=1000), job("r/a", priority=0), job("r/a", next_run=NOW),
+        job("r/b"), job("r/a"), job("r/c", priority=1000, next_run=NOW), job("r/a"),
+    )
+    for asked in ({"pattern": "r/*"}, {"pattern": None, "names": ["r/a", "r/b", "r/c"]}):
+        order = ready(store, **asked)
+        assert len(order) == 7
+        for at, job_id in enumerate(order):
+            found = store.get(job_id)
+            assert found is not None
+            after = (found.priority, found.nextRun, found.name, found.jobID)
+            rest = ready(store, **asked, passed=PassedOver(after=after))
+            assert rest == order[at + 1 :], (asked, at)
 
 
 def test_hand_out_of_a_priority_never_used(store: Storage) -> None:

@@ -50,6 +50,24 @@ class NameMatch:
 
 
 @dataclass(frozen=True)
+class PassedOver:
+    """What a hand-out search has passed over, so that its next page of
+    candidates leaves it out in the query itself: every job up to `after`
+    in hand-out order (priority in the search's order, then nextRun, name
+    and jobID: the last job it read), and every job of the `names`, or of
+    a name one of the GLOB `patterns` matches, that limits or pauses hold
+    whatever their cost. The held names and patterns bound the work, not
+    the held jobs."""
+
+    after: tuple[int, str, str, int] | None = None
+    names: frozenset[str] = frozenset()
+    patterns: tuple[str, ...] = ()
+
+
+NOTHING_PASSED = PassedOver()
+
+
+@dataclass(frozen=True)
 class Found:
     """What a bulk action's search found: the jobIDs of the oldest jobs
     that match, oldest first; how many match among the jobs examined; how
@@ -315,12 +333,12 @@ class Jobs(Protocol):
         limit: int,
         pattern: str | None = None,
         names: Sequence[str] = (),
-        skipped: Sequence[int] = (),
+        passed: PassedOver = NOTHING_PASSED,
     ) -> list[Job]:
         """Due jobs in a READY state, in hand-out order (protocol.md 4.4:
-        priority in the order of `priorities`, then nextRun, then jobID),
-        matching a GLOB `pattern` or one of `names`, except the `skipped`
-        jobIDs; at most `limit`."""
+        priority in the order of `priorities`, then nextRun, name and
+        jobID), matching a GLOB `pattern` or one of `names`, except what the
+        search has `passed` over; at most `limit`."""
 
     def find_by_name(self, name: str) -> Job | None:
         """The oldest job with exactly this name that is not history (a

@@ -56,16 +56,18 @@ from jobserver.model.globmatch import glob_to_regex, is_glob
 from jobserver.model.jobs import Job
 from jobserver.storage import postgres_listen, postgres_query, postgres_schema, sql
 from jobserver.storage.interface import (
+    NOTHING_PASSED,
     BackupCopy,
     BackupDirectory,
     BackupUnsupported,
     OutcomeUnknown,
+    PassedOver,
     QueryRows,
     QueueStats,
     RunningJob,
     RunningStats,
 )
-from jobserver.storage.sql import COLUMNS, JOB, POSTGRES
+from jobserver.storage.sql import COLUMNS, JOB, POSTGRES, priorities_from
 from jobserver.storage.sql_store import FLOW_CONTROL, SqlStore
 from jobserver.storage.sqlite_schema import StoreError
 
@@ -486,25 +488,26 @@ class PostgresStore(SqlStore):
         limit: int,
         pattern: str | None = None,
         names: Sequence[str] = (),
-        skipped: Sequence[int] = (),
+        passed: PassedOver = NOTHING_PASSED,
     ) -> list[Job]:
         """Due jobs (READY) in hand-out order, locked; jobs that
-        another node's transaction holds are passed over
-        (postgres_schema.FIND_READY_FUNCTION). The function's `blocked`
-        patterns are always none: limits and pauses are checked by the core
-        (core/rules/flow.py), at a bounded cost; the argument stays so that the
-        schema needs no new version."""
+        another node's transaction holds are passed over, and so is what
+        this search has `passed` over, in the query
+        (postgres_schema.FIND_READY_AFTER_FUNCTION)."""
         exact: list[str] | None = None
         regex: str | None = None
         if pattern is not None and is_glob(pattern):
             regex = glob_to_regex(pattern)
         else:
             exact = [pattern] if pattern is not None else list(names)
+        after = passed.after or (None, None, None, None)
         found = self._jobs(
-            f"SELECT {JOB} FROM jobserver_find_ready(%s, %s, %s, %s, %s, %s, %s)",
+            f"SELECT {JOB} FROM jobserver_find_ready_after"
+            "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
             (
-                now, list(priorities), limit, regex, exact,
-                [], list(skipped),
+                now, list(priorities_from(priorities, passed.after)), limit, regex, exact,
+                sorted(passed.names), [glob_to_regex(held) for held in passed.patterns],
+                *after,
             ),
         )
         return self._found(found)

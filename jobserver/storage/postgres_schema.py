@@ -38,7 +38,7 @@ from jobserver.storage.sqlite_schema import StoreError
 # handed out by when their run started (RunningJobs).
 # 6: idempotency keys of CreateJob and CreateJobs (protocol.md 14.22); the
 # index of names holds their jobIDs too.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 # Rows of jobserver_locks. The nodes lock these rows, with FOR UPDATE,
 # where they once took advisory locks: any role that can connect to the
@@ -103,7 +103,7 @@ CREATE TABLE jobs (
     worker        TEXT COLLATE "C" NOT NULL DEFAULT '',
     node          TEXT COLLATE "C" NOT NULL DEFAULT ''
 );
--- Hand-out order within a priority (jobserver_find_ready): oldest nextRun,
+-- Hand-out order within a priority (jobserver_find_ready_after): oldest nextRun,
 -- then name, then jobID: by pattern, and by exact name.
 CREATE INDEX jobsReady ON jobs (priority, nextRun, name, jobID)
     WHERE state IN ('QUEUED', 'RUNQUEUED');
@@ -194,15 +194,38 @@ END
 $fn$
 """
 
+
 # The search of a GetJob, in one round trip: per priority, highest first,
 # an index range of due jobs in hand-out order, locked as they are read and
 # passing over those another node holds, until `wanted` are found. One
 # query per priority keeps each one an index range, whatever the queue
 # holds (a single ordered query over all priorities would sort them all).
-FIND_READY_FUNCTION = f"""
-CREATE OR REPLACE FUNCTION jobserver_find_ready(
+# What the search has passed over is left out in the query (version 7):
+# the held names and held patterns (regular expressions) tested on each due
+# job's entry, and, within the priority of the last job it read, the jobs
+# up to that one, before the index range (`after_*`, NULL for none).
+def _find_ready_after(names_or_pattern: str, after: str) -> str:
+    return f"""
+            RETURN QUERY SELECT * FROM jobs
+                WHERE state IN ({READY_SQL}) AND {names_or_pattern}
+                AND priority = level AND nextRun <= due
+                AND name NOT IN (SELECT unnest(held_names)) AND name !~ ALL(held_patterns){after}
+                ORDER BY {HAND_OUT_ORDER} LIMIT wanted - found
+                FOR UPDATE SKIP LOCKED;"""
+
+
+# Written from the index's first column, so that PostgreSQL starts its
+# range there (a comparison of the later columns alone was a filter, and
+# each page read the jobs before it again).
+_AFTER = (
+    '\n                AND (priority, nextRun, name, jobID) > '
+    '(level, after_next COLLATE "C", after_name COLLATE "C", after_id)'
+)
+FIND_READY_AFTER_FUNCTION = f"""
+CREATE OR REPLACE FUNCTION jobserver_find_ready_after(
     due TEXT, priorities INTEGER[], wanted INTEGER, pattern TEXT, names TEXT[],
-    blocked TEXT[], skipped BIGINT[]
+    held_names TEXT[], held_patterns TEXT[],
+    after_priority INTEGER, after_next TEXT, after_name TEXT, after_id BIGINT
 ) RETURNS SETOF jobs LANGUAGE plpgsql AS $fn$
 DECLARE
     level INTEGER;
@@ -210,20 +233,14 @@ DECLARE
     got INTEGER;
 BEGIN
     FOREACH level IN ARRAY priorities LOOP
-        IF names IS NOT NULL THEN
-            RETURN QUERY SELECT * FROM jobs
-                WHERE state IN ({READY_SQL}) AND name = ANY(names)
-                AND priority = level AND nextRun <= due
-                AND name !~ ALL(blocked) AND jobID <> ALL(skipped)
-                ORDER BY {HAND_OUT_ORDER} LIMIT wanted - found
-                FOR UPDATE SKIP LOCKED;
+        IF names IS NOT NULL AND level = after_priority THEN
+{_find_ready_after("name = ANY(names)", _AFTER)}
+        ELSIF names IS NOT NULL THEN
+{_find_ready_after("name = ANY(names)", "")}
+        ELSIF level = after_priority THEN
+{_find_ready_after("name ~ pattern", _AFTER)}
         ELSE
-            RETURN QUERY SELECT * FROM jobs
-                WHERE state IN ({READY_SQL}) AND priority = level
-                AND nextRun <= due AND name ~ pattern
-                AND name !~ ALL(blocked) AND jobID <> ALL(skipped)
-                ORDER BY {HAND_OUT_ORDER} LIMIT wanted - found
-                FOR UPDATE SKIP LOCKED;
+{_find_ready_after("name ~ pattern", "")}
         END IF;
         GET DIAGNOSTICS got = ROW_COUNT;
         found := found + got;
@@ -364,6 +381,7 @@ def _migrate(db: psycopg.Connection, where: str, schema: str) -> None:
             _version_4(db, schema)
         _version_5(db)
         _version_6(db)
+        _version_7(db)
     db.execute("DELETE FROM jobserver_schema")
     db.execute("INSERT INTO jobserver_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
 
@@ -381,10 +399,10 @@ def _create(db: psycopg.Connection, where: str, schema: str) -> None:
     db.execute(
         ENQUEUE_FUNCTION.replace("%(channel)s", _literal(channel(schema))).encode()
     )
-    db.execute(FIND_READY_FUNCTION.encode())
     _version_2(db, schema)
     _version_3(db)
     _version_4(db, schema)
+    _version_7(db)
 
 
 def _version_2(db: psycopg.Connection, schema: str) -> None:
@@ -461,6 +479,14 @@ _VERSION_6 = (
 def _version_6(db: psycopg.Connection) -> None:
     for statement in _VERSION_6:
         db.execute(statement.encode())
+
+
+def _version_7(db: psycopg.Connection) -> None:
+    db.execute(FIND_READY_AFTER_FUNCTION.encode())
+    db.execute(
+        "DROP FUNCTION IF EXISTS jobserver_find_ready"
+        "(TEXT, INTEGER[], INTEGER, TEXT, TEXT[], TEXT[], BIGINT[])"
+    )
 
 
 def lock_slot(purpose: str, key: str) -> int:

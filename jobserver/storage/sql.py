@@ -39,6 +39,19 @@ RETAINED = (State.FINISHED, State.FAILED)
 # Hand-out order within a priority (protocol.md 4.4): the oldest nextRun
 # first, then the name (the order of the indexes' ranges), then jobID.
 HAND_OUT_ORDER = "nextRun, name, jobID"
+# Where a search that has read up to a job goes on within that job's
+# priority: the jobs after it in HAND_OUT_ORDER.
+AFTER_IN_ORDER = "(nextRun, name, jobID) > ({0}, {0}, {0})"
+
+
+def priorities_from(
+    priorities: Sequence[int], after: tuple[int, str, str, int] | None
+) -> Sequence[int]:
+    """The priorities a search has still to read, in its order: from that
+    of the job it read last on (those before it gave all they had)."""
+    if after is None or after[0] not in priorities:
+        return priorities
+    return priorities[priorities.index(after[0]) :]
 
 
 def integers(values: Iterable[int]) -> str:

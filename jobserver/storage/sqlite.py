@@ -11,6 +11,7 @@ Every value reaches SQLite as a bound parameter.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sqlite3
 import threading
@@ -22,15 +23,24 @@ from jobserver.model.globmatch import is_glob
 from jobserver.model.jobs import Job
 from jobserver.storage import sqlite_backup, sqlite_readers, sqlite_schema
 from jobserver.storage.interface import (
+    NOTHING_PASSED,
     BackupCopy,
     BackupDirectory,
     BackupUnsupported,
     Heard,
+    PassedOver,
     QueryRows,
     QueueStats,
     RunningStats,
 )
-from jobserver.storage.sql import HAND_OUT_ORDER, JOB, READY_SQL, SQLITE
+from jobserver.storage.sql import (
+    AFTER_IN_ORDER,
+    HAND_OUT_ORDER,
+    JOB,
+    READY_SQL,
+    SQLITE,
+    priorities_from,
+)
 from jobserver.storage.sql_store import SqlStore
 from jobserver.storage.sqlite_schema import StoreError
 
@@ -300,17 +310,19 @@ class Store(SqlStore):
         limit: int,
         pattern: str | None = None,
         names: Sequence[str] = (),
-        skipped: Sequence[int] = (),
+        passed: PassedOver = NOTHING_PASSED,
     ) -> list[Job]:
         """Due QUEUED/RUNQUEUED jobs, highest priority first, then oldest nextRun.
 
         Either `pattern` (a GLOB) or `names` (exact names) selects the jobs.
         One index range per priority, so that no query scans jobs that are
         not due yet; priorities no job has ever used are not asked about.
-        The `skipped` jobIDs are left out.
+        What the search has `passed` over is left out in the query: held
+        names and patterns are tested in C on the index's entries, and
+        the jobs already read lie before the range.
         """
-        # What the name clause binds: names or a GLOB, then jobIDs.
-        name_args: Sequence[str | int]
+        # What the name clause binds: names or a GLOB.
+        name_args: list[str | int]
         if pattern is not None and is_glob(pattern):
             source, name_clause, name_args = "jobs", "name GLOB ?", [pattern]
         else:
@@ -319,20 +331,29 @@ class Store(SqlStore):
             names = [pattern] if pattern is not None else list(names)
             source = "jobs INDEXED BY jobsReadyName"
             name_clause = f"name IN ({', '.join('?' for _ in names)})"
-            name_args = names
-        if skipped:
-            name_clause += f" AND jobID NOT IN ({', '.join('?' for _ in skipped)})"
-            name_args = [*name_args, *skipped]
+            name_args = list(names)
+        if passed.names:
+            name_clause += " AND name NOT IN (SELECT value FROM json_each(?))"
+            name_args.append(json.dumps(sorted(passed.names)))
+        for held in passed.patterns:
+            name_clause += " AND NOT (name GLOB ?)"
+            name_args.append(held)
         sql = (
             f"SELECT {JOB} FROM {source} "
             f"WHERE state IN ({READY_SQL}) AND priority = ? AND nextRun <= ? "
-            f"AND {name_clause} ORDER BY {HAND_OUT_ORDER} LIMIT ?"
+            f"AND {name_clause}{{after}} ORDER BY {HAND_OUT_ORDER} LIMIT ?"
         )
         found: list[Job] = []
-        for priority in priorities:
+        for priority in priorities_from(priorities, passed.after):
             if priority not in self._priorities:
                 continue
-            rows = self._execute(sql, (priority, now, *name_args, limit - len(found)))
+            after, after_args = "", ()  # type: tuple[str, tuple[str | int, ...]]
+            if passed.after is not None and passed.after[0] == priority:
+                after, after_args = " AND " + AFTER_IN_ORDER.format("?"), passed.after[1:]
+            rows = self._execute(
+                sql.format(after=after),
+                (priority, now, *name_args, *after_args, limit - len(found)),
+            )
             found += (Job(*row) for row in rows.fetchall())
             if len(found) >= limit:
                 break

@@ -38,9 +38,9 @@ from jobserver.model.globmatch import match_cost
 from jobserver.storage.interface import Storage
 
 # Names whose verdict is remembered: enough for every queue of a large
-# deployment. A verdict is a tuple of the limits that match the name, so
-# the cache also holds at most this many of them in all (8 bytes each),
-# however many limits match each name.
+# deployment. A verdict is tuples of the limits and paused patterns that
+# match the name, so the cache also holds at most this many of them in all
+# (8 bytes each), however many patterns match each name.
 MAX_CACHED_NAMES = 10_000
 MAX_CACHED_LIMITS = 1_000_000
 # What one search (one GetJob or GetJobs) may spend: tests of a name
@@ -70,10 +70,10 @@ MAX_INDEXES = 4
 
 @dataclass(frozen=True)
 class Verdict:
-    """What holds a name: whether a paused pattern matches it, and the
+    """What holds a name: the paused patterns that match it, and the
     limits whose patterns match it, in the store's order."""
 
-    paused: bool
+    paused: tuple[str, ...]
     limits: tuple[str, ...]
 
 
@@ -119,17 +119,17 @@ class FlowIndex:
                 (name,),
             ).fetchall()
             found = Verdict(
-                paused=any(capacity is None for _, capacity in rows),
+                paused=tuple(pattern for pattern, capacity in rows if capacity is None),
                 limits=tuple(pattern for pattern, capacity in rows if capacity is not None),
             )
-            self._cached_limits += len(found.limits)
+            self._cached_limits += len(found.limits) + len(found.paused)
             while self._verdicts and (
                 len(self._verdicts) >= MAX_CACHED_NAMES
                 or self._cached_limits > MAX_CACHED_LIMITS
             ):
                 # The oldest first: dicts keep insertion order.
                 oldest = self._verdicts.pop(next(iter(self._verdicts)))
-                self._cached_limits -= len(oldest.limits)
+                self._cached_limits -= len(oldest.limits) + len(oldest.paused)
             self._verdicts[name] = found
         return found
 

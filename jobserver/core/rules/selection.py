@@ -18,16 +18,20 @@ from jobserver.core.errors import CommandError
 from jobserver.core.rules import flow, lifecycle, schedule
 from jobserver.model.globmatch import is_glob, listed_names
 from jobserver.model.jobs import Job
+from jobserver.storage.interface import NOTHING_PASSED, PassedOver
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request, Response
 
-# A GetJob passes over at most this many due jobs that a concurrency limit
-# or a pause holds back before it gives up: the search stays bounded (one
-# query's bound parameters, a few milliseconds) however long the queue of
-# held jobs in front of the others.
-MAX_SKIPPED = 1000
-# With limits or pauses set, candidates are read this many at a time.
+# A pattern that has held this many names in one search is left out of its
+# next pages as a pattern: names made for each job would otherwise make a
+# list as long as the queue.
+HELD_NAMES_BY_PATTERN = 8
+# With limits or pauses set, candidates are read this many at a time, and
+# twice as many after each page that held them all, up to MOST_PAGE: a
+# page reveals the held names in it, and a backlog of many held names
+# took a round trip each ten of them.
 PAGE = 100
+MOST_PAGE = 1600
 # Room in a GetJobs reply for a job's keys, numbers (jobID, priority,
 # cost), what its object gains once handed out (attempt, maxAttempts,
 # leaseID), its comma, and its token in the `leaseID` header; and for the
@@ -129,8 +133,11 @@ def take(ctx: Context, query: JobQuery, holds: Holds | None = None) -> list[Take
     search goes on, so a GetJob gets a job whenever one can be had. So are
     jobs outside their time window (moved to its next start), jobs of a
     paused pattern and jobs that would take a concurrency limit over its
-    capacity (both left where they are), up to MAX_SKIPPED of them and
-    within the search's budget (flow.py). A GetJobs stops before the job
+    capacity (both left where they are), within the search's budget for
+    judging names (flow.py): each page of candidates begins after the last
+    job read, and leaves out the names (or patterns) held whatever their
+    cost, so held jobs cost the search a test in the query each, however
+    many lie in front of a free one. A GetJobs stops before the job
     that would take its reply past --max-reply-bytes; that job and the
     rest are not taken.
     """
@@ -149,18 +156,21 @@ def _take(ctx: Context, query: JobQuery, holds: Holds | None) -> list[Taken]:
     if holds is None and (store.limits or store.paused):
         holds = Holds(ctx)
     room = _Room(ctx.settings.max_reply_bytes) if query.limit > 1 else None
-    skipped: list[int] = []
+    passed = NOTHING_PASSED
+    page = PAGE
     while len(taken) < query.limit:
-        # Held jobs are passed over a page at a time, not one query each.
+        # Held jobs are passed over a page at a time, and what holds them
+        # (their names, or patterns) is left out of the next page's query.
         wanted = query.limit - len(taken)
-        asked = wanted if holds is None else max(wanted, PAGE)
+        asked = wanted if holds is None else max(wanted, page)
+        before = len(taken)
         candidates = store.find_ready(
             now=ctx.now_ms,
             priorities=query.priorities,
             limit=asked,
             pattern=query.pattern,
             names=query.names,
-            skipped=skipped,
+            passed=passed,
         )
         for job in candidates:
             if len(taken) == query.limit:
@@ -175,7 +185,6 @@ def _take(ctx: Context, query: JobQuery, holds: Holds | None) -> list[Taken]:
                 if held is None:
                     return taken
                 if held:
-                    skipped.append(job.jobID)
                     continue
             obj = handout_object(store, job)
             if room is not None and not room.take(_reply_bytes(job, obj), first=not taken):
@@ -186,8 +195,13 @@ def _take(ctx: Context, query: JobQuery, holds: Holds | None) -> list[Taken]:
             if holds is not None:
                 holds.count(job)
             taken.append(item)
-        if len(candidates) < asked or len(skipped) >= MAX_SKIPPED:
+        if len(candidates) < asked:
             break
+        if len(taken) == before:
+            page = min(page * 2, MOST_PAGE)
+        last = candidates[-1]
+        after = (last.priority, last.nextRun, last.name, last.jobID)
+        passed = holds.passed_over(after) if holds is not None else PassedOver(after=after)
     return taken
 
 
@@ -208,13 +222,19 @@ def _hand_out(ctx: Context, job: Job, obj: dict[str, Any], query: JobQuery) -> T
 class Holds:
     """Whether a pause or a concurrency limit holds a job back, for the
     searches of one transaction: the usage of each limit is read once,
-    when a job under it is first considered, and counted on from there."""
+    when a job under it is first considered, and counted on from there.
+    What holds jobs whatever their cost (a pause, a full limit) is kept, to
+    be left out of the search's next page: the names it held, and, once
+    it has held HELD_NAMES_BY_PATTERN names of one pattern, the pattern."""
 
     def __init__(self, ctx: Context) -> None:
         self._ctx = ctx
         self._index = flow.index_of(ctx.store)
         self._budget = flow.Budget()
         self._usage: dict[str, int] = {}
+        self._held_names: set[str] = set()
+        self._names_by_pattern: dict[str, int] = {}
+        self._held_patterns: set[str] = set()
 
     def holds_back(self, job: Job) -> bool | None:
         """True if the job must wait, False if it may go, None when the
@@ -223,12 +243,16 @@ class Holds:
         if verdict is None:
             return None
         if verdict.paused:
+            self._hold_all(job.name, verdict.paused)
             return True
         for pattern in verdict.limits:
             used = self._used(pattern)
             if used is None:
                 return None
             if used + job.cost > self._index.limits[pattern]:
+                if used >= self._index.limits[pattern]:
+                    # Full: no job under it fits, whatever it costs.
+                    self._hold_all(job.name, (pattern,))
                 return True
         return False
 
@@ -236,6 +260,27 @@ class Holds:
         """A job was handed out: its cost now counts against its limits."""
         for pattern in self._index.verdict(job.name).limits:
             self._usage[pattern] += job.cost
+
+    def passed_over(self, after: tuple[int, str, str, int]) -> PassedOver:
+        """What the search's next page leaves out, having read up to `after`."""
+        return PassedOver(
+            after=after,
+            names=frozenset(self._held_names),
+            patterns=tuple(sorted(self._held_patterns)),
+        )
+
+    def _hold_all(self, name: str, patterns: tuple[str, ...]) -> None:
+        """Every job of `name` is held, by each of `patterns`, whatever it costs."""
+        if name in self._held_names or not self._held_patterns.isdisjoint(patterns):
+            return
+        self._held_names.add(name)
+        for pattern in patterns:
+            count = self._names_by_pattern.get(pattern, 0) + 1
+            self._names_by_pattern[pattern] = count
+            if count >= HELD_NAMES_BY_PATTERN:
+                # Names of their own for each job (`report/2026-11-29/7`):
+                # one test of the pattern instead of a list without end.
+                self._held_patterns.add(pattern)
 
     def _verdict(self, name: str) -> flow.Verdict | None:
         found = self._index.cached(name)

@@ -1,0 +1,193 @@
+"""Held jobs never hide ready ones (issue 35, item 1; protocol.md 14.7).
+
+A GetJob passes over the jobs that a full concurrency limit or a pause
+holds by leaving what holds them (their names, or the pattern once it has
+held several names) out of its next page's query, and goes on after the
+last job it read: however many held jobs lie in front of a free one, the
+free one is found. Before, the search passed over held jobs one by one and
+gave up after 1,000, answering `404 No job found` while a job was ready.
+
+Real servers on loopback, SQLite and PostgreSQL (and three nodes).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from harness import ThreadServer
+from helpers import create, ok, until
+from jobserver.core.rules.selection import HELD_NAMES_BY_PATTERN
+from jobserver.model.globmatch import glob_match
+from wire import Client, encode
+
+pytestmark = pytest.mark.backends
+
+# More held jobs in front of the free one than the search once passed over.
+BACKLOG = 3000
+BATCH = 1000
+
+
+def create_many(client: Client, names: list[str]) -> list[int]:
+    """CreateJobs of a thousand at a time, pipelined; their jobIDs."""
+    requests = [
+        encode("CreateJobs", {"jobs": json.dumps([{"name": n} for n in names[at : at + BATCH]])})
+        for at in range(0, len(names), BATCH)
+    ]
+    client.send(b"".join(requests))
+    return [job_id for _ in requests for job_id in ok(client.read_reply()).json["jobIDs"]]
+
+
+def test_a_full_limit_with_a_backlog_hides_no_other_job(server: ThreadServer) -> None:
+    with server.client(timeout=60) as client:
+        ok(client.request("SetLimit", name="rep/*", max=1))
+        create_many(client, ["rep/x"] * BACKLOG)
+        assert ok(client.request("GetJob", name="rep/*")).json["name"] == "rep/x"
+        free = create(client, "email/x")
+        assert ok(client.request("GetJob", name="*")).json["jobID"] == free
+        # And a waiting one is woken for the next.
+        with server.client(timeout=60) as waiting:
+            waiting.send(encode("GetJob", {"name": "*", "Connection": "wait", "timeout": 30_000}))
+            _until_waiting(client, 1)
+            later = create(client, "email/y")
+            assert ok(waiting.read_reply()).json["jobID"] == later
+        assert client.request("GetJob", name="*").status == "404 No job found"
+
+
+def test_a_paused_backlog_hides_no_other_job(server: ThreadServer) -> None:
+    with server.client(timeout=60) as client:
+        ok(client.request("PauseJobs", name="a/tp"))
+        create_many(client, ["a/tp"] * BACKLOG)
+        free = create(client, "a/noop")
+        reply = ok(client.request("GetJobs", name="a/*", numResults=10)).json
+        assert [job["jobID"] for job in reply["jobs"]] == [free]
+        ok(client.request("ResumeJobs", name="a/tp"))
+        assert len(ok(client.request("GetJobs", name="a/*", numResults=10)).json["jobs"]) == 10
+
+
+def test_a_name_of_its_own_for_each_held_job_hides_no_other_job(server: ThreadServer) -> None:
+    """Past HELD_NAMES_BY_PATTERN names, the pattern itself is left out."""
+    with server.client(timeout=60) as client:
+        ok(client.request("SetLimit", name="report/*", max=1))
+        ok(client.request("PauseJobs", name="thumb/*"))
+        create(client, "report/first")
+        assert ok(client.request("GetJob", name="*")).json["name"] == "report/first"
+        names = [f"{kind}/{i}" for i in range(BACKLOG // 2) for kind in ("report", "thumb")]
+        create_many(client, names)
+        free = create(client, "mail/1")
+        assert ok(client.request("GetJob", name="*")).json["jobID"] == free
+        assert HELD_NAMES_BY_PATTERN < BACKLOG // 2
+
+
+def test_a_job_that_fits_what_is_left_of_a_limit_is_still_found(server: ThreadServer) -> None:
+    """A limit with room left holds only the jobs that cost more: those
+    are passed over one by one, and a cheaper job of the same name after
+    them is found."""
+    with server.client(timeout=60) as client:
+        ok(client.request("SetLimit", name="big/*", max=3))
+        create(client, "big/first", cost=2)
+        assert ok(client.request("GetJob", name="*")).json["name"] == "big/first"
+        heavy = [{"name": "big/job", "cost": 2} for _ in range(BACKLOG)]
+        client.send(encode("CreateJobs", {"jobs": json.dumps(heavy)}))
+        ok(client.read_reply())
+        light = create(client, "big/job", cost=1)
+        taken = ok(client.request("GetJobs", name="*", numResults=20)).json["jobs"]
+        assert [job["jobID"] for job in taken] == [light]
+
+
+def _until_waiting(client: Client, count: int) -> None:
+    until(
+        lambda: ok(client.request("Status")).json["waitingGetJobs"] >= count,
+        30, "the GetJob to wait",
+    )
+
+
+# Names enough that one pattern holds more than HELD_NAMES_BY_PATTERN.
+_NAMES = (*(f"{kind}/{i}" for kind in "ab" for i in range(1, 10)), "c")
+_LIMIT_PATTERNS = ("a/*", "*/1", "b/2", "*", "c")
+_PAUSE_PATTERNS = ("a/2", "b/*", "c", "?/1")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    limits=st.dictionaries(st.sampled_from(_LIMIT_PATTERNS), st.integers(1, 4), max_size=3),
+    paused=st.frozensets(st.sampled_from(_PAUSE_PATTERNS), max_size=2),
+    runs=st.lists(
+        st.tuples(st.sampled_from(_NAMES), st.integers(1, 2), st.integers(1, 80)),
+        min_size=1, max_size=12,
+    ),
+    sizes=st.lists(st.integers(1, 5), min_size=1, max_size=5),
+)
+# A limit with room for one cost-1 job, behind a page of cost-2 jobs of the
+# same name; a pattern that holds every name, behind which one is free.
+@example(
+    limits={"a/*": 3}, paused=frozenset(), sizes=[1],
+    runs=[("a/1", 2, 1), ("a/1", 2, 120), ("a/1", 1, 1)],
+)
+@example(
+    limits={"*": 1}, paused=frozenset({"b/*"}), sizes=[5],
+    runs=[*((f"b/{i}", 1, 15) for i in range(1, 10)), ("c", 1, 2)],
+)
+def test_a_drain_takes_everything_that_may_run_and_nothing_past_a_limit(
+    limits: dict[str, int],
+    paused: frozenset[str],
+    runs: list[tuple[str, int, int]],
+    sizes: list[int],
+) -> None:
+    """Any mix of limits and pauses, jobs of any names and costs in any
+    order: GetJobs until none is found takes no paused job, takes no
+    limit past its capacity, and leaves no job that would fit (the jobs
+    the server refused, costlier than a limit, are dropped from `jobs`).
+    Runs of jobs of one name make searches of more than one page, where
+    what holds jobs is left out of the query."""
+    jobs = [(name, cost) for name, cost, count in runs for _ in range(count)]
+    with tempfile.TemporaryDirectory() as where:
+        server = ThreadServer(Path(where) / "jobs.db")
+        try:
+            taken = _drain(server, limits, paused, jobs, sizes)
+        finally:
+            server.stop()
+    used = {pattern: 0 for pattern in limits}
+    left = list(jobs)
+    for name, cost in taken:
+        left.remove((name, cost))
+        assert not any(glob_match(p, name) for p in paused), name
+        for pattern in limits:
+            if glob_match(pattern, name):
+                used[pattern] += cost
+    assert all(used[p] <= limits[p] for p in limits), (used, limits)
+    for name, cost in left:
+        held = any(glob_match(p, name) for p in paused) or any(
+            glob_match(p, name) and used[p] + cost > limits[p] for p in limits
+        )
+        assert held, (name, cost, used)
+
+
+def _drain(
+    server: ThreadServer,
+    limits: dict[str, int],
+    paused: frozenset[str],
+    jobs: list[tuple[str, int]],
+    sizes: list[int],
+) -> list[tuple[str, int]]:
+    with server.client(timeout=60) as client:
+        for pattern, capacity in limits.items():
+            ok(client.request("SetLimit", name=pattern, max=capacity))
+        for pattern in paused:
+            ok(client.request("PauseJobs", name=pattern))
+        # A job costlier than a limit it falls under is refused (402).
+        client.send(b"".join(encode("CreateJob", {"name": n, "cost": c}) for n, c in jobs))
+        made = [job for job in jobs if client.read_reply().code == 200]
+        jobs[:] = made
+        taken: list[tuple[str, int]] = []
+        for turn in range(len(jobs) + 1):
+            reply = client.request("GetJobs", name="*", numResults=sizes[turn % len(sizes)])
+            if reply.status == "404 No job found":
+                return taken
+            taken += [(job["name"], job.get("cost", 1)) for job in ok(reply).json["jobs"]]
+        raise AssertionError("GetJobs went on finding jobs past every job made")
