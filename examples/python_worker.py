@@ -15,9 +15,8 @@ from typing import Any
 
 from jobserver.worker import Job, RetryLater, Worker
 
-# Two GLOB patterns cannot share one GetJobs: ask for every job, and let
-# the pattern of each handler pick its own (a job no handler takes fails).
-worker = Worker(jobs="*")
+# The worker asks for the jobs its handlers' patterns match, and no others.
+worker = Worker()
 
 
 @worker.handler("*SendEmail")

@@ -782,13 +782,13 @@ def test_a_server_without_its_port_is_a_usage_error_not_port_8888(capsys, caplog
 
 
 def test_a_name_list_with_a_wildcard_in_it_is_refused_before_sending(capsys):
-    # The server matches each name of a comma list exactly (as Bedrock does):
-    # 'report/*' in a list would only ever take a job named 'report/*'.
-    for args in (["get", "report/*,img/slow"], ["failed", "img/slow, report/?"],
-                 ["worker-manager", "--worker-path", ".", "--job-name", "a,b,[rs]*"]):
+    # FailedJobs matches each name of a comma list exactly (as Bedrock
+    # does): 'report/*' in a list would only ever take a job named
+    # 'report/*'. GetJobs takes a list of patterns (get, the workers).
+    for args in (["failed", "img/slow, report/?"], ["failed", "a,b,[rs]*"]):
         done = run_here(capsys, *args, "--server", "127.0.0.1:1")
         assert (done.returncode, done.stdout) == (2, ""), done
-        assert "is a comma-separated list, and the names of a list are matched exactly" in (
+        assert "is a comma-separated list, and the names of a list are matched exactly here" in (
             done.stderr)
     glob = re.escape("[rs]*")
     assert re.search(f"so '{glob}' would only take a job named '{glob}' itself", done.stderr)
@@ -800,6 +800,10 @@ def test_a_name_list_with_a_wildcard_in_it_is_refused_before_sending(capsys):
         assert parser.parse_args(["failed", pattern]).pattern == pattern
         args = parser.parse_args(["worker-manager", "--worker-path", ".", "--job-name", pattern])
         assert args.job_name == pattern
+    for listed in ("report/*,img/slow", "a,b,[rs]*"):
+        assert parser.parse_args(["get", listed]).pattern == listed
+        args = parser.parse_args(["worker-manager", "--worker-path", ".", "--job-name", listed])
+        assert args.job_name == listed
 
 
 def test_server_from_the_environment(server):

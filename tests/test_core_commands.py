@@ -427,17 +427,21 @@ def test_get_job_glob_question_mark_matches_one_character(client):
     assert get_job(client, "a?")["name"] == "ab"
 
 
-def test_get_job_comma_list_matches_exact_names_not_patterns(client):
+def test_get_job_comma_list_of_names_is_exact_and_of_patterns_is_patterns(client):
     abc = create(client, "abc")
     b = create(client, "b")
     star = create(client, "a*")
-    # Jobs created in the same millisecond tie on nextRun; the order between
-    # names is not the point here.
-    taken = {get_job(client, "a*, b")["jobID"], get_job(client, "a*,b")["jobID"]}
-    assert taken == {b, star}
+    other = create(client, "c")
+    # Bedrock's list of exact names: `abcd` takes no `abc`.
+    assert get_job(client, "abcd, b")["jobID"] == b
+    # A list with a wildcard in a piece is a list of GLOB patterns: `a*`
+    # takes `abc` and `a*` alike. Jobs created in the same millisecond tie
+    # on nextRun; the order between names is not the point here.
+    taken = {get_job(client, "a*, zz")["jobID"], get_job(client, "zz,a*")["jobID"]}
+    assert taken == {abc, star}
     assert_error(client.request("GetJob", name="a*,b"), "404 No job found")
-    assert query(client, abc)["state"] == "QUEUED"
-    assert get_job(client, "a*")["jobID"] == abc
+    assert query(client, other)["state"] == "QUEUED"
+    assert get_job(client, "a*,c")["jobID"] == other
 
 
 # QueryJob.

@@ -32,9 +32,11 @@ ALL = tuple(State)
 
 
 def ready(store: Storage, **asked: object) -> list[int]:
-    """The jobIDs find_ready hands out, in its order."""
+    """The jobIDs find_ready hands out, in its order: of every name, unless
+    `asked` gives patterns or names."""
     query: dict[str, object] = {
-        "now": NOW, "priorities": [1000, 500, 0], "limit": 100, "pattern": "*"
+        "now": NOW, "priorities": [1000, 500, 0], "limit": 100,
+        "patterns": [] if "names" in asked else ["*"],
     }
     with transaction(store):
         return [j.jobID for j in store.find_ready(**{**query, **asked})]  # type: ignore[arg-type]
@@ -214,7 +216,7 @@ def test_hand_out_order_is_priority_then_next_run_then_name_then_job_id(store: S
     assert ready(store) == [high_old, high_old_2, high_old_b, high_new, low_old]
     assert ready(store, limit=2) == [high_old, high_old_2]
     assert ready(store, priorities=[0]) == [low_old]
-    assert ready(store, pattern=None, names=["b", "a"], limit=4) == [
+    assert ready(store, names=["b", "a"], limit=4) == [
         high_old, high_old_2, high_old_b, high_new
     ]
 
@@ -235,19 +237,23 @@ def test_hand_out_by_pattern_names_and_what_was_passed_over(store: Storage) -> N
     a1, b1, a2, odd = create(
         store, job("q/a"), job("q/b"), job("q/a"), job("q*[x]")
     )
-    assert ready(store, pattern="q/a") == [a1, a2]
-    assert ready(store, pattern="q/*") == [a1, a2, b1]
+    assert ready(store, patterns=["q/a"]) == [a1, a2]
+    assert ready(store, patterns=["q/*"]) == [a1, a2, b1]
     held_a = PassedOver(names=frozenset({"q/a"}))
-    assert ready(store, pattern="q/[ab]", passed=held_a) == [b1]
-    assert ready(store, pattern=None, names=["q/a", "q/b"], passed=held_a) == [b1]
-    assert ready(store, pattern="q*", passed=PassedOver(patterns=("q/?",))) == [odd]
-    assert ready(store, pattern="q*", passed=PassedOver(patterns=("q/b", "q[*]*"))) == [a1, a2]
-    assert ready(store, pattern=None, names=["q/b", "q*[x]"]) == [odd, b1]
+    assert ready(store, patterns=["q/[ab]"], passed=held_a) == [b1]
+    assert ready(store, names=["q/a", "q/b"], passed=held_a) == [b1]
+    assert ready(store, patterns=["q*"], passed=PassedOver(patterns=("q/?",))) == [odd]
+    assert ready(store, patterns=["q*"], passed=PassedOver(patterns=("q/b", "q[*]*"))) == [a1, a2]
+    # Several patterns: a job matching any, in hand-out order.
+    assert ready(store, patterns=["q/b", "q[*]*"]) == [odd, b1]
+    assert ready(store, patterns=["q/a", "q/[b]"]) == [a1, a2, b1]
+    assert ready(store, patterns=["z*", "q/?", "q/a"]) == [a1, a2, b1]
+    assert ready(store, names=["q/b", "q*[x]"]) == [odd, b1]
     odd_held = PassedOver(names=frozenset({"q*[x]"}))
-    assert ready(store, pattern=None, names=["q*[x]"], passed=odd_held) == []
+    assert ready(store, names=["q*[x]"], passed=odd_held) == []
     # GLOB's own special characters, on every backend.
-    assert ready(store, pattern="q\\*?x]") == []
-    assert ready(store, pattern="q[*][[]x]") == [odd]
+    assert ready(store, patterns=["q\\*?x]"]) == []
+    assert ready(store, patterns=["q[*][[]x]"]) == [odd]
 
 
 def test_a_search_goes_on_after_the_last_job_it_read(store: Storage) -> None:
@@ -258,7 +264,7 @@ def test_a_search_goes_on_after_the_last_job_it_read(store: Storage) -> None:
         job("r/b", priority=1000), job("r/a", priority=0), job("r/a", next_run=NOW),
         job("r/b"), job("r/a"), job("r/c", priority=1000, next_run=NOW), job("r/a"),
     )
-    for asked in ({"pattern": "r/*"}, {"pattern": None, "names": ["r/a", "r/b", "r/c"]}):
+    for asked in ({"patterns": ["r/*"]}, {"names": ["r/a", "r/b", "r/c"]}):
         order = ready(store, **asked)
         assert len(order) == 7
         for at, job_id in enumerate(order):

@@ -256,7 +256,7 @@ def test_a_hand_out_skips_the_jobs_another_node_locked(
 ) -> None:
     first, second = two_nodes
     ids = create(first, *(job("a") for _ in range(4)))
-    query = {"now": NOW, "priorities": [500], "limit": 2, "pattern": "a"}
+    query = {"now": NOW, "priorities": [500], "limit": 2, "patterns": ["a"]}
     first.begin()
     try:
         taken = [j.jobID for j in first.find_ready(**query)]  # type: ignore[arg-type]

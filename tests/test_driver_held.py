@@ -125,7 +125,7 @@ def test_a_savepoint_reaches_the_database_when_a_statement_runs_inside(store: St
 def test_hand_outs_found_by_the_search_are_held_and_sent_together(store: Storage) -> None:
     ids = create(store, *(job(f"j{i}") for i in range(4)))
     with transaction(store), store.holding_writes():
-        found = store.find_ready(now=NOW, priorities=[500], limit=10, pattern="*")
+        found = store.find_ready(now=NOW, priorities=[500], limit=10, patterns=["*"])
         for row in found:
             changes = JobChanges(leaseID=f"lease{row.jobID}", lastRun=NOW)
             assert store.set_state_if([row.jobID], [State.QUEUED], State.RUNNING, changes)
@@ -153,9 +153,8 @@ def test_jobs_created_while_held_keep_their_order_and_fields(store: Storage) -> 
             new = [job(f"n{i}", priority=i, data=f'{{"i":{i}}}') for i in range(3)]
             ids = [store.create([one], created=PAST, state=State.QUEUED)[0] for one in new]
         assert ids == sorted(ids) and ids[0] > first
-        assert [
-            j.jobID for j in store.find_ready(now=NOW, priorities=[2, 1, 0], limit=10, pattern="n*")
-        ] == ids[::-1]
+        found = store.find_ready(now=NOW, priorities=[2, 1, 0], limit=10, patterns=["n*"])
+        assert [j.jobID for j in found] == ids[::-1]
     stored = rows(store, ids)
     assert [(r.name, r.priority, r.data) for r in stored if r] == [
         (f"n{i}", i, f'{{"i":{i}}}') for i in range(3)
@@ -199,7 +198,7 @@ def test_many_rows_keep_every_value_byte_for_byte(store: Storage) -> None:
             for i, t in enumerate(texts)
         ]
     with transaction(store), store.holding_writes():
-        found = store.find_ready(now=NOW, priorities=[500], limit=10, pattern="t*")
+        found = store.find_ready(now=NOW, priorities=[500], limit=10, patterns=["t*"])
         for row in found:
             text = texts[ids.index(row.jobID)]
             store.set_state_if([row.jobID], [State.QUEUED], State.RUNNING, JobChanges(leaseID=text))

@@ -257,7 +257,7 @@ async def test_a_try_in_a_failed_transaction_is_still_answered(tmp_path):
     store = Store(str(tmp_path / "jobs.db"))
     engine = Engine(store, SystemClock())
     engine.start()
-    query = JobQuery("ready", (), None, 1)
+    query = JobQuery(("ready",), (), None, 1)
     handed: list[object] = []
     answered = trio.Event()
 

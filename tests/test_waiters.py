@@ -12,7 +12,7 @@ from jobserver.core.rules.selection import JobQuery
 
 
 def query(name: str) -> JobQuery:
-    return JobQuery(name, (), None, 1)
+    return JobQuery((name,), (), None, 1)
 
 
 def test_every_state_has_its_moves_and_the_final_ones_have_none() -> None:

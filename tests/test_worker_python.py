@@ -33,6 +33,7 @@ from harness import LoggedProcess
 from helpers import create, ok, until
 from jobserver.cli import build_parser, main
 from jobserver.client import Client as LibraryClient
+from jobserver.model.globmatch import MAX_WILDCARDS
 from jobserver.worker import Job, RetryLater, Worker
 from jobserver.worker.arguments import settings_from
 from jobserver.worker.runner import END_WAIT_PATIENCE, Runner
@@ -189,6 +190,21 @@ def test_returns_exceptions_retries_and_timeouts_end_jobs_as_documented(
     assert not_reported(client) == []
 
 
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_worker_asks_for_its_handlers_patterns_and_nothing_else(server, client, loop):
+    """Handlers of two patterns, no `jobs=`: the worker takes the jobs of
+    both, and leaves a job no handler takes to the workers that have one."""
+    worker = Worker()
+    worker.handler("thumb/*")(lambda data: {"thumb": True})
+    worker.handler("email/*")(lambda data: {"email": True})
+    other = create(client, "sms/1", repeat=REPEAT)
+    ids = [create(client, name, repeat=REPEAT) for name in ("thumb/1", "email/1", "thumb/2")]
+    with in_process(worker, server.port, loop):
+        for job_id in ids:
+            until(lambda j=job_id: job(client, j)["data"], DEADLINE, "a job")
+        assert job(client, other) == {**job(client, other), "state": "QUEUED", "data": {}}
+
+
 def test_handlers_are_checked_when_registered():
     worker = Worker()
     with pytest.raises(TypeError, match="data as its first parameter"):
@@ -206,8 +222,12 @@ def test_handlers_are_checked_when_registered():
     worker.handler("img/*")(lambda data: None)
     assert worker.get_jobs_name() == "img/*"
     worker.handler("email/*")(lambda data: None)
-    with pytest.raises(ValueError, match="cannot be asked for in one GetJobs"):
-        worker.get_jobs_name()
+    assert worker.get_jobs_name() == "img/*,email/*"
+    too_many = Worker()
+    for n in range(MAX_WILDCARDS + 1):
+        too_many.handler(f"q{n}/*")(lambda data: None)
+    with pytest.raises(ValueError, match="more than GetJobs takes at once"):
+        too_many.get_jobs_name()
     names = Worker()
     for name in ("a", "b"):
         names.handler(name)(lambda data: None)
@@ -249,6 +269,9 @@ def test_a_worker_that_cannot_run_is_refused_before_it_starts(tmp_path, monkeypa
         "worker = Worker()\n"
         "worker.handler('a/*')(lambda data: None)\n"
         "worker.handler('b/*')(lambda data: None)\n"
+        "too_many = Worker()\n"
+        "for n in range(40):\n"
+        "    too_many.handler(f'q{n}/*')(lambda data: None)\n"
         "not_a_worker = 1\n"
     )
     with pytest.raises(SystemExit) as exited:
@@ -258,8 +281,8 @@ def test_a_worker_that_cannot_run_is_refused_before_it_starts(tmp_path, monkeypa
     assert "cannot import no_such_module_here" in caplog.text
     assert main(["worker", "two_patterns:not_a_worker"]) == 2
     assert "two_patterns:not_a_worker is int, not a jobserver.worker.Worker" in caplog.text
-    assert main(["worker", "two_patterns:worker"]) == 2
-    assert "cannot be asked for in one GetJobs" in caplog.text
+    assert main(["worker", "two_patterns:too_many"]) == 2
+    assert "more than GetJobs takes at once" in caplog.text
     assert "worker started" not in caplog.text
 
 

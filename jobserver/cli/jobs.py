@@ -12,13 +12,12 @@ from jobserver.cli import create
 from jobserver.cli.client_command import CommandAdder, PartlyRefused, add_check
 from jobserver.cli.options import (
     JOB_ID_HELP,
-    JOB_NAMES_HELP,
+    JOB_PATTERNS_HELP,
     KEY_HELP,
     add_job_id,
     add_lease_id,
     add_priority,
     job_id,
-    job_names,
     json_object,
     lease_id,
     number,
@@ -67,7 +66,7 @@ def _add_get(command: CommandAdder) -> None:
         "and carries its leaseID. Exits 1 with '404 No job found' on stderr when there "
         "is none.",
     )
-    get.add_argument("pattern", type=job_names, metavar="PATTERN", help=JOB_NAMES_HELP)
+    get.add_argument("pattern", metavar="PATTERN", help=JOB_PATTERNS_HELP)
     get.add_argument(
         "--wait",
         type=number(float, 0, MAX_WAIT),

@@ -175,25 +175,28 @@ def pattern(text: str) -> str:
     return text
 
 
-# PATTERN of get and failed, --job-name of the worker manager.
+# PATTERN of failed and the bulk actions.
 JOB_NAMES_HELP = "a GLOB pattern such as 'email/*', or a comma-separated list of exact names"
+# PATTERN of get, --job-name of the workers.
+JOB_PATTERNS_HELP = (
+    "a GLOB pattern such as 'email/*', or a comma-separated list of them "
+    "('thumb/*,email/*') or of exact names"
+)
 
 
 def job_names(text: str) -> str:
-    """Which jobs get, failed and the worker manager take: one GLOB
-    pattern, or a comma-separated list of exact names, as GetJobs reads
-    it. A list with a wildcard in one of its names is refused: the server
-    matches each name of a list exactly (as Bedrock does, so it accepts
-    such a list), and `report/*,img/slow` would never take a `report/...`
-    job."""
+    """Which jobs failed and the bulk actions take: one GLOB pattern, or a
+    comma-separated list of exact names, as FailedJobs reads it. A list
+    with a wildcard in one of its names is refused: the server matches
+    each name of such a list exactly (as Bedrock does, so it accepts the
+    list), and `report/*,img/slow` would never take a `report/...` job."""
     names = globmatch.listed_names(text)
     globs = [name for name in names if globmatch.is_glob(name)] if len(names) > 1 else []
     if globs:
         raise argparse.ArgumentTypeError(
             f"{text!r} is a comma-separated list, and the names of a list are matched "
-            f"exactly, so {globs[0]!r} would only take a job named {globs[0]!r} itself: give "
-            "one GLOB pattern (one command, or worker manager, per pattern) or a list of "
-            "exact names"
+            f"exactly here, so {globs[0]!r} would only take a job named {globs[0]!r} itself: "
+            "give one GLOB pattern (one command per pattern) or a list of exact names"
         )
     return text
 

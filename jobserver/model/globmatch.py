@@ -23,6 +23,9 @@ from functools import lru_cache
 # to compile (100 patterns of 2,400 such runs each held the event loop for
 # seconds). Checked where a pattern arrives (core/commands/params.py).
 MAX_WILDCARDS = 32
+# The most GLOB patterns a GetJob's comma list may hold: a waiter's are
+# each tried against every new job's name on the event loop.
+MAX_PATTERNS = 100
 # The most characters a pattern's sets may hold between them (`[a-z]` is
 # three): SQLite's GLOB reads a set character by character at every place
 # it tries it, so a set after a star costs a name its length times the

@@ -331,14 +331,14 @@ class Jobs(Protocol):
         now: str,
         priorities: Sequence[int],
         limit: int,
-        pattern: str | None = None,
+        patterns: Sequence[str] = (),
         names: Sequence[str] = (),
         passed: PassedOver = NOTHING_PASSED,
     ) -> list[Job]:
         """Due jobs in a READY state, in hand-out order (protocol.md 4.4:
         priority in the order of `priorities`, then nextRun, name and
-        jobID), matching a GLOB `pattern` or one of `names`, except what the
-        search has `passed` over; at most `limit`."""
+        jobID), matching one of the GLOB `patterns` or one of `names`,
+        except what the search has `passed` over; at most `limit`."""
 
     def find_by_name(self, name: str) -> Job | None:
         """The oldest job with exactly this name that is not history (a

@@ -486,7 +486,7 @@ class PostgresStore(SqlStore):
         now: str,
         priorities: Sequence[int],
         limit: int,
-        pattern: str | None = None,
+        patterns: Sequence[str] = (),
         names: Sequence[str] = (),
         passed: PassedOver = NOTHING_PASSED,
     ) -> list[Job]:
@@ -496,10 +496,11 @@ class PostgresStore(SqlStore):
         (postgres_schema.FIND_READY_AFTER_FUNCTION)."""
         exact: list[str] | None = None
         regex: str | None = None
-        if pattern is not None and is_glob(pattern):
-            regex = glob_to_regex(pattern)
+        if any(map(is_glob, patterns)):
+            # Each translation is anchored at both ends: a job matching any.
+            regex = "|".join(map(glob_to_regex, patterns))
         else:
-            exact = [pattern] if pattern is not None else list(names)
+            exact = list(patterns or names)
         after = passed.after or (None, None, None, None)
         found = self._jobs(
             f"SELECT {JOB} FROM jobserver_find_ready_after"

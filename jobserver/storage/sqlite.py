@@ -308,13 +308,14 @@ class Store(SqlStore):
         now: str,
         priorities: Sequence[int],
         limit: int,
-        pattern: str | None = None,
+        patterns: Sequence[str] = (),
         names: Sequence[str] = (),
         passed: PassedOver = NOTHING_PASSED,
     ) -> list[Job]:
         """Due QUEUED/RUNQUEUED jobs, highest priority first, then oldest nextRun.
 
-        Either `pattern` (a GLOB) or `names` (exact names) selects the jobs.
+        Either `patterns` (GLOBs, a job matching any) or `names` (exact
+        names) selects the jobs; patterns without a wildcard are names.
         One index range per priority, so that no query scans jobs that are
         not due yet; priorities no job has ever used are not asked about.
         What the search has `passed` over is left out in the query: held
@@ -323,12 +324,14 @@ class Store(SqlStore):
         """
         # What the name clause binds: names or a GLOB.
         name_args: list[str | int]
-        if pattern is not None and is_glob(pattern):
-            source, name_clause, name_args = "jobs", "name GLOB ?", [pattern]
+        if any(map(is_glob, patterns)):
+            source = "jobs"
+            name_clause = "(" + " OR ".join("name GLOB ?" for _ in patterns) + ")"
+            name_args = list(patterns)
         else:
             # Exact names: seek each one in the name index, however many
             # jobs of other names are due.
-            names = [pattern] if pattern is not None else list(names)
+            names = list(patterns or names)
             source = "jobs INDEXED BY jobsReadyName"
             name_clause = f"name IN ({', '.join('?' for _ in names)})"
             name_args = list(names)

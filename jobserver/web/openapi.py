@@ -142,7 +142,7 @@ def _reports_of(params: list[Param], command: str) -> Param:
     )
 
 _TAKE = [
-    Param("name", PATTERN, "a GLOB pattern, or exact names separated by commas", required=True),
+    Param("name", PATTERN, "GLOB patterns or exact names, comma-separated", required=True),
     Param("jobPriority", PRIORITY, "only jobs of this priority"),
     Param("includeLeaseID", FLAG, "show the lease token in the reply"),
 ]

@@ -21,7 +21,6 @@ from jobserver.cli.options import (
     add_max_reply_bytes,
     add_tls_arguments,
     chosen_server,
-    job_names,
     log_level,
     number,
     server_address,
@@ -58,7 +57,7 @@ def jobs_pattern(text: str) -> str:
         check_pattern(text, MAX_JOBS_PATTERN, commas=True)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
-    return job_names(text)
+    return text
 
 
 def worker_reference(text: str) -> tuple[str, str]:

@@ -24,7 +24,13 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from jobserver.core.commands import params
-from jobserver.model.globmatch import glob_match, is_glob
+from jobserver.model.globmatch import (
+    MAX_PATTERNS,
+    MAX_WILDCARDS,
+    glob_match,
+    is_glob,
+    too_many_wildcards,
+)
 from jobserver.worker.settings import MAX_TIMEOUT, Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -99,27 +105,28 @@ class Worker:
         return next((h for h in self.handlers if glob_match(h.pattern, name)), None)
 
     def get_jobs_name(self) -> str:
-        """The GetJobs name that asks for every job a handler takes: `jobs`
-        if given, else the one pattern, else the names, comma-separated,
-        when none is a GLOB pattern. ValueError if there is none: several
-        GLOB patterns cannot be asked for in one GetJobs (protocol.md 5.3)."""
+        """The GetJobs name that asks for exactly the jobs the handlers
+        take: `jobs` if given, else the handlers' patterns, comma-separated
+        (a list of GLOB patterns, or of exact names when none is one;
+        protocol.md 5.3), so the worker never takes a job it has no handler
+        for. ValueError if there is none, or the list is past GetJobs'
+        bounds."""
         if self.jobs is not None:
             return self.jobs
         patterns = list(dict.fromkeys(h.pattern for h in self.handlers))
         if not patterns:
             raise ValueError("the worker has no handlers")
-        if len(patterns) == 1:
-            return patterns[0]
-        if any(is_glob(p) for p in patterns):
-            raise ValueError(
-                f"the handlers' patterns {', '.join(patterns)} cannot be asked for in one "
-                "GetJobs (a comma-separated list takes names, not GLOB patterns): give the "
-                "worker one pattern that covers them, Worker(jobs='...') or --job-name"
-            )
         name = ",".join(patterns)
         if len(name.encode("utf-8")) > MAX_JOBS_PATTERN:
             raise ValueError(
-                f"the handlers' names make a GetJobs name over {MAX_JOBS_PATTERN} bytes"
+                f"the handlers' patterns make a GetJobs name over {MAX_JOBS_PATTERN} bytes"
+            )
+        globs = [p for p in patterns if is_glob(p)]
+        if globs and (len(patterns) > MAX_PATTERNS or too_many_wildcards(name)):
+            raise ValueError(
+                f"the handlers' patterns are more than GetJobs takes at once ({MAX_PATTERNS} "
+                f"patterns, {MAX_WILDCARDS} wildcards in all): give the worker a pattern that "
+                "covers them, Worker(jobs='...') or --job-name"
             )
         return name
 

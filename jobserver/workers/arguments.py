@@ -14,14 +14,13 @@ import trio
 
 from jobserver.cli.options import (
     AUTH_TOKEN_HELP,
-    JOB_NAMES_HELP,
+    JOB_PATTERNS_HELP,
     LOG_LEVELS,
     SERVER_HELP,
     SERVER_METAVAR,
     add_max_reply_bytes,
     add_tls_arguments,
     chosen_server,
-    job_names,
     log_level,
     number,
     server_address,
@@ -72,10 +71,9 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--job-name",
-        type=job_names,
         default="*",
         metavar="PATTERN",
-        help=f"GetJobs name: {JOB_NAMES_HELP} (default: *)",
+        help=f"GetJobs name: {JOB_PATTERNS_HELP} (default: *)",
     )
 
 

@@ -57,19 +57,26 @@ async def get_jobs(services: Services, request: Request, peer: str) -> Answer:
 async def _compiled(
     query: JobQuery, limiter: trio.CapacityLimiter
 ) -> globmatch.Matcher | None:
-    """A waiting GetJob's GLOB as a function of a name, with which the
-    names of new jobs are matched on the event loop: compiled in a thread,
-    once per pattern (a long pattern's regular expressions take
+    """A waiting GetJob's GLOBs as one function of a name, with which the
+    names of new jobs are matched on the event loop: each compiled in a
+    thread, once per pattern (a long pattern's regular expressions take
     milliseconds, which a hundred waiters at once would hold the loop for).
     An exact name's is a comparison, made here once."""
-    if query.pattern is None:
+    matchers = [await _pattern_matcher(pattern, limiter) for pattern in query.patterns]
+    if not matchers:
         return None
-    if not query.scans:
-        return globmatch.matcher(query.pattern)
-    kept = globmatch.compiled(query.pattern)
+    if len(matchers) == 1:
+        return matchers[0]
+    return lambda name: any(match(name) for match in matchers)
+
+
+async def _pattern_matcher(pattern: str, limiter: trio.CapacityLimiter) -> globmatch.Matcher:
+    if not globmatch.is_glob(pattern):
+        return globmatch.matcher(pattern)
+    kept = globmatch.compiled(pattern)
     if kept is not None:
         return kept
-    return await trio.to_thread.run_sync(globmatch.matcher, query.pattern, limiter=limiter)
+    return await trio.to_thread.run_sync(globmatch.matcher, pattern, limiter=limiter)
 
 
 def _handing_out(engine: Engine, query: JobQuery, taken: list[Taken], waited: bool) -> Answer:

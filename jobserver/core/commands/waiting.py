@@ -47,5 +47,5 @@ def _waiter(waiter: Waiter, now: datetime) -> dict[str, Any]:
 
 def _shown(selector: Selector) -> str:
     """A waiter's `name` as it sent it: the pattern, or its exact names."""
-    text = selector.pattern if selector.pattern is not None else ",".join(sorted(selector.names))
+    text = ",".join(selector.patterns or sorted(selector.names))
     return text.encode("utf-8")[:MAX_PATTERN_SHOWN].decode("utf-8", "ignore")

@@ -57,27 +57,28 @@ SELECTORS_AT_ONCE = 64
 
 @dataclass(frozen=True)
 class Selector:
-    """The names a waiter wants: one GLOB pattern, or a set of exact names.
-    A GLOB's matcher is compiled before the waiter joins (get_jobs.py, in a
-    thread: a long pattern's regular expressions take milliseconds), and
-    kept here, so matching on the event loop never compiles."""
+    """The names a waiter wants: GLOB patterns (one or more), or a set of
+    exact names. The patterns' matcher is compiled before the waiter joins
+    (get_jobs.py, in a thread: a long pattern's regular expressions take
+    milliseconds), and kept here, so matching on the event loop never
+    compiles."""
 
-    pattern: str | None
+    patterns: tuple[str, ...]
     names: frozenset[str] = frozenset()
     matcher: Matcher | None = field(default=None, compare=False, hash=False, repr=False)
 
     def matches(self, name: str) -> bool:
         if self.matcher is not None:
             return self.matcher(name)
-        if self.pattern is not None:
-            return glob_match(self.pattern, name)
+        if self.patterns:
+            return any(glob_match(pattern, name) for pattern in self.patterns)
         return name in self.names
 
     @property
     def scans(self) -> bool:
         """Whether trying it searches the due jobs one by one (a GLOB), where
         exact names are looked up in an index."""
-        return self.pattern is not None and is_glob(self.pattern)
+        return any(map(is_glob, self.patterns))
 
 
 class Phase(Enum):
@@ -169,7 +170,7 @@ class WaitQueue:
     ) -> Waiter:
         """A new waiter, IDLE: the engine tries it at once. `matcher`: its
         GLOB, compiled (globmatch.matcher)."""
-        selector = Selector(query.pattern, frozenset(query.names), matcher)
+        selector = Selector(query.patterns, frozenset(query.names), matcher)
         waiter = Waiter(selector, query, next(self._seq), since)
         self._by_selector.setdefault(waiter.selector, {})[waiter] = None
         self._count += 1

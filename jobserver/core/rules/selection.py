@@ -16,7 +16,7 @@ from jobserver.core.commands.views import handout_object
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
 from jobserver.core.rules import flow, lifecycle, schedule
-from jobserver.model.globmatch import is_glob, listed_names
+from jobserver.model.globmatch import MAX_PATTERNS, is_glob, listed_names
 from jobserver.model.jobs import Job
 from jobserver.storage.interface import NOTHING_PASSED, PassedOver
 from jobserver.wire import jsonbody
@@ -42,9 +42,10 @@ REPLY_OVERHEAD = 1024
 
 @dataclass(frozen=True)
 class JobQuery:
-    """Which jobs a GetJob or GetJobs asks for."""
+    """Which jobs a GetJob or GetJobs asks for: those whose name one of the
+    GLOB `patterns` matches, or one of the exact `names` (job_selector)."""
 
-    pattern: str | None
+    patterns: tuple[str, ...]
     names: tuple[str, ...]
     priority: int | None
     limit: int
@@ -59,12 +60,12 @@ class JobQuery:
     def scans(self) -> bool:
         """Whether it tries a GLOB against every due job's name, which may
         take long for a long queue (an exact name is looked up in an index)."""
-        return self.pattern is not None and is_glob(self.pattern)
+        return any(map(is_glob, self.patterns))
 
     @property
     def selector(self) -> tuple[object, ...]:
         """What the query matches, whatever its limit."""
-        return (self.pattern, self.names, self.priority)
+        return (self.patterns, self.names, self.priority)
 
     @property
     def priorities(self) -> tuple[int, ...]:
@@ -74,17 +75,36 @@ class JobQuery:
 def name_selector(text: str) -> tuple[str | None, tuple[str, ...]]:
     """A `name` parameter as a GLOB pattern, or as a comma list of exact
     names when it has more than one item: (pattern, ()) or (None, names)."""
+    names = _pieces(text)
+    if len(names) > 1:
+        return None, names
+    params.check_wildcards(text)
+    return text, ()
+
+
+def job_selector(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """GetJob's and GetJobs' `name` (protocol.md 5.3): (patterns, names).
+    One piece: the whole text, one GLOB pattern. A comma list none of
+    whose pieces holds a wildcard: Bedrock's list of exact names. A list
+    with a wildcard in a piece: each piece a GLOB pattern, a job matching
+    any of them (`thumb/*,email/*`), the wildcards of all counted together."""
+    pieces = _pieces(text)
+    if len(pieces) > 1 and not any(map(is_glob, pieces)):
+        return (), pieces
+    if len(pieces) > MAX_PATTERNS:
+        raise CommandError(f"402 Too many patterns ({MAX_PATTERNS} at most)")
+    params.check_wildcards(text)
+    return (pieces if len(pieces) > 1 else (text,)), ()
+
+
+def _pieces(text: str) -> tuple[str, ...]:
     # No job name holds a control character, so a pattern with one could
     # match nothing; it is refused as such names are.
     if len(text.encode("utf-8")) > params.MAX_PATTERN:
         raise params.too_large("name", params.MAX_PATTERN)
     if params.has_control(text):
         raise CommandError("402 Malformed name")
-    names = listed_names(text)
-    if len(names) > 1:
-        return None, names
-    params.check_wildcards(text)
-    return text, ()
+    return listed_names(text)
 
 
 def query_of(request: Request, worker: str = "") -> JobQuery:
@@ -96,9 +116,9 @@ def query_of(request: Request, worker: str = "") -> JobQuery:
         raise CommandError("402 Cannot use numResults with GetJob; try GetJobs")
     else:
         limit = 1
-    pattern, names = name_selector(params.require(request, "name"))
+    patterns, names = job_selector(params.require(request, "name"))
     priority = params.priority(request, "jobPriority")
-    query = JobQuery(pattern, names, priority, limit, many=many, worker=worker)
+    query = JobQuery(patterns, names, priority, limit, many=many, worker=worker)
     if params.is_true(request.get("includeLeaseID")):
         query = replace(query, include_lease_id=True)
     return query
@@ -168,7 +188,7 @@ def _take(ctx: Context, query: JobQuery, holds: Holds | None) -> list[Taken]:
             now=ctx.now_ms,
             priorities=query.priorities,
             limit=asked,
-            pattern=query.pattern,
+            patterns=query.patterns,
             names=query.names,
             passed=passed,
         )
