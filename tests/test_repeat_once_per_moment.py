@@ -113,14 +113,44 @@ def test_bedrocks_start_of_hour_rule_runs_once_for_the_moment_it_gives(client, r
     assert client.request("GetJob", name="job").status == "404 No job found"
 
 
-def test_a_rule_that_goes_back_runs_for_an_earlier_moment_each_time(client):
-    first = _yesterday_noon()
-    job_id = create(client, "back", repeat="SCHEDULED, -1 HOUR", firstRun=first)
-    for hours in (1, 2):
-        get_job(client, "back")
+# Rules of offsets alone that give a moment not later than their base:
+# after every run the job would be due again at once (it was handed out
+# again and again, for an earlier moment each time).
+LOOPING = ["SCHEDULED, -1 HOUR", "STARTED, -5 MINUTES", "FINISHED, -1 HOUR",
+           "STARTED, +0 SECONDS", "FINISHED, +1 HOUR, -60 MINUTES"]
+
+
+@pytest.mark.parametrize("rule", LOOPING)
+@pytest.mark.parametrize("report", ["FinishJob", "RetryJob"])
+def test_a_rule_that_would_make_the_job_due_at_once_after_every_run_ends_it(
+    client, rule, report
+):
+    job_id = create(client, "back", repeat=rule, firstRun=_yesterday_noon())
+    get_job(client, "back")
+    assert client.request(report, jobID=job_id, data={"done": True}).status == "200 OK"
+    error = _last_error(client, job_id)
+    assert error.startswith(f"repeat rule {rule!r} gave "), error
+    assert error.endswith("not later than the run it follows: the job would be due again "
+                          "at once after every run"), error
+    assert _job(client, job_id)["data"] == {"done": True}
+    assert client.request("GetJob", name="back").status == "404 No job found"
+
+
+def test_a_leased_job_of_such_a_rule_is_failed_when_handed_out(client):
+    # Its lease would end at the rule's next moment, already past.
+    job_id = create(client, "leased", repeat="STARTED, -5 MINUTES", retryAfter="+5 MINUTES")
+    assert client.request("GetJob", name="leased").status == "404 No job found"
+    assert _last_error(client, job_id).startswith("repeat rule 'STARTED, -5 MINUTES' gave ")
+
+
+def test_a_rule_that_catches_up_runs_once_for_each_missed_moment(client):
+    # Far behind, each next moment is due at once, but later than the last.
+    job_id = create(client, "late", repeat="SCHEDULED, +1 DAY", firstRun="2020-01-01 10:00:00")
+    for day in (2, 3):
+        get_job(client, "late")
         ok(client.request("FinishJob", jobID=job_id))
-        expected = datetime.fromisoformat(first) - timedelta(hours=hours)
-        assert _job(client, job_id)["nextRun"] == f"{expected:%Y-%m-%d %H:%M:%S}"
+        job = _job(client, job_id)
+        assert (job["state"], job["nextRun"]) == ("QUEUED", f"2020-01-0{day} 10:00:00")
 
 
 def test_a_leased_job_whose_lease_would_end_when_it_was_due_is_failed_not_handed_out(client):

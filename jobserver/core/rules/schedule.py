@@ -42,6 +42,20 @@ class RepeatStalled(Exception):
         self.reason = f"gives {computed} from {base}, the moment this run was due"
 
 
+class RepeatLoops(RepeatStalled):
+    """A rule of offsets alone that gives a moment not later than the one it
+    counts from (`SCHEDULED, -1 HOUR`, `STARTED, +0 SECONDS`): queued again,
+    the job would be due at once after this run and after every run."""
+
+    def __init__(self, rule: str, base: str, computed: str) -> None:
+        Exception.__init__(
+            self,
+            f"repeat rule {rule!r} gave {computed} from {base}, not later than the run "
+            "it follows: the job would be due again at once after every run",
+        )
+        self.reason = f"gives {computed} from {base}, not later than the run it follows"
+
+
 class CronStalled(RepeatStalled):
     """A CRON rule that gives no next run: cronsim is no longer installed,
     or it finds no moment of the rule within its 50 years."""
@@ -117,7 +131,10 @@ def next_run_after_run(ctx: Context, job: Job, due: str | None) -> str:
     (None: not known). Raises RepeatStalled when that is the moment the run
     was due: Bedrock accepts any rule, so one that truncates (`FINISHED,
     START OF DAY`) may give it again, and the job must not run twice for
-    it. A SCHEDULED rule's base is that moment (for a leased job, the
+    it; and RepeatLoops when a rule of offsets alone gives a moment not
+    later than its base, which it would do after every run (a truncating
+    rule is due at once once, then gives the same moment again). A
+    SCHEDULED rule's base is that moment (for a leased job, the
     originalNextRun its data keeps), whatever `due` says. A CRON rule's
     next run is after now, so never a moment already due."""
     if cron.is_cron(job.repeat):
@@ -128,6 +145,8 @@ def next_run_after_run(ctx: Context, job: Job, due: str | None) -> str:
     moment = base if rule.base == "SCHEDULED" else due
     if moment is not None and computed == datetime_after(moment[:19], ()):
         raise RepeatStalled(base, computed)
+    if rule.only_offsets and computed <= base:
+        raise RepeatLoops(job.repeat, base, computed)
     return computed
 
 
