@@ -205,6 +205,22 @@ def test_a_worker_asks_for_its_handlers_patterns_and_nothing_else(server, client
         assert job(client, other) == {**job(client, other), "state": "QUEUED", "data": {}}
 
 
+def test_a_paused_backlog_of_one_handlers_jobs_hides_no_job_of_another(server, client):
+    """Issue 35's worker: handlers for a/noop and a/tp, 3,000 a/tp queued
+    and paused. The worker's GetJobs passed over 1,000 of them and took
+    nothing at all; it takes a/noop now."""
+    worker = Worker()
+    worker.handler("a/noop")(lambda data: {"ran": True})
+    worker.handler("a/tp")(lambda data: {"ran": True})
+    ok(client.request("PauseJobs", name="a/tp"))
+    jobs = json.dumps([{"name": "a/tp"} for _ in range(3000)])
+    ok(client.request("CreateJobs", jobs=jobs))
+    free = create(client, "a/noop", repeat=REPEAT)
+    with in_process(worker, server.port, "asyncio"):
+        until(lambda: job(client, free)["data"], DEADLINE, "a/noop to run")
+    assert job(client, free)["data"] == {"ran": True}
+
+
 def test_handlers_are_checked_when_registered():
     worker = Worker()
     with pytest.raises(TypeError, match="data as its first parameter"):
