@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import tempfile
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from harness import ThreadServer
+from harness import Nodes, ThreadServer
 from helpers import create, ok, until
 from jobserver.core.rules.selection import HELD_NAMES_BY_PATTERN
 from jobserver.model.globmatch import glob_match
@@ -191,3 +192,56 @@ def _drain(
                 return taken
             taken += [(job["name"], job.get("cost", 1)) for job in ok(reply).json["jobs"]]
         raise AssertionError("GetJobs went on finding jobs past every job made")
+
+
+def _hours_ago(hours: int) -> str:
+    moment = datetime.now(UTC) - timedelta(hours=hours)
+    return moment.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def test_a_job_handed_out_under_an_ended_lease_is_not_handed_out_again_in_one_reply(
+    server: ThreadServer,
+) -> None:
+    """A leased job catching up is handed out with a lease that ends at a
+    moment already past: due again, after the page's position. Behind a
+    page of held jobs the next page read it again, and one GetJobs had it
+    twice, under two leases."""
+    with server.client() as client:
+        ok(client.request("PauseJobs", name="p/*"))
+        leased = create(
+            client, "j/x", repeat="SCHEDULED, +5 HOURS", retryAfter="+5 MINUTES",
+            firstRun=_hours_ago(24),
+        )
+        held = [{"name": f"p/{i}", "firstRun": _hours_ago(22)} for i in range(150)]
+        ok(client.request("CreateJobs", jobs=json.dumps(held)))
+        jobs = ok(client.request("GetJobs", name="*", numResults=10)).json["jobs"]
+        assert [job["jobID"] for job in jobs] == [leased]
+
+
+TRIALS = 50
+
+
+def test_a_getjob_under_flow_control_locks_no_more_jobs_than_it_takes(
+    backend: str, db: Path | str
+) -> None:
+    """Two PostgreSQL nodes, a pause that holds none of these jobs, two
+    free jobs, and a GetJob sent to each node at once: both get one. A
+    search's first page asked for 100 jobs whatever it wanted and locked
+    them as it read them, so the other node's GetJob skipped them and
+    answered 404 with a job left (199 trials of 200)."""
+    if backend != "postgres":
+        pytest.skip("two nodes on one PostgreSQL queue")
+    nodes = Nodes(str(db), 2)
+    try:
+        clients = [node.client() for node in nodes.nodes]
+        ok(clients[0].request("PauseJobs", name="unrelated/*"))
+        for _ in range(TRIALS):
+            ids = [create(clients[0], "f/x") for _ in range(2)]
+            for client in clients:
+                client.send(encode("GetJob", {"name": "f/*"}))
+            got = [ok(client.read_reply()).json["jobID"] for client in clients]
+            assert sorted(got) == ids
+        for client in clients:
+            client.close()
+    finally:
+        nodes.stop()

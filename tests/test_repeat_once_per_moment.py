@@ -290,3 +290,14 @@ def test_a_rule_with_a_weekday_and_a_step_back_can_go_round_uncaught() -> None:
     first = datetime(1999, 12, 31, 20, tzinfo=UTC)
     moments = _run_after_run("SCHEDULED, WEEKDAY 0, -28 HOURS", first, first, 7)
     assert len(set(moments)) == 6 and moments[6] == moments[0]
+
+
+def test_a_rule_with_a_month_is_not_judged_by_one_month_of_it(client):
+    # A month is as long as the calendar makes it: from February 10 this
+    # rule goes back a day, from most other days it goes forward.
+    job_id = create(client, "month", repeat="SCHEDULED, +1 MONTH, -29 DAYS",
+                    firstRun="2026-02-10 12:00:00")
+    get_job(client, "month")
+    ok(client.request("FinishJob", jobID=job_id))
+    job = _job(client, job_id)
+    assert (job["state"], job["nextRun"]) == ("QUEUED", "2026-02-09 12:00:00")

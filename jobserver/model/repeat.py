@@ -56,6 +56,15 @@ class Repeat:
         """True when every modifier is a plain `+N UNIT` / `-N UNIT` shift."""
         return all(m[0] in "+-" for m in self.modifiers)
 
+    @property
+    def only_fixed_offsets(self) -> bool:
+        """True when every modifier shifts by a fixed length (seconds to
+        days), so the rule moves every moment by the same amount; a month
+        or a year is as long as the calendar makes it."""
+        return self.only_offsets and not any(
+            m.endswith(("MONTH", "MONTHS", "YEAR", "YEARS")) for m in self.modifiers
+        )
+
 
 def parse_modifier(part: str, allow_start_of_hour: bool = False) -> str:
     """Validate one modifier and return it in its normal form."""

@@ -43,8 +43,9 @@ class RepeatStalled(Exception):
 
 
 class RepeatLoops(RepeatStalled):
-    """A rule of offsets alone that gives a moment not later than the one it
-    counts from (`SCHEDULED, -1 HOUR`, `STARTED, +0 SECONDS`): queued again,
+    """A rule of fixed offsets alone (seconds to days) that gives a moment
+    not later than the one it counts from (`SCHEDULED, -1 HOUR`, `STARTED,
+    +0 SECONDS`): it shifts every moment by that much, so queued again,
     the job would be due at once after this run and after every run."""
 
     def __init__(self, rule: str, base: str, computed: str) -> None:
@@ -131,8 +132,8 @@ def next_run_after_run(ctx: Context, job: Job, due: str | None) -> str:
     (None: not known). Raises RepeatStalled when that is the moment the run
     was due: Bedrock accepts any rule, so one that truncates (`FINISHED,
     START OF DAY`) may give it again, and the job must not run twice for
-    it; and RepeatLoops when a rule of offsets alone gives a moment not
-    later than its base, which it would do after every run (a truncating
+    it; and RepeatLoops when a rule of fixed offsets alone gives a moment
+    not later than its base, which it would do after every run (a truncating
     rule is due at once once, then gives the same moment again). A
     SCHEDULED rule's base is that moment (for a leased job, the
     originalNextRun its data keeps), whatever `due` says. A CRON rule's
@@ -145,7 +146,7 @@ def next_run_after_run(ctx: Context, job: Job, due: str | None) -> str:
     moment = base if rule.base == "SCHEDULED" else due
     if moment is not None and computed == datetime_after(moment[:19], ()):
         raise RepeatStalled(base, computed)
-    if rule.only_offsets and computed <= base:
+    if rule.only_fixed_offsets and computed <= base:
         raise RepeatLoops(job.repeat, base, computed)
     return computed
 

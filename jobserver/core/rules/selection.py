@@ -26,10 +26,10 @@ from jobserver.wire.framing import Request, Response
 # next pages as a pattern: names made for each job would otherwise make a
 # list as long as the queue.
 HELD_NAMES_BY_PATTERN = 8
-# With limits or pauses set, candidates are read this many at a time, and
-# twice as many after each page that held them all, up to MOST_PAGE: a
-# page reveals the held names in it, and a backlog of many held names
-# took a round trip each ten of them.
+# With limits or pauses set, after a page that held every job in it the
+# next reads this many, and twice as many after each such page, up to
+# MOST_PAGE: a page reveals the held names in it, and a backlog of many
+# held names took a round trip each ten of them.
 PAGE = 100
 MOST_PAGE = 1600
 # Room in a GetJobs reply for a job's keys, numbers (jobID, priority,
@@ -177,12 +177,15 @@ def _take(ctx: Context, query: JobQuery, holds: Holds | None) -> list[Taken]:
         holds = Holds(ctx)
     room = _Room(ctx.settings.max_reply_bytes) if query.limit > 1 else None
     passed = NOTHING_PASSED
-    page = PAGE
+    # The first page asks for what is wanted: on PostgreSQL a page's jobs
+    # are locked as they are read, and a page of 100 for a GetJob of one
+    # made another node's GetJob skip them and answer 404 with jobs left.
+    page = 0
     while len(taken) < query.limit:
         # Held jobs are passed over a page at a time, and what holds them
         # (their names, or patterns) is left out of the next page's query.
         wanted = query.limit - len(taken)
-        asked = wanted if holds is None else max(wanted, page)
+        asked = max(wanted, page)
         before = len(taken)
         candidates = store.find_ready(
             now=ctx.now_ms,
@@ -192,9 +195,15 @@ def _take(ctx: Context, query: JobQuery, holds: Holds | None) -> list[Taken]:
             names=query.names,
             passed=passed,
         )
+        # Handed out in this transaction (by this search or a waiter's
+        # before it) under a lease that had already ended: due again, such
+        # a job can lie after the page's position and be read once more.
+        handed = {t.job.jobID for t in ctx.taken}
         for job in candidates:
             if len(taken) == query.limit:
                 break
+            if job.jobID in handed:
+                continue
             if job.timeWindows:
                 start = schedule.window_start(ctx, job)
                 if start is not None:
@@ -217,8 +226,8 @@ def _take(ctx: Context, query: JobQuery, holds: Holds | None) -> list[Taken]:
             taken.append(item)
         if len(candidates) < asked:
             break
-        if len(taken) == before:
-            page = min(page * 2, MOST_PAGE)
+        if holds is not None and len(taken) == before:
+            page = min(max(page * 2, PAGE), MOST_PAGE)
         last = candidates[-1]
         after = (last.priority, last.nextRun, last.name, last.jobID)
         passed = holds.passed_over(after) if holds is not None else PassedOver(after=after)
