@@ -16,6 +16,7 @@ import json
 import tempfile
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 
 from harness import Nodes, ThreadServer
 from helpers import create, ok, until
+from jobserver.core.rules import selection
 from jobserver.core.rules.selection import HELD_NAMES_BY_PATTERN
 from jobserver.model.globmatch import glob_match
 from wire import Client, encode
@@ -114,7 +116,7 @@ _LIMIT_PATTERNS = ("a/*", "*/1", "b/2", "*", "c")
 _PAUSE_PATTERNS = ("a/2", "b/*", "c", "?/1")
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     limits=st.dictionaries(st.sampled_from(_LIMIT_PATTERNS), st.integers(1, 4), max_size=3),
     paused=st.frozensets(st.sampled_from(_PAUSE_PATTERNS), max_size=2),
@@ -147,12 +149,27 @@ def test_a_drain_takes_everything_that_may_run_and_nothing_past_a_limit(
     Runs of jobs of one name make searches of more than one page, where
     what holds jobs is left out of the query."""
     jobs = [(name, cost) for name, cost, count in runs for _ in range(count)]
-    with tempfile.TemporaryDirectory() as where:
-        server = ThreadServer(Path(where) / "jobs.db")
-        try:
-            taken = _drain(server, limits, paused, jobs, sizes)
-        finally:
-            server.stop()
+    # Each limit's usage read by a statement of its own, and every one at
+    # once (as past USAGES_ONE_BY_ONE of them).
+    for one_by_one in (selection.USAGES_ONE_BY_ONE, 0):
+        with tempfile.TemporaryDirectory() as where, patch.object(
+            selection, "USAGES_ONE_BY_ONE", one_by_one
+        ):
+            server = ThreadServer(Path(where) / "jobs.db")
+            made = list(jobs)
+            try:
+                taken = _drain(server, limits, paused, made, sizes)
+            finally:
+                server.stop()
+        _check_drained(limits, paused, made, taken)
+
+
+def _check_drained(
+    limits: dict[str, int],
+    paused: frozenset[str],
+    jobs: list[tuple[str, int]],
+    taken: list[tuple[str, int]],
+) -> None:
     used = {pattern: 0 for pattern in limits}
     left = list(jobs)
     for name, cost in taken:
@@ -245,3 +262,30 @@ def test_a_getjob_under_flow_control_locks_no_more_jobs_than_it_takes(
             client.close()
     finally:
         nodes.stop()
+
+
+def test_many_full_limits_in_front_of_a_free_job_hide_it_from_no_search(
+    server: ThreadServer,
+) -> None:
+    """A limit of one per customer, each running one job and holding one:
+    read one statement each, 200 limits' usage spent a search's budget and
+    every GetJob answered 404; past a few, a search reads every limit's
+    usage at once."""
+    customers = 250
+    with server.client(timeout=60) as client:
+        pipelined = [encode("SetLimit", {"name": f"t{i}/*", "max": 1}) for i in range(customers)]
+        client.send(b"".join(pipelined))
+        for _ in pipelined:
+            ok(client.read_reply())
+        create_many(client, [f"t{i}/run" for i in range(customers)])
+        running = ok(client.request("GetJobs", name="t*/run", numResults=customers)).json
+        assert len(running["jobs"]) == customers
+        create_many(client, [f"t{i}/queued" for i in range(customers)])
+        free = create(client, "free/x")
+        assert ok(client.request("GetJob", name="*")).json["jobID"] == free
+        assert client.request("GetJob", name="*").status == "404 No job found"
+        # The limits still hold: one ends, and its customer's next job goes.
+        done = running["jobs"][7]
+        ok(client.request("FinishJob", jobID=done["jobID"]))
+        expected = done["name"].replace("/run", "/queued")
+        assert ok(client.request("GetJob", name="*")).json["name"] == expected

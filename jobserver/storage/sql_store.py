@@ -464,6 +464,13 @@ class SqlStore(Statements):
         )
         return int(row[0])
 
+    def usage_by_name(self, now: str) -> list[tuple[str, int]]:
+        rows = self._execute(
+            f"SELECT name, SUM(cost) FROM jobs WHERE {self.dialect.holding()} GROUP BY name",
+            (now,),
+        )
+        return [(str(name), int(cost)) for name, cost in rows.fetchall()]
+
     def pause(self, pattern: str) -> None:
         self._execute(
             f"INSERT INTO paused (pattern) VALUES ({self.dialect.mark}) ON CONFLICT DO NOTHING",

@@ -22,6 +22,9 @@ from jobserver.storage.interface import NOTHING_PASSED, PassedOver
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request, Response
 
+# A search reads this many limits' usage one statement each; past them it
+# reads every limit's at once (Holds._used_of_all).
+USAGES_ONE_BY_ONE = 8
 # A pattern that has held this many names in one search is left out of its
 # next pages as a pattern: names made for each job would otherwise make a
 # list as long as the queue.
@@ -319,14 +322,35 @@ class Holds:
 
     def _used(self, pattern: str) -> int | None:
         if pattern not in self._usage:
-            if not self._budget.spend(flow.usage_cost(pattern)):
-                return None
             if not self._usage:
                 # Before the first count: from here on no other node hands
                 # out a job under any limit until this transaction ends.
                 self._ctx.store.hold_limits()
+            if len(self._usage) == USAGES_ONE_BY_ONE:
+                return self._used_of_all(pattern)
+            if not self._budget.spend(flow.usage_cost(pattern)):
+                return None
             self._usage[pattern] = self._ctx.store.usage(pattern, self._ctx.now_ms)
         return self._usage[pattern]
+
+    def _used_of_all(self, pattern: str) -> int | None:
+        """Every limit's usage at once, from the running jobs' costs by name
+        and what holds each name: read one by one, 200 full limits in front
+        of a free job spent the search's budget, and every GetJob answered
+        404 while they waited."""
+        by_name = self._ctx.store.usage_by_name(self._ctx.now_ms)
+        if not self._budget.spend(flow.USAGE_SCAN_COST + len(by_name)):
+            return None
+        usage = dict.fromkeys(self._index.limits, 0)
+        for name, cost in by_name:
+            verdict = self._verdict(name)
+            if verdict is None:
+                return None
+            for limit in verdict.limits:
+                usage[limit] += cost
+        # Counted from the start: the hand-outs of this search are running.
+        self._usage = usage
+        return usage[pattern]
 
 
 class _Room:
