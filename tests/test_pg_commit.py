@@ -28,6 +28,8 @@ from relay import Relay
 from wire import Client, encode
 
 DEADLINE = 20.0
+# The next COMMIT is cut: now and then the clock's tick sends one first.
+CUT_TRIES = 5
 
 
 @pytest.fixture
@@ -87,11 +89,17 @@ def test_a_commit_whose_reply_is_lost_is_answered_200_when_postgres_committed(
 
 def test_a_commit_that_never_reached_postgres_is_a_503_and_wrote_nothing(node, url, proxy):
     with node.client(timeout=DEADLINE) as client:
-        job_id = create(client, "running")
-        ok(client.request("GetJob", name="running"))
-        proxy.cut_at_commit(reaches=False)
-        reply = client.request("FinishJob", jobID=job_id)
-        assert proxy.was_cut.is_set()
+        for _ in range(CUT_TRIES):
+            job_id = create(client, "running")
+            ok(client.request("GetJob", name="running"))
+            proxy.cut_at_commit(reaches=False)
+            reply = client.request("FinishJob", jobID=job_id)
+            assert proxy.was_cut.is_set()
+            if reply.status.startswith("503 "):
+                break
+            # The clock's tick committed first and was the one cut (seen
+            # once under load): the finish went through; again.
+            ok(reply)
         assert reply.status.startswith("503 "), reply
         # Not done: the job still runs, and the resend finishes it.
         assert jobs(url) == {job_id: ("running", "RUNNING")}
