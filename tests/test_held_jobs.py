@@ -289,3 +289,27 @@ def test_many_full_limits_in_front_of_a_free_job_hide_it_from_no_search(
         ok(client.request("FinishJob", jobID=done["jobID"]))
         expected = done["name"].replace("/run", "/queued")
         assert ok(client.request("GetJob", name="*")).json["name"] == expected
+
+
+def test_thousands_of_held_names_under_their_own_pauses_hide_no_free_job(
+    db: Path | str,
+) -> None:
+    """5,000 paused patterns `p<N>/*`, a held job under each in front of a
+    free one. Tested against every pattern, judging a name cost 5,000 units
+    of a 1,000,000 budget, and 25 GetJobs in a row answered 404 before the
+    names were remembered; a name is tested only against the patterns it
+    begins as, so the first finds the free job."""
+    count = 5000
+    server = ThreadServer(db, max_limits=count)
+    try:
+        with server.client(timeout=120) as client:
+            pauses = [encode("PauseJobs", {"name": f"p{i}/*"}) for i in range(count)]
+            for at in range(0, count, BATCH):
+                client.send(b"".join(pauses[at : at + BATCH]))
+                for _ in range(BATCH):
+                    ok(client.read_reply())
+            create_many(client, [f"p{i}/x" for i in range(count)])
+            free = create(client, "free/x")
+            assert ok(client.request("GetJob", name="*")).json["jobID"] == free
+    finally:
+        server.stop()

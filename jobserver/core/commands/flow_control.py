@@ -47,8 +47,8 @@ def _check_cost(ctx: Context, pattern: str) -> None:
     """A new limit or pause is refused when judging a name against all of
     them would cost more than flow.MAX_PATTERNS_COST: each candidate of a
     GetJob is judged in the writer."""
-    # The index of the patterns as they are, which the next GetJob reads.
-    cost = flow.index_of(ctx.store).cost + match_cost(pattern)
+    store = ctx.store
+    cost = flow.patterns_cost([*store.limits, *store.paused, pattern])
     if cost > flow.MAX_PATTERNS_COST:
         raise CommandError(
             f"413 Patterns too costly ({flow.MAX_PATTERNS_COST} units a name at most, "

@@ -316,7 +316,7 @@ class Holds:
 
     def _verdict(self, name: str) -> flow.Verdict | None:
         found = self._index.cached(name)
-        if found is None and self._budget.spend(self._index.cost):
+        if found is None and self._budget.spend(self._index.name_cost(name)):
             found = self._index.verdict(name)
         return found
 
