@@ -116,7 +116,7 @@ _LIMIT_PATTERNS = ("a/*", "*/1", "b/2", "*", "c")
 _PAUSE_PATTERNS = ("a/2", "b/*", "c", "?/1")
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     limits=st.dictionaries(st.sampled_from(_LIMIT_PATTERNS), st.integers(1, 4), max_size=3),
     paused=st.frozensets(st.sampled_from(_PAUSE_PATTERNS), max_size=2),
@@ -149,11 +149,14 @@ def test_a_drain_takes_everything_that_may_run_and_nothing_past_a_limit(
     Runs of jobs of one name make searches of more than one page, where
     what holds jobs is left out of the query."""
     jobs = [(name, cost) for name, cost, count in runs for _ in range(count)]
-    # Each limit's usage read by a statement of its own, and every one at
-    # once (as past USAGES_ONE_BY_ONE of them).
-    for one_by_one in (selection.USAGES_ONE_BY_ONE, 0):
-        with tempfile.TemporaryDirectory() as where, patch.object(
-            selection, "USAGES_ONE_BY_ONE", one_by_one
+    # Each limit's usage read by a statement of its own, every one at once
+    # (as past USAGES_ONE_BY_ONE of them), and one by one again when the
+    # running jobs have more names than MOST_RUNNING_NAMES.
+    for one_by_one, most_names in ((selection.USAGES_ONE_BY_ONE, 10), (0, 10_000), (0, 0)):
+        with (
+            tempfile.TemporaryDirectory() as where,
+            patch.object(selection, "USAGES_ONE_BY_ONE", one_by_one),
+            patch.object(selection, "MOST_RUNNING_NAMES", most_names),
         ):
             server = ThreadServer(Path(where) / "jobs.db")
             made = list(jobs)

@@ -427,9 +427,10 @@ class Jobs(Protocol):
         """The cost of the running jobs a limit's pattern matches: RUNNING,
         and RUNQUEUED whose lease has not run out at `now`."""
 
-    def usage_by_name(self, now: str) -> list[tuple[str, int]]:
+    def usage_by_name(self, now: str, most: int) -> list[tuple[str, int]]:
         """The cost of the running jobs (as `usage` counts them) of each
-        name that has any, in one statement."""
+        name that has any, in one statement: at most `most` + 1 names (more
+        than `most` says there are too many to read so)."""
 
     def pause(self, pattern: str) -> None: ...
 

@@ -483,6 +483,12 @@ def _version_6(db: psycopg.Connection) -> None:
 
 def _version_7(db: psycopg.Connection) -> None:
     db.execute(FIND_READY_AFTER_FUNCTION.encode())
+    # It runs with its caller's rights (a role without the nodes' grants
+    # reads nothing through it); only the nodes need to call it at all.
+    db.execute(
+        "REVOKE EXECUTE ON FUNCTION jobserver_find_ready_after(TEXT, INTEGER[], INTEGER, "
+        "TEXT, TEXT[], TEXT[], TEXT[], INTEGER, TEXT, TEXT, BIGINT) FROM PUBLIC"
+    )
     db.execute(
         "DROP FUNCTION IF EXISTS jobserver_find_ready"
         "(TEXT, INTEGER[], INTEGER, TEXT, TEXT[], TEXT[], BIGINT[])"

@@ -464,10 +464,11 @@ class SqlStore(Statements):
         )
         return int(row[0])
 
-    def usage_by_name(self, now: str) -> list[tuple[str, int]]:
+    def usage_by_name(self, now: str, most: int) -> list[tuple[str, int]]:
         rows = self._execute(
-            f"SELECT name, SUM(cost) FROM jobs WHERE {self.dialect.holding()} GROUP BY name",
-            (now,),
+            f"SELECT name, SUM(cost) FROM jobs WHERE {self.dialect.holding()} "
+            f"GROUP BY name LIMIT {self.dialect.mark}",
+            (now, most + 1),
         )
         return [(str(name), int(cost)) for name, cost in rows.fetchall()]
 

@@ -25,6 +25,9 @@ from jobserver.wire.framing import Request, Response
 # A search reads this many limits' usage one statement each; past them it
 # reads every limit's at once (Holds._used_of_all).
 USAGES_ONE_BY_ONE = 8
+# ... if the running jobs have at most this many names: a client that
+# takes a million jobs and never reports would make each search read them.
+MOST_RUNNING_NAMES = 10_000
 # A pattern that has held this many names in one search is left out of its
 # next pages as a pattern: names made for each job would otherwise make a
 # list as long as the queue.
@@ -267,6 +270,7 @@ class Holds:
         self._held_names: set[str] = set()
         self._names_by_pattern: dict[str, int] = {}
         self._held_patterns: set[str] = set()
+        self._read_all_tried = False
 
     def holds_back(self, job: Job) -> bool | None:
         """True if the job must wait, False if it may go, None when the
@@ -326,7 +330,7 @@ class Holds:
                 # Before the first count: from here on no other node hands
                 # out a job under any limit until this transaction ends.
                 self._ctx.store.hold_limits()
-            if len(self._usage) == USAGES_ONE_BY_ONE:
+            if len(self._usage) == USAGES_ONE_BY_ONE and not self._read_all_tried:
                 return self._used_of_all(pattern)
             if not self._budget.spend(flow.usage_cost(pattern)):
                 return None
@@ -338,7 +342,12 @@ class Holds:
         and what holds each name: read one by one, 200 full limits in front
         of a free job spent the search's budget, and every GetJob answered
         404 while they waited."""
-        by_name = self._ctx.store.usage_by_name(self._ctx.now_ms)
+        self._read_all_tried = True
+        by_name = self._ctx.store.usage_by_name(self._ctx.now_ms, MOST_RUNNING_NAMES)
+        if len(by_name) > MOST_RUNNING_NAMES:
+            # More running names than a search may read: one by one again,
+            # each limit's usage an index range of its own.
+            return self._used(pattern)
         if not self._budget.spend(flow.USAGE_SCAN_COST + len(by_name)):
             return None
         usage = dict.fromkeys(self._index.limits, 0)
