@@ -176,9 +176,6 @@ def set_characters(pattern: str) -> int:
 MATCH_UNITS_PER_BYTE = 5
 
 
-# Remembered for more patterns than limits and pauses may be set together
-# (--max-limits, 10,000 each): SetLimit and PauseJobs sum them all.
-@lru_cache(maxsize=32_768)
 def match_cost(pattern: str) -> int:
     """What testing a name against the pattern may cost, in units of a plain
     test: 1, and MATCH_UNITS_PER_BYTE for each byte from its first wildcard

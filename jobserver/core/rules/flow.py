@@ -34,6 +34,7 @@ import sqlite3
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 
 from jobserver.model.globmatch import literal_start, match_cost
 from jobserver.storage.interface import Storage
@@ -184,7 +185,16 @@ def index_of(store: Storage) -> FlowIndex:
 
 def patterns_cost(patterns: Iterable[str]) -> int:
     """What testing one name against all of these patterns may cost."""
-    return sum(map(match_cost, patterns))
+    return sum(map(_limit_cost, patterns))
+
+
+# Remembered for more patterns than limits and pauses may be set together
+# (--max-limits, 10,000 each, of 255 bytes at most: 8 MB): SetLimit and
+# PauseJobs sum them all, and 5,000 pauses were a minute of set-up when
+# each was weighed again. Not for other patterns, up to 12,750 bytes each.
+@lru_cache(maxsize=32_768)
+def _limit_cost(pattern: str) -> int:
+    return match_cost(pattern)
 
 
 def is_heavy(store: Storage) -> bool:
