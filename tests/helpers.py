@@ -54,6 +54,26 @@ def until(check: Callable[[], T], timeout: float, what: str) -> T:
         time.sleep(POLL_INTERVAL)
 
 
+def answer_waits(ask: Callable[[], object], seconds: float) -> list[float]:
+    """How long each answer took, sorted, asking again and again for
+    `seconds` (a neighbour's view of a server under attack)."""
+    waits = []
+    until_at = time.monotonic() + seconds
+    while time.monotonic() < until_at:
+        began = time.monotonic()
+        ask()
+        waits.append(time.monotonic() - began)
+    return sorted(waits)
+
+
+def assert_answering(waits: list[float], what: str, ninth: float, worst: float) -> None:
+    """Nine answers in ten within `ninth` seconds, and all within `worst`."""
+    at_ninth = waits[int(0.9 * (len(waits) - 1))]
+    assert at_ninth < ninth and waits[-1] < worst, (
+        f"{what}: 90% within {at_ninth:.3f}s, worst {waits[-1]:.3f}s of {len(waits)}"
+    )
+
+
 LOCKER = """
 import sqlite3, sys
 db = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=0)

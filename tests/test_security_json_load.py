@@ -20,7 +20,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from helpers import ok
+from helpers import answer_waits, assert_answering, ok
 from wire import Client, encode
 
 ARRAYS = 300_000
@@ -79,23 +79,6 @@ def sending(*senders: Callable[[], object]) -> Iterator[list[BaseException]]:
             thread.join(60)
 
 
-def _waits(ask: Callable[[], object], seconds: float) -> list[float]:
-    waits = []
-    until_at = time.monotonic() + seconds
-    while time.monotonic() < until_at:
-        began = time.monotonic()
-        ask()
-        waits.append(time.monotonic() - began)
-    return sorted(waits)
-
-
-def _assert_answering(waits: list[float], what: str) -> None:
-    ninth = waits[int(0.9 * (len(waits) - 1))]
-    assert ninth < NEIGHBOUR_BOUND and waits[-1] < NEIGHBOUR_WORST, (
-        f"{what}: 90% within {ninth:.3f}s, worst {waits[-1]:.3f}s of {len(waits)}"
-    )
-
-
 def test_large_json_on_both_ports_keeps_neighbours_answering(start_server) -> None:
     # A server process of its own: in this one, a collection of the test
     # run's own garbage would count against the bound.
@@ -115,11 +98,13 @@ def test_large_json_on_both_ports_keeps_neighbours_answering(start_server) -> No
             assert post(http_port, BODY).endswith(b" 200 ")
 
         with sending(create_on_the_wire, *[create_over_http] * HTTP_SENDERS) as errors:
-            wire = _waits(lambda: ok(neighbour.request("Ping")), WATCH_SECONDS)
-            http = _waits(lambda: urllib.request.urlopen(health, timeout=5).read(), WATCH_SECONDS)
+            wire = answer_waits(lambda: ok(neighbour.request("Ping")), WATCH_SECONDS)
+            http = answer_waits(
+                lambda: urllib.request.urlopen(health, timeout=5).read(), WATCH_SECONDS
+            )
         assert not errors, errors
-        _assert_answering(wire, "a neighbour's Ping")
-        _assert_answering(http, "/healthz")
+        assert_answering(wire, "a neighbour's Ping", NEIGHBOUR_BOUND, NEIGHBOUR_WORST)
+        assert_answering(http, "/healthz", NEIGHBOUR_BOUND, NEIGHBOUR_WORST)
 
 
 def test_a_declared_body_past_the_limit_is_refused_at_once(start_server) -> None:
@@ -131,8 +116,7 @@ def test_a_declared_body_past_the_limit_is_refused_at_once(start_server) -> None
             began = time.monotonic()
             sock.sendall(
                 b"POST /api/CreateJob HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                b"Content-Type: application/json\r\nContent-Length: " + declared +
-                b"\r\n\r\n{}"
+                b"Content-Type: application/json\r\nContent-Length: " + declared + b"\r\n\r\n{}"
             )
             response = sock.recv(65536)
             while b"larger than" not in response and (chunk := sock.recv(65536)):

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from harness import ThreadServer
-from helpers import ok
+from helpers import answer_waits, assert_answering, ok
 from jobserver.model.globmatch import MAX_WILDCARDS
 from wire import Client, encode
 
@@ -198,24 +198,6 @@ def long_hostile_pattern(i: int) -> str:
     return "*" + run * ((MAX_WILDCARDS - 1) // 2) + "Q"
 
 
-def _waits(ask: Callable[[], object], seconds: float) -> list[float]:
-    """How long each answer took, asking again and again for `seconds`."""
-    waits = []
-    until_at = time.monotonic() + seconds
-    while time.monotonic() < until_at:
-        began = time.monotonic()
-        ask()
-        waits.append(time.monotonic() - began)
-    return sorted(waits)
-
-
-def _assert_answering(waits: list[float], what: str) -> None:
-    ninth = waits[int(0.9 * (len(waits) - 1))]
-    assert ninth < NEIGHBOUR_BOUND and waits[-1] < NEIGHBOUR_WORST, (
-        f"{what}: 90% within {ninth:.3f}s, worst {waits[-1]:.3f}s"
-    )
-
-
 HTTP_LISTENING = re.compile(r"HTTP on [\d.]+:(\d+)")
 
 
@@ -249,13 +231,13 @@ def test_long_patterns_at_the_bound_keep_both_ports_answering(
             for n in range(3):
                 jobs = [{"name": "x" * 200 + f"{n}-{i}"} for i in range(40)]
                 creator.send(encode("CreateJobs", {"jobs": json.dumps(jobs)}))
-                wire = _waits(lambda: ok(neighbour.request("Ping")), 0.5)
+                wire = answer_waits(lambda: ok(neighbour.request("Ping")), 0.5)
                 ok(creator.read_reply())
                 creator.send(encode("CreateJobs", {"jobs": json.dumps(jobs[:1])}))
-                http = _waits(lambda: urllib.request.urlopen(health, timeout=5).read(), 0.5)
+                http = answer_waits(lambda: urllib.request.urlopen(health, timeout=5).read(), 0.5)
                 ok(creator.read_reply())
-                _assert_answering(wire, "a neighbour's Ping")
-                _assert_answering(http, "/healthz")
+                assert_answering(wire, "a neighbour's Ping", NEIGHBOUR_BOUND, NEIGHBOUR_WORST)
+                assert_answering(http, "/healthz", NEIGHBOUR_BOUND, NEIGHBOUR_WORST)
     finally:
         for sock in waiters:
             sock.close()
