@@ -493,7 +493,7 @@ class PostgresStore(SqlStore):
         """Due jobs (READY) in hand-out order, locked; jobs that
         another node's transaction holds are passed over, and so is what
         this search has `passed` over, in the query
-        (postgres_schema.FIND_READY_AFTER_FUNCTION)."""
+        (postgres_functions.FIND_READY_AFTER_FUNCTION)."""
         exact: list[str] | None = None
         regex: str | None = None
         if any(map(is_glob, patterns)):
