@@ -24,7 +24,8 @@ from jobserver.model.jobs import (
     RetryPolicy,
     State,
 )
-from jobserver.storage.interface import PassedOver, Storage
+from jobserver.storage.interface import Storage
+from jobserver.storage.searches import PassedOver
 
 pytestmark = pytest.mark.backends()
 

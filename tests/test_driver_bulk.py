@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 from driver import create, job, transaction
 
-from jobserver.storage.interface import NameMatch, Storage
+from jobserver.storage.interface import Storage
+from jobserver.storage.searches import NameMatch
 
 pytestmark = pytest.mark.backends()
 

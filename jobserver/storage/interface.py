@@ -31,53 +31,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from jobserver.model.jobs import NO_CHANGES, Job, JobChanges, NewJob
+from jobserver.storage.searches import NOTHING_PASSED, Found, NameMatch, PassedOver
 
 # What metrics show of each queue (a name up to its first `/`): jobs by
 # (queue, state); the nextRun of each queue's oldest job due now that no
 # paused pattern holds; and how many jobs due now paused patterns hold.
 QueueStats = tuple[dict[tuple[str, str], int], dict[str, str], dict[str, int]]
-
-
-@dataclass(frozen=True)
-class NameMatch:
-    """Which names a bulk action's search takes (protocol.md 14.19): those
-    a GLOB `pattern` matches, or one of `names`, or a `queue`'s (the name
-    itself, or one that starts with it and a `/`)."""
-
-    pattern: str | None = None
-    names: tuple[str, ...] = ()
-    queue: str | None = None
-
-
-@dataclass(frozen=True)
-class PassedOver:
-    """What a hand-out search has passed over, so that its next page of
-    candidates leaves it out in the query itself: every job up to `after`
-    in hand-out order (priority in the search's order, then nextRun, name
-    and jobID: the last job it read), and every job of the `names`, or of
-    a name one of the GLOB `patterns` matches, that limits or pauses hold
-    whatever their cost. The held names and patterns bound the work, not
-    the held jobs."""
-
-    after: tuple[int, str, str, int] | None = None
-    names: frozenset[str] = frozenset()
-    patterns: tuple[str, ...] = ()
-
-
-NOTHING_PASSED = PassedOver()
-
-
-@dataclass(frozen=True)
-class Found:
-    """What a bulk action's search found: the jobIDs of the oldest jobs
-    that match, oldest first; how many match among the jobs examined; how
-    many were examined, and whether those were all that could match (if
-    not, more may match beyond them)."""
-
-    job_ids: list[int]
-    matched: int
-    examined: int
-    complete: bool
 
 
 @dataclass(frozen=True)

@@ -56,17 +56,16 @@ from jobserver.model.globmatch import glob_to_regex, is_glob
 from jobserver.model.jobs import Job
 from jobserver.storage import postgres_listen, postgres_query, postgres_schema, sql
 from jobserver.storage.interface import (
-    NOTHING_PASSED,
     BackupCopy,
     BackupDirectory,
     BackupUnsupported,
     OutcomeUnknown,
-    PassedOver,
     QueryRows,
     QueueStats,
     RunningJob,
     RunningStats,
 )
+from jobserver.storage.searches import NOTHING_PASSED, PassedOver
 from jobserver.storage.sql import COLUMNS, JOB, POSTGRES, priorities_from
 from jobserver.storage.sql_store import FLOW_CONTROL, SqlStore
 from jobserver.storage.sqlite_schema import StoreError

@@ -22,7 +22,7 @@ from jobserver.model.globmatch import after_prefix, is_glob, literal_start
 from jobserver.model.jobs import NO_CHANGES, PLAIN, READY, Job, JobChanges, NewJob, State
 from jobserver.storage import sql
 from jobserver.storage.held_writes import Write
-from jobserver.storage.interface import Found, NameMatch
+from jobserver.storage.searches import Found, NameMatch
 from jobserver.storage.sql import JOB, Dialect
 from jobserver.storage.sql_statements import Statements
 

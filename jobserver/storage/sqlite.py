@@ -23,16 +23,15 @@ from jobserver.model.globmatch import is_glob
 from jobserver.model.jobs import Job
 from jobserver.storage import sqlite_backup, sqlite_readers, sqlite_schema
 from jobserver.storage.interface import (
-    NOTHING_PASSED,
     BackupCopy,
     BackupDirectory,
     BackupUnsupported,
     Heard,
-    PassedOver,
     QueryRows,
     QueueStats,
     RunningStats,
 )
+from jobserver.storage.searches import NOTHING_PASSED, PassedOver
 from jobserver.storage.sql import (
     AFTER_IN_ORDER,
     HAND_OUT_ORDER,

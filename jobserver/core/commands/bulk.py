@@ -24,7 +24,7 @@ from jobserver.core.rules import lifecycle
 from jobserver.core.rules.selection import name_selector
 from jobserver.model.globmatch import match_cost
 from jobserver.model.jobs import Job, State
-from jobserver.storage.interface import Found, NameMatch
+from jobserver.storage.searches import Found, NameMatch
 from jobserver.wire.framing import Request, Response
 from jobserver.wire.limits import BULK_TEST_BUDGET, MAX_BULK, MAX_BULK_EXAMINED, MAX_NAME
 

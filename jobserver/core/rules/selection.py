@@ -18,7 +18,7 @@ from jobserver.core.errors import CommandError
 from jobserver.core.rules import flow, lifecycle, schedule
 from jobserver.model.globmatch import MAX_PATTERNS, is_glob, listed_names
 from jobserver.model.jobs import Job
-from jobserver.storage.interface import NOTHING_PASSED, PassedOver
+from jobserver.storage.searches import NOTHING_PASSED, PassedOver
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request, Response
 
