@@ -27,7 +27,7 @@ from harness import ThreadServer
 from helpers import create, until
 from hostile_front import FLOOD, FLOOD_HEAD, HostileFront, reply
 from jobserver.client import AsyncClient, Client, ConnectionFailed, MalformedReply, TrioClient
-from jobserver.wire.framing import ReplyReader
+from jobserver.wire.client_framing import ReplyReader
 from jobserver.wire.limits import (
     DEFAULT_CLIENT_MAX_REPLY_BYTES,
     MAX_CLIENT_MAX_REPLY_BYTES,

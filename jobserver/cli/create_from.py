@@ -27,7 +27,7 @@ from jobserver.client import (
     ServerError,
 )
 from jobserver.wire import jsonbody
-from jobserver.wire.framing import encode_value
+from jobserver.wire.client_framing import encode_value
 from jobserver.wire.limits import MAX_IDEMPOTENCY_KEY, MAX_LINE
 
 # Jobs per CreateJobs: one transaction and one reply of ordinary size. The

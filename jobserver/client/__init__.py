@@ -156,7 +156,7 @@ from jobserver.client.errors import (
 )
 from jobserver.client.servers import MAX_SERVERS, format_servers, parse_address, parse_servers
 from jobserver.client.sync import Client
-from jobserver.wire.framing import Reply, ReplyReader, encode_request, encode_value
+from jobserver.wire.client_framing import Reply, ReplyReader, encode_request, encode_value
 from jobserver.wire.limits import DEFAULT_HOST, DEFAULT_PORT
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from jobserver.client import calls
 from jobserver.client.calls import Call, Fail, FinishResult, Retry, When, documented_by
 from jobserver.client.endpoint import Endpoint, idle_connection_dead
 from jobserver.client.errors import ConnectionFailed, MalformedReply, TLSFailed
-from jobserver.wire.framing import Reply
+from jobserver.wire.client_framing import Reply
 
 T = TypeVar("T")
 # A connection as the event loop's library has it.

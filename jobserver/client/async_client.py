@@ -7,7 +7,7 @@ import ssl
 
 from jobserver.client.async_calls import AsyncCalls
 from jobserver.client.endpoint import CANNOT_CONNECT, CANNOT_SEND, NO_REPLY, RECEIVE_SIZE
-from jobserver.wire.framing import Reply
+from jobserver.wire.client_framing import Reply
 
 try:
     import anyio

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from jobserver.client.errors import JobServerError, OutcomeUnknown, error_for
-from jobserver.wire.framing import Reply, without_lone_surrogates
+from jobserver.wire.client_framing import Reply, without_lone_surrogates
 from jobserver.wire.limits import DEFAULT_WAIT_MS, MAX_FINISH_JOBS, MAX_JOB_ID, MAX_WAIT_MS
 
 T = TypeVar("T")

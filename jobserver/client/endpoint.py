@@ -17,7 +17,8 @@ from jobserver.client.servers import (
     format_address,
     parse_servers,
 )
-from jobserver.wire.framing import TLS_REQUIRED, Reply, ReplyReader, encode_request
+from jobserver.wire.client_framing import Reply, ReplyReader, encode_request
+from jobserver.wire.framing import TLS_REQUIRED
 from jobserver.wire.limits import (
     DEFAULT_CLIENT_MAX_REPLY_BYTES,
     DEFAULT_HOST,

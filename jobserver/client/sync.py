@@ -17,7 +17,7 @@ from jobserver.client.endpoint import (
     idle_connection_dead,
 )
 from jobserver.client.errors import ConnectionFailed, MalformedReply, TLSFailed
-from jobserver.wire.framing import Reply
+from jobserver.wire.client_framing import Reply
 
 T = TypeVar("T")
 

@@ -11,7 +11,7 @@ import trio
 
 from jobserver.client.async_calls import AsyncCalls
 from jobserver.client.endpoint import CANNOT_CONNECT, CANNOT_SEND, NO_REPLY, RECEIVE_SIZE
-from jobserver.wire.framing import Reply
+from jobserver.wire.client_framing import Reply
 
 # What moving bytes with trio can raise besides cancellation.
 _TRIO_FAILURES = (OSError, ValueError, trio.BrokenResourceError, trio.TooSlowError)
