@@ -17,6 +17,7 @@ from driver import LATER, NOW, PAST, create, job, open_store, transaction
 
 from jobserver import storage
 from jobserver.model.jobs import FlowOptions, JobChanges, State
+from jobserver.model.limits import Limit, Rate
 from jobserver.storage.interface import Storage
 from jobserver.storage.postgres import PostgresStore
 
@@ -113,31 +114,31 @@ def test_limits_are_stored_removed_and_survive_a_reopening(
     store: Storage, backend: str, db: Path | str
 ) -> None:
     with transaction(store):
-        store.set_limit("a/*", 3)
-        store.set_limit("b", 1)
-        store.set_limit("b", 2)
-    assert store.limits == {"a/*": 3, "b": 2}
+        store.set_limit("a/*", Limit(3))
+        store.set_limit("b", Limit(1))
+        store.set_limit("b", Limit(2, Rate(5, 60_000), per_key=True, fair=True))
+    assert store.limits == {"a/*": Limit(3), "b": Limit(2, Rate(5, 60_000), True, True)}
     with transaction(store):
-        store.set_limit("a/*", 0)
-    assert store.limits == {"b": 2}
+        store.set_limit("a/*", Limit())
+    assert store.limits == {"b": Limit(2, Rate(5, 60_000), True, True)}
     reopened = open_store(backend, db)
     try:
-        assert reopened.limits == {"b": 2}
+        assert reopened.limits == {"b": Limit(2, Rate(5, 60_000), True, True)}
     finally:
         reopened.close()
 
 
 def test_a_rollback_restores_limits_and_pauses(store: Storage) -> None:
     with transaction(store):
-        store.set_limit("kept", 1)
+        store.set_limit("kept", Limit(1))
         store.pause("kept")
     store.begin()
-    store.set_limit("new", 1)
-    store.set_limit("kept", 0)
+    store.set_limit("new", Limit(1))
+    store.set_limit("kept", Limit())
     store.pause("new")
     assert store.resume("kept")
     store.rollback()
-    assert (store.limits, store.paused) == ({"kept": 1}, frozenset({"kept"}))
+    assert (store.limits, store.paused) == ({"kept": Limit(1)}, frozenset({"kept"}))
     with transaction(store):
         store.savepoint()
         store.pause("undone")
@@ -298,10 +299,10 @@ def test_limits_set_on_one_node_hold_on_another_from_its_next_transaction(
 ) -> None:
     first, second = two_nodes
     with transaction(first):
-        first.set_limit("a", 2)
+        first.set_limit("a", Limit(2))
         first.pause("b")
     with transaction(second):
-        assert (second.limits, second.paused) == ({"a": 2}, frozenset({"b"}))
+        assert (second.limits, second.paused) == ({"a": Limit(2)}, frozenset({"b"}))
 
 
 def test_only_one_node_prunes_at_a_time(

@@ -25,6 +25,7 @@ from helpers import create, ok, until
 from jobserver import cli
 from jobserver.model import windows
 from jobserver.model.jobs import NewJob
+from jobserver.model.limits import Limit, Rate
 from jobserver.model.times import parse_duration, to_millis, to_seconds
 from jobserver.storage.sqlite import Store
 from jobserver.storage.sqlite_schema import SCHEMA_VERSION
@@ -134,7 +135,7 @@ def running_cost(server: ThreadServer, pattern: str) -> int:
 
 def test_costs_never_take_a_limit_over_capacity_under_eight_workers(make_server):
     capacity = 5
-    server = make_server(limits={"work/*": capacity})
+    server = make_server(limits={"work/*": Limit(capacity)})
     rng = random.Random(7)
     with server.client() as client:
         ids = ok(client.request("CreateJobs", jobs=[
@@ -183,7 +184,7 @@ def test_costs_never_take_a_limit_over_capacity_under_eight_workers(make_server)
 
 @pytest.mark.parametrize("release", ["finish", "fail", "retry", "lease"])
 def test_a_freed_limit_serves_a_waiting_getjob(make_server, release):
-    server = make_server(limits={"img/*": 1})
+    server = make_server(limits={"img/*": Limit(1)})
     with server.client() as client:
         # Leases run from the start of the current second, so a one-second
         # lease may already be over by the next request: two are at least one.
@@ -242,7 +243,7 @@ def test_cost_shows_only_for_jobs_that_set_it(client):
 
 
 def test_a_job_costlier_than_what_is_left_is_skipped_for_a_cheaper_one(make_server):
-    server = make_server(limits={"q/*": 3})
+    server = make_server(limits={"q/*": Limit(3)})
     with server.client() as client:
         create(client, "q/a", cost=2)
         ok(client.request("GetJob", name="q/*"))
@@ -451,7 +452,7 @@ def test_a_version_2_file_is_migrated_to_version_3(tmp_path):
     old = v2_file(tmp_path / "old.db")
     Store(str(old)).close()
     Store(str(tmp_path / "fresh.db")).close()
-    assert SCHEMA_VERSION == 7
+    assert SCHEMA_VERSION == 8
     assert layout(old) == layout(tmp_path / "fresh.db")
     db = sqlite3.connect(old)
     tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
@@ -467,10 +468,16 @@ def test_a_version_2_file_is_migrated_to_version_3(tmp_path):
 def test_serve_options_for_flow_control():
     args = cli.build_parser().parse_args(
         ["serve", "--limit", "email/*=10", "--limit", "sms=2", "--keep-finished", "7d",
-         "--keep-failed", "12h"])
-    assert dict(args.limit) == {"email/*": 10, "sms": 2}
+         "--keep-failed", "12h", "--limit", "api/*=rate:100/1m",
+         "--limit", "t/*=2,rate:5/1s,perKey,fair"])
+    assert dict(args.limit) == {
+        "email/*": Limit(10), "sms": Limit(2), "api/*": Limit(rate=Rate(100, 60_000)),
+        "t/*": Limit(2, Rate(5, 1000), per_key=True, fair=True),
+    }
     assert (args.keep_finished, args.keep_failed) == (7 * 86400, 12 * 3600)
-    for bad in (["--limit", "email/*"], ["--limit", "x=0"], ["--keep-finished", "3w"]):
+    bad_limits = ("email/*", "x=0", "x=perKey", "x=rate:5", "x=rate:0/1s", "x=rate:5/1w",
+                  "x=rate:10001/1h", "x=rate:1/2d", "x=3,slow")
+    for bad in (*(["--limit", text] for text in bad_limits), ["--keep-finished", "3w"]):
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(["serve", *bad])
     assert [parse_duration(t) for t in ("0", "90", "90s", "30m")] == [0, 90, 90, 1800]

@@ -21,6 +21,7 @@ from helpers import create
 from jobserver.core.commands import known_headers, params
 from jobserver.core.errors import CommandError
 from jobserver.model.globmatch import MAX_SET_CHARACTERS, MAX_WILDCARDS
+from jobserver.model.limits import Limit
 from jobserver.wire.framing import Request
 from jobserver.wire.limits import MAX_HEADERS
 from wire import Client
@@ -243,7 +244,7 @@ def test_the_cli_says_which_first_run_forms_it_takes():
 
 @pytest.fixture
 def limited(tmp_path: Path):
-    running_server = ThreadServer(tmp_path / "jobs.db", limits={"email/*": 4})
+    running_server = ThreadServer(tmp_path / "jobs.db", limits={"email/*": Limit(4)})
     with running_server.client() as c:
         yield c
     running_server.stop()

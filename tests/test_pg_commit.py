@@ -23,6 +23,7 @@ import pytest
 
 from harness import ThreadServer
 from helpers import create, ok, until
+from jobserver.model.limits import Limit
 from jobserver.storage import postgres
 from relay import Relay
 from wire import Client, encode
@@ -142,7 +143,7 @@ def test_a_connection_lost_while_a_waiter_is_served_fails_the_whole_batch(url):
     """The waiters a batch wakes are served in its own transaction: a
     connection lost there takes the batch with it, and the node must not
     answer the batch from a transaction it opened again in its place."""
-    running = ThreadServer(url, limits={"held": 10})
+    running = ThreadServer(url, limits={"held": Limit(10)})
     try:
         with waiting(running, "held") as worker, running.client(timeout=DEADLINE) as client:
             with psycopg.connect(url) as locker, psycopg.connect(url, autocommit=True) as admin:

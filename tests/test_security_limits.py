@@ -31,6 +31,7 @@ from helpers import create, ok
 from jobserver.core.rules import flow
 from jobserver.core.rules.flow import FlowIndex
 from jobserver.model.globmatch import glob_match, match_cost
+from jobserver.model.limits import Limit
 from jobserver.wire.limits import DEFAULT_MAX_LIMITS, MAX_MAX_LIMITS, MIN_MAX_REPLY_BYTES
 from wire import Client, encode
 
@@ -262,7 +263,7 @@ _NAME = st.text(st.sampled_from("ab-^]*?[é𝄞z\0"), min_size=1, max_size=10)
 def test_the_flow_index_agrees_with_glob_matching(limits, paused, names):
     """What flow.py finds for a name, matched or remembered, is what
     matching each pattern (as SQLite's GLOB does) gives."""
-    index = FlowIndex(limits, paused)
+    index = FlowIndex({p: Limit(c) for p, c in limits.items()}, paused)
     for name in names * 2:
         verdict = index.verdict(name)
         assert verdict.limits == tuple(p for p in limits if glob_match(p, name))
@@ -273,7 +274,7 @@ def test_the_cache_of_names_holds_a_bounded_number_of_limits(monkeypatch):
     """Patterns that all match every name make each verdict as long as the
     list of limits: the cache then keeps fewer names, not more memory."""
     monkeypatch.setattr(flow, "MAX_CACHED_LIMITS", 50)
-    index = FlowIndex({"*" * (i + 1): 1 for i in range(20)}, frozenset())
+    index = FlowIndex({"*" * (i + 1): Limit(1) for i in range(20)}, frozenset())
     verdicts = [index.verdict(f"name{k}") for k in range(10)]
     assert all(len(verdict.limits) == 20 for verdict in verdicts)
     remembered = [k for k in range(10) if index.cached(f"name{k}") is not None]

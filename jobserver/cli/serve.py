@@ -18,6 +18,7 @@ from jobserver.core.engine import history
 from jobserver.core.engine.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER
 from jobserver.core.errors import CommandError
 from jobserver.core.rules import flow
+from jobserver.model.limits import Limit, parse_spec
 from jobserver.model.times import duration_text
 from jobserver.server.app import Config, HttpListenError, Server
 from jobserver.storage import sqlite_backup
@@ -237,8 +238,11 @@ def _add_job_options(serve: argparse.ArgumentParser) -> None:
         type=_limit,
         default=[],
         metavar="PATTERN=MAX",
-        help="a concurrency limit: jobs whose name matches the GLOB PATTERN may "
-        "together cost at most MAX (1 or more) while running; repeatable; "
+        help="a limit: jobs whose name matches the GLOB PATTERN may together cost at "
+        "most MAX (1 or more) while running; after the '=' a comma list of MAX, "
+        "rate:N/DURATION (at most N hand-outs in any window: 5/1s, 100/1m, 1000/1h), "
+        "perKey (each job key counted apart) and fair (hand-outs rotate between keys), "
+        "as 'tenant/*=2,rate:10/1m,perKey,fair'; repeatable; "
         "PATTERN bounded as SetLimit bounds it (255 bytes, 32 wildcards, 64 characters "
         "in sets); SetLimit changes them at run time (default: none)",
     )
@@ -356,16 +360,20 @@ def _db(text: str) -> str:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _limit(text: str) -> tuple[str, int]:
-    pattern, sep, number = text.rpartition("=")
-    if not sep or not pattern or not number.isdigit() or int(number) < 1:
-        raise argparse.ArgumentTypeError(f"not PATTERN=MAX with MAX >= 1: {text!r}")
+def _limit(text: str) -> tuple[str, Limit]:
+    pattern, sep, spec = text.rpartition("=")
+    if not sep or not pattern:
+        raise argparse.ArgumentTypeError(f"not PATTERN=MAX (or rate:N/DURATION ...): {text!r}")
+    try:
+        limit = parse_spec(spec)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
     try:
         # Bounded as SetLimit's: every GetJob tests names against it.
         params.checked_pattern(pattern)
     except CommandError as error:
         raise argparse.ArgumentTypeError(f"a pattern SetLimit refuses: {error.status}") from None
-    return pattern, int(number)
+    return pattern, limit
 
 
 # A shorter token is warned of at start.

@@ -66,6 +66,8 @@ class Job:
     # the node (server) it was taken on; "" before its first.
     worker: str = ""
     node: str = ""
+    # Whose job it is, for per-key and fair limits (protocol.md 14.23).
+    key: str = ""
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class FlowOptions:
     cost: int = 1
     windows: str = ""
     zone: str = ""
+    key: str = ""
 
 
 PLAIN = FlowOptions()

@@ -35,6 +35,7 @@ from jobserver.core.commands.route import DEFAULT_QUERY_SECONDS, Access, bounded
 from jobserver.core.engine import deadlines, depth, history, retention
 from jobserver.core.engine.clock import SystemClock
 from jobserver.core.engine.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER, Settings
+from jobserver.model.limits import Limit
 from jobserver.model.times import to_millis
 from jobserver.server.connection import Connection, serve_connection
 from jobserver.storage import lockfile
@@ -94,7 +95,7 @@ class Config:
     tls_key: str | None = None
     # Concurrency limits given at start (--limit): pattern -> capacity.
     # SetLimit's, stored in the database, win over these.
-    limits: dict[str, int] = field(default_factory=dict)
+    limits: dict[str, Limit] = field(default_factory=dict)
     # The most limits, and the most paused patterns, there may be (--max-limits).
     max_limits: int = DEFAULT_MAX_LIMITS
     # Retention in seconds (--keep-finished, --keep-failed): 0 deletes a

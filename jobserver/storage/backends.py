@@ -7,6 +7,7 @@ import os
 import re
 from collections.abc import Mapping
 
+from jobserver.model.limits import Limit
 from jobserver.storage.interface import Storage
 from jobserver.storage.sqlite import Store
 from jobserver.storage.sqlite_schema import StoreError
@@ -40,7 +41,7 @@ def check_db(db: str) -> str:
 
 
 def open_store(
-    db: str, synchronous: str, limits: Mapping[str, int], query_url: str | None = None
+    db: str, synchronous: str, limits: Mapping[str, Limit], query_url: str | None = None
 ) -> Storage:
     """A PostgreSQL URL opens PostgreSQL (psycopg must be installed: the
     `postgres` extra), whose Query logs in as the role `query_url` names

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from jobserver.model.jobs import NO_CHANGES, Job, JobChanges, NewJob
+from jobserver.model.limits import Limit
 from jobserver.storage.searches import NOTHING_PASSED, Found, NameMatch, PassedOver
 
 # What metrics show of each queue (a name up to its first `/`): jobs by
@@ -230,7 +231,7 @@ class Jobs(Protocol):
 
     # Flow control, read on every hand-out: kept in memory, in step with
     # what is stored (reloaded whenever a transaction is rolled back).
-    limits: dict[str, int]
+    limits: dict[str, Limit]
     paused: frozenset[str]
 
     # Writing jobs.
@@ -373,23 +374,48 @@ class Jobs(Protocol):
         """Keep a request's fingerprint and reply under `key` until
         `expires` (replacing one that expired)."""
 
-    # Flow control (protocol.md 14.7 to 14.9).
+    # Flow control (protocol.md 14.7 to 14.9, 14.23).
 
-    def set_limit(self, pattern: str, capacity: int) -> None:
-        """Store a limit; capacity 0 removes it."""
+    def set_limit(self, pattern: str, limit: Limit) -> None:
+        """Store a limit; one that holds nothing (`Limit.is_set` false)
+        removes it. What its rate and fairness remembered is forgotten."""
 
     def hold_limits(self) -> None:
         """Until the transaction ends, no other node hands out a job under
         any limit: called before the `usage` that decides a hand-out."""
 
-    def usage(self, pattern: str, now: str) -> int:
+    def usage(self, pattern: str, now: str, key: str | None = None) -> int:
         """The cost of the running jobs a limit's pattern matches: RUNNING,
-        and RUNQUEUED whose lease has not run out at `now`."""
+        and RUNQUEUED whose lease has not run out at `now`; of one `key`
+        alone when given."""
 
-    def usage_by_name(self, now: str, most: int) -> list[tuple[str, int]]:
+    def usage_by_name(self, now: str, most: int) -> list[tuple[str, str, int]]:
         """The cost of the running jobs (as `usage` counts them) of each
-        name that has any, in one statement: at most `most` + 1 names (more
-        than `most` says there are too many to read so)."""
+        name and key that has any, in one statement: at most `most` + 1
+        (name, key) pairs (more than `most` says there are too many to
+        read so)."""
+
+    def handouts_since(self, pattern: str, key: str, since: str) -> tuple[int, str | None]:
+        """How many hand-outs under a rate's `pattern`, of `key` ('' for a
+        rate that counts keys together), came after `since`, and the
+        earliest of them: called after `hold_limits`."""
+
+    def note_handout(self, pattern: str, key: str, at: str, forget_before: str) -> None:
+        """Count a hand-out under a rate at `at`; those of the same pattern
+        and key at or before `forget_before` are forgotten."""
+
+    def served(self, pattern: str, key: str) -> bool:
+        """Whether a fair pattern has handed out a job of `key` in its
+        current round."""
+
+    def note_served(self, pattern: str, key: str) -> None: ...
+
+    def new_round(self, pattern: str) -> None:
+        """A fair pattern's next round: no key has been served in it."""
+
+    def prune_handouts(self, before: str, batch: int) -> int:
+        """Forget up to about `batch` hand-outs under rates from before
+        `before`; how many went."""
 
     def pause(self, pattern: str) -> None: ...
 

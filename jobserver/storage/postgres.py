@@ -54,6 +54,7 @@ from psycopg.pq import TransactionStatus
 
 from jobserver.model.globmatch import glob_to_regex, is_glob
 from jobserver.model.jobs import Job
+from jobserver.model.limits import Limit, handouts_cutoff
 from jobserver.storage import postgres_listen, postgres_query, postgres_schema, sql
 from jobserver.storage.interface import (
     BackupCopy,
@@ -65,7 +66,7 @@ from jobserver.storage.interface import (
     RunningJob,
     RunningStats,
 )
-from jobserver.storage.searches import NOTHING_PASSED, PassedOver
+from jobserver.storage.searches import NOTHING_PASSED, PassedOver, pair_text
 from jobserver.storage.sql import COLUMNS, JOB, POSTGRES, priorities_from
 from jobserver.storage.sql_store import FLOW_CONTROL, SqlStore
 from jobserver.storage.sqlite_schema import StoreError
@@ -99,7 +100,9 @@ MAX_NOTICE_BYTES = 7000
 # identifiers to lower case.
 _SPELLING = {
     column.lower(): column
-    for column in (*COLUMNS, "pattern", "capacity", "received", "expires")
+    for column in (
+        *COLUMNS, "pattern", "capacity", "rate", "ratePer", "perKey", "received", "expires"
+    )
 }
 
 
@@ -154,7 +157,7 @@ class PostgresStore(SqlStore):
     needs_sync = False
 
     def __init__(
-        self, url: str, limits: Mapping[str, int] | None = None, query_url: str | None = None
+        self, url: str, limits: Mapping[str, Limit] | None = None, query_url: str | None = None
     ) -> None:
         self.path = redact(url)
         self._url = url
@@ -177,7 +180,7 @@ class PostgresStore(SqlStore):
         # The notice to send with the next COMMIT (announce).
         self._notice: str | None = None
         self._base_limits = dict(limits or {})
-        self.limits: dict[str, int] = dict(self._base_limits)
+        self.limits: dict[str, Limit] = dict(self._base_limits)
         self.paused: frozenset[str] = frozenset()
         # Names this node in the notices it sends, so it can skip its own.
         self.node = secrets.token_hex(6)
@@ -503,10 +506,13 @@ class PostgresStore(SqlStore):
         after = passed.after or (None, None, None, None)
         found = self._jobs(
             f"SELECT {JOB} FROM jobserver_find_ready_after"
-            "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+            "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
             (
                 now, list(priorities_from(priorities, passed.after)), limit, regex, exact,
                 sorted(passed.names), [glob_to_regex(held) for held in passed.patterns],
+                sorted(pair_text(name, key) for name, key in passed.pairs),
+                [glob_to_regex(pattern) for pattern, _ in passed.keyed],
+                [key for _, key in passed.keyed],
                 *after,
             ),
         )
@@ -541,6 +547,8 @@ class PostgresStore(SqlStore):
             for state, cutoff in before.items():
                 if db.execute(sql.prunable(POSTGRES), (state, cutoff)).fetchone() is not None:
                     return True
+            if db.execute(sql.expired_handout(POSTGRES), (handouts_cutoff(now),)).fetchone():
+                return True
             return any(
                 db.execute(expired, (now,)).fetchone() is not None
                 for expired in (sql.expired_reply(POSTGRES), sql.expired_idempotency_key(POSTGRES))

@@ -62,13 +62,19 @@ $fn$
 # What the search has passed over is left out in the query (version 7):
 # the held names and held patterns (regular expressions) tested on each due
 # job's entry, and, within the priority of the last job it read, the jobs
-# up to that one, before the index range (`after_*`, NULL for none).
+# up to that one, before the index range (`after_*`, NULL for none). Since
+# version 8 also the held names of one key (`held_pairs`, a name and a key
+# joined by a line break, which neither holds) and the held patterns of
+# one key (`held_key_patterns` with `held_keys`, pairwise).
 def _find_ready_after(names_or_pattern: str, after: str) -> str:
     return f"""
             RETURN QUERY SELECT * FROM jobs
                 WHERE state IN ({READY_SQL}) AND {names_or_pattern}
                 AND priority = level AND nextRun <= due
-                AND name NOT IN (SELECT unnest(held_names)) AND name !~ ALL(held_patterns){after}
+                AND name NOT IN (SELECT unnest(held_names)) AND name !~ ALL(held_patterns)
+                AND (name || E'\\n' || key) NOT IN (SELECT unnest(held_pairs))
+                AND NOT EXISTS (SELECT 1 FROM unnest(held_key_patterns, held_keys) AS h(p, k)
+                    WHERE h.k = key AND name ~ h.p){after}
                 ORDER BY {HAND_OUT_ORDER} LIMIT wanted - found
                 FOR UPDATE SKIP LOCKED;"""
 
@@ -83,7 +89,8 @@ _AFTER = (
 FIND_READY_AFTER_FUNCTION = f"""
 CREATE OR REPLACE FUNCTION jobserver_find_ready_after(
     due TEXT, priorities INTEGER[], wanted INTEGER, pattern TEXT, names TEXT[],
-    held_names TEXT[], held_patterns TEXT[],
+    held_names TEXT[], held_patterns TEXT[], held_pairs TEXT[],
+    held_key_patterns TEXT[], held_keys TEXT[],
     after_priority INTEGER, after_next TEXT, after_name TEXT, after_id BIGINT
 ) RETURNS SETOF jobs LANGUAGE plpgsql AS $fn$
 DECLARE

@@ -45,7 +45,11 @@ from jobserver.storage.sqlite_schema import StoreError
 # index of names holds their jobIDs too.
 # 7: GetJob's search leaves out what it has passed over
 # (jobserver_find_ready_after, in place of jobserver_find_ready).
-SCHEMA_VERSION = 7
+# 8: rates, per-key limits and fair limits (protocol.md 14.23): the jobs'
+# `key`, the limits' rate and switches, the hand-outs of each rate's window
+# and the keys each fair pattern has served; the search leaves out held
+# names of a key, and held patterns of a key, too.
+SCHEMA_VERSION = 8
 
 # Rows of jobserver_locks. The nodes lock these rows, with FOR UPDATE,
 # where they once took advisory locks: any role that can connect to the
@@ -263,6 +267,7 @@ def _migrate(db: psycopg.Connection, where: str, schema: str) -> None:
         _version_5(db)
         _version_6(db)
         _version_7(db)
+        _version_8(db)
     db.execute("DELETE FROM jobserver_schema")
     db.execute("INSERT INTO jobserver_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
 
@@ -283,7 +288,7 @@ def _create(db: psycopg.Connection, where: str, schema: str) -> None:
     _version_2(db, schema)
     _version_3(db)
     _version_4(db, schema)
-    _version_7(db)
+    _version_8(db)
 
 
 def _version_2(db: psycopg.Connection, schema: str) -> None:
@@ -363,17 +368,50 @@ def _version_6(db: psycopg.Connection) -> None:
 
 
 def _version_7(db: psycopg.Connection) -> None:
-    db.execute(FIND_READY_AFTER_FUNCTION.encode())
-    # It runs with its caller's rights (a role without the nodes' grants
-    # reads nothing through it); only the nodes need to call it at all.
-    db.execute(
-        "REVOKE EXECUTE ON FUNCTION jobserver_find_ready_after(TEXT, INTEGER[], INTEGER, "
-        "TEXT, TEXT[], TEXT[], TEXT[], INTEGER, TEXT, TEXT, BIGINT) FROM PUBLIC"
-    )
+    # Version 7's search, jobserver_find_ready_after of 11 arguments, is
+    # made and dropped again by version 8's step.
     db.execute(
         "DROP FUNCTION IF EXISTS jobserver_find_ready"
         "(TEXT, INTEGER[], INTEGER, TEXT, TEXT[], TEXT[], BIGINT[])"
     )
+
+
+# Version 8's columns and tables (protocol.md 14.23), IF NOT EXISTS as
+# version 5's.
+_VERSION_8 = (
+    "ALTER TABLE jobs ADD COLUMN IF NOT EXISTS key TEXT COLLATE \"C\" NOT NULL DEFAULT ''",
+    "ALTER TABLE limits ADD COLUMN IF NOT EXISTS rate INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE limits ADD COLUMN IF NOT EXISTS ratePer BIGINT NOT NULL DEFAULT 0",
+    "ALTER TABLE limits ADD COLUMN IF NOT EXISTS perKey INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE limits ADD COLUMN IF NOT EXISTS fair INTEGER NOT NULL DEFAULT 0",
+    'CREATE TABLE IF NOT EXISTS handouts (pattern TEXT COLLATE "C" NOT NULL, '
+    'key TEXT COLLATE "C" NOT NULL, at TEXT COLLATE "C" NOT NULL)',
+    "CREATE INDEX IF NOT EXISTS handoutsKeyAt ON handouts (pattern, key, at)",
+    "CREATE INDEX IF NOT EXISTS handoutsAt ON handouts (at)",
+    'CREATE TABLE IF NOT EXISTS fairServed (pattern TEXT COLLATE "C" NOT NULL, '
+    'key TEXT COLLATE "C" NOT NULL, PRIMARY KEY (pattern, key))',
+)
+# The search's arguments, by type: version 7's, and version 8's.
+_FIND_READY_7 = (
+    "TEXT, INTEGER[], INTEGER, TEXT, TEXT[], TEXT[], TEXT[], INTEGER, TEXT, TEXT, BIGINT"
+)
+FIND_READY_8 = (
+    "TEXT, INTEGER[], INTEGER, TEXT, TEXT[], TEXT[], TEXT[], TEXT[], TEXT[], TEXT[], "
+    "INTEGER, TEXT, TEXT, BIGINT"
+)
+
+
+def _version_8(db: psycopg.Connection) -> None:
+    for statement in _VERSION_8:
+        db.execute(statement.encode())
+    db.execute(FIND_READY_AFTER_FUNCTION.encode())
+    # It runs with its caller's rights (a role without the nodes' grants
+    # reads nothing through it); only the nodes need to call it at all.
+    db.execute(
+        f"REVOKE EXECUTE ON FUNCTION jobserver_find_ready_after({FIND_READY_8}) FROM PUBLIC"
+        .encode()
+    )
+    db.execute(f"DROP FUNCTION IF EXISTS jobserver_find_ready_after({_FIND_READY_7})".encode())
 
 
 def lock_slot(purpose: str, key: str) -> int:

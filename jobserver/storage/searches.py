@@ -25,12 +25,22 @@ class PassedOver:
     in hand-out order (priority in the search's order, then nextRun, name
     and jobID: the last job it read), and every job of the `names`, or of
     a name one of the GLOB `patterns` matches, that limits or pauses hold
-    whatever their cost. The held names and patterns bound the work, not
-    the held jobs."""
+    whatever their cost; and the same of one key alone (a per-key or fair
+    limit holds one key's jobs): `pairs` of a name and a key, and
+    `keyed` (pattern, key). The held names and patterns bound the work,
+    not the held jobs."""
 
     after: tuple[int, str, str, int] | None = None
     names: frozenset[str] = frozenset()
     patterns: tuple[str, ...] = ()
+    pairs: frozenset[tuple[str, str]] = frozenset()
+    keyed: tuple[tuple[str, str], ...] = ()
+
+
+def pair_text(name: str, key: str) -> str:
+    """A held name of one key as the searches compare it: neither holds a
+    line break (protocol.md 5.1, 14.23)."""
+    return f"{name}\n{key}"
 
 
 NOTHING_PASSED = PassedOver()

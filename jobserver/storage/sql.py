@@ -23,7 +23,7 @@ COLUMNS = (
     "created", "jobID", "state", "name", "nextRun", "lastRun", "repeat", "data", "priority",
     "parentJobID", "retryAfter", "maxAttempts", "retryBackoff", "retryDelay", "retryMaxDelay",
     "attempts", "lastError", "leaseID", "cost", "timeWindows", "timeZone", "ended", "replyKey",
-    "lastReport", "worker", "node",
+    "lastReport", "worker", "node", "key",
 )
 JOB = ", ".join(COLUMNS)
 # The columns that are not text, as PostgreSQL's types (a write of many
@@ -208,3 +208,9 @@ def expired_reply(d: Dialect) -> str:
 def expired_idempotency_key(d: Dialect) -> str:
     """Whether an idempotency key expired; binds now."""
     return f"SELECT 1 FROM idempotency WHERE expires <= {d.mark} LIMIT 1"
+
+
+def expired_handout(d: Dialect) -> str:
+    """Whether a rate's hand-out is older than any window; binds the cutoff
+    (limits.handouts_cutoff)."""
+    return f"SELECT 1 FROM handouts WHERE at < {d.mark} LIMIT 1"

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jobserver.model.jobs import NO_CHANGES, PLAIN, Job, JobChanges, NewJob, State
+from jobserver.model.limits import Limit, Rate
 from jobserver.storage import sql, sql_bulk
 from jobserver.storage.held_writes import Write
 from jobserver.storage.searches import Found, NameMatch
@@ -26,7 +27,10 @@ from jobserver.storage.sql import JOB, Dialect
 from jobserver.storage.sql_statements import Statements
 
 # Limits (with their capacity) and paused patterns (with none), in one query.
-FLOW_CONTROL = "SELECT pattern, capacity FROM limits UNION ALL SELECT pattern, NULL FROM paused"
+FLOW_CONTROL = (
+    "SELECT pattern, capacity, rate, ratePer, perKey, fair FROM limits "
+    "UNION ALL SELECT pattern, NULL, 0, 0, 0, 0 FROM paused"
+)
 
 
 class SqlStore(Statements):
@@ -35,8 +39,8 @@ class SqlStore(Statements):
 
     # Limits given at start (--limit) are the base; those set by SetLimit
     # are stored and win.
-    _base_limits: dict[str, int]
-    limits: dict[str, int]
+    _base_limits: dict[str, Limit]
+    limits: dict[str, Limit]
     paused: frozenset[str]
 
     # Hooks.
@@ -70,7 +74,7 @@ class SqlStore(Statements):
         flow = new.flow
         if flow is not PLAIN and flow != PLAIN:
             columns += _FLOW
-            values += (flow.cost, flow.windows, flow.zone)
+            values += (flow.cost, flow.windows, flow.zone, flow.key)
         if ended:
             columns += ("ended",)
             values.append(ended)
@@ -432,44 +436,106 @@ class SqlStore(Statements):
     def _set_flow_control(self, rows: list[tuple[Any, ...]]) -> None:
         limits = {
             **self._base_limits,
-            **{pattern: capacity for pattern, capacity in rows if capacity is not None},
+            **{row[0]: _limit(row) for row in rows if row[1] is not None},
         }
         # In one order on every node: hand-outs take the limits' locks in it.
         self.limits = dict(sorted(limits.items()))
-        self.paused = frozenset(pattern for pattern, capacity in rows if capacity is None)
+        self.paused = frozenset(row[0] for row in rows if row[1] is None)
 
-    def set_limit(self, pattern: str, capacity: int) -> None:
-        """Store a limit; capacity 0 removes it (a --limit one until restart)."""
+    def set_limit(self, pattern: str, limit: Limit) -> None:
+        """Store a limit; one that holds nothing removes it (a --limit one
+        until restart). What its rate counted is forgotten when the rate or
+        its keys change, and its round when its fairness does: a new max
+        alone does not open a spent window."""
         m = self.dialect.mark
-        if capacity:
+        was = self.limits.get(pattern, Limit())
+        if (was.rate, was.per_key) != (limit.rate, limit.per_key):
+            self._execute(f"DELETE FROM handouts WHERE pattern = {m}", (pattern,))
+        if was.fair != limit.fair:
+            self._execute(f"DELETE FROM fairServed WHERE pattern = {m}", (pattern,))
+        if limit.is_set:
+            rate = limit.rate
             self._execute(
-                f"INSERT INTO limits (pattern, capacity) VALUES ({m}, {m}) "
-                "ON CONFLICT (pattern) DO UPDATE SET capacity = excluded.capacity",
-                (pattern, capacity),
+                "INSERT INTO limits (pattern, capacity, rate, ratePer, perKey, fair) "
+                f"VALUES ({m}, {m}, {m}, {m}, {m}, {m}) ON CONFLICT (pattern) DO UPDATE SET "
+                "capacity = excluded.capacity, rate = excluded.rate, "
+                "ratePer = excluded.ratePer, perKey = excluded.perKey, fair = excluded.fair",
+                (
+                    pattern, limit.max, rate.count if rate else 0, rate.window_ms if rate else 0,
+                    int(limit.per_key), int(limit.fair),
+                ),
             )
-            self.limits = dict(sorted({**self.limits, pattern: capacity}.items()))
+            self.limits = dict(sorted({**self.limits, pattern: limit}.items()))
         else:
             self._execute(f"DELETE FROM limits WHERE pattern = {m}", (pattern,))
             self._base_limits.pop(pattern, None)
             self.limits = {p: c for p, c in self.limits.items() if p != pattern}
 
-    def usage(self, pattern: str, now: str) -> int:
+    def usage(self, pattern: str, now: str, key: str | None = None) -> int:
         """The cost of the running jobs a limit's pattern matches: RUNNING,
-        and RUNQUEUED whose lease has not run out."""
+        and RUNQUEUED whose lease has not run out; of one `key` alone when
+        one is given."""
         clause, args = self.dialect.matches("name", pattern)
+        if key is not None:
+            clause += f" AND key = {self.dialect.mark}"
+            args = [*args, key]
         row = self._one(
             f"SELECT COALESCE(SUM(cost), 0) FROM jobs WHERE {clause} AND {self.dialect.holding()}",
             (*args, now),
         )
         return int(row[0])
 
-    def usage_by_name(self, now: str, most: int) -> list[tuple[str, int]]:
+    def usage_by_name(self, now: str, most: int) -> list[tuple[str, str, int]]:
         rows = self._execute(
-            f"SELECT name, SUM(cost) FROM jobs WHERE {self.dialect.holding()} "
-            f"GROUP BY name LIMIT {self.dialect.mark}",
+            f"SELECT name, key, SUM(cost) FROM jobs WHERE {self.dialect.holding()} "
+            f"GROUP BY name, key LIMIT {self.dialect.mark}",
             (now, most + 1),
         )
-        return [(str(name), int(cost)) for name, cost in rows.fetchall()]
+        return [(str(name), str(key), int(cost)) for name, key, cost in rows.fetchall()]
+
+    # Rates and fairness (protocol.md 14.23).
+
+    def handouts_since(self, pattern: str, key: str, since: str) -> tuple[int, str | None]:
+        """How many hand-outs under a rate's `pattern` (of `key`) came after
+        `since`, and the earliest of them."""
+        m = self.dialect.mark
+        row = self._one(
+            f"SELECT COUNT(*), MIN(at) FROM handouts WHERE pattern = {m} AND key = {m} "
+            f"AND at > {m}",
+            (pattern, key, since),
+        )
+        return int(row[0]), (str(row[1]) if row[1] is not None else None)
+
+    def note_handout(self, pattern: str, key: str, at: str, forget_before: str) -> None:
+        """Count a hand-out under a rate, and forget those of its key that
+        no window can hold any more."""
+        m = self.dialect.mark
+        self._execute(
+            f"DELETE FROM handouts WHERE pattern = {m} AND key = {m} AND at <= {m}",
+            (pattern, key, forget_before),
+        )
+        self._execute(
+            f"INSERT INTO handouts (pattern, key, at) VALUES ({m}, {m}, {m})", (pattern, key, at)
+        )
+
+    def served(self, pattern: str, key: str) -> bool:
+        """Whether a fair pattern has served `key` in its current round."""
+        m = self.dialect.mark
+        found = self._one(
+            f"SELECT 1 FROM fairServed WHERE pattern = {m} AND key = {m}", (pattern, key)
+        )
+        return found is not None
+
+    def note_served(self, pattern: str, key: str) -> None:
+        m = self.dialect.mark
+        self._execute(
+            f"INSERT INTO fairServed (pattern, key) VALUES ({m}, {m}) ON CONFLICT DO NOTHING",
+            (pattern, key),
+        )
+
+    def new_round(self, pattern: str) -> None:
+        """A fair pattern's next round: no key has been served in it."""
+        self._execute(f"DELETE FROM fairServed WHERE pattern = {self.dialect.mark}", (pattern,))
 
     def pause(self, pattern: str) -> None:
         self._execute(
@@ -521,6 +587,16 @@ class SqlStore(Statements):
         )
         return max(rows.rowcount, 0)
 
+    def prune_handouts(self, before: str, batch: int) -> int:
+        """Delete hand-outs under rates from before `before` (older than
+        the longest window), about `batch` at most; how many went."""
+        d = self.dialect
+        rows = self._execute(
+            f"DELETE FROM handouts WHERE at IN (SELECT at FROM handouts WHERE at < {d.mark} "
+            f"ORDER BY at LIMIT {d.mark})",
+            (before, batch),
+        )
+        return max(rows.rowcount, 0)
 
 
 # The text of a write is made once per shape: a job's writes are few shapes,
@@ -535,7 +611,7 @@ _NEW_JOB = (
     "created", "state", "name", "nextRun", "repeat", "data", "priority", "parentJobID",
     "retryAfter",
 )
-_FLOW = ("cost", "timeWindows", "timeZone")
+_FLOW = ("cost", "timeWindows", "timeZone", "key")
 _POLICY = ("maxAttempts", "retryBackoff", "retryDelay", "retryMaxDelay")
 _STATE_NAMES = {state.value: state.value for state in State}
 
@@ -583,3 +659,14 @@ def _insert(d: Dialect, columns: tuple[str, ...]) -> str:
         marks = ", ".join(d.mark for _ in columns)
         statement = _INSERTS[key] = f"INSERT INTO jobs ({', '.join(columns)}) VALUES ({marks})"
     return statement
+
+
+def _limit(row: tuple[Any, ...]) -> Limit:
+    """A stored limit: pattern, capacity, rate, ratePer, perKey, fair."""
+    _, capacity, rate, per, per_key, fair = row
+    return Limit(
+        max=int(capacity),
+        rate=Rate(int(rate), int(per)) if rate else None,
+        per_key=bool(per_key),
+        fair=bool(fair),
+    )

@@ -21,6 +21,7 @@ from typing import Any
 
 from jobserver.model.globmatch import is_glob
 from jobserver.model.jobs import Job
+from jobserver.model.limits import Limit
 from jobserver.storage import sqlite_backup, sqlite_readers, sqlite_schema
 from jobserver.storage.interface import (
     BackupCopy,
@@ -31,7 +32,7 @@ from jobserver.storage.interface import (
     QueueStats,
     RunningStats,
 )
-from jobserver.storage.searches import NOTHING_PASSED, PassedOver
+from jobserver.storage.searches import NOTHING_PASSED, PassedOver, pair_text
 from jobserver.storage.sql import (
     AFTER_IN_ORDER,
     HAND_OUT_ORDER,
@@ -80,7 +81,7 @@ class Store(SqlStore):
     blocking = False
 
     def __init__(
-        self, path: str, synchronous: str = "FULL", limits: Mapping[str, int] | None = None
+        self, path: str, synchronous: str = "FULL", limits: Mapping[str, Limit] | None = None
     ) -> None:
         if synchronous not in SYNCHRONOUS_MODES:
             raise ValueError(f"synchronous must be one of {SYNCHRONOUS_MODES}")
@@ -117,7 +118,7 @@ class Store(SqlStore):
             # Limits given at start (--limit) are the base; those set by
             # SetLimit are stored and win.
             self._base_limits = dict(limits or {})
-            self.limits: dict[str, int] = {}
+            self.limits: dict[str, Limit] = {}
             self.paused: frozenset[str] = frozenset()
             self._load_flow_control()
         except sqlite3.DatabaseError as error:
@@ -340,6 +341,12 @@ class Store(SqlStore):
         for held in passed.patterns:
             name_clause += " AND NOT (name GLOB ?)"
             name_args.append(held)
+        if passed.pairs:
+            name_clause += " AND (name || char(10) || key) NOT IN (SELECT value FROM json_each(?))"
+            name_args.append(json.dumps(sorted(pair_text(n, k) for n, k in passed.pairs)))
+        for held, key in passed.keyed:
+            name_clause += " AND NOT (key = ? AND name GLOB ?)"
+            name_args += (key, held)
         sql = (
             f"SELECT {JOB} FROM {source} "
             f"WHERE state IN ({READY_SQL}) AND priority = ? AND nextRun <= ? "

@@ -16,6 +16,7 @@ from time import monotonic
 from typing import IO, Any
 from urllib.parse import quote
 
+from jobserver.model.limits import handouts_cutoff
 from jobserver.storage import sql
 from jobserver.storage.interface import (
     BadQuery,
@@ -251,6 +252,8 @@ def prune_pending(
         for expired in (sql.expired_reply(SQLITE), sql.expired_idempotency_key(SQLITE)):
             if db.execute(expired, (now,)).fetchone() is not None:
                 return True
+        if db.execute(sql.expired_handout(SQLITE), (handouts_cutoff(now),)).fetchone():
+            return True
         return int(db.execute("PRAGMA freelist_count").fetchone()[0]) >= min_free_pages
     finally:
         db.close()

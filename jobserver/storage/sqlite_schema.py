@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sqlite3
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 
 class StoreError(Exception):
@@ -59,7 +59,10 @@ CREATE TABLE jobs (
     -- Who took the job at its last hand-out (RunningJobs): the peer address
     -- of the connection, and the node it was taken on.
     worker        TEXT NOT NULL DEFAULT '',
-    node          TEXT NOT NULL DEFAULT ''
+    node          TEXT NOT NULL DEFAULT '',
+    -- Whose job it is (a tenant, a customer): per-key limits count each
+    -- key apart, and fair ones rotate between keys (protocol.md 14.23).
+    key           TEXT NOT NULL DEFAULT ''
 );
 -- GetJob with a pattern: per priority, the due jobs in hand-out order
 -- (nextRun, name, then jobID, which every index ends with), so the first
@@ -86,7 +89,27 @@ CREATE INDEX jobsEnded ON jobs (state, ended)
     WHERE state IN ('FINISHED', 'FAILED') AND parentJobID = 0;
 CREATE TABLE limits (
     pattern  TEXT PRIMARY KEY,
-    capacity INTEGER NOT NULL
+    capacity INTEGER NOT NULL,
+    -- A rate (protocol.md 14.23): `rate` hand-outs in any `ratePer` ms.
+    rate     INTEGER NOT NULL DEFAULT 0,
+    ratePer  INTEGER NOT NULL DEFAULT 0,
+    perKey   INTEGER NOT NULL DEFAULT 0,
+    fair     INTEGER NOT NULL DEFAULT 0
+);
+-- Hand-outs under a rate-limited pattern, for each key it counts apart
+-- ('' when it counts them together): those of the last window.
+CREATE TABLE handouts (
+    pattern TEXT NOT NULL,
+    key     TEXT NOT NULL,
+    at      TEXT NOT NULL
+);
+CREATE INDEX handoutsKeyAt ON handouts (pattern, key, at);
+CREATE INDEX handoutsAt ON handouts (at);
+-- The keys a fair pattern has served in its current round.
+CREATE TABLE fairServed (
+    pattern TEXT NOT NULL,
+    key     TEXT NOT NULL,
+    PRIMARY KEY (pattern, key)
 );
 CREATE TABLE paused (
     pattern TEXT PRIMARY KEY
@@ -179,6 +202,19 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "    request        TEXT NOT NULL,\n    reply          TEXT NOT NULL,\n"
         "    expires        TEXT NOT NULL\n)",
         "CREATE INDEX idempotencyExpires ON idempotency (expires)",
+    ),
+    7: (
+        "ALTER TABLE jobs ADD COLUMN key TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE limits ADD COLUMN rate INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE limits ADD COLUMN ratePer INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE limits ADD COLUMN perKey INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE limits ADD COLUMN fair INTEGER NOT NULL DEFAULT 0",
+        "CREATE TABLE handouts (\n    pattern TEXT NOT NULL,\n    key     TEXT NOT NULL,\n"
+        "    at      TEXT NOT NULL\n)",
+        "CREATE INDEX handoutsKeyAt ON handouts (pattern, key, at)",
+        "CREATE INDEX handoutsAt ON handouts (at)",
+        "CREATE TABLE fairServed (\n    pattern TEXT NOT NULL,\n    key     TEXT NOT NULL,\n"
+        "    PRIMARY KEY (pattern, key)\n)",
     ),
 }
 

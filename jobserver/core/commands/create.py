@@ -145,8 +145,8 @@ def _check_cost_fits(ctx: Context, name: str, cost: int) -> None:
     if cost <= index.min_capacity:
         return
     for pattern in index.verdict(name).limits:
-        capacity = index.limits[pattern]
-        if cost > capacity:
+        capacity = index.limits[pattern].max
+        if capacity and cost > capacity:
             # Escaped as a header value: a pattern may hold a line break.
             raise CommandError(f"402 Cost {cost} exceeds limit {escape(pattern)} (max {capacity})")
 

@@ -13,17 +13,18 @@ from jobserver.wire.framing import Request, Response
 
 
 def set_limit(ctx: Context, request: Request) -> Response:
-    """Set, change or (max 0) remove a concurrency limit. A new one past
-    --max-limits is refused; changing or removing one always works."""
+    """Set, change or (max 0, nothing else) remove a limit: a capacity, a
+    rate, per key, fair. A new one past --max-limits is refused; changing
+    or removing one always works."""
     pattern = params.pattern(request)
-    capacity = params.capacity(request)
+    limit = params.set_limit(request)
     limits = ctx.store.limits
     most = ctx.settings.max_limits
-    if capacity and pattern not in limits:
+    if limit.is_set and pattern not in limits:
         if len(limits) >= most:
             raise CommandError(f"413 Too many limits (max {most})")
         _check_cost(ctx, pattern)
-    ctx.store.set_limit(pattern, capacity)
+    ctx.store.set_limit(pattern, limit)
     # A higher or removed limit may let waiting jobs run.
     ctx.wake_all()
     return ok()

@@ -14,7 +14,7 @@ _REPORT = (*_JOB, "leaseid", "data")
 _NEW_JOB = (
     "name", "data", "firstrun", "repeat", "jobpriority", "priority", "retryafter",
     "parentjobid", "unique", "overwrite", "maxattempts", "retrybackoff", "retrydelay",
-    "retrymaxdelay", "cost", "timewindows", "timezone",
+    "retrymaxdelay", "cost", "timewindows", "timezone", "key",
 )
 _BULK = ("name", "queue", "jobids", "limit", "dryrun")
 _HAND_OUT = ("name", "jobpriority", "includeleaseid")
@@ -45,7 +45,7 @@ KNOWN_HEADERS: dict[str, frozenset[str]] = {
         "requeuefailedjobs": _BULK,
         "deletefailedjobs": _BULK,
         "cancelqueuedjobs": _BULK,
-        "setlimit": ("name", "max"),
+        "setlimit": ("name", "max", "rate", "perkey", "fair"),
         "pausejobs": ("name",),
         "resumejobs": ("name",),
         "awaitreply": (*_REPORT, "key", "timeout"),

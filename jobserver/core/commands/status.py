@@ -21,6 +21,7 @@ from jobserver.core.engine.context import Context
 from jobserver.core.rules import flow
 from jobserver.model import times
 from jobserver.model.jobs import State
+from jobserver.model.limits import Limit
 from jobserver.wire.framing import Request, Response
 
 
@@ -53,7 +54,7 @@ async def status(services: Services, request: Request, peer: str) -> Answer:
     return Answer(ok(body))
 
 
-async def _limits_in_use(services: Services, limits: dict[str, int]) -> dict[str, Any]:
+async def _limits_in_use(services: Services, limits: dict[str, Limit]) -> dict[str, Any]:
     """Each limit and what running jobs use of it, one Status at a time."""
     if not limits:
         return {}
@@ -64,14 +65,14 @@ async def _limits_in_use(services: Services, limits: dict[str, int]) -> dict[str
         limiter=services.status_thread,
     )
     return {
-        pattern: {"max": capacity, "running": running[pattern]}
-        for pattern, capacity in sorted(limits.items())
+        pattern: {**limit.describe(), "running": running[pattern]}
+        for pattern, limit in sorted(limits.items())
     }
 
 
 def _snapshot(
     ctx: Context,
-) -> tuple[dict[str, int], dict[str, int], frozenset[str], int, int]:
+) -> tuple[dict[str, int], dict[str, Limit], frozenset[str], int, int]:
     """Job counts, the concurrency limits, the paused patterns, the early
     replies not yet awaited, and the database's size (a query, on PostgreSQL)."""
     store = ctx.store

@@ -50,6 +50,8 @@ def job_object(job: Job, with_state: bool = False) -> dict[str, Any]:
     if job.timeZone:
         # A job with windows always has one; a CRON repeat may have one alone.
         obj["timeZone"] = job.timeZone
+    if job.key:
+        obj["key"] = job.key
     return obj
 
 

@@ -23,6 +23,7 @@ from jobserver.core.engine.engine import Engine
 from jobserver.core.errors import CommandError
 from jobserver.model import times
 from jobserver.model.jobs import State
+from jobserver.model.limits import handouts_cutoff
 from jobserver.storage.interface import Storage
 
 log = logging.getLogger("jobserver")
@@ -66,6 +67,11 @@ def prune_step(ctx: Context, before: dict[str, str]) -> bool:
     forgotten = store.prune_idempotency(ctx.now_ms, PRUNE_BATCH)
     pruned += forgotten
     more = more or forgotten == PRUNE_BATCH
+    # Hand-outs under rates older than any window: of keys that have had
+    # none since (a key's own are forgotten at its next hand-out).
+    counted = store.prune_handouts(handouts_cutoff(ctx.now_ms), PRUNE_BATCH)
+    pruned += counted
+    more = more or counted >= PRUNE_BATCH
     return store.reclaim_space(pruned > 0) or more
 
 

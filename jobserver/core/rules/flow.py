@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from jobserver.model.globmatch import literal_start, match_cost
+from jobserver.model.limits import Limit
 from jobserver.storage.interface import Storage
 
 # Names whose verdict is remembered: enough for every queue of a large
@@ -82,14 +83,17 @@ class Verdict:
 class FlowIndex:
     """The limits and paused patterns of one moment, matched by name."""
 
-    def __init__(self, limits: Mapping[str, int], paused: frozenset[str]) -> None:
+    def __init__(self, limits: Mapping[str, Limit], paused: frozenset[str]) -> None:
         self.limits = dict(limits)
         self.paused = paused
         # A job costing no more than this fits every limit's capacity.
-        self.min_capacity = min(self.limits.values(), default=0)
+        self.min_capacity = min((limit.max for limit in limits.values() if limit.max), default=0)
         # What judging one name against all of them may cost.
         self.cost = patterns_cost([*self.limits, *paused])
-        rows = [*self.limits.items(), *((pattern, None) for pattern in sorted(paused))]
+        rows = [
+            *((pattern, limit.max) for pattern, limit in self.limits.items()),
+            *((pattern, None) for pattern in sorted(paused)),
+        ]
         # A name is tested only against the patterns whose literal start it
         # begins with (no other can match it): what testing a name costs
         # is theirs, found by the lengths of those starts.
@@ -113,7 +117,7 @@ class FlowIndex:
         # Writer threads of several servers in one process may share an index.
         self._lock = threading.Lock()
 
-    def same(self, limits: Mapping[str, int], paused: frozenset[str]) -> bool:
+    def same(self, limits: Mapping[str, Limit], paused: frozenset[str]) -> bool:
         return self.paused == paused and self.limits == limits
 
     def cached(self, name: str) -> Verdict | None:

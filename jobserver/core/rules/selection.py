@@ -9,6 +9,7 @@ and jobs that would take a concurrency limit over its capacity.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from typing import Any
 
 from jobserver.core.commands import params
@@ -16,8 +17,10 @@ from jobserver.core.commands.views import handout_object
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
 from jobserver.core.rules import flow, lifecycle, schedule
+from jobserver.model import times
 from jobserver.model.globmatch import MAX_PATTERNS, is_glob, listed_names
 from jobserver.model.jobs import Job
+from jobserver.model.limits import Limit, Rate
 from jobserver.storage.searches import NOTHING_PASSED, PassedOver
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request, Response
@@ -231,7 +234,13 @@ def _take(ctx: Context, query: JobQuery, holds: Holds | None) -> list[Taken]:
                 holds.count(job)
             taken.append(item)
         if len(candidates) < asked:
-            break
+            # Read to the end. Jobs that a fair pattern held for their
+            # key's turn may go once every key has had one: a new round,
+            # and the search begins again from the first job.
+            if len(taken) == query.limit or holds is None or not holds.new_rounds():
+                break
+            passed, page = holds.passed_over(None), 0
+            continue
         if holds is not None and len(taken) == before:
             page = min(max(page * 2, PAGE), MOST_PAGE)
         last = candidates[-1]
@@ -255,22 +264,41 @@ def _hand_out(ctx: Context, job: Job, obj: dict[str, Any], query: JobQuery) -> T
 
 
 class Holds:
-    """Whether a pause or a concurrency limit holds a job back, for the
-    searches of one transaction: the usage of each limit is read once,
-    when a job under it is first considered, and counted on from there.
-    What holds jobs whatever their cost (a pause, a full limit) is kept, to
-    be left out of the search's next page: the names it held, and, once
-    it has held HELD_NAMES_BY_PATTERN names of one pattern, the pattern."""
+    """Whether a pause or a limit (its capacity, its rate, its rotation
+    between keys) holds a job back, for the searches of one transaction:
+    the usage of each limit (of each key, for a per-key one) and the
+    hand-outs of each rate's window are read once, when a job under it is
+    first considered, and counted on from there. What holds jobs whatever
+    their cost (a pause, a full limit, a spent rate, a key served this
+    round) is kept, to be left out of the search's next page: the names it
+    held (of one key, for a per-key or fair limit), and, once one pattern
+    (of one key) has held HELD_NAMES_BY_PATTERN names, the pattern."""
 
     def __init__(self, ctx: Context) -> None:
         self._ctx = ctx
         self._index = flow.index_of(ctx.store)
         self._budget = flow.Budget()
-        self._usage: dict[str, int] = {}
+        self._locked = False
+        # By (pattern, key): key "" for a limit that counts keys together.
+        self._usage: dict[tuple[str, str], int] = {}
+        self._rates: dict[tuple[str, str], _Window] = {}
+        self._served: dict[tuple[str, str], bool] = {}
         self._held_names: set[str] = set()
         self._names_by_pattern: dict[str, int] = {}
         self._held_patterns: set[str] = set()
+        # Held names and patterns of one key, as (name or pattern, key).
+        self._held_pairs: set[tuple[str, str]] = set()
+        self._pairs_by_pattern: dict[tuple[str, str], int] = {}
+        self._held_keyed: set[tuple[str, str]] = set()
+        # What fair patterns held, by pattern: the keys, and the pairs and
+        # keyed patterns they put in the lists above, taken out again when
+        # the pattern begins a new round (new_rounds).
+        self._fair_keys: dict[str, set[str]] = {}
+        self._fair_holds: dict[str, set[tuple[str, str]]] = {}
+        # Fair patterns that have met one key alone in this search.
+        self._uncontested: set[str] = set()
         self._read_all_tried = False
+        self._all_read = False
 
     def holds_back(self, job: Job) -> bool | None:
         """True if the job must wait, False if it may go, None when the
@@ -282,28 +310,90 @@ class Holds:
             self._hold_all(job.name, verdict.paused)
             return True
         for pattern in verdict.limits:
-            used = self._used(pattern)
+            limit = self._index.limits[pattern]
+            key = job.key if limit.per_key else ""
+            held = self._holds(pattern, limit, key, job)
+            if held is not False:
+                return held
+        return False
+
+    def _holds(self, pattern: str, limit: Limit, key: str, job: Job) -> bool | None:
+        """Whether one limit holds the job: its capacity, its rate, its turn."""
+        if limit.max:
+            used = self._used(pattern, key, limit.per_key)
             if used is None:
                 return None
-            if used + job.cost > self._index.limits[pattern]:
-                if used >= self._index.limits[pattern]:
+            if used + job.cost > limit.max:
+                if used >= limit.max:
                     # Full: no job under it fits, whatever it costs.
-                    self._hold_all(job.name, (pattern,))
+                    self._hold_for(job.name, pattern, key, limit.per_key)
+                return True
+        if limit.rate is not None:
+            window = self._window(pattern, key, limit.rate)
+            if window is None:
+                return None
+            if window.count >= limit.rate.count:
+                self._ctx.fire_at(window.frees_at(limit.rate))
+                self._hold_for(job.name, pattern, key, limit.per_key)
+                return True
+        if limit.fair and pattern not in self._uncontested:
+            served = self._served_now(pattern, job.key)
+            if served is None:
+                return None
+            if served:
+                self._hold_turn(job.name, pattern, job.key)
                 return True
         return False
 
     def count(self, job: Job) -> None:
-        """A job was handed out: its cost now counts against its limits."""
+        """A job was handed out: its cost now counts against its limits,
+        the hand-out against their rates, its key as served."""
+        ctx = self._ctx
         for pattern in self._index.verdict(job.name).limits:
-            self._usage[pattern] += job.cost
+            limit = self._index.limits[pattern]
+            key = job.key if limit.per_key else ""
+            if limit.max:
+                self._usage[pattern, key] += job.cost
+            if limit.rate is not None:
+                self._rates[pattern, key].count += 1
+                forget = times.to_millis(
+                    times.parse_stored(ctx.now_ms) - timedelta(milliseconds=limit.rate.window_ms)
+                )
+                ctx.store.note_handout(pattern, key, ctx.now_ms, forget)
+            if limit.fair and pattern not in self._uncontested:
+                self._served[pattern, job.key] = True
+                ctx.store.note_served(pattern, job.key)
 
-    def passed_over(self, after: tuple[int, str, str, int]) -> PassedOver:
+    def passed_over(self, after: tuple[int, str, str, int] | None) -> PassedOver:
         """What the search's next page leaves out, having read up to `after`."""
         return PassedOver(
             after=after,
             names=frozenset(self._held_names),
             patterns=tuple(sorted(self._held_patterns)),
+            pairs=frozenset(self._held_pairs),
+            keyed=tuple(sorted(self._held_keyed)),
         )
+
+    def new_rounds(self) -> bool:
+        """Begin a new round of every fair pattern that held a key back in
+        this search; False if none did. A pattern that held one key alone
+        has no other key to rotate to: it holds none for the rest of the
+        search (a GetJobs of 100 jobs of one customer is one search, not
+        100)."""
+        if not self._fair_keys:
+            return False
+        for pattern, keys in self._fair_keys.items():
+            self._ctx.store.new_round(pattern)
+            for key in keys:
+                self._served.pop((pattern, key), None)
+            if len(keys) == 1:
+                self._uncontested.add(pattern)
+            for held in self._fair_holds.pop(pattern, set()):
+                self._held_pairs.discard(held)
+                self._held_keyed.discard(held)
+            self._served = {k: v for k, v in self._served.items() if k[0] != pattern}
+        self._fair_keys = {}
+        return self._budget.spend(flow.USAGE_COST)
 
     def _hold_all(self, name: str, patterns: tuple[str, ...]) -> None:
         """Every job of `name` is held, by each of `patterns`, whatever it costs."""
@@ -318,48 +408,131 @@ class Holds:
                 # one test of the pattern instead of a list without end.
                 self._held_patterns.add(pattern)
 
+    def _hold_for(self, name: str, pattern: str, key: str, per_key: bool) -> tuple[str, str] | None:
+        """Every job of `name` that a limit holds whatever it costs: of any
+        key, or of `key` alone for a per-key limit. The pair or keyed
+        pattern it adds to the lists, if any."""
+        if not per_key:
+            self._hold_all(name, (pattern,))
+            return None
+        if (pattern, key) in self._held_keyed:
+            return None
+        pair = (name, key)
+        if pair in self._held_pairs:
+            return None
+        self._held_pairs.add(pair)
+        count = self._pairs_by_pattern.get((pattern, key), 0) + 1
+        self._pairs_by_pattern[pattern, key] = count
+        if count >= HELD_NAMES_BY_PATTERN:
+            self._held_keyed.add((pattern, key))
+            return (pattern, key)
+        return pair
+
+    def _hold_turn(self, name: str, pattern: str, key: str) -> None:
+        """A fair pattern has served `key` in this round: its jobs wait for
+        the next, which begins when no other key's job is left (new_rounds)."""
+        self._fair_keys.setdefault(pattern, set()).add(key)
+        added = self._hold_for(name, pattern, key, per_key=True)
+        if added is not None:
+            self._fair_holds.setdefault(pattern, set()).add(added)
+
     def _verdict(self, name: str) -> flow.Verdict | None:
         found = self._index.cached(name)
         if found is None and self._budget.spend(self._index.name_cost(name)):
             found = self._index.verdict(name)
         return found
 
-    def _used(self, pattern: str) -> int | None:
-        if pattern not in self._usage:
-            if not self._usage:
-                # Before the first count: from here on no other node hands
-                # out a job under any limit until this transaction ends.
-                self._ctx.store.hold_limits()
+    def _lock(self) -> None:
+        """Before the first count: from here on no other node hands out a
+        job under any limit until this transaction ends."""
+        if not self._locked:
+            self._locked = True
+            self._ctx.store.hold_limits()
+
+    def _used(self, pattern: str, key: str, per_key: bool) -> int | None:
+        if (pattern, key) not in self._usage:
+            if self._all_read:
+                # Every (name, key) with a running job was read.
+                self._usage[pattern, key] = 0
+                return 0
+            self._lock()
             if len(self._usage) == USAGES_ONE_BY_ONE and not self._read_all_tried:
-                return self._used_of_all(pattern)
+                return self._used_of_all(pattern, key, per_key)
             if not self._budget.spend(flow.usage_cost(pattern)):
                 return None
-            self._usage[pattern] = self._ctx.store.usage(pattern, self._ctx.now_ms)
-        return self._usage[pattern]
+            self._usage[pattern, key] = self._ctx.store.usage(
+                pattern, self._ctx.now_ms, key if per_key else None
+            )
+        return self._usage[pattern, key]
 
-    def _used_of_all(self, pattern: str) -> int | None:
+    def _used_of_all(self, pattern: str, key: str, per_key: bool) -> int | None:
         """Every limit's usage at once, from the running jobs' costs by name
-        and what holds each name: read one by one, 200 full limits in front
-        of a free job spent the search's budget, and every GetJob answered
-        404 while they waited."""
+        and key and what holds each name: read one by one, 200 full limits
+        in front of a free job spent the search's budget, and every GetJob
+        answered 404 while they waited."""
         self._read_all_tried = True
         by_name = self._ctx.store.usage_by_name(self._ctx.now_ms, MOST_RUNNING_NAMES)
         if len(by_name) > MOST_RUNNING_NAMES:
             # More running names than a search may read: one by one again,
             # each limit's usage an index range of its own.
-            return self._used(pattern)
+            return self._used(pattern, key, per_key)
         if not self._budget.spend(flow.USAGE_SCAN_COST + len(by_name)):
             return None
-        usage = dict.fromkeys(self._index.limits, 0)
-        for name, cost in by_name:
+        # Counted from the start: the hand-outs of this search are running.
+        usage: dict[tuple[str, str], int] = {}
+        for name, job_key, cost in by_name:
             verdict = self._verdict(name)
             if verdict is None:
                 return None
-            for limit in verdict.limits:
-                usage[limit] += cost
-        # Counted from the start: the hand-outs of this search are running.
+            for limit_pattern in verdict.limits:
+                limit = self._index.limits[limit_pattern]
+                if limit.max:
+                    scope = (limit_pattern, job_key if limit.per_key else "")
+                    usage[scope] = usage.get(scope, 0) + cost
+        # A limit (or a key of one) without a running job uses nothing.
         self._usage = usage
-        return usage[pattern]
+        self._all_read = True
+        return usage.setdefault((pattern, key), 0)
+
+    def _window(self, pattern: str, key: str, rate: Rate) -> _Window | None:
+        """The hand-outs of a rate's current window (of one key)."""
+        window = self._rates.get((pattern, key))
+        if window is None:
+            self._lock()
+            if not self._budget.spend(flow.USAGE_COST):
+                return None
+            ctx = self._ctx
+            since = times.to_millis(
+                times.parse_stored(ctx.now_ms) - timedelta(milliseconds=rate.window_ms)
+            )
+            count, earliest = ctx.store.handouts_since(pattern, key, since)
+            window = self._rates[pattern, key] = _Window(count, earliest or ctx.now_ms)
+        return window
+
+    def _served_now(self, pattern: str, key: str) -> bool | None:
+        """Whether a fair pattern has served `key` in its current round."""
+        served = self._served.get((pattern, key))
+        if served is None:
+            self._lock()
+            if not self._budget.spend(flow.USAGE_COST):
+                return None
+            served = self._served[pattern, key] = self._ctx.store.served(pattern, key)
+        return served
+
+
+@dataclass
+class _Window:
+    """A rate's hand-outs in the window that ends now: how many, and when
+    the earliest was."""
+
+    count: int
+    earliest: str
+
+    def frees_at(self, rate: Rate) -> str:
+        """When the earliest leaves the window, and the rate may allow one
+        more (or, past a lowered rate, when the next check is due)."""
+        moment = times.parse_stored(self.earliest) + timedelta(milliseconds=rate.window_ms)
+        return times.to_millis(moment)
 
 
 class _Room:
