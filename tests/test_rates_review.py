@@ -1,0 +1,198 @@
+"""Review of rate, per-key and fair limits (protocol.md 14.23): what the
+search does with many keys, many rounds, and two per-key limits on one
+job. Real servers on loopback, SQLite and PostgreSQL (the `server`
+fixture). Each test states what 14.23 promises and checks that it holds.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from harness import ThreadServer
+from helpers import ok
+from wire import Client
+
+pytestmark = pytest.mark.backends()
+
+
+def create_jobs(client: Client, jobs: list[dict[str, Any]]) -> list[int]:
+    ids: list[int] = []
+    for start in range(0, len(jobs), 1000):
+        batch = jobs[start : start + 1000]
+        ids += ok(client.request("CreateJobs", jobs=json.dumps(batch))).json["jobIDs"]
+    return ids
+
+
+def take(client: Client, name: str, count: int) -> list[dict[str, Any]]:
+    reply = client.request("GetJobs", name=name, numResults=count)
+    if reply.status == "404 No job found":
+        return []
+    return list(ok(reply).json["jobs"])
+
+
+def drain(client: Client, name: str, count: int, most_calls: int = 50) -> list[dict[str, Any]]:
+    """GetJobs until one answers 404 (or `most_calls` calls)."""
+    taken: list[dict[str, Any]] = []
+    for _ in range(most_calls):
+        jobs = take(client, name, count)
+        if not jobs:
+            break
+        taken += jobs
+    return taken
+
+
+# 1. Two per-key limits on one job: GetJobs answers 500 (KeyError).
+
+
+def test_getjobs_under_two_per_key_limits_is_not_a_500(server: ThreadServer) -> None:
+    """Holds._used_of_all (selection.py) replaces the usage it counted
+    with one read from the running jobs, which has no entry for a
+    (pattern, key) without running jobs; the job whose second limit made
+    it read so is handed out and count() adds to the entry its first
+    limit read one by one: KeyError, 500, the GetJobs rolled back. It
+    happens on every GetJobs that meets 9 (limit, key) scopes so."""
+    with server.client(timeout=60) as client:
+        ok(client.request("SetLimit", name="*", max=100, perKey="true"))
+        ok(client.request("SetLimit", name="t/*", max=1, perKey="true"))
+        jobs = [{"name": "a", "key": "solo"}]
+        jobs += [{"name": "t/x", "key": f"k{i}"} for i in range(6)]
+        create_jobs(client, jobs)
+        reply = client.request("GetJobs", name="*", numResults=10)
+        assert reply.status == "200 OK", reply.status
+        assert len(reply.json["jobs"]) == 7
+
+
+def test_a_waiting_getjobs_under_two_per_key_limits_is_served(server: ThreadServer) -> None:
+    """The same through a waiting GetJobs (serve_waiters)."""
+    with server.client(timeout=60) as client, server.client(timeout=60) as waiter:
+        ok(client.request("SetLimit", name="*", max=100, perKey="true"))
+        ok(client.request("SetLimit", name="t/*", max=1, perKey="true"))
+        from wire import encode
+
+        waiter.send(encode("GetJobs", {"name": "*", "numResults": 10,
+                                       "Connection": "wait", "timeout": 10000}))
+        time.sleep(0.3)
+        jobs = [{"name": "a", "key": "solo"}]
+        jobs += [{"name": "t/x", "key": f"k{i}"} for i in range(6)]
+        create_jobs(client, jobs)
+        reply = waiter.read_reply()
+        assert reply.status == "200 OK", reply.status
+        assert len(reply.json["jobs"]) == 7
+
+
+# 2. Many keys: the search's budget is spent one key at a time.
+
+
+def test_a_fair_pattern_with_300_keys_keeps_handing_out(server: ThreadServer) -> None:
+    """Holds._served_now reads each key's turn with a query of its own
+    (USAGE_COST, 5,000 units of the 1,000,000 budget): once 200 keys have
+    been served, every search spends its budget on them before it meets
+    an unserved key or reaches the end, so no new round ever begins and
+    every GetJob answers 404 with 300 jobs ready and nothing running."""
+    with server.client(timeout=120) as client:
+        ok(client.request("SetLimit", name="f/*", fair="true"))
+        create_jobs(client, [{"name": "f/x", "key": f"k{i}"} for i in range(300)] * 2)
+        taken = drain(client, "f/*", 1000)
+        assert len(taken) == 600, len(taken)
+
+
+def test_a_per_key_rate_of_many_spent_keys_hides_no_other_key(server: ThreadServer) -> None:
+    """14.23: a job a rate holds 'hides no other job'. Each key's window
+    is read with a query of its own (Holds._window, USAGE_COST): 250
+    spent keys in front of a free one spend the budget, and the free
+    key's job waits for an hour (until the spent windows pass)."""
+    with server.client(timeout=120) as client:
+        ok(client.request("SetLimit", name="r/*", rate="1/1h", perKey="true"))
+        create_jobs(client, [{"name": "r/x", "key": f"k{i}"} for i in range(250)] * 2)
+        late = create_jobs(client, [{"name": "r/x", "key": "late"}])[0]
+        taken = drain(client, "r/*", 1000)
+        assert len({job["key"] for job in taken}) == 251, len(taken)
+        assert late in {job["jobID"] for job in taken}
+
+
+def test_a_per_key_max_over_10000_running_keys_hides_no_other_key(
+    server: ThreadServer,
+) -> None:
+    """14.23: a full key's jobs 'hide no other key's'. usage_by_name groups
+    by (name, key): past MOST_RUNNING_NAMES (10,000) running pairs each
+    key's usage is read one by one, 200 to a search; 300 full keys in
+    front of a free one: the GetJob answers 404 (and takes about 2 s of
+    the writer on SQLite)."""
+    with server.client(timeout=300) as client:
+        ok(client.request("SetLimit", name="p/*", max=1, perKey="true"))
+        keys = 10_100
+        create_jobs(client, [{"name": "p/x", "key": f"k{i}"} for i in range(keys)])
+        assert len(drain(client, "p/*", 1000)) == keys
+        create_jobs(client, [{"name": "p/x", "key": f"k{i}"} for i in range(300)])
+        late = create_jobs(client, [{"name": "p/x", "key": "late"}])[0]
+        began = time.monotonic()
+        reply = client.request("GetJob", name="p/*")
+        spent = time.monotonic() - began
+        assert reply.status == "200 OK", (reply.status, spent)
+        assert reply.json["jobID"] == late
+
+
+# 3. Rounds: a GetJobs stops after 8 rounds.
+
+
+def test_a_fair_getjobs_takes_more_than_eight_rounds(server: ThreadServer) -> None:
+    """14.23: 'A GetJobs of N jobs takes them in turns too.' Holds._hold_for
+    adds the pair (name, key) to _held_pairs and, at the 8th pair of a
+    (pattern, key), returns only the keyed pattern, which _hold_turn
+    records in _fair_holds: the pair is never taken out at new_rounds, so
+    from the 9th round on the search leaves out every job of both keys and
+    the GetJobs of 40 answers 16 with 84 ready and nothing held."""
+    with server.client(timeout=60) as client:
+        ok(client.request("SetLimit", name="f/*", fair="true"))
+        create_jobs(client, [{"name": "f/x", "key": "big"}] * 50)
+        create_jobs(client, [{"name": "f/x", "key": "small"}] * 50)
+        keys = [job["key"] for job in take(client, "f/*", 40)]
+        assert len(keys) == 40, (len(keys), keys)
+        for turn in range(0, 40, 2):
+            assert sorted(keys[turn : turn + 2]) == ["big", "small"], keys
+
+
+# 4. Cost: a fair GetJobs over two keys' long backlog.
+
+
+def test_a_fair_getjobs_over_a_long_backlog_is_cheap(server: ThreadServer) -> None:
+    """Each new round restarts the search from the first job (selection._take),
+    and the page that finds the other key's job scans past every job of the
+    served key (held by pair): a GetJobs of 1000 over 2 keys x 20,000 jobs
+    holds the writer over a second and hands out 16 (see above). A neighbour's
+    CreateJob waits behind it."""
+    with server.client(timeout=300) as client:
+        ok(client.request("SetLimit", name="*", fair="true"))
+        for _ in range(20):
+            create_jobs(client, [{"name": "a", "key": "big"}] * 1000)
+            create_jobs(client, [{"name": "a", "key": "small"}] * 1000)
+        waits: list[float] = []
+        done = threading.Event()
+
+        def neighbour() -> None:
+            with server.client(timeout=60) as other:
+                while not done.is_set():
+                    began = time.monotonic()
+                    ok(other.request("CreateJob", name="other/x"))
+                    waits.append(time.monotonic() - began)
+                    time.sleep(0.02)
+
+        thread = threading.Thread(target=neighbour)
+        thread.start()
+        try:
+            began = time.monotonic()
+            taken = 0
+            for _ in range(5):
+                taken += len(take(client, "a", 1000))
+            spent = time.monotonic() - began
+        finally:
+            done.set()
+            thread.join(60)
+        # 5,000 jobs asked for, 40,000 ready, two keys in turn.
+        assert taken == 5000, (taken, spent)
+        assert max(waits) < 0.5, max(waits)
