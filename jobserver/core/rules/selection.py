@@ -353,7 +353,9 @@ class Holds:
             limit = self._index.limits[pattern]
             key = job.key if limit.per_key else ""
             if limit.max:
-                self._usage[pattern, key] += job.cost
+                # _used_of_all may have replaced the usage read before it,
+                # leaving out scopes without running jobs.
+                self._usage[pattern, key] = self._usage.get((pattern, key), 0) + job.cost
             if limit.rate is not None:
                 self._rates[pattern, key].count += 1
                 forget = times.to_millis(
