@@ -15,7 +15,7 @@ import pytest
 
 from harness import ThreadServer
 from helpers import ok
-from wire import Client
+from wire import Client, encode
 
 pytestmark = pytest.mark.backends()
 
@@ -72,10 +72,11 @@ def test_a_waiting_getjobs_under_two_per_key_limits_is_served(server: ThreadServ
     with server.client(timeout=60) as client, server.client(timeout=60) as waiter:
         ok(client.request("SetLimit", name="*", max=100, perKey="true"))
         ok(client.request("SetLimit", name="t/*", max=1, perKey="true"))
-        from wire import encode
-
-        waiter.send(encode("GetJobs", {"name": "*", "numResults": 10,
-                                       "Connection": "wait", "timeout": 10000}))
+        waiter.send(
+            encode(
+                "GetJobs", {"name": "*", "numResults": 10, "Connection": "wait", "timeout": 10000}
+            )
+        )
         time.sleep(0.3)
         jobs = [{"name": "a", "key": "solo"}]
         jobs += [{"name": "t/x", "key": f"k{i}"} for i in range(6)]
@@ -196,3 +197,42 @@ def test_a_fair_getjobs_over_a_long_backlog_is_cheap(server: ThreadServer) -> No
         # 5,000 jobs asked for, 40,000 ready, two keys in turn.
         assert taken == 5000, (taken, spent)
         assert max(waits) < 0.5, max(waits)
+
+
+# 5. A waiting pass shares one Holds: one waiter's key alone ends
+# fairness for the waiters after it.
+
+
+def test_a_narrow_waiter_does_not_end_fairness_for_the_waiters_after_it(
+    server: ThreadServer,
+) -> None:
+    """serve_waiters gives every waiter of a pass one Holds. The first
+    waiter asks for f/big alone: its search meets one key, and new_rounds
+    puts f/* in _uncontested, which holds no key for the rest of the
+    search, and so for every later waiter of the pass: the GetJobs of f/*
+    after it takes five of big's before small's first. Alone (not
+    waiting), the same GetJobs takes them in turns."""
+    with (
+        server.client(timeout=60) as client,
+        server.client(timeout=60) as narrow,
+        server.client(timeout=60) as wide,
+    ):
+        ok(client.request("SetLimit", name="f/*", fair="true"))
+        narrow.send(
+            encode(
+                "GetJobs",
+                {"name": "f/big", "numResults": 5, "Connection": "wait", "timeout": 10000},
+            )
+        )
+        time.sleep(0.3)
+        wide.send(
+            encode(
+                "GetJobs", {"name": "f/*", "numResults": 6, "Connection": "wait", "timeout": 10000}
+            )
+        )
+        time.sleep(0.3)
+        jobs = [{"name": "f/big", "key": "big"}] * 10 + [{"name": "f/small", "key": "small"}] * 5
+        create_jobs(client, jobs)
+        assert [job["key"] for job in ok(narrow.read_reply()).json["jobs"]] == ["big"] * 5
+        keys = [job["key"] for job in ok(wide.read_reply()).json["jobs"]]
+        assert sorted(keys) == ["big"] * 3 + ["small"] * 3, keys
