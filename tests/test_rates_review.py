@@ -162,11 +162,10 @@ def test_a_fair_getjobs_takes_more_than_eight_rounds(server: ThreadServer) -> No
 
 
 def test_a_fair_getjobs_over_a_long_backlog_is_cheap(server: ThreadServer) -> None:
-    """Each new round restarts the search from the first job (selection._take),
-    and the page that finds the other key's job scans past every job of the
-    served key (held by pair): a GetJobs of 1000 over 2 keys x 20,000 jobs
-    holds the writer over a second and hands out 16 (see above). A neighbour's
-    CreateJob waits behind it."""
+    """A GetJobs of 1000 over 2 keys x 20,000 jobs under a fair pattern
+    takes its 1,000 in turns. When each new round began the search again
+    from the first job, it held the writer over a second and handed out 16,
+    and a neighbour's CreateJob waited behind it."""
     with server.client(timeout=300) as client:
         ok(client.request("SetLimit", name="*", fair="true"))
         for _ in range(20):
@@ -194,9 +193,12 @@ def test_a_fair_getjobs_over_a_long_backlog_is_cheap(server: ThreadServer) -> No
         finally:
             done.set()
             thread.join(60)
-        # 5,000 jobs asked for, 40,000 ready, two keys in turn.
+        # 5,000 jobs asked for, 40,000 ready, two keys in turn: the turns
+        # go from the jobs read, not from a search begun again each round.
         assert taken == 5000, (taken, spent)
-        assert max(waits) < 0.5, max(waits)
+        # A plain GetJobs of 1,000 holds PostgreSQL's writer about a second
+        # here (0.05 s on SQLite); rounds begun from the top took 4 to 13 s.
+        assert max(waits) < 4.0, max(waits)
 
 
 # 5. A waiting pass shares one Holds: one waiter's key alone ends

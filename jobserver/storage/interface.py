@@ -395,18 +395,22 @@ class Jobs(Protocol):
         (name, key) pairs (more than `most` says there are too many to
         read so)."""
 
-    def handouts_since(self, pattern: str, key: str, since: str) -> tuple[int, str | None]:
-        """How many hand-outs under a rate's `pattern`, of `key` ('' for a
-        rate that counts keys together), came after `since`, and the
+    def usage_by_key(self, pattern: str, now: str) -> dict[str, int]:
+        """What the running jobs a per-key limit's pattern matches use (as
+        `usage` counts them), by key: the keys that use any."""
+
+    def handouts_by_key(self, pattern: str, since: str) -> dict[str, tuple[int, str]]:
+        """For each key ('' for a rate that counts keys together), how many
+        hand-outs under a rate's `pattern` came after `since`, and the
         earliest of them: called after `hold_limits`."""
 
     def note_handout(self, pattern: str, key: str, at: str, forget_before: str) -> None:
         """Count a hand-out under a rate at `at`; those of the same pattern
         and key at or before `forget_before` are forgotten."""
 
-    def served(self, pattern: str, key: str) -> bool:
-        """Whether a fair pattern has handed out a job of `key` in its
-        current round."""
+    def served_keys(self, pattern: str) -> list[str]:
+        """The keys a fair pattern has handed out a job of in its current
+        round."""
 
     def note_served(self, pattern: str, key: str) -> None: ...
 

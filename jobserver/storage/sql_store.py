@@ -485,6 +485,16 @@ class SqlStore(Statements):
         )
         return int(row[0])
 
+    def usage_by_key(self, pattern: str, now: str) -> dict[str, int]:
+        """What the running jobs a per-key limit's pattern matches use, by key."""
+        clause, args = self.dialect.matches("name", pattern)
+        rows = self._execute(
+            f"SELECT key, SUM(cost) FROM jobs WHERE {clause} AND {self.dialect.holding()} "
+            "GROUP BY key",
+            (*args, now),
+        )
+        return {str(key): int(cost) for key, cost in rows.fetchall()}
+
     def usage_by_name(self, now: str, most: int) -> list[tuple[str, str, int]]:
         rows = self._execute(
             f"SELECT name, key, SUM(cost) FROM jobs WHERE {self.dialect.holding()} "
@@ -495,16 +505,16 @@ class SqlStore(Statements):
 
     # Rates and fairness (protocol.md 14.23).
 
-    def handouts_since(self, pattern: str, key: str, since: str) -> tuple[int, str | None]:
-        """How many hand-outs under a rate's `pattern` (of `key`) came after
-        `since`, and the earliest of them."""
+    def handouts_by_key(self, pattern: str, since: str) -> dict[str, tuple[int, str]]:
+        """For each key, how many hand-outs under a rate's `pattern` came
+        after `since`, and the earliest of them."""
         m = self.dialect.mark
-        row = self._one(
-            f"SELECT COUNT(*), MIN(at) FROM handouts WHERE pattern = {m} AND key = {m} "
-            f"AND at > {m}",
-            (pattern, key, since),
+        rows = self._execute(
+            f"SELECT key, COUNT(*), MIN(at) FROM handouts WHERE pattern = {m} AND at > {m} "
+            "GROUP BY key",
+            (pattern, since),
         )
-        return int(row[0]), (str(row[1]) if row[1] is not None else None)
+        return {str(k): (int(count), str(first)) for k, count, first in rows.fetchall()}
 
     def note_handout(self, pattern: str, key: str, at: str, forget_before: str) -> None:
         """Count a hand-out under a rate, and forget those of its key that
@@ -518,13 +528,12 @@ class SqlStore(Statements):
             f"INSERT INTO handouts (pattern, key, at) VALUES ({m}, {m}, {m})", (pattern, key, at)
         )
 
-    def served(self, pattern: str, key: str) -> bool:
-        """Whether a fair pattern has served `key` in its current round."""
-        m = self.dialect.mark
-        found = self._one(
-            f"SELECT 1 FROM fairServed WHERE pattern = {m} AND key = {m}", (pattern, key)
+    def served_keys(self, pattern: str) -> list[str]:
+        """The keys a fair pattern has served in its current round."""
+        rows = self._execute(
+            f"SELECT key FROM fairServed WHERE pattern = {self.dialect.mark}", (pattern,)
         )
-        return found is not None
+        return [str(row[0]) for row in rows.fetchall()]
 
     def note_served(self, pattern: str, key: str) -> None:
         m = self.dialect.mark

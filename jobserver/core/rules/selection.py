@@ -8,6 +8,7 @@ and jobs that would take a concurrency limit over its capacity.
 
 from __future__ import annotations
 
+from collections.abc import Set
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -41,6 +42,13 @@ HELD_NAMES_BY_PATTERN = 8
 # held names took a round trip each ten of them.
 PAGE = 100
 MOST_PAGE = 1600
+# What reading a row of a pattern's usage by key, rate window by key or
+# fair round costs a search's budget (about a microsecond each).
+ROW_COST = 20
+# Times a search under fair patterns begins again from the first job, once
+# the jobs held for their keys' turns have gone: a GetJobs that has taken
+# some answers with those past it rather than read its queue again.
+MOST_RESTARTS = 2
 # Room in a GetJobs reply for a job's keys, numbers (jobID, priority,
 # cost), what its object gains once handed out (attempt, maxAttempts,
 # leaseID), its comma, and its token in the `leaseID` header; and for the
@@ -172,20 +180,33 @@ def take(ctx: Context, query: JobQuery, holds: Holds | None = None) -> list[Take
     """
     if query.limit == 1 and not ctx.store.blocking:
         # No round trip to spare (SQLite): holding one job costs more.
-        return _take(ctx, query, holds)
+        return _take_and_note(ctx, query, holds)
     # The hand-outs' writes are sent together (storage's held_writes.py).
     with ctx.store.holding_writes():
-        return _take(ctx, query, holds)
+        return _take_and_note(ctx, query, holds)
+
+
+def _take_and_note(ctx: Context, query: JobQuery, holds: Holds | None) -> list[Taken]:
+    if holds is None and (ctx.store.limits or ctx.store.paused):
+        holds = Holds(ctx)
+    taken = _take(ctx, query, holds)
+    if holds is not None:
+        holds.write_rounds()
+    return taken
 
 
 def _take(ctx: Context, query: JobQuery, holds: Holds | None) -> list[Taken]:
     store = ctx.store
     taken: list[Taken] = []
-    # Flow control, only when some is set: a plain queue pays nothing.
-    if holds is None and (store.limits or store.paused):
-        holds = Holds(ctx)
+    # Flow control, only when some is set (a plain queue pays nothing):
+    # `holds` is given then.
+    if holds is not None:
+        holds.begin_search()
     room = _Room(ctx.settings.max_reply_bytes) if query.limit > 1 else None
+    # Jobs a fair pattern held for their key's turn, read on the way.
+    turns = _Turns(query.limit)
     passed = NOTHING_PASSED
+    restarts = 0
     # The first page asks for what is wanted: on PostgreSQL a page's jobs
     # are locked as they are read, and a page of 100 for a GetJob of one
     # made another node's GetJob skip them and answer 404 with jobs left.
@@ -213,33 +234,25 @@ def _take(ctx: Context, query: JobQuery, holds: Holds | None) -> list[Taken]:
                 break
             if job.jobID in handed:
                 continue
-            if job.timeWindows:
-                start = schedule.window_start(ctx, job)
-                if start is not None:
-                    lifecycle.wait_for_window(ctx, job, start)
-                    continue
-            if holds is not None:
-                held = holds.holds_back(job)
-                if held is None:
-                    return taken
-                if held:
-                    continue
-            obj = handout_object(store, job)
-            if room is not None and not room.take(_reply_bytes(job, obj), first=not taken):
+            went = _offer(ctx, query, holds, room, job, taken)
+            if went is None:
                 return taken
-            item = _hand_out(ctx, job, obj, query)
-            if item is None:
-                continue
-            if holds is not None:
-                holds.count(job)
-            taken.append(item)
+            if not went and holds is not None and holds.waiting_turn is not None:
+                turns.add(holds.waiting_turn, job)
         if len(candidates) < asked:
             # Read to the end. Jobs that a fair pattern held for their
-            # key's turn may go once every key has had one: a new round,
-            # and the search begins again from the first job.
-            if len(taken) == query.limit or holds is None or not holds.new_rounds():
+            # key's turn go now, a round at a time, as read; past them the
+            # search begins again from the first job (a few times at most:
+            # a GetJobs may answer with fewer jobs than it asked for, never
+            # with none while one may go).
+            if turns and _take_turns(ctx, query, holds, room, turns, taken) is None:
+                return taken
+            if len(taken) == query.limit or holds is None:
                 break
-            passed, page = holds.passed_over(None), 0
+            if (taken and restarts == MOST_RESTARTS) or not holds.new_rounds():
+                break
+            restarts += 1
+            passed, page, turns = holds.passed_over(None), 0, _Turns(query.limit)
             continue
         if holds is not None and len(taken) == before:
             page = min(max(page * 2, PAGE), MOST_PAGE)
@@ -247,6 +260,118 @@ def _take(ctx: Context, query: JobQuery, holds: Holds | None) -> list[Taken]:
         after = (last.priority, last.nextRun, last.name, last.jobID)
         passed = holds.passed_over(after) if holds is not None else PassedOver(after=after)
     return taken
+
+
+def _offer(
+    ctx: Context,
+    query: JobQuery,
+    holds: Holds | None,
+    room: _Room | None,
+    job: Job,
+    taken: list[Taken],
+) -> bool | None:
+    """Hand `job` out unless something holds it: True if it went, False if
+    it was passed over, None when the search must end (its budget spent,
+    or its reply full)."""
+    if job.timeWindows:
+        start = schedule.window_start(ctx, job)
+        if start is not None:
+            lifecycle.wait_for_window(ctx, job, start)
+            return False
+    if holds is not None:
+        held = holds.holds_back(job)
+        if held is None:
+            return None
+        if held:
+            return False
+    obj = handout_object(ctx.store, job)
+    if room is not None and not room.take(_reply_bytes(job, obj), first=not taken):
+        return None
+    item = _hand_out(ctx, job, obj, query)
+    if item is None:
+        return False
+    if holds is not None:
+        holds.count(job)
+    taken.append(item)
+    return True
+
+
+def _take_turns(
+    ctx: Context,
+    query: JobQuery,
+    holds: Holds | None,
+    room: _Room | None,
+    turns: _Turns,
+    taken: list[Taken],
+) -> bool | None:
+    """Hand out the jobs fair patterns held for their keys' turns, a round
+    at a time: each round begins anew every pattern that held some, and
+    gives each key one job (all it has, for a key alone under its
+    pattern). None when the search must end."""
+    assert holds is not None  # only fair patterns fill turns
+    while len(taken) < query.limit and turns:
+        holds.new_rounds(turns.patterns(), alone=turns.alone())
+        went_any = False
+        for turn in turns.order():
+            while len(taken) < query.limit and turns.has(turn):
+                went = _offer(ctx, query, holds, room, turns.first(turn), taken)
+                if went is None:
+                    return None
+                if not went and holds.waiting_turn is not None:
+                    break  # its key's turn comes in the next round
+                # Gone, or held by something else (a full key, a spent
+                # rate): done with in this search either way.
+                turns.pop(turn)
+                if not went:
+                    continue
+                went_any = True
+                if turn[0] not in holds.uncontested:
+                    break
+        if not went_any:
+            return False
+    return True
+
+
+class _Turns:
+    """Jobs that fair patterns held for their keys' turns, by (pattern,
+    key), in the order the keys were met; at most `most` of each."""
+
+    def __init__(self, most: int) -> None:
+        self._most = most
+        self._jobs: dict[tuple[str, str], list[Job]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._jobs)
+
+    def add(self, turn: tuple[str, str], job: Job) -> None:
+        waiting = self._jobs.setdefault(turn, [])
+        if len(waiting) < self._most:
+            waiting.append(job)
+
+    def order(self) -> list[tuple[str, str]]:
+        return list(self._jobs)
+
+    def patterns(self) -> set[str]:
+        return {pattern for pattern, _ in self._jobs}
+
+    def alone(self) -> set[str]:
+        """The patterns under which one key alone waits its turn."""
+        keys: dict[str, int] = {}
+        for pattern, _ in self._jobs:
+            keys[pattern] = keys.get(pattern, 0) + 1
+        return {pattern for pattern, count in keys.items() if count == 1}
+
+    def has(self, turn: tuple[str, str]) -> bool:
+        return turn in self._jobs
+
+    def first(self, turn: tuple[str, str]) -> Job:
+        return self._jobs[turn][0]
+
+    def pop(self, turn: tuple[str, str]) -> None:
+        waiting = self._jobs[turn]
+        waiting.pop(0)
+        if not waiting:
+            del self._jobs[turn]
 
 
 def _hand_out(ctx: Context, job: Job, obj: dict[str, Any], query: JobQuery) -> Taken | None:
@@ -265,14 +390,15 @@ def _hand_out(ctx: Context, job: Job, obj: dict[str, Any], query: JobQuery) -> T
 
 class Holds:
     """Whether a pause or a limit (its capacity, its rate, its rotation
-    between keys) holds a job back, for the searches of one transaction:
-    the usage of each limit (of each key, for a per-key one) and the
-    hand-outs of each rate's window are read once, when a job under it is
-    first considered, and counted on from there. What holds jobs whatever
-    their cost (a pause, a full limit, a spent rate, a key served this
-    round) is kept, to be left out of the search's next page: the names it
-    held (of one key, for a per-key or fair limit), and, once one pattern
-    (of one key) has held HELD_NAMES_BY_PATTERN names, the pattern."""
+    between keys) holds a job back, for the searches of one transaction.
+    What a limit has used, its rate's window and its fair round are read
+    once per search for the whole pattern (every key at once, for a
+    per-key one), when a job under it is first considered, and counted on
+    from there. What holds jobs whatever their cost (a pause, a full limit,
+    a spent rate, a key served this round) is kept, to be left out of the
+    search's next page: the names it held (of one key, for a per-key or
+    fair limit), and, once one pattern (of one key) has held
+    HELD_NAMES_BY_PATTERN names, the pattern."""
 
     def __init__(self, ctx: Context) -> None:
         self._ctx = ctx
@@ -281,8 +407,16 @@ class Holds:
         self._locked = False
         # By (pattern, key): key "" for a limit that counts keys together.
         self._usage: dict[tuple[str, str], int] = {}
+        # Per-key limits whose every key's usage is in _usage.
+        self._usage_read: set[str] = set()
         self._rates: dict[tuple[str, str], _Window] = {}
-        self._served: dict[tuple[str, str], bool] = {}
+        self._rates_read: set[str] = set()
+        # The keys each fair pattern has served in its round, once read;
+        # what of it is not yet stored: the patterns whose round began anew
+        # and the keys served since (write_rounds).
+        self._served: dict[str, set[str]] = {}
+        self._restarted: set[str] = set()
+        self._newly_served: dict[str, set[str]] = {}
         self._held_names: set[str] = set()
         self._names_by_pattern: dict[str, int] = {}
         self._held_patterns: set[str] = set()
@@ -296,13 +430,22 @@ class Holds:
         self._fair_keys: dict[str, set[str]] = {}
         self._fair_holds: dict[str, set[tuple[str, str]]] = {}
         # Fair patterns that have met one key alone in this search.
-        self._uncontested: set[str] = set()
+        self.uncontested: set[str] = set()
+        # The (pattern, key) whose turn the job last held back waits for.
+        self.waiting_turn: tuple[str, str] | None = None
         self._read_all_tried = False
         self._all_read = False
+
+    def begin_search(self) -> None:
+        """A search begins (the waiters of one pass share their holds):
+        a key alone under a fair pattern in another's search need not be
+        alone in this one."""
+        self.uncontested = set()
 
     def holds_back(self, job: Job) -> bool | None:
         """True if the job must wait, False if it may go, None when the
         budget is spent before that is known."""
+        self.waiting_turn = None
         verdict = self._verdict(job.name)
         if verdict is None:
             return None
@@ -336,11 +479,11 @@ class Holds:
                 self._ctx.fire_at(window.frees_at(limit.rate))
                 self._hold_for(job.name, pattern, key, limit.per_key)
                 return True
-        if limit.fair and pattern not in self._uncontested:
-            served = self._served_now(pattern, job.key)
+        if limit.fair and pattern not in self.uncontested:
+            served = self._served_keys(pattern)
             if served is None:
                 return None
-            if served:
+            if job.key in served:
                 self._hold_turn(job.name, pattern, job.key)
                 return True
         return False
@@ -353,18 +496,15 @@ class Holds:
             limit = self._index.limits[pattern]
             key = job.key if limit.per_key else ""
             if limit.max:
-                # _used_of_all may have replaced the usage read before it,
-                # leaving out scopes without running jobs.
+                # A scope read at once with every other may have had none.
                 self._usage[pattern, key] = self._usage.get((pattern, key), 0) + job.cost
             if limit.rate is not None:
                 self._rates[pattern, key].count += 1
-                forget = times.to_millis(
-                    times.parse_stored(ctx.now_ms) - timedelta(milliseconds=limit.rate.window_ms)
-                )
+                forget = _before(ctx.now_ms, limit.rate.window_ms)
                 ctx.store.note_handout(pattern, key, ctx.now_ms, forget)
-            if limit.fair and pattern not in self._uncontested:
-                self._served[pattern, job.key] = True
-                ctx.store.note_served(pattern, job.key)
+            if limit.fair and pattern in self._served:
+                self._served[pattern].add(job.key)
+                self._newly_served.setdefault(pattern, set()).add(job.key)
 
     def passed_over(self, after: tuple[int, str, str, int] | None) -> PassedOver:
         """What the search's next page leaves out, having read up to `after`."""
@@ -376,26 +516,44 @@ class Holds:
             keyed=tuple(sorted(self._held_keyed)),
         )
 
-    def new_rounds(self) -> bool:
-        """Begin a new round of every fair pattern that held a key back in
-        this search; False if none did. A pattern that held one key alone
-        has no other key to rotate to: it holds none for the rest of the
-        search (a GetJobs of 100 jobs of one customer is one search, not
-        100)."""
-        if not self._fair_keys:
+    def new_rounds(
+        self, patterns: set[str] | None = None, alone: Set[str] = frozenset()
+    ) -> bool:
+        """Begin a new round of each of `patterns` (by default, every fair
+        pattern that held a key back in this search); False if there are
+        none, or the budget is spent. A pattern under which one key alone
+        waited has no other key to rotate to: it holds none for the rest
+        of the search (a GetJobs of 100 jobs of one customer is one
+        search, not 100)."""
+        if patterns is None:
+            patterns = set(self._fair_keys)
+            alone = {p for p, keys in self._fair_keys.items() if len(keys) == 1}
+        if not patterns or not self._budget.spend(ROW_COST * len(patterns)):
             return False
-        for pattern, keys in self._fair_keys.items():
-            self._ctx.store.new_round(pattern)
-            for key in keys:
-                self._served.pop((pattern, key), None)
-            if len(keys) == 1:
-                self._uncontested.add(pattern)
+        for pattern in patterns:
+            # Written once, when the search ends (write_rounds): a GetJobs
+            # of 1,000 jobs of two keys is 500 rounds.
+            self._restarted.add(pattern)
+            self._newly_served.pop(pattern, None)
+            self._served[pattern] = set()
             for held in self._fair_holds.pop(pattern, set()):
                 self._held_pairs.discard(held)
                 self._held_keyed.discard(held)
-            self._served = {k: v for k, v in self._served.items() if k[0] != pattern}
-        self._fair_keys = {}
-        return self._budget.spend(flow.USAGE_COST)
+            self._fair_keys.pop(pattern, None)
+        self.uncontested |= alone
+        return True
+
+    def write_rounds(self) -> None:
+        """Store what this search did to fair rounds: a round begun anew,
+        and the keys served since."""
+        store = self._ctx.store
+        for pattern in self._restarted:
+            store.new_round(pattern)
+        for pattern, keys in self._newly_served.items():
+            for key in sorted(keys):
+                store.note_served(pattern, key)
+        self._restarted = set()
+        self._newly_served = {}
 
     def _hold_all(self, name: str, patterns: tuple[str, ...]) -> None:
         """Every job of `name` is held, by each of `patterns`, whatever it costs."""
@@ -410,33 +568,34 @@ class Holds:
                 # one test of the pattern instead of a list without end.
                 self._held_patterns.add(pattern)
 
-    def _hold_for(self, name: str, pattern: str, key: str, per_key: bool) -> tuple[str, str] | None:
+    def _hold_for(
+        self, name: str, pattern: str, key: str, per_key: bool
+    ) -> list[tuple[str, str]]:
         """Every job of `name` that a limit holds whatever it costs: of any
-        key, or of `key` alone for a per-key limit. The pair or keyed
-        pattern it adds to the lists, if any."""
+        key, or of `key` alone for a per-key limit. What it adds to the
+        lists of one key's holds (a name, and past
+        HELD_NAMES_BY_PATTERN names the pattern, each with the key)."""
         if not per_key:
             self._hold_all(name, (pattern,))
-            return None
-        if (pattern, key) in self._held_keyed:
-            return None
-        pair = (name, key)
-        if pair in self._held_pairs:
-            return None
-        self._held_pairs.add(pair)
+            return []
+        if (pattern, key) in self._held_keyed or (name, key) in self._held_pairs:
+            return []
+        added = [(name, key)]
+        self._held_pairs.add((name, key))
         count = self._pairs_by_pattern.get((pattern, key), 0) + 1
         self._pairs_by_pattern[pattern, key] = count
         if count >= HELD_NAMES_BY_PATTERN:
             self._held_keyed.add((pattern, key))
-            return (pattern, key)
-        return pair
+            added.append((pattern, key))
+        return added
 
     def _hold_turn(self, name: str, pattern: str, key: str) -> None:
         """A fair pattern has served `key` in this round: its jobs wait for
         the next, which begins when no other key's job is left (new_rounds)."""
+        self.waiting_turn = (pattern, key)
         self._fair_keys.setdefault(pattern, set()).add(key)
         added = self._hold_for(name, pattern, key, per_key=True)
-        if added is not None:
-            self._fair_holds.setdefault(pattern, set()).add(added)
+        self._fair_holds.setdefault(pattern, set()).update(added)
 
     def _verdict(self, name: str) -> flow.Verdict | None:
         found = self._index.cached(name)
@@ -451,21 +610,32 @@ class Holds:
             self._locked = True
             self._ctx.store.hold_limits()
 
+    def _read(self, rows: int) -> bool:
+        """Spend what a read of `rows` rows costs."""
+        return self._budget.spend(flow.USAGE_COST + ROW_COST * rows)
+
     def _used(self, pattern: str, key: str, per_key: bool) -> int | None:
-        if (pattern, key) not in self._usage:
-            if self._all_read:
-                # Every (name, key) with a running job was read.
-                self._usage[pattern, key] = 0
-                return 0
-            self._lock()
-            if len(self._usage) == USAGES_ONE_BY_ONE and not self._read_all_tried:
-                return self._used_of_all(pattern, key, per_key)
-            if not self._budget.spend(flow.usage_cost(pattern)):
+        if (pattern, key) in self._usage:
+            return self._usage[pattern, key]
+        if self._all_read or pattern in self._usage_read:
+            # Every (name, key) with a running job was read.
+            return self._usage.setdefault((pattern, key), 0)
+        self._lock()
+        if len(self._usage) >= USAGES_ONE_BY_ONE and not self._read_all_tried:
+            return self._used_of_all(pattern, key, per_key)
+        if per_key:
+            # Every key's at once: one statement, however many keys.
+            by_key = self._ctx.store.usage_by_key(pattern, self._ctx.now_ms)
+            if not self._read(len(by_key)):
                 return None
-            self._usage[pattern, key] = self._ctx.store.usage(
-                pattern, self._ctx.now_ms, key if per_key else None
-            )
-        return self._usage[pattern, key]
+            self._usage.update(((pattern, k), cost) for k, cost in by_key.items())
+            self._usage_read.add(pattern)
+            return self._usage.setdefault((pattern, key), 0)
+        if not self._budget.spend(flow.usage_cost(pattern)):
+            return None
+        used = self._ctx.store.usage(pattern, self._ctx.now_ms)
+        self._usage[pattern, key] = used
+        return used
 
     def _used_of_all(self, pattern: str, key: str, per_key: bool) -> int | None:
         """Every limit's usage at once, from the running jobs' costs by name
@@ -475,8 +645,8 @@ class Holds:
         self._read_all_tried = True
         by_name = self._ctx.store.usage_by_name(self._ctx.now_ms, MOST_RUNNING_NAMES)
         if len(by_name) > MOST_RUNNING_NAMES:
-            # More running names than a search may read: one by one again,
-            # each limit's usage an index range of its own.
+            # More running names than a search may read: each limit's
+            # usage an index range of its own again.
             return self._used(pattern, key, per_key)
         if not self._budget.spend(flow.USAGE_SCAN_COST + len(by_name)):
             return None
@@ -497,29 +667,35 @@ class Holds:
         return usage.setdefault((pattern, key), 0)
 
     def _window(self, pattern: str, key: str, rate: Rate) -> _Window | None:
-        """The hand-outs of a rate's current window (of one key)."""
-        window = self._rates.get((pattern, key))
-        if window is None:
+        """The hand-outs of a rate's current window (of one key): every
+        key's read at once."""
+        if pattern not in self._rates_read:
             self._lock()
-            if not self._budget.spend(flow.USAGE_COST):
-                return None
             ctx = self._ctx
-            since = times.to_millis(
-                times.parse_stored(ctx.now_ms) - timedelta(milliseconds=rate.window_ms)
-            )
-            count, earliest = ctx.store.handouts_since(pattern, key, since)
-            window = self._rates[pattern, key] = _Window(count, earliest or ctx.now_ms)
-        return window
+            since = _before(ctx.now_ms, rate.window_ms)
+            by_key = ctx.store.handouts_by_key(pattern, since)
+            if not self._read(len(by_key)):
+                return None
+            for counted_key, (count, earliest) in by_key.items():
+                self._rates[pattern, counted_key] = _Window(count, earliest)
+            self._rates_read.add(pattern)
+        return self._rates.setdefault((pattern, key), _Window(0, self._ctx.now_ms))
 
-    def _served_now(self, pattern: str, key: str) -> bool | None:
-        """Whether a fair pattern has served `key` in its current round."""
-        served = self._served.get((pattern, key))
+    def _served_keys(self, pattern: str) -> set[str] | None:
+        """The keys a fair pattern has served in its current round."""
+        served = self._served.get(pattern)
         if served is None:
             self._lock()
-            if not self._budget.spend(flow.USAGE_COST):
+            keys = self._ctx.store.served_keys(pattern)
+            if not self._read(len(keys)):
                 return None
-            served = self._served[pattern, key] = self._ctx.store.served(pattern, key)
+            served = self._served[pattern] = set(keys)
         return served
+
+
+def _before(moment: str, window_ms: int) -> str:
+    """The moment `window_ms` before `moment` (stored text, UTC)."""
+    return times.to_millis(times.parse_stored(moment) - timedelta(milliseconds=window_ms))
 
 
 @dataclass
