@@ -147,9 +147,13 @@ def test_every_method_on_one_kept_connection(loop, server):
             assert (await jobs.query_job(child))["state"] == "CANCELLED"
 
             await jobs.pause_jobs("x/*")
-            await jobs.set_limit("x/*", 2)
+            await jobs.set_limit("x/*", 2, rate="10/1m", per_key=True)
             status = await jobs.status()
-            assert (status["paused"], status["limits"]["x/*"]["max"]) == (["x/*"], 2)
+            assert (status["paused"], status["limits"]["x/*"]) == (
+                ["x/*"], {"max": 2, "rate": "10/1m", "perKey": True, "running": 0})
+            keyed = await jobs.create_job("x/keyed", key="acme")
+            [also] = await jobs.create_jobs([{"name": "x/keyed", "key": "globex"}])
+            assert [(await jobs.query_job(j))["key"] for j in (keyed, also)] == ["acme", "globex"]
             await jobs.resume_jobs("x/*")
             assert "a" in {queue["queue"] for queue in (await jobs.queues())["queues"]}
             rows = await jobs.query(f"SELECT name FROM jobs WHERE jobID = {parent};")

@@ -561,6 +561,41 @@ def test_pause_resume_and_set_limit(cli_here, jobs):
                      "--cost", "2")
 
 
+def test_set_limit_takes_a_rate_per_key_and_fair_and_create_a_key(cli_here, jobs):
+    assert cli_here.ok("set-limit", "mail/*", "1", "--rate", "100/1m", "--per-key",
+                       "--fair") == {}
+    assert jobs.status()["limits"] == {"mail/*": {
+        "max": 1, "rate": "100/1m", "perKey": True, "fair": True, "running": 0}}
+    acme = cli_here.ok("create", "mail/a", "--key", "acme")["jobID"]
+    cli_here.ok("create", "mail/b", "--key", "acme")
+    globex = cli_here.ok("create", "mail/c", "--key", "globex")["jobID"]
+    assert cli_here.ok("query", str(acme))["key"] == "acme"
+    # One running job per key: acme's second waits.
+    taken = cli_here.ok("get", "mail/*", "--count", "5")["jobs"]
+    assert {job["jobID"] for job in taken} == {acme, globex}
+    # A rate alone needs no MAX; each run replaces the whole limit.
+    assert cli_here.ok("set-limit", "mail/*", "--rate", "2/1h") == {}
+    assert jobs.status()["limits"]["mail/*"] == {"max": 0, "rate": "2/1h", "running": 2}
+    assert cli_here.ok("set-limit", "mail/*", "--fair") == {}
+    assert jobs.status()["limits"]["mail/*"] == {"max": 0, "fair": True, "running": 2}
+    assert cli_here.ok("set-limit", "mail/*", "0") == {}
+    assert jobs.status()["limits"] == {}
+
+
+def test_create_from_takes_each_lines_key(cli_here, jobs, tmp_path):
+    lines = tmp_path / "jobs.jsonl"
+    lines.write_text('{"name": "t/a", "key": "acme"}\n{"name": "t/b"}\n')
+    first, second = cli_here.ok("create", "--from", str(lines))["jobIDs"]
+    assert jobs.query_job(first)["key"] == "acme"
+    assert "key" not in jobs.query_job(second)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"name": "t/c"}\n{"name": "t/d", "key": "a\\tb"}\n')
+    done = cli_here("create", "--from", str(bad))
+    assert done.returncode == 2 and "402 Malformed key" in done.stderr, done
+    # A batch is created all or none.
+    assert jobs.status()["jobs"] == {"QUEUED": 2}
+
+
 def test_ping_and_queues(cli_here, jobs, capsys):
     assert cli_here.ok("ping") == {}
     jobs.create_jobs([{"name": "email/send"}, {"name": "email/bounce"}, {"name": "report"}])
@@ -1019,6 +1054,20 @@ OUT_OF_RANGE = [
     (["set-limit", "a\tb", "1"], "argument PATTERN: must be a GLOB pattern"),
     (["set-limit", "a", "-1"], "argument MAX: must be a whole number from 0 to 1000000000"),
     (["set-limit", "a", "1000000001"], "argument MAX: must be a whole number from 0"),
+    (["set-limit", "a"], "give MAX, --rate or --fair (MAX 0 alone removes the limit)"),
+    (["set-limit", "a", "--per-key"], "give MAX, --rate or --fair"),
+    (["set-limit", "a", "0", "--per-key"], "--per-key needs MAX above 0, --rate or --fair"),
+    (["set-limit", "a", "--rate", "5/1w"],
+     "argument --rate: must be N/DURATION, N 1 to 10000 per 1s to 1d (a number of s, m, h or "
+     "d), such as 100/1m, not '5/1w'"),
+    (["set-limit", "a", "--rate", "10001/1s"], "argument --rate: must be N/DURATION"),
+    (["set-limit", "a", "--rate", "1/2d"], "argument --rate: must be N/DURATION"),
+    (["set-limit", "a", "--rate", "0/1s"], "argument --rate: must be N/DURATION"),
+    (["create", "x", "--key", "k" * 256],
+     "argument --key: must be at most 255 bytes without control characters"),
+    (["create", "x", "--key", "a\tb"], "argument --key: must be at most 255 bytes"),
+    (["create", "--from", "-", "--key", "a"],
+     "--from takes each job from its line: --key cannot go with it"),
     (["queues", "--limit", "0"], "argument --limit: must be a whole number from 1 to 1000"),
     (["top", "--interval", "0.05"], "argument --interval: must be a number from 0.1 to 3600"),
     (["top", "--interval", "3601"], "argument --interval: must be a number from 0.1 to 3600"),
@@ -1057,6 +1106,9 @@ def test_options_out_of_range_are_usage_errors(args, message, capsys):
     ["get", "nothing", "--count", "1000"],
     ["set-limit", "p" * 255, "1000000000"],
     ["set-limit", "p", "0"],
+    ["set-limit", "p", "--rate", "10000/1d", "--per-key", "--fair"],
+    ["set-limit", "p", "1000000000", "--rate", "1/1s"],
+    ["create", "x", "--key", "k" * 255],
     ["queues", "--limit", "1000"],
     ["top", "--once", "--limit", "1000", "--interval", "3600"],
     ["create", "x", "--cost", "1000000", "--max-attempts", "10000",

@@ -803,6 +803,48 @@ def test_flow_control_methods(server):
             jobs.set_limit("mail/*", -1)
 
 
+def test_set_limit_takes_a_rate_per_key_and_fair_and_create_takes_a_key(server):
+    with Client("127.0.0.1", server.port, timeout=10) as jobs:
+        jobs.set_limit("mail/*", 1, rate="100/1m", per_key=True, fair=True)
+        assert jobs.status()["limits"]["mail/*"] == {
+            "max": 1, "rate": "100/1m", "perKey": True, "fair": True, "running": 0}
+        acme = jobs.create_job("mail/a", key="acme")
+        assert jobs.query_job(acme)["key"] == "acme"
+        jobs.create_job("mail/b", key="acme")
+        globex = jobs.create_jobs([{"name": "mail/c", "key": "globex"}])[0]
+        # One running job per key: acme's second waits, globex's goes.
+        assert {job["jobID"] for job in jobs.get_jobs("mail/*", 5)} == {acme, globex}
+        # A rate alone needs no max; set again, the limit is replaced whole.
+        jobs.set_limit("api/*", rate="2/1h")
+        assert jobs.status()["limits"]["api/*"] == {"max": 0, "rate": "2/1h", "running": 0}
+        jobs.set_limit("api/*", 0)
+        assert "api/*" not in jobs.status()["limits"]
+
+
+@pytest.mark.parametrize("call, refused", [
+    (lambda c: c.set_limit("x/*", rate="5/1w"), "402 Malformed rate (N/DURATION: 1 to 10000 "
+     "per 1s to 1d, as 100/1m)"),
+    (lambda c: c.set_limit("x/*", rate="10001/1s"), "402 Malformed rate"),
+    (lambda c: c.create_job("x/a", key="a\nb"), "402 Malformed key"),
+    (lambda c: c.create_job("x/a", key="k" * 256), "402 Key too large"),
+    (lambda c: c.create_jobs([{"name": "x/a", "key": "a\tb"}]), "402 Malformed key"),
+])
+def test_a_bad_rate_or_key_is_refused_by_the_server(server, call, refused):
+    with Client("127.0.0.1", server.port, timeout=10) as jobs:
+        with pytest.raises(InvalidRequest) as error:
+            call(jobs)
+        assert error.value.status.startswith(refused), error.value.status
+        assert jobs.status()["limits"] == {} and jobs.status()["jobs"] == {}
+
+
+def test_per_key_alone_is_refused_before_sending(server):
+    with Client("127.0.0.1", server.port, timeout=10) as jobs:
+        jobs.set_limit("x/*", 3)
+        with pytest.raises(ValueError, match="per_key needs max, rate or fair"):
+            jobs.set_limit("x/*", per_key=True)
+        assert jobs.status()["limits"]["x/*"]["max"] == 3
+
+
 async def test_async_flow_control_methods(server):
     async with TrioClient("127.0.0.1", server.port, timeout=10) as jobs:
         await jobs.pause_jobs("x*")
@@ -810,6 +852,11 @@ async def test_async_flow_control_methods(server):
         await jobs.resume_jobs("x*")
         await jobs.set_limit("x*", 2)
         assert (await jobs.status())["limits"]["x*"]["max"] == 2
+        await jobs.set_limit("x*", rate="5/1s", per_key=True, fair=True)
+        assert (await jobs.status())["limits"]["x*"] == {
+            "max": 0, "rate": "5/1s", "perKey": True, "fair": True, "running": 0}
+        job_id = await jobs.create_job("x1", key="tenant-1")
+        assert (await jobs.query_job(job_id))["key"] == "tenant-1"
 
 
 # TLS.

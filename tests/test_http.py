@@ -283,6 +283,56 @@ def test_the_api_checks_bodies_against_the_openapi_document(http_server: ThreadS
     assert api(http_server, "createjob", {"name": "x"})[0] == 200
 
 
+def test_the_api_sets_rates_per_key_and_fair_limits_and_creates_keyed_jobs(
+    http_server: ThreadServer,
+) -> None:
+    limit = {"name": "mail/*", "max": 1, "rate": "100/1m", "perKey": True, "fair": True}
+    assert api(http_server, "SetLimit", limit)[0] == 200
+    code, _, body = api(http_server, "CreateJob", {"name": "mail/a", "key": "acme"})
+    acme = json.loads(body)["jobID"]
+    code, _, body = api(http_server, "CreateJobs", {"jobs": [
+        {"name": "mail/b", "key": "acme"}, {"name": "mail/c", "key": "globex"}]})
+    globex = json.loads(body)["jobIDs"][1]
+    code, _, body = api(http_server, "QueryJob", {"jobID": acme})
+    assert (code, json.loads(body)["key"]) == (200, "acme")
+    # One running job per key: acme's second waits.
+    code, _, body = api(http_server, "GetJobs", {"name": "mail/*", "numResults": 5})
+    assert {job["jobID"] for job in json.loads(body)["jobs"]} == {acme, globex}
+    # max may be left out beside a rate.
+    assert api(http_server, "SetLimit", {"name": "api/*", "rate": "5/1s"})[0] == 200
+    code, _, body = api(http_server, "Status")
+    assert json.loads(body)["limits"] == {
+        "api/*": {"max": 0, "rate": "5/1s", "running": 0},
+        "mail/*": {"max": 1, "rate": "100/1m", "perKey": True, "fair": True, "running": 2},
+    }
+
+
+def test_the_api_refuses_a_bad_rate_or_key(http_server: ThreadServer) -> None:
+    # What the OpenAPI document describes is refused before the command runs.
+    for command, params, named in (
+        ("SetLimit", {"name": "x", "rate": "5/1w"}, "rate"),
+        ("SetLimit", {"name": "x", "max": 1, "perKey": "yes"}, "perKey"),
+        ("CreateJob", {"name": "x", "key": "k" * 256}, "key"),
+        ("CreateJobs", {"jobs": [{"name": "x", "key": 7}]}, "key"),
+    ):
+        code, _, reply = api(http_server, command, params)
+        assert code == 400 and named in json.loads(reply)["error"], (params, reply)
+    # What it cannot (a rate's bounds, a key's bytes) the wire refuses.
+    for command, params, status in (
+        ("SetLimit", {"name": "x", "rate": "10001/1s"},
+         "402 Malformed rate (N/DURATION: 1 to 10000 per 1s to 1d, as 100/1m)"),
+        ("SetLimit", {"name": "x", "rate": "1/2d"}, "402 Malformed rate"),
+        ("SetLimit", {"name": "x"}, "402 Missing max"),
+        ("CreateJob", {"name": "x", "key": "\u00e9" * 128}, "402 Key too large"),
+        ("CreateJob", {"name": "x", "key": "a\nb"}, "402 Malformed key"),
+    ):
+        code, headers, _ = api(http_server, command, params)
+        assert (code, headers["Jobserver-Status"][:len(status)]) == (402, status), params
+    assert job_count(http_server) == 0
+    code, _, body = api(http_server, "Status")
+    assert json.loads(body)["limits"] == {}
+
+
 def test_the_api_wants_the_token(tmp_path: Path) -> None:
     server = ThreadServer(tmp_path / "jobs.db", http_port=0, auth_token="s3cret")
     try:

@@ -66,6 +66,21 @@ def test_the_server_serves_the_document(http_server: ThreadServer) -> None:
     assert {c.lower() for c in commands} == wire
 
 
+def test_every_parameter_a_command_reads_is_described() -> None:
+    """A parameter added to a wire command (SetLimit's rate, CreateJob's key)
+    is refused over HTTP until the document lists it: it must be listed."""
+    from jobserver.core.commands.known_headers import KNOWN_HEADERS
+
+    # Backup reads `path` only to refuse it with advice (protocol.md 14.18).
+    unlisted = {("backup", "path")}
+    for command, (_, _, params) in openapi.COMMANDS.items():
+        described = {param.name.lower() for param in params}
+        reads = KNOWN_HEADERS[command.lower()]
+        missing = {name for name in reads - described if (command.lower(), name) not in unlisted}
+        assert not missing, (command, missing)
+        assert described <= reads, (command, described - reads)
+
+
 @schema.parametrize()
 @settings(
     max_examples=EXAMPLES,

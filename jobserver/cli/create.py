@@ -14,6 +14,7 @@ from jobserver.cli.options import (
     add_priority,
     idempotency_key,
     job_id,
+    job_key,
     json_object,
     number,
     retry_seconds,
@@ -51,7 +52,7 @@ def add_parser(command: CommandAdder) -> None:
         "create a job, or many from JSON lines",
         'Create a job and print {"jobID": N}. With --from, create a job for each line '
         "of FILE (- for standard input), a JSON object with CreateJobs' fields such as "
-        '{"name": "email/send", "data": {"to": "ann"}, "jobPriority": 1000}, in '
+        '{"name": "email/send", "data": {"to": "ann"}, "jobPriority": 1000, "key": "acme"}, in '
         f"CreateJobs batches of up to {create_from.BATCH_JOBS}, and print "
         '{"jobIDs": [...]} in line order. Every line is checked before anything is sent: a '
         "bad one is named, exit 2, and nothing is created. If the server refuses a batch, "
@@ -143,13 +144,21 @@ def _add_retry_policy_options(create: argparse.ArgumentParser) -> None:
 
 
 def _add_flow_options(create: argparse.ArgumentParser) -> None:
-    """Cost and time windows (protocol.md 14.7, 14.8)."""
+    """Cost, key and time windows (protocol.md 14.7, 14.8, 14.23)."""
     create.add_argument(
         "--cost",
         type=number(int, 1, MAX_COST),
         metavar="N",
         help=f"what it counts against each concurrency limit its name matches while it "
         f"runs, 1 to {MAX_COST} (default: 1)",
+    )
+    create.add_argument(
+        "--key",
+        type=job_key,
+        metavar="KEY",
+        help="whose job it is (a tenant, a customer), at most 255 bytes: a limit set "
+        "--per-key counts each key apart, a --fair one rotates between keys "
+        "(default: none)",
     )
     create.add_argument(
         "--time-windows",
@@ -213,6 +222,7 @@ def _create_one(client: Client, args: argparse.Namespace, key: str) -> int:
         time_zone=args.time_zone,
         overwrite=not args.no_overwrite,
         idempotency_key=key,
+        key=args.key,
     )
 
 
@@ -232,7 +242,7 @@ def _create_from(client: Client, path: str, key: str) -> dict[str, list[int]]:
 _JOB_OPTIONS = (
     "data", "first_run", "repeat", "priority", "retry_after", "parent", "unique",
     "no_overwrite", "max_attempts", "retry_backoff", "retry_delay", "retry_max_delay",
-    "cost", "time_windows", "time_zone",
+    "cost", "key", "time_windows", "time_zone",
 )
 
 # create's options that mean nothing without another, by their dests.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from jobserver.cli.client_command import CommandAdder, Text
+from jobserver.cli.client_command import CommandAdder, Text, add_check
 from jobserver.cli.options import (
     JOB_ID_HELP,
     JOB_NAMES_HELP,
@@ -18,9 +18,11 @@ from jobserver.cli.options import (
     json_object,
     number,
     pattern,
+    rate,
     reply_key,
 )
 from jobserver.client import Client
+from jobserver.model.limits import MAX_RATE
 from jobserver.wire import last_error
 from jobserver.wire.limits import (
     DEFAULT_LISTED,
@@ -150,19 +152,56 @@ def _add_flow_control(command: CommandAdder) -> None:
     set_limit = command(
         "set-limit",
         _set_limit,
-        "set, change or remove a concurrency limit",
-        "Let jobs whose name matches PATTERN together cost at most MAX while they run "
-        "(SetLimit); MAX 0 removes the limit. Stored, so it survives a restart, and it "
-        "takes precedence over a 'serve --limit' for the same pattern; 'jobserver status' "
-        "lists limits with their use. Prints {}.",
+        "set, change or remove a limit: capacity, rate, per key, fair",
+        "Limit the jobs whose name matches PATTERN (SetLimit, protocol.md 14.7 and 14.23): "
+        "together they cost at most MAX while they run; with --rate N/DURATION, at most N of "
+        "them are handed out in any window of DURATION; with --per-key, MAX and the rate "
+        "count each job's key (create --key) apart; with --fair, hand-outs rotate between "
+        "keys, so one key's many jobs do not hold up another's few. Each run replaces the "
+        "pattern's whole limit: an option left out is off. MAX may be left out beside "
+        "--rate or --fair (no capacity); MAX 0 alone removes the limit. Stored, so it "
+        "survives a restart, and it takes precedence over a 'serve --limit' for the same "
+        "pattern; 'jobserver status' lists limits as set, with their use. Prints {}.",
     )
     set_limit.add_argument("pattern", type=pattern, metavar="PATTERN", help=ONE_PATTERN_HELP)
     set_limit.add_argument(
         "max",
         type=number(int, 0, MAX_CAPACITY),
         metavar="MAX",
-        help=f"the capacity, 0 to {MAX_CAPACITY}; 0 removes the limit",
+        nargs="?",
+        help=f"the capacity in units of cost, 0 to {MAX_CAPACITY}; 0 alone removes the limit "
+        "(required unless --rate or --fair is given; default then: no capacity)",
     )
+    set_limit.add_argument(
+        "--rate",
+        type=rate,
+        metavar="N/DURATION",
+        help="hand out at most N matching jobs in any window of DURATION, across every "
+        f"node: N 1 to {MAX_RATE}, DURATION 1s to 1d, as 5/1s, 100/1m, 1000/1h; a job held "
+        "stays QUEUED (default: no rate)",
+    )
+    set_limit.add_argument(
+        "--per-key",
+        action="store_true",
+        help="count MAX and --rate for each job key apart: 'mail/* 2 --per-key' runs at "
+        "most two mail jobs of each key at once (default: all keys together)",
+    )
+    set_limit.add_argument(
+        "--fair",
+        action="store_true",
+        help="rotate hand-outs between keys, a round at a time (default: in queue order)",
+    )
+    add_check(set_limit, _limit_needs)
+
+
+def _limit_needs(args: argparse.Namespace) -> str | None:
+    """MAX, unless a rate or fairness holds the jobs; --per-key alone would
+    remove the limit, not set one. Said here, before sending."""
+    if args.max is None and not (args.rate or args.fair):
+        return "give MAX, --rate or --fair (MAX 0 alone removes the limit)"
+    if args.per_key and not (args.max or args.rate or args.fair):
+        return "--per-key needs MAX above 0, --rate or --fair"
+    return None
 
 
 def _add_deliver(command: CommandAdder) -> None:
@@ -232,7 +271,9 @@ def _resume(client: Client, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _set_limit(client: Client, args: argparse.Namespace) -> dict[str, Any]:
-    client.set_limit(args.pattern, args.max)
+    client.set_limit(
+        args.pattern, args.max or 0, rate=args.rate, per_key=args.per_key, fair=args.fair
+    )
     return {}
 
 

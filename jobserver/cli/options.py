@@ -15,6 +15,7 @@ from typing import Any
 from jobserver.client import MAX_SERVERS, TLS, parse_servers
 from jobserver.client.servers import Address
 from jobserver.model import globmatch
+from jobserver.model.limits import MAX_KEY, MAX_RATE, parse_rate
 from jobserver.model.names import has_control
 from jobserver.model.times import duration_text, parse_duration
 from jobserver.wire import jsonbody
@@ -223,6 +224,28 @@ def idempotency_key(text: str) -> str:
             f"not {text!r}"
         )
     return text
+
+
+def job_key(text: str) -> str:
+    """create's --key: whose job it is, at most 255 bytes of UTF-8 without
+    control characters, as the server takes it (protocol.md 14.23)."""
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_KEY or has_control(text):
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_KEY} bytes without control characters, not {text!r}"
+        )
+    return text
+
+
+def rate(text: str) -> str:
+    """set-limit's --rate: N/DURATION as SetLimit takes it (protocol.md 14.23)."""
+    try:
+        parse_rate(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be N/DURATION, N 1 to {MAX_RATE} per 1s to 1d (a number of s, m, h or d), "
+            f"such as 100/1m, not {text!r}"
+        ) from None
+    return text.strip()
 
 
 # Seconds as the server takes a retry delay: as many digits as RetryJob's

@@ -230,6 +230,7 @@ def create_job(
     time_zone: str | None,
     overwrite: bool,
     idempotency_key: str | None,
+    key: str | None,
 ) -> Call[int]:
     """Create a job; returns its jobID. `max_attempts` gives it a retry
     policy: FailJob queues it again after `retry_delay` seconds
@@ -238,8 +239,11 @@ def create_job(
     it counts against concurrency limits; `time_windows`
     ("01:00-05:00,22:00-23:30") keep it to those hours of `time_zone` (an
     IANA name, default UTC), which is also the zone of a CRON `repeat`
-    ("CRON 0 9 * * MON-FRI", protocol.md 6.1). With `unique`, the oldest job of this name is
-    reused, `data` merged into its data unless `overwrite` is False.
+    ("CRON 0 9 * * MON-FRI", protocol.md 6.1). `key` says whose job it is
+    (a tenant, a customer; at most 255 bytes, no control characters), for
+    limits set `per_key` or `fair` (set_limit). With `unique`, the oldest job
+    of this name is reused, `data` merged into its data unless `overwrite`
+    is False.
 
     The request carries an idempotency key (protocol.md 14.22):
     `idempotency_key`, or a random one. Under it the job is created once
@@ -268,6 +272,7 @@ def create_job(
         "cost": cost,
         "timeWindows": time_windows,
         "timeZone": time_zone,
+        "key": key,
         # Absent means true: only the refusal to overwrite is sent.
         "overwrite": None if overwrite else False,
         "idempotencyKey": _key(idempotency_key),
@@ -277,8 +282,8 @@ def create_job(
 
 def create_jobs(jobs: list[dict[str, Any]], idempotency_key: str | None) -> Call[list[int]]:
     """Create several jobs, all or none. Each dict holds CreateJob's
-    parameters by their protocol names (`name`, `data`, `jobPriority`...).
-    An idempotency key goes with the request as with create_job: the
+    parameters by their protocol names (`name`, `data`, `jobPriority`,
+    `key`...). An idempotency key goes with the request as with create_job: the
     jobs are created once however often it is sent."""
     params: dict[str, object] = {
         "jobs": jobs, "idempotencyKey": _key(idempotency_key),
@@ -535,9 +540,29 @@ def failed_jobs(pattern: str, limit: int | None) -> Call[list[dict[str, Any]]]:
     return Call("FailedJobs", {"name": pattern, "limit": limit}, _field("jobs"))
 
 
-def set_limit(pattern: str, capacity: int) -> Call[None]:
-    """At most `capacity` cost units of matching jobs run at once; 0 removes it."""
-    return Call("SetLimit", {"name": pattern, "max": capacity}, _nothing)
+def set_limit(
+    pattern: str, max: int, rate: str | None, per_key: bool, fair: bool
+) -> Call[None]:
+    """Limit the jobs whose name matches the GLOB `pattern` (protocol.md
+    14.7, 14.23): at most `max` cost units of them run at once (0: no
+    capacity); with `rate` ("N/DURATION", as "100/1m": N of 1 to 10,000 per
+    1s to 1d), at most N of them are handed out in any window of DURATION;
+    with `per_key`, `max` and `rate` count each job's `key` (create_job)
+    apart; with `fair`, hand-outs rotate between keys. Each call replaces
+    the pattern's whole limit, and `max` 0 without a rate and not fair
+    removes it. A malformed rate is InvalidRequest (402); `per_key` alone
+    is ValueError before sending: it would remove the limit, not set one."""
+    if per_key and not (max or rate or fair):
+        raise ValueError("per_key needs max, rate or fair: alone it holds nothing")
+    params: dict[str, object] = {
+        "name": pattern,
+        "max": max,
+        "rate": rate,
+        # Off is left out: SetLimit reads an absent switch as off.
+        "perKey": per_key or None,
+        "fair": fair or None,
+    }
+    return Call("SetLimit", params, _nothing)
 
 
 def pause_jobs(pattern: str) -> Call[None]:

@@ -63,12 +63,13 @@ class Client(Endpoint):
         time_zone: str | None = None,
         overwrite: bool = True,
         idempotency_key: str | None = None,
+        key: str | None = None,
     ) -> int:
         return self._call(
             calls.create_job(
                 name, data, first_run, repeat, priority, retry_after, unique, parent_job_id,
                 max_attempts, retry_backoff, retry_delay, retry_max_delay, cost, time_windows,
-                time_zone, overwrite, idempotency_key,
+                time_zone, overwrite, idempotency_key, key,
             )
         )
 
@@ -163,8 +164,16 @@ class Client(Endpoint):
         return self._call(calls.failed_jobs(pattern, limit))
 
     @documented_by(calls.set_limit)
-    def set_limit(self, pattern: str, capacity: int) -> None:
-        self._call(calls.set_limit(pattern, capacity))
+    def set_limit(
+        self,
+        pattern: str,
+        max: int = 0,
+        *,
+        rate: str | None = None,
+        per_key: bool = False,
+        fair: bool = False,
+    ) -> None:
+        self._call(calls.set_limit(pattern, max, rate, per_key, fair))
 
     @documented_by(calls.pause_jobs)
     def pause_jobs(self, pattern: str) -> None:

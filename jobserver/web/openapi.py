@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobserver import __version__
+from jobserver.model.limits import MAX_KEY, MAX_RATE
 from jobserver.wire.limits import (
     MAX_BULK,
     MAX_FINISH_JOBS,
@@ -101,6 +102,9 @@ _NEW_JOB = [
     *_RETRY_POLICY,
     Param("cost", {"type": "integer", "minimum": 1, "maximum": 1_000_000},
           "what the job counts against concurrency limits (14.7)"),
+    # maxLength counts characters; the server counts the key's bytes.
+    Param("key", {"type": "string", "maxLength": MAX_KEY, "examples": ["customer-17"]},
+          f"whose job it is, at most {MAX_KEY} bytes, for per-key and fair limits (14.23)"),
     Param("timeWindows", {"type": "string", "examples": ["22:00-06:00"]},
           "when the job may run, HH:MM-HH:MM, comma-separated (14.8)"),
     Param("timeZone", {"type": "string", "examples": ["Europe/Paris"]},
@@ -205,10 +209,18 @@ COMMANDS: dict[str, tuple[str, str, list[Param]]] = {
     "RequeueFailedJobs": ("Requeue FAILED jobs by pattern, queue or jobIDs", "14.19", _BULK),
     "DeleteFailedJobs": ("Delete FAILED jobs by pattern, queue or jobIDs", "14.19", _BULK),
     "CancelQueuedJobs": ("Cancel QUEUED jobs by pattern, queue or jobIDs", "14.19", _BULK),
-    "SetLimit": ("Set, change or remove a concurrency limit", "14.7", [
+    "SetLimit": ("Set, change or remove a limit: capacity, rate, per key, fair", "14.7", [
         Param("name", NAME, "the GLOB pattern the limit holds for", required=True),
         Param("max", {"type": "integer", "minimum": 0, "maximum": 1_000_000_000},
-              "the capacity; 0 removes the limit", required=True),
+              "the capacity; required unless rate or fair is given; 0 alone removes the "
+              "limit"),
+        # The grammar; the server checks the bounds (402 Malformed rate).
+        Param("rate", {"type": "string", "pattern": "^[0-9]{1,5}/[0-9]{1,5}[smhd]$",
+                       "examples": ["100/1m"]},
+              f"at most N hand-outs in any window of DURATION: N/DURATION, N 1 to {MAX_RATE}, "
+              "DURATION 1s to 1d (14.23)"),
+        Param("perKey", FLAG, "max and rate count each job key apart (14.23)"),
+        Param("fair", FLAG, "hand-outs rotate between keys (14.23)"),
     ]),
     "PauseJobs": ("Stop handing out jobs of a pattern", "14.9", [
         Param("name", NAME, "the GLOB pattern to pause", required=True),
