@@ -669,6 +669,23 @@ def test_top_once_shows_the_headline_and_the_queues_with_their_ages(cli_here, jo
     assert "... and 1 more queue (--limit)" in shorter
 
 
+def test_top_once_shows_each_limits_rate_keys_and_fairness_with_their_use(cli_here, jobs):
+    jobs.request("SetLimit", {"name": "api/*", "max": 2, "rate": "2/1h", "perKey": "true",
+                              "fair": "true"})
+    jobs.request("SetLimit", {"name": "hooks/*", "rate": "5/1m"})
+    jobs.set_limit("report/*", 4)
+    jobs.create_jobs([{"name": "api/x", "key": key} for key in "aaab"] + [{"name": "hooks/x"}])
+    # a's rate is spent at 2 (its capacity too), b runs 1: 3 running, of 2 keys.
+    assert len(jobs.get_jobs("api/*", 10)) == 3
+    done = cli_here("top", "--once")
+    assert (done.returncode, done.stderr) == (0, "")
+    limits = next(line for line in done.stdout.splitlines() if line.startswith("limits: "))
+    assert limits == (
+        "limits: api/* 3 running (2 keys; 2 a key), rate 2 of 2/1h a key, fair; "
+        "hooks/* 0 running, rate 0 of 5/1m; report/* 0/4"
+    )
+
+
 @pytest.mark.parametrize("seconds, shown", [
     (None, "-"), (0, "0.0s"), (12.345, "12.3s"), (59.96, "1m00s"), (184, "3m04s"),
     (3599.4, "59m59s"), (3599.6, "1h00m"), (86399, "23h59m"), (2 * 86400 + 3 * 3600, "2d03h"),

@@ -18,6 +18,7 @@ from driver import LATER, NOW, PAST, create, job, open_store, transaction
 from jobserver import storage
 from jobserver.model.jobs import FlowOptions, JobChanges, State
 from jobserver.model.limits import Limit, Rate
+from jobserver.storage import sql
 from jobserver.storage.interface import Storage
 from jobserver.storage.postgres import PostgresStore
 
@@ -232,10 +233,37 @@ def test_find_matching_running_by_name_and_queue_stats(store: Storage) -> None:
         store.pause("r/*")
     assert [j.jobID for j in store.find_matching("q/*", 10)] == [a2, a1]
     assert [j.jobID for j in store.find_matching("r/b", 10)] == [b1]
-    assert store.running_by_name(NOW) == [("q/a", 1)]
+    assert store.running_by_name(NOW) == [("q/a", "", 1)]
     counts, oldest, held = store.queue_stats(NOW)
     assert counts == {("q", "RUNNING"): 1, ("q", "QUEUED"): 1, ("r", "QUEUED"): 1}
     assert (oldest, held) == ({}, {"r": 1})
+
+
+def test_running_by_name_and_key_and_the_busiest_key_of_each_rate_window(
+    store: Storage,
+) -> None:
+    ids = create(
+        store,
+        job("m/x", flow=FlowOptions(cost=2, key="k1")),
+        job("m/x", flow=FlowOptions(key="k2")),
+        job("m/x", flow=FlowOptions(key="k2")),
+    )
+    with transaction(store):
+        store.set_state_if(ids, [State.QUEUED], State.RUNNING)
+        for at in ("2030-01-01 00:00:01", "2030-01-01 00:00:05", "2030-01-01 00:00:06"):
+            store.note_handout("m/*", "k1", at, PAST)
+        store.note_handout("m/*", "k2", "2030-01-01 00:00:07", PAST)
+        store.note_handout("all", "", "2030-01-01 00:00:02", PAST)
+        store.note_handout("zz", "", "2030-01-01 00:00:02", PAST)
+    assert sorted(store.running_by_name(NOW)) == [("m/x", "k1", 2), ("m/x", "k2", 2)]
+    # A window holds the hand-outs after its start; of its busiest key.
+    assert store.handouts_in_windows({"m/*": "2030-01-01 00:00:01", "all": PAST}) == {
+        "m/*": 2, "all": 1
+    }
+    assert store.handouts_in_windows({"all": "2030-01-01 00:00:02", "none": PAST}) == {}
+    # More rates than one statement reads: "zz" is read by the second.
+    many = {f"p{n}": PAST for n in range(sql.WINDOWS_PER_STATEMENT)}
+    assert store.handouts_in_windows({**many, "zz": PAST, "all": PAST}) == {"all": 1, "zz": 1}
 
 
 # Two nodes on one PostgreSQL schema.

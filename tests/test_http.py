@@ -401,6 +401,34 @@ def test_metrics_show_queues_states_ages_limits_and_pauses(http_server: ThreadSe
     assert figures[("jobserver_requests_total", (("code", "200"), ("command", "status")))] >= 1
 
 
+def test_metrics_show_rates_and_per_key_limits_by_pattern_never_by_key(
+    http_server: ThreadServer,
+) -> None:
+    with http_server.client() as client:
+        ok(client.request("SetLimit", name="api/*", rate="3/1m", perKey="true", max=2))
+        ok(client.request("SetLimit", name="plain", max=1))
+        jobs = [{"name": "api/call", "key": f"customer-{n % 4}"} for n in range(12)]
+        ok(client.request("CreateJobs", jobs=json.dumps(jobs)))
+        # Two of each key run (the max); then one of customer-0 ends and a third goes.
+        taken = ok(client.request("GetJobs", name="api/*", numResults=20)).json["jobs"]
+        assert len(taken) == 8
+        first = next(job for job in taken if job["key"] == "customer-0")
+        ok(client.request("FinishJob", jobID=first["jobID"]))
+        assert ok(client.request("GetJob", name="api/*")).json["key"] == "customer-0"
+    figures = scrape(http_server)
+    api = (("pattern", "api/*"),)
+    assert figures[("jobserver_limit_rate", api)] == 3
+    assert figures[("jobserver_limit_rate_window_seconds", api)] == 60
+    assert figures[("jobserver_limit_in_window", api)] == 3
+    assert figures[("jobserver_limit_keys_running", api)] == 4
+    assert figures[("jobserver_limit_running", api)] == 8
+    assert figures[("jobserver_limit_capacity", api)] == 2
+    # A plain limit has no rate and no keys; no series is labelled by key.
+    assert ("jobserver_limit_rate", (("pattern", "plain"),)) not in figures
+    assert ("jobserver_limit_keys_running", (("pattern", "plain"),)) not in figures
+    assert not [labels for _, labels in figures if "customer" in str(labels)]
+
+
 def test_metrics_age_grows_with_the_wait(http_server: ThreadServer) -> None:
     with http_server.client() as client:
         create(client, "old", firstRun="2020-01-01")

@@ -173,6 +173,35 @@ def test_a_fair_limit_rotates_among_three_keys_without_a_key(server: ThreadServe
             assert sorted(keys[turn : turn + 3]) == ["", "a", "b"], keys
 
 
+# What Status shows of them.
+
+
+def test_status_shows_each_rates_window_and_the_keys_running_under_a_limit(
+    server: ThreadServer | Nodes,
+) -> None:
+    """Read on any node: the busiest key's hand-outs in a per-key rate's
+    window, and how many keys run under a per-key limit."""
+    with server.client(timeout=60) as client:
+        ok(client.request("SetLimit", name="t/*", max=5, rate="3/1h", perKey="true"))
+        ok(client.request("SetLimit", name="all/*", rate="10/1h"))
+        ok(client.request("SetLimit", name="cap/*", max=2))
+        create_jobs(client, [{"name": "t/x", "key": "a"}] * 4 + [{"name": "t/x", "key": "b"}])
+        create_jobs(client, [{"name": "all/x"}] * 2)
+        taken = take(client, "t/*", 10)
+        assert sorted(job["key"] for job in taken) == ["a", "a", "a", "b"]
+        # b's job ends: its hand-out stays in the window, its key runs no more.
+        finish(client, [job for job in taken if job["key"] == "b"])
+        assert len(take(client, "all/*", 10)) == 2
+    with server.client(timeout=60) as other:
+        limits = ok(other.request("Status")).json["limits"]
+    assert limits == {
+        "t/*": {"max": 5, "rate": "3/1h", "perKey": True, "running": 3, "inWindow": 3,
+                "keys": 1},
+        "all/*": {"max": 0, "rate": "10/1h", "running": 2, "inWindow": 2},
+        "cap/*": {"max": 2, "running": 0},
+    }, limits
+
+
 # Several nodes (and connections) at once.
 
 
@@ -250,4 +279,4 @@ def test_bad_rates_keys_and_switches_are_refused_with_a_status_line(server: Thre
                           fair="true"))
         limits = ok(client.request("Status")).json["limits"]
         assert limits["s/*"] == {"max": 3, "rate": "100/1m", "perKey": True, "fair": True,
-                                 "running": 0}
+                                 "running": 0, "inWindow": 0, "keys": 0}

@@ -72,13 +72,14 @@ def add_parser(sub: Any) -> None:
         watch,
         "a live view of the queues, refreshed every second",
         "Show the server's headline (version, uptime, connections, waiting GetJobs, "
-        "jobs by state, paused patterns and limits) and its queues (a job name up to its "
-        "first '/'), the largest first, each with its jobs by state, total and how long "
-        "its oldest ready job has waited; the jobs running longest, with their workers "
-        "and last reports; and the idle workers, by the name they wait for; redrawn "
-        "every --interval until Ctrl-C. On a "
-        "terminal each frame replaces the last; otherwise frames are printed one after "
-        "another, a blank line between, without escape codes.",
+        "jobs by state, paused patterns, and limits with their use: running of the "
+        "capacity, hand-outs in the rate's window, keys running, fair) and its queues "
+        "(a job name up to its first '/'), the largest first, each with its jobs by "
+        "state, total and how long its oldest ready job has waited; the jobs running "
+        "longest, with their workers and last reports; and the idle workers, by the "
+        "name they wait for; redrawn every --interval until Ctrl-C. On a terminal each "
+        "frame replaces the last; otherwise frames are printed one after another, a "
+        "blank line between, without escape codes.",
         epilog=TOP_EXIT_HELP,
     )
     top.add_argument(
@@ -225,16 +226,35 @@ def _flow_control(status: dict[str, Any]) -> list[str]:
     paused = status.get("paused") or []
     if paused:
         lines.append("paused: " + ", ".join(_clean(p) for p in paused))
-    limits: dict[str, dict[str, int]] = status.get("limits") or {}
+    limits: dict[str, dict[str, Any]] = status.get("limits") or {}
     if limits:
         lines.append(
-            "limits: "
-            + ", ".join(
-                f"{_clean(pattern)} {use.get('running', 0)}/{use.get('max', '?')}"
-                for pattern, use in sorted(limits.items())
-            )
+            "limits: " + "; ".join(_limit(pattern, use) for pattern, use in sorted(limits.items()))
         )
     return lines
+
+
+def _limit(pattern: str, use: dict[str, Any]) -> str:
+    """One limit and its use: `report/* 1/4` (running of its capacity), or
+    `api/* 3 running (2 keys; 2 a key), rate 2 of 2/1h a key, fair`: a
+    per-key capacity is each key's, so all keys' running is not set
+    against it."""
+    running, most = use.get("running", 0), use.get("max", "?")
+    if use.get("perKey"):
+        each = f"; {most} a key" if most else ""
+        shown = f"{running} running ({use.get('keys', '?')} keys{each})"
+    elif most:
+        shown = f"{running}/{most}"
+    else:
+        shown = f"{running} running"
+    parts = [f"{_clean(pattern)} {shown}"]
+    if "rate" in use:
+        # The hand-outs in the window now, of the busiest key if per key.
+        a_key = " a key" if use.get("perKey") else ""
+        parts.append(f"rate {use.get('inWindow', '?')} of {_clean(str(use['rate']))}{a_key}")
+    if use.get("fair"):
+        parts.append("fair")
+    return ", ".join(parts)
 
 
 def _queue_table(body: dict[str, Any]) -> list[str]:

@@ -466,9 +466,15 @@ class Readers(Protocol):
         """Jobs by queue and state, each queue's oldest due nextRun that no
         paused pattern holds, and the due jobs they hold: it reads every job."""
 
-    def running_by_name(self, now: str) -> list[tuple[str, int]]:
-        """The cost of the running jobs, as `usage` counts it, by name, for
-        Status."""
+    def running_by_name(self, now: str) -> list[tuple[str, str, int]]:
+        """The cost of the running jobs, as `usage` counts it, by name and
+        key, for Status: (name, key, cost)."""
+
+    def handouts_in_windows(self, windows: Mapping[str, str]) -> dict[str, int]:
+        """For each rate's pattern, given where its window starts, the most
+        hand-outs in the window of any one key (of the one, '', of a rate
+        that counts keys together), for Status; a pattern with none in its
+        window is left out."""
 
     def ready_by_queue(self) -> dict[str, int]:
         """The jobs QUEUED or RUNQUEUED (due or not) by queue, for the

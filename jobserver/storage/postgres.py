@@ -595,10 +595,19 @@ class PostgresStore(SqlStore):
                 ).fetchall()
             }
 
-    def running_by_name(self, now: str) -> list[tuple[str, int]]:
+    def running_by_name(self, now: str) -> list[tuple[str, str, int]]:
         with connect(self._url, application_name=READ_APPLICATION) as db:
             rows = db.execute(sql.running_by_name(POSTGRES), (now,)).fetchall()
-        return [(str(name), int(cost)) for name, cost in rows]
+        return [(str(name), str(key), int(cost)) for name, key, cost in rows]
+
+    def handouts_in_windows(self, windows: Mapping[str, str]) -> dict[str, int]:
+        # One snapshot for every window: they are of the same moment.
+        with connect(self._url, application_name=READ_APPLICATION) as db, db.transaction():
+            db.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            return sql.read_windows(
+                POSTGRES, windows,
+                lambda statement, args: db.execute(statement, args).fetchall(),
+            )
 
     def find_matching(self, pattern: str, limit: int) -> list[Job]:
         with connect(self._url, application_name=READ_APPLICATION) as db:

@@ -11,7 +11,7 @@ is written that way in the schemas) serves only a query that says the same.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -157,8 +157,44 @@ POSTGRES = Dialect(
 
 
 def running_by_name(d: Dialect) -> str:
-    """The cost of the running jobs by name (Status); binds now."""
-    return f"SELECT name, SUM(cost) FROM jobs WHERE {d.holding()} GROUP BY name"
+    """The cost of the running jobs by name and key (Status); binds now."""
+    return f"SELECT name, key, SUM(cost) FROM jobs WHERE {d.holding()} GROUP BY name, key"
+
+
+# Rates whose windows one statement reads: two parameters each, well within
+# what either database binds in a statement.
+WINDOWS_PER_STATEMENT = 500
+
+
+def _handouts_in_windows(d: Dialect, rates: int) -> str:
+    """The most hand-outs of any one key in each rate's window (Status);
+    binds (pattern, the window's start) for each of `rates`. Each window is
+    a range of the handouts index, of every key of its pattern."""
+    windows = ", ".join(f"({d.mark}, {d.mark})" for _ in range(rates))
+    return (
+        f"WITH windows(pattern, since) AS (VALUES {windows}) "
+        "SELECT pattern, MAX(handed) FROM ("
+        "SELECT h.pattern, COUNT(*) AS handed FROM handouts h JOIN windows w "
+        "ON h.pattern = w.pattern AND h.at > w.since GROUP BY h.pattern, h.key"
+        ") AS byKey GROUP BY pattern"
+    )
+
+
+def read_windows(
+    d: Dialect,
+    windows: Mapping[str, str],
+    read: Callable[[str, list[str]], Iterable[Sequence[Any]]],
+) -> dict[str, int]:
+    """`handouts_in_windows` (storage.interface.Readers) in statements of
+    WINDOWS_PER_STATEMENT rates, each run by `read` (statement, arguments)."""
+    listed = sorted(windows.items())
+    found: dict[str, int] = {}
+    for first in range(0, len(listed), WINDOWS_PER_STATEMENT):
+        chunk = listed[first : first + WINDOWS_PER_STATEMENT]
+        args = [value for pair in chunk for value in pair]
+        for pattern, handed in read(_handouts_in_windows(d, len(chunk)), args):
+            found[str(pattern)] = int(handed)
+    return found
 
 
 def find_matching(d: Dialect, pattern: str, limit: int) -> Clause:

@@ -400,8 +400,11 @@ class Store(SqlStore):
     def queue_stats(self, now: str) -> QueueStats:
         return sqlite_readers.queue_stats(self.path, now, self.paused)
 
-    def running_by_name(self, now: str) -> list[tuple[str, int]]:
+    def running_by_name(self, now: str) -> list[tuple[str, str, int]]:
         return sqlite_readers.running_by_name(self.path, now)
+
+    def handouts_in_windows(self, windows: Mapping[str, str]) -> dict[str, int]:
+        return sqlite_readers.handouts_in_windows(self.path, windows)
 
     def ready_by_queue(self) -> dict[str, int]:
         return sqlite_readers.ready_by_queue(self.path)

@@ -310,12 +310,26 @@ def ready_by_queue(path: str) -> dict[str, int]:
         db.close()
 
 
-def running_by_name(path: str, now: str) -> list[tuple[str, int]]:
-    """The cost of the running jobs, as a limit's usage counts it, by name."""
+def running_by_name(path: str, now: str) -> list[tuple[str, str, int]]:
+    """The cost of the running jobs, as a limit's usage counts it, by name
+    and key."""
     db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
     try:
         rows = db.execute(sql.running_by_name(SQLITE), (now,))
-        return [(name, int(cost)) for name, cost in rows]
+        return [(name, key, int(cost)) for name, key, cost in rows]
+    finally:
+        db.close()
+
+
+def handouts_in_windows(path: str, windows: Mapping[str, str]) -> dict[str, int]:
+    """The most hand-outs of one key in each rate's window, in one read
+    transaction: every window of the same moment."""
+    db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
+    try:
+        db.execute("BEGIN")
+        return sql.read_windows(
+            SQLITE, windows, lambda statement, args: db.execute(statement, args).fetchall()
+        )
     finally:
         db.close()
 

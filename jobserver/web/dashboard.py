@@ -4,7 +4,8 @@ an incident.
 Pages (GET):
 
 - `/`: the server's status and its queues (refreshed every few seconds
-  from `/live`), failed jobs with their last errors, limits and pauses;
+  from `/live`), failed jobs with their last errors, limits (capacity,
+  rate, per key, fair, and their use) and pauses;
   an error is shown as text (wire/last_error.py: a worker's exit status,
   then the end of its stderr), its raw text one click away;
 - `/jobs/{id}`: one job, with its parent and children;
@@ -90,6 +91,21 @@ PAGE_HEADERS = {
     "Cache-Control": "no-store",
 }
 STATIC_TYPES = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8"}
+# The set-limit form's fields that SetLimit reads (protocol.md 14.7, 14.23),
+# and how its message names the switches.
+LIMIT_FIELDS = ("max", "rate", "perKey", "fair")
+LIMIT_SWITCHES = {"perKey": "per key", "fair": "fair"}
+
+
+def _limit_set(pattern: str, given: dict[str, str]) -> str:
+    """What a SetLimit the server took did: `given` are its fields."""
+    shown = [given["max"]] if given.get("max", "0") != "0" else []
+    if "rate" in given:
+        shown.append(f"rate {given['rate']}")
+    shown += [text for name, text in LIMIT_SWITCHES.items() if given.get(name) == "true"]
+    if not shown:
+        return f"Limit on {pattern} removed."
+    return f"Limit on {pattern} set to {', '.join(shown)}."
 
 
 def _json(reply: WireResponse, key: str | None = None) -> tuple[Any, str]:
@@ -126,6 +142,7 @@ class Dashboard:
         env.filters["since"] = texts.since_text
         env.filters["time"] = texts.time_html
         env.filters["error_lines"] = texts.error_lines
+        env.filters["rate_count"] = texts.rate_count
         env.globals["queue_paused"] = bulk_pages.queue_paused
         self._templates = Jinja2Templates(env=env)
         self._static = {
@@ -321,12 +338,14 @@ class Dashboard:
 
     async def _set_limit(self, request: Request, form: dict[str, str]) -> forms.Flash:
         pattern = forms.field(form, "name")
-        capacity = forms.field(form, "max").strip()
-        reply = await self._call(request, "SetLimit", name=pattern, max=capacity)
-        done = f"Limit on {pattern} removed." if capacity == "0" else (
-            f"Limit on {pattern} set to {capacity}."
-        )
-        return forms.outcome(reply, done, f"The limit on {pattern} was not set")
+        # The fields given, as they are: SetLimit judges them, and its
+        # refusal is the message.
+        given = {
+            name: form[name].strip() for name in LIMIT_FIELDS if form.get(name, "").strip()
+        }
+        reply = await self._call(request, "SetLimit", name=pattern, **given)
+        failed = f"The limit on {pattern} was not set"
+        return forms.outcome(reply, _limit_set(pattern, given), failed)
 
     def _guard(self, request: Request) -> Response | None:
         """A page saying why a POST is refused, or None if it may act."""

@@ -32,6 +32,7 @@ from jobserver.core.build import Core
 from jobserver.core.commands import queues
 from jobserver.core.engine.histogram import Histogram
 from jobserver.model import times
+from jobserver.model.limits import parse_rate
 from jobserver.wire.framing import Request
 
 MAX_QUEUES = 50
@@ -120,19 +121,58 @@ def _histogram(name: str, text: str, histogram: Histogram) -> Metric:
     )
 
 
-def _limits(limits: dict[str, dict[str, int]]) -> Iterator[Metric]:
+def _limits(limits: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """Each limit's figures by pattern, as Status shows them: never by key,
+    so a key per customer adds no series."""
     used = GaugeMetricFamily(
         "jobserver_limit_running", "Cost of running jobs under each concurrency limit",
         labels=["pattern"],
     )
     capacity = GaugeMetricFamily(
-        "jobserver_limit_capacity", "Capacity of each concurrency limit", labels=["pattern"]
+        "jobserver_limit_capacity", "Capacity of each concurrency limit (0: none)",
+        labels=["pattern"],
+    )
+    keys = GaugeMetricFamily(
+        "jobserver_limit_keys_running", "Keys with jobs running under each per-key limit",
+        labels=["pattern"],
     )
     for pattern, figures in sorted(limits.items()):
         used.add_metric([pattern], figures["running"])
         capacity.add_metric([pattern], figures["max"])
+        if "keys" in figures:
+            keys.add_metric([pattern], figures["keys"])
     yield used
     yield capacity
+    yield keys
+    yield from _rates(limits)
+
+
+def _rates(limits: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """Each rate as its count and window, so that `in_window / rate` is how
+    spent its window is."""
+    rate = GaugeMetricFamily(
+        "jobserver_limit_rate", "Hand-outs each rate limit allows in a window",
+        labels=["pattern"],
+    )
+    window = GaugeMetricFamily(
+        "jobserver_limit_rate_window_seconds", "The window of each rate limit",
+        labels=["pattern"],
+    )
+    handed = GaugeMetricFamily(
+        "jobserver_limit_in_window",
+        "Hand-outs in each rate limit's window now (of its busiest key, for a per-key rate)",
+        labels=["pattern"],
+    )
+    for pattern, figures in sorted(limits.items()):
+        if "rate" not in figures:
+            continue
+        allowed = parse_rate(figures["rate"])
+        rate.add_metric([pattern], allowed.count)
+        window.add_metric([pattern], allowed.window_ms / 1000)
+        handed.add_metric([pattern], figures["inWindow"])
+    yield rate
+    yield window
+    yield handed
 
 
 class Metrics:

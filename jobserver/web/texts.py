@@ -1,6 +1,6 @@
 """How the dashboard shows values to a person: durations, stored times
 and how far they are from now, a job's data as indented JSON, a last error
-as lines, a CRON job's next runs."""
+as lines, a CRON job's next runs, a rate's N."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ from markupsafe import Markup, escape
 from jobserver.core.rules import schedule
 from jobserver.model import cron, times
 from jobserver.model.jobs import Job
+from jobserver.model.limits import parse_rate
 from jobserver.wire import jsonbody, last_error
+
+
+def rate_count(rate: str) -> int:
+    """A rate's N as Status shows the rate (`100/1m`: 100): its window is
+    spent when its hand-outs reach it."""
+    return parse_rate(rate).count
 
 
 def pretty(data: str) -> str:

@@ -1,14 +1,16 @@
 """Ping and Status: what the server says of itself.
 
 Status reads its counts in the writer, one consistent look, and what
-running jobs use of each concurrency limit in a thread, on a connection of
-the store's own: matching every running job's name against every limit
-must hold up neither the writer nor the event loop.
+running jobs use of each limit, and the hand-outs in each rate's window,
+in a thread, on connections of the store's own: matching every running
+job's name against every limit, and counting every key's hand-outs, must
+hold up neither the writer nor the event loop.
 """
 
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Any
 
 import trio
@@ -55,19 +57,41 @@ async def status(services: Services, request: Request, peer: str) -> Answer:
 
 
 async def _limits_in_use(services: Services, limits: dict[str, Limit]) -> dict[str, Any]:
-    """Each limit and what running jobs use of it, one Status at a time."""
+    """Each limit and what is used of it, one Status at a time."""
     if not limits:
         return {}
-    now = times.to_millis(times.utcnow())
+    now = times.utcnow()
+    at = times.to_millis(now)
+    # Where each rate's window starts, as the hand-outs count it (selection.py).
+    windows = {
+        pattern: times.to_millis(now - timedelta(milliseconds=limit.rate.window_ms))
+        for pattern, limit in limits.items()
+        if limit.rate is not None
+    }
     store = services.store
-    running = await trio.to_thread.run_sync(
-        lambda: flow.running_under(limits, store.running_by_name(now)),
-        limiter=services.status_thread,
-    )
+
+    def read() -> tuple[dict[str, flow.Use], dict[str, int]]:
+        used = flow.running_under(limits, store.running_by_name(at))
+        return used, store.handouts_in_windows(windows) if windows else {}
+
+    used, handed = await trio.to_thread.run_sync(read, limiter=services.status_thread)
     return {
-        pattern: {**limit.describe(), "running": running[pattern]}
+        pattern: _shown(limit, used[pattern], handed.get(pattern, 0))
         for pattern, limit in sorted(limits.items())
     }
+
+
+def _shown(limit: Limit, use: flow.Use, handed: int) -> dict[str, object]:
+    """A limit as set, and what is used of it: the cost of its running
+    jobs; for a rate, the hand-outs in its window (of its busiest key, for
+    a per-key rate: how near the key nearest its rate is); for a per-key
+    limit, how many keys have jobs running under it."""
+    shown = {**limit.describe(), "running": use.running}
+    if limit.rate is not None:
+        shown["inWindow"] = handed
+    if limit.per_key:
+        shown["keys"] = use.keys
+    return shown
 
 
 def _snapshot(

@@ -208,23 +208,35 @@ def is_heavy(store: Storage) -> bool:
     return len(store.limits) + len(store.paused) > HEAVY_PATTERNS
 
 
-def running_under(limits: Iterable[str], running: Iterable[tuple[str, int]]) -> dict[str, int]:
-    """What running jobs, given as (name, cost), use of each limit: every
-    name against every pattern in one query, in C, which holds neither the
-    GIL nor the cache of names (Status reads every running job)."""
+@dataclass(frozen=True)
+class Use:
+    """What running jobs use of a limit: their cost, and how many keys
+    they are of (the empty key counts as one)."""
+
+    running: int = 0
+    keys: int = 0
+
+
+def running_under(
+    limits: Iterable[str], running: Iterable[tuple[str, str, int]]
+) -> dict[str, Use]:
+    """What running jobs, given as (name, key, cost), use of each limit:
+    every name against every pattern in one query, in C, which holds
+    neither the GIL nor the cache of names (Status reads every running job)."""
     db = sqlite3.connect(":memory:")
     try:
         db.execute("CREATE TABLE limits (pattern TEXT NOT NULL)")
-        db.execute("CREATE TABLE running (name TEXT NOT NULL, cost INTEGER NOT NULL)")
-        used = dict.fromkeys(limits, 0)
-        db.executemany("INSERT INTO limits (pattern) VALUES (?)", ((p,) for p in used))
-        db.executemany("INSERT INTO running (name, cost) VALUES (?, ?)", running)
-        used.update(
-            db.execute(
-                "SELECT pattern, SUM(cost) FROM limits JOIN running "
-                "ON running.name GLOB limits.pattern GROUP BY pattern"
-            ).fetchall()
+        db.execute(
+            "CREATE TABLE running (name TEXT NOT NULL, key TEXT NOT NULL, cost INTEGER NOT NULL)"
         )
+        used = {pattern: Use() for pattern in limits}
+        db.executemany("INSERT INTO limits (pattern) VALUES (?)", ((p,) for p in used))
+        db.executemany("INSERT INTO running (name, key, cost) VALUES (?, ?, ?)", running)
+        for pattern, cost, keys in db.execute(
+            "SELECT pattern, SUM(cost), COUNT(DISTINCT key) FROM limits JOIN running "
+            "ON running.name GLOB limits.pattern GROUP BY pattern"
+        ):
+            used[pattern] = Use(cost, keys)
         return used
     finally:
         db.close()
