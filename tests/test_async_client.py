@@ -150,7 +150,9 @@ def test_every_method_on_one_kept_connection(loop, server):
             await jobs.set_limit("x/*", 2, rate="10/1m", per_key=True)
             status = await jobs.status()
             assert (status["paused"], status["limits"]["x/*"]) == (
-                ["x/*"], {"max": 2, "rate": "10/1m", "perKey": True, "running": 0})
+                ["x/*"],
+                {"max": 2, "rate": "10/1m", "perKey": True, "running": 0, "inWindow": 0, "keys": 0},
+            )
             keyed = await jobs.create_job("x/keyed", key="acme")
             [also] = await jobs.create_jobs([{"name": "x/keyed", "key": "globex"}])
             assert [(await jobs.query_job(j))["key"] for j in (keyed, also)] == ["acme", "globex"]

@@ -565,7 +565,8 @@ def test_set_limit_takes_a_rate_per_key_and_fair_and_create_a_key(cli_here, jobs
     assert cli_here.ok("set-limit", "mail/*", "1", "--rate", "100/1m", "--per-key",
                        "--fair") == {}
     assert jobs.status()["limits"] == {"mail/*": {
-        "max": 1, "rate": "100/1m", "perKey": True, "fair": True, "running": 0}}
+        "max": 1, "rate": "100/1m", "perKey": True, "fair": True, "running": 0,
+        "inWindow": 0, "keys": 0}}
     acme = cli_here.ok("create", "mail/a", "--key", "acme")["jobID"]
     cli_here.ok("create", "mail/b", "--key", "acme")
     globex = cli_here.ok("create", "mail/c", "--key", "globex")["jobID"]
@@ -575,7 +576,8 @@ def test_set_limit_takes_a_rate_per_key_and_fair_and_create_a_key(cli_here, jobs
     assert {job["jobID"] for job in taken} == {acme, globex}
     # A rate alone needs no MAX; each run replaces the whole limit.
     assert cli_here.ok("set-limit", "mail/*", "--rate", "2/1h") == {}
-    assert jobs.status()["limits"]["mail/*"] == {"max": 0, "rate": "2/1h", "running": 2}
+    assert jobs.status()["limits"]["mail/*"] == {"max": 0, "rate": "2/1h", "running": 2,
+                                                    "inWindow": 0}
     assert cli_here.ok("set-limit", "mail/*", "--fair") == {}
     assert jobs.status()["limits"]["mail/*"] == {"max": 0, "fair": True, "running": 2}
     assert cli_here.ok("set-limit", "mail/*", "0") == {}

@@ -807,7 +807,8 @@ def test_set_limit_takes_a_rate_per_key_and_fair_and_create_takes_a_key(server):
     with Client("127.0.0.1", server.port, timeout=10) as jobs:
         jobs.set_limit("mail/*", 1, rate="100/1m", per_key=True, fair=True)
         assert jobs.status()["limits"]["mail/*"] == {
-            "max": 1, "rate": "100/1m", "perKey": True, "fair": True, "running": 0}
+            "max": 1, "rate": "100/1m", "perKey": True, "fair": True, "running": 0,
+            "inWindow": 0, "keys": 0}
         acme = jobs.create_job("mail/a", key="acme")
         assert jobs.query_job(acme)["key"] == "acme"
         jobs.create_job("mail/b", key="acme")
@@ -816,7 +817,8 @@ def test_set_limit_takes_a_rate_per_key_and_fair_and_create_takes_a_key(server):
         assert {job["jobID"] for job in jobs.get_jobs("mail/*", 5)} == {acme, globex}
         # A rate alone needs no max; set again, the limit is replaced whole.
         jobs.set_limit("api/*", rate="2/1h")
-        assert jobs.status()["limits"]["api/*"] == {"max": 0, "rate": "2/1h", "running": 0}
+        assert jobs.status()["limits"]["api/*"] == {
+                "max": 0, "rate": "2/1h", "running": 0, "inWindow": 0}
         jobs.set_limit("api/*", 0)
         assert "api/*" not in jobs.status()["limits"]
 
@@ -854,7 +856,8 @@ async def test_async_flow_control_methods(server):
         assert (await jobs.status())["limits"]["x*"]["max"] == 2
         await jobs.set_limit("x*", rate="5/1s", per_key=True, fair=True)
         assert (await jobs.status())["limits"]["x*"] == {
-            "max": 0, "rate": "5/1s", "perKey": True, "fair": True, "running": 0}
+            "max": 0, "rate": "5/1s", "perKey": True, "fair": True, "running": 0,
+            "inWindow": 0, "keys": 0}
         job_id = await jobs.create_job("x1", key="tenant-1")
         assert (await jobs.query_job(job_id))["key"] == "tenant-1"
 

@@ -302,8 +302,9 @@ def test_the_api_sets_rates_per_key_and_fair_limits_and_creates_keyed_jobs(
     assert api(http_server, "SetLimit", {"name": "api/*", "rate": "5/1s"})[0] == 200
     code, _, body = api(http_server, "Status")
     assert json.loads(body)["limits"] == {
-        "api/*": {"max": 0, "rate": "5/1s", "running": 0},
-        "mail/*": {"max": 1, "rate": "100/1m", "perKey": True, "fair": True, "running": 2},
+        "api/*": {"max": 0, "rate": "5/1s", "running": 0, "inWindow": 0},
+        "mail/*": {"max": 1, "rate": "100/1m", "perKey": True, "fair": True, "running": 2,
+                   "inWindow": 1, "keys": 2},
     }
 
 
