@@ -201,7 +201,7 @@ def _take(ctx: Context, query: JobQuery, holds: Holds | None) -> list[Taken]:
     # Flow control, only when some is set (a plain queue pays nothing):
     # `holds` is given then.
     if holds is not None:
-        holds.begin_search()
+        holds.begin_search(query)
     room = _Room(ctx.settings.max_reply_bytes) if query.limit > 1 else None
     # Jobs a fair pattern held for their key's turn, read on the way.
     turns = _Turns(query.limit)
@@ -245,11 +245,16 @@ def _take(ctx: Context, query: JobQuery, holds: Holds | None) -> list[Taken]:
             # search begins again from the first job (a few times at most:
             # a GetJobs may answer with fewer jobs than it asked for, never
             # with none while one may go).
-            if turns and _take_turns(ctx, query, holds, room, turns, taken) is None:
+            began = bool(turns)
+            if began and _take_turns(ctx, query, holds, room, turns, taken) is None:
                 return taken
             if len(taken) == query.limit or holds is None:
                 break
-            if (taken and restarts == MOST_RESTARTS) or not holds.new_rounds():
+            # Past the turns' jobs: those of their keys the held pairs left
+            # out of later pages may go in the new round.
+            if restarts == MOST_RESTARTS and (taken or began):
+                break
+            if not began and not holds.new_rounds():
                 break
             restarts += 1
             passed, page, turns = holds.passed_over(None), 0, _Turns(query.limit)
@@ -431,16 +436,35 @@ class Holds:
         self._fair_holds: dict[str, set[tuple[str, str]]] = {}
         # Fair patterns that have met one key alone in this search.
         self.uncontested: set[str] = set()
+        # Fair patterns whose round this search began for itself alone: it
+        # asks for some of their names only, and the keys it cannot see
+        # keep their turns (nothing of such a round is stored).
+        self._local: set[str] = set()
+        self._query: JobQuery | None = None
         # The (pattern, key) whose turn the job last held back waits for.
         self.waiting_turn: tuple[str, str] | None = None
         self._read_all_tried = False
         self._all_read = False
 
-    def begin_search(self) -> None:
+    def begin_search(self, query: JobQuery) -> None:
         """A search begins (the waiters of one pass share their holds):
         a key alone under a fair pattern in another's search need not be
-        alone in this one."""
+        alone in this one, and a round another began for itself alone is
+        not this one's."""
         self.uncontested = set()
+        self._query = query
+        for pattern in self._local:
+            self._served.pop(pattern, None)
+        self._local = set()
+
+    def _asks_for_all(self, pattern: str) -> bool:
+        """Whether the search asks for every name `pattern` may match."""
+        query = self._query
+        if query is None:
+            return False
+        return any(asked in ("*", pattern) for asked in query.patterns) or (
+            not is_glob(pattern) and pattern in query.names
+        )
 
     def holds_back(self, job: Job) -> bool | None:
         """True if the job must wait, False if it may go, None when the
@@ -504,7 +528,8 @@ class Holds:
                 ctx.store.note_handout(pattern, key, ctx.now_ms, forget)
             if limit.fair and pattern in self._served:
                 self._served[pattern].add(job.key)
-                self._newly_served.setdefault(pattern, set()).add(job.key)
+                if pattern not in self._local:
+                    self._newly_served.setdefault(pattern, set()).add(job.key)
 
     def passed_over(self, after: tuple[int, str, str, int] | None) -> PassedOver:
         """What the search's next page leaves out, having read up to `after`."""
@@ -531,10 +556,15 @@ class Holds:
         if not patterns or not self._budget.spend(ROW_COST * len(patterns)):
             return False
         for pattern in patterns:
-            # Written once, when the search ends (write_rounds): a GetJobs
-            # of 1,000 jobs of two keys is 500 rounds.
-            self._restarted.add(pattern)
-            self._newly_served.pop(pattern, None)
+            if self._asks_for_all(pattern):
+                # Written once, when the search ends (write_rounds): a
+                # GetJobs of 1,000 jobs of two keys is 500 rounds.
+                self._restarted.add(pattern)
+                self._newly_served.pop(pattern, None)
+            else:
+                # A GetJob of one customer's names would otherwise begin a
+                # new round for every customer, and the others' turns be lost.
+                self._local.add(pattern)
             self._served[pattern] = set()
             for held in self._fair_holds.pop(pattern, set()):
                 self._held_pairs.discard(held)
