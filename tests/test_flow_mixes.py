@@ -353,6 +353,14 @@ def test_a_drain_of_any_mix_of_limits_keys_and_pauses_follows_the_model(
     runs=[("a/1", "", 1, 500, 1), ("a/1", "", 1, 500, 1), ("a/1", "", 1, 500, 1),
           ("c", "", 1, 500, 1), ("a/1", "", 1, 500, 1)],
 )
+# A key at a higher priority and one below it, a GetJobs of 6: the lower
+# key's last job lies past the page its pair was held in, and the kept jobs
+# ran out before it was read (the higher key was then served twice).
+@example(
+    fair=Spec(fair=True), others=False, steps=[(6, 0)],
+    runs=[("a/1", "", 1, 500, 1), ("a/1", "", 1, 500, 1), ("a/1", "", 1, 500, 1),
+          ("a/1", "k1", 1, 1000, 4)],
+)
 def test_a_fair_pattern_rotates_between_its_keys_whatever_else_is_queued(
     backend: str, fair: Spec, others: bool, runs: list[Run], steps: list[tuple[int, int]]
 ) -> None:

@@ -234,6 +234,8 @@ def _take(ctx: Context, query: JobQuery, holds: Holds | None) -> list[Taken]:
                 break
             if job.jobID in handed:
                 continue
+            if holds is not None and holds.held_on_sight(job, turns):
+                continue
             went = _offer(ctx, query, holds, room, job, taken)
             if went is None:
                 return taken
@@ -254,7 +256,11 @@ def _take(ctx: Context, query: JobQuery, holds: Holds | None) -> list[Taken]:
             # out of later pages may go in the new round.
             if restarts == MOST_RESTARTS and (taken or began):
                 break
-            if not began and not holds.new_rounds():
+            if began:
+                # In the round the turns left: their keys' jobs are read
+                # again, those the held pairs left out too.
+                holds.forget_turns()
+            elif not holds.new_rounds():
                 break
             restarts += 1
             passed, page, turns = holds.passed_over(None), 0, _Turns(query.limit)
@@ -312,7 +318,8 @@ def _take_turns(
     """Hand out the jobs fair patterns held for their keys' turns, a round
     at a time: each round begins anew every pattern that held some, and
     gives each key one job (all it has, for a key alone under its
-    pattern). None when the search must end."""
+    pattern), until a key's kept jobs run out (the search then begins
+    again from the first job). None when the search must end."""
     assert holds is not None  # only fair patterns fill turns
     while len(taken) < query.limit and turns:
         holds.new_rounds(turns.patterns(), alone=turns.alone())
@@ -327,6 +334,11 @@ def _take_turns(
                 # Gone, or held by something else (a full key, a spent
                 # rate): done with in this search either way.
                 turns.pop(turn)
+                if not turns.has(turn) and len(taken) < query.limit:
+                    # Its key's jobs past those kept were left out of the
+                    # pages read (held by pair): rotating on without them
+                    # would serve the other keys twice while it waits.
+                    return True
                 if not went:
                     continue
                 went_any = True
@@ -368,6 +380,9 @@ class _Turns:
 
     def has(self, turn: tuple[str, str]) -> bool:
         return turn in self._jobs
+
+    def has_room(self, turn: tuple[str, str]) -> bool:
+        return len(self._jobs.get(turn, ())) < self._most
 
     def first(self, turn: tuple[str, str]) -> Job:
         return self._jobs[turn][0]
@@ -434,6 +449,8 @@ class Holds:
         # the pattern begins a new round (new_rounds).
         self._fair_keys: dict[str, set[str]] = {}
         self._fair_holds: dict[str, set[tuple[str, str]]] = {}
+        # The pattern whose turn each held (name, key) pair waits for.
+        self._fair_pairs: dict[tuple[str, str], str] = {}
         # Fair patterns that have met one key alone in this search.
         self.uncontested: set[str] = set()
         # Fair patterns whose round this search began for itself alone: it
@@ -445,6 +462,20 @@ class Holds:
         self.waiting_turn: tuple[str, str] | None = None
         self._read_all_tried = False
         self._all_read = False
+
+    def held_on_sight(self, job: Job, turns: _Turns) -> bool:
+        """Whether a job of a page is held by what held one before it in
+        the same page (its name, or its name and key): a set's test, where
+        judging it again costs microseconds, and the pages of a round of a
+        thousand keys hold a hundred thousand such jobs. A job its key's
+        turn may still keep (the turns have room) is judged."""
+        if job.name in self._held_names:
+            return True
+        pair = (job.name, job.key)
+        if pair not in self._held_pairs:
+            return False
+        pattern = self._fair_pairs.get(pair)
+        return pattern is None or not turns.has_room((pattern, job.key))
 
     def begin_search(self, query: JobQuery) -> None:
         """A search begins (the waiters of one pass share their holds):
@@ -569,9 +600,20 @@ class Holds:
             for held in self._fair_holds.pop(pattern, set()):
                 self._held_pairs.discard(held)
                 self._held_keyed.discard(held)
+                self._fair_pairs.pop(held, None)
             self._fair_keys.pop(pattern, None)
         self.uncontested |= alone
         return True
+
+    def forget_turns(self) -> None:
+        """Leave out of the next pages no job for its key's turn alone:
+        the search begins again, in the same round."""
+        for held in set().union(*self._fair_holds.values()):
+            self._held_pairs.discard(held)
+            self._held_keyed.discard(held)
+        self._fair_holds = {}
+        self._fair_pairs = {}
+        self._fair_keys = {}
 
     def write_rounds(self) -> None:
         """Store what this search did to fair rounds: a round begun anew,
@@ -626,6 +668,8 @@ class Holds:
         self._fair_keys.setdefault(pattern, set()).add(key)
         added = self._hold_for(name, pattern, key, per_key=True)
         self._fair_holds.setdefault(pattern, set()).update(added)
+        if added:
+            self._fair_pairs[added[0]] = pattern
 
     def _verdict(self, name: str) -> flow.Verdict | None:
         found = self._index.cached(name)
