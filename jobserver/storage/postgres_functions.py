@@ -72,9 +72,11 @@ def _find_ready_after(names_or_pattern: str, after: str) -> str:
                 WHERE state IN ({READY_SQL}) AND {names_or_pattern}
                 AND priority = level AND nextRun <= due
                 AND name NOT IN (SELECT unnest(held_names)) AND name !~ ALL(held_patterns)
-                AND (name || E'\\n' || key) NOT IN (SELECT unnest(held_pairs))
-                AND NOT EXISTS (SELECT 1 FROM unnest(held_key_patterns, held_keys) AS h(p, k)
-                    WHERE h.k = key AND name ~ h.p){after}
+                AND (cardinality(held_pairs) = 0
+                    OR (name || E'\\n' || key) NOT IN (SELECT unnest(held_pairs)))
+                AND (cardinality(held_keys) = 0
+                    OR NOT EXISTS (SELECT 1 FROM unnest(held_key_patterns, held_keys) AS h(p, k)
+                        WHERE h.k = key AND name ~ h.p)){after}
                 ORDER BY {HAND_OUT_ORDER} LIMIT wanted - found
                 FOR UPDATE SKIP LOCKED;"""
 
