@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 
 from harness import Nodes, ThreadServer
 from helpers import create, ok, until
-from jobserver.core.rules import selection
-from jobserver.core.rules.selection import HELD_NAMES_BY_PATTERN
+from jobserver.core.rules import holds
+from jobserver.core.rules.holds import HELD_NAMES_BY_PATTERN
 from jobserver.model.globmatch import glob_match
 from wire import Client, encode
 
@@ -152,11 +152,11 @@ def test_a_drain_takes_everything_that_may_run_and_nothing_past_a_limit(
     # Each limit's usage read by a statement of its own, every one at once
     # (as past USAGES_ONE_BY_ONE of them), and one by one again when the
     # running jobs have more names than MOST_RUNNING_NAMES.
-    for one_by_one, most_names in ((selection.USAGES_ONE_BY_ONE, 10), (0, 10_000), (0, 0)):
+    for one_by_one, most_names in ((holds.USAGES_ONE_BY_ONE, 10), (0, 10_000), (0, 0)):
         with (
             tempfile.TemporaryDirectory() as where,
-            patch.object(selection, "USAGES_ONE_BY_ONE", one_by_one),
-            patch.object(selection, "MOST_RUNNING_NAMES", most_names),
+            patch.object(holds, "USAGES_ONE_BY_ONE", one_by_one),
+            patch.object(holds, "MOST_RUNNING_NAMES", most_names),
         ):
             server = ThreadServer(Path(where) / "jobs.db")
             made = list(jobs)

@@ -50,7 +50,7 @@ def drain(client: Client, name: str, count: int, most_calls: int = 50) -> list[d
 
 
 def test_getjobs_under_two_per_key_limits_is_not_a_500(server: ThreadServer) -> None:
-    """Holds._used_of_all (selection.py) replaces the usage it counted
+    """Holds._used_of_all (holds.py) replaces the usage it counted
     with one read from the running jobs, which has no entry for a
     (pattern, key) without running jobs; the job whose second limit made
     it read so is handed out and count() adds to the entry its first
