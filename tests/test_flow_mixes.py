@@ -32,7 +32,7 @@ from typing import Any
 
 import pg
 import pytest
-from hypothesis import HealthCheck, event, example, given, settings
+from hypothesis import HealthCheck, event, example, given, seed, settings
 from hypothesis import strategies as st
 
 from harness import ThreadServer
@@ -238,6 +238,10 @@ _STEPS = st.lists(st.tuples(st.integers(1, 6), st.integers(0, 3)), min_size=1, m
 Run = tuple[str, str, int, int, int]
 
 
+# Found in CI (two fair patterns over one name, 'a/*' and '*/1' with a
+# max: a turn's job held for the other pattern's turn, whose round never
+# began, and the GetJobs answered 404 with the job free).
+@seed(175045786449863967040272587002663849531)
 @_SETTINGS
 @given(
     limits=st.dictionaries(st.sampled_from(_LIMIT_PATTERNS), _SPECS, max_size=3),

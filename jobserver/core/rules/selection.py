@@ -33,6 +33,9 @@ MOST_PAGE = 1600
 # the jobs held for their keys' turns have gone: a GetJobs that has taken
 # some answers with those past it rather than read its queue again.
 MOST_RESTARTS = 2
+# ... and, while it has taken nothing, this many: a GetJob never answers 404
+# while a job may go because its turns ran out.
+MOST_RESTARTS_EMPTY = 8
 # Room in a GetJobs reply for a job's keys, numbers (jobID, priority,
 # cost), what its object gains once handed out (attempt, maxAttempts,
 # leaseID), its comma, and its token in the `leaseID` header; and for the
@@ -238,7 +241,7 @@ def _take(ctx: Context, query: JobQuery, holds: Holds | None) -> list[Taken]:
                 break
             # Past the turns' jobs: those of their keys the held pairs left
             # out of later pages may go in the new round.
-            if restarts == MOST_RESTARTS and (taken or began):
+            if restarts >= (MOST_RESTARTS if taken else MOST_RESTARTS_EMPTY):
                 break
             if began:
                 # In the round the turns left: their keys' jobs are read
@@ -305,15 +308,20 @@ def _take_turns(
     pattern), until a key's kept jobs run out (the search then begins
     again from the first job). None when the search must end."""
     assert holds is not None  # only fair patterns fill turns
+    # Fair patterns that held a turn's job for a turn of their own (two
+    # fair patterns over one name): their rounds begin with the turns'.
+    crossing: set[str] = set()
     while len(taken) < query.limit and turns:
-        holds.new_rounds(turns.patterns(), alone=turns.alone())
-        went_any = False
+        holds.new_rounds(turns.patterns() | crossing, alone=turns.alone() - crossing)
+        went_any, crossed = False, set()
         for turn in turns.order():
             while len(taken) < query.limit and turns.has(turn):
                 went = _offer(ctx, query, holds, room, turns.first(turn), taken)
                 if went is None:
                     return None
                 if not went and holds.waiting_turn is not None:
+                    if holds.waiting_turn[0] != turn[0]:
+                        crossed.add(holds.waiting_turn[0])
                     break  # its key's turn comes in the next round
                 # Gone, or held by something else (a full key, a spent
                 # rate): done with in this search either way.
@@ -328,8 +336,9 @@ def _take_turns(
                 went_any = True
                 if turn[0] not in holds.uncontested:
                     break
-        if not went_any:
+        if not went_any and crossed <= crossing:
             return False
+        crossing |= crossed
     return True
 
 
