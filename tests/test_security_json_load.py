@@ -27,12 +27,13 @@ ARRAYS = 300_000
 DATA = '{"a":[' + ",".join(["[]"] * ARRAYS) + "]}"
 BODY = ('{"name":"x","data":' + DATA + "}").encode()
 # Nine answers in ten within the first bound, all within the second, on a
-# shared machine of two cores: twice test_security_waiting's, as each body
-# still holds the interpreter about 40 ms while it is parsed (0.1 s was
-# passed by 14 ms once under load); parsed on the event loop, a neighbour
-# waited up to 1.5 s.
-NEIGHBOUR_BOUND = 0.2
-NEIGHBOUR_WORST = 0.5
+# shared machine of two cores: each body still holds the interpreter about
+# 40 ms while it is parsed; parsed on the event loop, a neighbour waited up
+# to 1.5 s. Under other tests' load, nine in ten came within 0.2 to 0.31 s
+# and the worst within 0.5 s, for the code before this issue and after
+# alike (0.1 s, then 0.2 s, were each passed under load).
+NEIGHBOUR_BOUND = 0.35
+NEIGHBOUR_WORST = 0.8
 WATCH_SECONDS = 3.0
 # Bodies arriving at once over HTTP, besides one CreateJob on the wire.
 HTTP_SENDERS = 2
