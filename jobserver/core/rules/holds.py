@@ -308,9 +308,13 @@ class Holds:
             self._locked = True
             self._ctx.store.hold_limits()
 
-    def _read(self, rows: int) -> bool:
-        """Spend what a read of `rows` rows costs."""
-        return self._budget.spend(flow.USAGE_COST + ROW_COST * rows)
+    def _read(self) -> bool:
+        """Spend what one grouped read costs, whatever its rows (one per
+        key with running jobs, hand-outs in the window, or a turn served):
+        charged by the row, 50,000 served keys spent the whole budget and a
+        fair pattern answered 404 with jobs ready. Its rows are bounded by
+        the keys that have jobs, read once per search."""
+        return self._budget.spend(flow.USAGE_COST)
 
     def _used(self, pattern: str, key: str, per_key: bool) -> int | None:
         if (pattern, key) in self._usage:
@@ -324,7 +328,7 @@ class Holds:
         if per_key:
             # Every key's at once: one statement, however many keys.
             by_key = self._ctx.store.usage_by_key(pattern, self._ctx.now_ms)
-            if not self._read(len(by_key)):
+            if not self._read():
                 return None
             self._usage.update(((pattern, k), cost) for k, cost in by_key.items())
             self._usage_read.add(pattern)
@@ -372,7 +376,7 @@ class Holds:
             ctx = self._ctx
             since = _before(ctx.now_ms, rate.window_ms)
             by_key = ctx.store.handouts_by_key(pattern, since)
-            if not self._read(len(by_key)):
+            if not self._read():
                 return None
             for counted_key, (count, earliest) in by_key.items():
                 self._rates[pattern, counted_key] = _Window(count, earliest)
@@ -385,7 +389,7 @@ class Holds:
         if served is None:
             self._lock()
             keys = self._ctx.store.served_keys(pattern)
-            if not self._read(len(keys)):
+            if not self._read():
                 return None
             served = self._served[pattern] = set(keys)
         return served
