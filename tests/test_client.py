@@ -206,6 +206,62 @@ def test_parse_address_refuses(address):
         parse_address(address)
 
 
+def _ping_each_client(address: str, port: int = 1) -> None:
+    """A ping through the blocking, asyncio, trio (anyio) and trio-alone
+    clients given `address` as their one host argument (`port` a wrong
+    port, which an address's own port overrides)."""
+    import anyio
+
+    from jobserver.client import AsyncClient
+
+    with Client(address, port, timeout=10) as jobs:
+        jobs.ping()
+
+    async def on_anyio() -> None:
+        async with AsyncClient(address, port, timeout=10) as jobs:
+            await jobs.ping()
+
+    async def on_trio() -> None:
+        async with TrioClient(address, port, timeout=10) as jobs:
+            await jobs.ping()
+
+    anyio.run(on_anyio, backend="asyncio")
+    anyio.run(on_anyio, backend="trio")
+    trio.run(on_trio)
+
+
+def test_every_client_takes_one_host_port_string(server):
+    _ping_each_client(f"127.0.0.1:{server.port}")
+    _ping_each_client(f" localhost:{server.port} ")
+    assert Client(f"127.0.0.1:{server.port}").servers.addresses == (("127.0.0.1", server.port),)
+    # A host alone is still at `port`, an IPv6 address without brackets too.
+    assert Client("localhost", 9000).servers.addresses == (("localhost", 9000),)
+    assert Client("fe80::1%eth0", 9000).servers.addresses == (("fe80::1%eth0", 9000),)
+
+
+def test_every_client_takes_one_bracketed_ipv6_address(tmp_path):
+    from harness import ThreadServer
+
+    running = ThreadServer(tmp_path / "jobs.db", host="::1")
+    try:
+        _ping_each_client(f"[::1]:{running.port}")
+        _ping_each_client("::1", running.port)
+    finally:
+        running.stop()
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["", "host:", "host:http", "host:0", "host:70000", "[::1", "a:1:2", "::1::2", "h st:80"],
+)
+def test_a_malformed_host_argument_is_a_value_error(address):
+    from jobserver.client import AsyncClient
+
+    for client in (Client, AsyncClient, TrioClient):
+        with pytest.raises(ValueError, match="server address"):
+            client(address, 8888)
+
+
 # Every method against the real server.
 
 

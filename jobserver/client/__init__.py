@@ -1,7 +1,7 @@
 """The client library: `Client` on plain blocking sockets, `AsyncClient`
 for asyncio and trio, `TrioClient` for trio alone.
 
-    with Client("127.0.0.1", 8888) as jobs:
+    with Client("127.0.0.1", 8888) as jobs:   # or Client("127.0.0.1:8888")
         job_id = jobs.create_job("email/send", {"to": "ann@example.com"})
         job = jobs.get_job("email/*", wait=60)   # None if nothing came in 60 s
 

@@ -15,6 +15,7 @@ from jobserver.client.servers import (
     Servers,
     ServersArgument,
     format_address,
+    is_bare_ipv6,
     parse_servers,
 )
 from jobserver.wire.client_framing import Reply, ReplyReader, encode_request
@@ -44,10 +45,11 @@ RECEIVE_SIZE = 65536
 TLS: TypeAlias = "bool | str | os.PathLike[str] | ssl.SSLContext | None"
 
 def servers_of(host: ServersArgument, port: int) -> tuple[Address, ...]:
-    """The addresses a client's `host` and `port` name: a host alone (any
-    string without a comma, an IPv6 address among them) is at `port`."""
-    if isinstance(host, str) and "," not in host:
-        return ((host, port),)
+    """The addresses a client's `host` and `port` name: a host alone (an
+    IPv6 address without brackets among them) is at `port`; "HOST:PORT"
+    and "[IPV6]:PORT" at their own port, as in a list."""
+    if isinstance(host, str) and is_bare_ipv6(host):
+        return ((host.strip(), port),)
     return parse_servers(host, default_port=port)
 
 
@@ -126,10 +128,12 @@ class Endpoint:
         tls: TLS = None,
         max_reply_bytes: int = DEFAULT_CLIENT_MAX_REPLY_BYTES,
     ) -> None:
-        """`host` is one host, or the servers of a queue served by several
-        nodes: a list of "HOST:PORT" (or (host, port)), or one string of
-        them separated by commas; `port` is then the port of an address
-        that gives none. ValueError for a list that cannot be used.
+        """`host` is one host ("localhost", "::1"), one address with its
+        port ("127.0.0.1:8888", "[::1]:8888"), or the servers of a queue
+        served by several nodes: a list of "HOST:PORT" (or (host, port)),
+        or one string of them separated by commas; `port` is the port of an
+        address that gives none. ValueError for an address or list that
+        cannot be used.
         `max_reply_bytes`: a reply announcing a larger body is not read, and
         its connection is closed as a broken one (ConnectionFailed); 4 MiB
         to 2 GiB, by default 128 MiB, four times the server's default bound

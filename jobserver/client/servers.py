@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import socket
 from collections.abc import Iterator, Sequence
 from typing import TypeAlias
 
@@ -25,8 +26,8 @@ from jobserver.wire.limits import DEFAULT_HOST, DEFAULT_PORT
 # (host, port).
 Address: TypeAlias = tuple[str, int]
 # What a client is told to connect to: a host (its port given apart), one
-# string of HOST:PORT addresses separated by commas, or a list of them
-# (each "HOST:PORT" or (host, port)).
+# string of HOST:PORT addresses separated by commas (one of them alone
+# too), or a list of them (each "HOST:PORT" or (host, port)).
 ServersArgument: TypeAlias = "str | Sequence[str | Address]"
 
 # A queue worth several nodes has a handful: a list longer than this is a
@@ -64,6 +65,19 @@ def parse_address(address: str, default_port: int | None = DEFAULT_PORT) -> Addr
         forms = "HOST, HOST:PORT or [IPV6]:PORT" if default_port else "HOST:PORT or [IPV6]:PORT"
         raise ValueError(f"not a server address ({forms}, PORT 1 to 65535): {address!r}")
     return match["ipv6"] or match["host"], port
+
+
+def is_bare_ipv6(host: str) -> bool:
+    """Whether `host` is an IPv6 address without brackets ("::1",
+    "fe80::1%eth0"): a host, not "HOST:PORT", though it holds colons."""
+    address, _, zone = host.strip().partition("%")
+    if address.count(":") < 2 or (zone and not zone.isprintable()):
+        return False
+    try:
+        socket.inet_pton(socket.AF_INET6, address)
+    except OSError:
+        return False
+    return True
 
 
 def format_address(address: Address) -> str:
