@@ -264,6 +264,10 @@ def test_illegal_state_exits_3(cli, jobs):
 
 def test_invalid_request_exits_2(cli, jobs):
     cli.refused("402 Malformed repeat", 2, "create", "x", "--repeat", "bogus")
+    cli.refused(
+        '402 Malformed repeat: a CRON rule is written "CRON 0 2 * * *"',
+        2, "create", "x", "--repeat", "0 2 * * *",
+    )
     cli.refused("402 Malformed firstRun", 2, "create", "x", "--first-run", "soon")
     assert jobs.status()["jobs"] == {}
 

@@ -206,6 +206,14 @@ def test_cron_rules_on_the_wire_and_in_the_cli(
         "CRON 0 0 */20 * MON#5": "402 Malformed repeat: never fires (no moment in 50 years)",
         "CRON 0 9 * * " + "1," * 100 + "1": "402 Malformed repeat: longer than 200 characters",
         "CRONE 0 9 * * *": "402 Malformed repeat",
+        # A bare cron expression: the refusal says how it is written.
+        "0 2 * * *": '402 Malformed repeat: a CRON rule is written "CRON 0 2 * * *"',
+        " */15 9-17 * * mon-fri ": (
+            '402 Malformed repeat: a CRON rule is written "CRON */15 9-17 * * MON-FRI"'
+        ),
+        "0 2 * *": "402 Malformed repeat",
+        "DAILY HOURLY WEEKLY A B": "402 Malformed repeat",
+        "0 2 * * *;rm": "402 Malformed repeat",
     }
     for rule, line in refused.items():
         assert status_of(client, "CreateJob", name="bad", repeat=rule) == line, rule

@@ -119,6 +119,19 @@ def is_cron(rule: str) -> bool:
     return _WORD.match(rule.strip().upper()) is not None
 
 
+def as_cron(rule: str) -> str | None:
+    """`0 2 * * *` -> `CRON 0 2 * * *`: the CRON rule that a repeat which
+    is not one looks meant to be (five cron fields, the minute's with a
+    digit or `*`: no Bedrock rule reads so), or None. Only characters of a
+    field go into the answer, so it may be echoed in a status line."""
+    fields = rule.upper().split() if len(rule) <= MAX_LENGTH else []
+    if len(fields) != FIELDS or not all(_FIELD.fullmatch(field) for field in fields):
+        return None
+    if not any(character.isdigit() or character == "*" for character in fields[0]):
+        return None
+    return f"{PREFIX} {' '.join(fields)}"
+
+
 def normalise(rule: str) -> str:
     """`cron 0 9 * * mon-fri` -> `CRON 0 9 * * MON-FRI`, checked: raises
     MalformedCron, or CronUnavailable without cronsim."""

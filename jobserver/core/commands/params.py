@@ -210,7 +210,9 @@ def repeat_rule(request: Request) -> str | None:
     try:
         repeat.parse_repeat(value)
     except repeat.MalformedRepeat:
-        raise CommandError("402 Malformed repeat") from None
+        meant = cron.as_cron(value)
+        hint = f': a CRON rule is written "{meant}"' if meant else ""
+        raise CommandError(f"402 Malformed repeat{hint}") from None
     return value.strip().upper()
 
 
