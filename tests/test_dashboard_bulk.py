@@ -50,10 +50,30 @@ def test_requeue_by_pattern_confirms_the_count_then_acts(server: ThreadServer) -
         done = visitor.act("bulk", command="requeue-failed", name="email/*", shown=shown)
         assert flash_of(visitor, done) == (
             "ok: 6 failed jobs matching email/* requeued. "
-            "1 had changed since the confirmation: left as they are."
+            "1 had changed since the confirmation: left as it is."
         )
         assert list(states(client, ids).values()) == ["QUEUED"] * 7 + ["FAILED"]
         assert states(client, late) == {late[0]: "FAILED"}
+
+
+def test_one_job_reads_in_the_singular(server: ThreadServer) -> None:
+    visitor = Visitor(server)
+    with server.client() as client:
+        ids = failed_jobs(client, ["solo/1", "pair/1", "pair/2"])
+        page = confirm(visitor, command="requeue-failed", name="solo/*")
+        assert 'Requeue <span class="count">1</span> failed job matching solo/*?' in page
+        assert "Confirm: requeue 1 failed job</button>" in page
+        done = visitor.act("bulk", command="requeue-failed", name="solo/*", shown=str(ids[0]))
+        assert flash_of(visitor, done) == "ok: 1 failed job matching solo/* requeued."
+        page = confirm(visitor, command="delete-failed", name="pair/*")
+        assert 'Delete <span class="count">2</span> failed jobs matching pair/*?' in page
+        ok(client.request("RequeueJobs", jobIDs=ids[1]))
+        shown = f"{ids[1]},{ids[2]}"
+        done = visitor.act("bulk", command="delete-failed", name="pair/*", shown=shown)
+        assert flash_of(visitor, done) == (
+            "ok: 1 failed job matching pair/* deleted. "
+            "1 had changed since the confirmation: left as it is."
+        )
 
 
 def test_delete_a_selection(server: ThreadServer) -> None:

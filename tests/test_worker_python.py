@@ -472,6 +472,7 @@ def test_the_worker_carries_on_across_a_server_restart(start_server, caplog):
         assert running.stop() == 0
     assert "reachable again; taking jobs" in caplog.text
     assert caplog.text.count(f"job {survivor} restart/a finished") == 1
+    assert "jobs 'restart/*', 1 handler, at most" in caplog.text
 
 
 # Signals: `jobserver worker` as users run it.

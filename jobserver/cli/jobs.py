@@ -24,6 +24,7 @@ from jobserver.cli.options import (
     reply_key,
 )
 from jobserver.client import Client, JobNotFound
+from jobserver.wire.counts import counted
 from jobserver.wire.limits import (
     DEFAULT_REPLY_TIMEOUT,
     MAX_DELAY,
@@ -302,8 +303,8 @@ def _finish_counts(args: argparse.Namespace) -> str | None:
         return f"at most {MAX_FINISH_JOBS} IDs, not {len(args.ids)}"
     if args.lease_id is not None and len(args.lease_id) != len(args.ids):
         return (
-            f"{len(args.ids)} IDs take {len(args.ids)} --lease-id, one per ID in the same "
-            f"order, or none; {len(args.lease_id)} given"
+            f"{counted(len(args.ids), 'ID takes', 'IDs take')} {len(args.ids)} --lease-id, "
+            f"one per ID in the same order, or none; {len(args.lease_id)} given"
         )
     return None
 

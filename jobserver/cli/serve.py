@@ -26,6 +26,7 @@ from jobserver.storage.backends import check_db, is_postgres
 from jobserver.storage.interface import BackupDirectoryUnusable
 from jobserver.storage.sqlite import SYNCHRONOUS_MODES
 from jobserver.storage.sqlite_schema import StoreError
+from jobserver.wire.counts import counted
 from jobserver.wire.limits import (
     DEFAULT_HOST,
     DEFAULT_IDEMPOTENCY_KEEP,
@@ -389,8 +390,8 @@ def _read_token(path: str) -> str:
     if len(token) < MIN_TOKEN_CHARACTERS:
         # Wrong tokens are not slowed down on the wire: its length is its strength.
         log.warning(
-            "the token in --auth-token-file %s has %d characters: use a long random one "
-            "(openssl rand -hex 32)", path, len(token),
+            "the token in --auth-token-file %s has %s: use a long random one "
+            "(openssl rand -hex 32)", path, counted(len(token), "character"),
         )
     if shared:
         # Other users who can read the token can do anything with the queue.

@@ -31,6 +31,7 @@ from jobserver.cli.client_command import (
 )
 from jobserver.cli.options import number
 from jobserver.client import Client, ConnectionFailed, JobServerError
+from jobserver.wire.counts import counted
 from jobserver.wire.limits import MAX_QUEUES
 
 DEFAULT_INTERVAL = 1.0
@@ -242,7 +243,9 @@ def _limit(pattern: str, use: dict[str, Any]) -> str:
     running, most = use.get("running", 0), use.get("max", "?")
     if use.get("perKey"):
         each = f"; {most} a key" if most else ""
-        shown = f"{running} running ({use.get('keys', '?')} keys{each})"
+        keys = use.get("keys")
+        counted_keys = counted(keys, "key") if isinstance(keys, int) else "? keys"
+        shown = f"{running} running ({counted_keys}{each})"
     elif most:
         shown = f"{running}/{most}"
     else:

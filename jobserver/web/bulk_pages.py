@@ -28,6 +28,7 @@ from jobserver.core.commands import params
 from jobserver.core.errors import CommandError
 from jobserver.web import forms
 from jobserver.web.incoming import read_body
+from jobserver.wire.counts import counted, noun_for
 from jobserver.wire.limits import MAX_BULK
 
 if TYPE_CHECKING:
@@ -44,16 +45,17 @@ LISTED = 20
 @dataclass(frozen=True)
 class Command:
     verb: str
-    # What the pages say: "Requeue 12 failed jobs", "12 failed jobs requeued".
+    # What the pages say: "Requeue 12 failed jobs", "1 failed job requeued".
     asked: str
     done: str
-    jobs: str
+    # One of the jobs it acts on, as the pages count them.
+    job: str
 
 
 COMMANDS = {
-    "requeue-failed": Command("RequeueFailedJobs", "Requeue", "requeued", "failed jobs"),
-    "delete-failed": Command("DeleteFailedJobs", "Delete", "deleted", "failed jobs"),
-    "cancel-queued": Command("CancelQueuedJobs", "Cancel", "cancelled", "queued jobs"),
+    "requeue-failed": Command("RequeueFailedJobs", "Requeue", "requeued", "failed job"),
+    "delete-failed": Command("DeleteFailedJobs", "Delete", "deleted", "failed job"),
+    "cancel-queued": Command("CancelQueuedJobs", "Cancel", "cancelled", "queued job"),
 }
 
 
@@ -124,9 +126,11 @@ class BulkPages:
         if reply.code != 200:
             return forms.Flash("error", f"Nothing was {command.done}: {reply.status}")
         found = json.loads(reply.body)
-        text = f"{found['acted']} {command.jobs} {what} {command.done}."
+        text = f"{counted(found['acted'], command.job)} {what} {command.done}."
         if found.get("skipped"):
-            text += f" {found['skipped']} had changed since the confirmation: left as they are."
+            skipped = found["skipped"]
+            left = noun_for(skipped, "it is", "they are")
+            text += f" {skipped} had changed since the confirmation: left as {left}."
         return forms.Flash("ok", text)
 
     async def _pause_queue(self, request: Request, form: dict[str, str]) -> forms.Flash:

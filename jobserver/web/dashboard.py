@@ -52,6 +52,7 @@ from jobserver.web import access, bulk_pages, forms, running_pages, texts
 from jobserver.web.history_pages import GRAPH_MINUTES, GRAPH_REFRESH_SECONDS, HistoryPages
 from jobserver.web.incoming import peer
 from jobserver.web.reads import Reads
+from jobserver.wire.counts import noun_for
 from jobserver.wire.framing import Request as WireRequest
 from jobserver.wire.framing import Response as WireResponse
 
@@ -143,6 +144,8 @@ class Dashboard:
         env.filters["time"] = texts.time_html
         env.filters["error_lines"] = texts.error_lines
         env.filters["rate_count"] = texts.rate_count
+        # `{{ "job"|plural(n) }}`: the noun that reads right for n.
+        env.filters["plural"] = lambda noun, count, nouns=None: noun_for(count, noun, nouns)
         env.globals["queue_paused"] = bulk_pages.queue_paused
         self._templates = Jinja2Templates(env=env)
         self._static = {

@@ -43,6 +43,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from jobserver.client import ConnectionFailed, JobServerError, ServerError, TLSFailed
 from jobserver.client.async_calls import end_wait
+from jobserver.wire.counts import counted
 from jobserver.worker import outcome
 from jobserver.worker.calling import Caller
 from jobserver.worker.connection import BACKOFF_MAX, Backoff, Link, Server
@@ -143,11 +144,11 @@ class Runner:
     def _log_start(self) -> None:
         s = self.settings
         log.info(
-            "worker started: server %s%s, jobs %r, %d handlers, at most %d at once, on %s",
+            "worker started: server %s%s, jobs %r, %s, at most %d at once, on %s",
             self.server.address,
             " (TLS)" if s.tls else "",
             self.jobs_name,
-            len(self.worker.handlers),
+            counted(len(self.worker.handlers), "handler"),
             s.concurrency,
             _event_loop(),
         )
@@ -159,8 +160,8 @@ class Runner:
         self.reporter.log_unreported()
         if self.caller.abandoned:
             log.warning(
-                "%d handler threads were still running when their jobs were reported",
-                self.caller.abandoned,
+                "%s still running when their jobs were reported",
+                counted(self.caller.abandoned, "handler thread was", "handler threads were"),
             )
         if self.running or self.reporter.unsent or self.reporter.given_up:
             log.error("worker stopped; results were lost (logged above)")
@@ -178,17 +179,17 @@ class Runner:
                 if not self.signalled:
                     self.signalled = True
                     log.info(
-                        "received %s: taking no more jobs; %d running jobs get %gs to finish",
+                        "received %s: taking no more jobs; %s %gs to finish",
                         name,
-                        len(self.running),
+                        counted(len(self.running), "running job gets", "running jobs get"),
                         self.settings.grace,
                     )
                     self.stop(self.settings.grace)
                 else:
                     log.warning(
-                        "received %s again: handing back %d running jobs and exiting now",
+                        "received %s again: handing back %s and exiting now",
                         name,
-                        len(self.running),
+                        counted(len(self.running), "running job"),
                     )
                     self.force()
                     return

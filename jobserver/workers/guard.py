@@ -57,6 +57,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING
 
+from jobserver.wire.counts import counted
+
 if TYPE_CHECKING:
     from jobserver.client import Client
     from jobserver.client.endpoint import TLS
@@ -172,10 +174,9 @@ def guard(pipe: IO[bytes], args: argparse.Namespace) -> None:
     if not (held.groups or held.jobs):
         return
     log.warning(
-        "worker guard: the worker manager is gone; stopping %d workers and handing back "
-        "%d jobs",
-        len(held.groups),
-        len(held.jobs),
+        "worker guard: the worker manager is gone; stopping %s and handing back %s",
+        counted(len(held.groups), "worker"),
+        counted(len(held.jobs), "job"),
     )
     stop_groups(held.groups)
     if held.jobs:

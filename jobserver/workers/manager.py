@@ -35,6 +35,7 @@ import trio
 from jobserver.client import ConnectionFailed, JobServerError, ServerError, TLSFailed
 from jobserver.client.endpoint import TLS
 from jobserver.client.servers import Address
+from jobserver.wire.counts import counted
 from jobserver.wire.limits import DEFAULT_CLIENT_MAX_REPLY_BYTES
 from jobserver.workers.connection import BACKOFF_MAX, Backoff, Link, Server
 from jobserver.workers.contract import (
@@ -216,9 +217,9 @@ class Manager:
                 if not self.signalled:
                     self.signalled = True
                     log.info(
-                        "received %s: taking no more jobs; %d running workers get %gs to finish",
+                        "received %s: taking no more jobs; %s %gs to finish",
                         name,
-                        self.running,
+                        counted(self.running, "running worker gets", "running workers get"),
                         self.grace,
                     )
                     self.stop(grace=self.grace)
@@ -254,7 +255,9 @@ class Manager:
                         self._take(job, workers)
             if self.max_iterations is not None and rounds >= self.max_iterations:
                 log.info(
-                    "%d GetJobs rounds done; waiting for %d running workers", rounds, self.running
+                    "%s done; waiting for %s",
+                    counted(rounds, "GetJobs round"),
+                    counted(self.running, "running worker"),
                 )
         except GetJobsRefused:
             self.exit_status = 2
