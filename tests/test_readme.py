@@ -1,6 +1,7 @@
-"""README's Python examples work as pasted.
+"""The Python examples of README.md and of the documentation pages in
+docs/ work as pasted, and their relative links lead somewhere.
 
-Every ```python block of README.md is compiled, and checked for names it
+Every ```python block of README.md and docs/*.md is compiled, and checked for names it
 uses but neither defines, imports nor gets from Python's builtins (a
 function the reader was meant to guess). Then each is run, as a new Python
 process against a real server: an example addresses the server as
@@ -26,7 +27,10 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+# The front page and the documentation site's pages (protocol.md,
+# security.md and architecture.md among them are links to the root's files).
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # How the examples name the server.
 EXAMPLE_SERVER = "127.0.0.1:8888"
 RUN_TIMEOUT = 30.0
@@ -40,29 +44,33 @@ _BLOCK = re.compile(
 
 @dataclass(frozen=True)
 class Example:
+    page: str
     line: int
     code: str
     marker: str | None
     what: str
 
     def __str__(self) -> str:
-        return f"README.md line {self.line}"
+        return f"{self.page} line {self.line}"
 
 
 def examples() -> list[Example]:
-    text = README.read_text()
-    return [
-        Example(text.count("\n", 0, found.start("code")) + 1, found["code"], found["marker"],
-                (found["what"] or "").strip())
-        for found in _BLOCK.finditer(text)
-    ]
+    found_all = []
+    for page in PAGES:
+        text = page.read_text()
+        found_all.extend(
+            Example(str(page.relative_to(ROOT)), text.count("\n", 0, found.start("code")) + 1,
+                    found["code"], found["marker"], (found["what"] or "").strip())
+            for found in _BLOCK.finditer(text)
+        )
+    return found_all
 
 
 def undefined_names(code: str) -> set[str]:
     """Names a module's code reads (at its top level or inside its
     functions, lambdas and classes) that it never binds nor imports and
     that are not builtins."""
-    top = symtable.symtable(code, "README.md", "exec")
+    top = symtable.symtable(code, "example.py", "exec")
     bound = {symbol.get_name() for symbol in top.get_symbols()
              if symbol.is_assigned() or symbol.is_imported()}
     read: set[str] = set()
@@ -89,8 +97,36 @@ def test_the_checks_catch_what_they_are_for():
     assert found == [("needs", "anyio", "x = 1\n")]
 
 
-def test_the_readme_has_python_examples():
-    assert len(examples()) >= 2
+def test_the_readme_and_the_docs_have_python_examples():
+    pages = {example.page for example in examples()}
+    assert {"README.md", "docs/client.md", "docs/python-worker.md"} <= pages
+
+
+# A Markdown link's target, and the code (fenced blocks, `spans`) in which
+# brackets and parentheses are no link.
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+_CODE = re.compile(r"^ *```.*?^ *```$|`[^`\n]*`", re.S | re.M)
+
+
+def relative_links(text: str) -> list[str]:
+    """The targets of a page's links that name a file of the repository
+    (not a web address, nor an anchor of the page itself), anchors cut."""
+    targets = _LINK.findall(_CODE.sub("", text))
+    return [target.split("#", 1)[0] for target in targets
+            if not target.startswith(("http://", "https://", "mailto:", "#"))]
+
+
+def test_the_link_check_finds_links_outside_code():
+    page = "See [a](a.md#x), [b](https://b.example) and `[c](c.md)`.\n```\n[d](d.md)\n```\n"
+    assert relative_links(page) == ["a.md"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
+def test_every_relative_link_names_a_file_of_the_repository(page):
+    # mkdocs build --strict checks the site's links; this checks README's
+    # too, as GitHub shows it, and the docs pages' as GitHub shows them.
+    for target in relative_links(page.read_text()):
+        assert (page.parent / target).exists(), (str(page.relative_to(ROOT)), target)
 
 
 @pytest.mark.parametrize("example", examples(), ids=str)
