@@ -797,6 +797,22 @@ def test_usage_errors_exit_2(cli, args):
     assert "usage:" in done.stderr
 
 
+@pytest.mark.parametrize("args, refused_by", [
+    (["serve", "--prot", "9000"], "jobserver serve"),
+    (["create", "x", "--bogus"], "jobserver create"),
+    (["ping", "--server", "127.0.0.1:1", "extra"], "jobserver ping"),
+    (["--bogus", "ping"], "jobserver"),
+])
+def test_an_unknown_option_prints_its_subcommands_usage(args, refused_by):
+    done = subprocess.run(
+        [sys.executable, "-m", "jobserver", *args], capture_output=True, text=True, timeout=60
+    )
+    unknown = " ".join(word for word in args if word in ("--prot", "9000", "--bogus", "extra"))
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith(f"usage: {refused_by} ["), done.stderr
+    assert done.stderr.endswith(f"{refused_by}: error: unrecognized arguments: {unknown}\n")
+
+
 def test_server_error_exits_4():
     server = FakeServer([reply("503 Database unavailable: disk I/O error")])
     try:

@@ -30,7 +30,7 @@ PROGRAMS = {
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole command line; with `only`, the options of that one of
     PROGRAMS alone (the others are listed, their modules not imported)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="jobserver",
         description="A durable job queue that speaks Bedrock::Jobs' text protocol.",
         epilog=commands.EXIT_STATUS_HELP,
@@ -47,6 +47,36 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         program.add_arguments(sub.add_parser(name, help=summary, description=program.DESCRIPTION))
     commands.add_parsers(sub)
     return parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """`jobserver`'s parser: words a subcommand does not know are refused
+    with that subcommand's usage (`jobserver serve --prot 9000`), where
+    argparse would print the top level's."""
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        words = list(sys.argv[1:] if args is None else args)
+        parsed, extras = self.parse_known_args(words, namespace)
+        if extras:
+            self._refusing(words, parsed.command, extras[0]).error(
+                f"unrecognized arguments: {' '.join(extras)}"
+            )
+        return parsed
+
+    def _refusing(
+        self, words: list[str], command: str, first_extra: str
+    ) -> argparse.ArgumentParser:
+        """The subcommand's parser, unless the first unknown word comes
+        before the subcommand's name (an option of `jobserver` itself)."""
+        if first_extra not in words or words.index(first_extra) < words.index(command):
+            return self
+        subcommands = next(
+            action for action in self._actions if isinstance(action, argparse._SubParsersAction)
+        )
+        parser: argparse.ArgumentParser = subcommands.choices[command]
+        return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
