@@ -313,7 +313,7 @@ def test_postgresql_answers_use_pg_dump(tmp_path: Path) -> None:
         finally:
             running.stop()
     assert reply.status == (
-        "501 Backup is for SQLite: back up PostgreSQL with pg_dump (README, Backups and restore)"
+        "501 Backup is for SQLite: back up PostgreSQL with pg_dump (docs/backups.md)"
     )
     assert not list(tmp_path.iterdir())
 

@@ -890,8 +890,8 @@ def test_server_from_the_environment(server):
 
 
 def test_the_client_commands_start_without_trio_the_server_or_the_worker_manager():
-    # What a client command imports is what it costs to start (README,
-    # Benchmarks: bench/startup.py); `jobserver --help` builds every parser.
+    # What a client command imports is what it costs to start (docs/benchmarks.md,
+    # bench/startup.py); `jobserver --help` builds every parser.
     # ssl comes with a client that speaks TLS (test_tls_with_a_ca_file).
     code = (
         "import sys, jobserver.cli\n"

@@ -447,7 +447,7 @@ def test_corrupt_database_is_refused_at_start(
     code = server.wait(15)
     assert not server.started, f"started on a corrupt database:\n{server.log}"
     assert code != 0
-    assert code == 2, server.log  # README: refused database files exit with 2
+    assert code == 2, server.log  # docs/server.md: refused database files exit with 2
     assert str(db) in server.log
     assert "Traceback" not in server.log, server.log
     assert db.read_bytes() == content, "the server changed the file it refused"

@@ -707,7 +707,7 @@ def _as_user(url: str, user: str, password: str | None = None) -> str:
 
 @contextmanager
 def operator_role(url: str, grants: str = "") -> Iterator[str]:
-    """A role made the way README tells an operator, for the queue at `url`;
+    """A role made the way docs/nodes.md tells an operator, for the queue at `url`;
     `grants`: more it is given (a mistake the node must refuse)."""
     schema = _schema_of(url)
     name = f"jobserver_test_reader_{secrets.token_hex(4)}"

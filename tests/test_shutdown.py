@@ -21,7 +21,7 @@ from wire import Client, Reply, encode
 
 WAITERS = 100
 WRITERS = 4
-# The server promises to be gone within 5 s of the signal (README, protocol.md 1.7).
+# The server promises to be gone within 5 s of the signal (docs/server.md, protocol.md 1.7).
 EXIT_WITHIN = 5.0
 
 

@@ -16,7 +16,7 @@ from jobserver.cli import commands
 # (add_arguments) and runs it (run). A module is imported only when its
 # subcommand is the one asked for: they bring trio, the server or the worker
 # manager, which `jobserver --help` and the client commands start without
-# (README, Benchmarks: bench/startup.py).
+# (docs/benchmarks.md: bench/startup.py).
 PROGRAMS = {
     "serve": ("run the job server", "jobserver.cli.serve"),
     "worker-manager": ("take jobs and run a program for each", "jobserver.workers"),

@@ -41,7 +41,7 @@ from jobserver.wire.limits import (
 log = logging.getLogger("jobserver")
 
 
-# The ranges of the serve options; README's serve table lists them.
+# The ranges of the serve options; docs/server.md's serve table lists them.
 MAX_PORT = 65535
 # One file descriptor each, and the kernel's usual ceiling is 1,048,576.
 MAX_CONNECTIONS = 1_000_000

@@ -27,8 +27,8 @@ beyond the runtime dependencies: the worker manager is built on it, so that
 running a server and its workers never needs anyio. Both are imported on
 first use.
 
-Several servers. A queue served by several nodes on one PostgreSQL (README,
-"Running several nodes") is given to a client as a list of its nodes:
+Several servers. A queue served by several nodes on one PostgreSQL
+(docs/nodes.md) is given to a client as a list of its nodes:
 
     jobs = Client(["10.0.0.1:8888", "10.0.0.2:8888", "10.0.0.3:8888"])
     jobs = Client("10.0.0.1:8888,10.0.0.2:8888")   # the same, as one string

@@ -1,5 +1,5 @@
 """Which server a client connects to: one address, or the nodes of a queue
-served by several (README, "Running several nodes"), and the order in
+served by several (docs/nodes.md), and the order in
 which a client tries them.
 
 Each client starts at a node of its own: clients made one after another

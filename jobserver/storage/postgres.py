@@ -640,7 +640,7 @@ class PostgresStore(SqlStore):
         # any machine; a node would only do it worse.
         raise BackupUnsupported(
             "Backup is for SQLite: back up PostgreSQL with pg_dump "
-            "(README, Backups and restore)"
+            "(docs/backups.md)"
         )
 
 

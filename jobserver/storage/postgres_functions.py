@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from jobserver.storage.sql import HAND_OUT_ORDER, READY_SQL
 
-# Transactional enqueue (README, "Creating jobs from your own
+# Transactional enqueue (docs/nodes.md, "Creating jobs from your own
 # transactions"): a job created in the caller's transaction, and a
 # notification that PostgreSQL delivers only if that transaction commits.
 ENQUEUE_FUNCTION = """

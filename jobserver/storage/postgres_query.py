@@ -66,12 +66,12 @@ CANCEL_SECONDS = 3.0
 
 NOT_SET_UP = (
     "Query needs a PostgreSQL role of its own: start the server as a database user "
-    "that may create roles, or with --query-db-url (README, Running several nodes)"
+    "that may create roles, or with --query-db-url (docs/nodes.md, Query's own role)"
 )
 UNUSABLE = (
     "Query's PostgreSQL role {role} cannot log in, or may do more than read (the server's "
     "log says why): fix it, or start the server with --query-db-url "
-    "(README, Running several nodes)"
+    "(docs/nodes.md, Query's own role)"
 )
 
 # Opens a connection for Query, logged in as its role.
@@ -238,7 +238,7 @@ def check_operator_role(connect: Connect, node_user: str, database: str, schema:
             f"--query-db-url must name a role that can only read the queue's tables, "
             f"but {user} " + "; ".join(wrong) + f" (create a LOGIN role that is a member "
             f"of no other, GRANT it USAGE ON SCHEMA {schema} and SELECT ON "
-            + ", ".join(JOB_TABLES) + "; README, Running several nodes)"
+            + ", ".join(JOB_TABLES) + "; docs/nodes.md, Query's own role)"
         )
     return user
 

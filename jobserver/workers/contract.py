@@ -1,5 +1,5 @@
 """The worker contract: what a worker is, what it is given, and what its
-exit means. A worker script follows this; the README ("Worker manager")
+exit means. A worker script follows this; docs/worker-manager.md
 says the same for users.
 
 - Which executable: the last '/'-separated part of the job's name, without
