@@ -7,9 +7,12 @@ or listens.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -141,8 +144,72 @@ def test_a_db_url_of_an_unknown_scheme_is_refused_naming_the_known_ones(
     assert "s3cret" not in error  # the URL's password is never repeated
     assert list(tmp_path.iterdir()) == []
     # What each backend takes goes through unchanged.
+    (tmp_path / "odd:").mkdir()
     for db in ("postgresql://ann@db/jobs", "postgres://db/jobs", "jobs.db", "./odd://name"):
         assert build_parser().parse_args(["serve", "--db", db]).db == db
+
+
+@pytest.mark.parametrize("where, reason", [
+    ("a-file/jobs.db", "{tmp}/a-file is not a directory"),
+    ("a-file/deeper/jobs.db", "{tmp}/a-file is not a directory"),
+    ("missing/deeper/jobs.db", "the directory {tmp}/missing/deeper does not exist"),
+    ("a-directory", "{tmp}/a-directory is a directory"),
+])
+def test_a_db_path_that_cannot_hold_a_file_is_a_usage_error(tmp_path, where, reason):
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-directory").mkdir()
+    done = serve("--port", "0", "--db", str(tmp_path / where))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("usage: jobserver serve ")
+    assert done.stderr.endswith(
+        f"argument --db: cannot put a database at {tmp_path / where}: "
+        f"{reason.format(tmp=tmp_path)}\n"
+    )
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a-directory", "a-file"]
+
+
+@contextlib.contextmanager
+def read_only(path: Path) -> Iterator[None]:
+    """`path` read-only to this process: its mode for a user, the immutable
+    attribute for root (whom modes do not stop); skips where neither works."""
+    if os.geteuid() != 0:
+        mode = path.stat().st_mode
+        path.chmod(0o555 if path.is_dir() else 0o444)
+        try:
+            yield
+        finally:
+            path.chmod(mode)
+        return
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+        pytest.skip("root, and no chattr +i here: nothing makes a path read-only to root")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def test_a_read_only_db_directory_or_file_is_named_with_its_reason(tmp_path):
+    # SQLite says "unable to open database file" or "attempt to write a
+    # readonly database" whatever the cause.
+    closed = tmp_path / "closed"
+    closed.mkdir()
+    with read_only(closed):
+        done = serve("--port", "0", "--db", str(closed / "jobs.db"))
+    assert done.returncode == 2, done.stderr
+    assert (
+        f"cannot use '{closed / 'jobs.db'}' as a job database: the directory {closed} is not "
+        "writable by this server (SQLite creates the database's -wal and -shm files beside "
+        "it) (SQLite: unable to open database file)"
+    ) in done.stderr
+    kept = tmp_path / "kept.db"
+    kept.write_bytes(b"")
+    with read_only(kept):
+        done = serve("--port", "0", "--db", str(kept))
+    assert done.returncode == 2, done.stderr
+    assert (
+        f"cannot use '{kept}' as a job database: the file {kept} is read-only to this server "
+        "(SQLite: attempt to write a readonly database)"
+    ) in done.stderr
 
 
 def test_a_db_that_is_a_symbolic_link_is_served_from_the_file_it_names(start_server, tmp_path):

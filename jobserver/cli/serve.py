@@ -21,7 +21,7 @@ from jobserver.core.rules import flow
 from jobserver.model.limits import Limit, parse_spec
 from jobserver.model.times import duration_text
 from jobserver.server.app import Config, HttpListenError, Server
-from jobserver.storage import sqlite_backup
+from jobserver.storage import sqlite_backup, sqlite_path
 from jobserver.storage.backends import check_db, is_postgres
 from jobserver.storage.interface import BackupDirectoryUnusable
 from jobserver.storage.sqlite import SYNCHRONOUS_MODES
@@ -121,7 +121,8 @@ def _add_storage_options(serve: argparse.ArgumentParser) -> None:
         default="jobs.db",
         metavar="DB",
         help=(
-            "where jobs are kept: a SQLite file, created if missing, or a "
+            "where jobs are kept: a SQLite file, created if missing in a directory that "
+            "exists and this server may write (beside it go its -wal, -shm and .lock), or a "
             "PostgreSQL URL (postgresql://USER@HOST:PORT/DBNAME, libpq's "
             "parameters allowed; needs jobserver[postgres]), which any number "
             "of servers may share (default: jobs.db)"
@@ -356,9 +357,13 @@ def _http_host(text: str) -> str:
 
 def _db(text: str) -> str:
     try:
-        return check_db(text)
+        db = check_db(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+    place = None if is_postgres(db) else sqlite_path.missing_place(db)
+    if place is not None:
+        raise argparse.ArgumentTypeError(f"cannot put a database at {db}: {place}")
+    return db
 
 
 def _limit(text: str) -> tuple[str, Limit]:

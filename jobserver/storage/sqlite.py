@@ -22,7 +22,7 @@ from typing import Any
 from jobserver.model.globmatch import is_glob
 from jobserver.model.jobs import Job
 from jobserver.model.limits import Limit
-from jobserver.storage import sqlite_backup, sqlite_readers, sqlite_schema
+from jobserver.storage import sqlite_backup, sqlite_path, sqlite_readers, sqlite_schema
 from jobserver.storage.interface import (
     BackupCopy,
     BackupDirectory,
@@ -122,7 +122,9 @@ class Store(SqlStore):
             self.paused: frozenset[str] = frozenset()
             self._load_flow_control()
         except sqlite3.DatabaseError as error:
-            raise StoreError(f"cannot use {path!r} as a job database: {error}") from error
+            reason = sqlite_path.unwritable(path)
+            detail = f"{reason} (SQLite: {error})" if reason else str(error)
+            raise StoreError(f"cannot use {path!r} as a job database: {detail}") from error
 
     def _commit_without_syncing(self, synchronous: str) -> None:
         """In WAL mode with synchronous NORMAL a commit appends to the log
