@@ -68,6 +68,10 @@ class Job:
     node: str = ""
     # Whose job it is, for per-key and fair limits (protocol.md 14.23).
     key: str = ""
+    # Seconds of the lease its taker asked for (GetJob's `lease`) when its
+    # last hand-out was under one; 0 otherwise, and for a job with
+    # retryAfter, whose own lease wins (protocol.md 14.24).
+    lease: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,7 @@ class JobChanges:
     lastReport: str | _Keep = KEEP
     worker: str | _Keep = KEEP
     node: str | _Keep = KEEP
+    lease: int | _Keep = KEEP
 
     def columns(self) -> dict[str, object]:
         """The columns set, by name, in a fixed order (the fields')."""

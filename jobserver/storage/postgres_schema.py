@@ -49,7 +49,9 @@ from jobserver.storage.sqlite_schema import StoreError
 # `key`, the limits' rate and switches, the hand-outs of each rate's window
 # and the keys each fair pattern has served; the search leaves out held
 # names of a key, and held patterns of a key, too.
-SCHEMA_VERSION = 8
+# 9: the seconds of the lease a job's taker asked for (GetJob's `lease`,
+# protocol.md 14.24), for TouchJob to renew.
+SCHEMA_VERSION = 9
 
 # Rows of jobserver_locks. The nodes lock these rows, with FOR UPDATE,
 # where they once took advisory locks: any role that can connect to the
@@ -268,6 +270,7 @@ def _migrate(db: psycopg.Connection, where: str, schema: str) -> None:
         _version_6(db)
         _version_7(db)
         _version_8(db)
+    _version_9(db)
     db.execute("DELETE FROM jobserver_schema")
     db.execute("INSERT INTO jobserver_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
 
@@ -412,6 +415,10 @@ def _version_8(db: psycopg.Connection) -> None:
         .encode()
     )
     db.execute(f"DROP FUNCTION IF EXISTS jobserver_find_ready_after({_FIND_READY_7})".encode())
+
+
+def _version_9(db: psycopg.Connection) -> None:
+    db.execute("ALTER TABLE jobs ADD COLUMN IF NOT EXISTS lease INTEGER NOT NULL DEFAULT 0")
 
 
 def lock_slot(purpose: str, key: str) -> int:

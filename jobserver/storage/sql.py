@@ -23,14 +23,15 @@ COLUMNS = (
     "created", "jobID", "state", "name", "nextRun", "lastRun", "repeat", "data", "priority",
     "parentJobID", "retryAfter", "maxAttempts", "retryBackoff", "retryDelay", "retryMaxDelay",
     "attempts", "lastError", "leaseID", "cost", "timeWindows", "timeZone", "ended", "replyKey",
-    "lastReport", "worker", "node", "key",
+    "lastReport", "worker", "node", "key", "lease",
 )
 JOB = ", ".join(COLUMNS)
 # The columns that are not text, as PostgreSQL's types (a write of many
 # rows reads them from text).
 NOT_TEXT = {
     "jobID": "bigint", "priority": "bigint", "parentJobID": "bigint", "maxAttempts": "bigint",
-    "attempts": "bigint", "cost": "bigint", "retryDelay": "float8", "retryMaxDelay": "float8",
+    "attempts": "bigint", "cost": "bigint", "lease": "bigint", "retryDelay": "float8",
+    "retryMaxDelay": "float8",
 }
 
 # Standalone jobs in these states are kept for retention, then pruned.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sqlite3
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 
 class StoreError(Exception):
@@ -62,7 +62,10 @@ CREATE TABLE jobs (
     node          TEXT NOT NULL DEFAULT '',
     -- Whose job it is (a tenant, a customer): per-key limits count each
     -- key apart, and fair ones rotate between keys (protocol.md 14.23).
-    key           TEXT NOT NULL DEFAULT ''
+    key           TEXT NOT NULL DEFAULT '',
+    -- Seconds of the lease the taker asked for at the hand-out (the lease
+    -- of GetJob), for TouchJob to renew, or 0 (protocol.md 14.24).
+    lease         INTEGER NOT NULL DEFAULT 0
 );
 -- GetJob with a pattern: per priority, the due jobs in hand-out order
 -- (nextRun, name, then jobID, which every index ends with), so the first
@@ -216,6 +219,7 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "CREATE TABLE fairServed (\n    pattern TEXT NOT NULL,\n    key     TEXT NOT NULL,\n"
         "    PRIMARY KEY (pattern, key)\n)",
     ),
+    8: ("ALTER TABLE jobs ADD COLUMN lease INTEGER NOT NULL DEFAULT 0",),
 }
 
 

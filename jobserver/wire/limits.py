@@ -63,6 +63,12 @@ MAX_JOB_ID = 2**63 - 1
 # RetryJob's delay has at most 8 digits of seconds (three years), as in Bedrock.
 MAX_DELAY_DIGITS = 8
 MAX_DELAY = 10**MAX_DELAY_DIGITS - 1
+# The lease a worker may ask for on GetJob and GetJobs (`lease`, seconds,
+# protocol.md 14.24): a second at least, so a job is not due again before
+# its reply arrives; a day at most, past which --stale-after's net is the
+# better tool.
+MIN_LEASE = 1
+MAX_LEASE = 86400
 
 # How long a GetJob with `Connection: wait` waits when it names no timeout:
 # Bedrock's default, chosen so clients can use a two-minute socket timeout.

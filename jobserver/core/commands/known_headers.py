@@ -17,7 +17,7 @@ _NEW_JOB = (
     "retrymaxdelay", "cost", "timewindows", "timezone", "key",
 )
 _BULK = ("name", "queue", "jobids", "limit", "dryrun")
-_HAND_OUT = ("name", "jobpriority", "includeleaseid")
+_HAND_OUT = ("name", "jobpriority", "includeleaseid", "lease")
 KNOWN_HEADERS: dict[str, frozenset[str]] = {
     verb: frozenset(names)
     for verb, names in {

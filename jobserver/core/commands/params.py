@@ -27,11 +27,13 @@ from jobserver.wire.limits import (
     MAX_COST,
     MAX_DELAY_DIGITS,
     MAX_JOB_ID,
+    MAX_LEASE,
     MAX_LISTED,
     MAX_NAME,
     MAX_QUEUES,
     MAX_RESULTS,
     MAX_WAIT_MS,
+    MIN_LEASE,
     PRIORITIES,
 )
 
@@ -86,6 +88,7 @@ def parse_job_id(text: str, name: str = "jobID") -> int:
 
 # An integer in canonical decimal form, in or out of a jobID's range.
 _INTEGER = re.compile(r"-?(?:0|[1-9][0-9]*)")
+_LEASE = re.compile(r"-?[0-9]{1,9}")
 
 
 def given_job_id(request: Request) -> int | None:
@@ -250,6 +253,21 @@ def delay_seconds(request: Request) -> int:
         raise CommandError("402 Must specify a non-negative delay when retrying")
     if len(str(seconds)) > MAX_DELAY_DIGITS:
         raise CommandError("402 Malformed delay")
+    return seconds
+
+
+def lease_seconds(request: Request) -> int:
+    """GetJob's and GetJobs' `lease`: the seconds of the lease the worker
+    asks for on jobs without retryAfter; 0 (absent or empty) for none."""
+    value = present(request, "lease")
+    if value is None or value.strip() == "":
+        return 0
+    # Digits bounded before int(): a pattern's worth of them would be slow.
+    if not _LEASE.fullmatch(value.strip()):
+        raise CommandError("402 Malformed lease")
+    seconds = int(value)
+    if not MIN_LEASE <= seconds <= MAX_LEASE:
+        raise CommandError(f"402 Lease out of range ({MIN_LEASE} to {MAX_LEASE} seconds)")
     return seconds
 
 

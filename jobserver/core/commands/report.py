@@ -122,9 +122,10 @@ def _finish_or_retry(ctx: Context, request: Request, retry: bool) -> Response:
         data.pop("retryAfterCount", None)
         text = jsonbody.compact(data)
     changes: dict[str, Any] = {"data": text}
-    if job.maxAttempts:
+    if job.attempts:
         # A run that ended well, or that its worker chose to retry, did not
-        # fail: the next run gets every attempt again.
+        # fail: the next run gets every attempt again (and every lease,
+        # protocol.md 14.24).
         changes["attempts"] = 0
     if not retry and has_children and ctx.store.has_children(job.jobID, PENDING):
         lifecycle.pause_for_children(ctx, job, **changes)

@@ -56,6 +56,7 @@ from jobserver.wire import jsonbody
 # Bedrock's limit: a job whose lease expired this many times without a
 # report is failed instead of being handed out again.
 MAX_LEASES = 10
+OUT_OF_LEASES = f"out of leases: handed out {MAX_LEASES} times without a report"
 # Names with this prefix are retried forever and never counted, as in Bedrock.
 UNCOUNTED_PREFIX = "manual"
 # Random bytes per lease token: 2^64 tokens make a collision between two
@@ -168,49 +169,65 @@ class Lease:
     next_run: str
 
 
-def hand_out(ctx: Context, job: Job, worker: str = "") -> Lease | None:
+def hand_out(ctx: Context, job: Job, worker: str = "", lease: int = 0) -> Lease | None:
     """Mark a due job as handed out to `worker` (its address) on this node:
-    RUNNING, or RUNQUEUED until the end of its lease (retryAfter). None if
-    the job was failed instead: out of leases or attempts, or a lease that
-    cannot be computed."""
-    lease = secrets.token_hex(LEASE_BYTES)
+    RUNNING, or RUNQUEUED until the end of its lease: its own (retryAfter),
+    else the `lease` seconds its taker asked for, if any. None if the job
+    was failed instead: out of leases or attempts, or a lease that cannot
+    be computed."""
+    token = secrets.token_hex(LEASE_BYTES)
     # Who took it goes in the hand-out's own write (RunningJobs).
     changes: dict[str, Any] = {
-        "lastRun": ctx.now_s, "leaseID": lease, "worker": worker, "node": ctx.settings.node,
+        "lastRun": ctx.now_s, "leaseID": token, "worker": worker, "node": ctx.settings.node,
     }
-    policy = job.maxAttempts > 0
-    if policy:
-        if job.state == State.RUNQUEUED:
-            # Due while still leased: the last attempt's lease ran out.
-            changes["lastError"] = LEASE_EXPIRED
-            if job.attempts >= job.maxAttempts:
-                _expire(ctx, job, LEASE_EXPIRED)
-                return None
+    if job.lease:
+        # The last taker's lease is not this one's.
+        changes["lease"] = 0
+    if job.state == State.RUNQUEUED and not _counts_lost_lease(ctx, job, changes):
+        return None
+    if job.maxAttempts:
         changes["attempts"] = job.attempts + 1
-    if not job.retryAfter:
-        _move(ctx, job, "hand out", State.RUNNING, lastReport=ctx.now_ms, **changes)
-        return Lease(lease, job.data, job.nextRun)
+    if job.retryAfter:
+        return _hand_out_leased(ctx, job, changes)
+    if lease:
+        return _hand_out_under_takers_lease(ctx, job, lease, changes)
+    _move(ctx, job, "hand out", State.RUNNING, lastReport=ctx.now_ms, **changes)
+    return Lease(token, job.data, job.nextRun)
+
+
+def _counts_lost_lease(ctx: Context, job: Job, changes: dict[str, Any]) -> bool:
+    """A job due while still leased: its last hand-out's lease ran out. With
+    a retry policy that was an attempt; under a lease its taker asked for,
+    one of MAX_LEASES, counted in `attempts` (Bedrock's counter in the data
+    is retryAfter's alone). False if the job was failed for it."""
+    if job.maxAttempts:
+        changes["lastError"] = LEASE_EXPIRED
+        if job.attempts >= job.maxAttempts:
+            _expire(ctx, job, LEASE_EXPIRED)
+            return False
+    elif not job.retryAfter:
+        changes["lastError"] = LEASE_EXPIRED
+        changes["attempts"] = job.attempts + 1
+        if changes["attempts"] >= MAX_LEASES:
+            _expire(ctx, job, OUT_OF_LEASES)
+            return False
+    return True
+
+
+def _hand_out_leased(ctx: Context, job: Job, changes: dict[str, Any]) -> Lease | None:
+    """RUNQUEUED until the end of the job's own lease (retryAfter, section 7)."""
     data = jsonbody.parse_object(job.data, stored=True)
     counted = not job.name.startswith(UNCOUNTED_PREFIX)
     # A policy's maxAttempts replaces Bedrock's counter in the data.
-    count_leases = counted and not policy
+    count_leases = counted and not job.maxAttempts
     count = data.get("retryAfterCount", 0) if count_leases else 0
     if not isinstance(count, int) or isinstance(count, bool):
         count = 0
     if count >= MAX_LEASES:
-        _expire(ctx, job, f"out of leases: handed out {MAX_LEASES} times without a report")
+        _expire(ctx, job, OUT_OF_LEASES)
         return None
-    try:
-        # Handed out for its nextRun, even when that is an ended lease's end.
-        next_run = schedule.lease_end(ctx, job, job.nextRun)
-    except schedule.RepeatStalled as stalled:
-        # A lease that ends at once would hand the job out again and again.
-        _expire(ctx, job, str(stalled))
-        return None
+    next_run = _lease_end(ctx, job, 0)
     if next_run is None:
-        # A stored time SQLite cannot read (imported from elsewhere, written
-        # by hand) must not block the queue: fail the job, as Bedrock does.
-        _expire(ctx, job, "cannot compute the end of the lease")
         return None
     if count_leases:
         data["retryAfterCount"] = count + 1
@@ -219,10 +236,43 @@ def hand_out(ctx: Context, job: Job, worker: str = "") -> Lease | None:
         data["originalNextRun"] = job.nextRun
     # A plain leased job's data is written back at every hand-out, as it
     # always was; a policy job's only when it records originalNextRun.
-    if not policy or scheduled:
+    if not job.maxAttempts or scheduled:
         changes["data"] = jsonbody.compact(data)
     _move(ctx, job, "hand out", State.RUNQUEUED, nextRun=next_run, **changes)
-    return Lease(lease, changes.get("data", job.data), next_run)
+    return Lease(changes["leaseID"], changes.get("data", job.data), next_run)
+
+
+def _hand_out_under_takers_lease(
+    ctx: Context, job: Job, seconds: int, changes: dict[str, Any]
+) -> Lease | None:
+    """RUNQUEUED until the end of the lease its taker asked for (GetJob's
+    `lease`, protocol.md 14.24); its data gains no counter, only a SCHEDULED
+    repeat's originalNextRun, as under retryAfter."""
+    next_run = _lease_end(ctx, job, seconds)
+    if next_run is None:
+        return None
+    if "SCHEDULED" in job.repeat:
+        data = {**jsonbody.parse_object(job.data, stored=True), "originalNextRun": job.nextRun}
+        changes["data"] = jsonbody.compact(data)
+    changes["lease"] = seconds
+    _move(ctx, job, "hand out", State.RUNQUEUED, nextRun=next_run, **changes)
+    return Lease(changes["leaseID"], changes.get("data", job.data), next_run)
+
+
+def _lease_end(ctx: Context, job: Job, seconds: int) -> str | None:
+    """The end of a hand-out's lease; None, the job failed, if there is none."""
+    try:
+        # Handed out for its nextRun, even when that is an ended lease's end.
+        next_run = schedule.lease_end(ctx, job, job.nextRun, seconds)
+    except schedule.RepeatStalled as stalled:
+        # A lease that ends at once would hand the job out again and again.
+        _expire(ctx, job, str(stalled))
+        return None
+    if next_run is None:
+        # A stored time SQLite cannot read (imported from elsewhere, written
+        # by hand) must not block the queue: fail the job, as Bedrock does.
+        _expire(ctx, job, "cannot compute the end of the lease")
+    return next_run
 
 
 def _expire(ctx: Context, job: Job, error: str) -> None:
@@ -257,6 +307,7 @@ def give_back(ctx: Context, job: Job, lease: Lease) -> None:
         lastReport=job.lastReport,
         worker=job.worker,
         node=job.node,
+        lease=job.lease,
     )
 
 
@@ -272,7 +323,9 @@ def touch(ctx: Context, job: Job) -> str | None:
         _note_report(ctx, job)
         return None
     check(job, "extend a lease")
-    next_run = schedule.lease_end(ctx, job, schedule.due_moment(job))
+    # Its own lease, else the one its taker asked for (protocol.md 14.24).
+    seconds = 0 if job.retryAfter else job.lease
+    next_run = schedule.lease_end(ctx, job, schedule.due_moment(job), seconds)
     if next_run is None:
         raise CommandError("502 Failed to compute nextRun")
     _move(ctx, job, "extend a lease", State.RUNQUEUED, nextRun=next_run)

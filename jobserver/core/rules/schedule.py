@@ -111,14 +111,18 @@ def window_start(ctx: Context, job: Job) -> str | None:
     return None if start <= ctx.now else times.to_millis(start)
 
 
-def lease_end(ctx: Context, job: Job, due: str | None) -> str | None:
-    """now + retryAfter, or the next repeat if that comes first; None when
-    the job's stored times cannot be computed with. `due` is the moment the
-    job's run is due (None: not known), which the repeat must not give
-    again: a lease ending then would hand the job out again and again.
-    Raises RepeatStalled."""
+def lease_end(ctx: Context, job: Job, due: str | None, seconds: int = 0) -> str | None:
+    """now + retryAfter (in whole seconds, as DATETIME() computes), or now +
+    `seconds` to the millisecond for a lease its taker asked for, or the
+    next repeat if that comes first; None when the job's stored times cannot
+    be computed with. `due` is the moment the job's run is due (None: not
+    known), which the repeat must not give again: a lease ending then would
+    hand the job out again and again. Raises RepeatStalled."""
     try:
-        end = datetime_after(ctx.now_s, repeat.parse_modifiers(job.retryAfter))
+        if seconds:
+            end: str | None = retry_time(ctx, seconds)
+        else:
+            end = datetime_after(ctx.now_s, repeat.parse_modifiers(job.retryAfter))
         if end is not None and job.repeat:
             started = replace(job, lastRun=ctx.now_s)
             end = min(end, next_run_after_run(ctx, started, due))
@@ -158,7 +162,7 @@ def due_moment(job: Job) -> str | None:
 
 
 def _original_next_run(job: Job) -> str | None:
-    if not job.retryAfter or "originalNextRun" not in job.data:
+    if not (job.retryAfter or job.lease) or "originalNextRun" not in job.data:
         return None
     original = jsonbody.parse_object(job.data, stored=True).get("originalNextRun")
     return original if isinstance(original, str) else None

@@ -59,6 +59,9 @@ class JobQuery:
     many: bool = False
     # Who asks (route.worker_name): each job taken records it.
     worker: str = ""
+    # The lease the worker asks for (`lease`, seconds; 0: none), given to
+    # each job taken that has no retryAfter of its own (protocol.md 14.24).
+    lease: int = 0
 
     @property
     def scans(self) -> bool:
@@ -122,7 +125,8 @@ def query_of(request: Request, worker: str = "") -> JobQuery:
         limit = 1
     patterns, names = job_selector(params.require(request, "name"))
     priority = params.priority(request, "jobPriority")
-    query = JobQuery(patterns, names, priority, limit, many=many, worker=worker)
+    lease = params.lease_seconds(request)
+    query = JobQuery(patterns, names, priority, limit, many=many, worker=worker, lease=lease)
     if params.is_true(request.get("includeLeaseID")):
         query = replace(query, include_lease_id=True)
     return query
@@ -140,12 +144,13 @@ class Taken:
 
 def reply(query: JobQuery, taken: list[Taken]) -> Response:
     """The reply, with the lease tokens in a `leaseID` header when a job
-    has a lease or the request asked for them: a plain Bedrock hand-out of
-    jobs without retryAfter stays the same byte for byte."""
+    has a lease or the request asked for them or for a lease: a plain
+    Bedrock hand-out of jobs without retryAfter stays the same byte for
+    byte."""
     objects = [t.reply for t in taken]
     body = {"jobs": objects} if query.many else objects[0]
     headers = {}
-    if any(t.job.retryAfter or "leaseID" in t.reply for t in taken):
+    if query.lease or any(t.job.retryAfter or "leaseID" in t.reply for t in taken):
         headers["leaseID"] = ",".join(t.lease.token for t in taken)
     return Response("200 OK", jsonbody.encode(body), headers)
 
@@ -388,7 +393,7 @@ class _Turns:
 
 
 def _hand_out(ctx: Context, job: Job, obj: dict[str, Any], query: JobQuery) -> Taken | None:
-    lease = lifecycle.hand_out(ctx, job, query.worker)
+    lease = lifecycle.hand_out(ctx, job, query.worker, query.lease)
     if lease is None:
         return None
     if job.maxAttempts:

@@ -1,0 +1,202 @@
+"""A lease asked for by the worker (GetJob's and GetJobs' `lease`,
+protocol.md 14.24): a job without retryAfter taken under one is due again
+when it ends, unless renewed (TouchJob) or reported; a job's own lease and
+retry policy win. On every backend, over a real server.
+
+Leases are one or two seconds; waits poll with a generous deadline.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import pg
+import psycopg
+import pytest
+
+from harness import ThreadServer
+from helpers import create, ok
+from jobserver.core.rules.lifecycle import LEASE_EXPIRED, OUT_OF_LEASES
+from jobserver.storage import postgres_schema
+from jobserver.storage.postgres import PostgresStore
+from jobserver.storage.sqlite import Store
+from jobserver.storage.sqlite_schema import SCHEMA
+from wire import Client, Reply
+
+pytestmark = pytest.mark.backends
+
+DEADLINE = 30.0
+
+
+def query_job(client: Client, job_id: int) -> dict[str, Any]:
+    return ok(client.request("QueryJob", jobID=job_id)).json
+
+
+def take(client: Client, name: str, **params: Any) -> Reply:
+    """GetJob until it hands out a job (waiting for one, within DEADLINE)."""
+    return ok(
+        client.request(
+            "GetJob", name=name, Connection="wait", timeout=int(DEADLINE * 1000), **params
+        )
+    )
+
+
+def last_look(client: Client, name: str) -> Reply:
+    """A GetJob that waits past a one-second lease's end."""
+    return client.request("GetJob", name=name, Connection="wait", timeout=2500)
+
+
+def test_a_job_taken_under_a_lease_is_due_again_when_it_ends(server, client):
+    job_id = create(client, "thumb")
+    asked = time.monotonic()
+    first = take(client, "thumb", lease=1)
+    assert first.json["jobID"] == job_id and "leaseID" in first.headers
+    assert query_job(client, job_id)["state"] == "RUNQUEUED"
+    # Nobody else gets it while the lease runs...
+    assert client.request("GetJob", name="thumb").status == "404 No job found"
+    # ... and a waiting worker gets it once the lease ends, with no report.
+    with server.client() as other:
+        second = take(other, "thumb")
+    assert time.monotonic() - asked >= 0.99
+    assert second.json["jobID"] == job_id
+    assert second.headers.get("leaseID", "") != first.headers["leaseID"]
+    # Taken without a lease this time: RUNNING, as in Bedrock.
+    job = query_job(client, job_id)
+    assert job["state"] == "RUNNING" and job["data"] == {}
+    late = client.request("FinishJob", jobID=job_id, leaseID=first.headers["leaseID"])
+    assert late.status == "409 Lease expired"
+
+
+def test_touch_job_renews_the_takers_lease(server, client):
+    job_id = create(client, "long")
+    lease = take(client, "long", lease=1).headers["leaseID"]
+    with server.client() as other:
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+            reply = ok(client.request("TouchJob", jobID=job_id, leaseID=lease))
+            assert query_job(client, job_id)["nextRun"] == reply.json["nextRun"]
+            assert other.request("GetJob", name="long").status == "404 No job found"
+            time.sleep(0.2)
+    ok(client.request("FinishJob", jobID=job_id, leaseID=lease))
+    assert client.request("QueryJob", jobID=job_id).status == "404 No job with this jobID"
+
+
+def test_a_jobs_own_lease_wins_over_the_takers(server, client):
+    job_id = create(client, "own", retryAfter="+1 HOUR")
+    ok(client.request("GetJob", name="own", lease=1))
+    time.sleep(1.5)
+    assert client.request("GetJob", name="own").status == "404 No job found"
+    assert query_job(client, job_id)["data"] == {"retryAfterCount": 1}
+
+
+def test_a_lost_lease_is_an_attempt_of_a_retry_policy(server, client):
+    job_id = create(client, "flaky", maxAttempts=2, retryBackoff="fixed", retryDelay=60)
+    assert take(client, "flaky", lease=1).json["attempt"] == 1
+    second = take(client, "flaky", lease=1)
+    # The lease was the wait: no backoff, the next attempt at once.
+    assert second.json["attempt"] == 2
+    assert query_job(client, job_id)["lastError"] == LEASE_EXPIRED
+    # The GetJob that finds the last attempt's lease over fails the job.
+    assert last_look(client, "flaky").status == "404 No job found"
+    assert query_job(client, job_id)["state"] == "FAILED"
+
+
+def test_a_job_without_a_policy_is_failed_after_ten_lost_leases(server, client):
+    job_id = create(client, "poison", data='{"k":1}')
+    for _ in range(10):
+        take(client, "poison", lease=1)
+    assert last_look(client, "poison").status == "404 No job found"
+    assert query_job(client, job_id)["state"] == "FAILED"
+    failed = ok(client.request("FailedJobs")).json["jobs"]
+    assert [(j["jobID"], j["lastError"]) for j in failed] == [(job_id, OUT_OF_LEASES)]
+    # The count is not in its data.
+    assert query_job(client, job_id)["data"] == {"k": 1}
+
+
+def test_a_report_starts_the_count_of_lost_leases_again(server, client):
+    job_id = create(client, "again")
+    for _ in range(9):
+        take(client, "again", lease=1)
+    # Past nine lost leases, a run its worker retries: its next has all ten.
+    lease = take(client, "again", lease=1).headers["leaseID"]
+    ok(client.request("RetryJob", jobID=job_id, leaseID=lease))
+    take(client, "again", lease=1)
+    take(client, "again", lease=1)
+    assert query_job(client, job_id)["state"] == "RUNQUEUED"
+
+
+def test_getjobs_takes_its_jobs_under_the_lease(server, client):
+    ids = [create(client, "batch") for _ in range(3)]
+    reply = ok(client.request("GetJobs", name="batch", numResults=3, lease=60))
+    assert [j["jobID"] for j in reply.json["jobs"]] == ids
+    assert len(reply.headers["leaseID"].split(",")) == 3
+    assert {query_job(client, i)["state"] for i in ids} == {"RUNQUEUED"}
+
+
+@pytest.mark.parametrize(
+    ("value", "status"),
+    [
+        ("x", "402 Malformed lease"),
+        ("1.5", "402 Malformed lease"),
+        ("9" * 40, "402 Malformed lease"),
+        ("0", "402 Lease out of range (1 to 86400 seconds)"),
+        ("-3", "402 Lease out of range (1 to 86400 seconds)"),
+        ("86401", "402 Lease out of range (1 to 86400 seconds)"),
+    ],
+)
+def test_a_bad_lease_is_refused_and_takes_nothing(client, value, status):
+    job_id = create(client, "kept")
+    assert client.request("GetJob", name="kept", lease=value).status == status
+    assert client.request("GetJobs", name="kept", numResults=1, lease=value).status == status
+    assert query_job(client, job_id)["state"] == "QUEUED"
+    # Empty is absent: no lease.
+    ok(client.request("GetJob", name="kept", lease=""))
+    assert query_job(client, job_id)["state"] == "RUNNING"
+
+
+def test_a_version_8_database_is_migrated_and_its_jobs_take_leases(backend, db, tmp_path):
+    if isinstance(db, Path):
+        old = tmp_path / "v8.db"
+        with sqlite3.connect(old) as raw:
+            # Version 8: the schema without the lease column.
+            raw.executescript(re.sub(r",\n    -- Seconds of the lease.*?(\n\);)", r"\1", SCHEMA,
+                                     count=1, flags=re.S))
+            raw.execute(OLD_JOB)
+            raw.execute("PRAGMA user_version = 8")
+        Store(str(old)).close()
+        Store(str(tmp_path / "fresh.db")).close()
+        assert sqlite_version(old) == sqlite_version(tmp_path / "fresh.db") == (9, LEASE_COLUMN)
+        server = ThreadServer(old)
+    else:
+        PostgresStore(str(db)).close()
+        pg.execute(str(db), "ALTER TABLE jobs DROP COLUMN lease")
+        pg.execute(str(db), "UPDATE jobserver_schema SET version = 8")
+        pg.execute(str(db), OLD_JOB)
+        server = ThreadServer(db)
+    try:
+        with server.client() as client:
+            job = take(client, "from before", lease=60).json
+            assert query_job(client, job["jobID"])["state"] == "RUNQUEUED"
+    finally:
+        server.stop()
+    if not isinstance(db, Path):
+        with psycopg.connect(str(db)) as conn:
+            row = conn.execute("SELECT version FROM jobserver_schema").fetchone()
+        assert row == (postgres_schema.SCHEMA_VERSION,) == (9,)
+
+
+OLD_JOB = (
+    "INSERT INTO jobs (created, state, name, nextRun) VALUES "
+    "('2026-01-01 00:00:00', 'QUEUED', 'from before', '2026-01-01 00:00:00')"
+)
+LEASE_COLUMN = ("lease", "INTEGER", 1, "0")
+
+
+def sqlite_version(path: Path) -> tuple[int, tuple[object, ...]]:
+    with sqlite3.connect(path) as raw:
+        columns = raw.execute("PRAGMA table_info(jobs)").fetchall()
+        return raw.execute("PRAGMA user_version").fetchone()[0], tuple(columns[-1][1:5])
