@@ -495,6 +495,44 @@ def test_depth_is_sampled_from_the_store(tmp_path):
     _run(main)
 
 
+def test_a_minute_not_yet_sampled_holds_the_last_depth_not_zero():
+    # The graph read [38, 38, 0] two seconds into a minute and [38, 38, 38]
+    # at seventeen: the new minute's depth was 0 until its first sample.
+    async def main() -> None:
+        clock = TrioClock(1_800_000_000.0)  # a whole minute
+        ring = History(10, clock)
+        depths = {"a": 38, "b": 2}
+
+        async def sampler() -> None:
+            """run_sampler's schedule (13, 28, 43, 58 s), without its thread,
+            which trio's MockClock would jump past."""
+            while True:
+                ring.sample_depth(depths)
+                await trio.sleep(depth.seconds_to_next_sample(clock.now().timestamp(), False))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sampler)
+            await trio.sleep(2 * 60 + 2)  # two seconds into the third minute
+            assert ring.read(None, 3).series["depth"] == [40, 40, 40]
+            assert ring.read("a", 3).series["depth"] == [38, 38, 38]
+            await trio.sleep(15)
+            assert ring.read("a", 3).series["depth"] == [38, 38, 38]
+            depths = {"a": 5}
+            await trio.sleep(60)  # 17 s into the fourth minute
+            # The third minute keeps its last sample, at 58 s.
+            assert ring.read("a", 3).series["depth"] == [38, 5, 5]
+            assert ring.read("b", 3).series["depth"] == [2, 0, 0]
+            nursery.cancel_scope.cancel()
+        # Minutes without a sample of their own (the sampler stopped, or a
+        # slow read skipped them) hold the last one, in a window of any length.
+        await trio.sleep(3 * 60)
+        assert ring.read("a", 4).series["depth"] == [5, 5, 5, 5]
+        await trio.sleep(20 * 60)
+        assert ring.read(None, 10).series["depth"] == [5] * 10
+
+    _run(main)
+
+
 @pytest.mark.parametrize(
     ("into_minute", "slow", "wait"),
     [

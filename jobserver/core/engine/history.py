@@ -16,7 +16,10 @@ for all queues together, per minute:
 - retried: runs that ended to run again (RetryJob, a failed attempt that a
   retry policy queues again);
 - depth: the jobs QUEUED or RUNQUEUED (due or not) when the minute was
-  sampled (`sample_depth`, every 15 seconds, off the writer).
+  last sampled (`sample_depth`, every 15 seconds, off the writer); a
+  level, not a count, so a minute not sampled yet (the first 13 seconds of
+  each, or a minute a slow read skipped) holds the last sample before it,
+  not 0 (the graph dropped to 0 at the start of every minute).
 
 Events are noted on a request's Context as its moves are made
 (lifecycle.py), gathered by the writer from the requests that succeeded,
@@ -278,13 +281,17 @@ class History:
             self._other = None
         passed = range(max(head + 1, minute - self.minutes + 1), minute + 1)
         for track in (self._total, *self._queues.values()):
+            depth = track.series[DEPTH][head % self.minutes]
             if len(passed) == self.minutes:
                 # Silent for a whole window: one new array a series.
                 track.series = _zeros(self.minutes)
+                track.series[DEPTH] = array("q", [depth]) * self.minutes
                 continue
-            for values in track.series:
+            for kind, values in enumerate(track.series):
+                # The last depth sampled until a sample of their own.
+                now = depth if kind == DEPTH else 0
                 for m in passed:
-                    values[m % self.minutes] = 0
+                    values[m % self.minutes] = now
         return minute
 
 
