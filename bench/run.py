@@ -403,7 +403,7 @@ class BenchDatabase:
             import psycopg
             from psycopg import sql
         except ImportError as error:
-            raise Unavailable("psycopg is missing: pip install 'jobserver[postgres]'") from error
+            raise Unavailable("psycopg is missing: pip install 'jobserverd[postgres]'") from error
         name = f"jobserver_bench_{secrets.token_hex(4)}"
         try:
             with psycopg.connect(server, autocommit=True, connect_timeout=5) as db:

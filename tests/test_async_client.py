@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import inspect
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -71,30 +69,6 @@ def public_methods(cls: type) -> dict[str, inspect.Signature]:
         if not name.startswith("_")
         and name not in {"close", "aclose", "from_address", "switch_server"}
     }
-
-
-# As if anyio were not installed.
-WITHOUT_ANYIO = """
-import sys
-sys.modules["anyio"] = None
-import jobserver.workers.manager
-from jobserver.client import Client, TrioClient
-try:
-    from jobserver.client import AsyncClient
-except ImportError as error:
-    print(error)
-"""
-
-
-def test_without_anyio_the_manager_needs_nothing_and_async_client_says_how_to_get_it():
-    ran = subprocess.run(
-        [sys.executable, "-c", WITHOUT_ANYIO], capture_output=True, text=True, timeout=60
-    )
-    assert (ran.returncode, ran.stderr) == (0, "")
-    assert ran.stdout == (
-        "jobserver's AsyncClient runs on anyio, which is not installed: "
-        "pip install 'jobserver[async]' (or use TrioClient, for trio alone)\n"
-    )
 
 
 def test_it_has_the_methods_of_client_with_the_same_parameters():

@@ -11,7 +11,6 @@ is checked over a real server.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Coroutine
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -255,30 +254,6 @@ def test_cron_rules_on_the_wire_and_in_the_cli(
     usage = cli("create", "cli", "--repeat", "DAILY", "--time-zone", PARIS)
     assert usage.returncode == 2
     assert "--time-zone needs --time-windows or a CRON --repeat" in usage.stderr
-
-
-def test_without_cronsim_a_cron_rule_is_refused_and_nothing_else_breaks(
-    server: ThreadServer, client: Client, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    job_id = create(client, "cron", repeat="CRON 0 9 * * *", firstRun="2020-01-01")
-    ok(client.request("GetJob", name="cron"))
-    # As if it were not installed: its import fails.
-    monkeypatch.setitem(sys.modules, "cronsim", None)
-    assert status_of(client, "CreateJob", name="cron", repeat="CRON 0 9 * * *") == (
-        "501 CRON repeat needs cronsim: pip install 'jobserver[cron]'"
-    )
-    assert ok(client.request("QueryJob", jobID=job_id)).json["nextRuns"] == []
-    # A stored CRON job cannot be queued again: it fails, saying why.
-    ok(client.request("FinishJob", jobID=job_id))
-    failed = ok(client.request("QueryJob", jobID=job_id)).json
-    assert failed["state"] == "FAILED"
-    assert ok(client.request("FailedJobs")).json["jobs"][0]["lastError"] == (
-        "repeat rule gave no next run: CRON repeat needs cronsim: pip install 'jobserver[cron]'"
-    )
-    plain = create(client, "plain", repeat="SCHEDULED, +1 HOUR", firstRun="2020-01-01")
-    ok(client.request("GetJob", name="plain"))
-    ok(client.request("FinishJob", jobID=plain))
-    assert ok(client.request("QueryJob", jobID=plain)).json["state"] == "QUEUED"
 
 
 # The grammar, on the function the server reads a repeat with.

@@ -552,5 +552,5 @@ def test_without_the_web_extra_http_port_says_what_to_install(tmp_path: Path, mo
         env=env, capture_output=True, text=True, timeout=60,
     )
     assert done.returncode == 2
-    assert "pip install 'jobserver[web]'" in done.stderr
+    assert "pip install 'jobserverd[web]'" in done.stderr
     assert "listening" not in done.stderr

@@ -102,7 +102,7 @@ def _add_storage_options(serve: argparse.ArgumentParser) -> None:
             f"also serve HTTP (POST /queue, POST /api/COMMAND, GET /metrics, GET "
             f"/healthz) on this TCP port of --host, "
             f"0 to {MAX_PORT}; 0 picks a free one, which the log names. Needs "
-            "jobserver[web] (default: no HTTP)"
+            "jobserverd[web] (default: no HTTP)"
         ),
     )
     serve.add_argument(
@@ -124,7 +124,7 @@ def _add_storage_options(serve: argparse.ArgumentParser) -> None:
             "where jobs are kept: a SQLite file, created if missing in a directory that "
             "exists and this server may write (beside it go its -wal, -shm and .lock), or a "
             "PostgreSQL URL (postgresql://USER@HOST:PORT/DBNAME, libpq's "
-            "parameters allowed; needs jobserver[postgres]), which any number "
+            "parameters allowed; needs jobserverd[postgres]), which any number "
             "of servers may share (default: jobs.db)"
         ),
     )

@@ -20,12 +20,10 @@ the two async clients share their methods and reconnect rules too
 differs (sync.py, async_client.py, trio_client.py).
 
 The async clients. `AsyncClient` runs on anyio, so on whichever event loop
-calls it, asyncio or trio; anyio is an optional extra (`pip install
-'jobserver[async]'`), and without it `AsyncClient` is an ImportError that
-says so. `TrioClient` has the same methods on trio alone and needs nothing
-beyond the runtime dependencies: the worker manager is built on it, so that
-running a server and its workers never needs anyio. Both are imported on
-first use.
+calls it, asyncio or trio. `TrioClient` has the same methods on trio
+alone: the worker manager is built on it. Both are imported on first use,
+so that a program of the sync client alone does not spend the tens of
+milliseconds importing anyio takes.
 
 Several servers. A queue served by several nodes on one PostgreSQL
 (docs/nodes.md) is given to a client as a list of its nodes:
@@ -203,8 +201,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """The async clients, imported on first use: AsyncClient needs anyio,
-    which may not be installed (its ImportError says how to get it)."""
+    """The async clients, imported on first use (anyio's import is slow)."""
     if name == "AsyncClient":
         from jobserver.client.async_client import AsyncClient
 

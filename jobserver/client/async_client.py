@@ -1,24 +1,16 @@
-"""`AsyncClient`: the async client for asyncio and trio alike, on anyio,
-which is an optional extra: `pip install 'jobserver[async]'`."""
+"""`AsyncClient`: the async client for asyncio and trio alike, on anyio."""
 
 from __future__ import annotations
 
 import ssl
 
+import anyio
+from anyio.abc import ByteStream, SocketAttribute
+from anyio.streams.tls import TLSStream
+
 from jobserver.client.async_calls import AsyncCalls
 from jobserver.client.endpoint import CANNOT_CONNECT, CANNOT_SEND, NO_REPLY, RECEIVE_SIZE
 from jobserver.wire.client_framing import Reply
-
-try:
-    import anyio
-    from anyio.abc import ByteStream, SocketAttribute
-    from anyio.streams.tls import TLSStream
-except ImportError as missing:
-    raise ImportError(
-        "jobserver's AsyncClient runs on anyio, which is not installed: "
-        "pip install 'jobserver[async]' (or use TrioClient, for trio alone)",
-        name=missing.name,
-    ) from missing
 
 # What moving bytes with anyio can raise besides cancellation. A broken
 # stream says why in its cause (a reset, an SSL error).

@@ -1,7 +1,6 @@
-"""`TrioClient`: the async client on trio alone, which needs nothing beyond
-the runtime dependencies. The worker manager uses it, so that running a
-server and its workers never needs anyio; programs on asyncio, or on trio
-with anyio installed, have `AsyncClient`."""
+"""`TrioClient`: the async client on trio alone. The worker manager, which
+runs on trio, uses it; programs on asyncio, or on trio through anyio, have
+`AsyncClient`."""
 
 from __future__ import annotations
 

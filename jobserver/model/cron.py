@@ -1,8 +1,7 @@
 """CRON repeats: `CRON <5 fields>` in the job's time zone (protocol.md 6.1).
 
 The fields are Debian cron's (minute, hour, day of month, month, day of
-week), read and iterated by cronsim, an optional dependency imported when
-a rule is first met, so a server without it serves every other rule.
+week), read and iterated by cronsim.
 
 A next run is the first moment of the rule strictly after a given moment,
 found in the job's zone and returned in UTC. Daylight saving follows
@@ -27,12 +26,10 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import suppress
 from datetime import UTC, datetime, timedelta, tzinfo
-from typing import TYPE_CHECKING
+
+from cronsim import CronSim, CronSimError
 
 from jobserver.model import times, windows
-
-if TYPE_CHECKING:
-    from cronsim import CronSim
 
 PREFIX = "CRON"
 FIELDS = 5
@@ -41,7 +38,6 @@ FIELDS = 5
 MAX_LENGTH = 200
 # How many upcoming runs QueryJob shows.
 UPCOMING = 5
-INSTALL = "pip install 'jobserver[cron]'"
 # The fields as cronsim reads them: numbers, names (MON, JAN), `*`, ranges,
 # steps, lists, and L, W and # in the day fields; anything else is refused
 # before cronsim sees it.
@@ -77,13 +73,6 @@ _verdicts: dict[str, str] = {}
 
 class MalformedCron(ValueError):
     """Not a CRON rule that can run; the text says why."""
-
-
-class CronUnavailable(RuntimeError):
-    """cronsim is not installed."""
-
-    def __init__(self) -> None:
-        super().__init__(f"CRON repeat needs cronsim: {INSTALL}")
 
 
 class _Remembered:
@@ -134,7 +123,7 @@ def as_cron(rule: str) -> str | None:
 
 def normalise(rule: str) -> str:
     """`cron 0 9 * * mon-fri` -> `CRON 0 9 * * MON-FRI`, checked: raises
-    MalformedCron, or CronUnavailable without cronsim."""
+    MalformedCron."""
     if len(rule) > MAX_LENGTH:
         raise MalformedCron(f"longer than {MAX_LENGTH} characters")
     fields = rule.strip().upper().split()[1:]
@@ -144,7 +133,6 @@ def normalise(rule: str) -> str:
         if not _FIELD.fullmatch(field):
             raise MalformedCron(f"bad field {field!r}")
     text = " ".join(fields)
-    _library()
     problem = _verdicts.get(text)
     if problem is None:
         problem = _problem(text)
@@ -187,24 +175,14 @@ def warm(rules: list[tuple[str, str]], now: datetime) -> None:
     everyone, finds both remembered. Errors are the writer's to report."""
     for rule, zone_name in dict.fromkeys(rules):
         if is_cron(rule):
-            with suppress(MalformedCron, CronUnavailable, ValueError):
+            with suppress(MalformedCron, ValueError):
                 next_run(normalise(rule), zone_name.strip(), now)
-
-
-def _library() -> type[CronSim]:
-    try:
-        from cronsim import CronSim
-    except ImportError:
-        raise CronUnavailable() from None
-    return CronSim
 
 
 def _problem(fields: str) -> str:
     """Why cronsim cannot use these fields, or ""; a rule with no moment
     in 50 years (`0 0 30 2 *`) takes cronsim up to some tens of
     milliseconds to give up on, so verdicts are remembered."""
-    from cronsim import CronSim, CronSimError
-
     try:
         next(CronSim(fields, _CHECKED_FROM))
     except CronSimError as error:
@@ -219,8 +197,6 @@ def _problem(fields: str) -> str:
 
 def _fires_in_some_month(fields: str) -> bool:
     """Whether the fields are valid with every month allowed."""
-    from cronsim import CronSim, CronSimError
-
     minute, hour, day, _, weekday = fields.split()
     try:
         CronSim(f"{minute} {hour} {day} * {weekday}", _CHECKED_FROM)
@@ -232,12 +208,11 @@ def _fires_in_some_month(fields: str) -> bool:
 def runs_after(rule: str, zone_name: str, after: datetime) -> Iterator[datetime]:
     """The rule's moments strictly after `after` (aware), in UTC, in
     `zone_name` (an IANA name; UTC when empty). Ends where cronsim finds
-    none within 50 years. Raises CronUnavailable without cronsim."""
-    cron_sim = _library()
+    none within 50 years."""
     fields = " ".join(rule.split()[1:])
     zone = windows.parse_zone(zone_name or "UTC")
     skipped = 0
-    for moment in cron_sim(fields, after.astimezone(zone)):
+    for moment in CronSim(fields, after.astimezone(zone)):
         found = moment.astimezone(UTC)
         if found > after:
             yield found
@@ -251,8 +226,7 @@ def next_run(rule: str, zone_name: str, after: datetime) -> datetime | None:
     """The first moment of the rule strictly after `after`, or None; the
     same as `search_next_run`, remembered for the minute `after` falls in (a
     None, which a rule checked at arrival never gives, is not). Raises
-    CronUnavailable without cronsim, ValueError for an unknown zone."""
-    _library()
+    ValueError for an unknown zone."""
     key = _key(" ".join(rule.split()[1:]), zone_name, after)
     if key is None:
         return search_next_run(rule, zone_name, after)

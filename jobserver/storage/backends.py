@@ -53,7 +53,7 @@ def open_store(
     except ImportError as error:
         raise StoreError(
             f"--db {db.split('://')[0]}://... needs psycopg, which is not installed: "
-            f"pip install 'jobserver[postgres]' ({error})"
+            f"pip install 'jobserverd[postgres]' ({error})"
         ) from error
     return PostgresStore(db, limits, query_url)
 

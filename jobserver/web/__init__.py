@@ -1,12 +1,12 @@
 """The HTTP side of the server (`--http-port`), an optional extra:
-`pip install 'jobserver[web]'` (Starlette, Hypercorn, Jinja2 for the
+`pip install 'jobserverd[web]'` (Starlette, Hypercorn, Jinja2 for the
 dashboard's pages, prometheus_client for the metrics, jsonschema to check
 API bodies against the OpenAPI document)."""
 
 from __future__ import annotations
 
 MISSING = (
-    "--http-port needs the web extra, which is not installed: pip install 'jobserver[web]'"
+    "--http-port needs the web extra, which is not installed: pip install 'jobserverd[web]'"
 )
 
 

@@ -20,7 +20,8 @@ Where things are:
 - connection.py reaching the server: the manager's addresses and backoff, on anyio
 - arguments.py  the command line: options, their checks, loading MODULE:ATTR
 
-Running needs anyio (the `async` extra); registering handlers does not.
+Running is on anyio, imported when a worker runs: registering handlers
+does without it.
 """
 
 from jobserver.worker.job import Job, RetryLater

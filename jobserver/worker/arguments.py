@@ -1,7 +1,7 @@
 """The command line of `jobserver worker MODULE:ATTR`: its options, their
 checks, loading the Worker, and running it. What the parser cannot check
-(the module, the server from the environment, the token file, the TLS CA,
-whether anyio is installed) is checked before the worker starts: exit
+(the module, the server from the environment, the token file, the TLS CA)
+is checked before the worker starts: exit
 status 2, as for a bad option."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ DESCRIPTION = (
     "retries it, any other exception or the timeout fails it with the traceback "
     "as its last error, so its retry policy applies. SIGTERM or SIGINT: no more "
     "jobs, running ones get --grace, then are handed back; a second signal hands "
-    "them back at once. Needs anyio (pip install 'jobserver[async]')."
+    "them back at once."
 )
 
 
@@ -153,13 +153,10 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level,
         format="%(asctime)s jobserver %(levelname)s %(message)s",
     )
-    try:
-        # Here, not at the top: anyio is an optional extra, and the other
-        # commands (and --help) do without it.
-        from jobserver.worker import runner
-    except ImportError as error:
-        log.error("jobserver worker needs anyio: pip install 'jobserver[async]' (%s)", error)
-        return 2
+    # Here, not at the top: the other commands (and --help) do without
+    # anyio, whose import is slow.
+    from jobserver.worker import runner
+
     worker = load_worker(*args.worker)
     settings = settings_from(args)
     if worker is None or settings is None:

@@ -87,8 +87,8 @@ class Worker:
     def run(self, settings: Settings, loop: Literal["asyncio", "trio"] = "asyncio") -> int:
         """Run until stopped (a signal), blocking, on a new event loop; the
         exit status (runner.py)."""
-        # Here, not at the top: anyio is an optional extra, and registering
-        # handlers needs none of it.
+        # Here, not at the top: registering handlers needs no anyio, whose
+        # import is slow.
         from jobserver.worker import runner
 
         return runner.run(self, settings, loop)

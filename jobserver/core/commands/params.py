@@ -225,8 +225,6 @@ def cron_rule(value: str) -> str:
         return cron.normalise(value)
     except cron.MalformedCron as error:
         raise CommandError(f"402 Malformed repeat: {error}") from None
-    except cron.CronUnavailable as error:
-        raise CommandError(f"501 {error}") from None
 
 
 def retry_after(request: Request) -> str:

@@ -58,8 +58,8 @@ class RepeatLoops(RepeatStalled):
 
 
 class CronStalled(RepeatStalled):
-    """A CRON rule that gives no next run: cronsim is no longer installed,
-    or it finds no moment of the rule within its 50 years."""
+    """A CRON rule that gives no next run: cronsim finds no moment of the
+    rule within its 50 years."""
 
     def __init__(self, reason: str) -> None:
         Exception.__init__(self, f"repeat rule gave no next run: {reason}")
@@ -207,10 +207,7 @@ def cron_run(ctx: Context, rule_text: str, zone: str) -> str:
     seconds as DATETIME() writes them: a job that missed several moments
     (the server was down) runs once for all of them, then keeps to the
     rule. Raises CronStalled when there is none."""
-    try:
-        found = cron.next_run(rule_text, zone, ctx.now)
-    except cron.CronUnavailable as error:
-        raise CronStalled(str(error)) from None
+    found = cron.next_run(rule_text, zone, ctx.now)
     if found is None:
         raise CronStalled(f"no moment of {rule_text} within 50 years")
     return times.to_seconds(found)
@@ -218,13 +215,9 @@ def cron_run(ctx: Context, rule_text: str, zone: str) -> str:
 
 def cron_upcoming(now: datetime, job: Job) -> list[str]:
     """A CRON job's next runs as its rule places them: from the later of
-    now and its nextRun, that included. [] without cronsim."""
+    now and its nextRun, that included."""
     try:
         start = max(now, times.parse_stored(job.nextRun))
     except ValueError:
         start = now
-    try:
-        found = cron.upcoming(job.repeat, job.timeZone, start)
-    except cron.CronUnavailable:
-        return []
-    return [times.to_seconds(moment) for moment in found]
+    return [times.to_seconds(moment) for moment in cron.upcoming(job.repeat, job.timeZone, start)]

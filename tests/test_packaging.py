@@ -1,0 +1,100 @@
+"""What pyproject.toml promises a plain `pip install jobserverd`: the
+distribution's name, the `jobserver` command, and that every library the
+code imports is a dependency, a plain one unless the importing module is
+part of an extra (the HTTP side, the PostgreSQL backend). Nothing is built
+here: .ci/run builds the wheel and smoke-tests it in a fresh environment
+(.ci/smoke_wheel.py)."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.metadata
+import re
+import sys
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+PACKAGE = ROOT / "jobserver"
+# The modules whose imports an extra provides, by the extra's name: the
+# start of their paths inside the package.
+EXTRA_PARTS = {"web": "web/", "postgres": "storage/postgres"}
+
+
+def _name(requirement: str) -> str:
+    """A requirement's distribution name, normalised (PEP 503)."""
+    found = re.match(r"[A-Za-z0-9._-]+", requirement)
+    assert found is not None, requirement
+    return re.sub(r"[-_.]+", "-", found.group()).lower()
+
+
+def _imported(path: Path) -> set[str]:
+    """The top-level names of what a module imports from outside jobserver
+    and the standard library, at its top or inside a function alike."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return {name for name in found if name != "jobserver" and name not in sys.stdlib_module_names}
+
+
+@functools.cache
+def _providers() -> Mapping[str, list[str]]:
+    """Which installed distributions provide each top-level module: a scan
+    of every installed distribution's files, so made once."""
+    return importlib.metadata.packages_distributions()
+
+
+def _distributions(modules: set[str]) -> set[str]:
+    providers = _providers()
+    return {_name(providers.get(module, [module])[0]) for module in modules}
+
+
+def _extra_of(path: Path) -> str | None:
+    inside = path.relative_to(PACKAGE).as_posix()
+    return next((extra for extra, start in EXTRA_PARTS.items() if inside.startswith(start)), None)
+
+
+def test_the_distribution_is_jobserverd_with_the_jobserver_command():
+    assert PROJECT["name"] == "jobserverd"
+    assert PROJECT["scripts"] == {"jobserver": "jobserver.cli:main"}
+    assert PROJECT["license"] == "MIT"
+    assert (ROOT / "LICENSE").is_file()
+
+
+def test_the_clients_the_worker_and_cron_need_no_extra():
+    plain = {_name(requirement) for requirement in PROJECT["dependencies"]}
+    assert {"trio", "anyio", "cronsim", "python-dateutil"} <= plain
+    assert "anyio[trio]>=4" in PROJECT["dependencies"]
+    # Extras only for the heavy or native parts (and the tools of those
+    # who work on jobserver itself).
+    assert set(PROJECT["optional-dependencies"]) <= {"postgres", "web", "test", "docs"}
+
+
+def test_every_library_imported_is_a_dependency_plain_unless_its_module_is_an_extras():
+    extras = PROJECT["optional-dependencies"]
+    plain = {_name(requirement) for requirement in PROJECT["dependencies"]}
+    missing = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        extra = _extra_of(path)
+        allowed = plain | {_name(requirement) for requirement in extras.get(extra, [])}
+        needed = _distributions(_imported(path)) - allowed
+        if needed:
+            missing[str(path.relative_to(ROOT))] = sorted(needed)
+    assert missing == {}
+
+
+def test_each_extra_part_holds_modules_that_import_its_libraries():
+    """An EXTRA_PARTS entry that matched no module, or modules that need
+    nothing of the extra, would be a hole in the test above."""
+    for extra, start in EXTRA_PARTS.items():
+        modules = [path for path in PACKAGE.rglob("*.py") if _extra_of(path) == extra]
+        assert modules, start
+        wanted = {_name(requirement) for requirement in PROJECT["optional-dependencies"][extra]}
+        imported = set().union(*(_distributions(_imported(path)) for path in modules))
+        assert imported & wanted, extra
