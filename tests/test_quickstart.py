@@ -7,7 +7,6 @@ pieces together, as a reader does, against a real server."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import queue
@@ -18,8 +17,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-
-import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 EXAMPLE_SERVER = "127.0.0.1:8888"
@@ -72,7 +69,6 @@ def _whole_replies(raw: bytes) -> list[tuple[str, object]]:
         return []
 
 
-@pytest.mark.skipif(importlib.util.find_spec("anyio") is None, reason="needs the async extra")
 def test_the_python_worker_runs_the_job_the_producer_creates(server, tmp_path):
     worker_code, producer = blocks_after("**3. A worker in Python.**", 3)[0:3:2]
     assert worker_code.startswith("# tasks.py\n")
