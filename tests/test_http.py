@@ -143,9 +143,10 @@ def test_data_over_the_limit_is_called_too_large_with_the_limit(http_server: Thr
     expected = "402 Data too large (1048576 bytes at most)"
     with http_server.client() as client:
         assert client.request("CreateJob", name="x", data=blob).status == expected
-    assert post_queue(http_server, {"type": "x", "payload": blob}) == (400, {"error": expected})
+    refused = {"error": expected, "status": expected}
+    assert post_queue(http_server, {"type": "x", "payload": blob}) == (413, refused)
     code, headers, _ = api(http_server, "CreateJob", {"name": "x", "data": blob})
-    assert (code, headers["Jobserver-Status"]) == (402, expected)
+    assert (code, headers["Jobserver-Status"]) == (413, expected)
     assert job_count(http_server) == 0
 
 
@@ -254,10 +255,13 @@ def test_the_api_runs_wire_commands(http_server: ThreadServer) -> None:
     assert headers["Content-Type"].startswith("text/plain")
 
 
-def test_the_api_answers_with_wire_status_codes(http_server: ThreadServer) -> None:
-    assert api(http_server, "Bogus")[:2][0] == 430
-    code, headers, _ = api(http_server, "CreateJob", {"name": "x", "repeat": "NEVER EVER"})
-    assert (code, headers["Jobserver-Status"]) == (402, "402 Malformed repeat")
+def test_the_api_answers_with_http_status_codes(http_server: ThreadServer) -> None:
+    code, headers, body = api(http_server, "Bogus")
+    assert (code, headers["Jobserver-Status"]) == (404, "430 Unrecognized command")
+    assert json.loads(body) == {"status": "430 Unrecognized command"}
+    code, headers, body = api(http_server, "CreateJob", {"name": "x", "repeat": "NEVER EVER"})
+    assert (code, headers["Jobserver-Status"]) == (400, "402 Malformed repeat")
+    assert json.loads(body) == {"status": "402 Malformed repeat"}
     assert api(http_server, "CreateJob", b"[1]")[0] == 400
     assert api(http_server, "CreateJob", b"nope")[0] == 400
     code, _, body = api(http_server, "GetJob", {"name": "x", "Connection": "wait"})
@@ -328,7 +332,7 @@ def test_the_api_refuses_a_bad_rate_or_key(http_server: ThreadServer) -> None:
         ("CreateJob", {"name": "x", "key": "a\nb"}, "402 Malformed key"),
     ):
         code, headers, _ = api(http_server, command, params)
-        assert (code, headers["Jobserver-Status"][:len(status)]) == (402, status), params
+        assert (code, headers["Jobserver-Status"][:len(status)]) == (400, status), params
     assert job_count(http_server) == 0
     code, _, body = api(http_server, "Status")
     assert json.loads(body)["limits"] == {}

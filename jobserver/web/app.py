@@ -12,10 +12,10 @@ stands for. Routes:
 - `POST /api/<Command>`: any wire command (protocol.md section 5 and 14)
   with its parameters as a JSON object, checked first against the OpenAPI
   document (openapi.py): an unknown parameter, or one of the wrong type or
-  range, is `400` with `{"error": ...}` saying which. The HTTP status is the wire
-  status code (`Jobserver-Status` holds the whole status line), the body
-  the wire reply's body: JSON, or text for Query's list format, or
-  `{"status": ...}` when the wire reply has none.
+  range, is `400` with `{"error": ...}` saying which. The HTTP status is
+  HTTP's own for the wire reply (statuses.py; `Jobserver-Status` holds the
+  wire's status line), the body the wire reply's body: JSON, or text for
+  Query's list format, or `{"status": ...}` when the wire reply has none.
 - `GET /metrics`: Prometheus' text format (metrics.py).
 - `GET /healthz`: `200` when the database answers, `503` otherwise. It
   needs no token, so that a load balancer can ask.
@@ -53,7 +53,7 @@ from jobserver.core.commands import params
 from jobserver.core.commands.dispatch import PARSE_IN_THREAD_BYTES
 from jobserver.core.commands.params import MAX_DATA
 from jobserver.core.commands.route import Answer
-from jobserver.web import access, openapi
+from jobserver.web import access, openapi, statuses
 from jobserver.web.dashboard import Dashboard
 from jobserver.web.incoming import peer, read_body
 from jobserver.web.metrics import CONTENT_TYPE, Metrics
@@ -100,7 +100,11 @@ def build(
         if answer.response.code == 200:
             job_id = json.loads(answer.response.body)["jobID"]
             return JSONResponse({"job-id": str(job_id)}, status_code=201)
-        return _error(_queue_status(answer.response.code), status)
+        # Jobber's clients read `error`; the line is in `status` too, as /api's.
+        return JSONResponse(
+            {"error": status, "status": status}, statuses.http_status(status),
+            headers={"Jobserver-Status": status},
+        )
 
     validators = _validators()
 
@@ -264,12 +268,16 @@ def _request(verb: str, document: dict[str, Any]) -> Request:
 
 
 def _wire_reply(answer: Answer) -> Response:
+    """The wire reply in HTTP's terms: HTTP's status for it (statuses.py),
+    the status line in `Jobserver-Status`, the body the wire's, or
+    `{"status": ...}` when it has none."""
     reply = answer.response
+    code = statuses.http_status(reply.status)
     status = {"Jobserver-Status": reply.status}
     if not reply.body:
-        return JSONResponse({"status": reply.status}, reply.code, headers=status)
+        return JSONResponse({"status": reply.status}, code, headers=status)
     kind = "application/json" if reply.body[:1] in (b"{", b"[") else "text/plain; charset=utf-8"
-    return Response(reply.body, reply.code, headers=status, media_type=kind)
+    return Response(reply.body, code, headers=status, media_type=kind)
 
 
 def _jobber_job(body: bytes) -> tuple[Request | None, str]:
@@ -290,15 +298,6 @@ def _jobber_job(body: bytes) -> tuple[Request | None, str]:
     job = Request("CreateJob", {"name": name})
     params.with_json_value(job, "data", jsonbody.compact(payload), payload)
     return job, ""
-
-def _queue_status(code: int) -> int:
-    """POST /queue's HTTP status for a wire refusal: 400 for the request's
-    fault, 504 when the server could not learn whether the job was made
-    (protocol.md 10), 503 for everything that made nothing."""
-    if code < 500:
-        return 400
-    return 504 if code == 504 else 503
-
 
 def _error(status: int, message: str) -> JSONResponse:
     body: dict[str, Any] = {"error": message}

@@ -15,6 +15,7 @@ from typing import Any
 
 from jobserver import __version__
 from jobserver.model.limits import MAX_KEY, MAX_RATE
+from jobserver.web import statuses
 from jobserver.wire.limits import (
     MAX_BULK,
     MAX_FINISH_JOBS,
@@ -264,17 +265,31 @@ COMMANDS: dict[str, tuple[str, str, list[Param]]] = {
     ]),
 }
 
-_WIRE_STATUS = {
-    "Jobserver-Status": {
-        "description": "the wire reply's status line, e.g. `404 No job found`",
-        "schema": TEXT,
-        "required": True,
-    }
+_WIRE_LINE = {
+    "description": "the wire reply's status line, e.g. `430 Unrecognized command`",
+    "schema": TEXT,
 }
+_WIRE_STATUS = {"Jobserver-Status": {**_WIRE_LINE, "required": True}}
 _JSON_ERROR: Schema = {
     "type": "object",
     "properties": {"error": TEXT},
     "required": ["error"],
+}
+# A refusal: the wire's (`status`, its line; POST /queue adds `error`, the
+# same line, for Jobber's clients) or the HTTP side's own (`error`).
+_REFUSED: Schema = {
+    "type": "object",
+    "properties": {"status": TEXT, "error": TEXT},
+    "anyOf": [{"required": ["status"]}, {"required": ["error"]}],
+}
+# What the HTTP side itself answers with some of the wire's statuses,
+# before a command runs: {"error": ...}, no Jobserver-Status.
+_OWN_REFUSALS = {
+    400: "; or, before any command runs, a body that is not a JSON object of the "
+    "command's parameters, or a parameter the document does not allow: {\"error\": ...} "
+    "saying which",
+    401: "; over HTTP, `Authorization: Bearer TOKEN` (else {\"error\": ...})",
+    413: "; or a body over the HTTP side's limit ({\"error\": ...})",
 }
 # What the HTTP side refuses before any command runs (web/access.py).
 _REFUSALS: Schema = {
@@ -315,8 +330,11 @@ def document() -> Schema:
             "title": "jobserver",
             "version": __version__,
             "description": "Every wire command as `POST /api/<Command>` with its parameters "
-            "as a JSON object; the HTTP status is the wire status code. protocol.md says "
-            "what each command does.",
+            "as a JSON object. The HTTP status is HTTP's own for the wire reply (400 for a "
+            "malformed request, 404 for a missing job or command, 409 for a state that "
+            "refuses it, ...); the wire's status line is in the Jobserver-Status header, "
+            "and in the body as `status` when the wire reply has no body of its own. "
+            "protocol.md says what each command does.",
         },
         "paths": paths,
         "components": {"securitySchemes": {"token": {"type": "http", "scheme": "bearer"}}},
@@ -345,17 +363,22 @@ def _operation(command: str) -> Schema:
         "responses": {
             "2XX": {"description": "done: the wire reply's body (202: DeliverReply kept "
                     "a reply for a job to come)", **wire},
-            "400": {"description": "the body is not a JSON object of parameters",
-                    "content": {"application/json": {"schema": _JSON_ERROR}}},
-            "401": {"description": "a missing or wrong bearer token, or the wire's "
-                    "`401 Unauthorized`",
-                    "content": {"application/json": {"schema": OBJECT}}},
-            "413": {"description": "the body is too large",
-                    "content": {"application/json": {"schema": _JSON_ERROR}}},
+            **_wire_refusals(),
             **_REFUSALS,
-            "4XX": {"description": "refused: the wire status code", **wire},
-            "5XX": {"description": "the server could not do it: the wire status code", **wire},
         },
+    }
+
+
+def _wire_refusals() -> Schema:
+    """Each HTTP status a wire refusal is answered with (web/statuses.py),
+    the wire's line in Jobserver-Status and the body."""
+    return {
+        str(int(status)): {
+            "description": statuses.MEANINGS[status] + _OWN_REFUSALS.get(status, ""),
+            "headers": {"Jobserver-Status": _WIRE_LINE},
+            "content": {"application/json": {"schema": _REFUSED}},
+        }
+        for status in sorted(statuses.refusals())
     }
 
 
@@ -367,7 +390,6 @@ def _queue_operation() -> Schema:
         "required": ["type"],
     }
     created = {"type": "object", "properties": {"job-id": TEXT}, "required": ["job-id"]}
-    error = {"content": {"application/json": {"schema": _JSON_ERROR}}}
     return {
         "operationId": "queue",
         "summary": "Create a job as Jobber's clients do",
@@ -375,11 +397,8 @@ def _queue_operation() -> Schema:
         "responses": {
             "201": {"description": "created",
                     "content": {"application/json": {"schema": created}}},
-            "400": {"description": "not a job: nothing stored", **error},
-            "401": {"description": "missing or wrong bearer token", **error},
-            "413": {"description": "the body is too large", **error},
+            **_wire_refusals(),
             **_REFUSALS,
-            "503": {"description": "the database is unavailable", **error},
         },
     }
 

@@ -37,6 +37,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
+from http import HTTPStatus
 from typing import Any
 
 import h11
@@ -413,6 +414,16 @@ class _HTTP11Protocol(H11Protocol):
             with trio.CancelScope(shield=True):
                 await self.send(Closed())
 
+    async def _send_h11_event(self, event: Any) -> None:
+        """Hypercorn sends every status with an empty reason phrase
+        (`HTTP/1.1 404 `); people and some clients read the phrase."""
+        if isinstance(event, h11.Response) and not event.reason:
+            event = h11.Response(
+                status_code=event.status_code, headers=event.headers,
+                http_version=event.http_version, reason=_reason(event.status_code),
+            )
+        await super()._send_h11_event(event)
+
     async def _refuse(self, request: h11.Request, status: int, message: str) -> None:
         body = json.dumps({"error": message}).encode()
         headers = [
@@ -426,6 +437,13 @@ class _HTTP11Protocol(H11Protocol):
             await self._send_h11_event(h11.Data(data=body))
         await self._send_h11_event(h11.EndOfMessage())
         await self.send(Closed())
+
+
+def _reason(code: int) -> bytes:
+    try:
+        return HTTPStatus(code).phrase.encode("ascii")
+    except ValueError:
+        return b""
 
 
 def _asks_to_switch(request: h11.Request) -> bool:
