@@ -88,7 +88,7 @@ def test_large_json_on_both_ports_keeps_neighbours_answering(start_server) -> No
     [line] = running.matching(HTTP_LISTENING, 1, 15)
     http_port = int(HTTP_LISTENING.search(line).group(1))
     health = f"http://127.0.0.1:{http_port}/healthz"
-    assert post(http_port, BODY).endswith(b" 200 ")
+    assert post(http_port, BODY).endswith(b" 200 OK")
     with running.client(timeout=30) as creator, running.client() as neighbour:
 
         def create_on_the_wire() -> None:
@@ -96,7 +96,7 @@ def test_large_json_on_both_ports_keeps_neighbours_answering(start_server) -> No
             ok(creator.read_reply())
 
         def create_over_http() -> None:
-            assert post(http_port, BODY).endswith(b" 200 ")
+            assert post(http_port, BODY).endswith(b" 200 OK")
 
         with sending(create_on_the_wire, *[create_over_http] * HTTP_SENDERS) as errors:
             wire = answer_waits(lambda: ok(neighbour.request("Ping")), WATCH_SECONDS)
