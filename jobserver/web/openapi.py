@@ -21,6 +21,8 @@ from jobserver.wire.limits import (
     MAX_FINISH_JOBS,
     MAX_IDEMPOTENCY_KEY,
     MAX_JOB_ID,
+    MAX_LEASE,
+    MIN_LEASE,
     PRIORITIES,
 )
 
@@ -150,6 +152,9 @@ _TAKE = [
     Param("name", PATTERN, "GLOB patterns or exact names, comma-separated", required=True),
     Param("jobPriority", PRIORITY, "only jobs of this priority"),
     Param("includeLeaseID", FLAG, "show the lease token in the reply"),
+    Param("lease", {"type": "integer", "minimum": MIN_LEASE, "maximum": MAX_LEASE},
+          "seconds the worker holds each job: due again when they end unless TouchJob "
+          "renews them or the job is reported (14.24)"),
 ]
 
 # Command -> (summary, protocol.md section, parameters).
