@@ -637,7 +637,7 @@ wait
     slow = create(client, "Slow", data={"x": 1}, repeat="FINISHED, +1 HOUR")
     first = manager(server.port)
     until(pids.exists, DEADLINE, "the worker to start")
-    assert job(client, slow)["state"] == "RUNNING"
+    assert job(client, slow)["state"] == "RUNQUEUED"
     first.proc.kill()
     first.wait(DEADLINE)
     worker_pids = [int(pid) for pid in pids.read_text().split()]
@@ -896,7 +896,7 @@ def test_results_that_wait_together_are_reported_in_one_finish_jobs(
     try:
         running = manager(gate.port, "--max-workers", "4", "--job-name", "Quick,Held")
         assert gate.held.wait(DEADLINE), "no FinishJob came"
-        until(lambda: all(job(client, j)["state"] == "RUNNING" for j in held), DEADLINE,
+        until(lambda: all(job(client, j)["state"] == "RUNQUEUED" for j in held), DEADLINE,
               "the held jobs to run")
         # Meanwhile another worker takes one of them (renamed, so that the
         # manager's free slot does not): its result will be refused.
@@ -997,7 +997,7 @@ def test_failures_and_retries_that_wait_together_go_as_one_fail_jobs_and_one_ret
     try:
         running = manager(gate.port, "--max-workers", "6", "--job-name", "Quick,Broken,Later")
         assert gate.held.wait(DEADLINE), "no FinishJob came"
-        until(lambda: all(job(client, j)["state"] == "RUNNING" for j in [*broken, *later]),
+        until(lambda: all(job(client, j)["state"] == "RUNQUEUED" for j in [*broken, *later]),
               DEADLINE, "the jobs to run")
         release.touch()
         running.wait_for(r"job \d+ (Broken failed|Later retried)", count=5)

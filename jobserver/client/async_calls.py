@@ -85,15 +85,24 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
 
     @documented_by(calls.get_job)
     async def get_job(
-        self, name: str, wait: float | None = None, priority: int | None = None
+        self,
+        name: str,
+        wait: float | None = None,
+        priority: int | None = None,
+        lease: int | None = None,
     ) -> dict[str, Any] | None:
-        return await self._call(calls.get_job(name, wait, priority))
+        return await self._call(calls.get_job(name, wait, priority, lease))
 
     @documented_by(calls.get_jobs)
     async def get_jobs(
-        self, name: str, num_results: int, wait: float | None = None, priority: int | None = None
+        self,
+        name: str,
+        num_results: int,
+        wait: float | None = None,
+        priority: int | None = None,
+        lease: int | None = None,
     ) -> list[dict[str, Any]]:
-        return await self._call(calls.get_jobs(name, num_results, wait, priority))
+        return await self._call(calls.get_jobs(name, num_results, wait, priority, lease))
 
     @documented_by(calls.update_job)
     async def update_job(

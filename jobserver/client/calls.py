@@ -311,22 +311,35 @@ def new_idempotency_key() -> str:
     return secrets.token_hex(16)
 
 
-def get_job(name: str, wait: float | None, priority: int | None) -> Call[dict[str, Any] | None]:
+def get_job(
+    name: str, wait: float | None, priority: int | None, lease: int | None = None
+) -> Call[dict[str, Any] | None]:
     """Take a due job whose name matches the pattern; None if there is
-    none. With `wait`, wait up to that many seconds for one."""
-    params = {"name": name, "jobPriority": priority, "includeLeaseID": True, **_wait_params(wait)}
+    none. With `wait`, wait up to that many seconds for one. With `lease`,
+    a job without retryAfter is due again that many seconds from now unless
+    renewed (touch_job) or reported (protocol.md 14.24)."""
+    params = {
+        "name": name, "jobPriority": priority, "includeLeaseID": True, "lease": lease,
+        **_wait_params(wait),
+    }
     return Call("GetJob", params, _one_job, _no_job)
 
 
 def get_jobs(
-    name: str, num_results: int, wait: float | None, priority: int | None
+    name: str,
+    num_results: int,
+    wait: float | None,
+    priority: int | None,
+    lease: int | None = None,
 ) -> Call[list[dict[str, Any]]]:
-    """Take up to `num_results` due jobs; an empty list if there are none."""
+    """Take up to `num_results` due jobs; an empty list if there are none.
+    `lease` as for get_job."""
     params: dict[str, object] = {
         "name": name,
         "numResults": num_results,
         "jobPriority": priority,
         "includeLeaseID": True,
+        "lease": lease,
     }
     params.update(_wait_params(wait))
     return Call("GetJobs", params, _jobs, list)

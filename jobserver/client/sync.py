@@ -81,15 +81,24 @@ class Client(Endpoint):
 
     @documented_by(calls.get_job)
     def get_job(
-        self, name: str, wait: float | None = None, priority: int | None = None
+        self,
+        name: str,
+        wait: float | None = None,
+        priority: int | None = None,
+        lease: int | None = None,
     ) -> dict[str, Any] | None:
-        return self._call(calls.get_job(name, wait, priority))
+        return self._call(calls.get_job(name, wait, priority, lease))
 
     @documented_by(calls.get_jobs)
     def get_jobs(
-        self, name: str, num_results: int, wait: float | None = None, priority: int | None = None
+        self,
+        name: str,
+        num_results: int,
+        wait: float | None = None,
+        priority: int | None = None,
+        lease: int | None = None,
     ) -> list[dict[str, Any]]:
-        return self._call(calls.get_jobs(name, num_results, wait, priority))
+        return self._call(calls.get_jobs(name, num_results, wait, priority, lease))
 
     @documented_by(calls.update_job)
     def update_job(

@@ -35,6 +35,7 @@ from jobserver.worker.settings import (
     MAX_TOUCH_INTERVAL,
     Settings,
 )
+from jobserver.workers.leases import add_lease_argument
 
 log = logging.getLogger("jobserver.worker")
 
@@ -120,6 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"seconds, 0 < S <= {MAX_TOUCH_INTERVAL:g}, and after a third of its retryAfter if "
         "that is sooner (default: 30)",
     )
+    add_lease_argument(parser)
     parser.add_argument(
         "--loop",
         choices=("asyncio", "trio"),
@@ -228,6 +230,7 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
         timeout=args.timeout,
         grace=args.grace,
         touch_interval=args.touch_interval,
+        lease=args.lease,
         jobs=args.job_name,
         max_reply_bytes=args.max_reply_bytes,
     )

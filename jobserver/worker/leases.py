@@ -1,7 +1,8 @@
 """Lease renewal, as the worker manager does it (jobserver.workers.leases):
-while a job with retryAfter runs, and until its report is done with, its
-lease is renewed (TouchJob) after a third of it or every --touch-interval
-seconds, whichever is sooner, over a connection of its own. A handler may also ask for a renewal now
+while a job with a lease (retryAfter, or the one --lease asks for) runs,
+and until its report is done with, its lease is renewed (TouchJob) after a
+third of it or every --touch-interval seconds, whichever is sooner, over a
+connection of its own. A handler may also ask for a renewal now
 (`Job.renew_lease`), from its thread or its task."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import anyio.from_thread
 from jobserver.client import ConnectionFailed, JobServerError, ServerError
 from jobserver.worker.connection import Link, Server
 from jobserver.workers.contract import printable
-from jobserver.workers.leases import Lease, touch_period
+from jobserver.workers.leases import Lease, renewal_period
 
 log = logging.getLogger("jobserver.worker")
 
@@ -26,9 +27,10 @@ log = logging.getLogger("jobserver.worker")
 class Leases:
     """The leases of the running jobs, and the task that renews them."""
 
-    def __init__(self, server: Server, touch_interval: float) -> None:
+    def __init__(self, server: Server, touch_interval: float, lease: int = 0) -> None:
         self.server = server
         self.touch_interval = touch_interval
+        self.lease = lease  # the seconds each GetJobs asks for (--lease)
         self.held: dict[str, Lease] = {}  # by lease token
         self.changed = anyio.Event()  # set (and replaced) when one is due sooner
         self.failing = False  # the last renewal could not reach the server
@@ -36,15 +38,13 @@ class Leases:
 
     def hold(self, job: dict[str, Any]) -> str | None:
         """Keep this job's lease while it runs: renewed on a schedule if it
-        has retryAfter, else only when its handler asks. Its token, or None
-        for a job handed out without one."""
+        has one (retryAfter, or the lease --lease asked for), else only when
+        its handler asks. Its token, or None for a job handed out without one."""
         lease_id = job.get("leaseID")
         if not (isinstance(lease_id, str) and lease_id):
             return None
-        retry_after = job.get("retryAfter")
-        if isinstance(retry_after, str) and retry_after:
-            period = touch_period(retry_after, self.touch_interval)
-        else:
+        period = renewal_period(job, self.touch_interval, self.lease)
+        if period is None:
             period = math.inf  # RUNNING: the stale-job net's 24 h is its own
         due = anyio.current_time() + period
         self.held[lease_id] = Lease(job["jobID"], printable(job["name"]), lease_id, period, due)

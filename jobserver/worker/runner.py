@@ -117,7 +117,7 @@ class Runner:
         self.root_scope: anyio.CancelScope | None = None
 
         self.caller = Caller(settings.timeout, settings.concurrency)
-        self.leases = Leases(self.server, settings.touch_interval)
+        self.leases = Leases(self.server, settings.touch_interval, settings.lease)
         self.reporter = Reporter(self.server, self.leases)
 
     # Top level.
@@ -297,7 +297,9 @@ class Runner:
                 await link.client.ping()
                 log.info("server %s reachable again; taking jobs", self.server.address)
                 backoff.reset()
-            return await link.client.get_jobs(self.jobs_name, free, wait=FETCH_WAIT)
+            return await link.client.get_jobs(
+                self.jobs_name, free, wait=FETCH_WAIT, lease=self.settings.lease or None
+            )
         except TLSFailed as error:
             log.error("cannot get jobs: %s", error)
             raise GetJobsRefused from error

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from jobserver.client.endpoint import check_max_reply_bytes
 from jobserver.client.servers import Address, parse_servers
 from jobserver.wire.limits import DEFAULT_CLIENT_MAX_REPLY_BYTES
+from jobserver.workers.leases import DEFAULT_LEASE, check_lease
 
 # Each running job is a task or a thread: more than this is a mistake.
 MAX_CONCURRENCY = 10_000
@@ -35,6 +36,10 @@ class Settings:
     timeout: float = 3600.0  # a handler's, unless it has its own
     grace: float = 30.0
     touch_interval: float = 30.0
+    # The lease asked for on each job without retryAfter (protocol.md
+    # 14.24), renewed while it runs: a dead worker's jobs are back when it
+    # ends. 0: none (RUNNING, until --stale-after).
+    lease: int = DEFAULT_LEASE
     jobs: str | None = None  # the GetJobs name; None: the worker's
     signals: bool = True  # SIGTERM and SIGINT stop it (main thread only)
     # A reply announcing a larger body is a broken connection, not read.
@@ -58,6 +63,7 @@ class Settings:
         _seconds("timeout", self.timeout, MAX_TIMEOUT, zero=False)
         _seconds("grace", self.grace, MAX_GRACE, zero=True)
         _seconds("touch_interval", self.touch_interval, MAX_TOUCH_INTERVAL, zero=False)
+        check_lease(self.lease)
         check_max_reply_bytes(self.max_reply_bytes)
 
 

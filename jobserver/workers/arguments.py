@@ -27,6 +27,7 @@ from jobserver.cli.options import (
     tls_option,
 )
 from jobserver.client import auth_token, tls_context
+from jobserver.workers.leases import add_lease_argument
 from jobserver.workers.manager import Manager
 
 log = logging.getLogger("jobserver.workers")
@@ -144,6 +145,7 @@ def _add_timing_arguments(parser: argparse.ArgumentParser) -> None:
         help="renew the lease of a running leased job (TouchJob) at least every S seconds, "
         "S > 0, and after a third of its retryAfter if that is sooner (default: 30)",
     )
+    add_lease_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -196,5 +198,6 @@ def manager_from(args: argparse.Namespace) -> Manager | None:
         max_iterations=args.max_iterations,
         grace=args.grace,
         touch_interval=args.touch_interval,
+        lease=args.lease,
         max_reply_bytes=args.max_reply_bytes,
     )

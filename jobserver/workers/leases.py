@@ -1,4 +1,5 @@
-"""Lease renewal: while a leased job's worker runs, and until its report
+"""Lease renewal: while a leased job's worker runs (a job with retryAfter,
+or any job taken under the lease --lease asks for), and until its report
 is done with, its lease is renewed (TouchJob) after a third of it or every
 --touch-interval seconds, whichever is sooner, so that a worker may run
 longer than the lease without its job being handed out twice, and a
@@ -8,14 +9,17 @@ own."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import trio
 
+from jobserver.cli.options import number
 from jobserver.client import ConnectionFailed, JobServerError, ServerError
 from jobserver.model.repeat import offset_seconds
+from jobserver.wire.limits import MAX_LEASE, MIN_LEASE
 from jobserver.workers.connection import Link, Server
 from jobserver.workers.contract import printable
 
@@ -29,6 +33,16 @@ TOUCH_FRACTION = 1 / 3
 LEASE_ROUNDING = 1.0
 # Renewing more often than this is only load, whatever the lease.
 MIN_TOUCH_INTERVAL = 0.1
+# Seconds of the lease both kinds of worker ask for by default (--lease,
+# protocol.md 14.24): a killed worker's jobs are back within half a
+# minute, for one renewal per running job every 10 s.
+DEFAULT_LEASE = 30
+LEASE_HELP = (
+    f"ask for a lease of S seconds, 1 to {MAX_LEASE}, on each job without retryAfter, "
+    "renewed (TouchJob) while it runs: a job whose worker died is handed out again when "
+    f"its lease ends; 0 for none, the job RUNNING until the server's --stale-after "
+    f"(default: {DEFAULT_LEASE})"
+)
 
 
 @dataclass
@@ -44,6 +58,20 @@ class Lease:
     ended: bool = False
 
 
+def check_lease(value: int) -> None:
+    """--lease: 0 (none), or what GetJob's `lease` takes. ValueError if not."""
+    if not (type(value) is int and (value == 0 or MIN_LEASE <= value <= MAX_LEASE)):
+        raise ValueError(f"lease must be 0 or {MIN_LEASE} to {MAX_LEASE} seconds, not {value!r}")
+
+
+def add_lease_argument(parser: argparse.ArgumentParser) -> None:
+    """--lease, the same for `jobserver worker` and the worker manager."""
+    parser.add_argument(
+        "--lease", type=number(int, 0, MAX_LEASE, unit="seconds"), default=DEFAULT_LEASE,
+        metavar="S", help=LEASE_HELP,
+    )
+
+
 def touch_period(retry_after: str, interval: float) -> float:
     """How often to renew a lease of `retry_after`: after a third of its
     shortest length, at most every `interval` seconds (also when its length
@@ -55,12 +83,26 @@ def touch_period(retry_after: str, interval: float) -> float:
     return max(min(interval, shortest * TOUCH_FRACTION), MIN_TOUCH_INTERVAL)
 
 
+def renewal_period(job: dict[str, Any], interval: float, asked: int) -> float | None:
+    """How often to renew the lease of a job handed out to a GetJobs that
+    asked for `asked` seconds (0: none): by its own retryAfter if it has
+    one, else by the lease asked for (protocol.md 14.24, counted to the
+    millisecond); None for a job without a lease."""
+    retry_after = job.get("retryAfter")
+    if isinstance(retry_after, str) and retry_after:
+        return touch_period(retry_after, interval)
+    if not asked:
+        return None
+    return max(min(interval, asked * TOUCH_FRACTION), MIN_TOUCH_INTERVAL)
+
+
 class Leases:
     """The leases of the running jobs, and the task that renews them."""
 
-    def __init__(self, server: Server, touch_interval: float) -> None:
+    def __init__(self, server: Server, touch_interval: float, lease: int = 0) -> None:
         self.server = server
         self.touch_interval = touch_interval
+        self.lease = lease  # the seconds each GetJobs asks for (--lease)
         self.held: dict[str, Lease] = {}  # by lease token
         self.changed = trio.Event()  # set (and replaced) when a lease is taken on
         self.failing = False  # the last renewal could not reach the server
@@ -68,12 +110,12 @@ class Leases:
     def hold(self, job: dict[str, Any]) -> str | None:
         """Renew this job's lease while it runs; its token, or None for a
         job without a lease."""
-        lease_id, retry_after = job.get("leaseID"), job.get("retryAfter")
+        lease_id = job.get("leaseID")
         if not (isinstance(lease_id, str) and lease_id):
             return None
-        if not (isinstance(retry_after, str) and retry_after):
+        period = renewal_period(job, self.touch_interval, self.lease)
+        if period is None:
             return None
-        period = touch_period(retry_after, self.touch_interval)
         name = printable(job["name"])
         self.held[lease_id] = Lease(
             job["jobID"], name, lease_id, period, trio.current_time() + period

@@ -51,7 +51,7 @@ from jobserver.workers.contract import (
     worker_input,
 )
 from jobserver.workers.guard import Guard
-from jobserver.workers.leases import Leases
+from jobserver.workers.leases import DEFAULT_LEASE, Leases, check_lease
 from jobserver.workers.reporting import Reporter
 from jobserver.workers.supervision import Supervisor, spawn
 
@@ -117,6 +117,7 @@ class Manager:
         max_iterations: int | None,
         grace: float,
         touch_interval: float = 30.0,
+        lease: int = DEFAULT_LEASE,
         token: str | None = None,
         tls: ssl.SSLContext | None = None,
         tls_setting: TLS = None,
@@ -146,7 +147,8 @@ class Manager:
         self.fetch_scope = trio.CancelScope()
 
         self.supervisor = Supervisor(worker_timeout)
-        self.leases = Leases(self.server, touch_interval)
+        check_lease(lease)
+        self.leases = Leases(self.server, touch_interval, lease)
         self.reporter = Reporter(self.server, self.guard, self.leases)
 
     # Top level.
@@ -309,7 +311,9 @@ class Manager:
                 await link.client.ping()
                 log.info("server %s reachable again; taking jobs", self.server.address)
                 backoff.reset()
-            return await link.client.get_jobs(self.pattern, min(free, 1000), wait=FETCH_WAIT)
+            return await link.client.get_jobs(
+                self.pattern, min(free, 1000), wait=FETCH_WAIT, lease=self.leases.lease or None
+            )
         except TLSFailed as error:
             # Trying again cannot help: the options must change.
             log.error("cannot get jobs: %s", error)
