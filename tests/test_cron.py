@@ -256,6 +256,61 @@ def test_cron_rules_on_the_wire_and_in_the_cli(
     assert "--time-zone needs --time-windows or a CRON --repeat" in usage.stderr
 
 
+def test_a_new_cron_rule_or_zone_moves_nextrun_at_a_unique_recreate_and_updatejob(
+    client: Client,
+) -> None:
+    # Re-created with a new rule and data, the job kept its old nextRun
+    # (01:00 UTC) while its nextRuns began at 03:30 Paris; a new timeZone
+    # was dropped, and UpdateJob took none.
+    job_id = create(client, "nightly", unique="true", repeat="CRON 0 1 * * *", data='{"v":1}')
+    assert ok(client.request("QueryJob", jobID=job_id)).json["nextRun"].endswith(" 01:00:00")
+    again = create(
+        client, "nightly", unique="true", repeat="CRON 30 3 * * *", timeZone=PARIS,
+        data='{"v":2}',
+    )
+    assert again == job_id
+    shown = ok(client.request("QueryJob", jobID=job_id)).json
+    assert (shown["repeat"], shown["timeZone"]) == ("CRON 30 3 * * *", PARIS)
+    assert shown["data"] == {"v": 2}
+    assert shown["nextRun"] == shown["nextRuns"][0]
+    assert (paris(shown["nextRun"]).hour, paris(shown["nextRun"]).minute) == (3, 30)
+    # A zone alone moves it too; the same data changes nothing (Bedrock).
+    create(client, "nightly", unique="true", repeat="CRON 30 3 * * *", timeZone="Asia/Tokyo",
+           data='{"v":2}')
+    assert ok(client.request("QueryJob", jobID=job_id)).json["timeZone"] == PARIS
+    create(client, "nightly", unique="true", repeat="CRON 30 3 * * *", timeZone="UTC",
+           data='{"v":3}')
+    moved = ok(client.request("QueryJob", jobID=job_id)).json
+    assert moved["timeZone"] == "UTC" and moved["nextRun"].endswith(" 03:30:00")
+    # Bedrock's rules keep Bedrock's nextRun at a unique re-create.
+    plain = create(client, "hourly", unique="true", repeat="HOURLY", firstRun="2030-01-01")
+    create(client, "hourly", unique="true", repeat="DAILY", data='{"v":1}')
+    assert ok(client.request("QueryJob", jobID=plain)).json["nextRun"] == "2030-01-01 00:00:00"
+
+    # UpdateJob takes timeZone, checked as CreateJob checks it, and moves a
+    # CRON job's nextRun into it.
+    ok(client.request("UpdateJob", jobID=job_id, data="{}", timeZone=PARIS))
+    updated = ok(client.request("QueryJob", jobID=job_id)).json
+    assert updated["timeZone"] == PARIS and updated["nextRun"] == updated["nextRuns"][0]
+    assert (paris(updated["nextRun"]).hour, paris(updated["nextRun"]).minute) == (3, 30)
+    ok(client.request("UpdateJob", jobID=job_id, data="{}", repeat="CRON 0 6 * * *",
+                      timeZone="UTC"))
+    assert ok(client.request("QueryJob", jobID=job_id)).json["nextRun"].endswith(" 06:00:00")
+    assert status_of(
+        client, "UpdateJob", jobID=job_id, data="{}", timeZone="Mars/Olympus"
+    ) == "402 Malformed timeZone"
+    assert status_of(
+        client, "UpdateJob", jobID=plain, data="{}", timeZone=PARIS
+    ) == "402 Missing timeWindows"
+    assert status_of(
+        client, "UpdateJob", jobID=job_id, data="{}", shouldClearRepeat="true", timeZone=PARIS
+    ) == "402 Missing timeWindows"
+    assert ok(client.request("QueryJob", jobID=job_id)).json["timeZone"] == "UTC"
+    windowed = create(client, "windowed", timeWindows="09:00-17:00")
+    ok(client.request("UpdateJob", jobID=windowed, data="{}", timeZone=PARIS))
+    assert ok(client.request("QueryJob", jobID=windowed)).json["timeZone"] == PARIS
+
+
 # The grammar, on the function the server reads a repeat with.
 
 def _field(low: int, high: int, *words: str) -> st.SearchStrategy[str]:

@@ -146,6 +146,8 @@ class JobChanges:
     worker: str | _Keep = KEEP
     node: str | _Keep = KEEP
     lease: int | _Keep = KEEP
+    # UpdateJob's, and a unique CreateJob's merge.
+    timeZone: str | _Keep = KEEP
 
     def columns(self) -> dict[str, object]:
         """The columns set, by name, in a fixed order (the fields')."""

@@ -19,7 +19,7 @@ from jobserver.core.errors import CommandError
 from jobserver.core.rules import flow, lifecycle, schedule
 from jobserver.core.rules.schedule import RepeatStalled
 from jobserver.model import cron
-from jobserver.model.jobs import Job, NewJob
+from jobserver.model.jobs import Job, NewJob, State
 from jobserver.model.sqlite_functions import json_patch
 from jobserver.wire.framing import Request, Response, escape
 from jobserver.wire.limits import DEFAULT_PRIORITY
@@ -105,7 +105,7 @@ def _create(ctx: Context, request: Request) -> int:
     if params.is_true(request.get("unique")):
         existing = ctx.store.find_by_name(name)
         if existing is not None:
-            _update_unique(ctx, request, existing, parent_id, data, rule, priority)
+            _update_unique(ctx, request, existing, parent_id, data, rule, priority, flow.zone)
             return existing.jobID
     next_run = first_run or _first_run(ctx, rule, flow.zone)
     if flow.windows:
@@ -178,8 +178,13 @@ def _update_unique(
     data: str | None,
     rule: str | None,
     priority: int | None,
+    zone: str,
 ) -> None:
-    """unique=true found a job of this name: merge the new data into it."""
+    """unique=true found a job of this name: merge the new data into it
+    (Bedrock's rules), and its timeZone if the request gives one. A merge
+    that changes a QUEUED job's CRON rule or zone moves its nextRun to the
+    rule's next moment (protocol.md 6.1): Bedrock has neither, and kept
+    its rules' nextRun, as this does."""
     if existing.parentJobID and existing.parentJobID != parent_id:
         raise CommandError(
             "404 Trying to create a child that already exists, but it is tied to a different parent"
@@ -194,4 +199,18 @@ def _update_unique(
         changes["repeat"] = rule
     if priority is not None:
         changes["priority"] = priority
-    lifecycle.amend(ctx, existing, **changes)
+    if params.present(request, "timeZone") is not None:
+        changes["timeZone"] = zone
+    lifecycle.amend(ctx, existing, _moved_cron_run(ctx, existing, changes), **changes)
+
+
+def _moved_cron_run(ctx: Context, job: Job, changes: dict[str, Any]) -> str | None:
+    """The new nextRun of a QUEUED job whose CRON rule or zone `changes`
+    change; None when it keeps its own."""
+    rule = changes.get("repeat", job.repeat)
+    zone = changes.get("timeZone", job.timeZone)
+    if job.state != State.QUEUED or not cron.is_cron(rule):
+        return None
+    if (rule, zone) == (job.repeat, job.timeZone):
+        return None
+    return schedule.in_window(job.timeWindows, zone, _first_run(ctx, rule, zone))

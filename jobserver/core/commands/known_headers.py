@@ -26,7 +26,9 @@ KNOWN_HEADERS: dict[str, frozenset[str]] = {
         "getjob": _HAND_OUT,
         "getjobs": (*_HAND_OUT, "numresults"),
         "queryjob": _JOB,
-        "updatejob": (*_REPORT, "repeat", "jobpriority", "nextrun", "shouldclearrepeat"),
+        "updatejob": (
+            *_REPORT, "repeat", "jobpriority", "nextrun", "shouldclearrepeat", "timezone"
+        ),
         "finishjob": _REPORT,
         "finishjobs": ("jobs",),
         "failjobs": ("jobs",),

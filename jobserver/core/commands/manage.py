@@ -4,6 +4,7 @@ set). Every change of a job's state goes through lifecycle.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from jobserver.core.commands import params
@@ -14,6 +15,7 @@ from jobserver.core.errors import CommandError
 from jobserver.core.rules import lifecycle, schedule
 from jobserver.core.rules.selection import name_selector
 from jobserver.model import cron
+from jobserver.model.jobs import Job
 from jobserver.wire.framing import Request, Response
 
 
@@ -33,22 +35,37 @@ def update_job(ctx: Context, request: Request) -> Response:
     rule = params.repeat_rule(request)
     priority = params.priority(request, "jobPriority")
     next_run = params.time(request, "nextRun")
+    zone = params.time_zone(request)
     job = ctx.store.get(job_id)
     if job is None:
         raise CommandError("404 No job with this jobID")
     check_lease(request, job)
     changes: dict[str, Any] = {"data": data}
-    if next_run is None and rule is not None:
-        # Not a run: the moment may be the one the job already has.
-        next_run = schedule.next_run_from_repeat(ctx, job, rule)
     if params.is_true(request.get("shouldClearRepeat")):
         changes["repeat"] = ""
     elif rule is not None:
         changes["repeat"] = rule
+    if zone is not None:
+        changes["timeZone"] = _zone_for(job, changes.get("repeat", job.repeat), zone)
+    if next_run is None and rule is not None:
+        # Not a run: the moment may be the one the job already has. A CRON
+        # rule is read in the zone the job will have.
+        zoned = job if zone is None else replace(job, timeZone=zone)
+        next_run = schedule.next_run_from_repeat(ctx, zoned, rule)
+    elif next_run is None and zone is not None and cron.is_cron(changes.get("repeat", job.repeat)):
+        next_run = schedule.cron_run(ctx, job.repeat, zone)
     if priority is not None:
         changes["priority"] = priority
     lifecycle.update(ctx, job, next_run, **changes)
     return ok()
+
+
+def _zone_for(job: Job, rule: str, zone: str) -> str:
+    """A new timeZone, for a job it means something to: as at CreateJob,
+    one with timeWindows or a CRON rule (`rule`, the one it will have)."""
+    if not job.timeWindows and not cron.is_cron(rule):
+        raise CommandError("402 Missing timeWindows")
+    return zone
 
 
 def cancel_job(ctx: Context, request: Request) -> Response:

@@ -458,6 +458,12 @@ def flow_options(request: Request) -> FlowOptions:
     return FlowOptions(cost=cost, windows=parsed, zone=zone, key=key)
 
 
+def time_zone(request: Request) -> str | None:
+    """UpdateJob's timeZone, checked as CreateJob's; None when absent."""
+    text = present(request, "timeZone")
+    return None if text is None else _zone(text)
+
+
 def _zone(text: str) -> str:
     zone = text.strip()
     try:

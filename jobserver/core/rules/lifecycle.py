@@ -350,11 +350,14 @@ def update(ctx: Context, job: Job, next_run: str | None, **changes: Any) -> None
         _move(ctx, job, "reschedule", job.state, nextRun=next_run, **changes)
 
 
-def amend(ctx: Context, job: Job, **changes: Any) -> None:
-    """New data, priority or repeat for a job in whatever state it is,
-    which moves it nowhere: CreateJob with unique=true finding the job of
-    its name."""
-    _write(ctx, job, **changes)
+def amend(ctx: Context, job: Job, next_run: str | None = None, **changes: Any) -> None:
+    """New data, priority, repeat or zone for a job in whatever state it
+    is, which moves it nowhere: CreateJob with unique=true finding the job
+    of its name; with `next_run`, a new nextRun too (a new CRON rule or zone)."""
+    if next_run is None:
+        _write(ctx, job, **changes)
+    else:
+        _move(ctx, job, "reschedule", job.state, nextRun=next_run, **changes)
 
 
 def parent_of_ending_run(ctx: Context, job: Job) -> Job | None:
