@@ -186,7 +186,11 @@ def test_returns_exceptions_retries_and_timeouts_end_jobs_as_documented(
     assert f"at most 8 at once, on {loop}" in caplog.text
     assert f"job {ids['hangs']} hang/sync: the thread of its handler " in caplog.text
     assert "<locals>.hang cannot be stopped; it runs on" in caplog.text
-    assert re.search(rf"job {ids['raises']} fail/sync failed \(ValueError: boom\) in ", caplog.text)
+    assert re.search(
+        rf"job {ids['raises']} fail/sync failed \(ValueError: boom; attempt 2 of 2, the last: "
+        r"FAILED\) in ",
+        caplog.text,
+    )
     assert not_reported(client) == []
 
 

@@ -262,8 +262,8 @@ sys.exit(3)
     segv = create(client, "Segfault")
     running = manager(server.port)
 
-    running.wait_for(rf"job {crash} Crash failed \(exit status 3\) in")
-    running.wait_for(rf"job {segv} Segfault failed \(signal SIGSEGV\) in")
+    running.wait_for(rf"job {crash} Crash failed \(exit status 3; no retry policy: FAILED\) in")
+    running.wait_for(rf"job {segv} Segfault failed \(signal SIGSEGV; no retry policy: FAILED\) in")
     until(lambda: job(client, crash)["state"] == "FAILED", DEADLINE, "FailJob of Crash")
     data = job(client, crash)["data"]
     assert data["orig"] == 1
@@ -294,7 +294,10 @@ wait
     stuck = create(client, "Stuck", data={"x": 1}, repeat="FINISHED, +1 DAY")
     running = manager(server.port, "--worker-timeout", "1", "--max-iterations", "1")
 
-    running.wait_for(rf"job {stuck} Stuck failed \(timed out after 1s \(worker killed\)\) in")
+    running.wait_for(
+        rf"job {stuck} Stuck failed \(timed out after 1s \(worker killed\); "
+        r"no retry policy: FAILED\) in"
+    )
     assert running.wait(DEADLINE) == 0
     assert not alive(int((tmp_path / "worker.pid").read_text()))
     assert not alive(int((tmp_path / "child.pid").read_text()))
@@ -323,7 +326,9 @@ time.sleep(60)
     hangs = create(client, "Hangs", maxAttempts=2, retryBackoff="fixed", retryDelay=3)
     running = manager(server.port, "--worker-timeout", "0.5")
 
-    running.wait_for(rf"job {hangs} Hangs failed \(timed out after 0.5s \(worker killed\)\)", 2)
+    running.wait_for(
+        rf"job {hangs} Hangs failed \(timed out after 0.5s \(worker killed\); attempt", 2
+    )
     until(
         lambda: job(client, hangs)["state"] == "FAILED",
         DEADLINE,
@@ -384,7 +389,10 @@ def test_missing_workers_and_unsafe_names_fail_the_job_and_run_nothing(
         assert reason in failed["data"]["error"], failed
         assert re.search(rf"job {job_id} .* failed \(.*{reason}", running.log)
     assert not marker.exists()
-    assert re.search(r"job \d+ No\\nSuch failed \(no worker .*/No\\nSuch\) in", running.log)
+    assert re.search(
+        r"job \d+ No\\nSuch failed \(no worker .*/No\\nSuch; no retry policy: FAILED\) in",
+        running.log,
+    )
 
 
 def test_no_more_than_max_workers_run_at_once(server, client, workers, manager, tmp_path):

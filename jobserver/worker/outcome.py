@@ -23,7 +23,7 @@ from typing import Any
 
 from jobserver.core.commands.params import MAX_ERROR
 from jobserver.worker.job import Job, RetryLater
-from jobserver.workers.contract import Outcome, Report, printable
+from jobserver.workers.contract import Outcome, Report, fate, printable
 
 __all__ = [
     "Outcome", "failed", "finished", "handed_back", "no_handler", "raised", "timed_out",
@@ -49,7 +49,7 @@ def raised(job: Job, error: Exception, function: Callable[..., Any]) -> Outcome:
     text = "".join(traceback.format_exception(type(error), error, _from(function, error)))
     return Outcome(
         _report(job, "fail", {"error": _last_bytes(text, MAX_ERROR)}),
-        f"failed ({printable(_first_line(error))})",
+        f"failed ({printable(_first_line(error))}{fate(job.attempt, job.max_attempts)})",
     )
 
 
@@ -70,7 +70,8 @@ def handed_back(job: Job, text: str) -> Outcome:
 
 
 def failed(job: Job, reason: str) -> Outcome:
-    return Outcome(_report(job, "fail", {"error": reason}), f"failed ({printable(reason)})")
+    text = f"failed ({printable(reason)}{fate(job.attempt, job.max_attempts)})"
+    return Outcome(_report(job, "fail", {"error": reason}), text)
 
 
 def _report(job: Job, verb: str, params: dict[str, Any]) -> Report:

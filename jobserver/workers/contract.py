@@ -159,10 +159,24 @@ class Outcome:
 
 
 def failed(job: dict[str, Any], error: Any, text: str) -> Outcome:
-    """A FailJob adding `error` to the job's data."""
+    """A FailJob adding `error` to the job's data; `text` says why in the log."""
     data = job.get("data")
     data = {**data, "error": error} if isinstance(data, dict) else {"error": error}
-    return Outcome(Report(job["jobID"], printable(job["name"]), "fail", {"data": data}), text)
+    report = Report(job["jobID"], printable(job["name"]), "fail", {"data": data})
+    return Outcome(report, f"failed ({text}{fate(job.get('attempt'), job.get('maxAttempts'))})")
+
+
+def fate(attempt: object, max_attempts: object) -> str:
+    """What a FailJob does to a job, for the log line of its failure: the
+    server retries an attempt that was not the last of its retry policy
+    (after its backoff, protocol.md 14.1), and fails the job for good
+    otherwise. `attempt` and `max_attempts` as the hand-out's reply gave
+    them (absent for a job without a policy)."""
+    if type(attempt) is not int or type(max_attempts) is not int:
+        return "; no retry policy: FAILED"
+    if attempt < max_attempts:
+        return f"; attempt {attempt} of {max_attempts}, retried after its backoff"
+    return f"; attempt {attempt} of {max_attempts}, the last: FAILED"
 
 
 def put_back(job: dict[str, Any], text: str) -> Outcome:
@@ -174,7 +188,7 @@ def put_back(job: dict[str, Any], text: str) -> Outcome:
 
 def cannot_start(job: dict[str, Any], path: str, error: OSError) -> Outcome:
     reason = f"cannot start worker {path}: {error.strerror or error}"
-    return failed(job, reason, f"failed ({reason})")
+    return failed(job, reason, reason)
 
 
 def outcome(job: dict[str, Any], ended: Ended, worker_timeout: float) -> Outcome:
@@ -185,10 +199,14 @@ def outcome(job: dict[str, Any], ended: Ended, worker_timeout: float) -> Outcome
         # cannot keep its job coming back forever.
         error = f"timed out after {worker_timeout:g}s (worker killed)"
         report = Report(job["jobID"], printable(job["name"]), "fail", {"error": error})
-        return Outcome(report, f"failed ({error})")
+        text = f"failed ({error}{fate(job.get('attempt'), job.get('maxAttempts'))})"
+        return Outcome(report, text)
     if ended.stopped == "shutdown":
         # Our shutdown, not the job's fault: it goes back as it was.
         return put_back(job, "still running at the end of the grace period, killed, retried")
+    if ended.returncode in (0, EX_TEMPFAIL):
+        # A failure's stderr goes into its data; this would be lost.
+        _log_stderr(job, ended.stderr.content())
     if ended.returncode == 0:
         return _finished(job, ended)
     if ended.returncode == EX_TEMPFAIL:
@@ -197,7 +215,18 @@ def outcome(job: dict[str, Any], ended: Ended, worker_timeout: float) -> Outcome
         return Outcome(report, f"retried ({how})")
     detail = error_detail(ended.returncode, ended.stderr.content())
     how = f"signal {detail['signal']}" if "signal" in detail else f"exit status {ended.returncode}"
-    return failed(job, detail, f"failed ({how})")
+    return failed(job, detail, how)
+
+
+def _log_stderr(job: dict[str, Any], stderr: bytes) -> None:
+    """What a worker that did not fail wrote to stderr (warnings, progress),
+    its last STDERR_IN_DATA characters, as one line."""
+    text = stderr.decode("utf-8", "replace").strip()
+    if text:
+        log.info(
+            "job %s %s wrote to stderr: %s",
+            job["jobID"], printable(job["name"]), printable(text[-STDERR_IN_DATA:]),
+        )
 
 
 def _finished(job: dict[str, Any], ended: Ended) -> Outcome:
@@ -222,7 +251,7 @@ def _awaiting(job: dict[str, Any], output: dict[str, Any]) -> Outcome:
     timeout = request.get("timeout") if isinstance(request, dict) else None
     if not isinstance(key, str) or not (timeout is None or type(timeout) is int):
         reason = 'awaitReply must be {"key": "...", "timeout": seconds}'
-        return failed(job, reason, f"failed ({reason})")
+        return failed(job, reason, reason)
     params: dict[str, Any] = {"key": key, "timeout": timeout}
     if output:
         params["data"] = output

@@ -386,7 +386,7 @@ class Manager:
         try:
             path = find_worker(self.directory, job["name"])
         except Refused as refusal:
-            return failed(job, str(refusal), f"failed ({refusal})")
+            return failed(job, str(refusal), str(refusal))
         self.leases.hold(job)
         try:
             ended = await self._run_worker(job, path, started)
