@@ -31,10 +31,11 @@ import trio
 from jobserver.core.commands.get_jobs import NO_JOB, waits_for_jobs
 from jobserver.core.commands.route import Answer, Undo
 from jobserver.logs import RateLimit
-from jobserver.server import peer
+from jobserver.server import not_http, peer
 from jobserver.wire.framing import (
     TLS_NOT_SPOKEN,
     TLS_REQUIRED,
+    NotHttp,
     Request,
     RequestParser,
     Response,
@@ -158,8 +159,11 @@ class Connection:
     async def say_and_close(self, status: str) -> None:
         """Last words before closing; a client that does not take them
         within CLOSE_PATIENCE is not waited for."""
+        await self._last_words(encode_response(Response(status), close=True))
+
+    async def _last_words(self, data: bytes) -> None:
         with trio.move_on_after(CLOSE_PATIENCE):
-            await self.stream.send_all(encode_response(Response(status), close=True))
+            await self.stream.send_all(data)
 
     async def end(self, failure: BaseExceptionGroup[Exception] | None) -> None:
         """Put back the jobs the client did not take, and log the end in one
@@ -230,8 +234,13 @@ class Connection:
                 return
 
     async def _say_why_ending(self) -> None:
-        if self.parser.error is not None:
-            await self.say_and_close(self.parser.error.status)
+        error = self.parser.error
+        if isinstance(error, NotHttp):
+            server = self.server
+            tls = server.tls_context is not None
+            await self._last_words(not_http.response(server.http_port, tls, error.head_only))
+        elif error is not None:
+            await self.say_and_close(error.status)
         elif self.eof and self.parser.buffered and not self.server.closing:
             # The client closed its side in the middle of a request (often a
             # missing blank line at the end of `printf ... | nc -N`).

@@ -63,6 +63,16 @@ class ProtocolError(Exception):
         self.status = status
 
 
+class NotHttp(ProtocolError):
+    """An HTTP request on the wire port: answered in HTTP's own form (so a
+    browser or curl shows why), nothing of the request read past its head,
+    then closed. `head_only` for a HEAD request, whose answer has no body."""
+
+    def __init__(self, head_only: bool) -> None:
+        super().__init__(NOT_HTTP)
+        self.head_only = head_only
+
+
 @dataclass
 class Request:
     """One parsed request. Header names are stored lower-cased."""
@@ -283,10 +293,18 @@ class RequestParser:
         while tail < min(3, size) and self._buffer[size - 1 - tail] in (0x0A, 0x0D):
             tail += 1
         if size - tail > MAX_HEAD:
+            self._refuse_http_head()
             raise ProtocolError("413 Request too large")
         line_end = size - 1 if self._buffer.endswith(b"\r") else size
         if line_end - (self._buffer.rfind(b"\n") + 1) > MAX_LINE:
+            self._refuse_http_head()
             raise ProtocolError("414 Line too long")
+
+    def _refuse_http_head(self) -> None:
+        """An HTTP head past the wire's bounds is told it is HTTP first."""
+        first_line_end = self._buffer.find(b"\n", 0, MAX_LINE + 2)
+        if first_line_end > 0:
+            _refuse_http(bytes(self._buffer[:first_line_end]))
 
 
 # A line of nothing but spaces or tabs ends the head too: text pasted into
@@ -298,19 +316,27 @@ _HEAD_END = re.compile(rb"\n[ \t]*\r?\n")
 
 def _parse_head(raw: bytes) -> tuple[Request, int]:
     lines = raw.replace(b"\r\n", b"\n").split(b"\n")  # split at \r?\n, at C speed
+    # Before the head's bounds: a browser's head (its cookies) may pass
+    # them, and it must still be told in HTTP.
+    _refuse_http(lines[0])
     if len(lines) - 1 > MAX_HEADERS:
         raise ProtocolError("431 Too many headers")
     if max(map(len, lines)) > MAX_LINE:
         raise ProtocolError("414 Line too long")
-    if _HTTP_REQUEST_LINE.fullmatch(lines[0].strip(b" \t\r")):
-        # Closing here, before the body, keeps a page's chosen bytes unread.
-        raise ProtocolError(NOT_HTTP)
     length = _content_length(lines[1:])
     try:
         text = [line.decode("utf-8") for line in lines]
     except UnicodeDecodeError:
         return Request(method_line="", invalid_utf8=True), length
     return _build_request(text), length
+
+
+def _refuse_http(first_line: bytes) -> None:
+    """Raises NotHttp if the request line is HTTP's. Closing at the head,
+    before the body, keeps a page's chosen bytes unread."""
+    found = _HTTP_REQUEST_LINE.fullmatch(first_line.strip(b" \t\r"))
+    if found is not None:
+        raise NotHttp(head_only=found[1].upper() == b"HEAD")
 
 
 def _content_length(lines: list[bytes]) -> int:
