@@ -61,6 +61,18 @@ class RunningJob:
 RunningStats = tuple[list[RunningJob], int]
 
 
+@dataclass(frozen=True)
+class LaterJobs:
+    """The dashboard's Scheduled or Retries: the soonest jobs, and how many
+    match among the jobs due later that were examined."""
+
+    jobs: list[Job]
+    matched: int
+    examined: int
+    # Whether every job due later was examined (fewer than were allowed).
+    complete: bool
+
+
 class QueryRows(Protocol):
     """Where a backend puts what the Query command's SQL returns (its
     dialect is the backend's), a row at a time as it reads them, so that a
@@ -484,6 +496,12 @@ class Readers(Protocol):
     def find_matching(self, pattern: str, limit: int) -> list[Job]:
         """Jobs in any state whose name matches a GLOB `pattern`, newest
         first: the dashboard's search. It may read every job."""
+
+    def later_jobs(self, now: str, retrying: bool, limit: int, examine: int) -> LaterJobs:
+        """QUEUED jobs due after `now` (with `retrying`, only those with
+        failed attempts), the soonest `limit`, among the `examine` soonest
+        jobs due later, read through the waiting jobs' index by nextRun;
+        with how many of those match (sql.later_jobs)."""
 
     def running_jobs(
         self, now: str, pattern: str | None, limit: int, newest: bool = False

@@ -72,6 +72,7 @@ READY_SQL = states(READY)
 ACTIVE_SQL = states(ACTIVE)
 RETAINED_SQL = states(RETAINED)
 RUNNING_SQL = states((State.RUNNING,))
+QUEUED_SQL = states((State.QUEUED,))
 WAITING_SQL = states((State.WAITING,))
 FAILED_SQL = states((State.FAILED,))
 # A finished standalone job kept for retention is history, not a job.
@@ -205,6 +206,38 @@ def find_matching(d: Dialect, pattern: str, limit: int) -> Clause:
         f"SELECT {JOB} FROM jobs WHERE {clause} ORDER BY jobID DESC LIMIT {d.mark}",
         [*args, limit],
     )
+
+
+def later_jobs(
+    d: Dialect, now: str, retrying: bool, limit: int, examine: int
+) -> tuple[Clause, Clause]:
+    """The dashboard's Scheduled (QUEUED jobs due after `now`) or, with
+    `retrying`, Retries (those of them with failed attempts, waiting for
+    their backoff), the soonest `limit` first; and how many jobs were
+    examined and how many of those match. Only the `examine` soonest jobs
+    due later are read: a range of the waiting jobs' index by nextRun,
+    whatever the table holds."""
+    match = f"state = {QUEUED_SQL}" + (" AND attempts > 0" if retrying else "")
+    # Of each job examined, only what says whether it matches.
+    window = (
+        f"SELECT jobID, nextRun, state, attempts FROM jobs {d.indexed_by('jobsReadyNextRun')} "
+        f"WHERE state IN ({READY_SQL}) AND nextRun > {d.mark} "
+        f"ORDER BY nextRun, jobID LIMIT {d.mark}"
+    )
+    page = (
+        f"SELECT jobID FROM ({window}) AS later WHERE {match} "
+        f"ORDER BY nextRun, jobID LIMIT {d.mark}"
+    )
+    listed = (
+        f"SELECT {JOB} FROM jobs WHERE jobID IN ({page}) ORDER BY nextRun, jobID",
+        [now, examine, limit],
+    )
+    counted = (
+        f"SELECT COUNT(*), COALESCE(SUM(CASE WHEN {match} THEN 1 ELSE 0 END), 0) "
+        f"FROM ({window}) AS later",
+        [now, examine],
+    )
+    return listed, counted
 
 
 # What RunningJobs reads of a job handed out (interface.RunningJob).

@@ -28,6 +28,7 @@ from jobserver.storage.interface import (
     BackupDirectory,
     BackupUnsupported,
     Heard,
+    LaterJobs,
     QueryRows,
     QueueStats,
     RunningStats,
@@ -414,6 +415,9 @@ class Store(SqlStore):
     def find_matching(self, pattern: str, limit: int) -> list[Job]:
         rows = sqlite_readers.find_matching(self.path, pattern, limit)
         return [Job(*row) for row in rows]
+
+    def later_jobs(self, now: str, retrying: bool, limit: int, examine: int) -> LaterJobs:
+        return sqlite_readers.later_jobs(self.path, now, retrying, limit, examine)
 
     def running_jobs(
         self, now: str, pattern: str | None, limit: int, newest: bool = False

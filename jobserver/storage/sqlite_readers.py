@@ -16,10 +16,12 @@ from time import monotonic
 from typing import IO, Any
 from urllib.parse import quote
 
+from jobserver.model.jobs import Job
 from jobserver.model.limits import handouts_cutoff
 from jobserver.storage import sql
 from jobserver.storage.interface import (
     BadQuery,
+    LaterJobs,
     QueryRows,
     QueryTimeout,
     QueueStats,
@@ -340,6 +342,20 @@ def find_matching(path: str, pattern: str, limit: int) -> list[tuple[Any, ...]]:
     db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
     try:
         return db.execute(*sql.find_matching(SQLITE, pattern, limit)).fetchall()
+    finally:
+        db.close()
+
+
+def later_jobs(path: str, now: str, retrying: bool, limit: int, examine: int) -> LaterJobs:
+    """The dashboard's Scheduled or Retries and their count, in one read
+    transaction: the count is of the same moment."""
+    listed, counted = sql.later_jobs(SQLITE, now, retrying, limit, examine)
+    db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
+    try:
+        db.execute("BEGIN")
+        jobs = [Job(*row) for row in db.execute(*listed)]
+        examined, matched = db.execute(*counted).fetchone()
+        return LaterJobs(jobs, int(matched), int(examined), int(examined) < examine)
     finally:
         db.close()
 

@@ -11,6 +11,8 @@ Pages (GET):
 - `/jobs/{id}`: one job, with its parent and children;
 - `/jobs?name=PATTERN`: the newest jobs whose name matches; `/jobs?id=N`
   goes to job N's page;
+- `/scheduled` and `/retries`: the queued jobs due later, and those of
+  them waiting for a retry (later_pages.py);
 - `/queues/{queue}` and the graphs on `/`: history_pages.py.
 
 Bulk actions (bulk_pages.py) show a confirmation first (`POST
@@ -48,7 +50,7 @@ from jobserver.core.commands import params
 from jobserver.core.errors import CommandError
 from jobserver.model import globmatch, times
 from jobserver.model.jobs import State
-from jobserver.web import access, bulk_pages, forms, running_pages, texts
+from jobserver.web import access, bulk_pages, forms, later_pages, running_pages, texts
 from jobserver.web.history_pages import GRAPH_MINUTES, GRAPH_REFRESH_SECONDS, HistoryPages
 from jobserver.web.incoming import peer
 from jobserver.web.reads import Reads
@@ -144,6 +146,7 @@ class Dashboard:
         env.filters["time"] = texts.time_html
         env.filters["error_lines"] = texts.error_lines
         env.filters["rate_count"] = texts.rate_count
+        env.filters["retry"] = texts.retry_text
         # `{{ "job"|plural(n) }}`: the noun that reads right for n.
         env.filters["plural"] = lambda noun, count, nouns=None: noun_for(count, noun, nouns)
         env.globals["queue_paused"] = bulk_pages.queue_paused
@@ -171,6 +174,8 @@ class Dashboard:
             Route("/live", self.live, methods=["GET"]),
             Route("/jobs", self.jobs, methods=["GET"]),
             Route("/jobs/{id}", self.job, methods=["GET"]),
+            Route("/scheduled", self.later, methods=["GET"]),
+            Route("/retries", self.later, methods=["GET"]),
             Route("/actions/{action}", self.act, methods=["POST"]),
             Route("/bulk/confirm", self._bulk.confirm, methods=["POST"]),
             Route("/signin", self.sign_in, methods=["POST"]),
@@ -281,6 +286,15 @@ class Dashboard:
             "more": len(found) > FOUND_SHOWN,
             "shown": FOUND_SHOWN,
         })
+
+    async def later(self, request: Request) -> Response:
+        """Scheduled or Retries, by the path (later_pages.py)."""
+        view = later_pages.VIEWS[request.url.path]
+        try:
+            found = await self._reads.later(view.retrying, later_pages.SHOWN, later_pages.EXAMINED)
+        except self._store.errors as error:
+            return self._message(request, 503, "The jobs cannot be read", str(error))
+        return self._page(request, "later.html", later_pages.context(view, found))
 
     async def static(self, request: Request) -> Response:
         found = self._static.get(request.path_params["name"])

@@ -1,7 +1,7 @@
 """What the dashboard reads that no wire command shows: a job with its
 parent, children, lease token and last error (QueryJob keeps Bedrock's
-keys), and jobs in any state by name pattern (FailedJobs lists the dead
-set only).
+keys), jobs in any state by name pattern (FailedJobs lists the dead
+set only), and the queued jobs due later (later_pages.py).
 
 Both go through the Storage interface, never SQL. A job's page is read in
 the writer, as QueryJob is, so that it is one consistent look at the job
@@ -19,7 +19,9 @@ import trio
 
 from jobserver.core.build import Core
 from jobserver.core.engine.context import Context
+from jobserver.model import times
 from jobserver.model.jobs import Job, State
+from jobserver.storage.interface import LaterJobs
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,17 @@ class Reads:
             partial(_family, job_id=job_id)
         )
         return result
+
+    async def later(self, retrying: bool, limit: int, examine: int) -> LaterJobs:
+        """The dashboard's Scheduled or Retries (later_pages.py). Raises one
+        of the store's `errors` when the database cannot be read."""
+        now = times.to_millis(times.utcnow())
+        found = await trio.to_thread.run_sync(
+            self._core.store.later_jobs, now, retrying, limit, examine,
+            limiter=self._searches, abandon_on_cancel=True,
+        )
+        await self._core.engine.settled()
+        return found
 
     async def matching(self, pattern: str, limit: int) -> list[Job]:
         """The newest `limit` jobs whose name matches the GLOB `pattern`.

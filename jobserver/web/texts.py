@@ -10,7 +10,7 @@ from markupsafe import Markup, escape
 
 from jobserver.core.rules import schedule
 from jobserver.model import cron, times
-from jobserver.model.jobs import Job
+from jobserver.model.jobs import Job, State
 from jobserver.model.limits import parse_rate
 from jobserver.wire import jsonbody, last_error
 
@@ -84,3 +84,19 @@ def since_text(stored: str | None) -> Markup:
         return shown + " (now)"
     relative = f"{age_text(seconds)} ago" if seconds > 0 else f"in {age_text(-seconds)}"
     return shown + f" ({relative})"
+
+
+def retry_text(job: Job) -> str:
+    """How a job waiting for a retry reads in place of QUEUED: `retry 2 of
+    5 in 40 s` (its attempts, of its maxAttempts, and the time to its
+    nextRun); "" for any other job."""
+    if job.state != State.QUEUED or job.attempts <= 0:
+        return ""
+    try:
+        seconds = (times.parse_stored(job.nextRun) - times.utcnow()).total_seconds()
+    except ValueError:
+        return ""
+    if seconds <= 0:
+        return ""
+    of = f" of {job.maxAttempts}" if job.maxAttempts else ""
+    return f"retry {job.attempts}{of} in {age_text(seconds)}"
