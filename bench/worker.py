@@ -11,14 +11,16 @@ bench/run.py. Then:
   1,000 per CreateJobs, then 8 processes empty the queue, each taking 100
   jobs per GetJobs and reporting them with one FinishJobs;
 - worker: the same number of jobs queued the same way, then one
-  `jobserver worker noop_worker:worker` process (bench/noop_worker.py, a
-  no-op `async def` handler) empties the queue; timed from the moment it
-  has taken the first job to the moment the server has none left (the
-  bench asks QueryJob every 5 ms for the first and the last job, then
-  Status once the last is done). It logs at
-  --log-level (default INFO: a line per job, as users run it).
+  `jobserver worker noop_worker:worker` (bench/noop_worker.py, a no-op
+  `async def` handler) at its documented settings (--concurrency 8, its
+  default prefetch, --log-level INFO) empties the queue; timed from the
+  moment it has taken the first job to the moment the server has none
+  left (the bench asks QueryJob every 5 ms for the first and the last job,
+  then Status once the last is done).
 
-Only the ratio of the two means anything: this machine is shared.
+For each: jobs a second, and CPU a job (utime + stime from /proc) of the
+server and, for the worker, of its process. Only ratios measured in one
+run mean anything: this machine is shared.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -44,11 +47,20 @@ from jobserver.client import Client, JobNotFound  # noqa: E402
 POLL = 0.005
 
 
+@dataclass
+class WorkerRun:
+    """What the worker's run measured."""
+
+    rate: float  # jobs per second
+    server_cpu: float  # µs of the server's CPU per job
+    worker_cpu: float  # µs of the worker's CPU per job, all its processes
+
+
 def worker_rate(
     peer: run.Peer, jobs: int, concurrency: int, log_level: str, log_dir: Path
-) -> float:
+) -> WorkerRun:
     """Queue `jobs` jobs, run the worker until the server has none left;
-    its jobs per second."""
+    its jobs per second, and the CPU they cost."""
     filler = CLIENTS["jobserver"](peer.port)
     for _ in range(jobs // FILL_BATCH):
         filler.fill()
@@ -68,7 +80,7 @@ def worker_rate(
                 if proc.poll() is not None:
                     raise RuntimeError("the worker exited: " + (log_dir / "worker.log").read_text())
                 time.sleep(POLL)
-            began = time.perf_counter()
+            began, cpu = time.perf_counter(), (peer.cpu().server, run.server_cpu(proc.pid))
             # Jobs go in jobID order: once the last is done, the rest are
             # done or about to be. (Status counts every job: asked often
             # over a large queue, it would slow the server down.)
@@ -77,10 +89,11 @@ def worker_rate(
             while client.status()["jobs"]:
                 time.sleep(POLL)
         seconds = time.perf_counter() - began
+        server, worker = peer.cpu().server - cpu[0], run.server_cpu(proc.pid) - cpu[1]
     finally:
         proc.terminate()
         proc.wait(30)
-    return jobs / seconds
+    return WorkerRun(jobs / seconds, server / jobs * 1e6, worker / jobs * 1e6)
 
 
 def _first_and_last(client: Client) -> tuple[int, int]:
@@ -104,9 +117,8 @@ def main() -> int:
         help=f"jobs in each scenario, a multiple of {FILL_BATCH} (default: 100,000)",
     )
     parser.add_argument(
-        "--concurrency", type=int, default=1000, metavar="N",
-        help="the worker's --concurrency (default: 1000: a no-op handler's jobs are "
-        "over at once, and larger batches cost the server fewer commits)",
+        "--concurrency", type=int, default=8, metavar="N",
+        help="the worker's --concurrency (default: 8, the worker's own)",
     )
     parser.add_argument(
         "--log-level", default="INFO", choices=("INFO", "WARNING"),
@@ -124,11 +136,14 @@ def main() -> int:
             worker = worker_rate(peer, args.jobs, args.concurrency, args.log_level, Path(tmp))
         finally:
             peer.stop()
+    drain_cpu = measured.figures["drain_cpu"]
     print(
         f"{args.jobs:,} jobs, jobserver on SQLite (--synchronous FULL):\n"
-        f"  bench/run.py drain, 8 processes, 100 per GetJobs + FinishJobs: {drain:,.0f} jobs/s\n"
+        f"  bench/run.py drain, 8 processes, 100 per GetJobs + FinishJobs: {drain:,.0f} jobs/s, "
+        f"server {drain_cpu:.0f} µs CPU a job\n"
         f"  jobserver worker, no-op async handler, --concurrency {args.concurrency}, "
-        f"log {args.log_level}: {worker:,.0f} jobs/s ({worker / drain:.0%} of the drain)"
+        f"log {args.log_level}: {worker.rate:,.0f} jobs/s ({worker.rate / drain:.2f}x the "
+        f"drain), server {worker.server_cpu:.0f} µs CPU a job, worker {worker.worker_cpu:.0f}"
     )
     return 0
 

@@ -31,6 +31,7 @@ from jobserver.worker.registry import MAX_JOBS_PATTERN, Worker, check_pattern
 from jobserver.worker.settings import (
     MAX_CONCURRENCY,
     MAX_GRACE,
+    MAX_PREFETCH,
     MAX_TIMEOUT,
     MAX_TOUCH_INTERVAL,
     Settings,
@@ -93,7 +94,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=8,
         metavar="N",
         help=f"run at most N jobs at once, 1 to {MAX_CONCURRENCY} (default: 8); GetJobs asks "
-        "for as many as are free",
+        "for as many as are free, and for those --prefetch allows",
+    )
+    parser.add_argument(
+        "--prefetch",
+        type=number(int, 0, MAX_PREFETCH),
+        default=1000,
+        metavar="N",
+        help=f"hold at most N jobs beyond the free slots, 0 to {MAX_PREFETCH} (default: 1000), "
+        "and only as many as the handlers would start within half a second at the pace "
+        "they end now: none for slow handlers, or before any has ended. Held jobs are "
+        "RUNNING on the server; on SIGTERM/SIGINT they are handed back at once",
     )
     parser.add_argument(
         "--timeout",
@@ -143,7 +154,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=LOG_LEVELS,
         default="INFO",
         metavar="LEVEL",
-        help="DEBUG, INFO, WARNING or ERROR (default: INFO; INFO logs a line per job)",
+        help="DEBUG, INFO, WARNING or ERROR (default: INFO: a line per job that did not "
+        "finish and for the first 10 finished jobs of each second, and every minute how "
+        "many jobs ended how; DEBUG: a line per job)",
     )
 
 
@@ -227,6 +240,7 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
         token=token,
         tls=tls,
         concurrency=args.concurrency,
+        prefetch=args.prefetch,
         timeout=args.timeout,
         grace=args.grace,
         touch_interval=args.touch_interval,

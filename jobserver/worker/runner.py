@@ -2,12 +2,14 @@
 together on an anyio event loop (asyncio or trio).
 
 Two tasks ask the server for jobs with waiting GetJobs, each for the slots
-(--concurrency) free when it asks, and only when there is one; each job
-it gets runs in a task of its own, which calls its handler (calling.py)
-and queues the report (outcome.py). One more task reports (reporting.py),
-another renews leases (leases.py), each over a connection of its own. So
-waiting for jobs, running handlers and reporting all happen at once, and
-nothing polls.
+(--concurrency) free when it asks and the jobs to hold beyond them
+(prefetch.py), and only when there is room for one; the jobs they get
+wait in a queue for a slot. Each slot is a task that takes the next job,
+calls its handler (calling.py) and queues the report (outcome.py), up to
+--concurrency of them, made as jobs first need them: a task per slot, not
+per job. One more task reports (reporting.py), another renews leases
+(leases.py), each over a connection of its own. So waiting for jobs,
+running handlers and reporting all happen at once, and nothing polls.
 
 Stopping: the first SIGTERM or SIGINT (or `stop()`) takes no more jobs:
 each waiting GetJobs is ended by shutting its connection's sending side
@@ -32,6 +34,7 @@ or TLS cannot be set up with it (trying again would not help)."""
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import time
 from dataclasses import dataclass
@@ -40,6 +43,7 @@ from typing import Any, Literal
 import anyio
 import trio
 from anyio.abc import TaskGroup, TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from jobserver.client import ConnectionFailed, JobServerError, ServerError, TLSFailed
 from jobserver.client.async_calls import end_wait
@@ -50,9 +54,11 @@ from jobserver.worker.connection import BACKOFF_MAX, Backoff, Link, Server
 from jobserver.worker.job import Job
 from jobserver.worker.leases import Leases, Renewal
 from jobserver.worker.outcome import Outcome
+from jobserver.worker.prefetch import Prefetch
 from jobserver.worker.registry import Worker
 from jobserver.worker.reporting import Reporter
 from jobserver.worker.settings import Settings
+from jobserver.worker.tally import Tally
 from jobserver.workers.contract import printable
 from jobserver.workers.manager import FETCH_WAIT, REPORT_DRAIN, GetJobsRefused
 
@@ -72,6 +78,9 @@ FETCHERS = 2
 END_WAIT_PATIENCE = 5.0
 # The most one GetJobs hands out (protocol.md 5.4).
 MAX_GET_JOBS = 1000
+
+# A job taken, waiting for a slot: its job object and its lease.
+Taken = tuple[dict[str, Any], "Renewal"]
 
 
 @dataclass
@@ -105,8 +114,14 @@ class Runner:
             settings.addresses, settings.token, settings.tls, settings.max_reply_bytes
         )
 
-        self.running: dict[int, Running] = {}  # by job ID, while its task runs
+        self.running: dict[int, Running] = {}  # by job ID, from taken until its handler ends
         self.reserved = 0  # slots asked for by GetJobs on their way
+        self.prefetch = Prefetch(settings.prefetch, settings.concurrency)
+        self.slots = 0  # slot tasks made
+        self.to_slots: MemoryObjectSendStream[Taken]
+        self.queued: MemoryObjectReceiveStream[Taken]
+        self.to_slots, self.queued = anyio.create_memory_object_stream[Taken](math.inf)
+        self.tally = Tally()
         self.freed = anyio.Event()  # set (and replaced) whenever slots come free
         self.stopping = False
         self.signalled = False
@@ -132,25 +147,30 @@ class Runner:
             reporter_done = anyio.Event()
             root.start_soon(self.reporter.deliver_loop, reporter_done)
             root.start_soon(self.leases.renew_loop)
+            root.start_soon(self.tally.summary_loop)
             async with anyio.create_task_group() as jobs:
-                await self.fetch_loop(jobs)
+                with self.to_slots:
+                    await self.fetch_loop(jobs)
+            self.tally.summarize()
             self.reporter.close()
             if self.stopping or self.exit_status:
                 self.reporter.give_up_in(FORCED_DRAIN if self.forced else REPORT_DRAIN)
             await reporter_done.wait()
-            root.cancel_scope.cancel()  # the signal watcher and the lease renewer
+            root.cancel_scope.cancel()  # the signal watcher, the lease renewer, the summary
         return self._stopped()
 
     def _log_start(self) -> None:
         s = self.settings
         log.info(
-            "worker started: server %s%s, jobs %r, %s, at most %d at once, on %s",
+            "worker started: server %s%s, jobs %r, %s, at most %d at once, on %s; "
+            "up to %d more held while handlers are fast",
             self.server.address,
             " (TLS)" if s.tls else "",
             self.jobs_name,
             counted(len(self.worker.handlers), "handler"),
             s.concurrency,
             _event_loop(),
+            s.prefetch,
         )
 
     def _stopped(self) -> int:
@@ -234,6 +254,11 @@ class Runner:
         self.fetch_links.append(link)
         try:
             while not self.stopping:
+                if backoff.failing:
+                    # Before waiting for room, which the other fetcher's
+                    # waiting GetJobs may hold for a minute: is the server back?
+                    await self._get_jobs(link, backoff, 0)
+                    continue
                 asked = await self.reserve_slots()
                 try:
                     batch = await self._get_jobs(link, backoff, asked) if asked else None
@@ -263,7 +288,12 @@ class Runner:
         # this lease.
         lease = self.leases.renewal(self.leases.hold(raw))
         self.running[raw["jobID"]] = Running(printable(raw["name"]), lease)
-        jobs.start_soon(self.run_job, raw, lease)
+        self.to_slots.send_nowait((raw, lease))
+        # Queued rather than handed to a slot waiting for one: a new slot,
+        # if there is room for one.
+        if self.queued.statistics().current_buffer_used and self.slots < self.settings.concurrency:
+            self.slots += 1
+            jobs.start_soon(self.slot)
         return True
 
     def _adopt(self, running: Running, raw: dict[str, Any]) -> None:
@@ -288,8 +318,9 @@ class Runner:
     async def _get_jobs(
         self, link: Link, backoff: Backoff, free: int
     ) -> list[dict[str, Any]] | None:
-        """One GetJobs for up to `free` jobs; None if the server could not
-        be reached (after the next backoff wait)."""
+        """One GetJobs for up to `free` jobs (0: none, only the Ping after a
+        failure); None if the server could not be reached (after the next
+        backoff wait)."""
         try:
             if backoff.failing:
                 # A waiting GetJobs may not answer for a minute: make sure
@@ -297,6 +328,8 @@ class Runner:
                 await link.client.ping()
                 log.info("server %s reachable again; taking jobs", self.server.address)
                 backoff.reset()
+            if not free:
+                return None
             return await link.client.get_jobs(
                 self.jobs_name, free, wait=FETCH_WAIT, lease=self.settings.lease or None
             )
@@ -321,16 +354,31 @@ class Runner:
             raise GetJobsRefused from error
 
     async def reserve_slots(self) -> int:
-        """Wait until a job may start; reserve the free slots for one
-        GetJobs (at most 1,000, as GetJobs takes), and return how many:
-        0 once the worker stops."""
-        while (free := self.settings.concurrency - len(self.running) - self.reserved) <= 0:
+        """Wait until a job may be taken: a slot free, or room to hold one
+        beyond them (prefetch.py); reserve the room for one GetJobs (at
+        most 1,000, as GetJobs takes), and return how much: 0 once the
+        worker stops."""
+        while (free := self._room() - len(self.running) - self.reserved) < self._worth_asking():
             if self.stopping:
                 return 0
             await self.freed.wait()
-        asked = min(free, MAX_GET_JOBS)
+        # Each fetcher asks for its share of the room: both keep a GetJobs
+        # under way, so that neither waits for the other's reply.
+        asked = min(free, MAX_GET_JOBS, -(-self._room() // FETCHERS))
         self.reserved += asked
         return asked
+
+    def _worth_asking(self) -> int:
+        """The least room a GetJobs asks for: a slot, or, while jobs are held
+        beyond the slots, half of what may be held, so that the held jobs
+        are topped up a batch at a time rather than a job at a time as
+        each ends (a commit on the server each); a fetcher's share of
+        that half."""
+        return max(1, self.prefetch.allowed() // (2 * FETCHERS))
+
+    def _room(self) -> int:
+        """How many jobs may be here at once: running, or waiting for a slot."""
+        return self.settings.concurrency + self.prefetch.allowed()
 
     def _slots_changed(self) -> None:
         # A new Event only when a fetcher waits on this one: at thousands of
@@ -339,7 +387,13 @@ class Runner:
             self.freed.set()
             self.freed = anyio.Event()
 
-    # Running one job.
+    # Running jobs.
+
+    async def slot(self) -> None:
+        """One slot: run the queued jobs one after the other, until the
+        fetchers are done and the queue is empty."""
+        async for raw, lease in self.queued:
+            await self.run_job(raw, lease)
 
     async def run_job(self, raw: dict[str, Any], lease: Renewal) -> None:
         """Call the job's handler, log how it ended, and queue its report."""
@@ -353,13 +407,9 @@ class Runner:
             if result is not None:
                 del self.running[raw["jobID"]]
             self._slots_changed()
-        log.info(
-            "job %s %s %s in %.3fs",
-            raw["jobID"],
-            printable(raw["name"]),
-            result.text,
-            time.perf_counter() - wall,
-        )
+        seconds = time.perf_counter() - wall
+        self.prefetch.ended(seconds)
+        self.tally.ended(raw["jobID"], printable(raw["name"]), result, seconds)
         self.reporter.add(result.report)
 
     async def _run(self, raw: dict[str, Any], lease: Renewal, started: float) -> Outcome:

@@ -17,6 +17,8 @@ from jobserver.workers.leases import DEFAULT_LEASE, check_lease
 
 # Each running job is a task or a thread: more than this is a mistake.
 MAX_CONCURRENCY = 10_000
+# Jobs held beyond the slots: each is RUNNING on the server while it waits.
+MAX_PREFETCH = 10_000
 # A handler's timeout: up to a week, as far as a lease goes usefully.
 MAX_TIMEOUT = 7 * 86400.0
 MAX_GRACE = 86400.0
@@ -33,6 +35,8 @@ class Settings:
     token: str | None = None
     tls: ssl.SSLContext | None = None
     concurrency: int = 8
+    # Jobs held beyond the free slots, at most: prefetch.py says how many.
+    prefetch: int = 1000
     timeout: float = 3600.0  # a handler's, unless it has its own
     grace: float = 30.0
     touch_interval: float = 30.0
@@ -60,6 +64,8 @@ class Settings:
             raise ValueError(
                 f"concurrency must be 1 to {MAX_CONCURRENCY}, not {self.concurrency!r}"
             )
+        if not (type(self.prefetch) is int and 0 <= self.prefetch <= MAX_PREFETCH):
+            raise ValueError(f"prefetch must be 0 to {MAX_PREFETCH}, not {self.prefetch!r}")
         _seconds("timeout", self.timeout, MAX_TIMEOUT, zero=False)
         _seconds("grace", self.grace, MAX_GRACE, zero=True)
         _seconds("touch_interval", self.touch_interval, MAX_TOUCH_INTERVAL, zero=False)
