@@ -311,6 +311,26 @@ def test_a_new_cron_rule_or_zone_moves_nextrun_at_a_unique_recreate_and_updatejo
     assert ok(client.request("QueryJob", jobID=windowed)).json["timeZone"] == PARIS
 
 
+def test_the_client_and_the_cli_move_a_cron_job_into_a_new_zone(
+    server: ThreadServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from jobserver.client import Client as JobsClient
+    from jobserver.client import InvalidRequest
+
+    with JobsClient(f"127.0.0.1:{server.port}", timeout=10) as jobs:
+        job_id = jobs.create_job("zoned", repeat="CRON 30 3 * * *")
+        jobs.update_job(job_id, {}, time_zone=PARIS)
+        moved = jobs.query_job(job_id)
+        assert moved["timeZone"] == PARIS
+        assert (paris(moved["nextRun"]).hour, paris(moved["nextRun"]).minute) == (3, 30)
+        with pytest.raises(InvalidRequest, match="402 Malformed timeZone"):
+            jobs.update_job(job_id, {}, time_zone="Mars/Olympus")
+    cli = CliHere(f"127.0.0.1:{server.port}", capsys)
+    assert cli.ok("update", str(job_id), "--data", "{}", "--time-zone", "UTC") == {}
+    shown = cli.ok("query", str(job_id))
+    assert shown["timeZone"] == "UTC" and shown["nextRun"].endswith(" 03:30:00")
+
+
 # The grammar, on the function the server reads a repeat with.
 
 def _field(low: int, high: int, *words: str) -> st.SearchStrategy[str]:

@@ -184,6 +184,12 @@ def _add_update(command: CommandAdder) -> None:
         "--next-run", metavar="WHEN", help=f"when the job is next due, {create.WHEN_HELP} "
         "(default: keep it, or follow --repeat)"
     )
+    update.add_argument(
+        "--time-zone",
+        metavar="ZONE",
+        help="a new IANA time zone for the job's time windows and CRON rule, e.g. "
+        "Europe/Paris; a CRON job's next run moves into it (default: keep it)",
+    )
     add_lease_id(update)
 
 
@@ -196,6 +202,7 @@ def _update(client: Client, args: argparse.Namespace) -> dict[str, Any]:
         next_run=args.next_run,
         lease_id=args.lease_id,
         clear_repeat=args.clear_repeat,
+        time_zone=args.time_zone,
     )
     return {}
 

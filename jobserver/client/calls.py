@@ -353,9 +353,12 @@ def update_job(
     next_run: When | None,
     lease_id: str | None,
     clear_repeat: bool,
+    time_zone: str | None = None,
 ) -> Call[None]:
     """Replace a job's data; optionally its repeat, priority and next run.
-    `clear_repeat` makes it run once (it wins over `repeat`)."""
+    `clear_repeat` makes it run once (it wins over `repeat`). `time_zone`
+    (IANA) is the zone of its time windows and CRON rule: a CRON job's next
+    run moves into it (protocol.md 5.6)."""
     params: dict[str, object] = {
         "jobID": job_id,
         "data": data,
@@ -364,6 +367,7 @@ def update_job(
         "jobPriority": priority,
         "nextRun": _time_text(next_run),
         "leaseID": lease_id,
+        "timeZone": time_zone,
     }
     return Call("UpdateJob", params, _nothing)
 

@@ -110,9 +110,12 @@ class Client(Endpoint):
         next_run: When | None = None,
         lease_id: str | None = None,
         clear_repeat: bool = False,
+        time_zone: str | None = None,
     ) -> None:
         self._call(
-            calls.update_job(job_id, data, repeat, priority, next_run, lease_id, clear_repeat)
+            calls.update_job(
+                job_id, data, repeat, priority, next_run, lease_id, clear_repeat, time_zone
+            )
         )
 
     @documented_by(calls.query_job)
