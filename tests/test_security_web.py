@@ -299,7 +299,8 @@ REBINDING_HOSTS = [
 def test_a_request_naming_another_host_is_refused(any_server: ThreadServer, host: str) -> None:
     host = host.format(port=any_server.server.http_port)
     auth = bearer(any_server)
-    for path in ["/", "/live", "/jobs/1", "/jobs?name=*", "/static/dashboard.js", "/nowhere"]:
+    pages = ["/", "/live", "/jobs/1", "/jobs?name=*", "/scheduled", "/retries"]
+    for path in [*pages, "/static/dashboard.js", "/nowhere"]:
         page = send(any_server, "GET", path, headers={"Host": host, **auth})
         assert page.status == 421, (path, page.body)
         assert page.headers["Content-Type"].startswith("text/plain")
