@@ -13,6 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 import pg
+import pg_pool
 from driver import open_store
 
 from harness import ManagerProcess, Nodes, ServerProcess, ThreadServer
@@ -66,11 +67,13 @@ def backend(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def db(backend: str, tmp_path: Path) -> Iterator[Path | str]:
     """Where the server keeps its jobs: a SQLite file, or a PostgreSQL URL
-    with a schema of the test's own."""
+    with a schema of the test's own, its tables made and empty (one an
+    earlier test of this process emptied: pg_pool.py; pg.fresh_schema for
+    one with no tables)."""
     if backend == "sqlite":
         yield tmp_path / "jobs.db"
         return
-    with pg.fresh_schema() as url:
+    with pg_pool.pooled_schema() as url:
         yield url
 
 
