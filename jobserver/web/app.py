@@ -41,7 +41,6 @@ from typing import Any, TypeVar
 
 import trio
 from jsonschema import Draft202012Validator
-from jsonschema.exceptions import best_match
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request as HttpRequest
@@ -53,7 +52,7 @@ from jobserver.core.commands import params
 from jobserver.core.commands.dispatch import PARSE_IN_THREAD_BYTES
 from jobserver.core.commands.params import MAX_DATA
 from jobserver.core.commands.route import Answer
-from jobserver.web import access, openapi, statuses
+from jobserver.web import access, openapi, schema_errors, statuses
 from jobserver.web.dashboard import Dashboard
 from jobserver.web.incoming import peer, read_body
 from jobserver.web.metrics import CONTENT_TYPE, Metrics
@@ -242,11 +241,7 @@ def _parse_body(body: bytes) -> tuple[Any, str]:
 
 def _invalid(validator: Draft202012Validator, document: dict[str, Any]) -> str:
     """What is wrong with a body, by the OpenAPI document; "" if nothing."""
-    error = best_match(validator.iter_errors(document))
-    if error is None:
-        return ""
-    where = "/".join(str(part) for part in error.absolute_path)
-    return f"{where}: {error.message}" if where else error.message
+    return schema_errors.explain(validator.iter_errors(document))
 
 
 def _request(verb: str, document: dict[str, Any]) -> Request:
