@@ -179,6 +179,8 @@ COMMANDS: dict[str, tuple[str, str, list[Param]]] = {
         Param("jobPriority", PRIORITY, "a new priority"),
         Param("nextRun", TIME, "when it is next due"),
         Param("shouldClearRepeat", FLAG, "remove its repeat rule"),
+        Param("timeZone", {"type": "string", "examples": ["Europe/Paris"]},
+              "a new zone for its time windows and CRON repeat (6.1, 14.8)"),
         _LEASE_ID,
     ]),
     "FinishJob": ("Report a job done", "5.7", _FINISH),
