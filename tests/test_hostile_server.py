@@ -217,7 +217,8 @@ def test_the_python_worker_runs_a_job_handed_out_again_only_once(tmp_path, caplo
                 c, "dup/long", data='{"long": true}', repeat=REPEAT, maxAttempts=10,
                 retryBackoff="fixed", retryDelay=0,
             )
-            with in_process(worker, server.port, "trio", concurrency=4) as process:
+            # Without a lease (--lease 0), which would keep the run alive.
+            with in_process(worker, server.port, "trio", concurrency=4, lease=0) as process:
                 until(lambda: "handed out again while it runs here" in caplog.text, DEADLINE,
                       "the second hand-out")
                 other = create(c, "dup/other", repeat=REPEAT)
@@ -295,7 +296,8 @@ def test_the_manager_runs_a_job_handed_out_again_only_once(tmp_path, manager, wo
                 c, "dup/hold", data='{"hold": true}', repeat=REPEAT, maxAttempts=10,
                 retryBackoff="fixed", retryDelay=0,
             )
-            process = manager(server.port, "--job-name", "dup/*")
+            # Without a lease, which would keep the run alive.
+            process = manager(server.port, "--job-name", "dup/*", "--lease", "0")
             process.wait_for("handed out again while its worker runs")
             other = create(c, "dup/hold", repeat=REPEAT)
             until(lambda: job(c, other)["data"] == {"done": True}, DEADLINE, "another job")

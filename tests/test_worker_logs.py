@@ -9,13 +9,23 @@ from __future__ import annotations
 
 import logging
 import re
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from test_worker_python import in_process
+from anyio.from_thread import start_blocking_portal
+from test_worker_python import InProcess, in_process
 from test_workers import write_worker
 
+from harness import MANAGER, LoggedProcess, ThreadServer
 from helpers import create, until
 from jobserver.worker import Worker
+from jobserver.worker.settings import Settings
+
+Starter = Callable[[str], tuple[Callable[[], None], Callable[[], str]]]
 
 DEADLINE = 15.0
 POLICY: dict[str, Any] = {"maxAttempts": 2, "retryBackoff": "fixed", "retryDelay": 0}
@@ -70,3 +80,82 @@ def test_the_python_worker_logs_a_retried_attempt_apart_from_the_last(server, cl
     assert f"job {job_id} flaky failed (ValueError: boom; attempt 2 of 2, the last: FAILED)" in (
         caplog.text
     )
+
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def fail_over(tmp_path: Path, start: Starter) -> None:
+    """Two servers, A and B (nodes, as far as a worker can tell, though
+    each has a queue of its own), and a worker on both, which
+    `start(servers)` starts: (stop it, its log). A stops (the worker's
+    links on it move to B), then A comes back and B stops: the worker's
+    GetJobs move from B to A, in one line."""
+    ports = free_port(), free_port()
+    a, b = (f"127.0.0.1:{port}" for port in ports)
+    nodes = {port: ThreadServer(tmp_path / f"{port}.db", port=port) for port in ports}
+
+    def run_a_job_on(port: int) -> None:
+        with nodes[port].client() as client:
+            job_id = create(client, "Move", repeat="FINISHED, +1 HOUR")
+            until(lambda: client.request("QueryJob", jobID=job_id).json["lastRun"], DEADLINE,
+                  f"the job on {port}")
+
+    stop, log = start(f"{a},{b}")
+    try:
+        nodes[ports[0]].stop()
+        run_a_job_on(ports[1])
+        nodes[ports[0]] = ThreadServer(tmp_path / f"{ports[0]}.db", port=ports[0])
+        nodes[ports[1]].stop()
+        run_a_job_on(ports[0])
+    finally:
+        stop()
+        for node in nodes.values():
+            node.stop()
+    back = [line for line in log().splitlines()
+            if f"taking jobs: moved from node {b} to node {a}" in line]
+    assert len(back) == 1, log()
+
+
+def test_the_python_worker_logs_each_move_between_nodes_once(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="jobserver.worker")
+    worker = Worker()
+
+    @worker.handler("Move")
+    def move(data: dict[str, Any]) -> None:
+        return None
+
+    def start(servers: str) -> tuple[Callable[[], None], Callable[[], str]]:
+        portal_context = start_blocking_portal()
+        portal = portal_context.__enter__()
+        running = InProcess(portal, worker, Settings(servers=servers, signals=False))
+
+        def stop() -> None:
+            running.stop()
+            portal_context.__exit__(None, None, None)
+
+        return stop, lambda: caplog.text
+
+    fail_over(tmp_path, start)
+
+
+def test_the_manager_logs_each_move_between_nodes_once(tmp_path, workers):
+    write_worker(workers, "Move", "cat >/dev/null\n")
+
+    def start(servers: str) -> tuple[Callable[[], None], Callable[[], str]]:
+        process = LoggedProcess(
+            [sys.executable, *MANAGER, "--worker-path", str(workers), "--server", servers]
+        )
+        process.matching("worker manager started", 1, DEADLINE)
+
+        def stop() -> None:
+            process.signal(signal.SIGTERM)
+            process.wait(DEADLINE)
+
+        return stop, lambda: process.log
+
+    fail_over(tmp_path, start)

@@ -362,7 +362,9 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
         failures: list[ConnectionFailed] = []
         for _ in self.servers.rotation():
             try:
-                return await self._send_on(await self._connect(), request)
+                connection = await self._connect()
+                self.note_connected()
+                return await self._send_on(connection, request)
             except TLSFailed:
                 raise  # the options must change: another server would not help
             except ConnectionFailed as failure:

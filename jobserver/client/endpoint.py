@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import select
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeAlias
 
 from jobserver.client.calls import Call, UnreadableReply
@@ -146,6 +146,11 @@ class Endpoint:
         # would create its jobs a second time.
         self.keys_kept: set[Address] = set()
         self.timeout = timeout
+        # The server the last new connection went to, and who is told when
+        # a new one goes to another: (the one left, the one now); a worker
+        # logs its failovers so.
+        self.node: Address | None = None
+        self.on_move: Callable[[Address, Address], None] | None = None
         # Sent with every request when the server runs with --auth-token-file.
         self.auth_token = auth_token
         self.tls = tls_context(tls)
@@ -186,6 +191,13 @@ class Endpoint:
             self.keys_kept.discard(self.servers.now)
         else:
             self.keys_kept.add(self.servers.now)
+
+    def note_connected(self) -> None:
+        """A new connection went to `servers.now`: tell `on_move` if that
+        is another server than the last connection's."""
+        left, self.node = self.node, self.servers.now
+        if left is not None and left != self.node and self.on_move is not None:
+            self.on_move(left, self.node)
 
     def switch_server(self) -> None:
         """Have the next connection go to another of the servers (one picked

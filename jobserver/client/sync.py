@@ -344,7 +344,9 @@ class Client(Endpoint):
         failures: list[ConnectionFailed] = []
         for _ in self.servers.rotation():
             try:
-                return self._send_on(self._connect(), request)
+                connection = self._connect()
+                self.note_connected()
+                return self._send_on(connection, request)
             except TLSFailed:
                 raise  # the options must change: another server would not help
             except ConnectionFailed as failure:

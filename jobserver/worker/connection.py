@@ -7,12 +7,17 @@ answer for a minute, and reports must not wait for it."""
 
 from __future__ import annotations
 
+import logging
+from functools import partial
+
 import anyio
 
 from jobserver.client.async_client import AsyncClient
 from jobserver.workers.connection import BACKOFF_MAX, Backoff, Server
 
 __all__ = ["BACKOFF_MAX", "Backoff", "Link", "Server", "client", "close"]
+
+log = logging.getLogger("jobserver.worker")
 
 
 def client(server: Server) -> AsyncClient:
@@ -36,9 +41,11 @@ class Link:
     """A connection that outlives its breakages: after each one, it is closed
     and replaced by a new one, to another node if there are several."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, purpose: str) -> None:
         self.server = server
         self.client = client(server)
+        # Each move to another node logged once, as the manager's links do.
+        self.client.on_move = partial(server.moves.log, log, purpose)
 
     async def reconnect(self) -> None:
         """After a broken connection or a 5xx: the node may be gone, or

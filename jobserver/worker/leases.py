@@ -87,7 +87,7 @@ class Leases:
 
     async def renew_loop(self) -> None:
         """Renew each held lease when it is due; runs until cancelled."""
-        link = Link(self.server)
+        link = Link(self.server, "lease renewals")
         try:
             while True:
                 lease = await self._next_due()

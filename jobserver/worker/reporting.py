@@ -80,7 +80,7 @@ class Reporter:
     async def deliver_loop(self, done: anyio.Event) -> None:
         """Deliver the reports until closed and empty (or the scope's
         deadline); `done` is set at the end."""
-        link = Link(self.server)
+        link = Link(self.server, "reports")
         try:
             with self.scope:
                 while True:

@@ -250,7 +250,7 @@ class Runner:
 
     async def _fetch(self, jobs: TaskGroup) -> None:
         """One fetcher: asks for the free slots, over a connection of its own."""
-        link, backoff = Link(self.server), Backoff()
+        link, backoff = Link(self.server, "taking jobs"), Backoff()
         self.fetch_links.append(link)
         try:
             while not self.stopping:

@@ -9,12 +9,14 @@ take a minute to answer); with several nodes the three spread over them."""
 
 from __future__ import annotations
 
+import logging
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 
 import trio
 
-from jobserver.client.servers import Address, format_servers
+from jobserver.client.servers import Address, format_address, format_servers
 from jobserver.client.trio_client import TrioClient
 from jobserver.wire.limits import DEFAULT_CLIENT_MAX_REPLY_BYTES
 
@@ -22,6 +24,28 @@ from jobserver.wire.limits import DEFAULT_CLIENT_MAX_REPLY_BYTES
 # then no more often than every 5 s, so a long outage costs nothing.
 BACKOFF_FIRST = 0.1
 BACKOFF_MAX = 5.0
+
+log = logging.getLogger("jobserver.workers")
+
+
+class Moves:
+    """The log of a worker's moves between nodes: a link's new connection
+    that went to another node than its last. Links of one purpose that
+    move together (the Python worker's two fetchers) make one line: a move
+    is logged unless it is the last one logged for its purpose."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, tuple[Address, Address]] = {}
+
+    def log(
+        self, logger: logging.Logger, purpose: str, left: Address, now: Address
+    ) -> None:
+        if self.last.get(purpose) == (left, now):
+            return
+        self.last[purpose] = (left, now)
+        logger.info(
+            "%s: moved from node %s to node %s", purpose, format_address(left), format_address(now)
+        )
 
 
 @dataclass(frozen=True)
@@ -34,6 +58,8 @@ class Server:
     tls: ssl.SSLContext | None = None
     # A reply announcing a larger body is a broken connection, not read.
     max_reply_bytes: int = DEFAULT_CLIENT_MAX_REPLY_BYTES
+    # Its links' moves between nodes, for the log.
+    moves: Moves = field(default_factory=Moves, compare=False, repr=False)
 
     @property
     def address(self) -> str:
@@ -79,11 +105,14 @@ class Backoff:
 
 class Link:
     """A connection that outlives its breakages: after each one, it is closed
-    and replaced by a new one, to another node if there are several."""
+    and replaced by a new one, to another node if there are several. Each
+    move to another node is logged, once, with what the link is for
+    (`purpose`: "taking jobs", "reports", "lease renewals")."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, purpose: str) -> None:
         self.server = server
         self.client = server.client()
+        self.client.on_move = partial(server.moves.log, log, purpose)
 
     async def reconnect(self) -> None:
         """After a broken connection or a 5xx: the node may be gone, or

@@ -245,7 +245,7 @@ class Manager:
         """Take jobs and start their workers in `workers` until stopped,
         refused, or --max-iterations rounds are done."""
         rounds = 0
-        link, backoff = Link(self.server), Backoff()
+        link, backoff = Link(self.server, "taking jobs"), Backoff()
         try:
             with self.fetch_scope:
                 while self.max_iterations is None or rounds < self.max_iterations:

@@ -232,7 +232,7 @@ class Reporter:
     async def deliver_loop(self, done: trio.Event) -> None:
         """Deliver the reports in order until closed and empty (or the
         scope's deadline); `done` is set at the end."""
-        link = Link(self.server)
+        link = Link(self.server, "reports")
         try:
             with self.scope:
                 while True:
