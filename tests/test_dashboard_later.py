@@ -78,6 +78,7 @@ def test_scheduled_and_retries_list_the_jobs_due_later_soonest_first(web: Thread
         # Its own page, a search and its parent's children say it waits.
         job_page = visitor.get(f"/jobs/{retrying}").text
         assert re.search(r'<h1>.*class="state retry"[^>]*>retry 1 of 5 in', job_page)
+        assert 'title="QUEUED: 1 attempt failed of 5, due again ' in job_page
         assert ">retry 1 of 5 in" in visitor.get("/jobs?name=email/*").text
         # A job due now is QUEUED, whatever its attempts.
         ok(client.request("UpdateJob", jobID=retrying, data="{}", nextRun=later(-1)))
