@@ -137,6 +137,11 @@ class JobChanges:
     data: str | _Keep = KEEP
     priority: int | _Keep = KEEP
     retryAfter: str | _Keep = KEEP
+    # A retry policy a worker gave a job that had none (FailJob's).
+    maxAttempts: int | _Keep = KEEP
+    retryBackoff: str | _Keep = KEEP
+    retryDelay: float | _Keep = KEEP
+    retryMaxDelay: float | _Keep = KEEP
     attempts: int | _Keep = KEEP
     lastError: str | _Keep = KEEP
     leaseID: str | _Keep = KEEP

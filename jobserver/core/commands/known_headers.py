@@ -34,7 +34,9 @@ KNOWN_HEADERS: dict[str, frozenset[str]] = {
         "failjobs": ("jobs",),
         "retryjobs": ("jobs",),
         "retryjob": (*_REPORT, "delay", "ignorerepeat", "jobpriority", "name", "nextrun"),
-        "failjob": (*_REPORT, "error"),
+        "failjob": (
+            *_REPORT, "error", "maxattempts", "retrybackoff", "retrydelay", "retrymaxdelay",
+        ),
         "canceljob": _JOB,
         "deletejob": _JOB,
         "requeuejobs": ("jobids", "name"),

@@ -5,6 +5,7 @@ in one request. Every change of a job's state goes through lifecycle.py."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from jobserver.core.commands import known_headers, params
@@ -14,7 +15,7 @@ from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
 from jobserver.core.rules import lifecycle, schedule
 from jobserver.core.rules.schedule import RepeatStalled
-from jobserver.model.jobs import PENDING, Job
+from jobserver.model.jobs import PENDING, Job, RetryPolicy
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request, Response
 from jobserver.wire.limits import MAX_FINISH_JOBS
@@ -178,8 +179,26 @@ def fail_job(ctx: Context, request: Request) -> Response:
     lifecycle.check(job, "fail an attempt")
     data = params.data(request) if params.present(request, "data") else None
     error = params.error_text(request, data)
-    lifecycle.fail_attempt(ctx, job, error, **({} if data is None else {"data": data}))
+    changes: dict[str, Any] = {} if data is None else {"data": data}
+    policy = params.retry_policy(request)
+    if policy is not None and not job.maxAttempts:
+        job = _with_workers_policy(job, policy, changes)
+    lifecycle.fail_attempt(ctx, job, error, **changes)
     return ok()
+
+
+def _with_workers_policy(job: Job, policy: RetryPolicy, changes: dict[str, Any]) -> Job:
+    """A job created without a retry policy takes the one its worker sends
+    with its failure (a handler's, protocol.md 14.1): kept, as if created
+    with it, and this failure counted as its attempt (after the leases it
+    lost, which were attempts too). A job's own policy wins: never here."""
+    adopted: dict[str, Any] = {
+        "maxAttempts": policy.max_attempts, "retryBackoff": policy.backoff,
+        "retryDelay": policy.delay, "retryMaxDelay": policy.max_delay,
+        "attempts": job.attempts + 1,
+    }
+    changes.update(adopted)
+    return replace(job, **adopted)
 
 
 def touch_job(ctx: Context, request: Request) -> Response:
