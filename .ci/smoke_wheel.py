@@ -66,6 +66,10 @@ def check_installed() -> None:
     ]
     for needed in ("trio", "anyio", "cronsim"):
         assert any(r.startswith(needed) for r in plain), f"{needed} is not a plain dependency"
+    shown = subprocess.run(
+        [JOBSERVER, "--version"], capture_output=True, text=True, timeout=STEP_TIMEOUT, check=True
+    ).stdout.strip()
+    assert shown == f"jobserver {importlib.metadata.version('jobserverd')}", shown
 
 
 def free_port() -> int:

@@ -62,6 +62,10 @@ def _extra_of(path: Path) -> str | None:
 
 def test_the_distribution_is_jobserverd_with_the_jobserver_command():
     assert PROJECT["name"] == "jobserverd"
+    # Its version is the package's, read where `jobserver --version` reads it.
+    assert "version" not in PROJECT and PROJECT["dynamic"] == ["version"]
+    dynamic = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["dynamic"]
+    assert dynamic == {"version": {"attr": "jobserver.__version__"}}
     assert PROJECT["scripts"] == {"jobserver": "jobserver.cli:main"}
     assert PROJECT["license"] == "MIT"
     assert (ROOT / "LICENSE").is_file()
