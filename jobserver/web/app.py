@@ -7,7 +7,10 @@ stands for. Routes:
 
 - `POST /queue`: Jobber's contract. `{"type": NAME, "payload": {...}}`
   creates a job named NAME with the payload as its data: `201` with
-  `{"job-id": "<jobID>"}`. A body that is not that gets `400` with
+  `{"job-id": "<jobID>"}`. CreateJob's other parameters may go beside
+  them (priority, maxAttempts, retryAfter, unique, key, repeat, ...), and
+  `delay`, seconds before it is first due, checked against the OpenAPI
+  document as /api's are. A body that is not that gets `400` with
   `{"error": ...}`, and nothing is stored.
 - `POST /api/<Command>`: any wire command (protocol.md section 5 and 14)
   with its parameters as a JSON object, checked first against the OpenAPI
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
+from datetime import datetime, timedelta
 from functools import partial
 from typing import Any, TypeVar
 
@@ -52,6 +56,7 @@ from jobserver.core.commands import params
 from jobserver.core.commands.dispatch import PARSE_IN_THREAD_BYTES
 from jobserver.core.commands.params import MAX_DATA
 from jobserver.core.commands.route import Answer
+from jobserver.model import times
 from jobserver.web import access, openapi, schema_errors, statuses
 from jobserver.web.dashboard import Dashboard
 from jobserver.web.incoming import peer, read_body
@@ -81,6 +86,8 @@ def build(
     localhost (--http-host); `session_seconds` the dashboard's
     sessions' lifetime (--session-lifetime)."""
     dispatcher = core.dispatcher
+    validators = _validators()
+    jobber = Draft202012Validator(openapi.queue_schema())
 
     async def queue(request: HttpRequest) -> JSONResponse:
         refused = access.api_refusal(request, auth_token)
@@ -89,7 +96,8 @@ def build(
         body = await read_body(request, MAX_BODY)
         if body is None:
             return _error(413, f"the body is larger than {MAX_BODY} bytes")
-        job, problem = await read_json(body, partial(_jobber_job, body))
+        due_from = dispatcher.services.engine.now()
+        job, problem = await read_json(body, partial(_jobber_job, body, jobber, due_from))
         if job is None:
             return _error(400, problem)
         if auth_token is not None:
@@ -105,7 +113,6 @@ def build(
             headers={"Jobserver-Status": status},
         )
 
-    validators = _validators()
 
     async def api(request: HttpRequest) -> Response:
         refused = access.api_refusal(request, auth_token)
@@ -213,12 +220,14 @@ def _api_command(
     return _request(verb, document), ""
 
 
-def _json_object(body: bytes) -> tuple[dict[str, Any], str]:
+def _json_object(
+    body: bytes, shape: str = "a JSON object of the command's parameters"
+) -> tuple[dict[str, Any], str]:
     document, problem = _parse_body(body or b"{}")
     if problem:
         return {}, problem
     if not isinstance(document, dict):
-        return {}, "the body must be a JSON object of the command's parameters"
+        return {}, f"the body must be {shape}"
     for key, value in document.items():
         # Never echoed: the error message must itself be UTF-8.
         if jsonbody.has_lone_surrogate(key):
@@ -275,24 +284,40 @@ def _wire_reply(answer: Answer) -> Response:
     return Response(reply.body, code, headers=status, media_type=kind)
 
 
-def _jobber_job(body: bytes) -> tuple[Request | None, str]:
-    """(the CreateJob a /queue body stands for, "") or (None, what is wrong)."""
-    document, problem = _parse_body(body)
+def _jobber_job(
+    body: bytes, validator: Draft202012Validator, due_from: datetime
+) -> tuple[Request | None, str]:
+    """(the CreateJob a /queue body stands for, "") or (None, what is
+    wrong): `type` its name, `payload` its data, CreateJob's other
+    parameters as /api's, and `delay` seconds after `due_from` its firstRun."""
+    document, problem = _json_object(body, 'a JSON object: {"type": ..., "payload": {...}}')
+    if not problem:
+        problem = _invalid(validator, document)
+    if not problem and document.get("delay") is not None and document.get("firstRun"):
+        problem = "delay: give firstRun or delay, not both"
     if problem:
         return None, problem
-    if not isinstance(document, dict):
-        return None, 'the body must be a JSON object: {"type": ..., "payload": {...}}'
-    name = document.get("type")
-    payload = document.get("payload", {})
-    if not isinstance(name, str) or not name:
-        return None, '"type" must be a non-empty string: the job\'s name'
-    if jsonbody.has_lone_surrogate(name):
-        return None, f'"type" holds {LONE_SURROGATE}'
-    if not isinstance(payload, dict):
-        return None, '"payload" must be a JSON object'
-    job = Request("CreateJob", {"name": name})
-    params.with_json_value(job, "data", jsonbody.compact(payload), payload)
-    return job, ""
+    parameters = {key: value for key, value in document.items() if key not in _JOBBER_OWN}
+    parameters["name"] = document["type"]
+    parameters["data"] = document.get("payload") or {}
+    delay = document.get("delay")
+    if delay is not None:
+        parameters["firstRun"] = times.to_seconds(_whole_second_after(due_from, delay))
+    return _request("CreateJob", parameters), ""
+
+
+# What POST /queue reads itself; the rest are CreateJob's.
+_JOBBER_OWN = ("type", "payload", "delay")
+
+
+def _whole_second_after(moment: datetime, seconds: int) -> datetime:
+    """`seconds` after `moment`, rounded up to a whole second (a stored time
+    has none smaller): never due before the delay has passed."""
+    later = moment + timedelta(seconds=seconds)
+    if later.microsecond:
+        later += timedelta(microseconds=1_000_000 - later.microsecond)
+    return later
+
 
 def _error(status: int, message: str) -> JSONResponse:
     body: dict[str, Any] = {"error": message}

@@ -310,6 +310,23 @@ _REFUSALS: Schema = {
 }
 
 
+# POST /queue's body: Jobber's `type` and `payload`, and CreateJob's other
+# parameters for a producer that wants them, `delay` besides.
+MAX_DELAY = 99_999_999
+QUEUE_PARAMS = [
+    Param("type", NAME, "the job's name", required=True),
+    Param("payload", OBJECT, "the job's data"),
+    Param("delay", {"type": "integer", "minimum": 0, "maximum": MAX_DELAY},
+          "seconds from now before the job is first due (instead of firstRun)"),
+    *(p for p in COMMANDS["CreateJob"][2] if p.name not in ("name", "data")),
+]
+
+
+def queue_schema() -> Schema:
+    """What the body of POST /queue must be."""
+    return _object_of(QUEUE_PARAMS)
+
+
 def body_schema(command: str) -> Schema | None:
     """What the body of POST /api/<command> must be; None for a command
     that is not in the table (the wire answers it: 430 Unrecognized)."""
@@ -390,16 +407,14 @@ def _wire_refusals() -> Schema:
 
 
 def _queue_operation() -> Schema:
-    job = {
-        "type": "object",
-        "properties": {"type": {**NAME, "description": "the job's name"},
-                       "payload": {**OBJECT, "description": "the job's data"}},
-        "required": ["type"],
-    }
+    job = queue_schema()
     created = {"type": "object", "properties": {"job-id": TEXT}, "required": ["job-id"]}
     return {
         "operationId": "queue",
-        "summary": "Create a job as Jobber's clients do",
+        "summary": "Create a job as Jobber's clients do, with CreateJob's options",
+        "description": "`type` is the job's name, `payload` its data; the other "
+        "parameters are CreateJob's (protocol.md 5.1), and `delay` is firstRun as "
+        "seconds from now.",
         "requestBody": {"required": True, "content": {"application/json": {"schema": job}}},
         "responses": {
             "201": {"description": "created",
