@@ -57,7 +57,7 @@ class WorkerRun:
 
 
 def worker_rate(
-    peer: run.Peer, jobs: int, concurrency: int, log_level: str, log_dir: Path
+    peer: run.Peer, jobs: int, options: list[str], log_dir: Path
 ) -> WorkerRun:
     """Queue `jobs` jobs, run the worker until the server has none left;
     its jobs per second, and the CPU they cost."""
@@ -66,8 +66,7 @@ def worker_rate(
         filler.fill()
     command = [
         sys.executable, "-m", "jobserver", "worker", "noop_worker:worker",
-        "--server", f"127.0.0.1:{peer.port}", "--concurrency", str(concurrency),
-        "--log-level", log_level,
+        "--server", f"127.0.0.1:{peer.port}", *options,
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(run.ROOT), str(HERE)])}
     # Its log goes to a file: a pipe nobody reads would stop it when full.
@@ -80,7 +79,7 @@ def worker_rate(
                 if proc.poll() is not None:
                     raise RuntimeError("the worker exited: " + (log_dir / "worker.log").read_text())
                 time.sleep(POLL)
-            began, cpu = time.perf_counter(), (peer.cpu().server, run.server_cpu(proc.pid))
+            began, cpu = time.perf_counter(), (peer.cpu().server, worker_cpu(proc.pid))
             # Jobs go in jobID order: once the last is done, the rest are
             # done or about to be. (Status counts every job: asked often
             # over a large queue, it would slow the server down.)
@@ -89,11 +88,18 @@ def worker_rate(
             while client.status()["jobs"]:
                 time.sleep(POLL)
         seconds = time.perf_counter() - began
-        server, worker = peer.cpu().server - cpu[0], run.server_cpu(proc.pid) - cpu[1]
+        server, worker = peer.cpu().server - cpu[0], worker_cpu(proc.pid) - cpu[1]
     finally:
         proc.terminate()
         proc.wait(30)
     return WorkerRun(jobs / seconds, server / jobs * 1e6, worker / jobs * 1e6)
+
+
+def worker_cpu(pid: int) -> float:
+    """Seconds of CPU used so far by the worker's process and, with
+    --processes, its worker processes (its children)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return run.server_cpu(pid) + sum(run.server_cpu(int(child)) for child in children)
 
 
 def _first_and_last(client: Client) -> tuple[int, int]:
@@ -121,6 +127,10 @@ def main() -> int:
         help="the worker's --concurrency (default: 8, the worker's own)",
     )
     parser.add_argument(
+        "--processes", type=int, default=1, metavar="N",
+        help="the worker's --processes (default: 1, the worker's own)",
+    )
+    parser.add_argument(
         "--log-level", default="INFO", choices=("INFO", "WARNING"),
         help="the worker's --log-level (default: INFO, a line per job)",
     )
@@ -133,7 +143,10 @@ def main() -> int:
             measured = run.Measured()
             run.measure_bulk(peer, args.jobs, measured)
             drain = measured.figures["drain"]
-            worker = worker_rate(peer, args.jobs, args.concurrency, args.log_level, Path(tmp))
+            options = ["--concurrency", str(args.concurrency), "--log-level", args.log_level]
+            if args.processes > 1:  # an option a checkout before it may not know
+                options += ["--processes", str(args.processes)]
+            worker = worker_rate(peer, args.jobs, options, Path(tmp))
         finally:
             peer.stop()
     drain_cpu = measured.figures["drain_cpu"]
@@ -142,8 +155,9 @@ def main() -> int:
         f"  bench/run.py drain, 8 processes, 100 per GetJobs + FinishJobs: {drain:,.0f} jobs/s, "
         f"server {drain_cpu:.0f} µs CPU a job\n"
         f"  jobserver worker, no-op async handler, --concurrency {args.concurrency}, "
-        f"log {args.log_level}: {worker.rate:,.0f} jobs/s ({worker.rate / drain:.2f}x the "
-        f"drain), server {worker.server_cpu:.0f} µs CPU a job, worker {worker.worker_cpu:.0f}"
+        f"--processes {args.processes}, log {args.log_level}: {worker.rate:,.0f} jobs/s "
+        f"({worker.rate / drain:.2f}x the drain), server {worker.server_cpu:.0f} µs CPU a job, "
+        f"worker {worker.worker_cpu:.0f}"
     )
     return 0
 

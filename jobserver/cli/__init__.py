@@ -82,6 +82,7 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(only=_program_named(words)).parse_args(words)
+    args.words = words  # for a program that starts copies of itself (worker --processes)
     if args.command in PROGRAMS:
         exit_status: int = _program(args.command).run(args)
         return exit_status

@@ -32,6 +32,7 @@ from jobserver.worker.settings import (
     MAX_CONCURRENCY,
     MAX_GRACE,
     MAX_PREFETCH,
+    MAX_PROCESSES,
     MAX_TIMEOUT,
     MAX_TOUCH_INTERVAL,
     Settings,
@@ -105,6 +106,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and only as many as the handlers would start within half a second at the pace "
         "they end now: none for slow handlers, or before any has ended. Held jobs are "
         "RUNNING on the server; on SIGTERM/SIGINT they are handed back at once",
+    )
+    parser.add_argument(
+        "--processes",
+        type=number(int, 1, MAX_PROCESSES),
+        default=1,
+        metavar="N",
+        help=f"run N worker processes, 1 to {MAX_PROCESSES} (default: 1), each with these "
+        "options and connections of its own, for handlers that need more than one core; "
+        "SIGTERM/SIGINT is passed on to each, and one that exits unasked is started again "
+        "(after 1 s, doubling to 30 s), unless it exits 2 (it cannot work): then all stop",
     )
     parser.add_argument(
         "--timeout",
@@ -182,6 +193,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         log.error("%s", error)
         return 2
+    if args.processes > 1:
+        from jobserver.worker import processes
+
+        command = [sys.executable, "-m", "jobserver", *args.words, "--processes", "1"]
+        return processes.run(command, args.processes)
     status = runner.run(worker, settings, args.loop)
     if threads_left_running():
         # A handler's thread past its timeout cannot be stopped, and the

@@ -17,6 +17,8 @@ from jobserver.workers.leases import DEFAULT_LEASE, check_lease
 
 # Each running job is a task or a thread: more than this is a mistake.
 MAX_CONCURRENCY = 10_000
+# Worker processes under one `jobserver worker` (processes.py).
+MAX_PROCESSES = 64
 # Jobs held beyond the slots: each is RUNNING on the server while it waits.
 MAX_PREFETCH = 10_000
 # A handler's timeout: up to a week, as far as a lease goes usefully.
