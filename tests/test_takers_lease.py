@@ -162,18 +162,23 @@ def test_a_version_8_database_is_migrated_and_its_jobs_take_leases(backend, db, 
     if isinstance(db, Path):
         old = tmp_path / "v8.db"
         with sqlite3.connect(old) as raw:
-            # Version 8: the schema without the lease column.
-            raw.executescript(re.sub(r",\n    -- Seconds of the lease.*?(\n\);)", r"\1", SCHEMA,
-                                     count=1, flags=re.S))
+            # Version 8: the schema without the lease column and the index
+            # of jobs waiting for a retry.
+            v8 = re.sub(r",\n    -- Seconds of the lease.*?(\n\);)", r"\1", SCHEMA,
+                        count=1, flags=re.S)
+            v8 = re.sub(r"CREATE INDEX jobsRetrying [^;]*;", "", v8)
+            raw.executescript(v8)
             raw.execute(OLD_JOB)
             raw.execute("PRAGMA user_version = 8")
         Store(str(old)).close()
         Store(str(tmp_path / "fresh.db")).close()
         assert sqlite_version(old) == sqlite_version(tmp_path / "fresh.db") == (9, LEASE_COLUMN)
+        assert retrying_index(old) == retrying_index(tmp_path / "fresh.db") != []
         server = ThreadServer(old)
     else:
         PostgresStore(str(db)).close()
         pg.execute(str(db), "ALTER TABLE jobs DROP COLUMN lease")
+        pg.execute(str(db), "DROP INDEX jobsRetrying")
         pg.execute(str(db), "UPDATE jobserver_schema SET version = 8")
         pg.execute(str(db), OLD_JOB)
         server = ThreadServer(db)
@@ -200,3 +205,10 @@ def sqlite_version(path: Path) -> tuple[int, tuple[object, ...]]:
     with sqlite3.connect(path) as raw:
         columns = raw.execute("PRAGMA table_info(jobs)").fetchall()
         return raw.execute("PRAGMA user_version").fetchone()[0], tuple(columns[-1][1:5])
+
+
+def retrying_index(path: Path) -> list[tuple[object, ...]]:
+    with sqlite3.connect(path) as raw:
+        return raw.execute(
+            "SELECT sql FROM sqlite_master WHERE name = 'jobsRetrying'"
+        ).fetchall()

@@ -64,12 +64,11 @@ RunningStats = tuple[list[RunningJob], int]
 @dataclass(frozen=True)
 class LaterJobs:
     """The dashboard's Scheduled or Retries: the soonest jobs, and how many
-    match among the jobs due later that were examined."""
+    there are, counted up to a bound."""
 
     jobs: list[Job]
+    # How many there are; past the bound, the bound and `complete` false.
     matched: int
-    examined: int
-    # Whether every job due later was examined (fewer than were allowed).
     complete: bool
 
 
@@ -497,11 +496,10 @@ class Readers(Protocol):
         """Jobs in any state whose name matches a GLOB `pattern`, newest
         first: the dashboard's search. It may read every job."""
 
-    def later_jobs(self, now: str, retrying: bool, limit: int, examine: int) -> LaterJobs:
+    def later_jobs(self, now: str, retrying: bool, limit: int, most: int) -> LaterJobs:
         """QUEUED jobs due after `now` (with `retrying`, only those with
-        failed attempts), the soonest `limit`, among the `examine` soonest
-        jobs due later, read through the waiting jobs' index by nextRun;
-        with how many of those match (sql.later_jobs)."""
+        failed attempts), the soonest `limit`, and how many there are,
+        counted up to `most` (sql.later_jobs)."""
 
     def running_jobs(
         self, now: str, pattern: str | None, limit: int, newest: bool = False

@@ -615,14 +615,14 @@ class PostgresStore(SqlStore):
             rows = db.execute(*sql.find_matching(POSTGRES, pattern, limit)).fetchall()
         return [Job(*row) for row in rows]
 
-    def later_jobs(self, now: str, retrying: bool, limit: int, examine: int) -> LaterJobs:
-        listed, counted = sql.later_jobs(POSTGRES, now, retrying, limit, examine)
+    def later_jobs(self, now: str, retrying: bool, limit: int, most: int) -> LaterJobs:
+        listed, counted = sql.later_jobs(POSTGRES, now, retrying, limit, most)
         # One snapshot for both: the count is of the same moment.
         with connect(self._url, application_name=READ_APPLICATION) as db, db.transaction():
             db.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
             jobs = [Job(*row) for row in db.execute(*listed).fetchall()]
-            examined, matched = db.execute(*counted).fetchone() or (0, 0)
-        return LaterJobs(jobs, int(matched), int(examined), int(examined) < examine)
+            counted_to = int((db.execute(*counted).fetchone() or (0,))[0])
+        return LaterJobs(jobs, min(counted_to, most), counted_to <= most)
 
     def running_jobs(
         self, now: str, pattern: str | None, limit: int, newest: bool = False

@@ -50,7 +50,8 @@ from jobserver.storage.sqlite_schema import StoreError
 # and the keys each fair pattern has served; the search leaves out held
 # names of a key, and held patterns of a key, too.
 # 9: the seconds of the lease a job's taker asked for (GetJob's `lease`,
-# protocol.md 14.24), for TouchJob to renew.
+# protocol.md 14.24), for TouchJob to renew; an index of the jobs waiting
+# for a retry (the dashboard's Retries).
 SCHEMA_VERSION = 9
 
 # Rows of jobserver_locks. The nodes lock these rows, with FOR UPDATE,
@@ -124,6 +125,9 @@ CREATE INDEX jobsReadyName ON jobs (name, priority, nextRun, jobID)
     WHERE state IN ('QUEUED', 'RUNQUEUED');
 CREATE INDEX jobsReadyNextRun ON jobs (nextRun)
     WHERE state IN ('QUEUED', 'RUNQUEUED');
+-- The dashboard's Retries: queued jobs with a failed attempt, by when
+-- their backoff ends.
+CREATE INDEX jobsRetrying ON jobs (nextRun, jobID) WHERE state = 'QUEUED' AND attempts > 0;
 CREATE INDEX jobsName ON jobs (name, jobID);
 CREATE INDEX jobsParentJobIDState ON jobs (parentJobID, state)
     WHERE parentJobID != 0;
@@ -419,6 +423,10 @@ def _version_8(db: psycopg.Connection) -> None:
 
 def _version_9(db: psycopg.Connection) -> None:
     db.execute("ALTER TABLE jobs ADD COLUMN IF NOT EXISTS lease INTEGER NOT NULL DEFAULT 0")
+    db.execute(
+        "CREATE INDEX IF NOT EXISTS jobsRetrying ON jobs (nextRun, jobID) "
+        "WHERE state = 'QUEUED' AND attempts > 0"
+    )
 
 
 def lock_slot(purpose: str, key: str) -> int:

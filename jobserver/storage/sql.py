@@ -209,33 +209,26 @@ def find_matching(d: Dialect, pattern: str, limit: int) -> Clause:
 
 
 def later_jobs(
-    d: Dialect, now: str, retrying: bool, limit: int, examine: int
+    d: Dialect, now: str, retrying: bool, limit: int, most: int
 ) -> tuple[Clause, Clause]:
     """The dashboard's Scheduled (QUEUED jobs due after `now`) or, with
     `retrying`, Retries (those of them with failed attempts, waiting for
-    their backoff), the soonest `limit` first; and how many jobs were
-    examined and how many of those match. Only the `examine` soonest jobs
-    due later are read: a range of the waiting jobs' index by nextRun,
-    whatever the table holds."""
-    match = f"state = {QUEUED_SQL}" + (" AND attempts > 0" if retrying else "")
-    # Of each job examined, only what says whether it matches.
-    window = (
-        f"SELECT jobID, nextRun, state, attempts FROM jobs {d.indexed_by('jobsReadyNextRun')} "
-        f"WHERE state IN ({READY_SQL}) AND nextRun > {d.mark} "
-        f"ORDER BY nextRun, jobID LIMIT {d.mark}"
-    )
-    page = (
-        f"SELECT jobID FROM ({window}) AS later WHERE {match} "
-        f"ORDER BY nextRun, jobID LIMIT {d.mark}"
-    )
-    listed = (
-        f"SELECT {JOB} FROM jobs WHERE jobID IN ({page}) ORDER BY nextRun, jobID",
-        [now, examine, limit],
-    )
+    their backoff): the soonest `limit`, and how many there are, counted up
+    to `most` + 1 (past `most`, the count is "more than most").
+
+    Each is an index range read in nextRun order: Retries' own index holds
+    only the jobs it lists; Scheduled reads the waiting jobs' index, whose
+    other jobs (RUNQUEUED: running under a lease) it passes over, so it
+    reads at most as many more rows as jobs run under a lease."""
+    if retrying:
+        index, where = "jobsRetrying", f"state = {QUEUED_SQL} AND attempts > 0"
+    else:
+        index, where = "jobsReadyNextRun", f"state IN ({READY_SQL}) AND state = {QUEUED_SQL}"
+    matching = f"FROM jobs {d.indexed_by(index)} WHERE {where} AND nextRun > {d.mark}"
+    listed = (f"SELECT {JOB} {matching} ORDER BY nextRun, jobID LIMIT {d.mark}", [now, limit])
     counted = (
-        f"SELECT COUNT(*), COALESCE(SUM(CASE WHEN {match} THEN 1 ELSE 0 END), 0) "
-        f"FROM ({window}) AS later",
-        [now, examine],
+        f"SELECT COUNT(*) FROM (SELECT jobID {matching} LIMIT {d.mark}) AS later",
+        [now, most + 1],
     )
     return listed, counted
 

@@ -416,8 +416,8 @@ class Store(SqlStore):
         rows = sqlite_readers.find_matching(self.path, pattern, limit)
         return [Job(*row) for row in rows]
 
-    def later_jobs(self, now: str, retrying: bool, limit: int, examine: int) -> LaterJobs:
-        return sqlite_readers.later_jobs(self.path, now, retrying, limit, examine)
+    def later_jobs(self, now: str, retrying: bool, limit: int, most: int) -> LaterJobs:
+        return sqlite_readers.later_jobs(self.path, now, retrying, limit, most)
 
     def running_jobs(
         self, now: str, pattern: str | None, limit: int, newest: bool = False

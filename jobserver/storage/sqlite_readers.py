@@ -346,16 +346,16 @@ def find_matching(path: str, pattern: str, limit: int) -> list[tuple[Any, ...]]:
         db.close()
 
 
-def later_jobs(path: str, now: str, retrying: bool, limit: int, examine: int) -> LaterJobs:
+def later_jobs(path: str, now: str, retrying: bool, limit: int, most: int) -> LaterJobs:
     """The dashboard's Scheduled or Retries and their count, in one read
     transaction: the count is of the same moment."""
-    listed, counted = sql.later_jobs(SQLITE, now, retrying, limit, examine)
+    listed, counted = sql.later_jobs(SQLITE, now, retrying, limit, most)
     db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
     try:
         db.execute("BEGIN")
         jobs = [Job(*row) for row in db.execute(*listed)]
-        examined, matched = db.execute(*counted).fetchone()
-        return LaterJobs(jobs, int(matched), int(examined), int(examined) < examine)
+        counted_to = int(db.execute(*counted).fetchone()[0])
+        return LaterJobs(jobs, min(counted_to, most), counted_to <= most)
     finally:
         db.close()
 

@@ -78,6 +78,9 @@ CREATE INDEX jobsReadyName ON jobs (name, priority, nextRun)
 -- The earliest future job, for the timer that wakes waiting GetJobs.
 CREATE INDEX jobsReadyNextRun ON jobs (nextRun)
     WHERE state IN ('QUEUED', 'RUNQUEUED');
+-- The dashboard's Retries: queued jobs with a failed attempt, by when
+-- their backoff ends (only retried jobs are in it: nothing for a create).
+CREATE INDEX jobsRetrying ON jobs (nextRun) WHERE state = 'QUEUED' AND attempts > 0;
 -- unique=true lookups by name in any state.
 CREATE INDEX jobsName ON jobs (name);
 CREATE INDEX jobsParentJobIDState ON jobs (parentJobID, state)
@@ -219,7 +222,13 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "CREATE TABLE fairServed (\n    pattern TEXT NOT NULL,\n    key     TEXT NOT NULL,\n"
         "    PRIMARY KEY (pattern, key)\n)",
     ),
-    8: ("ALTER TABLE jobs ADD COLUMN lease INTEGER NOT NULL DEFAULT 0",),
+    8: (
+        "ALTER TABLE jobs ADD COLUMN lease INTEGER NOT NULL DEFAULT 0",
+        # IF NOT EXISTS: a file made from an older text of the schema may
+        # hold it already.
+        "CREATE INDEX IF NOT EXISTS jobsRetrying ON jobs (nextRun) "
+        "WHERE state = 'QUEUED' AND attempts > 0",
+    ),
 }
 
 

@@ -291,7 +291,7 @@ class Dashboard:
         """Scheduled or Retries, by the path (later_pages.py)."""
         view = later_pages.VIEWS[request.url.path]
         try:
-            found = await self._reads.later(view.retrying, later_pages.SHOWN, later_pages.EXAMINED)
+            found = await self._reads.later(view.retrying, later_pages.SHOWN, later_pages.COUNTED)
         except self._store.errors as error:
             return self._message(request, 503, "The jobs cannot be read", str(error))
         return self._page(request, "later.html", later_pages.context(view, found))

@@ -3,11 +3,11 @@ jobs due later, soonest first, and those of them waiting for a retry's
 backoff (a failed attempt counted: `attempts` > 0), with how many there are.
 
 Read as a search is (reads.py): on a connection of the store's own, in a
-thread, one search at a time. Bounded twice, whatever the table holds: a
-page of SHOWN jobs, and at most EXAMINED jobs due later read to find and
-count them (a range of the waiting jobs' index by nextRun,
-storage/sql.later_jobs), so a million jobs due later cost what ten
-thousand do; the page says when the count stopped there.
+thread, one search at a time. Bounded, whatever the table holds: a page of
+the SHOWN soonest, read in nextRun order from an index (storage/sql.
+later_jobs), and a count that stops past COUNTED ("10000+"), so a million
+jobs due later cost what ten thousand do, and the soonest are listed
+however many wait before them.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from jobserver.storage.interface import LaterJobs
 
 # Jobs listed: a screen's worth; the count says how many more.
 SHOWN = 50
-# Jobs due later read to find and count a view's (about 10 ms on SQLite).
-EXAMINED = 10_000
+# Where a view's count stops (about 10 ms of index on SQLite).
+COUNTED = 10_000
 
 
 @dataclass(frozen=True)
@@ -47,4 +47,4 @@ VIEWS = {
 
 def context(view: View, found: LaterJobs) -> dict[str, Any]:
     """What later.html shows of a view's jobs."""
-    return {"view": view, "found": found, "examined": EXAMINED}
+    return {"view": view, "found": found, "counted": COUNTED}

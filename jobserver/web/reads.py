@@ -54,12 +54,12 @@ class Reads:
         )
         return result
 
-    async def later(self, retrying: bool, limit: int, examine: int) -> LaterJobs:
+    async def later(self, retrying: bool, limit: int, most: int) -> LaterJobs:
         """The dashboard's Scheduled or Retries (later_pages.py). Raises one
         of the store's `errors` when the database cannot be read."""
         now = times.to_millis(times.utcnow())
         found = await trio.to_thread.run_sync(
-            self._core.store.later_jobs, now, retrying, limit, examine,
+            self._core.store.later_jobs, now, retrying, limit, most,
             limiter=self._searches, abandon_on_cancel=True,
         )
         await self._core.engine.settled()
