@@ -135,6 +135,8 @@ _FAIL = [
     Param("data", OBJECT, "replace the job's data"),
     Param("error", TEXT, "why it failed: the job's last error"),
     _LEASE_ID,
+    # Used only when the job has no policy of its own (14.1).
+    *_RETRY_POLICY,
 ]
 
 
