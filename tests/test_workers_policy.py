@@ -9,12 +9,15 @@ import json
 from typing import Any
 
 import pytest
+from test_worker_python import in_process
 
-from helpers import create, ok
+from helpers import create, ok, until
+from jobserver.worker import Job, Worker
 from wire import Client
 
 pytestmark = pytest.mark.backends
 
+DEADLINE = 20.0
 HANDLERS = {"maxAttempts": 3, "retryBackoff": "fixed", "retryDelay": 60}
 
 
@@ -66,3 +69,36 @@ def test_a_bad_policy_is_refused_and_changes_nothing(client):
         "402 Missing maxAttempts"
     )
     assert query_job(client, job_id)["state"] == "RUNNING"
+
+
+# The Python worker: a handler's policy, sent with its failures.
+
+
+def test_a_handlers_policy_applies_to_jobs_without_their_own(server, client):
+    calls: list[int] = []
+    worker = Worker()
+
+    @worker.handler("flaky/*", max_attempts=3, backoff="fixed", retry_delay=0)
+    def flaky(data: dict[str, Any], job: Job) -> None:
+        calls.append(job.id)
+        raise ValueError("boom")
+
+    plain = create(client, "flaky/plain")
+    own = create(client, "flaky/own", maxAttempts=1)
+    with in_process(worker, server.port, "asyncio"):
+        for job_id in (plain, own):
+            until(lambda j=job_id: query_job(client, j)["state"] == "FAILED", DEADLINE, "the end")
+    assert calls.count(plain) == 3 and calls.count(own) == 1
+    job = query_job(client, plain)
+    assert (job["attempt"], job["maxAttempts"], job["retryBackoff"]) == (3, 3, "fixed")
+    assert query_job(client, own)["maxAttempts"] == 1
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [{"max_attempts": 0}, {"max_attempts": 3, "backoff": "linear"},
+     {"max_attempts": 3, "retry_delay": -1}, {"max_attempts": 3, "retry_max_delay": 1e9}],
+)
+def test_a_handlers_policy_out_of_range_is_refused_when_registered(policy):
+    with pytest.raises(ValueError):
+        Worker().handler("x", **policy)

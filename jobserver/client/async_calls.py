@@ -153,8 +153,17 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
         data: dict[str, Any] | None = None,
         lease_id: str | None = None,
         error: str | None = None,
+        max_attempts: int | None = None,
+        retry_backoff: str | None = None,
+        retry_delay: float | None = None,
+        retry_max_delay: float | None = None,
     ) -> None:
-        await self._call(calls.fail_job(job_id, data, lease_id, error))
+        await self._call(
+            calls.fail_job(
+                job_id, data, lease_id, error, max_attempts, retry_backoff, retry_delay,
+                retry_max_delay,
+            )
+        )
 
     @documented_by(calls.await_reply)
     async def await_reply(
@@ -363,7 +372,7 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
         for _ in self.servers.rotation():
             try:
                 connection = await self._connect()
-                self.note_connected()
+                self._note_connected()
                 return await self._send_on(connection, request)
             except TLSFailed:
                 raise  # the options must change: another server would not help

@@ -436,12 +436,17 @@ def finish_jobs(
 
 
 class Fail(NamedTuple):
-    """One job for fail_jobs: as fail_job's job_id, lease_id, error and data."""
+    """One job for fail_jobs: as fail_job's job_id, lease_id, error, data
+    and retry policy."""
 
     job_id: int
     lease_id: str | None = None
     error: str | None = None
     data: dict[str, Any] | None = None
+    max_attempts: int | None = None
+    retry_backoff: str | None = None
+    retry_delay: float | None = None
+    retry_max_delay: float | None = None
 
 
 class Retry(NamedTuple):
@@ -462,10 +467,24 @@ def fail_jobs(jobs: Sequence[Fail]) -> Call[list[FinishResult]]:
     1,000 of them (ValueError otherwise, before sending). Returns a
     FinishResult per job, in order, as finish_jobs does."""
     elements = [
-        _element(job.job_id, job.lease_id, data=job.data, error=_text(job.error))
+        _element(
+            job.job_id, job.lease_id, data=job.data, error=_text(job.error),
+            **_policy(job.max_attempts, job.retry_backoff, job.retry_delay, job.retry_max_delay),
+        )
         for job in jobs
     ]
     return _reports("FailJobs", elements)
+
+
+def _policy(
+    max_attempts: int | None, backoff: str | None, delay: float | None, max_delay: float | None
+) -> dict[str, object]:
+    """A failure's retry policy, for a job created without one (protocol.md
+    14.1): its parameters, None for those not given."""
+    return {
+        "maxAttempts": max_attempts, "retryBackoff": backoff, "retryDelay": delay,
+        "retryMaxDelay": max_delay,
+    }
 
 
 def _text(text: str | None) -> str | None:
@@ -508,11 +527,22 @@ def _reports(method: str, elements: list[dict[str, Any]]) -> Call[list[FinishRes
 
 
 def fail_job(
-    job_id: int, data: dict[str, Any] | None, lease_id: str | None, error: str | None
+    job_id: int,
+    data: dict[str, Any] | None,
+    lease_id: str | None,
+    error: str | None,
+    max_attempts: int | None = None,
+    retry_backoff: str | None = None,
+    retry_delay: float | None = None,
+    retry_max_delay: float | None = None,
 ) -> Call[None]:
     """Report a job failed; `error` becomes its last error. With a retry
-    policy and attempts left, the server queues it again."""
-    return _on_job("FailJob", job_id, data=data, error=error, leaseID=lease_id)
+    policy and attempts left, the server queues it again. A job created
+    without a policy takes the one given here (`max_attempts`, and
+    `retry_backoff`, `retry_delay`, `retry_max_delay` as create_job's), as
+    a worker gives its handler's; a job's own wins."""
+    policy = _policy(max_attempts, retry_backoff, retry_delay, retry_max_delay)
+    return _on_job("FailJob", job_id, data=data, error=error, leaseID=lease_id, **policy)
 
 
 def await_reply(

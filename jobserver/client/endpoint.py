@@ -192,7 +192,7 @@ class Endpoint:
         else:
             self.keys_kept.add(self.servers.now)
 
-    def note_connected(self) -> None:
+    def _note_connected(self) -> None:
         """A new connection went to `servers.now`: tell `on_move` if that
         is another server than the last connection's."""
         left, self.node = self.node, self.servers.now

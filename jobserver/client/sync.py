@@ -149,8 +149,17 @@ class Client(Endpoint):
         data: dict[str, Any] | None = None,
         lease_id: str | None = None,
         error: str | None = None,
+        max_attempts: int | None = None,
+        retry_backoff: str | None = None,
+        retry_delay: float | None = None,
+        retry_max_delay: float | None = None,
     ) -> None:
-        self._call(calls.fail_job(job_id, data, lease_id, error))
+        self._call(
+            calls.fail_job(
+                job_id, data, lease_id, error, max_attempts, retry_backoff, retry_delay,
+                retry_max_delay,
+            )
+        )
 
     @documented_by(calls.await_reply)
     def await_reply(
@@ -345,7 +354,7 @@ class Client(Endpoint):
         for _ in self.servers.rotation():
             try:
                 connection = self._connect()
-                self.note_connected()
+                self._note_connected()
                 return self._send_on(connection, request)
             except TLSFailed:
                 raise  # the options must change: another server would not help

@@ -35,6 +35,9 @@ class Job:
     retry_after: str
     raw: dict[str, Any] = field(repr=False)
     lease: LeaseRenewal = field(repr=False, compare=False)
+    # Its handler's retry policy, sent with a failure if the job has none
+    # of its own (registry.Worker.handler).
+    handler_policy: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def handed_out(cls, raw: dict[str, Any], lease: LeaseRenewal) -> Job:

@@ -49,7 +49,7 @@ def raised(job: Job, error: Exception, function: Callable[..., Any]) -> Outcome:
     text = "".join(traceback.format_exception(type(error), error, _from(function, error)))
     return Outcome(
         _report(job, "fail", {"error": _last_bytes(text, MAX_ERROR)}),
-        f"failed ({printable(_first_line(error))}{fate(job.attempt, job.max_attempts)})",
+        f"failed ({printable(_first_line(error))}{_fate(job)})",
     )
 
 
@@ -70,12 +70,23 @@ def handed_back(job: Job, text: str) -> Outcome:
 
 
 def failed(job: Job, reason: str) -> Outcome:
-    text = f"failed ({printable(reason)}{fate(job.attempt, job.max_attempts)})"
+    text = f"failed ({printable(reason)}{_fate(job)})"
     return Outcome(_report(job, "fail", {"error": reason}), text)
 
 
 def _report(job: Job, verb: str, params: dict[str, Any]) -> Report:
+    if verb == "fail":
+        # Its handler's policy, for a job created without one (protocol.md 14.1).
+        params = {**params, **job.handler_policy}
     return Report(job.id, printable(job.name), verb, params, lease_id=job.lease_id)
+
+
+def _fate(job: Job) -> str:
+    """What the server does with the job's failure, for the log line."""
+    if job.handler_policy:
+        attempts = job.handler_policy["max_attempts"]
+        return f"; the handler's retry policy decides ({attempts} attempts)"
+    return fate(job.attempt, job.max_attempts)
 
 
 def _from(function: Callable[..., Any], error: Exception) -> TracebackType | None:

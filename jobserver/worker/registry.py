@@ -20,7 +20,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
 from jobserver.core.commands import params
@@ -30,6 +30,14 @@ from jobserver.model.globmatch import (
     glob_match,
     is_glob,
     too_many_wildcards,
+)
+from jobserver.wire.limits import (
+    BACKOFFS,
+    DEFAULT_BACKOFF,
+    DEFAULT_MAX_RETRY_DELAY,
+    DEFAULT_RETRY_DELAY,
+    MAX_ATTEMPTS,
+    MAX_DELAY,
 )
 from jobserver.worker.settings import MAX_TIMEOUT, Settings
 
@@ -48,6 +56,9 @@ class Handler:
     is_async: bool  # `async def`: a task; else a thread
     wants_job: bool  # has a parameter named `job`
     timeout: float | None  # None: the worker's --timeout
+    # The retry policy sent with a failure of a job created without one
+    # (FailJob's, protocol.md 14.1), as fail_job's keywords; {} for none.
+    policy: dict[str, Any] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -65,12 +76,26 @@ class Worker:
         self.jobs = jobs
         self.handlers: list[Handler] = []
 
-    def handler(self, pattern: str, *, timeout: float | None = None) -> Callable[[F], F]:
+    def handler(
+        self,
+        pattern: str,
+        *,
+        timeout: float | None = None,
+        max_attempts: int | None = None,
+        backoff: str = DEFAULT_BACKOFF,
+        retry_delay: float = DEFAULT_RETRY_DELAY,
+        retry_max_delay: float = DEFAULT_MAX_RETRY_DELAY,
+    ) -> Callable[[F], F]:
         """A decorator: the function handles the jobs whose name matches
         `pattern` (a GLOB pattern, no comma), each within `timeout` seconds
         (0 < timeout <= a week; default: the worker's). The first
-        registered handler whose pattern matches a job takes it."""
+        registered handler whose pattern matches a job takes it.
+        `max_attempts` (1 to 10,000), `backoff` ("fixed" or "exponential"),
+        `retry_delay` and `retry_max_delay` (seconds) are the retry policy
+        of the jobs it takes that were created without one (a job's own
+        wins), sent with their first failure (protocol.md 14.1)."""
         check_pattern(pattern, params.MAX_NAME, commas=False)
+        policy = _policy(max_attempts, backoff, retry_delay, retry_max_delay)
         if timeout is not None and not (
             isinstance(timeout, int | float)
             and math.isfinite(timeout)
@@ -79,7 +104,7 @@ class Worker:
             raise ValueError(f"timeout must be seconds above 0 and at most {MAX_TIMEOUT:g}")
 
         def register(function: F) -> F:
-            self.handlers.append(_handler(pattern, function, timeout))
+            self.handlers.append(replace(_handler(pattern, function, timeout), policy=policy))
             return function
 
         return register
@@ -142,6 +167,26 @@ def check_pattern(pattern: str, limit: int, commas: bool) -> None:
         raise ValueError(
             f"a handler's pattern holds no comma (GetJobs would read a list of names): {pattern!r}"
         )
+
+
+def _policy(
+    max_attempts: int | None, backoff: str, delay: float, max_delay: float
+) -> dict[str, Any]:
+    """A handler's retry policy as fail_job's keywords; ValueError out of
+    CreateJob's bounds (protocol.md 14.1)."""
+    if max_attempts is None:
+        return {}
+    if not (type(max_attempts) is int and 1 <= max_attempts <= MAX_ATTEMPTS):
+        raise ValueError(f"max_attempts must be 1 to {MAX_ATTEMPTS}, not {max_attempts!r}")
+    if backoff not in BACKOFFS:
+        raise ValueError(f"backoff must be one of {', '.join(BACKOFFS)}, not {backoff!r}")
+    for name, seconds in (("retry_delay", delay), ("retry_max_delay", max_delay)):
+        if not (isinstance(seconds, int | float) and 0 <= seconds <= MAX_DELAY):
+            raise ValueError(f"{name} must be seconds from 0 to {MAX_DELAY}, not {seconds!r}")
+    return {
+        "max_attempts": max_attempts, "retry_backoff": backoff,
+        "retry_delay": round(delay, 3), "retry_max_delay": round(max_delay, 3),
+    }
 
 
 def _handler(pattern: str, function: Callable[..., Any], timeout: float | None) -> Handler:

@@ -37,7 +37,7 @@ import logging
 import math
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import anyio
@@ -432,6 +432,8 @@ class Runner:
             return outcome.no_handler(job)
         if self.stopping:
             return outcome.handed_back(job, "handed back (stopping)")
+        if handler.policy and job.max_attempts is None:
+            job = replace(job, handler_policy=handler.policy)
         return await self.caller.call(handler, job, started)
 
 

@@ -404,9 +404,11 @@ class Many:
     command: str
 
 
+# A handler's retry policy, sent with its failures (the Python worker's).
+RETRY_POLICY = ("max_attempts", "retry_backoff", "retry_delay", "retry_max_delay")
 MANY: dict[str, Many] = {
     "finish": Many("finish_jobs", Finish, frozenset({"data"}), "FinishJobs"),
-    "fail": Many("fail_jobs", Fail, frozenset({"error", "data"}), "FailJobs"),
+    "fail": Many("fail_jobs", Fail, frozenset({"error", "data", *RETRY_POLICY}), "FailJobs"),
     "retry": Many(
         "retry_jobs", Retry, frozenset({"delay", "next_run", "data", "ignore_repeat"}), "RetryJobs"
     ),
