@@ -102,3 +102,29 @@ def test_a_handlers_policy_applies_to_jobs_without_their_own(server, client):
 def test_a_handlers_policy_out_of_range_is_refused_when_registered(policy):
     with pytest.raises(ValueError):
         Worker().handler("x", **policy)
+
+
+# job.client: a handler enqueues through the worker's server.
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_a_handler_enqueues_through_job_client(server, client, loop):
+    worker = Worker()
+
+    @worker.handler("fan/sync")
+    def in_a_thread(data: dict[str, Any], job: Job) -> None:
+        job.client.create_job("out/sync", {"from": job.id})
+
+    @worker.handler("fan/async")
+    async def in_a_task(data: dict[str, Any], job: Job) -> None:
+        await job.client.create_job("out/async", {"from": job.id})
+
+    sync_id, async_id = create(client, "fan/sync"), create(client, "fan/async")
+    taken = {}
+    with in_process(worker, server.port, loop):
+        for name in ("out/sync", "out/async"):
+            reply = client.request("GetJob", name=name, Connection="wait", timeout=20000)
+            taken[name] = ok(reply).json["data"]
+    assert taken == {"out/sync": {"from": sync_id}, "out/async": {"from": async_id}}
+    assert client.request("QueryJob", jobID=sync_id).status == "404 No job with this jobID"
+    assert client.request("QueryJob", jobID=async_id).status == "404 No job with this jobID"

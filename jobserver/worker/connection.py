@@ -13,9 +13,10 @@ from functools import partial
 import anyio
 
 from jobserver.client.async_client import AsyncClient
+from jobserver.client.sync import Client
 from jobserver.workers.connection import BACKOFF_MAX, Backoff, Server
 
-__all__ = ["BACKOFF_MAX", "Backoff", "Link", "Server", "client", "close"]
+__all__ = ["BACKOFF_MAX", "Backoff", "JobClient", "Link", "Server", "client", "close"]
 
 log = logging.getLogger("jobserver.worker")
 
@@ -55,3 +56,35 @@ class Link:
 
     async def aclose(self) -> None:
         await close(self.client)
+
+
+class JobClient:
+    """The client a job's handler enqueues with (`Job.client`): made on
+    its first use, for the worker's server (its nodes, token and TLS), a
+    blocking `Client` for a handler run in a thread, an `AsyncClient` for
+    an async one; closed once the handler has ended (runner.py)."""
+
+    def __init__(self, server: Server, is_async: bool) -> None:
+        self.server = server
+        self.is_async = is_async
+        self.made: AsyncClient | Client | None = None
+
+    def get(self) -> AsyncClient | Client:
+        if self.made is None:
+            if self.is_async:
+                self.made = client(self.server)
+            else:
+                self.made = Client(
+                    list(self.server.addresses),
+                    auth_token=self.server.token,
+                    tls=self.server.tls,
+                    max_reply_bytes=self.server.max_reply_bytes,
+                )
+        return self.made
+
+    async def aclose(self) -> None:
+        made, self.made = self.made, None
+        if isinstance(made, AsyncClient):
+            await close(made)
+        elif made is not None:
+            made.close()

@@ -19,6 +19,12 @@ class LeaseRenewal(Protocol):
     def renew(self) -> None: ...
 
 
+class ClientSource(Protocol):
+    """Where a job's `client` comes from (connection.JobClient)."""
+
+    def get(self) -> Any: ...
+
+
 @dataclass(frozen=True)
 class Job:
     """A job as GetJobs handed it out, for a handler that asks for it.
@@ -38,6 +44,8 @@ class Job:
     # Its handler's retry policy, sent with a failure if the job has none
     # of its own (registry.Worker.handler).
     handler_policy: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # Where `client` comes from (connection.JobClient); None outside a worker.
+    clients: ClientSource | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def handed_out(cls, raw: dict[str, Any], lease: LeaseRenewal) -> Job:
@@ -58,6 +66,17 @@ class Job:
         """The token of the job's lease: its hand-out's, or a later one's
         if the server handed the job out again while it ran here."""
         return self.lease.lease_id
+
+    @property
+    def client(self) -> Any:
+        """A client of the worker's server, to enqueue jobs with (or any
+        other command): the worker's addresses and token; a blocking
+        `jobserver.client.Client` in a thread handler, an `AsyncClient`
+        (await its methods) in an async one. Made on first use, one per
+        job, closed when the handler ends."""
+        if self.clients is None:
+            raise RuntimeError("this job was not handed to a handler by a worker")
+        return self.clients.get()
 
     def renew_lease(self) -> None:
         """Renew the job's lease now (TouchJob), from a handler's thread or

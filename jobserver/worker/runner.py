@@ -50,7 +50,7 @@ from jobserver.client.async_calls import end_wait
 from jobserver.wire.counts import counted
 from jobserver.worker import outcome
 from jobserver.worker.calling import Caller
-from jobserver.worker.connection import BACKOFF_MAX, Backoff, Link, Server
+from jobserver.worker.connection import BACKOFF_MAX, Backoff, JobClient, Link, Server
 from jobserver.worker.job import Job
 from jobserver.worker.leases import Leases, Renewal
 from jobserver.worker.outcome import Outcome
@@ -434,7 +434,11 @@ class Runner:
             return outcome.handed_back(job, "handed back (stopping)")
         if handler.policy and job.max_attempts is None:
             job = replace(job, handler_policy=handler.policy)
-        return await self.caller.call(handler, job, started)
+        clients = JobClient(self.server, handler.is_async)
+        try:
+            return await self.caller.call(handler, replace(job, clients=clients), started)
+        finally:
+            await clients.aclose()
 
 
 def _event_loop() -> str:
