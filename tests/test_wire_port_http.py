@@ -143,3 +143,28 @@ def test_curl_shows_the_answer(with_http: ThreadServer) -> None:
     assert shown.stdout.startswith(b"HTTP/1.1 400 Bad Request\r\n"), shown.stdout
     assert b"jobserver's wire port" in shown.stdout
     assert str(with_http.server.http_port).encode() in shown.stdout
+
+
+def test_plain_http_to_a_tls_port_is_told_in_http(tmp_path: Path) -> None:
+    files = make_certificates(tmp_path, "127.0.0.1")
+    server = ThreadServer(
+        tmp_path / "jobs.db", http_port=0, tls_cert=str(files.cert), tls_key=str(files.key)
+    )
+    try:
+        until(lambda: server.server.http_port, TIMEOUT, "the HTTP side to listen")
+        status, headers, body = parse(exchange(server.port, GET))
+        assert status == b"HTTP/1.1 400 Bad Request"
+        assert headers["connection"] == "close"
+        assert f"https://HOST:{server.server.http_port}/".encode() in body
+        # A client of the protocol is told as before (the client library
+        # reads that line as advice to use TLS).
+        assert exchange(server.port, b"Ping\n\n").startswith(b"400 This port requires TLS\r\n")
+        if shutil.which("curl") is not None:
+            shown = subprocess.run(
+                ["curl", "-sS", "-i", "--max-time", str(TIMEOUT),
+                 f"http://127.0.0.1:{server.port}/"],
+                capture_output=True, timeout=TIMEOUT * 2, check=False,
+            )
+            assert shown.stdout.startswith(b"HTTP/1.1 400 Bad Request\r\n"), shown
+    finally:
+        server.stop()

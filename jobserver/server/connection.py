@@ -40,6 +40,7 @@ from jobserver.wire.framing import (
     RequestParser,
     Response,
     encode_response,
+    starts_like_http,
 )
 
 if TYPE_CHECKING:
@@ -211,7 +212,7 @@ class Connection:
         if not first:
             return False
         if first[0] != TLS_HANDSHAKE:
-            await self.say_and_close(TLS_REQUIRED)
+            await self._refuse_plain_text(sock)
             raise NotTLS("plain text on a TLS port")
         context = self.server.tls_context
         assert context is not None
@@ -220,6 +221,20 @@ class Connection:
         # message as whole: its end is read as an end, as on plain TCP.
         self.stream = trio.SSLStream(self.stream, context, server_side=True, https_compatible=True)
         return True
+
+    async def _refuse_plain_text(self, sock: Any) -> None:
+        """Plain text on a TLS port: `400 This port requires TLS`, or, to
+        an HTTP request (`curl http://` to it), the same in HTTP's form,
+        its head read first so that the close does not reset the answer
+        away."""
+        start = await sock.recv(RECEIVE_SIZE, socket.MSG_PEEK)
+        head_only = starts_like_http(start)
+        if head_only is None:
+            await self.say_and_close(TLS_REQUIRED)
+            return
+        await sock.recv(RECEIVE_SIZE)
+        http_port = self.server.http_port
+        await self._last_words(not_http.response(http_port, tls=True, head_only=head_only))
 
     async def _serve(self) -> None:
         while True:

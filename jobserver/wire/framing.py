@@ -331,6 +331,17 @@ def _parse_head(raw: bytes) -> tuple[Request, int]:
     return _build_request(text), length
 
 
+_HTTP_METHOD = re.compile(rb"(GET|HEAD|POST|PUT|DELETE|PATCH|OPTIONS|CONNECT|TRACE|PRI) ",
+                          re.IGNORECASE)
+
+
+def starts_like_http(start: bytes) -> bool | None:
+    """Whether bytes that cannot be a command (plain text on a TLS port)
+    begin an HTTP request: None if not, else whether it is a HEAD."""
+    found = _HTTP_METHOD.match(start)
+    return None if found is None else found[1].upper() == b"HEAD"
+
+
 def _refuse_http(first_line: bytes) -> None:
     """Raises NotHttp if the request line is HTTP's. Closing at the head,
     before the body, keeps a page's chosen bytes unread."""
