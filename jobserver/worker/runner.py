@@ -123,6 +123,12 @@ class Runner:
         self.to_slots, self.queued = anyio.create_memory_object_stream[Taken](math.inf)
         self.tally = Tally()
         self.freed = anyio.Event()  # set (and replaced) whenever slots come free
+        # One fetcher at a time waits on the server (a waiting GetJobs); the
+        # other asks without waiting, and, given nothing, waits here for the
+        # waiting one's answer: an idle worker is one waiting GetJobs in the
+        # server's Status (its idle workers), not one per fetcher.
+        self.waiting_fetch = False
+        self.wait_answered = anyio.Event()  # set (and replaced) at each answer
         self.stopping = False
         self.signalled = False
         self.forced = False
@@ -260,13 +266,16 @@ class Runner:
                     await self._get_jobs(link, backoff, 0)
                     continue
                 asked = await self.reserve_slots()
+                waits = bool(asked) and not self.waiting_fetch
                 try:
-                    batch = await self._get_jobs(link, backoff, asked) if asked else None
+                    batch = await self._get_jobs(link, backoff, asked, waits) if asked else None
                 finally:
                     self.reserved -= asked
                 started = sum(self._take(job, jobs) for job in batch or ())
                 if started < asked:
                     self._slots_changed()  # the other fetcher may ask for the rest
+                if batch == [] and not waits and self.waiting_fetch:
+                    await self.wait_answered.wait()  # nothing due: the waiting one will say
         except GetJobsRefused:
             self.exit_status = 2
             self.stop()
@@ -316,11 +325,11 @@ class Runner:
         )
 
     async def _get_jobs(
-        self, link: Link, backoff: Backoff, free: int
+        self, link: Link, backoff: Backoff, free: int, waits: bool = True
     ) -> list[dict[str, Any]] | None:
         """One GetJobs for up to `free` jobs (0: none, only the Ping after a
-        failure); None if the server could not be reached (after the next
-        backoff wait)."""
+        failure), waiting on the server for one if `waits`; None if the
+        server could not be reached (after the next backoff wait)."""
         try:
             if backoff.failing:
                 # A waiting GetJobs may not answer for a minute: make sure
@@ -330,9 +339,19 @@ class Runner:
                 backoff.reset()
             if not free:
                 return None
-            return await link.client.get_jobs(
-                self.jobs_name, free, wait=FETCH_WAIT, lease=self.settings.lease or None
-            )
+            if not waits:
+                return await link.client.get_jobs(
+                    self.jobs_name, free, lease=self.settings.lease or None
+                )
+            self.waiting_fetch = True
+            try:
+                return await link.client.get_jobs(
+                    self.jobs_name, free, wait=FETCH_WAIT, lease=self.settings.lease or None
+                )
+            finally:
+                self.waiting_fetch = False
+                self.wait_answered.set()
+                self.wait_answered = anyio.Event()
         except TLSFailed as error:
             log.error("cannot get jobs: %s", error)
             raise GetJobsRefused from error
