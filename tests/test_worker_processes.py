@@ -130,3 +130,18 @@ def test_processes_is_range_checked(capsys, wrong):
         main(["worker", "jobs:worker", "--processes", wrong])
     assert exited.value.code == 2
     assert "--processes: must be a whole number from 1 to 64" in capsys.readouterr().err
+
+
+def test_the_processes_stop_when_their_parent_is_killed(server, client, handlers_path):
+    """SIGKILL to the parent forwards no signal: each worker notices its
+    parent gone and stops as on SIGTERM (they ran on for good before)."""
+    job_ids = [create(client, "proc/a", repeat=REPEAT) for _ in range(10)]
+    with processes(server.port) as proc:
+        until(lambda: done_by(client, job_ids), DEADLINE, "every job run")
+        workers = until(lambda: len(pids(proc)) == 2 and pids(proc), DEADLINE, "two processes")
+        proc.signal(signal.SIGKILL)
+        until(
+            lambda: not any(alive(pid) for pid in workers.values()),
+            DEADLINE,
+            "both worker processes gone",
+        )

@@ -20,12 +20,14 @@ process), and:
   its worker had started or after it had stopped), else the highest status
   (1 after a forced stop or lost results).
 
-If this process is killed with SIGKILL, its workers run on until each is
-stopped: they are ordinary `jobserver worker` processes."""
+If this process is killed with SIGKILL, each worker notices within a
+second that its parent is gone (PARENT_ENV, runner.watch_parent) and
+stops as on SIGTERM: no worker runs on unwatched."""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from collections.abc import Sequence
 
@@ -34,6 +36,9 @@ from anyio.abc import Process, TaskStatus
 
 log = logging.getLogger("jobserver.worker")
 
+# The parent's pid, in each worker process's environment: a worker whose
+# parent has gone (killed with SIGKILL) stops (runner.watch_parent).
+PARENT_ENV = "JOBSERVER_WORKER_PARENT"
 RESTART_DELAY = 1.0
 RESTART_DELAY_MAX = 30.0
 # A process that ran this long before it exited is restarted after
@@ -130,7 +135,12 @@ class Processes:
         """Start worker process `number` and wait for its end; its exit
         status (128 + N for a signal N, as a shell says it)."""
         process = await anyio.open_process(
-            self.command, stdin=None, stdout=None, stderr=None, start_new_session=True
+            self.command,
+            stdin=None,
+            stdout=None,
+            stderr=None,
+            start_new_session=True,
+            env={**os.environ, PARENT_ENV: str(os.getpid())},
         )
         self.running[number] = process
         log.info("worker process %d of %d started: pid %d", number, self.count, process.pid)
@@ -141,3 +151,11 @@ class Processes:
         finally:
             del self.running[number]
         return status if status >= 0 else 128 - status
+
+
+def take_parent_pid() -> int | None:
+    """The pid of the `--processes` parent this worker process was started
+    by, if any; taken out of the environment, so that a process a handler
+    starts (another worker, say) does not take it for its own."""
+    value = os.environ.pop(PARENT_ENV, "")
+    return int(value) if value.isdigit() else None

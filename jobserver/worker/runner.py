@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass, replace
@@ -55,6 +56,7 @@ from jobserver.worker.job import Job
 from jobserver.worker.leases import Leases, Renewal
 from jobserver.worker.outcome import Outcome
 from jobserver.worker.prefetch import Prefetch
+from jobserver.worker.processes import take_parent_pid
 from jobserver.worker.registry import Worker
 from jobserver.worker.reporting import Reporter
 from jobserver.worker.settings import Settings
@@ -78,6 +80,9 @@ FETCHERS = 2
 END_WAIT_PATIENCE = 5.0
 # The most one GetJobs hands out (protocol.md 5.4).
 MAX_GET_JOBS = 1000
+# How often a worker of `--processes` looks for its parent: a second's
+# delay to stop is nothing beside a lease's, and a getppid is cheap.
+PARENT_CHECK = 1.0
 
 # A job taken, waiting for a slot: its job object and its lease.
 Taken = tuple[dict[str, Any], "Renewal"]
@@ -154,6 +159,9 @@ class Runner:
             root.start_soon(self.reporter.deliver_loop, reporter_done)
             root.start_soon(self.leases.renew_loop)
             root.start_soon(self.tally.summary_loop)
+            parent = take_parent_pid()
+            if parent is not None:
+                root.start_soon(self.watch_parent, parent)
             async with anyio.create_task_group() as jobs:
                 with self.to_slots:
                     await self.fetch_loop(jobs)
@@ -219,6 +227,17 @@ class Runner:
                     )
                     self.force()
                     return
+
+    async def watch_parent(self, parent: int) -> None:
+        """One of `--processes` workers (processes.py): stop, as on SIGTERM,
+        once the parent that started this process is gone (killed with
+        SIGKILL, it forwards no signal), rather than run on unwatched."""
+        while True:  # no event says so: a parent's end is seen by asking
+            await anyio.sleep(PARENT_CHECK)
+            if os.getppid() != parent:
+                break
+        log.warning("the parent process (pid %d) is gone: stopping", parent)
+        self.stop()
 
     def stop(self, grace: float | None = None) -> None:
         """Take no more jobs; running handlers get `grace` more seconds
