@@ -319,6 +319,7 @@ def _parse_head(raw: bytes) -> tuple[Request, int]:
     # Before the head's bounds: a browser's head (its cookies) may pass
     # them, and it must still be told in HTTP.
     _refuse_http(lines[0])
+    _refuse_browser(lines[1:])
     if len(lines) - 1 > MAX_HEADERS:
         raise ProtocolError("431 Too many headers")
     if max(map(len, lines)) > MAX_LINE:
@@ -348,6 +349,19 @@ def _refuse_http(first_line: bytes) -> None:
     found = _HTTP_REQUEST_LINE.fullmatch(first_line.strip(b" \t\r"))
     if found is not None:
         raise NotHttp(head_only=found[1].upper() == b"HEAD")
+
+
+def _refuse_browser(lines: list[bytes]) -> None:
+    """Raises NotHttp if the head carries `Origin`. A page whose DNS name
+    rebinds to this machine is same-origin with the wire port, so its
+    fetch may use any method without a preflight: `CreateJob / HTTP/1.1`
+    with headers the page chose is a command. A browser adds `Origin` to
+    every request whose method is neither GET nor HEAD (the page cannot
+    leave it out); no wire client sends it."""
+    for line in lines:
+        name, sep, _ = line.partition(b":")
+        if sep and line[:1] not in (b" ", b"\t") and name.strip(b" \t").lower() == b"origin":
+            raise NotHttp(head_only=False)
 
 
 def _content_length(lines: list[bytes]) -> int:
