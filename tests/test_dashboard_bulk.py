@@ -333,4 +333,4 @@ def test_the_api_runs_the_bulk_commands(server: ThreadServer) -> None:
     code, _, body = api(server, "CancelQueuedJobs", {"queue": "a/b"})
     assert code == 400, body
     code, headers, _ = api(server, "RequeueFailedJobs", {})
-    assert (code, headers["Jobserver-Status"]) == (402, "402 Missing name, queue or jobIDs")
+    assert (code, headers["Jobserver-Status"]) == (400, "402 Missing name, queue or jobIDs")

@@ -61,7 +61,8 @@ def test_a_killed_python_workers_job_is_back_when_its_lease_ends(
     server, client, tmp_path, monkeypatch
 ):
     (tmp_path / "hanging.py").write_text(HANGING)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ["PYTHONPATH"]]))
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    monkeypatch.setenv("PYTHONPATH", path)
     monkeypatch.setenv("STARTED", str(tmp_path / "started"))
     job_id = create(client, "hang")
     proc = LoggedProcess(
