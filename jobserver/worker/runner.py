@@ -55,7 +55,7 @@ from jobserver.worker.connection import BACKOFF_MAX, Backoff, JobClient, Link, S
 from jobserver.worker.job import Job
 from jobserver.worker.leases import Leases, Renewal
 from jobserver.worker.outcome import Outcome
-from jobserver.worker.prefetch import Prefetch
+from jobserver.worker.prefetch import PREFETCH_HORIZON, Prefetch
 from jobserver.worker.processes import take_parent_pid
 from jobserver.worker.registry import Worker
 from jobserver.worker.reporting import Reporter
@@ -159,6 +159,7 @@ class Runner:
             root.start_soon(self.reporter.deliver_loop, reporter_done)
             root.start_soon(self.leases.renew_loop)
             root.start_soon(self.tally.summary_loop)
+            root.start_soon(self.give_back_loop)
             parent = take_parent_pid()
             if parent is not None:
                 root.start_soon(self.watch_parent, parent)
@@ -412,11 +413,11 @@ class Runner:
         are topped up a batch at a time rather than a job at a time as
         each ends (a commit on the server each); a fetcher's share of
         that half."""
-        return max(1, self.prefetch.allowed() // (2 * FETCHERS))
+        return max(1, self.prefetch.allowed(anyio.current_time()) // (2 * FETCHERS))
 
     def _room(self) -> int:
         """How many jobs may be here at once: running, or waiting for a slot."""
-        return self.settings.concurrency + self.prefetch.allowed()
+        return self.settings.concurrency + self.prefetch.allowed(anyio.current_time())
 
     def _slots_changed(self) -> None:
         # A new Event only when a fetcher waits on this one: at thousands of
@@ -424,6 +425,28 @@ class Runner:
         if self.freed.statistics().tasks_waiting:
             self.freed.set()
             self.freed = anyio.Event()
+
+    async def give_back_loop(self) -> None:
+        """Hand back the held jobs beyond what may be held now: those behind
+        slots stuck in long calls (prefetch.py), for other workers to run."""
+        while True:
+            await anyio.sleep(PREFETCH_HORIZON)
+            # A slot without a call takes a held job at once: not beyond the slots.
+            idle = self.settings.concurrency - len(self.prefetch.began)
+            held = self.queued.statistics().current_buffer_used
+            for _ in range(held - idle - self.prefetch.allowed(anyio.current_time())):
+                try:
+                    raw, lease = self.queued.receive_nowait()
+                except (anyio.WouldBlock, anyio.EndOfStream):
+                    break
+                job = Job.handed_out(raw, lease)
+                result = outcome.handed_back(job, "handed back (held behind long handler calls)")
+                if lease.lease_id is not None:
+                    self.leases.ended(lease.lease_id)  # renewed until reported
+                del self.running[job.id]
+                self.tally.ended(job.id, printable(job.name), result, 0.0)
+                self.reporter.add(result.report)
+            self._slots_changed()
 
     # Running jobs.
 
@@ -436,6 +459,7 @@ class Runner:
     async def run_job(self, raw: dict[str, Any], lease: Renewal) -> None:
         """Call the job's handler, log how it ended, and queue its report."""
         started, wall = anyio.current_time(), time.perf_counter()
+        self.prefetch.begin(raw["jobID"], started)
         result: Outcome | None = None
         try:
             result = await self._run(raw, lease, started)
@@ -446,7 +470,7 @@ class Runner:
                 del self.running[raw["jobID"]]
             self._slots_changed()
         seconds = time.perf_counter() - wall
-        self.prefetch.ended(seconds)
+        self.prefetch.ended(raw["jobID"], seconds)
         self.tally.ended(raw["jobID"], printable(raw["name"]), result, seconds)
         self.reporter.add(result.report)
 
