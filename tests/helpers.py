@@ -197,3 +197,15 @@ def chromium(*args: str) -> Iterator[Any]:
             yield launched
         finally:
             launched.close()
+
+
+def importable_module(
+    directory: Path, monkeypatch: pytest.MonkeyPatch, module: str, source: str
+) -> Path:
+    """Write `source` as `module`.py in `directory` and put the directory on
+    PYTHONPATH, so that worker processes started by the test import it."""
+    (directory / f"{module}.py").write_text(source)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(directory), os.environ.get("PYTHONPATH", "")])
+    )
+    return directory

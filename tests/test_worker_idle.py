@@ -7,7 +7,6 @@ sleeps."""
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from harness import LoggedProcess
-from helpers import create, ok, until
+from helpers import create, importable_module, ok, until
 from wire import Client
 
 DEADLINE = 30.0
@@ -36,11 +35,8 @@ def noop(data):
 
 @pytest.fixture
 def handlers_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    (tmp_path / "idlers.py").write_text(HANDLERS)
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
-    )
-    return tmp_path
+    """The handlers above, importable as idlers:worker by the worker processes."""
+    return importable_module(tmp_path, monkeypatch, "idlers", HANDLERS)
 
 
 @contextmanager

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from harness import LoggedProcess
-from helpers import create, ok, until
+from helpers import create, importable_module, ok, until
 from jobserver.cli import main
 from wire import Client
 
@@ -43,12 +43,8 @@ STARTED = re.compile(r"worker process (\d) of 2 started: pid (\d+)")
 
 @pytest.fixture
 def handlers_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The handlers above, importable as pids:worker by the processes."""
-    (tmp_path / "pids.py").write_text(HANDLERS)
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
-    )
-    return tmp_path
+    """The handlers above, importable as pids:worker by the worker processes."""
+    return importable_module(tmp_path, monkeypatch, "pids", HANDLERS)
 
 
 @contextmanager
