@@ -12,17 +12,16 @@ import sys
 import trio
 
 from jobserver import web
+from jobserver.cli import serve_values
 from jobserver.cli.options import LOG_LEVELS, duration, log_level, number
-from jobserver.core.commands import backup, params
+from jobserver.core.commands import backup
 from jobserver.core.engine import history
 from jobserver.core.engine.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER
-from jobserver.core.errors import CommandError
 from jobserver.core.rules import flow
-from jobserver.model.limits import Limit, parse_spec
 from jobserver.model.times import duration_text
 from jobserver.server.app import Config, HttpListenError, Server
-from jobserver.storage import sqlite_backup, sqlite_path
-from jobserver.storage.backends import check_db, is_postgres
+from jobserver.storage import sqlite_backup
+from jobserver.storage.backends import is_postgres
 from jobserver.storage.interface import BackupDirectoryUnusable
 from jobserver.storage.sqlite import SYNCHRONOUS_MODES
 from jobserver.storage.sqlite_schema import StoreError
@@ -59,9 +58,6 @@ MAX_DURATION_SECONDS = 3650 * 86400.0
 # month.
 MIN_SESSION_SECONDS = 60.0
 MAX_SESSION_SECONDS = 30 * 86400.0
-# DNS's bounds on a name and on each of its labels.
-MAX_HOST_NAME = 253
-MAX_HOST_LABEL = 63
 # An early reply waits at most as long as an AwaitReply may (30 days).
 MIN_REPLY_GRACE_SECONDS = 1.0
 MAX_REPLY_GRACE_SECONDS = 30 * 86400.0
@@ -108,7 +104,7 @@ def _add_storage_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--http-host",
         action="append",
-        type=_http_host,
+        type=serve_values.http_host,
         default=[],
         metavar="NAME",
         help="a host name the HTTP side answers to, besides IP addresses, localhost and "
@@ -117,7 +113,7 @@ def _add_storage_options(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--db",
-        type=_db,
+        type=serve_values.database,
         default="jobs.db",
         metavar="DB",
         help=(
@@ -237,7 +233,7 @@ def _add_job_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--limit",
         action="append",
-        type=_limit,
+        type=serve_values.limit,
         default=[],
         metavar="PATTERN=MAX",
         help="a limit: jobs whose name matches the GLOB PATTERN may together cost at "
@@ -335,51 +331,6 @@ def _add_security_and_log_options(serve: argparse.ArgumentParser) -> None:
         metavar="LEVEL",
         help="DEBUG, INFO, WARNING or ERROR, in any case (default: INFO)",
     )
-
-
-def _http_host(text: str) -> str:
-    """A DNS name (labels of letters, digits and inner `-`), lower-cased,
-    without a trailing dot, as the HTTP side compares Host headers."""
-    name = text.lower().removesuffix(".")
-    valid = 0 < len(name) <= MAX_HOST_NAME and name.isascii() and all(
-        0 < len(label) <= MAX_HOST_LABEL
-        and label.replace("-", "").isalnum()
-        and not label.startswith("-")
-        and not label.endswith("-")
-        for label in name.split(".")
-    )
-    if not valid:
-        raise argparse.ArgumentTypeError(
-            f"must be a host name such as jobs.example.com, not {text!r}"
-        )
-    return name
-
-
-def _db(text: str) -> str:
-    try:
-        db = check_db(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    place = None if is_postgres(db) else sqlite_path.missing_place(db)
-    if place is not None:
-        raise argparse.ArgumentTypeError(f"cannot put a database at {db}: {place}")
-    return db
-
-
-def _limit(text: str) -> tuple[str, Limit]:
-    pattern, sep, spec = text.rpartition("=")
-    if not sep or not pattern:
-        raise argparse.ArgumentTypeError(f"not PATTERN=MAX (or rate:N/DURATION ...): {text!r}")
-    try:
-        limit = parse_spec(spec)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    try:
-        # Bounded as SetLimit's: every GetJob tests names against it.
-        params.checked_pattern(pattern)
-    except CommandError as error:
-        raise argparse.ArgumentTypeError(f"a pattern SetLimit refuses: {error.status}") from None
-    return pattern, limit
 
 
 # A shorter token is warned of at start.
