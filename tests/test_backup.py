@@ -26,7 +26,7 @@ from helpers import create, ok, outside_address, tmpfs, unprivileged, until
 from jobserver.client import TrioClient
 from jobserver.client.calls import BACKUP_WAIT, backup
 from jobserver.core.commands.backup import MALFORMED_NAME, cancelled
-from jobserver.storage.interface import BackupDirectory, BackupFailed
+from jobserver.storage.backup_types import BackupDirectory, BackupFailed
 from jobserver.storage.sqlite_backup import STOP_CHECK_STEPS
 from jobserver.storage.sqlite_backup import backup as copy_database
 from wire import Client

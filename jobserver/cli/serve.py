@@ -22,7 +22,7 @@ from jobserver.model.times import duration_text
 from jobserver.server.app import Config, HttpListenError, Server
 from jobserver.storage import sqlite_backup
 from jobserver.storage.backends import is_postgres
-from jobserver.storage.interface import BackupDirectoryUnusable
+from jobserver.storage.backup_types import BackupDirectoryUnusable
 from jobserver.storage.sqlite import SYNCHRONOUS_MODES
 from jobserver.storage.sqlite_schema import StoreError
 from jobserver.wire.counts import counted

@@ -32,6 +32,10 @@ from typing import Protocol
 
 from jobserver.model.jobs import NO_CHANGES, Job, JobChanges, NewJob
 from jobserver.model.limits import Limit
+from jobserver.storage.backup_types import (
+    BackupCopy,
+    BackupDirectory,
+)
 from jobserver.storage.searches import NOTHING_PASSED, Found, NameMatch, PassedOver
 
 # What metrics show of each queue (a name up to its first `/`): jobs by
@@ -101,49 +105,6 @@ class ReplyTooLarge(Exception):
 class QueryUnavailable(Exception):
     """This backend cannot run Query as it is set up; the text is the
     status line's, after the code, and says how to enable it."""
-
-
-@dataclass(frozen=True)
-class BackupCopy:
-    """A backup made and checked: its size on disk and the jobs it holds."""
-
-    bytes: int
-    jobs: int
-
-
-class BackupFailed(Exception):
-    """The copy could not be made, or failed its check; nothing is left at
-    its path. The text says why."""
-
-
-class BackupUnsupported(Exception):
-    """This backend makes no copies of itself; the text says what to use
-    instead."""
-
-
-@dataclass(frozen=True)
-class BackupDirectory:
-    """Where Backup writes its files (--backup-dir): an absolute path;
-    `create`: made, mode 0700, when missing (the default beside the
-    database is; a directory the operator names must exist)."""
-
-    path: str
-    create: bool = False
-
-
-class BackupNameTaken(Exception):
-    """The name is a file already (or its -journal or -wal is), or one of
-    the live database's: nothing was written. The text says which."""
-
-
-class BackupNameIsLive(BackupNameTaken):
-    """In the database's own directory, the name begins with the database's
-    file name: its journal, log, shared memory or lock, now or later."""
-
-
-class BackupDirectoryUnusable(Exception):
-    """The backup directory cannot be written safely (missing, a symbolic
-    link, writable by others, ...): the operator's to fix. The text says why."""
 
 
 # heard(names made due, earliest future time) from another node's commit;

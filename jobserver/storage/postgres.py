@@ -56,10 +56,8 @@ from jobserver.model.globmatch import glob_to_regex, is_glob
 from jobserver.model.jobs import Job
 from jobserver.model.limits import Limit, handouts_cutoff
 from jobserver.storage import postgres_listen, postgres_query, postgres_schema, sql
+from jobserver.storage.backup_types import BackupCopy, BackupDirectory, BackupUnsupported
 from jobserver.storage.interface import (
-    BackupCopy,
-    BackupDirectory,
-    BackupUnsupported,
     LaterJobs,
     OutcomeUnknown,
     QueryRows,

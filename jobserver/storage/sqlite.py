@@ -23,16 +23,8 @@ from jobserver.model.globmatch import is_glob
 from jobserver.model.jobs import Job
 from jobserver.model.limits import Limit
 from jobserver.storage import sqlite_backup, sqlite_path, sqlite_readers, sqlite_schema
-from jobserver.storage.interface import (
-    BackupCopy,
-    BackupDirectory,
-    BackupUnsupported,
-    Heard,
-    LaterJobs,
-    QueryRows,
-    QueueStats,
-    RunningStats,
-)
+from jobserver.storage.backup_types import BackupCopy, BackupDirectory, BackupUnsupported
+from jobserver.storage.interface import Heard, LaterJobs, QueryRows, QueueStats, RunningStats
 from jobserver.storage.searches import NOTHING_PASSED, PassedOver, pair_text
 from jobserver.storage.sql import (
     AFTER_IN_ORDER,

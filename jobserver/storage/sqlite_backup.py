@@ -27,7 +27,7 @@ import sqlite3
 import stat
 from collections.abc import Callable
 
-from jobserver.storage.interface import (
+from jobserver.storage.backup_types import (
     BackupCopy,
     BackupDirectory,
     BackupDirectoryUnusable,

@@ -26,15 +26,15 @@ import trio
 
 from jobserver.core.commands.route import Answer, Services, is_loopback
 from jobserver.core.commands.views import ok
-from jobserver.storage.interface import (
+from jobserver.storage.backup_types import (
     BackupDirectory,
     BackupDirectoryUnusable,
     BackupFailed,
     BackupNameIsLive,
     BackupNameTaken,
     BackupUnsupported,
-    Storage,
 )
+from jobserver.storage.interface import Storage
 from jobserver.wire.framing import Request, Response
 
 log = logging.getLogger("jobserver")

@@ -16,7 +16,8 @@ import trio
 
 from jobserver.core.engine.engine import Engine
 from jobserver.core.rules.selection import Taken
-from jobserver.storage.interface import BackupDirectory, Storage
+from jobserver.storage.backup_types import BackupDirectory
+from jobserver.storage.interface import Storage
 from jobserver.wire.framing import Request, Response
 from jobserver.wire.limits import DEFAULT_MAX_REPLY_BYTES
 
