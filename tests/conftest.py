@@ -32,8 +32,9 @@ NODES = "postgres-3-nodes"
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "backends(nodes=False): run each test of the module on every backend (the "
-        "`backend` fixture), and with nodes=True on three PostgreSQL nodes too",
+        "backends(nodes=False, only=None): run each test of the module on every backend (the "
+        "`backend` fixture), with nodes=True on three PostgreSQL nodes too, with "
+        "only='sqlite' on that backend alone",
     )
 
 
@@ -43,7 +44,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "backend" in metafunc.fixturenames:
         mark = metafunc.definition.get_closest_marker("backends")
         backends: tuple[str, ...] = ("sqlite",)
-        if mark is not None:
+        if mark is not None and "only" in mark.kwargs:
+            backends = (mark.kwargs["only"],)
+        elif mark is not None:
             backends = (*BACKENDS, NODES) if mark.kwargs.get("nodes") else BACKENDS
         metafunc.parametrize("backend", backends, indirect=True)
 

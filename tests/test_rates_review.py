@@ -138,6 +138,28 @@ def test_a_per_key_max_over_10000_running_keys_hides_no_other_key(
         assert reply.json["jobID"] == late
 
 
+@pytest.mark.backends(only="sqlite")
+def test_a_fair_pattern_of_50000_served_keys_still_serves_the_next_key(
+    server: ThreadServer,
+) -> None:
+    """14.23: a bound never changes the answer. The round's served keys
+    are read in one statement (Holds._served_now); charged to the search's
+    budget at 20 units a row, a round of 49,750 served keys spent all of
+    its 1,000,000 and every GetJob under the pattern answered 404 with a
+    job of an unserved key ready (fixed in 8674fcb: one read costs one
+    read). On SQLite alone: the budget and its charges are the core's,
+    the same on every backend, and the 50,000 hand-outs take 18 s of the
+    suite on PostgreSQL (7 on SQLite). Before the fix it took 50,000 and
+    the last GetJobs answered 404."""
+    with server.client(timeout=300) as client:
+        ok(client.request("SetLimit", name="f/*", fair="true"))
+        keys = 50_001
+        create_jobs(client, [{"name": "f/x", "key": f"k{i}"} for i in range(keys)])
+        # Every job has a key of its own, so no round ends: the last
+        # GetJobs meets 50,000 served keys.
+        assert len(drain(client, "f/*", 1000, most_calls=60)) == keys
+
+
 # 3. Rounds: a GetJobs stops after 8 rounds.
 
 
