@@ -21,6 +21,8 @@ class State(StrEnum):
     CANCELLED = "CANCELLED"
     FAILED = "FAILED"
     WAITING = "WAITING"
+    # Waiting for the jobs it depends on to end (protocol.md 14.25).
+    BLOCKED = "BLOCKED"
 
 
 # Due jobs in these states are handed out.
@@ -32,6 +34,9 @@ ACTIVE = (State.RUNNING, State.RUNQUEUED)
 PENDING = (State.QUEUED, State.RUNQUEUED, State.RUNNING, State.PAUSED, State.WAITING)
 # Children that ended, kept for their parent.
 ENDED_CHILDREN = (State.FINISHED, State.CANCELLED)
+# A job in these states has ended (issue 37's "end": its dependents are
+# told when it reaches one from any other state, or is deleted before).
+ENDED = (State.FINISHED, State.FAILED, State.CANCELLED)
 
 
 @dataclass
@@ -72,6 +77,13 @@ class Job:
     # last hand-out was under one; 0 otherwise, and for a job with
     # retryAfter, whose own lease wins (protocol.md 14.24).
     lease: int = 0
+    # Dependencies (protocol.md 14.25): how many jobs it depends on, how
+    # many depend on it (so a job without either costs no statement more
+    # when it ends or is handed out), and what it does when one fails
+    # ("" is "fail").
+    dependencies: int = 0
+    dependents: int = 0
+    onDependencyFailure: str = ""
 
 
 @dataclass(frozen=True)
@@ -112,6 +124,12 @@ class NewJob:
     retry_after: str = ""
     policy: RetryPolicy | None = None
     flow: FlowOptions = PLAIN
+    # How many jobs it depends on (its edges are stored apart, once every
+    # job of the request has its ID), how many of them have not ended, and
+    # what it does when one does not finish ("" is "fail").
+    dependencies: int = 0
+    blockers: int = 0
+    on_dependency_failure: str = ""
 
 
 class _Keep(Enum):

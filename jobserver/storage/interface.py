@@ -36,6 +36,7 @@ from jobserver.storage.backup_types import (
     BackupCopy,
     BackupDirectory,
 )
+from jobserver.storage.dependency_types import Dependencies
 from jobserver.storage.searches import NOTHING_PASSED, Found, NameMatch, PassedOver
 
 # What metrics show of each queue (a name up to its first `/`): jobs by
@@ -194,7 +195,7 @@ class Transactions(Protocol):
         Returns at once when no other node can share the jobs."""
 
 
-class Jobs(Protocol):
+class Jobs(Dependencies, Protocol):
     """The named operations, in the writer's transaction. Where other nodes
     write the same jobs (PostgreSQL), a job read by its ID, its name or its
     reply key is locked until the transaction ends (the caller may go on to

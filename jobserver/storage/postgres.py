@@ -100,7 +100,8 @@ MAX_NOTICE_BYTES = 7000
 _SPELLING = {
     column.lower(): column
     for column in (
-        *COLUMNS, "pattern", "capacity", "rate", "ratePer", "perKey", "received", "expires"
+        *COLUMNS, "pattern", "capacity", "rate", "ratePer", "perKey", "received", "expires",
+        "blockers", "dependsOn",
     )
 }
 

@@ -52,7 +52,10 @@ from jobserver.storage.sqlite_schema import StoreError
 # 9: the seconds of the lease a job's taker asked for (GetJob's `lease`,
 # protocol.md 14.24), for TouchJob to renew; an index of the jobs waiting
 # for a retry (the dashboard's Retries).
-SCHEMA_VERSION = 9
+# 10: issue 37 (workflows): dependencies (protocol.md 14.25), the jobs'
+# counts of them and of their dependents, the graph's edges and the
+# outcomes of the jobs depended on.
+SCHEMA_VERSION = 10
 
 # Rows of jobserver_locks. The nodes lock these rows, with FOR UPDATE,
 # where they once took advisory locks: any role that can connect to the
@@ -275,6 +278,7 @@ def _migrate(db: psycopg.Connection, where: str, schema: str) -> None:
         _version_7(db)
         _version_8(db)
     _version_9(db)
+    _version_10(db)
     db.execute("DELETE FROM jobserver_schema")
     db.execute("INSERT INTO jobserver_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
 
@@ -427,6 +431,28 @@ def _version_9(db: psycopg.Connection) -> None:
         "CREATE INDEX IF NOT EXISTS jobsRetrying ON jobs (nextRun, jobID) "
         "WHERE state = 'QUEUED' AND attempts > 0"
     )
+
+
+# Issue 37's version, shared by its parts: each adds its statements here,
+# IF NOT EXISTS as version 5's.
+_VERSION_10 = (
+    # Dependencies (protocol.md 14.25).
+    "ALTER TABLE jobs ADD COLUMN IF NOT EXISTS dependencies INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE jobs ADD COLUMN IF NOT EXISTS blockers INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE jobs ADD COLUMN IF NOT EXISTS dependents INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE jobs ADD COLUMN IF NOT EXISTS onDependencyFailure TEXT COLLATE \"C\" "
+    "NOT NULL DEFAULT ''",
+    "CREATE TABLE IF NOT EXISTS jobDependencies (jobID BIGINT NOT NULL, "
+    "dependsOn BIGINT NOT NULL, PRIMARY KEY (jobID, dependsOn))",
+    "CREATE INDEX IF NOT EXISTS jobDependenciesOn ON jobDependencies (dependsOn)",
+    "CREATE TABLE IF NOT EXISTS dependencyOutcomes (jobID BIGINT PRIMARY KEY, "
+    'state TEXT COLLATE "C" NOT NULL, data TEXT COLLATE "C" NOT NULL)',
+)
+
+
+def _version_10(db: psycopg.Connection) -> None:
+    for statement in _VERSION_10:
+        db.execute(statement.encode())
 
 
 def lock_slot(purpose: str, key: str) -> int:

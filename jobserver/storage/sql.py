@@ -23,14 +23,16 @@ COLUMNS = (
     "created", "jobID", "state", "name", "nextRun", "lastRun", "repeat", "data", "priority",
     "parentJobID", "retryAfter", "maxAttempts", "retryBackoff", "retryDelay", "retryMaxDelay",
     "attempts", "lastError", "leaseID", "cost", "timeWindows", "timeZone", "ended", "replyKey",
-    "lastReport", "worker", "node", "key", "lease",
+    "lastReport", "worker", "node", "key", "lease", "dependencies", "dependents",
+    "onDependencyFailure",
 )
 JOB = ", ".join(COLUMNS)
 # The columns that are not text, as PostgreSQL's types (a write of many
 # rows reads them from text).
 NOT_TEXT = {
     "jobID": "bigint", "priority": "bigint", "parentJobID": "bigint", "maxAttempts": "bigint",
-    "attempts": "bigint", "cost": "bigint", "lease": "bigint", "retryDelay": "float8",
+    "attempts": "bigint", "cost": "bigint", "lease": "bigint",
+    "dependencies": "bigint", "dependents": "bigint", "blockers": "bigint", "retryDelay": "float8",
     "retryMaxDelay": "float8",
 }
 

@@ -24,7 +24,7 @@ from jobserver.storage import sql, sql_bulk
 from jobserver.storage.held_writes import Write
 from jobserver.storage.searches import Found, NameMatch
 from jobserver.storage.sql import JOB, Dialect
-from jobserver.storage.sql_statements import Statements
+from jobserver.storage.sql_dependencies import DependencyStatements
 
 # Limits (with their capacity) and paused patterns (with none), in one query.
 FLOW_CONTROL = (
@@ -33,7 +33,7 @@ FLOW_CONTROL = (
 )
 
 
-class SqlStore(Statements):
+class SqlStore(DependencyStatements):
     """The named operations in SQL; a backend gives it a connection
     (`_run`), a dialect, and its hooks."""
 
@@ -82,6 +82,9 @@ class SqlStore(Statements):
         if policy is not None:
             columns += _POLICY
             values += (policy.max_attempts, policy.backoff, policy.delay, policy.max_delay)
+        if new.dependencies:
+            columns += _DEPENDENCIES
+            values += (new.dependencies, new.blockers, new.on_dependency_failure)
         self._noted(new.priority, new.parent_id)
         held = self._held
         job_id = self._reserved_id()
@@ -570,10 +573,13 @@ class SqlStore(Statements):
         rows = self._execute(
             f"DELETE FROM jobs WHERE jobID IN (SELECT jobID FROM jobs {d.indexed_by('jobsEnded')} "
             f"WHERE state IN ({sql.RETAINED_SQL}) AND parentJobID = 0 AND state = {d.mark} "
-            f"AND ended < {d.mark} ORDER BY ended LIMIT {d.mark}{d.skip_locked})",
+            f"AND ended < {d.mark} ORDER BY ended LIMIT {d.mark}{d.skip_locked}) "
+            "RETURNING jobID, dependencies",
             (state, ended_before, batch),
-        )
-        return max(rows.rowcount, 0)
+        ).fetchall()
+        # The edges of the pruned jobs that had dependencies go with them.
+        self.forget_dependencies([int(row[0]) for row in rows if row[1]])
+        return len(rows)
 
     def prune_replies(self, now: str, batch: int) -> int:
         """Delete up to `batch` expired replies; how many went."""
@@ -622,6 +628,7 @@ _NEW_JOB = (
 )
 _FLOW = ("cost", "timeWindows", "timeZone", "key")
 _POLICY = ("maxAttempts", "retryBackoff", "retryDelay", "retryMaxDelay")
+_DEPENDENCIES = ("dependencies", "blockers", "onDependencyFailure")
 _STATE_NAMES = {state.value: state.value for state in State}
 
 

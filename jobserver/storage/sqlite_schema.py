@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sqlite3
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 
 class StoreError(Exception):
@@ -65,7 +65,15 @@ CREATE TABLE jobs (
     key           TEXT NOT NULL DEFAULT '',
     -- Seconds of the lease the taker asked for at the hand-out (the lease
     -- of GetJob), for TouchJob to renew, or 0 (protocol.md 14.24).
-    lease         INTEGER NOT NULL DEFAULT 0
+    lease         INTEGER NOT NULL DEFAULT 0,
+    -- Dependencies (protocol.md 14.25): how many jobs this one depends on,
+    -- how many of them have not ended yet, how many jobs depend on it (a
+    -- job with none is told nothing when it ends), and what it does when
+    -- one of them does not finish ('' is 'fail').
+    dependencies  INTEGER NOT NULL DEFAULT 0,
+    blockers      INTEGER NOT NULL DEFAULT 0,
+    dependents    INTEGER NOT NULL DEFAULT 0,
+    onDependencyFailure TEXT NOT NULL DEFAULT ''
 );
 -- GetJob with a pattern: per priority, the due jobs in hand-out order
 -- (nextRun, name, then jobID, which every index ends with), so the first
@@ -148,6 +156,20 @@ CREATE TABLE idempotency (
     expires        TEXT NOT NULL
 );
 CREATE INDEX idempotencyExpires ON idempotency (expires);
+-- The edges of the graph of dependencies: jobID waits for dependsOn.
+CREATE TABLE jobDependencies (
+    jobID     INTEGER NOT NULL,
+    dependsOn INTEGER NOT NULL,
+    PRIMARY KEY (jobID, dependsOn)
+);
+CREATE INDEX jobDependenciesOn ON jobDependencies (dependsOn);
+-- How a job that others depend on ended (its final state, and a FINISHED
+-- job's data, its result), kept for them after it is gone.
+CREATE TABLE dependencyOutcomes (
+    jobID INTEGER PRIMARY KEY,
+    state TEXT NOT NULL,
+    data  TEXT NOT NULL
+);
 """
 
 # Statements that bring a file of version N up to N + 1. They run in one
@@ -228,6 +250,19 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         # hold it already.
         "CREATE INDEX IF NOT EXISTS jobsRetrying ON jobs (nextRun) "
         "WHERE state = 'QUEUED' AND attempts > 0",
+    ),
+    # Issue 37's version, shared by its parts: each adds its statements here.
+    9: (
+        # Dependencies (protocol.md 14.25).
+        "ALTER TABLE jobs ADD COLUMN dependencies  INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE jobs ADD COLUMN blockers      INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE jobs ADD COLUMN dependents    INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE jobs ADD COLUMN onDependencyFailure TEXT NOT NULL DEFAULT ''",
+        "CREATE TABLE jobDependencies (\n    jobID     INTEGER NOT NULL,\n"
+        "    dependsOn INTEGER NOT NULL,\n    PRIMARY KEY (jobID, dependsOn)\n)",
+        "CREATE INDEX jobDependenciesOn ON jobDependencies (dependsOn)",
+        "CREATE TABLE dependencyOutcomes (\n    jobID INTEGER PRIMARY KEY,\n"
+        "    state TEXT NOT NULL,\n    data  TEXT NOT NULL\n)",
     ),
 }
 

@@ -18,6 +18,7 @@ from jobserver.model.limits import MAX_KEY, MAX_RATE
 from jobserver.web import statuses
 from jobserver.wire.limits import (
     MAX_BULK,
+    MAX_DEPENDENCIES,
     MAX_FINISH_JOBS,
     MAX_IDEMPOTENCY_KEY,
     MAX_JOB_ID,
@@ -112,6 +113,18 @@ _NEW_JOB = [
           "when the job may run, HH:MM-HH:MM, comma-separated (14.8)"),
     Param("timeZone", {"type": "string", "examples": ["Europe/Paris"]},
           "the zone of the time windows and of a CRON repeat (6.1, 14.8)"),
+    Param("dependsOn", {
+        "type": "array", "maxItems": MAX_DEPENDENCIES,
+        "items": {"oneOf": [
+            {"type": "integer", "minimum": 1, "maximum": MAX_JOB_ID},
+            {"type": "string", "pattern": "^#(0|[1-9][0-9]{0,8})$"},
+        ]},
+        "examples": [[12, 13], ["#0", "#1"]],
+    }, "the jobs this one waits for: jobIDs, and in CreateJobs \"#N\" for element N of "
+       "the same request (14.25)"),
+    Param("onDependencyFailure", {"type": "string", "enum": ["fail", "cancel", "run"]},
+          "when a dependency fails, is cancelled or deleted: fail (the default), cancel, or "
+          "run anyway (14.25)"),
 ]
 _IDEMPOTENCY_KEY = Param(
     "idempotencyKey", {"type": "string", "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY},

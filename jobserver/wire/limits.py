@@ -161,3 +161,19 @@ MAX_CLIENT_MAX_REPLY_BYTES = 2 * MAX_MAX_REPLY_BYTES
 # deployment names queues for.
 DEFAULT_MAX_LIMITS = 1000
 MAX_MAX_LIMITS = 10_000
+
+# Dependencies (protocol.md 14.25). A job depends on at most this many
+# jobs: a batch of a thousand needs a fan-in of a thousand, and the
+# hand-out lists every one.
+MAX_DEPENDENCIES = 1000
+# One CreateJobs holds at most this many edges in all (each element's
+# dependsOn summed): a fan-out and fan-in of a thousand is two thousand,
+# and each edge costs a row and a check in the request's transaction.
+MAX_REQUEST_DEPENDENCIES = 20_000
+# The bytes of its dependencies' data a hand-out carries at most, per job:
+# past them, a dependency's entry has `"dataOmitted": true` in place of its
+# data. With a job's own data (1 MiB at most) it stays within the least
+# --max-reply-bytes.
+MAX_DEPENDENCY_DATA = 1024 * 1024
+# onDependencyFailure's values; "fail" is the default.
+ON_DEPENDENCY_FAILURE = ("fail", "cancel", "run")

@@ -10,13 +10,16 @@ change the handler made. Status lines are Bedrock's, word for word.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
-from jobserver.core.commands import idempotency, known_headers, params
+from jobserver.core.commands import depends_on, idempotency, known_headers, params
+from jobserver.core.commands.depends_on import NONE, Wanted
 from jobserver.core.commands.views import ok
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
-from jobserver.core.rules import flow, lifecycle, schedule
+from jobserver.core.rules import dependencies, flow, lifecycle, schedule
+from jobserver.core.rules.dependencies import Known
 from jobserver.core.rules.schedule import RepeatStalled
 from jobserver.model import cron
 from jobserver.model.jobs import Job, NewJob, State
@@ -32,10 +35,18 @@ def create_job(ctx: Context, request: Request) -> Response:
         # parameters writes nothing (a write, then a refusal, makes the
         # writer run its whole batch again).
         _check_parameters(request)
+        depends_on.of_request(request)
     done = idempotency.replay(ctx, request, key)
     if done is not None:
         return done
-    response = Response("200 OK", b'{"jobID":%d}' % _create(ctx, request))
+    wanted = depends_on.of_request(request)
+    if wanted.count:
+        known = dependencies.read(ctx, wanted.jobs)
+        job_id = _create(ctx, request, wanted, known)
+        _link(ctx, known, [wanted], [job_id])
+    else:
+        job_id = _create(ctx, request)
+    response = Response("200 OK", b'{"jobID":%d}' % job_id)
     idempotency.remember(ctx, request, key, response)
     return response
 
@@ -56,16 +67,34 @@ def create_jobs(ctx: Context, request: Request) -> Response:
 
 
 def _create_all(ctx: Context, request: Request) -> Response:
-    ids = []
+    ids: list[int] = []
     created = []
+    elements = params.job_list(request)
+    wanted = depends_on.of_elements(elements)
+    graph = any(one.count for one in wanted)
+    # Read (and locked) before any job is created: a dependency that
+    # exists now cannot end unseen (dependencies.py).
+    known = dependencies.read(ctx, [i for one in wanted for i in one.jobs]) if graph else None
     # The new jobs' inserts are sent together (storage's held_writes.py).
     with ctx.store.holding_writes():
-        elements = params.job_list(request)
         ctx.store.reserve_ids(len(elements))
-        for element in _elements(elements):
+        for element, one in zip(_elements(elements), wanted, strict=True):
             created.append(element)
-            ids.append(_create(ctx, element))
+            ids.append(_create(ctx, element, one, known))
+    if known is not None:
+        _link(ctx, known, wanted, ids)
     return known_headers.with_ignored_elements(ok({"jobIDs": ids}), created)
+
+
+def _link(ctx: Context, known: Known, wanted: list[Wanted], ids: list[int]) -> None:
+    """The request's jobs all have IDs: store their edges (`#N` now a
+    jobID), and make the moves that dependencies ended already decide."""
+    new = [
+        (job_id, (*one.jobs, *(ids[index] for index in one.elements)))
+        for job_id, one in zip(ids, wanted, strict=True)
+        if one.count
+    ]
+    lifecycle.make(ctx, dependencies.link(ctx, known, new))
 
 
 def _elements(elements: list[dict[str, Any]]) -> Iterator[Request]:
@@ -90,7 +119,9 @@ def _check_parameters(request: Request) -> None:
     _parent_id(request)
 
 
-def _create(ctx: Context, request: Request) -> int:
+def _create(
+    ctx: Context, request: Request, wanted: Wanted = NONE, known: Known | None = None
+) -> int:
     name = params.name(request)
     priority = params.priority(request, "jobPriority", "priority")
     data = params.data(request)
@@ -102,7 +133,13 @@ def _create(ctx: Context, request: Request) -> int:
     _check_cost_fits(ctx, name, flow.cost)
     parent_id = _parent_id(request)
     parent = _parent(ctx, parent_id) if parent_id else None
-    if params.is_true(request.get("unique")):
+    unique = params.is_true(request.get("unique"))
+    if wanted.count and (parent_id or unique):
+        # A child's first state follows its parent's, and a unique job may
+        # be one that exists already: neither can wait BLOCKED as well.
+        other = "parentJobID" if parent_id else "unique"
+        raise CommandError(f"402 dependsOn cannot be used with {other}")
+    if unique:
         existing = ctx.store.find_by_name(name)
         if existing is not None:
             _update_unique(ctx, request, existing, parent_id, data, rule, priority, flow.zone)
@@ -121,6 +158,14 @@ def _create(ctx: Context, request: Request) -> int:
         policy=policy,
         flow=flow,
     )
+    if wanted.count and known is not None:
+        ended = sum(1 for job_id in wanted.jobs if known.outcome(job_id) is not None)
+        new = replace(
+            new,
+            dependencies=wanted.count,
+            blockers=wanted.count - ended,
+            on_dependency_failure=wanted.policy,
+        )
     return lifecycle.create(ctx, new, parent)
 
 

@@ -14,7 +14,8 @@ _REPORT = (*_JOB, "leaseid", "data")
 _NEW_JOB = (
     "name", "data", "firstrun", "repeat", "jobpriority", "priority", "retryafter",
     "parentjobid", "unique", "overwrite", "maxattempts", "retrybackoff", "retrydelay",
-    "retrymaxdelay", "cost", "timewindows", "timezone", "key",
+    "retrymaxdelay", "cost", "timewindows", "timezone", "key", "dependson",
+    "ondependencyfailure",
 )
 _BULK = ("name", "queue", "jobids", "limit", "dryrun")
 _HAND_OUT = ("name", "jobpriority", "includeleaseid", "lease")

@@ -12,10 +12,10 @@ from jobserver.core.commands.lookup import check_lease, load_job
 from jobserver.core.commands.views import failed_object, job_object, ok
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
-from jobserver.core.rules import lifecycle, schedule
+from jobserver.core.rules import dependencies, lifecycle, schedule
 from jobserver.core.rules.selection import name_selector
 from jobserver.model import cron
-from jobserver.model.jobs import Job
+from jobserver.model.jobs import Job, State
 from jobserver.wire.framing import Request, Response
 
 
@@ -24,6 +24,9 @@ def query_job(ctx: Context, request: Request) -> Response:
     shown = job_object(job, with_state=True)
     if cron.is_cron(job.repeat):
         shown["nextRuns"] = schedule.cron_upcoming(ctx.now, job)
+    if job.dependencies:
+        shown["dependencyCounts"] = dependencies.counts(ctx, job)
+        shown["onDependencyFailure"] = job.onDependencyFailure or "fail"
     return ok(shown)
 
 
@@ -75,7 +78,9 @@ def cancel_job(ctx: Context, request: Request) -> Response:
     # whatever state it is in.
     if ctx.store.has_children(job.jobID):
         raise CommandError("404 Invalid jobID - Cannot cancel a job with children")
-    if not job.parentJobID:
+    # A job waiting for its dependencies is cancelled as a child is
+    # (protocol.md 14.25): its own dependents hear of it.
+    if not job.parentJobID and job.state != State.BLOCKED:
         raise CommandError("404 Invalid jobID - Cannot cancel a job without a parent")
     lifecycle.cancel(ctx, job)
     return ok()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from jobserver.core.rules import dependencies
 from jobserver.model.jobs import ENDED_CHILDREN, Job, State
 from jobserver.storage.interface import Storage
 from jobserver.wire import jsonbody
@@ -74,6 +75,8 @@ def handout_object(store: Storage, job: Job) -> dict[str, Any]:
         cancelled = [c for c in done if c.state == State.CANCELLED]
         obj["finishedChildJobs"] = [_child(c) for c in finished]
         obj["cancelledChildJobs"] = [_child(c) for c in cancelled]
+    if job.dependencies:
+        obj["dependencies"] = dependencies.handout_entries(store, job)
     return obj
 
 

@@ -39,10 +39,11 @@ from typing import Any
 from jobserver.core.engine import history
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
-from jobserver.core.rules import flow, schedule
+from jobserver.core.rules import dependencies, flow, schedule
 from jobserver.core.rules.moves import GONE, MOVES, Refused, check, illegal
 from jobserver.model.jobs import (
     ACTIVE,
+    ENDED,
     ENDED_CHILDREN,
     PENDING,
     READY,
@@ -75,7 +76,17 @@ _EVENTS: dict[str, dict[str, int]] = {
     "fail": {State.FAILED: history.FAILED},
     "fail an attempt": {State.FAILED: history.FAILED, State.QUEUED: history.RETRIED},
     "time out a reply": {State.FAILED: history.FAILED, State.QUEUED: history.RETRIED},
+    "fail for a dependency": {State.FAILED: history.FAILED},
 }
+# Where a job ends (issue 37): its dependents are told, from any state
+# that had not ended.
+_ENDS = (*ENDED, GONE)
+# The requests whose moves are telling dependents of an end, each with
+# the ends still to tell (by id(ctx): a Context is not hashable): an end
+# found meanwhile (a dependent failed, whose own dependents must hear) is
+# queued here rather than told by a call inside the telling, so a chain
+# of a thousand jobs is a loop, not a thousand nested calls.
+_TELLING: dict[int, list[tuple[Job, str, str]]] = {}
 
 
 def _move(ctx: Context, job: Job, name: str, target: str, /, **changes: Any) -> None:
@@ -89,8 +100,14 @@ def _move(ctx: Context, job: Job, name: str, target: str, /, **changes: Any) -> 
         _freed(ctx, job)
     # Fenced by the state the move starts from: a job another node moved
     # first (read unlocked, as FAILED or as a PAUSED child) stays as it left it.
+    if job.dependents and target in _ENDS and job.state not in ENDED:
+        # A finished job deleted at once (no --keep-finished) finished.
+        outcome = State.FINISHED if name == "finish" else target
+        _tell_dependents(ctx, job, outcome, changes.get("data", job.data))
     if target == GONE:
         ctx.store.delete([job.jobID], (job.state,))
+        if job.dependencies:
+            ctx.store.forget_dependencies([job.jobID])
         return
     ctx.store.set_state_if([job.jobID], (job.state,), target, JobChanges(**changes))
     if target in READY or target == State.WAITING:
@@ -99,6 +116,30 @@ def _move(ctx: Context, job: Job, name: str, target: str, /, **changes: Any) -> 
         ctx.scheduled(changes.get("name", job.name), changes.get("nextRun", job.nextRun))
     elif target == State.RUNNING and "lastReport" in changes:
         _watch_for_staleness(ctx)
+
+
+def _tell_dependents(ctx: Context, job: Job, target: str, data: str) -> None:
+    """`job` ends: its dependents learn it, and those that it decides move
+    (protocol.md 14.25), in this transaction; their own ends in turn."""
+    state = dependencies.outcome_state(target)
+    queue = _TELLING.get(id(ctx))
+    if queue is not None:
+        queue.append((job, state, data))
+        return
+    queue = _TELLING[id(ctx)] = [(job, state, data)]
+    try:
+        while queue:
+            ended, outcome, result = queue.pop()
+            for step in dependencies.ended(ctx, ended, outcome, result):
+                _move(ctx, step.job, step.move, step.target, **step.changes)
+    finally:
+        del _TELLING[id(ctx)]
+
+
+def make(ctx: Context, steps: list[dependencies.Step]) -> None:
+    """The moves dependencies.link decided for new jobs."""
+    for step in steps:
+        _move(ctx, step.job, step.move, step.target, **step.changes)
 
 
 def _write(ctx: Context, job: Job, **changes: Any) -> None:
@@ -144,10 +185,13 @@ def check_parent(parent: Job) -> None:
 
 def create(ctx: Context, new: NewJob, parent: Job | None) -> int:
     """Store a new job: QUEUED, or PAUSED while its parent runs (a child of
-    a running parent waits until the parent finishes)."""
+    a running parent waits until the parent finishes), or BLOCKED until its
+    dependencies end (dependencies.link then decides whether it waits)."""
     if parent is not None:
         check_parent(parent)
     state = State.PAUSED if parent is not None and parent.state != State.PAUSED else State.QUEUED
+    if new.dependencies:
+        state = State.BLOCKED
     (job_id,) = ctx.store.create([new], created=ctx.now_s, state=state)
     ctx.note(history.CREATED, new.name)
     if state == State.QUEUED:
@@ -389,7 +433,8 @@ def finish(ctx: Context, job: Job, parent: Job | None, **changes: Any) -> None:
         # the pruner deletes it.
         _move(ctx, job, "finish", State.FINISHED, ended=ctx.now_s, **changes)
     else:
-        _move(ctx, job, "finish", GONE)
+        # Its data goes to its dependents, if any: its result.
+        _move(ctx, job, "finish", GONE, **changes)
 
 
 def retry(

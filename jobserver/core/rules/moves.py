@@ -71,6 +71,13 @@ NOT_HANDED_OUT = "405 Can only retry/finish RUNNING and RUNQUEUED jobs"
 
 MOVES: dict[str, Move] = {
     "create": _between((NEW,), (State.QUEUED, State.PAUSED), ends_run=False),
+    # Dependencies (protocol.md 14.25): a job created with dependsOn waits
+    # BLOCKED until they end; then it is queued, or ends as its
+    # onDependencyFailure says when one of them did not finish.
+    "block on dependencies": _between((NEW,), (State.BLOCKED,), ends_run=False),
+    "unblock": _between((State.BLOCKED,), (State.QUEUED,), ends_run=False),
+    "fail for a dependency": _between((State.BLOCKED,), (State.FAILED,), ends_run=False),
+    "cancel for a dependency": _between((State.BLOCKED,), (State.CANCELLED,), ends_run=False),
     "hand out": _between(READY, ACTIVE, ends_run=False),
     "expire a lease": _between(READY, (State.FAILED,), ends_run=False),
     "wait for a window": _in_place(READY),
@@ -96,7 +103,10 @@ MOVES: dict[str, Move] = {
     "release a child": _between((State.PAUSED,), (State.QUEUED,)),
     "resume a parent": _between((State.PAUSED,), (State.QUEUED,)),
     "cancel": _between(
-        (State.QUEUED, State.RUNQUEUED, State.FAILED, State.CANCELLED, State.WAITING),
+        (
+            State.QUEUED, State.RUNQUEUED, State.FAILED, State.CANCELLED, State.WAITING,
+            State.BLOCKED,
+        ),
         (State.CANCELLED,),
     ),
     "delete": _between(

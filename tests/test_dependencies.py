@@ -1,0 +1,198 @@
+"""Jobs that depend on other jobs (protocol.md 14.25): dependsOn,
+BLOCKED, onDependencyFailure, the hand-out's `dependencies` and QueryJob's
+`dependencyCounts`, over a real server on every backend."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from helpers import create, ok
+from wire import Client
+
+# The same protocol on every backend (conftest.BACKENDS).
+pytestmark = pytest.mark.backends
+
+
+def query(client: Client, job_id: int) -> dict[str, Any]:
+    return ok(client.request("QueryJob", jobID=job_id)).json
+
+
+def state(client: Client, job_id: int) -> str:
+    return str(query(client, job_id)["state"])
+
+
+def take(client: Client, name: str) -> dict[str, Any] | None:
+    reply = client.request("GetJob", name=name)
+    if reply.status.startswith("404"):
+        return None
+    return ok(reply).json
+
+
+def finish(client: Client, job_id: int, data: dict[str, Any] | None = None) -> None:
+    params: dict[str, Any] = {"jobID": job_id}
+    if data is not None:
+        params["data"] = data
+    ok(client.request("FinishJob", **params))
+
+
+def run(client: Client, name: str, data: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Take a job of `name` and finish it; the job as handed out."""
+    job = take(client, name)
+    assert job is not None, f"no {name} to run"
+    finish(client, job["jobID"], data)
+    return job
+
+
+def create_jobs(client: Client, jobs: list[dict[str, Any]]) -> list[int]:
+    return list(ok(client.request("CreateJobs", jobs=jobs)).json["jobIDs"])
+
+
+def test_a_job_runs_only_after_its_dependency_finished(server, client):
+    first = create(client, "first")
+    then = create(client, "then", dependsOn=json.dumps([first]))
+    assert state(client, then) == "BLOCKED"
+    assert take(client, "then") is None
+    counts = query(client, then)["dependencyCounts"]
+    assert counts == {
+        "total": 1, "pending": 1, "finished": 0, "failed": 0, "cancelled": 0, "deleted": 0
+    }
+    run(client, "first", {"result": 42})
+    assert state(client, then) == "QUEUED"
+    job = take(client, "then")
+    assert job is not None
+    assert job["dependencies"] == [{"jobID": first, "state": "FINISHED", "data": {"result": 42}}]
+    assert query(client, then)["dependencyCounts"]["finished"] == 1
+
+
+def test_a_diamond_in_one_request(server, client):
+    top, left, right, bottom = create_jobs(client, [
+        {"name": "top"},
+        {"name": "left", "dependsOn": ["#0"]},
+        {"name": "right", "dependsOn": ["#0"]},
+        {"name": "bottom", "dependsOn": ["#1", "#2"]},
+    ])
+    assert [state(client, j) for j in (top, left, right, bottom)] == [
+        "QUEUED", "BLOCKED", "BLOCKED", "BLOCKED"
+    ]
+    run(client, "top", {"n": 1})
+    assert take(client, "bottom") is None
+    run(client, "left", {"n": 2})
+    assert state(client, bottom) == "BLOCKED"
+    run(client, "right", {"n": 3})
+    job = take(client, "bottom")
+    assert job is not None
+    assert job["dependencies"] == [
+        {"jobID": left, "state": "FINISHED", "data": {"n": 2}},
+        {"jobID": right, "state": "FINISHED", "data": {"n": 3}},
+    ]
+
+
+def test_a_forward_reference(server, client):
+    then, _first = create_jobs(client, [
+        {"name": "then", "dependsOn": ["#1"]},
+        {"name": "first"},
+    ])
+    assert state(client, then) == "BLOCKED"
+    run(client, "first")
+    assert state(client, then) == "QUEUED"
+
+
+@pytest.mark.parametrize(
+    ("policy", "ends"), [("fail", "FAILED"), ("cancel", "CANCELLED"), (None, "FAILED")]
+)
+def test_a_failed_dependency_ends_the_dependent_and_its_own(server, client, policy, ends):
+    extra = {} if policy is None else {"onDependencyFailure": policy}
+    first, then, after = create_jobs(client, [
+        {"name": "first"},
+        {"name": "then", "dependsOn": ["#0"], **extra},
+        {"name": "after", "dependsOn": ["#1"]},
+    ])
+    job = take(client, "first")
+    assert job is not None
+    ok(client.request("FailJob", jobID=first, error="boom"))
+    shown = query(client, then)
+    assert shown["state"] == ends
+    assert shown["dependencyCounts"]["failed"] == 1
+    # The cascade: `after` depended on `then`, which did not finish.
+    assert state(client, after) == "FAILED"
+    assert take(client, "then") is None and take(client, "after") is None
+
+
+def test_run_runs_whatever_the_outcomes(server, client):
+    ok_job, bad, gone = create_jobs(client, [{"name": "a"}, {"name": "b"}, {"name": "c"}])
+    finally_ = create(
+        client, "finally", dependsOn=json.dumps([ok_job, bad, gone]), onDependencyFailure="run"
+    )
+    run(client, "a", {"x": 1})
+    assert take(client, "b") is not None
+    ok(client.request("FailJob", jobID=bad, error="no"))
+    assert state(client, finally_) == "BLOCKED"
+    ok(client.request("DeleteJob", jobID=gone))
+    job = take(client, "finally")
+    assert job is not None
+    assert [(d["jobID"], d["state"]) for d in job["dependencies"]] == [
+        (ok_job, "FINISHED"), (bad, "FAILED"), (gone, "DELETED")
+    ]
+    counts = query(client, finally_)["dependencyCounts"]
+    assert counts == {
+        "total": 3, "pending": 0, "finished": 1, "failed": 1, "cancelled": 0, "deleted": 1
+    }
+
+
+def test_ended_dependencies_count_as_ended_at_create(server, client):
+    bad = create(client, "bad")
+    assert take(client, "bad") is not None
+    ok(client.request("FailJob", jobID=bad, error="no"))
+    assert state(client, create(client, "x", dependsOn=json.dumps([bad]))) == "FAILED"
+    ran = create(client, "y", dependsOn=json.dumps([bad]), onDependencyFailure="run")
+    assert state(client, ran) == "QUEUED"
+
+
+def test_cancel_and_delete_of_a_blocked_job(server, client):
+    first = create(client, "first")
+    a = create(client, "a", dependsOn=json.dumps([first]))
+    b = create(client, "b", dependsOn=json.dumps([first]))
+    after = create(client, "after", dependsOn=json.dumps([a]), onDependencyFailure="cancel")
+    ok(client.request("CancelJob", jobID=a))
+    assert state(client, a) == "CANCELLED"
+    assert state(client, after) == "CANCELLED"
+    ok(client.request("DeleteJob", jobID=b))
+    assert client.request("QueryJob", jobID=b).status.startswith("404")
+    run(client, "first")
+
+
+@pytest.mark.parametrize(
+    ("jobs", "status"),
+    [
+        ([{"name": "a", "dependsOn": ["#0"]}], "402 Element 0 depends on itself"),
+        ([{"name": "a", "dependsOn": ["#1"]}], "402 Malformed dependsOn: #1 names no element"),
+        ([{"name": "a", "dependsOn": ["#1"]}, {"name": "b", "dependsOn": ["#0"]}],
+         "402 Dependency cycle: elements 0, 1"),
+        ([{"name": "a", "dependsOn": [999999]}], "404 Dependency 999999 does not exist"),
+        ([{"name": "a", "dependsOn": "nope"}], "402 Malformed dependsOn"),
+        ([{"name": "a", "dependsOn": [True]}], "402 Malformed dependsOn"),
+        ([{"name": "a", "dependsOn": list(range(1, 1002))}],
+         "413 Too many dependencies (max 1000)"),
+        ([{"name": "a", "onDependencyFailure": "maybe"}],
+         "402 Malformed onDependencyFailure"),
+    ],
+)
+def test_bad_references_are_refused(server, client, jobs, status):
+    reply = client.request("CreateJobs", jobs=jobs)
+    assert reply.status.startswith(status), reply.status
+    # All or nothing: no job of the request was created.
+    assert take(client, "a") is None
+
+
+def test_a_request_past_its_bound_of_edges_is_refused(server, client):
+    jobs = [{"name": f"x{i}", "dependsOn": list(range(1, 1001))} for i in range(21)]
+    reply = client.request("CreateJobs", jobs=jobs)
+    assert reply.status == "413 Too many dependencies in one request (max 20000)"
+
+
+def test_createjob_takes_no_element_reference(server, client):
+    reply = client.request("CreateJob", name="a", dependsOn='["#0"]')
+    assert reply.status.startswith("402 Malformed dependsOn")
