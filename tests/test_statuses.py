@@ -77,6 +77,7 @@ def test_every_status_line_has_an_http_status_with_a_reason(line: str) -> None:
         ("404 Reply already delivered", 409),
         ("405 Can only retry/finish RUNNING and RUNQUEUED jobs", 409),
         ("409 Lease expired", 409),
+        ("410 Job cancelled", 410),
         ("413 Too many jobIDs (max 1000)", 413),
         ("413 Too many limits (max 1000)", 409),
         ("430 Unrecognized command", 404),

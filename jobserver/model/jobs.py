@@ -84,6 +84,10 @@ class Job:
     dependencies: int = 0
     dependents: int = 0
     onDependencyFailure: str = ""
+    # 1 once CancelJob with running: true asked this handed-out job to
+    # stop: its next report is answered 410 and it ends CANCELLED
+    # (protocol.md 14.26).
+    cancelRequested: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,7 @@ class JobChanges:
     worker: str | _Keep = KEEP
     node: str | _Keep = KEEP
     lease: int | _Keep = KEEP
+    cancelRequested: int | _Keep = KEEP
     # UpdateJob's, and a unique CreateJob's merge.
     timeZone: str | _Keep = KEEP
 

@@ -306,7 +306,12 @@ class Jobs(Dependencies, Protocol):
         or reply deadline of a WAITING job."""
 
     def first_deadline(self) -> str | None:
-        """The earliest reply deadline, passed or not."""
+        """The earliest reply deadline, or lease end of a job whose cancel
+        is pending, passed or not."""
+
+    def cancels_due(self, now: str, limit: int) -> list[Job]:
+        """RUNQUEUED jobs whose cancel is pending and whose lease has ended
+        by `now`, earliest first."""
 
     def oldest_report(self) -> str | None:
         """The lastReport of the RUNNING job heard from least recently."""

@@ -54,7 +54,8 @@ from jobserver.storage.sqlite_schema import StoreError
 # for a retry (the dashboard's Retries).
 # 10: issue 37 (workflows): dependencies (protocol.md 14.25), the jobs'
 # counts of them and of their dependents, the graph's edges and the
-# outcomes of the jobs depended on.
+# outcomes of the jobs depended on; a handed-out job's
+# pending cancel (CancelJob with running: true, protocol.md 14.26).
 SCHEMA_VERSION = 10
 
 # Rows of jobserver_locks. The nodes lock these rows, with FOR UPDATE,
@@ -447,6 +448,10 @@ _VERSION_10 = (
     "CREATE INDEX IF NOT EXISTS jobDependenciesOn ON jobDependencies (dependsOn)",
     "CREATE TABLE IF NOT EXISTS dependencyOutcomes (jobID BIGINT PRIMARY KEY, "
     'state TEXT COLLATE "C" NOT NULL, data TEXT COLLATE "C" NOT NULL)',
+    # Cancelling a running job (protocol.md 14.26).
+    "ALTER TABLE jobs ADD COLUMN IF NOT EXISTS cancelRequested INTEGER NOT NULL DEFAULT 0",
+    "CREATE INDEX IF NOT EXISTS jobsCancelling ON jobs (nextRun) "
+    "WHERE state = 'RUNQUEUED' AND cancelRequested = 1",
 )
 
 

@@ -24,7 +24,7 @@ COLUMNS = (
     "parentJobID", "retryAfter", "maxAttempts", "retryBackoff", "retryDelay", "retryMaxDelay",
     "attempts", "lastError", "leaseID", "cost", "timeWindows", "timeZone", "ended", "replyKey",
     "lastReport", "worker", "node", "key", "lease", "dependencies", "dependents",
-    "onDependencyFailure",
+    "onDependencyFailure", "cancelRequested",
 )
 JOB = ", ".join(COLUMNS)
 # The columns that are not text, as PostgreSQL's types (a write of many
@@ -32,7 +32,7 @@ JOB = ", ".join(COLUMNS)
 NOT_TEXT = {
     "jobID": "bigint", "priority": "bigint", "parentJobID": "bigint", "maxAttempts": "bigint",
     "attempts": "bigint", "cost": "bigint", "lease": "bigint",
-    "dependencies": "bigint", "dependents": "bigint", "blockers": "bigint", "retryDelay": "float8",
+    "dependencies": "bigint", "cancelRequested": "bigint", "dependents": "bigint", "blockers": "bigint", "retryDelay": "float8",
     "retryMaxDelay": "float8",
 }
 
@@ -77,6 +77,8 @@ RUNNING_SQL = states((State.RUNNING,))
 QUEUED_SQL = states((State.QUEUED,))
 WAITING_SQL = states((State.WAITING,))
 FAILED_SQL = states((State.FAILED,))
+# Leased jobs whose cancel is pending (the index jobsCancelling).
+CANCELLING = f"state = {states((State.RUNQUEUED,))} AND cancelRequested = 1"
 # A finished standalone job kept for retention is history, not a job.
 NOT_HISTORY = f"NOT (state = {states((State.FINISHED,))} AND parentJobID = 0)"
 # The cost a job holds of a concurrency limit: RUNNING, or RUNQUEUED until

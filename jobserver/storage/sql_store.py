@@ -308,8 +308,23 @@ class SqlStore(DependencyStatements):
         return row[0]
 
     def first_deadline(self) -> str | None:
-        """The earliest reply deadline, passed or not."""
-        return self._one(f"SELECT MIN(nextRun) FROM jobs WHERE state = {sql.WAITING_SQL}")[0]
+        """The earliest reply deadline, or lease end of a job whose cancel
+        is pending, passed or not."""
+        return self._one(
+            "SELECT MIN(due) FROM ("
+            f"SELECT MIN(nextRun) AS due FROM jobs WHERE state = {sql.WAITING_SQL} UNION ALL "
+            f"SELECT MIN(nextRun) FROM jobs WHERE {sql.CANCELLING}) AS times"
+        )[0]
+
+    def cancels_due(self, now: str, limit: int) -> list[Job]:
+        """RUNQUEUED jobs whose cancel is pending and whose lease has ended
+        by `now`, earliest first (protocol.md 14.26)."""
+        d = self.dialect
+        return self._jobs(
+            f"SELECT {JOB} FROM jobs {d.indexed_by('jobsCancelling')} WHERE {sql.CANCELLING} "
+            f"AND nextRun <= {d.mark} ORDER BY nextRun LIMIT {d.mark}{d.skip_locked}",
+            (now, limit),
+        )
 
     def oldest_report(self) -> str | None:
         """The lastReport of the RUNNING job heard from least recently. One

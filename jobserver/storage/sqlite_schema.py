@@ -73,7 +73,11 @@ CREATE TABLE jobs (
     dependencies  INTEGER NOT NULL DEFAULT 0,
     blockers      INTEGER NOT NULL DEFAULT 0,
     dependents    INTEGER NOT NULL DEFAULT 0,
-    onDependencyFailure TEXT NOT NULL DEFAULT ''
+    onDependencyFailure TEXT NOT NULL DEFAULT '',
+    -- 1 once CancelJob with running: true asked a handed-out job to stop:
+    -- its worker's next report is answered 410 and the job ends CANCELLED
+    -- (protocol.md 14.26).
+    cancelRequested INTEGER NOT NULL DEFAULT 0
 );
 -- GetJob with a pattern: per priority, the due jobs in hand-out order
 -- (nextRun, name, then jobID, which every index ends with), so the first
@@ -170,6 +174,9 @@ CREATE TABLE dependencyOutcomes (
     state TEXT NOT NULL,
     data  TEXT NOT NULL
 );
+-- Leased jobs whose cancel is pending, by their lease's end: the clock
+-- ends them then if no GetJob does (protocol.md 14.26).
+CREATE INDEX jobsCancelling ON jobs (nextRun) WHERE state = 'RUNQUEUED' AND cancelRequested = 1;
 """
 
 # Statements that bring a file of version N up to N + 1. They run in one
@@ -263,6 +270,10 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "CREATE INDEX jobDependenciesOn ON jobDependencies (dependsOn)",
         "CREATE TABLE dependencyOutcomes (\n    jobID INTEGER PRIMARY KEY,\n"
         "    state TEXT NOT NULL,\n    data  TEXT NOT NULL\n)",
+        # Cancelling a running job (protocol.md 14.26).
+        "ALTER TABLE jobs ADD COLUMN cancelRequested INTEGER NOT NULL DEFAULT 0",
+        "CREATE INDEX jobsCancelling ON jobs (nextRun) "
+        "WHERE state = 'RUNQUEUED' AND cancelRequested = 1",
     ),
 }
 

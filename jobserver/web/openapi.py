@@ -210,7 +210,12 @@ COMMANDS: dict[str, tuple[str, str, list[Param]]] = {
     "FailJobs": ("Report many jobs failed in one request", "14.15", [
         _reports_of(_FAIL, "FailJob"),
     ]),
-    "CancelJob": ("Cancel a queued child job", "5.10", [_job_id()]),
+    "CancelJob": ("Cancel a queued child job, or with running any running job", "5.10", [
+        _job_id(),
+        Param("running", FLAG,
+              "also a RUNNING or RUNQUEUED job: its worker's next report is answered "
+              "410 Job cancelled and it ends CANCELLED (14.26)"),
+    ]),
     "DeleteJob": ("Delete a job that is not running", "5.11", [_job_id()]),
     "RequeueJobs": ("Put jobs back in the queue whatever their state", "5.12", [
         Param("jobIDs", {"type": "string", "pattern": "^[0-9]+(,[0-9]+)*$",

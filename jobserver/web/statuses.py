@@ -40,6 +40,9 @@ BY_CODE: dict[int, HTTPStatus] = {
     405: HTTPStatus.CONFLICT,
     408: HTTPStatus.REQUEST_TIMEOUT,
     409: HTTPStatus.CONFLICT,
+    # A report on a job whose run was cancelled (protocol.md 14.26): the
+    # job is gone from its worker, for good.
+    410: HTTPStatus.GONE,
     413: HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
     # A header line too long, on the wire.
     414: HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
@@ -94,6 +97,8 @@ MEANINGS: dict[HTTPStatus, str] = {
     HTTPStatus.REQUEST_TIMEOUT: "the request did not arrive in time",
     HTTPStatus.CONFLICT: "the job's state, its lease, a key or the server's limits refuse it "
     "(the wire's 405 Can only ..., 409 Lease expired, ...)",
+    HTTPStatus.GONE: "the job's run was cancelled (410 Job cancelled, protocol.md 14.26): "
+    "the report was not taken; stop the job",
     HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "a job's data, an error or a query too large, or "
     "too many items in one request",
     HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE: "a line or head too large (the wire's framing)",

@@ -38,7 +38,7 @@ KNOWN_HEADERS: dict[str, frozenset[str]] = {
         "failjob": (
             *_REPORT, "error", "maxattempts", "retrybackoff", "retrydelay", "retrymaxdelay",
         ),
-        "canceljob": _JOB,
+        "canceljob": (*_JOB, "running"),
         "deletejob": _JOB,
         "requeuejobs": ("jobids", "name"),
         "ping": (),

@@ -15,13 +15,16 @@ from jobserver.core.errors import CommandError
 from jobserver.core.rules import dependencies, lifecycle, schedule
 from jobserver.core.rules.selection import name_selector
 from jobserver.model import cron
-from jobserver.model.jobs import Job, State
+from jobserver.model.jobs import ACTIVE, Job, State
 from jobserver.wire.framing import Request, Response
 
 
 def query_job(ctx: Context, request: Request) -> Response:
     job = load_job(ctx, request)
     shown = job_object(job, with_state=True)
+    if job.cancelRequested:
+        # Its worker has not reported since CancelJob (protocol.md 14.26).
+        shown["cancelRequested"] = True
     if cron.is_cron(job.repeat):
         shown["nextRuns"] = schedule.cron_upcoming(ctx.now, job)
     if job.dependencies:
@@ -76,8 +79,14 @@ def cancel_job(ctx: Context, request: Request) -> Response:
     # The request's checks, not a move's: as Bedrock words them, the jobID
     # names no job CancelJob is for (only a child without children is),
     # whatever state it is in.
+    running = params.flag(request, "running")
     if ctx.store.has_children(job.jobID):
         raise CommandError("404 Invalid jobID - Cannot cancel a job with children")
+    if running and job.state in ACTIVE:
+        # Asked explicitly (protocol.md 14.26): Bedrock leaves a RUNNING
+        # job as it is, and cancels a RUNQUEUED child under its worker.
+        lifecycle.ask_to_cancel(ctx, job)
+        return ok()
     # A job waiting for its dependencies is cancelled as a child is
     # (protocol.md 14.25): its own dependents hear of it.
     if not job.parentJobID and job.state != State.BLOCKED:

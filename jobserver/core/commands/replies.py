@@ -19,7 +19,7 @@ import re
 from datetime import timedelta
 
 from jobserver.core.commands import params
-from jobserver.core.commands.lookup import check_lease, load_job
+from jobserver.core.commands.lookup import cancelled_run, check_lease, load_job
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
 from jobserver.core.rules import lifecycle
@@ -45,6 +45,9 @@ def await_reply(ctx: Context, request: Request) -> Response:
     the reply came early."""
     job = load_job(ctx, request)
     check_lease(request, job)
+    cancelled = cancelled_run(ctx, job)
+    if cancelled is not None:
+        return cancelled
     key = _key(request)
     seconds = _timeout(request)
     lifecycle.check(job, "wait for a reply")

@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 from jobserver.core.commands import known_headers, params
-from jobserver.core.commands.lookup import check_lease, load_job
+from jobserver.core.commands.lookup import cancelled_run, check_lease, load_job
 from jobserver.core.commands.views import ok
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
@@ -108,6 +108,9 @@ def _report_element(ctx: Context, request: Request, report: Report) -> dict[str,
 def _finish_or_retry(ctx: Context, request: Request, retry: bool) -> Response:
     job = load_job(ctx, request)
     check_lease(request, job)
+    cancelled = cancelled_run(ctx, job)
+    if cancelled is not None:
+        return cancelled
     parent = lifecycle.parent_of_ending_run(ctx, job)
     new_data = params.data(request) if params.present(request, "data") else None
     # Most jobs never have children: one look spares the two child queries.
@@ -176,6 +179,9 @@ def fail_job(ctx: Context, request: Request) -> Response:
     again after its backoff delay."""
     job = load_job(ctx, request)
     check_lease(request, job)
+    cancelled = cancelled_run(ctx, job)
+    if cancelled is not None:
+        return cancelled
     lifecycle.check(job, "fail an attempt")
     data = params.data(request) if params.present(request, "data") else None
     error = params.error_text(request, data)
@@ -206,6 +212,9 @@ def touch_job(ctx: Context, request: Request) -> Response:
     RUNNING job's report restarts the stale-job safety net's count."""
     job = load_job(ctx, request)
     check_lease(request, job)
+    cancelled = cancelled_run(ctx, job)
+    if cancelled is not None:
+        return cancelled
     try:
         next_run = lifecycle.touch(ctx, job)
     except RepeatStalled as stalled:

@@ -4,7 +4,8 @@ The engine's clock (engine.py) fires at the earliest time something
 is due: a future job, a lease's end, a reply deadline, a running job's
 stale deadline. When it fires, `tick` runs in the writer: waiting jobs whose
 reply deadline passed and running jobs past --stale-after are failed
-through their retry policies, and the next time to fire is returned.
+through their retry policies, leased jobs whose cancel is pending end
+CANCELLED once their lease has, and the next time to fire is returned.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from jobserver.storage.interface import Storage
 def tick(ctx: Context) -> str | None:
     replies.expire(ctx)
     stale.expire(ctx)
+    stale.end_cancelled_leases(ctx)
     return _earliest(
         ctx.store.next_due(ctx.now_ms), stale.next_deadline(ctx.store, ctx.settings)
     )

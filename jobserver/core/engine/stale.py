@@ -45,8 +45,23 @@ def expire(ctx: Context) -> None:
         return
     stale = ctx.store.stale(cutoff, EXPIRE_BATCH)
     for job in stale:
-        lifecycle.fail_attempt(ctx, job, lost_error(seconds))
+        if job.cancelRequested:
+            # Its worker is gone before it heard of its cancel (14.26).
+            lifecycle.cancel_run(ctx, job)
+        else:
+            lifecycle.fail_attempt(ctx, job, lost_error(seconds))
     if len(stale) == EXPIRE_BATCH:
+        ctx.wake_all()
+
+
+def end_cancelled_leases(ctx: Context) -> None:
+    """RUNQUEUED jobs whose cancel is pending and whose lease has ended
+    with no report: CANCELLED (protocol.md 14.26), whether or not a GetJob
+    for their name comes (a hand-out would end them too)."""
+    due = ctx.store.cancels_due(ctx.now_ms, EXPIRE_BATCH)
+    for job in due:
+        lifecycle.cancel_run(ctx, job)
+    if len(due) == EXPIRE_BATCH:
         ctx.wake_all()
 
 

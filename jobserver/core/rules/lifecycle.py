@@ -40,7 +40,7 @@ from jobserver.core.engine import history
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
 from jobserver.core.rules import dependencies, flow, schedule
-from jobserver.core.rules.moves import GONE, MOVES, Refused, check, illegal
+from jobserver.core.rules.moves import GONE, JOB_CANCELLED, MOVES, Refused, check, illegal
 from jobserver.model.jobs import (
     ACTIVE,
     ENDED,
@@ -98,6 +98,9 @@ def _move(ctx: Context, job: Job, name: str, target: str, /, **changes: Any) -> 
         ctx.note(counted[target], job.name)
     if move.ends_run:
         _freed(ctx, job)
+    if job.cancelRequested and target not in ACTIVE:
+        # A pending cancel is the run's: whatever ends the run ends it.
+        changes.setdefault("cancelRequested", 0)
     # Fenced by the state the move starts from: a job another node moved
     # first (read unlocked, as FAILED or as a PAUSED child) stays as it left it.
     if job.dependents and target in _ENDS and job.state not in ENDED:
@@ -176,6 +179,9 @@ def check_parent(parent: Job) -> None:
     request: a child's first state follows its parent's (it waits PAUSED
     until a running parent pauses for it), and only a parent that runs or
     waits will ever release it or wait for it."""
+    if parent.cancelRequested:
+        # Its run ends at its next report: a child would wait for good.
+        raise Refused(JOB_CANCELLED, f"create: job {parent.jobID}'s cancel is pending")
     if parent.state not in ADOPTING:
         raise Refused(
             "405 Can only create child job when parent is RUNNING, RUNQUEUED or PAUSED",
@@ -227,6 +233,10 @@ def hand_out(ctx: Context, job: Job, worker: str = "", lease: int = 0) -> Lease 
     if job.lease:
         # The last taker's lease is not this one's.
         changes["lease"] = 0
+    if job.cancelRequested:
+        # Its lease ended with a cancel pending: the run is over (14.26).
+        cancel_run(ctx, job)
+        return None
     if job.state == State.RUNQUEUED and not _counts_lost_lease(ctx, job, changes):
         return None
     if job.maxAttempts:
@@ -336,6 +346,10 @@ def give_back(ctx: Context, job: Job, lease: Lease) -> None:
     hand-out is undone."""
     current = ctx.store.get(job.jobID)
     if current is None or current.state not in ACTIVE or current.leaseID != lease.token:
+        return
+    if current.cancelRequested:
+        # Cancelled before its worker ever had it: it ends here.
+        cancel_run(ctx, current)
         return
     _move(
         ctx,
@@ -520,6 +534,33 @@ def cancel(ctx: Context, job: Job) -> None:
     if parent is not None:
         # PAUSED siblings do not hold the parent back here, as in Bedrock.
         resume_parent_if_done(ctx, parent, (State.QUEUED, *ACTIVE))
+
+
+# The lastError of a job whose run was cancelled (protocol.md 14.26).
+CANCELLED_WHILE_RUNNING = "cancelled while running (CancelJob)"
+
+
+def ask_to_cancel(ctx: Context, job: Job) -> None:
+    """CancelJob with running: true of a handed-out job: marked, so that
+    its worker's next report ends it (cancel_run). A RUNQUEUED job whose
+    lease has already ended has no worker to tell: it ends now."""
+    if job.state == State.RUNQUEUED and job.nextRun <= ctx.now_ms:
+        cancel_run(ctx, job)
+        return
+    _move(ctx, job, "ask to cancel", job.state, cancelRequested=1)
+
+
+def cancel_run(ctx: Context, job: Job) -> None:
+    """A handed-out job whose cancel was asked for ends CANCELLED: at its
+    worker's next report, its lease's end, or its stale deadline. Never
+    retried, never repeated; a child's PAUSED parent may now resume."""
+    _move(
+        ctx, job, "cancel a run", State.CANCELLED,
+        lastError=CANCELLED_WHILE_RUNNING, ended=ctx.now_s,
+    )
+    parent = ctx.store.get(job.parentJobID) if job.parentJobID else None
+    if parent is not None:
+        resume_parent_if_done(ctx, parent)
 
 
 def delete(ctx: Context, job: Job) -> None:

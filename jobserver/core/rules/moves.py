@@ -67,6 +67,9 @@ def _refusals(sources: tuple[str, ...], refused: Refusal) -> Mapping[str, str]:
 
 # FinishJob's and RetryJob's refusal: every move that ends a run they report.
 NOT_HANDED_OUT = "405 Can only retry/finish RUNNING and RUNQUEUED jobs"
+# What a handed-out job's worker is told once its cancel was asked for
+# (protocol.md 14.26): the report is not taken, the job ended CANCELLED.
+JOB_CANCELLED = "410 Job cancelled"
 
 
 MOVES: dict[str, Move] = {
@@ -109,6 +112,10 @@ MOVES: dict[str, Move] = {
         ),
         (State.CANCELLED,),
     ),
+    # CancelJob with running: true marks a handed-out job (14.26) ...
+    "ask to cancel": _in_place(ACTIVE),
+    # ... and its next report, its lease's end or its stale deadline ends it.
+    "cancel a run": _between(ACTIVE, (State.CANCELLED,)),
     "delete": _between(
         tuple(s for s in ALL if s not in (State.RUNNING, State.PAUSED)),
         (GONE,),
