@@ -32,8 +32,8 @@ JOB = ", ".join(COLUMNS)
 NOT_TEXT = {
     "jobID": "bigint", "priority": "bigint", "parentJobID": "bigint", "maxAttempts": "bigint",
     "attempts": "bigint", "cost": "bigint", "lease": "bigint",
-    "dependencies": "bigint", "cancelRequested": "bigint", "dependents": "bigint", "blockers": "bigint", "retryDelay": "float8",
-    "retryMaxDelay": "float8",
+    "dependencies": "bigint", "dependents": "bigint", "blockers": "bigint", "retryDelay": "float8",
+    "retryMaxDelay": "float8", "cancelRequested": "bigint",
 }
 
 # Standalone jobs in these states are kept for retention, then pruned.
