@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
 from jobserver.cli import create_from
 from jobserver.cli.client_command import CommandAdder, UsageError, add_check
@@ -21,7 +22,7 @@ from jobserver.cli.options import (
     time_windows,
     time_zone,
 )
-from jobserver.client import Client, ConnectionFailed, OutcomeUnknown
+from jobserver.client import Client, ConnectionFailed, OutcomeUnknown, calls
 from jobserver.client.calls import new_idempotency_key
 from jobserver.wire.limits import (
     BACKOFFS,
@@ -56,7 +57,11 @@ def add_parser(command: CommandAdder) -> None:
         f"CreateJobs batches of up to {create_from.BATCH_JOBS}, and print "
         '{"jobIDs": [...]} in line order. Every line is checked before anything is sent: a '
         "bad one is named, exit 2, and nothing is created. If the server refuses a batch, "
-        "the jobIDs of the batches before it are printed and the refused lines named.",
+        "the jobIDs of the batches before it are printed and the refused lines named. With "
+        "--then NAME, FILE's jobs (1 to 1,000) and a completion job NAME that runs once "
+        "each of them has ended, whichever way, are created in one request, all or none, "
+        'the options describing the completion job, and {"jobIDs": [...], "thenJobID": N} '
+        "is printed.",
     )
     create.add_argument(
         "name", metavar="NAME", nargs="?", help="the job's name, e.g. email/send (not with --from)"
@@ -67,6 +72,13 @@ def add_parser(command: CommandAdder) -> None:
         metavar="FILE",
         help="create the jobs of FILE's lines instead, one JSON object a line; - reads "
         "standard input (default: one job, NAME)",
+    )
+    create.add_argument(
+        "--then",
+        metavar="NAME",
+        help="with --from: make FILE's jobs a batch, with a completion job NAME that "
+        "depends on each and runs once all have ended, finished or not (its "
+        "onDependencyFailure is run); the other options describe it (default: no batch)",
     )
     create.add_argument(
         "--data",
@@ -189,23 +201,42 @@ def _add_flow_options(create: argparse.ArgumentParser) -> None:
 
 def _create(client: Client, args: argparse.Namespace) -> dict[str, Any]:
     key = args.idempotency_key or new_idempotency_key()
-    if args.from_file is not None:
-        return _create_from(client, args.from_file, key)
+    if args.from_file is not None and args.then is None:
+        return _read(args.from_file, lambda stream: create_from.create_from(client, stream, key))
     try:
+        if args.then is not None:
+            then = _then_job(args)
+            return _read(
+                args.from_file,
+                lambda stream: create_from.create_batch_from(client, stream, then, key),
+            )
         return {"jobID": _create_one(client, args, key)}
     except (ConnectionFailed, OutcomeUnknown) as error:
         advice = create_from.run_again(key)
+        what = "the batch" if args.then is not None else "the job"
         if isinstance(error, ConnectionFailed):
             if not error.sent:
                 raise
-            message = f"{error}; the job may or may not have been created: {advice}"
+            message = f"{error}; {what} may or may not have been created: {advice}"
             raise ConnectionFailed(message, sent=True) from None
         raise OutcomeUnknown(error.status, f"{error.detail or 'unknown'}; {advice}") from None
 
 
 def _create_one(client: Client, args: argparse.Namespace, key: str) -> int:
-    return client.create_job(
-        args.name,
+    return client.create_job(**_one_job(args, args.name), idempotency_key=key)
+
+
+def _then_job(args: argparse.Namespace) -> dict[str, Any]:
+    """The completion job of `--then NAME` as a CreateJobs element: its
+    options by their protocol names, those not given left out."""
+    sent = calls.create_job(**_one_job(args, args.then), idempotency_key="").params
+    return {name: value for name, value in sent.items() if value is not None}
+
+
+def _one_job(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """create_job's arguments for job `name` from the options."""
+    return dict(
+        name=name,
         data=args.data,
         first_run=args.first_run,
         repeat=args.repeat,
@@ -221,20 +252,21 @@ def _create_one(client: Client, args: argparse.Namespace, key: str) -> int:
         time_windows=args.time_windows,
         time_zone=args.time_zone,
         overwrite=not args.no_overwrite,
-        idempotency_key=key,
         key=args.key,
     )
 
 
-def _create_from(client: Client, path: str, key: str) -> dict[str, list[int]]:
+def _read(path: str, create: Callable[[BinaryIO], dict[str, Any]]) -> dict[str, Any]:
+    """What `create` makes of the file at `path`, standard input for `-`."""
     if path == "-":
-        return create_from.create_from(client, sys.stdin.buffer, key)
+        return create(sys.stdin.buffer)
     try:
         with open(path, "rb") as stream:
-            return create_from.create_from(client, stream, key)
+            return create(stream)
+    except ConnectionFailed:
+        raise  # an OSError too, but of the request (create_from's is PartlyRefused)
     except OSError as error:
-        # Opening or reading the file: a request that failed (ConnectionFailed,
-        # an OSError too) came out as PartlyRefused.
+        # Opening or reading the file.
         raise UsageError(f"cannot read --from {path}: {error.strerror or error}") from None
 
 
@@ -258,6 +290,8 @@ def _options_needed(args: argparse.Namespace) -> str | None:
     """NAME or --from, not both; and options that need another: the server
     would refuse most of these (402 Missing maxAttempts) or ignore them
     (overwrite without unique). Said here, before sending."""
+    if args.then is not None:
+        return _then_needs(args)
     if args.from_file is not None:
         given = [_flag(dest) for dest in _JOB_OPTIONS if getattr(args, dest) not in (None, False)]
         if args.name is not None or given:
@@ -272,6 +306,23 @@ def _options_needed(args: argparse.Namespace) -> str | None:
         return None
     if args.name is None:
         return "give the job's NAME, or --from FILE"
+    return _one_job_needs(args)
+
+
+def _then_needs(args: argparse.Namespace) -> str | None:
+    """--then: the batch's jobs from --from, the options its completion
+    job's, which is always a new job."""
+    if args.from_file is None:
+        return "--then needs --from FILE: the batch's jobs, one a line"
+    if args.name is not None:
+        return "with --then, the completion job's name is --then's: NAME cannot go with it"
+    if args.unique:
+        return "--unique cannot go with --then: a batch's completion job is always a new job"
+    return _one_job_needs(args)
+
+
+def _one_job_needs(args: argparse.Namespace) -> str | None:
+    """Options of one job that need another."""
     for option, needed in _NEEDS.items():
         if getattr(args, option) not in (None, False) and getattr(args, needed) in (None, False):
             return f"{_flag(option)} needs {_flag(needed)}"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from jobserver.cli.client_command import PartlyRefused, UsageError
 from jobserver.client import (
@@ -26,6 +26,7 @@ from jobserver.client import (
     OutcomeUnknown,
     ServerError,
 )
+from jobserver.client.batches import MAX_BATCH, completion_job
 from jobserver.wire import jsonbody
 from jobserver.wire.client_framing import encode_value
 from jobserver.wire.limits import MAX_IDEMPOTENCY_KEY, MAX_LINE
@@ -65,6 +66,34 @@ def create_from(client: Client, stream: BinaryIO, key: str) -> dict[str, list[in
             complaint = _batch_failed(batch, error, key)
             raise PartlyRefused({"jobIDs": created}, [complaint], error) from None
     return {"jobIDs": created}
+
+
+def create_batch_from(
+    client: Client, stream: BinaryIO, then: dict[str, Any], key: str
+) -> dict[str, Any]:
+    """The jobs of every line of `stream` as one batch (`create --then`):
+    one CreateJobs, all or none, under idempotency key `key`, whose last
+    job, `then`, depends on all of them and runs once each has ended.
+    {"jobIDs": [...], "thenJobID": N}. UsageError, before anything is
+    sent, for a line that is not a job, no lines, more than a batch holds
+    or more than one request line carries."""
+    lines = read_jobs(stream)
+    if not 1 <= len(lines) <= MAX_BATCH:
+        raise UsageError(
+            f"--then makes one batch of 1 to {MAX_BATCH} jobs (its completion job depends on "
+            f"each), and --from has {len(lines)}: split the file, a --then for each part"
+        )
+    # Each line fits (read_jobs); the batch must fit one line, its
+    # completion job and the commas between them included.
+    completion = completion_job(then, len(lines))
+    size = sum(line.size + 1 for line in lines) + len(encode_value(completion).encode("utf-8"))
+    if size > BATCH_BYTES:
+        raise UsageError(
+            f"--then sends the batch in one request, and its jobs take {size} bytes on the "
+            f"wire, more than a CreateJobs line holds ({BATCH_BYTES}): split the file"
+        )
+    batch = client.create_batch([line.job for line in lines], then, key)
+    return {"jobIDs": batch.job_ids, "thenJobID": batch.then_id}
 
 
 def run_again(key: str) -> str:

@@ -4,7 +4,8 @@ Each frame is three read-only requests on one kept connection, Status (the
 headline: connections, waiting GetJobs, jobs by state; the idle workers:
 waiting GetJobs by name), Queues (each queue's jobs by state, total and
 oldest ready age) and RunningJobs (the jobs running longest, with their
-workers), drawn as plain text.
+workers), and a QueryJob for each batch watched (--batch: its completion
+job's dependencyCounts), drawn as plain text.
 On a terminal every frame clears the screen first; anywhere else (a pipe,
 a file) frames follow one another, a blank line between, without escape
 codes. A server that cannot be reached or refuses is shown in the frame and
@@ -24,12 +25,14 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
+from jobserver.cli import top_batches
 from jobserver.cli.client_command import (
     EXIT_CONNECTION,
+    add_check,
     add_client_parser,
     failed,
 )
-from jobserver.cli.options import number
+from jobserver.cli.options import job_id, number
 from jobserver.client import Client, ConnectionFailed, JobServerError
 from jobserver.wire.counts import counted
 from jobserver.wire.limits import MAX_QUEUES
@@ -51,10 +54,13 @@ RUNNING_ROWS = 10
 WAITING_ROWS = 5
 # A server older than RunningJobs answers it so.
 UNRECOGNIZED = 430
+# Batches watched at most (--batch), each a QueryJob a frame.
+MAX_BATCHES = 20
 
 # States in the order of a job's life; states a newer server may add follow, by name.
 STATE_ORDER = (
-    "QUEUED", "RUNQUEUED", "RUNNING", "WAITING", "PAUSED", "FAILED", "FINISHED", "CANCELLED"
+    "BLOCKED", "QUEUED", "RUNQUEUED", "RUNNING", "WAITING", "PAUSED", "FAILED", "FINISHED",
+    "CANCELLED",
 )
 
 TOP_EXIT_HELP = f"""\
@@ -83,6 +89,7 @@ def add_parser(sub: Any) -> None:
         "blank line between, without escape codes.",
         epilog=TOP_EXIT_HELP,
     )
+    add_check(top, _batches_bounded)
     top.add_argument(
         "--interval",
         type=number(float, MIN_INTERVAL, MAX_INTERVAL),
@@ -100,6 +107,16 @@ def add_parser(sub: Any) -> None:
         f"(default: {DEFAULT_LIMIT})",
     )
     top.add_argument(
+        "--batch",
+        type=job_id,
+        action="append",
+        default=[],
+        metavar="ID",
+        help="also show the progress of the batch whose completion job is ID (create "
+        "--then's thenJobID): how many of its jobs ended, finished, failed, were cancelled "
+        f"or deleted; repeat for more, up to {MAX_BATCHES} (default: none)",
+    )
+    top.add_argument(
         "--once",
         action="store_true",
         help="print one frame and exit, for scripts (default: redraw until Ctrl-C)",
@@ -111,8 +128,8 @@ def watch(client: Client, args: argparse.Namespace) -> int:
     server = f"{client.host}:{client.port}"
     try:
         if args.once:
-            return _once(client, server, args.limit)
-        _live(client, server, args.limit, args.interval, sys.stdout)
+            return _once(client, server, args.limit, args.batch)
+        _live(client, server, args.limit, args.batch, args.interval, sys.stdout)
     except KeyboardInterrupt:
         return 0
     except BrokenPipeError:
@@ -123,22 +140,26 @@ def watch(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
-def _once(client: Client, server: str, limit: int) -> int:
+def _once(client: Client, server: str, limit: int, batches: list[int]) -> int:
     try:
         status, queues, running = _read(client, limit)
+        watched = top_batches.read(client, batches)
     except (JobServerError, ConnectionFailed) as error:
         return failed(error)
-    print(render(server, _now(), status, queues, running), end="", flush=True)
+    print(render(server, _now(), status, queues, running, watched), end="", flush=True)
     return 0
 
 
-def _live(client: Client, server: str, limit: int, interval: float, out: TextIO) -> None:
+def _live(
+    client: Client, server: str, limit: int, batches: list[int], interval: float, out: TextIO
+) -> None:
     terminal = out.isatty()
     first = True
     while True:
         try:
             status, queues, running = _read(client, limit)
-            frame = render(server, _now(), status, queues, running)
+            watched = top_batches.read(client, batches)
+            frame = render(server, _now(), status, queues, running, watched)
         except (JobServerError, ConnectionFailed) as error:
             frame = render_failure(server, _now(), error, interval)
         if terminal:
@@ -172,6 +193,12 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+def _batches_bounded(args: argparse.Namespace) -> str | None:
+    if len(args.batch) > MAX_BATCHES:
+        return f"--batch watches at most {MAX_BATCHES} batches, not {len(args.batch)}"
+    return None
+
+
 # Drawing: pure functions of what the server said.
 
 
@@ -181,9 +208,10 @@ def render(
     status: dict[str, Any],
     queues: dict[str, Any],
     running: dict[str, Any] | None = None,
+    batches: list[top_batches.Watched] | None = None,
 ) -> str:
     """One frame: the headline, the table of queues, then what runs (from
-    a server that has RunningJobs) and who waits."""
+    a server that has RunningJobs), who waits, and the batches watched."""
     lines = [_title(server, now, status), _counts(status)]
     lines.extend(_flow_control(status))
     lines.append("")
@@ -194,6 +222,9 @@ def render(
         lines.extend(_running_table(running))
     if "waitingByName" in status:
         lines.extend(_idle_workers(status))
+    if batches:
+        lines.append("")
+        lines.extend(top_batches.table(batches, _clean, _cut))
     return "\n".join(lines) + "\n"
 
 

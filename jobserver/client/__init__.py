@@ -130,6 +130,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from jobserver.client.batches import MAX_BATCH, Batch, BatchProgress
 from jobserver.client.calls import Fail, Finish, FinishResult, Retry, When
 from jobserver.client.endpoint import (
     DEFAULT_TIMEOUT,
@@ -165,9 +166,12 @@ __all__ = [
     "DEFAULT_HOST",
     "DEFAULT_PORT",
     "DEFAULT_TIMEOUT",
+    "MAX_BATCH",
     "MAX_SERVERS",
     "TLS",
     "AsyncClient",
+    "Batch",
+    "BatchProgress",
     "Client",
     "Conflict",
     "ConnectionFailed",

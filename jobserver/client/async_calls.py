@@ -14,7 +14,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, Generic, Self, TypeVar
 
-from jobserver.client import calls
+from jobserver.client import batches, calls
+from jobserver.client.batches import Batch, BatchProgress
 from jobserver.client.calls import Call, Fail, FinishResult, Retry, When, documented_by
 from jobserver.client.endpoint import Endpoint, idle_connection_dead
 from jobserver.client.errors import ConnectionFailed, MalformedReply, TLSFailed
@@ -82,6 +83,19 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
         self, jobs: list[dict[str, Any]], idempotency_key: str | None = None
     ) -> list[int]:
         return await self._call(calls.create_jobs(jobs, idempotency_key))
+
+    @documented_by(batches.create_batch)
+    async def create_batch(
+        self,
+        jobs: Sequence[Mapping[str, Any]],
+        then: str | Mapping[str, Any],
+        idempotency_key: str | None = None,
+    ) -> Batch:
+        return await self._call(batches.create_batch(jobs, then, idempotency_key))
+
+    @documented_by(batches.batch_progress)
+    async def batch_progress(self, job_id: int) -> BatchProgress:
+        return await self._call(batches.batch_progress(job_id))
 
     @documented_by(calls.get_job)
     async def get_job(

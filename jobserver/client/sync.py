@@ -6,7 +6,8 @@ import socket
 from collections.abc import Mapping, Sequence
 from typing import Any, Self, TypeVar
 
-from jobserver.client import calls
+from jobserver.client import batches, calls
+from jobserver.client.batches import Batch, BatchProgress
 from jobserver.client.calls import Call, Fail, FinishResult, Retry, When, documented_by
 from jobserver.client.endpoint import (
     CANNOT_CONNECT,
@@ -78,6 +79,19 @@ class Client(Endpoint):
         self, jobs: list[dict[str, Any]], idempotency_key: str | None = None
     ) -> list[int]:
         return self._call(calls.create_jobs(jobs, idempotency_key))
+
+    @documented_by(batches.create_batch)
+    def create_batch(
+        self,
+        jobs: Sequence[Mapping[str, Any]],
+        then: str | Mapping[str, Any],
+        idempotency_key: str | None = None,
+    ) -> Batch:
+        return self._call(batches.create_batch(jobs, then, idempotency_key))
+
+    @documented_by(batches.batch_progress)
+    def batch_progress(self, job_id: int) -> BatchProgress:
+        return self._call(batches.batch_progress(job_id))
 
     @documented_by(calls.get_job)
     def get_job(
