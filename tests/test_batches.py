@@ -8,15 +8,17 @@ PostgreSQL. The dashboard's side is in test_dashboard_batches.py."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 from test_cli import CliHere
+from test_worker_python import in_process
 
 from harness import ThreadServer
+from helpers import until
 from jobserver.client import (
     MAX_BATCH,
     AsyncClient,
@@ -26,6 +28,7 @@ from jobserver.client import (
     InvalidRequest,
     JobNotFound,
 )
+from jobserver.worker import Job, Worker
 
 pytestmark = pytest.mark.backends
 
@@ -54,7 +57,15 @@ def counts(total: int, pending: int, finished: int = 0, failed: int = 0,
             "cancelled": cancelled, "deleted": deleted}
 
 
-def handed(dependencies: list[dict[str, Any]]) -> dict[int, tuple[str, Any]]:
+def gone(jobs: Client, job_id: int) -> bool:
+    try:
+        jobs.query_job(job_id)
+    except JobNotFound:
+        return True
+    return False
+
+
+def handed(dependencies: Iterable[dict[str, Any]]) -> dict[int, tuple[str, Any]]:
     """A completion job's `dependencies`, by jobID: (final state, data)."""
     return {entry["jobID"]: (entry["state"], entry.get("data")) for entry in dependencies}
 
@@ -148,7 +159,7 @@ def test_a_completion_job_runs_after_jobs_that_failed_were_cancelled_or_deleted(
     assert shown[fail] == ("FAILED", {"partial": 1})
     assert shown[cancelled][0] == "CANCELLED"
     assert set(shown) == set(batch.job_ids)
-    assert shown[deleted][0] not in ("FINISHED", "FAILED", "CANCELLED", "QUEUED")
+    assert shown[deleted] == ("DELETED", {"never": "run"})
 
 
 def test_a_completion_job_may_ask_to_run_only_if_every_job_finished(jobs):
@@ -222,6 +233,37 @@ def test_the_async_client_makes_and_follows_a_batch(server, loop):
     anyio.run(scenario, backend=loop)
 
 
+# Run by a real Python worker.
+
+
+def test_a_python_workers_completion_handler_sees_what_came_of_each_job(server):
+    worker = Worker(jobs="work/*")
+    handed_out: list[dict[str, Any]] = []
+
+    @worker.handler("work/part")
+    def square(data: dict[str, Any]) -> dict[str, Any]:
+        if data["i"] == 2:
+            raise ValueError("two is right out")
+        return {"square": data["i"] ** 2}
+
+    @worker.handler("work/report")
+    def report(data: dict[str, Any], job: Job) -> None:
+        handed_out.extend(job.raw["dependencies"])
+
+    with Client(port=server.port, timeout=TIMEOUT) as jobs:
+        batch = jobs.create_batch(
+            [{"name": "work/part", "data": {"i": i}} for i in range(4)], then="work/report"
+        )
+        with in_process(worker, server.port, "trio"):
+            until(lambda: len(handed_out) == 4, TIMEOUT, "the completion handler")
+            # It finished, and is gone (the failed job stays, FAILED).
+            until(lambda: gone(jobs, batch.then_id), TIMEOUT, "the report to finish")
+    assert handed(handed_out) == {
+        job_id: ("FAILED" if i == 2 else "FINISHED", {"i": 2} if i == 2 else {"square": i * i})
+        for i, job_id in enumerate(batch.job_ids)
+    }
+
+
 # Through the command line.
 
 
@@ -275,10 +317,23 @@ def test_create_from_then_reads_standard_input_too(cli_here, jobs, monkeypatch):
     assert jobs.query_job(made["thenJobID"])["dependencyCounts"] == counts(2, 2)
 
 
+def test_create_from_then_run_again_under_its_key_creates_the_batch_once(
+    cli_here, jobs, tmp_path
+):
+    lines = tmp_path / "parts.jsonl"
+    lines.write_text('{"name": "once/part"}\n' * 3)
+    key = "k" * 255  # the whole of a key: the batch is one request, not KEY/N
+    args = ("create", "--from", str(lines), "--then", "once/done", "--idempotency-key", key)
+    first = cli_here.ok(*args)
+    assert cli_here.ok(*args) == first
+    assert jobs.queues()["queues"][0]["total"] == 4
+
+
 @pytest.mark.parametrize("args, problem", [
     (["--then", "x"], "--then needs --from FILE"),
     (["NAME", "--from", "-", "--then", "x"], "NAME cannot go with it"),
     (["--from", "-", "--then", "x", "--unique"], "--unique cannot go with --then"),
+    (["--from", "-", "--then", "x", "--parent", "1"], "--parent cannot go with --then"),
     (["--from", "-", "--then", "x", "--retry-delay", "1"], "--retry-delay needs --max-attempts"),
 ])
 def test_create_then_refuses_what_cannot_make_a_batch(cli_here, args, problem):

@@ -194,8 +194,8 @@ def _add_flow_options(create: argparse.ArgumentParser) -> None:
         "within the server's --idempotency-keep (a day, unless set): run again after a "
         "failure that may or may not have created it, it creates nothing twice; with "
         "--from, batch N goes under KEY/N, so a run again creates only the batches not "
-        "yet created. 1 to 255 bytes (default: a new random key, named in the error when "
-        "the outcome is unknown)",
+        "yet created (with --then, the one request goes under KEY). 1 to 255 bytes "
+        "(default: a new random key, named in the error when the outcome is unknown)",
     )
 
 
@@ -318,6 +318,8 @@ def _then_needs(args: argparse.Namespace) -> str | None:
         return "with --then, the completion job's name is --then's: NAME cannot go with it"
     if args.unique:
         return "--unique cannot go with --then: a batch's completion job is always a new job"
+    if args.parent is not None:
+        return "--parent cannot go with --then: a job with dependencies is no child"
     return _one_job_needs(args)
 
 

@@ -83,10 +83,6 @@ MAX_WAIT_MS = 3_600_000
 # (about 30 for a thousand), not seconds.
 MAX_FINISH_JOBS = 1000
 
-# The most jobs one job may depend on (`dependsOn`, protocol.md 14.25): a
-# batch of a thousand jobs needs a completion job of as many.
-MAX_DEPENDENCIES = 1000
-
 # A bulk action (RequeueFailedJobs, DeleteFailedJobs, CancelQueuedJobs)
 # acts on at most this many jobs, and takes at most this many jobIDs: a
 # thousand moves hold the writer for tens of milliseconds, as FinishJobs'
