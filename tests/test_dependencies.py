@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import pytest
+from test_flow_control import Waiter
 
 from helpers import create, ok
 from wire import Client
@@ -196,3 +197,70 @@ def test_a_request_past_its_bound_of_edges_is_refused(server, client):
 def test_createjob_takes_no_element_reference(server, client):
     reply = client.request("CreateJob", name="a", dependsOn='["#0"]')
     assert reply.status.startswith("402 Malformed dependsOn")
+
+
+def test_a_fan_out_and_fan_in_of_a_thousand(server, client):
+    width = 1000
+    jobs = [{"name": "root"}]
+    jobs += [{"name": "part", "dependsOn": ["#0"], "data": {"i": i}} for i in range(width)]
+    jobs.append({"name": "join", "dependsOn": [f"#{i}" for i in range(1, width + 1)]})
+    ids = create_jobs(client, jobs)
+    parts, join = ids[1:-1], ids[-1]
+    assert take(client, "part") is None
+    run(client, "root")
+    taken = ok(client.request("GetJobs", name="part", numResults=1000)).json["jobs"]
+    assert sorted(job["jobID"] for job in taken) == parts
+    assert take(client, "join") is None
+    half = width // 2
+    done = [{"jobID": job["jobID"], "data": {"out": job["data"]["i"]}} for job in taken]
+    ok(client.request("FinishJobs", jobs=done[:half]))
+    assert query(client, join)["dependencyCounts"] == {
+        "total": width, "pending": half, "finished": half, "failed": 0, "cancelled": 0,
+        "deleted": 0,
+    }
+    ok(client.request("FinishJobs", jobs=done[half:]))
+    job = take(client, "join")
+    assert job is not None and len(job["dependencies"]) == width
+    assert job["dependencies"][0] == {"jobID": parts[0], "state": "FINISHED", "data": {"out": 0}}
+    assert all(d["state"] == "FINISHED" for d in job["dependencies"])
+
+
+def test_a_waiting_getjob_is_served_when_its_job_unblocks(server, client):
+    first = create(client, "first")
+    then = create(client, "then", dependsOn=json.dumps([first]))
+    waiter = Waiter(server, "then", timeout_ms=10_000)
+    run(client, "first")
+    reply = waiter.result()
+    assert reply.status == "200 OK" and reply.json["jobID"] == then
+
+
+def test_the_hand_out_leaves_out_data_past_its_budget(server, client):
+    big = {"blob": "x" * 400_000}
+    deps = create_jobs(client, [{"name": "big"} for _ in range(4)])
+    then = create(client, "then", dependsOn=json.dumps(deps))
+    for _ in deps:
+        run(client, "big", big)
+    job = take(client, "then")
+    assert job is not None and job["jobID"] == then
+    entries = job["dependencies"]
+    assert [e.get("data") == big for e in entries] == [True, True, False, False]
+    assert [e.get("dataOmitted", False) for e in entries] == [False, False, True, True]
+    assert all(e["state"] == "FINISHED" for e in entries)
+
+
+def test_a_dependency_finished_and_deleted_counts_while_its_outcome_is_kept(server, client):
+    first = create(client, "first")
+    create(client, "a", dependsOn=json.dumps([first]))
+    run(client, "first", {"r": 1})
+    # Deleted at its finish, its outcome kept for `a`: a new dependent may name it.
+    late = create(client, "late", dependsOn=json.dumps([first]))
+    assert state(client, late) == "QUEUED"
+    job = take(client, "late")
+    assert job is not None and job["dependencies"][0]["data"] == {"r": 1}
+
+
+def test_unknown_dependency_of_createjob_is_refused(server, client):
+    reply = client.request("CreateJob", name="x", dependsOn="[123456789]")
+    assert reply.status == "404 Dependency 123456789 does not exist"
+    reply = client.request("CreateJob", name="x", dependsOn="[1]", parentJobID=5)
+    assert reply.status.startswith("40")

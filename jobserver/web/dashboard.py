@@ -73,14 +73,19 @@ REFRESH_SECONDS = 5
 
 # States in the order of a job's life, for the columns of the queues.
 STATE_ORDER = (
-    State.QUEUED, State.RUNQUEUED, State.RUNNING, State.WAITING, State.PAUSED,
+    State.BLOCKED, State.QUEUED, State.RUNQUEUED, State.RUNNING, State.WAITING, State.PAUSED,
     State.FAILED, State.FINISHED, State.CANCELLED,
 )
 # Where the job page offers each button (protocol.md 4.2 and 5.10).
 DELETABLE = frozenset(
-    (State.QUEUED, State.RUNQUEUED, State.FINISHED, State.CANCELLED, State.FAILED, State.WAITING)
+    (
+        State.QUEUED, State.RUNQUEUED, State.FINISHED, State.CANCELLED, State.FAILED,
+        State.WAITING, State.BLOCKED,
+    )
 )
-CANCELLABLE = frozenset((State.QUEUED, State.RUNQUEUED, State.FAILED, State.WAITING))
+CANCELLABLE = frozenset(
+    (State.QUEUED, State.RUNQUEUED, State.FAILED, State.WAITING, State.BLOCKED)
+)
 
 # What a job does when a job it depends on does not finish (protocol.md 14.25).
 ON_DEPENDENCY_FAILURE = {
@@ -259,7 +264,9 @@ class Dashboard:
             "data": texts.pretty(job.data),
             "next_runs": texts.next_runs(job),
             "deletable": job.state in DELETABLE,
-            "cancellable": bool(job.parentJobID) and job.state in CANCELLABLE,
+            # A child, or a job waiting for its dependencies (protocol.md 14.25).
+            "cancellable": (bool(job.parentJobID) or job.state == State.BLOCKED)
+            and job.state in CANCELLABLE,
         })
 
     async def _dependencies(self, request: Request, job: Job) -> dict[str, Any]:
