@@ -5,12 +5,16 @@ BLOCKED, onDependencyFailure, the hand-out's `dependencies` and QueryJob's
 from __future__ import annotations
 
 import json
+import sqlite3
+from pathlib import Path
 from typing import Any
 
+import pg
 import pytest
 from test_flow_control import Waiter
 
-from helpers import create, ok
+from harness import ThreadServer
+from helpers import create, ok, until
 from wire import Client
 
 # The same protocol on every backend (conftest.BACKENDS).
@@ -264,3 +268,47 @@ def test_unknown_dependency_of_createjob_is_refused(server, client):
     assert reply.status == "404 Dependency 123456789 does not exist"
     reply = client.request("CreateJob", name="x", dependsOn="[1]", parentJobID=5)
     assert reply.status.startswith("40")
+
+
+def graph_rows(db: Path | str) -> tuple[int, int]:
+    """Rows of the edges' and the outcomes' tables."""
+    counts = []
+    for table in ("jobDependencies", "dependencyOutcomes"):
+        statement = f"SELECT 1 FROM {table}"
+        if isinstance(db, Path):
+            with sqlite3.connect(db) as raw:
+                counts.append(len(raw.execute(statement).fetchall()))
+        else:
+            counts.append(pg.execute(str(db), statement))
+    return counts[0], counts[1]
+
+
+def test_jobs_that_go_take_their_edges_and_outcomes_with_them(backend, db):
+    server = ThreadServer(db, keep_failed=1.0, prune_interval=0.05)
+    try:
+        with server.client() as client:
+            # Finished and deleted at once, with its dependency's outcome.
+            create(client, "e")
+            create(client, "y", dependsOn=json.dumps([create(client, "e2")]))
+            run(client, "e2", {"r": 1})
+            assert graph_rows(db) == (1, 1)
+            run(client, "y")
+            assert graph_rows(db) == (0, 0)
+            # Deleted while BLOCKED.
+            blocked = create(client, "z", dependsOn=json.dumps([create(client, "e3")]))
+            assert graph_rows(db) == (1, 0)
+            ok(client.request("DeleteJob", jobID=blocked))
+            assert graph_rows(db) == (0, 0)
+            run(client, "e3")
+            assert graph_rows(db) == (0, 0)
+            # Failed for its dependency, then pruned with it (--keep-failed).
+            dep = create(client, "d")
+            failed = create(client, "x", dependsOn=json.dumps([dep]))
+            assert take(client, "d") is not None
+            ok(client.request("FailJob", jobID=dep, error="no"))
+            assert state(client, failed) == "FAILED"
+            assert graph_rows(db) == (1, 1)
+            until(lambda: graph_rows(db) == (0, 0), 10.0, "the pruner to take the edges")
+            assert client.request("QueryJob", jobID=failed).status.startswith("404")
+    finally:
+        server.stop()

@@ -21,10 +21,11 @@ from collections.abc import Sequence
 
 from jobserver.model.jobs import Job, State
 from jobserver.storage.dependency_types import Outcome
-from jobserver.storage.sql import JOB, states
+from jobserver.storage.sql import COLUMNS, JOB, states
 from jobserver.storage.sql_statements import Statements
 
 _BLOCKED = states((State.BLOCKED,))
+_JOB_OF_JOBS = ", ".join(f"jobs.{column}" for column in COLUMNS)
 # The dependents of one job (the parameter), through the edges' index.
 _DEPENDENTS = "SELECT jobID FROM jobDependencies WHERE dependsOn = {0}"
 
@@ -83,17 +84,20 @@ class DependencyStatements(Statements):
         d = self.dialect
         dependents = _DEPENDENTS.format(d.mark)
         if d.lock:
-            # Locked in jobID order before any is written (see above).
-            self._execute(
-                f"SELECT jobID FROM jobs WHERE jobID IN ({dependents}) AND state = {_BLOCKED} "
-                f"ORDER BY jobID{d.lock}",
-                (job_id,),
+            # One statement that locks the dependents in jobID order before
+            # it writes any (see above); the lock's wait reads each row
+            # again, so one that left BLOCKED meanwhile is passed over.
+            statement = (
+                "UPDATE jobs SET blockers = blockers - 1 FROM (SELECT jobID AS locked FROM jobs "
+                f"WHERE jobID IN ({dependents}) AND state = {_BLOCKED} ORDER BY jobID{d.lock}) "
+                f"AS l WHERE jobs.jobID = l.locked RETURNING {_JOB_OF_JOBS}, blockers"
             )
-        rows = self._execute(
-            f"UPDATE jobs SET blockers = blockers - 1 WHERE jobID IN ({dependents}) "
-            f"AND state = {_BLOCKED} RETURNING {JOB}, blockers",
-            (job_id,),
-        ).fetchall()
+        else:
+            statement = (
+                f"UPDATE jobs SET blockers = blockers - 1 WHERE jobID IN ({dependents}) "
+                f"AND state = {_BLOCKED} RETURNING {JOB}, blockers"
+            )
+        rows = self._execute(statement, (job_id,)).fetchall()
         released = [(Job(*row[:-1]), int(row[-1])) for row in rows]
         released.sort(key=lambda pair: pair[0].jobID)
         return released

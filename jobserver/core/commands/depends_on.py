@@ -155,6 +155,8 @@ def _check_acyclic(wanted: Sequence[Wanted]) -> None:
     """Refuse a cycle among the request's elements, naming its elements
     (Kahn's order: what is left when no element is free is on a cycle, or
     waits for one)."""
+    if not any(one.elements for one in wanted):
+        return
     waiting = [len(one.elements) for one in wanted]
     dependents: list[list[int]] = [[] for _ in wanted]
     for index, one in enumerate(wanted):
