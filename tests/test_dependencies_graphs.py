@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_nodes import nodes, queue_url, start_nodes  # noqa: F401 - fixtures
+from test_nodes import NODES, queue_url, start_nodes  # noqa: F401 - fixtures
 
 from harness import ServerProcess
 from helpers import ok
@@ -130,10 +130,19 @@ def test_random_graphs_run_in_order_exactly_once(server, client, nodes, order):
 # Three nodes (PostgreSQL alone: SQLite has one server per file).
 
 
+@pytest.fixture
+def three(
+    start_nodes: Callable[..., list[ServerProcess]],  # noqa: F811 - the fixture
+    queue_url: str,  # noqa: F811 - the fixture
+) -> list[ServerProcess]:
+    return start_nodes(*[queue_url] * NODES)
+
+
 @pytest.mark.backends(only="postgres")
 def test_three_nodes_ending_shared_dependencies_queue_each_dependent_once(
-    nodes: list[ServerProcess],  # noqa: F811 - the fixture
+    three: list[ServerProcess],
 ) -> None:
+    nodes = three
     deps_count, dependents_count = 30, 40
     with nodes[0].client() as client:
         deps = ok(client.request(
