@@ -41,6 +41,33 @@ def create(client: Client, name: str = "job", **params: Any) -> int:
     return job_id
 
 
+def all_ok(port: int, requests: list[bytes], connections: int = 16) -> None:
+    """Send the requests over `connections` connections at once, each its
+    share pipelined, and check every reply is `200 OK`. A connection's
+    requests are answered one transaction after another, so thousands of
+    set-up requests on one connection cost a commit (and a sync) each; on
+    several, the server commits them in shared batches."""
+    shares = [requests[at::connections] for at in range(connections)]
+    failures: list[BaseException] = []
+
+    def run(share: list[bytes]) -> None:
+        try:
+            with Client(port, timeout=120) as client:
+                client.send(b"".join(share))
+                for _ in share:
+                    ok(client.read_reply())
+        except BaseException as failure:  # noqa: BLE001 -- raised in the caller
+            failures.append(failure)
+
+    threads = [threading.Thread(target=run, args=(share,)) for share in shares if share]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+
+
 def until(check: Callable[[], T], timeout: float, what: str) -> T:
     """Call `check` until it returns something true, and return that; fail
     after `timeout` seconds, saying `what` was waited for."""
