@@ -27,6 +27,7 @@ from jobserver.client import (
     Client,
     InvalidRequest,
     JobNotFound,
+    JobServerError,
 )
 from jobserver.worker import Job, Worker
 
@@ -160,6 +161,25 @@ def test_a_completion_job_runs_after_jobs_that_failed_were_cancelled_or_deleted(
     assert shown[cancelled][0] == "CANCELLED"
     assert set(shown) == set(batch.job_ids)
     assert shown[deleted] == ("DELETED", {"never": "run"})
+
+
+def test_a_running_job_of_a_batch_that_is_cancelled_counts_as_cancelled(jobs):
+    batch = jobs.create_batch([{"name": "stop/part"}, {"name": "stop/part"}], then="stop/done")
+    first, second = jobs.get_jobs("stop/part", 2)
+    jobs.finish_job(first["jobID"], {"r": 1}, first["leaseID"])
+    # Cancelled while it runs (protocol.md 14.25): it ends at its worker's
+    # next report, which is refused.
+    jobs.request("CancelJob", {"jobID": second["jobID"], "running": "true"})
+    assert progress(jobs, batch.then_id) == ("BLOCKED", counts(2, 1, finished=1))
+    with pytest.raises(JobServerError) as refused:
+        jobs.finish_job(second["jobID"], {"r": 2}, second["leaseID"])
+    assert refused.value.code == 410
+    assert progress(jobs, batch.then_id) == ("QUEUED", counts(2, 0, finished=1, cancelled=1))
+    done = jobs.get_job("stop/done")
+    assert done is not None
+    assert {(d["jobID"], d["state"]) for d in done["dependencies"]} == {
+        (first["jobID"], "FINISHED"), (second["jobID"], "CANCELLED")
+    }
 
 
 def test_a_completion_job_may_ask_to_run_only_if_every_job_finished(jobs):
@@ -298,6 +318,7 @@ def test_create_from_then_makes_a_batch_and_top_follows_it(cli_here, jobs, tmp_p
     done = cli_here("top", "--once", "--batch", str(then_id), "--batch", "999999")
     assert (done.returncode, done.stderr) == (0, ""), done
     frame = done.stdout.splitlines()
+    assert "BLOCKED 1" in frame[1]
     start = frame.index("batches: 2 watched")
     assert frame[start + 1].split() == [
         "BATCH", "THEN", "STATE", "ENDED", "FINISHED", "FAILED", "CANCELLED", "DELETED"

@@ -1,9 +1,12 @@
-"""A batch's progress on the dashboard: its completion job's page counts
-the batch's jobs by how they ended (dependencyCounts, protocol.md 14.25),
-over real HTTP and once in headless Chromium, on every backend."""
+"""A batch over HTTP: made with POST /api/CreateJobs and followed with
+/api/QueryJob, and its progress on the dashboard, whose completion job's
+page counts the batch's jobs by how they ended (dependencyCounts,
+protocol.md 14.25); over real HTTP and once in headless Chromium, on
+every backend."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +14,7 @@ from typing import Any
 
 import pytest
 from test_dashboard import Visitor, start
+from test_http import api
 
 from harness import ThreadServer
 from jobserver.client import Batch, Client
@@ -80,6 +84,28 @@ def test_a_completion_job_whose_batch_has_ended_is_queued_and_says_so(web):
     shown = section(Visitor(web).get(f"/jobs/{batch.then_id}").text)
     assert "5 of 5 jobs it depends on have ended" in shown
     assert facts(shown)["finished"] == "3" and facts(shown)["pending"] == "0"
+
+
+def test_a_batch_is_made_and_followed_through_the_http_api(web):
+    parts = [{"name": "http/part", "data": {"i": i}} for i in range(3)]
+    then = {"name": "http/done", "dependsOn": ["#0", "#1", "#2"], "onDependencyFailure": "run"}
+    code, _, body = api(web, "CreateJobs", {"jobs": [*parts, then]})
+    assert code == 200, body
+    *job_ids, then_id = json.loads(body)["jobIDs"]
+    with Client(port=web.port, timeout=TIMEOUT) as jobs:
+        first = jobs.get_job("http/part")
+        assert first is not None
+        jobs.fail_job(first["jobID"], None, first["leaseID"], error="no")
+    code, _, body = api(web, "QueryJob", {"jobID": then_id})
+    assert code == 200, body
+    shown = json.loads(body)
+    assert (shown["state"], shown["onDependencyFailure"]) == ("BLOCKED", "run")
+    assert shown["dependencyCounts"] == {
+        "total": 3, "pending": 2, "finished": 0, "failed": 1, "cancelled": 0, "deleted": 0
+    }
+    page = section(Visitor(web).get(f"/jobs/{then_id}").text)
+    assert "1 of 3 jobs it depends on has ended" in page
+    assert len(job_ids) == 3
 
 
 def test_in_a_browser_a_batch_progresses_on_its_completion_jobs_page(
