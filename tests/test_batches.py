@@ -203,6 +203,13 @@ def test_a_batch_is_created_all_or_none(jobs):
     assert jobs.queues()["queues"] == []
 
 
+def test_a_batch_longer_than_a_request_line_is_refused_whole(jobs):
+    big = {"name": "long/part", "data": {"blob": "x" * 900_000}}
+    with pytest.raises(JobServerError, match="414 Line too long"):
+        jobs.create_batch([big] * 3, then="long/done")
+    assert jobs.queues()["queues"] == []
+
+
 def test_a_batch_sent_again_under_its_key_is_created_once(jobs):
     parts = [{"name": "again/part", "data": {"i": i}} for i in range(3)]
     first = jobs.create_batch(parts, then="again/done", idempotency_key="nightly-1")

@@ -85,8 +85,10 @@ def create_batch(
     with its own `dependsOn` is ValueError before sending. `then` may set
     `onDependencyFailure` itself (`"fail"` or `"cancel"`: it runs only if
     every job finished). A job of the batch may depend on another as
-    `"#N"` (0-based in `jobs`). The idempotency key is as create_job's:
-    the batch is created once however often the request is sent."""
+    `"#N"` (0-based in `jobs`). The batch is one request line: past its
+    2 MiB the server refuses it whole (`414 Line too long`, a
+    JobServerError). The idempotency key is as create_job's: the batch is
+    created once however often the request is sent."""
     if not 1 <= len(jobs) <= MAX_BATCH:
         raise ValueError(f"create_batch takes 1 to {MAX_BATCH} jobs, not {len(jobs)}")
     completion = completion_job(then, len(jobs))
