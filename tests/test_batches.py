@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import anyio
+import pg_pool
 import pytest
 from test_cli import CliHere
 from test_worker_python import in_process
 
-from harness import ThreadServer
+from harness import Nodes, ThreadServer
 from helpers import until
 from jobserver.client import (
     MAX_BATCH,
@@ -235,6 +237,32 @@ def test_a_batch_of_a_thousand_jobs(server):
 def test_a_job_that_depends_on_nothing_counts_nothing(jobs):
     job_id = jobs.create_job("plain/job")
     assert jobs.batch_progress(job_id) == BatchProgress(job_id, "QUEUED", 0, 0, 0, 0, 0, 0)
+
+
+def test_across_three_nodes_the_last_end_wakes_a_getjob_waiting_on_another():
+    with pg_pool.pooled_schema() as url:
+        nodes = Nodes(url, 3)
+        try:
+            maker, doer, waiter = (
+                Client(port=node.port, timeout=TIMEOUT) for node in nodes.nodes
+            )
+            batch = maker.create_batch([{"name": "far/part"}] * 3, then="far/done")
+            with ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(waiter.get_job, "far/done", wait=TIMEOUT)
+                with Client(port=nodes.nodes[2].port, timeout=TIMEOUT) as watcher:
+                    until(lambda: watcher.status()["waitingGetJobs"] == 1, TIMEOUT,
+                          "the GetJob to wait on the third node")
+                for job in doer.get_jobs("far/part", 3):
+                    doer.finish_job(job["jobID"], {"node": 1}, job["leaseID"])
+                done = waiting.result(timeout=TIMEOUT)
+            assert done is not None and done["jobID"] == batch.then_id
+            assert handed(done["dependencies"]) == {
+                job_id: ("FINISHED", {"node": 1}) for job_id in batch.job_ids
+            }
+            for client in (maker, doer, waiter):
+                client.close()
+        finally:
+            nodes.stop()
 
 
 # Through the async client, on asyncio and on trio.
