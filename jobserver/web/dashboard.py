@@ -49,8 +49,16 @@ from jobserver.core.build import Core
 from jobserver.core.commands import params
 from jobserver.core.errors import CommandError
 from jobserver.model import globmatch, times
-from jobserver.model.jobs import Job, State
-from jobserver.web import access, bulk_pages, forms, later_pages, running_pages, texts
+from jobserver.model.jobs import State
+from jobserver.web import (
+    access,
+    bulk_pages,
+    dependency_pages,
+    forms,
+    later_pages,
+    running_pages,
+    texts,
+)
 from jobserver.web.history_pages import GRAPH_MINUTES, GRAPH_REFRESH_SECONDS, HistoryPages
 from jobserver.web.incoming import peer
 from jobserver.web.reads import Reads
@@ -86,13 +94,6 @@ DELETABLE = frozenset(
 CANCELLABLE = frozenset(
     (State.QUEUED, State.RUNQUEUED, State.FAILED, State.WAITING, State.BLOCKED)
 )
-
-# What a job does when a job it depends on does not finish (protocol.md 14.25).
-ON_DEPENDENCY_FAILURE = {
-    "fail": "it fails, never handed out",
-    "cancel": "it is cancelled",
-    "run": "run all the same",
-}
 
 # Pages show job data, and their buttons act: no other site may frame
 # them, and no script but the dashboard's own may run in them.
@@ -258,7 +259,7 @@ class Dashboard:
         job = family.job
         return self._page(request, "job.html", {
             "job": job,
-            **await self._dependencies(request, job),
+            **await dependency_pages.dependencies(self._call, request, job),
             "parent": family.parent,
             "children": family.children,
             "data": texts.pretty(job.data),
@@ -268,19 +269,6 @@ class Dashboard:
             "cancellable": (bool(job.parentJobID) or job.state == State.BLOCKED)
             and job.state in CANCELLABLE,
         })
-
-    async def _dependencies(self, request: Request, job: Job) -> dict[str, Any]:
-        """How the jobs it depends on have ended (a batch's progress, on
-        its completion job's page): QueryJob's dependencyCounts, None for
-        a job without dependencies; and what it does when one fails."""
-        counts = None
-        if job.dependencies:
-            found, _ = _json(await self._call(request, "QueryJob", jobID=str(job.jobID)))
-            counts = (found or {}).get("dependencyCounts")
-        return {
-            "dependencies": counts,
-            "on_failure": ON_DEPENDENCY_FAILURE.get(job.onDependencyFailure or "fail", ""),
-        }
 
     async def jobs(self, request: Request) -> Response:
         """A search: by jobID (to that job's page) or by name pattern."""
