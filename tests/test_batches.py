@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import pg_pool
 import pytest
-from test_cli import CliHere
+from test_cli import Cli, CliHere
 from test_worker_python import in_process
 
 from harness import Nodes, ThreadServer
@@ -32,6 +32,7 @@ from jobserver.client import (
     JobServerError,
 )
 from jobserver.worker import Job, Worker
+from relay import Relay
 
 pytestmark = pytest.mark.backends
 
@@ -364,6 +365,39 @@ def test_create_from_then_makes_a_batch_and_top_follows_it(cli_here, jobs, tmp_p
     jobs.finish_job(taken[2]["jobID"], None, taken[2]["leaseID"])
     row = cli_here("top", "--once", "--batch", str(then_id)).stdout.splitlines()[-1]
     assert row.split()[2:4] == ["QUEUED", "3/3"]
+
+
+@pytest.fixture
+def relay(server) -> Iterator[Relay]:
+    """A relay in front of the server, that a test can cut."""
+    cutter = Relay(("127.0.0.1", server.port))
+    yield cutter
+    cutter.close()
+
+
+def test_a_batch_whose_reply_is_lost_is_created_once(relay, jobs, tmp_path):
+    # The library sends it again, under its key, on a new connection.
+    with Client("127.0.0.1", relay.port, timeout=TIMEOUT) as far:
+        relay.cut_at(b"CreateJobs", reaches=True)
+        batch = far.create_batch([{"name": "lost/part"}] * 2, then="lost/done")
+        assert relay.was_cut.is_set()
+    assert jobs.queues()["queues"][0]["total"] == 3
+    assert jobs.batch_progress(batch.then_id).total == 2
+    # The server out of reach once it has the request: the command says
+    # how to run it again without creating the batch twice.
+    lines = tmp_path / "parts.jsonl"
+    lines.write_text('{"name": "cut/part"}\n' * 2)
+    cli = Cli(f"127.0.0.1:{relay.port}")
+    relay.cut_at(b"CreateJobs", reaches=True, stay_cut=True)
+    result = cli("create", "--from", str(lines), "--then", "cut/done")
+    assert result.returncode == 5, result
+    assert "the batch may or may not have been created" in result.stderr, result.stderr
+    key = result.stderr.rsplit("--idempotency-key ", 1)[1].split()[0]
+    relay.restore()
+    made = cli.ok("create", "--from", str(lines), "--then", "cut/done", "--idempotency-key", key)
+    cut = [queue for queue in jobs.queues()["queues"] if queue["queue"] == "cut"]
+    assert cut[0]["total"] == 3
+    assert jobs.query_job(made["thenJobID"])["dependencyCounts"] == counts(2, 2)
 
 
 def test_create_from_then_reads_standard_input_too(cli_here, jobs, monkeypatch):
