@@ -21,6 +21,8 @@ import pytest
 
 from harness import ThreadServer
 from helpers import create, ok, until
+from jobserver.client import Client as LibraryClient
+from jobserver.client import JobCancelled
 from jobserver.core.rules.lifecycle import CANCELLED_WHILE_RUNNING
 from jobserver.model import times
 from jobserver.storage import postgres_schema
@@ -337,3 +339,19 @@ def sqlite_shape(path: Path) -> tuple[int, tuple[object, ...], list[tuple[object
             "SELECT sql FROM sqlite_master WHERE name = 'jobsCancelling'"
         ).fetchall()
         return raw.execute("PRAGMA user_version").fetchone()[0], tuple(columns[-1][1:5]), index
+
+
+# The client library.
+
+
+def test_the_client_cancels_and_a_report_raises_job_cancelled(server):
+    with LibraryClient("127.0.0.1", server.port, timeout=DEADLINE) as jobs:
+        job_id = jobs.create_job("library")
+        taken = jobs.get_job("library")
+        assert taken is not None and taken["jobID"] == job_id
+        jobs.cancel_job(job_id, running=True)
+        assert jobs.query_job(job_id)["cancelRequested"] is True
+        with pytest.raises(JobCancelled) as raised:
+            jobs.finish_job(job_id)
+        assert raised.value.status == CANCELLED
+        assert jobs.query_job(job_id)["state"] == "CANCELLED"

@@ -335,6 +335,26 @@ def test_actions_do_what_they_say_and_come_back_with_a_message(server: ThreadSer
         assert (status["paused"], status["limits"]) == ([], {})
 
 
+def test_a_running_job_is_cancelled_from_its_page(server: ThreadServer) -> None:
+    """The "Cancel run" button (CancelJob with running: true, protocol.md
+    14.26): the cancel is pending until the worker's next report."""
+    with server.client() as client:
+        running = create(client, "busy")
+        ok(client.request("GetJob", name="busy"))
+    visitor = Visitor(server)
+    page = visitor.get(f"/jobs/{running}")
+    assert "Cancel run" in page.text and "pending" not in page.text
+    assert flash_of(visitor, visitor.act("cancel-running", jobID=running, back="/")) == (
+        f"ok: Job {running} will be cancelled: its worker is told at its next report."
+    )
+    page = visitor.get(f"/jobs/{running}")
+    assert "Cancel run" not in page.text and "pending" in page.text
+    with server.client() as client:
+        assert client.request("TouchJob", jobID=running).status == "410 Job cancelled"
+        assert query_job(client, running)["state"] == "CANCELLED"
+    assert "Cancel run" not in visitor.get(f"/jobs/{running}").text
+
+
 def test_a_refused_action_is_shown_to_the_person(server: ThreadServer) -> None:
     with server.client() as client:
         running = create(client, "busy")

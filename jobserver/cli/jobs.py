@@ -431,9 +431,15 @@ def _add_cancel_and_delete(command: CommandAdder) -> None:
         "CANCELLED, and a PAUSED parent left with nothing to wait for is queued. A child "
         "that is FINISHED, RUNNING or PAUSED is left as it is. Prints {}. Exits 1 with "
         "'404 Invalid jobID - Cannot cancel a job without a parent' for a job that is not "
-        "a child.",
+        "a child. With --running, any RUNNING or RUNQUEUED job is cancelled: its worker's "
+        "next report is answered '410 Job cancelled' and the job ends CANCELLED.",
     )
     add_job_id(cancel)
+    cancel.add_argument(
+        "--running", action="store_true",
+        help="also a job that is running, child or not (protocol.md 14.26) "
+        "(default: children that are not running only)",
+    )
     delete = command(
         "delete", _delete, "delete a job", "Delete a job that is not RUNNING or PAUSED. Prints {}."
     )
@@ -441,7 +447,7 @@ def _add_cancel_and_delete(command: CommandAdder) -> None:
 
 
 def _cancel(client: Client, args: argparse.Namespace) -> dict[str, Any]:
-    client.cancel_job(args.id)
+    client.cancel_job(args.id, running=args.running)
     return {}
 
 

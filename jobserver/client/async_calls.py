@@ -241,8 +241,8 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
         )
 
     @documented_by(calls.cancel_job)
-    async def cancel_job(self, job_id: int) -> None:
-        await self._call(calls.cancel_job(job_id))
+    async def cancel_job(self, job_id: int, running: bool = False) -> None:
+        await self._call(calls.cancel_job(job_id, running))
 
     @documented_by(calls.delete_job)
     async def delete_job(self, job_id: int) -> None:

@@ -647,11 +647,14 @@ def retry_job(
     )
 
 
-def cancel_job(job_id: int) -> Call[None]:
+def cancel_job(job_id: int, running: bool = False) -> Call[None]:
     """Cancel a child job: a QUEUED, RUNQUEUED or FAILED child becomes
     CANCELLED, and a PAUSED parent left with nothing to wait for is queued.
-    A FINISHED, RUNNING or PAUSED child is left as it is."""
-    return _on_job("CancelJob", job_id)
+    A FINISHED, RUNNING or PAUSED child is left as it is. With `running`,
+    any RUNNING or RUNQUEUED job, a child or not, is cancelled: its worker's
+    next report raises JobCancelled and the job ends CANCELLED (protocol.md
+    14.26)."""
+    return _on_job("CancelJob", job_id, running=True if running else None)
 
 
 def delete_job(job_id: int) -> Call[None]:

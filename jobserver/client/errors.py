@@ -42,6 +42,12 @@ class Conflict(JobServerError):
     """409: the request conflicts with the job as it is."""
 
 
+class JobCancelled(JobServerError):
+    """410: the job's run was cancelled (CancelJob with running: true,
+    protocol.md 14.26): the report was not taken and the job ended
+    CANCELLED. Stop working on it; report it no more."""
+
+
 class UnrecognizedCommand(JobServerError):
     """430: the server has no such command."""
 
@@ -94,6 +100,7 @@ _ERRORS: dict[int, type[JobServerError]] = {
     404: JobNotFound,
     405: IllegalState,
     409: Conflict,
+    410: JobCancelled,
     430: UnrecognizedCommand,
     504: OutcomeUnknown,
 }

@@ -235,8 +235,8 @@ class Client(Endpoint):
         )
 
     @documented_by(calls.cancel_job)
-    def cancel_job(self, job_id: int) -> None:
-        self._call(calls.cancel_job(job_id))
+    def cancel_job(self, job_id: int, running: bool = False) -> None:
+        self._call(calls.cancel_job(job_id, running))
 
     @documented_by(calls.delete_job)
     def delete_job(self, job_id: int) -> None:

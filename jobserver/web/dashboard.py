@@ -173,6 +173,7 @@ class Dashboard:
             "requeue": self._requeue,
             "delete": self._delete,
             "cancel": self._cancel,
+            "cancel-running": self._cancel_running,
             "pause": self._pause,
             "resume": self._resume,
             "limit": self._set_limit,
@@ -268,6 +269,10 @@ class Dashboard:
             # A child, or a job waiting for its dependencies (protocol.md 14.25).
             "cancellable": (bool(job.parentJobID) or job.state == State.BLOCKED)
             and job.state in CANCELLABLE,
+            # CancelJob with running: true (protocol.md 14.26); a parent
+            # with children is refused, as by CancelJob.
+            "stoppable": job.state in (State.RUNNING, State.RUNQUEUED)
+            and not job.cancelRequested and not family.children,
         })
 
     async def jobs(self, request: Request) -> Response:
@@ -358,6 +363,14 @@ class Dashboard:
         job_id = forms.job_id(form)
         reply = await self._call(request, "CancelJob", jobID=str(job_id))
         return forms.outcome(reply, f"Job {job_id} cancelled.", f"Job {job_id} was not cancelled")
+
+    async def _cancel_running(self, request: Request, form: dict[str, str]) -> forms.Flash:
+        job_id = forms.job_id(form)
+        reply = await self._call(request, "CancelJob", jobID=str(job_id), running="true")
+        return forms.outcome(
+            reply, f"Job {job_id} will be cancelled: its worker is told at its next report.",
+            f"Job {job_id} was not cancelled",
+        )
 
     async def _pause(self, request: Request, form: dict[str, str]) -> forms.Flash:
         pattern = forms.field(form, "name")

@@ -5,7 +5,12 @@ worker stops, within the grace period.
 A thread cannot be killed. A plain function still running at its timeout
 (or at the end of the grace period) is left to run on: its job is reported
 at once, the worker stops waiting for it, and whatever it returns or raises
-later is ignored. A task is cancelled instead (anyio's cancellation)."""
+later is ignored. A task is cancelled instead (anyio's cancellation).
+
+A job cancelled while it runs (410 Job cancelled, protocol.md 14.26) is
+not reported, however its handler ends: a task is cancelled at once; a
+thread is told through `job.cancelled` and waited for as long as its
+timeout allows."""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import anyio.to_thread
 
 from jobserver.worker import outcome
 from jobserver.worker.job import Job
+from jobserver.worker.leases import Renewal
 from jobserver.worker.outcome import Outcome
 from jobserver.worker.registry import Handler
 from jobserver.workers.contract import printable
@@ -44,19 +50,28 @@ class Caller:
         for scope in self.scopes:
             scope.deadline = min(scope.deadline, self.grace_deadline)
 
-    async def call(self, handler: Handler, job: Job, started: float) -> Outcome:
-        """Run `handler` on `job`; how it ended."""
+    async def call(self, handler: Handler, job: Job, started: float, lease: Renewal) -> Outcome:
+        """Run `handler` on `job`, whose `lease` hears of a cancel; how it ended."""
+        if lease.cancelled.is_set():
+            return outcome.cancelled(job)
         timeout = handler.timeout or self.timeout
         timeout_at = started + timeout
         scope = anyio.CancelScope(deadline=min(timeout_at, self.grace_deadline))
         self.scopes.add(scope)
+        if handler.is_async:
+            lease.scope = scope
         try:
             with scope:
                 result = await self._invoke(handler, job)
         except Exception as error:  # noqa: BLE001 - whatever a handler raises fails its job
+            if lease.cancelled.is_set():
+                return outcome.cancelled(job)
             return outcome.raised(job, error, handler.function)
         finally:
             self.scopes.discard(scope)
+            lease.scope = None
+        if lease.cancelled.is_set():
+            return outcome.cancelled(job)
         if not scope.cancelled_caught:
             return outcome.finished(job, result)
         if not handler.is_async:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
@@ -15,6 +16,8 @@ class LeaseRenewal(Protocol):
     out again while it runs here (runner.py)."""
 
     lease_id: str | None
+    # Set when the server answers 410 Job cancelled (leases.py).
+    cancelled: threading.Event
 
     def renew(self) -> None: ...
 
@@ -77,6 +80,17 @@ class Job:
         if self.clients is None:
             raise RuntimeError("this job was not handed to a handler by a worker")
         return self.clients.get()
+
+    @property
+    def cancelled(self) -> threading.Event:
+        """Set once the server said the job was cancelled while it ran
+        (CancelJob with running: true, protocol.md 14.26): at its next lease
+        renewal, a third of the way through its lease (10 s with the default
+        --lease 30) or every --touch-interval. A thread handler checks it
+        (`job.cancelled.is_set()`, or waits on it) and returns; an async
+        handler's task is cancelled as well. Either way its result is not
+        reported: the server has ended the job."""
+        return self.lease.cancelled
 
     def renew_lease(self) -> None:
         """Renew the job's lease now (TouchJob), from a handler's thread or

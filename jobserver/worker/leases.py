@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import anyio.from_thread
 
-from jobserver.client import ConnectionFailed, JobServerError, ServerError
+from jobserver.client import ConnectionFailed, JobCancelled, JobServerError, ServerError
 from jobserver.worker.connection import Link, Server
 from jobserver.workers.contract import printable
 from jobserver.workers.leases import Lease, renewal_period
@@ -32,6 +32,8 @@ class Leases:
         self.touch_interval = touch_interval
         self.lease = lease  # the seconds each GetJobs asks for (--lease)
         self.held: dict[str, Lease] = {}  # by lease token
+        # Each running job's way to hear of its cancel, by lease token.
+        self.renewals: dict[str, Renewal] = {}
         self.changed = anyio.Event()  # set (and replaced) when one is due sooner
         self.failing = False  # the last renewal could not reach the server
         self.loop_thread = threading.get_ident()  # made on the event loop
@@ -56,9 +58,14 @@ class Leases:
         """The job, running here under the lease `old`, was handed out
         again: renew the new hand-out's lease instead, the one its report
         will carry (`old` is no longer the job's). The new token, or None."""
+        renewal = None
         if old is not None:
             self.held.pop(old, None)
-        return self.hold(job)
+            renewal = self.renewals.pop(old, None)
+        new = self.hold(job)
+        if renewal is not None and new is not None:
+            self.renewals[new] = renewal
+        return new
 
     def ended(self, lease_id: str) -> None:
         """The job's handler has ended: its lease is renewed until its
@@ -70,10 +77,14 @@ class Leases:
     def release(self, lease_id: str) -> None:
         """Stop renewing a lease: its job's report is done with."""
         self.held.pop(lease_id, None)
+        self.renewals.pop(lease_id, None)
 
     def renewal(self, lease_id: str | None) -> Renewal:
-        """What a job's `renew_lease` calls."""
-        return Renewal(self, lease_id)
+        """What a job's `renew_lease` calls, and how it hears of a cancel."""
+        renewal = Renewal(self, lease_id)
+        if lease_id is not None:
+            self.renewals[lease_id] = renewal
+        return renewal
 
     def renew_now(self, lease_id: str) -> None:
         """Renew this lease at once, if its job still runs (event loop only)."""
@@ -126,6 +137,16 @@ class Leases:
                 lease.due = anyio.current_time() + self.touch_interval
             await link.reconnect()
             return
+        except JobCancelled:
+            # CancelJob with running: true (protocol.md 14.26): the server
+            # ended the job; its handler is told, and it is not reported.
+            self.held.pop(lease.lease_id, None)
+            renewal = self.renewals.get(lease.lease_id)
+            if renewal is not None and not lease.ended:
+                log.info("job %s %s: cancelled (410 Job cancelled); stopping its handler",
+                         lease.job_id, lease.name)
+                renewal.cancel()
+            return
         except JobServerError as error:
             # The lease is gone: 409 when another worker has the job now (its
             # result will be refused), or the job's report was applied
@@ -153,6 +174,15 @@ class Renewal:
     def __init__(self, leases: Leases, lease_id: str | None) -> None:
         self.leases = leases
         self.lease_id = lease_id
+        self.cancelled = threading.Event()  # the job's `cancelled`
+        # The cancel scope of an async handler's call, cancelled with it.
+        self.scope: anyio.CancelScope | None = None
+
+    def cancel(self) -> None:
+        """The server ended the job (410): tell its handler (event loop only)."""
+        self.cancelled.set()
+        if self.scope is not None:
+            self.scope.cancel()
 
     def renew(self) -> None:
         if self.lease_id is None:

@@ -10,7 +10,9 @@ and the words the log line uses.
   FailJob with the traceback (or the reason) as the job's last error, a
   failed attempt for the job's retry policy (protocol.md 14.1, 14.2).
 - The worker stops before it ends: RetryJob at once, the job as it was (not
-  its fault, and not an attempt of its policy)."""
+  its fault, and not an attempt of its policy).
+- The server cancelled it while it ran (410 Job cancelled): nothing; the
+  server has ended it (protocol.md 14.26)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ from jobserver.worker.job import Job, RetryLater
 from jobserver.workers.contract import Outcome, Report, fate, printable
 
 __all__ = [
-    "Outcome", "failed", "finished", "handed_back", "no_handler", "raised", "timed_out",
+    "Outcome", "cancelled", "failed", "finished", "handed_back", "no_handler", "raised",
+    "timed_out",
 ]
 
 
@@ -67,6 +70,14 @@ def no_handler(job: Job) -> Outcome:
 def handed_back(job: Job, text: str) -> Outcome:
     """RetryJob that puts the job back as it was, due now."""
     return Outcome(_report(job, "retry", {"delay": 0, "ignore_repeat": True}), text)
+
+
+def cancelled(job: Job) -> Outcome:
+    """Not reported: the server ended the job (CANCELLED) and refuses any report."""
+    return Outcome(
+        _report(job, "finish", {}), "cancelled while it ran (410 Job cancelled): not reported",
+        reported=False,
+    )
 
 
 def failed(job: Job, reason: str) -> Outcome:

@@ -472,12 +472,15 @@ class Runner:
         seconds = time.perf_counter() - wall
         self.prefetch.ended(raw["jobID"], seconds)
         self.tally.ended(raw["jobID"], printable(raw["name"]), result, seconds)
-        self.reporter.add(result.report)
+        if result.reported:
+            self.reporter.add(result.report)
+        elif lease.lease_id is not None:
+            self.leases.release(lease.lease_id)  # cancelled: no report will come
 
     async def _run(self, raw: dict[str, Any], lease: Renewal, started: float) -> Outcome:
         job = Job.handed_out(raw, lease)
         try:
-            ended = await self._call(job, started)
+            ended = await self._call(job, started, lease)
         except BaseException:
             # No report will come: the lease is let go now.
             if lease.lease_id is not None:
@@ -488,7 +491,7 @@ class Runner:
             self.leases.ended(lease.lease_id)
         return ended
 
-    async def _call(self, job: Job, started: float) -> Outcome:
+    async def _call(self, job: Job, started: float, lease: Renewal) -> Outcome:
         handler = self.worker.handler_for(job.name)
         if handler is None:
             return outcome.no_handler(job)
@@ -498,7 +501,7 @@ class Runner:
             job = replace(job, handler_policy=handler.policy)
         clients = JobClient(self.server, handler.is_async)
         try:
-            return await self.caller.call(handler, replace(job, clients=clients), started)
+            return await self.caller.call(handler, replace(job, clients=clients), started, lease)
         finally:
             await clients.aclose()
 

@@ -21,7 +21,9 @@ SUMMARY_EVERY = 60.0
 # Finished jobs logged at INFO each second, at most.
 FINISHED_LINES = 10
 # How the summary names each report's verb.
-ENDINGS = {"finish": "finished", "fail": "failed", "retry": "retried"}
+ENDINGS = {
+    "finish": "finished", "fail": "failed", "retry": "retried", "cancelled": "cancelled",
+}
 
 
 class Tally:
@@ -35,7 +37,7 @@ class Tally:
 
     def ended(self, job_id: int, name: str, result: Outcome, seconds: float) -> None:
         """Log one job's end, and count it."""
-        verb = result.report.verb
+        verb = result.report.verb if result.reported else "cancelled"
         self.counts[verb] += 1
         level = self._finished_level() if verb == "finish" else logging.INFO
         if log.isEnabledFor(level):

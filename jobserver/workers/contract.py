@@ -156,6 +156,9 @@ class Outcome:
 
     report: Report
     text: str
+    # False for a job whose run was cancelled (410 Job cancelled, protocol.md
+    # 14.26): the server has ended it, and takes no report of it.
+    reported: bool = True
 
 
 def failed(job: dict[str, Any], error: Any, text: str) -> Outcome:
@@ -193,6 +196,11 @@ def cannot_start(job: dict[str, Any], path: str, error: OSError) -> Outcome:
 
 def outcome(job: dict[str, Any], ended: Ended, worker_timeout: float) -> Outcome:
     """What a worker's end means for its job."""
+    if ended.stopped == "cancelled":
+        # The server ended the job (410 Job cancelled, protocol.md 14.26).
+        report = Report(job["jobID"], printable(job["name"]), "finish", {})
+        return Outcome(report, "cancelled while it ran (410 Job cancelled): worker stopped, "
+                       "not reported", reported=False)
     if ended.stopped == "timeout":
         # A failed attempt, like any failure: the job's retry policy
         # decides (backoff, dead set), so a worker that always hangs

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import trio
 
 from jobserver.cli.options import number
-from jobserver.client import ConnectionFailed, JobServerError, ServerError
+from jobserver.client import ConnectionFailed, JobCancelled, JobServerError, ServerError
 from jobserver.model.repeat import offset_seconds
 from jobserver.wire.limits import MAX_LEASE, MIN_LEASE
 from jobserver.workers.connection import Link, Server
@@ -106,6 +107,8 @@ class Leases:
         self.held: dict[str, Lease] = {}  # by lease token
         self.changed = trio.Event()  # set (and replaced) when a lease is taken on
         self.failing = False  # the last renewal could not reach the server
+        # Told of a job the server cancelled while it ran (410, protocol.md 14.26).
+        self.on_cancel: Callable[[int], None] = lambda job_id: None
 
     def hold(self, job: dict[str, Any]) -> str | None:
         """Renew this job's lease while it runs; its token, or None for a
@@ -180,6 +183,12 @@ class Leases:
                 )
                 self.failing = True
             await link.reconnect()
+            return
+        except JobCancelled:
+            if self.held.pop(lease.lease_id, None) is not None and not lease.ended:
+                log.info("job %s %s: cancelled (410 Job cancelled); stopping its worker",
+                         lease.job_id, lease.name)
+                self.on_cancel(lease.job_id)
             return
         except JobServerError as error:
             # The lease is gone: 409 when another worker has the job now (its

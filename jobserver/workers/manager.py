@@ -149,6 +149,7 @@ class Manager:
         self.supervisor = Supervisor(worker_timeout)
         check_lease(lease)
         self.leases = Leases(self.server, touch_interval, lease)
+        self.leases.on_cancel = self.supervisor.cancel
         self.reporter = Reporter(self.server, self.guard, self.leases)
 
     # Top level.
@@ -378,7 +379,12 @@ class Manager:
         log.info("job %s %s %s in %.3fs", job_id, name, printable(result.text), duration)
         # The newest hand-out's, should the job have been handed out again.
         result.report.lease_id = job.get("leaseID")
-        self.reporter.add(result.report)
+        if result.reported:
+            self.reporter.add(result.report)
+        else:
+            # Cancelled: the server ended the job, and takes no report.
+            self.guard.done(job_id)
+            self.leases.release(result.report.lease_id)
 
     async def _run(self, job: dict[str, Any], started: float) -> Outcome:
         if self.stopping:

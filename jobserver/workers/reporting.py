@@ -43,6 +43,7 @@ from jobserver.client import (
     FinishResult,
     IllegalState,
     InvalidRequest,
+    JobCancelled,
     JobNotFound,
     JobServerError,
     OutcomeUnknown,
@@ -157,6 +158,12 @@ POLICY: tuple[Rule, ...] = (
         Conflict, _always, Action.DROP, logging.WARNING,
         _JOB + "%(command)s refused (%(code)s %(reason)s): another worker has the job now; "
         "this result is dropped",
+    ),
+    # CancelJob with running: true (protocol.md 14.26): the server ended
+    # the job CANCELLED at this report, and takes none.
+    Rule(
+        JobCancelled, _always, Action.DROP, logging.INFO,
+        _JOB + "cancelled while it ran (%(code)s %(reason)s): its result is dropped",
     ),
     # No such job, or not RUNNING: after a lost reply, our own earlier try.
     Rule(

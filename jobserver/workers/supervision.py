@@ -29,7 +29,7 @@ STDOUT_LIMIT = 1024 * 1024
 STDERR_LIMIT = 64 * 1024
 
 # Why the manager stopped a worker that had not exited by itself.
-Stopped = Literal["timeout", "shutdown"]
+Stopped = Literal["timeout", "shutdown", "cancelled"]
 
 
 class Head:
@@ -94,6 +94,17 @@ class Supervisor:
         self.scopes: set[trio.CancelScope] = set()  # one per worker, waiting for its exit
         # pid -> (job ID, printable name): whom a forced exit abandons.
         self.live: dict[int, tuple[int, str]] = {}
+        # Jobs the server cancelled while they ran (410, protocol.md 14.26),
+        # and the scope each one's worker is waited for in.
+        self.cancelled: set[int] = set()
+        self.waits: dict[int, trio.CancelScope] = {}
+
+    def cancel(self, job_id: int) -> None:
+        """The server cancelled the job: stop its worker as at its timeout."""
+        self.cancelled.add(job_id)
+        scope = self.waits.get(job_id)
+        if scope is not None:
+            scope.cancel()
 
     def stop(self, grace: float) -> None:
         """Running workers get `grace` more seconds (or less, if they had less)."""
@@ -116,7 +127,7 @@ class Supervisor:
                 out_done, err_done = trio.Event(), trio.Event()
                 nursery.start_soon(_collect, from_stdout, stdout, out_done)
                 nursery.start_soon(_collect, from_stderr, stderr, err_done)
-                stopped = await self._wait(proc, started)
+                stopped = await self._wait(proc, started, job[0])
                 with trio.move_on_after(OUTPUT_DRAIN):
                     await out_done.wait()
                     await err_done.wait()
@@ -126,17 +137,26 @@ class Supervisor:
         del self.live[proc.pid]
         return Ended(returncode, stopped, stdout, stderr)
 
-    async def _wait(self, proc: trio.Process, started: float) -> Stopped | None:
-        """Wait for the worker to exit, or stop it at its deadline; why it
-        was stopped, if it was."""
+    async def _wait(self, proc: trio.Process, started: float, job_id: int) -> Stopped | None:
+        """Wait for the worker to exit, or stop it at its deadline or its
+        job's cancel; why it was stopped, if it was."""
         timeout_at = started + self.worker_timeout
         scope = trio.CancelScope(deadline=min(timeout_at, self.grace_deadline))
+        if job_id in self.cancelled:
+            scope.cancel()
         self.scopes.add(scope)
+        self.waits[job_id] = scope
         try:
             with scope:
                 await proc.wait()
         finally:
             self.scopes.discard(scope)
+            del self.waits[job_id]
+        if job_id in self.cancelled:
+            self.cancelled.discard(job_id)
+            if proc.returncode is None:
+                await _terminate(proc)
+            return "cancelled"
         if proc.returncode is not None:
             return None
         stopped: Stopped = "timeout" if trio.current_time() >= timeout_at else "shutdown"
