@@ -31,8 +31,11 @@ BODY = ('{"name":"x","data":' + DATA + "}").encode()
 # 40 ms while it is parsed; parsed on the event loop, a neighbour waited up
 # to 1.5 s. Under other tests' load, nine in ten came within 0.2 to 0.31 s
 # and the worst within 0.5 s, for the code before this issue and after
-# alike (0.1 s, then 0.2 s, were each passed under load).
-NEIGHBOUR_BOUND = 0.35
+# alike (0.1 s, then 0.2 s, were each passed under load; then 0.35 s, nine
+# in ten within 0.41 s and the worst 0.47 s, with five other checkouts'
+# tests on the same two cores). The worst's bound is what a parse on the
+# event loop (1.5 s) passes.
+NEIGHBOUR_BOUND = 0.6
 NEIGHBOUR_WORST = 0.8
 WATCH_SECONDS = 3.0
 # Bodies arriving at once over HTTP, besides one CreateJob on the wire.
