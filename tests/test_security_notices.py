@@ -55,6 +55,13 @@ ATTACKS = {
     "ready a control character": '{"ready": ["a\\u0000b"]}',
     "ready a name too long": json.dumps({"ready": ["x" * 256]}),
     "node not a string": '{"node": {}, "ready": null}',
+    "ended not a list": '{"ready": [], "ended": 5}',
+    "ended a string": '{"ready": [], "ended": ["7"]}',
+    "ended a boolean": '{"ready": [], "ended": [true]}',
+    "ended zero": '{"ready": [], "ended": [0]}',
+    "ended past int64": '{"ready": [], "ended": [9223372036854775808]}',
+    "ended a float": '{"ready": [], "ended": [1.5]}',
+    "ended too many": '{"ready": [], "ended": [' + "1," * 3000 + "1]}",
     "a huge integer": "[" + "1" * 7997 + "]",
     "a list": "[]",
     "null": "null",
@@ -99,6 +106,10 @@ ODD_NAME = "[" * 200 + '"\\{' * 10
          Hint(frozenset(), "2030-05-01 08:00:00.000")),
         # Names may hold brackets, quotes and backslashes.
         (json.dumps({"ready": [ODD_NAME]}), Hint(frozenset([ODD_NAME]), None)),
+        # Awaited jobs another node ended (AwaitJob), or "any of them".
+        ('{"node":"them","ready":[],"due":null,"ended":[3,9]}',
+         Hint(frozenset(), None, frozenset({3, 9}))),
+        ('{"node":"them","ready":null,"due":null,"ended":null}', Hint(None, None, None)),
         # A node's own notice is nothing to do.
         ('{"node":"me","ready":["a"]}', postgres_listen.NOTHING),
     ],
@@ -342,7 +353,7 @@ async def test_a_failing_handler_ends_neither_the_listener_nor_its_caller(queue_
     channel = channel_of(queue_url)
     heard: dict[str, trio.Event] = {"anything": trio.Event()}
 
-    def failing(ready: set[str] | None, due: str | None) -> None:
+    def failing(ready: set[str] | None, due: str | None, ended: object = None) -> None:
         for name in ready if ready is not None else ["anything"]:
             heard.setdefault(name, trio.Event()).set()
         raise RuntimeError("a bug in the wait queue")

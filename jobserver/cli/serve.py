@@ -29,8 +29,10 @@ from jobserver.wire.counts import counted
 from jobserver.wire.limits import (
     DEFAULT_HOST,
     DEFAULT_IDEMPOTENCY_KEEP,
+    DEFAULT_KEEP_OUTCOMES,
     DEFAULT_PORT,
     MAX_IDEMPOTENCY_KEEP,
+    MAX_KEEP_OUTCOMES,
     MAX_MAX_LIMITS,
     MAX_MAX_REPLY_BYTES,
     MIN_IDEMPOTENCY_KEEP,
@@ -292,6 +294,16 @@ def _add_job_options(serve: argparse.ArgumentParser) -> None:
         f"(default: {duration_text(DEFAULT_IDEMPOTENCY_KEEP)})",
     )
     serve.add_argument(
+        "--keep-outcomes",
+        type=duration(0.0, MAX_KEEP_OUTCOMES),
+        default=DEFAULT_KEEP_OUTCOMES,
+        metavar="DURATION",
+        help="keep each ended job's outcome (final state, data, lastError) this long for "
+        f"AwaitJob: 0 to {duration_text(MAX_KEEP_OUTCOMES)}; 0 keeps only those of jobs an "
+        "AwaitJob waits for, until the next prune (default: "
+        f"{duration_text(DEFAULT_KEEP_OUTCOMES)})",
+    )
+    serve.add_argument(
         "--stale-after",
         type=duration(0.0, MAX_DURATION_SECONDS),
         default=DEFAULT_STALE_AFTER,
@@ -434,6 +446,7 @@ def run(args: argparse.Namespace) -> int:
         keep_failed=args.keep_failed,
         reply_grace=args.reply_grace,
         idempotency_keep=args.idempotency_keep,
+        keep_outcomes=args.keep_outcomes,
         stale_after=args.stale_after,
         history_minutes=args.history_minutes,
         backup_dir=args.backup_dir,

@@ -88,6 +88,25 @@ class Job:
     # stop: its next report is answered 410 and it ends CANCELLED
     # (protocol.md 14.26).
     cancelRequested: int = 0
+    # 1 once an AwaitJob waits for it (protocol.md 14.27): its end is then
+    # announced to every node, and its outcome kept even with
+    # --keep-outcomes 0 (core/rules/outcomes.py).
+    awaited: int = 0
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """How a job ended: its final state (FINISHED, FAILED, CANCELLED, or
+    DELETED before it ended), data and last error, when, and until when
+    it is kept."""
+
+    jobID: int
+    name: str
+    state: str
+    data: str
+    lastError: str
+    ended: str
+    expires: str
 
 
 @dataclass(frozen=True)
@@ -174,6 +193,7 @@ class JobChanges:
     node: str | _Keep = KEEP
     lease: int | _Keep = KEEP
     cancelRequested: int | _Keep = KEEP
+    awaited: int | _Keep = KEEP
     # UpdateJob's, and a unique CreateJob's merge.
     timeZone: str | _Keep = KEEP
 

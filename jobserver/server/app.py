@@ -44,6 +44,7 @@ from jobserver.storage.interface import Storage
 from jobserver.wire.limits import (
     DEFAULT_HOST,
     DEFAULT_IDEMPOTENCY_KEEP,
+    DEFAULT_KEEP_OUTCOMES,
     DEFAULT_MAX_LIMITS,
     DEFAULT_MAX_REPLY_BYTES,
     DEFAULT_PORT,
@@ -111,6 +112,8 @@ class Config:
     stale_after: float = DEFAULT_STALE_AFTER
     # How long an idempotency key is kept (--idempotency-keep).
     idempotency_keep: float = DEFAULT_IDEMPOTENCY_KEEP
+    # How long an ended job's outcome is kept for AwaitJob (--keep-outcomes).
+    keep_outcomes: float = DEFAULT_KEEP_OUTCOMES
     # Minutes of history kept in memory (--history-minutes); 0 keeps none.
     history_minutes: int = history.DEFAULT_MINUTES
     # The HTTP side's port (--http-port), on the same host; None: no HTTP.
@@ -288,6 +291,7 @@ class Server:
             reply_grace=config.reply_grace,
             stale_after=config.stale_after,
             idempotency_keep=config.idempotency_keep,
+            keep_outcomes=config.keep_outcomes,
             serving_since=to_millis(self.clock.now()),
             max_reply_bytes=config.max_reply_bytes,
             max_limits=config.max_limits,

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
+from jobserver.core.commands.await_job import NOT_ENDED, awaits_job
 from jobserver.core.commands.get_jobs import NO_JOB, waits_for_jobs
 from jobserver.core.commands.route import Answer, Undo
 from jobserver.logs import RateLimit
@@ -73,6 +74,10 @@ TLS_HANDSHAKE = 0x16
 HALF_CLOSED_WHILE_WAITING = (
     "a waiting GetJob needs its connection open: the client closed its sending "
     "side (as nc -N does at the end of its input); no job was handed out"
+)
+HALF_CLOSED_WHILE_AWAITING = (
+    "an AwaitJob needs its connection open: the client closed its sending side "
+    "(as nc -N does at the end of its input)"
 )
 
 
@@ -363,10 +368,16 @@ class Connection:
 
     async def _respond(self, request: Request) -> Answer:
         if waits_for_jobs(request):
-            return await self._wait_watching_for_hangup(request)
+            return await self._wait_watching_for_hangup(
+                request, Response(NO_JOB, headers={"error": HALF_CLOSED_WHILE_WAITING})
+            )
+        if awaits_job(request):
+            return await self._wait_watching_for_hangup(
+                request, Response(NOT_ENDED, headers={"error": HALF_CLOSED_WHILE_AWAITING})
+            )
         return await self.server.core.dispatcher.dispatch(request, self.peer)
 
-    async def _wait_watching_for_hangup(self, request: Request) -> Answer:
+    async def _wait_watching_for_hangup(self, request: Request, unanswered: Response) -> Answer:
         """Wait for jobs while reading ahead, so a client that hangs up
         stops waiting at once and is never handed a job. The jobs the wait
         returns are this connection's at once, whatever else happens: no
@@ -375,7 +386,7 @@ class Connection:
         them back itself. A client that only closed its sending side
         (`nc -N` at the end of its input) cannot be told from one that is
         gone, so its wait ends too; it can still read, and is told why."""
-        answer = Answer(Response(NO_JOB, headers={"error": HALF_CLOSED_WHILE_WAITING}))
+        answer = Answer(unanswered)
 
         async def take(cancel: trio.CancelScope) -> None:
             nonlocal answer

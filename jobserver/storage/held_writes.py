@@ -51,6 +51,11 @@ class Write:
     # (sql_store._fence says why it differs).
     many_fence: str = ""
     insert: bool = False
+    # The table an insert goes to, and what it does on a row of the same
+    # key (an upsert's `ON CONFLICT ...`): a job's outcome (AwaitJob) is
+    # kept beside its end, in `outcomes`.
+    table: str = "jobs"
+    on_conflict: str = ""
 
 
 # A group of writes sent as one: a statement and its parameters, once
@@ -105,6 +110,10 @@ class HeldWrites:
         """Keep a new job's insert."""
         if parent_id in self.parents:
             self.parents[parent_id] = True
+        self._pending.append(write)
+
+    def insert(self, write: Write) -> None:
+        """Keep an insert into another table than the jobs' (an outcome)."""
         self._pending.append(write)
 
     def has_pending(self) -> bool:
@@ -185,13 +194,16 @@ def batches(writes: list[Write], mark: str, arrays: bool) -> list[Batch]:
     elsewhere, one executemany."""
     out: list[Batch] = []
     groups: dict[tuple[str, str], list[Write]] = {}
-    seen: set[int] = set()
+    seen: set[tuple[str, int]] = set()
     for write in writes:
-        if write.job_id in seen:
-            # A second write to a job waits for everything before it.
+        # A job's row and its outcome are two rows: sent in one statement
+        # each, however many jobs a command ends.
+        row = (write.table, write.job_id)
+        if row in seen:
+            # A second write to a row waits for everything before it.
             out += _grouped(groups, mark, arrays)
             groups, seen = {}, set()
-        seen.add(write.job_id)
+        seen.add(row)
         groups.setdefault((write.head, write.fence), []).append(write)
     return out + _grouped(groups, mark, arrays)
 
@@ -246,7 +258,10 @@ def _rows(columns: tuple[str, ...], rows: list[tuple[Any, ...]], mark: str) -> t
 def _insert_rows(writes: list[Write], mark: str) -> Batch:
     columns = writes[0].columns
     source, rows = _rows(columns, [w.head_args for w in writes], mark)
-    statement = f"INSERT INTO jobs ({', '.join(columns)}) SELECT * FROM {source} AS v"
+    statement = (
+        f"INSERT INTO {writes[0].table} ({', '.join(columns)}) SELECT * FROM {source} AS v"
+        f"{writes[0].on_conflict}"
+    )
     return statement, [[rows]]
 
 

@@ -30,7 +30,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
-from jobserver.model.jobs import NO_CHANGES, Job, JobChanges, NewJob
+from jobserver.model.jobs import NO_CHANGES, Job, JobChanges, JobOutcome, NewJob
 from jobserver.model.limits import Limit
 from jobserver.storage.backup_types import (
     BackupCopy,
@@ -108,9 +108,10 @@ class QueryUnavailable(Exception):
     status line's, after the code, and says how to enable it."""
 
 
-# heard(names made due, earliest future time) from another node's commit;
-# names None: anything may have changed.
-Heard = Callable[["set[str] | None", "str | None"], None]
+# heard(names made due, earliest future time, awaited jobs that ended)
+# from another node's commit; names None: anything may have changed; ended
+# None: any awaited job may have ended.
+Heard = Callable[["set[str] | None", "str | None", "frozenset[int] | None"], None]
 
 
 class OutcomeUnknown(Exception):
@@ -185,9 +186,10 @@ class Transactions(Protocol):
     def rollback_savepoint(self, name: str = "request") -> None:
         """Undo what was written since savepoint `name`, and close it."""
 
-    def announce(self, ready: set[str], due: str | None) -> None:
+    def announce(self, ready: set[str], due: str | None, ended: set[int]) -> None:
         """Inside a transaction: tell the other nodes, once it commits,
-        which names it made due and the earliest future time it wrote."""
+        which names it made due, the earliest future time it wrote, and
+        which awaited jobs it ended (AwaitJob)."""
 
     async def listen(self, heard: Heard) -> None:
         """Run until cancelled, calling `heard` on the event loop for what
@@ -339,6 +341,20 @@ class Jobs(Dependencies, Protocol):
 
     def early_replies(self, now: str) -> int:
         """Unexpired replies that no job has claimed yet."""
+
+    # Outcomes of ended jobs, for AwaitJob (protocol.md 14.27).
+
+    def keep_job_outcome(self, outcome: JobOutcome) -> None:
+        """Keep a job's outcome until its `expires` (replacing an older one)."""
+
+    def job_outcome(self, job_id: int, now: str) -> JobOutcome | None:
+        """The outcome kept of a job, unless it expired by `now`."""
+
+    def ended_of(self, ids: list[int], now: str) -> list[int]:
+        """Of these jobs, those whose outcome is kept."""
+
+    def prune_outcomes(self, now: str, batch: int) -> int:
+        """Delete up to `batch` outcomes kept past their time; how many went."""
 
     # Idempotency keys (protocol.md 14.22).
 

@@ -472,13 +472,20 @@ class PostgresStore(SqlStore):
             lambda: connect(self._url), self.channel, self.node, heard
         )
 
-    def announce(self, ready: set[str], due: str | None) -> None:
+    def announce(self, ready: set[str], due: str | None, ended: set[int]) -> None:
         """Tell the other nodes, when this transaction commits, which names
-        it made due and the earliest future time it wrote."""
-        notice = {"node": self.node, "ready": sorted(ready), "due": due}
+        it made due, the earliest future time it wrote, and which awaited
+        jobs it ended (only those: a job nobody awaits adds nothing)."""
+        notice: dict[str, Any] = {"node": self.node, "ready": sorted(ready), "due": due}
+        if ended:
+            notice["ended"] = sorted(ended)
         payload = json.dumps(notice, separators=(",", ":"))
         if len(payload.encode()) > MAX_NOTICE_BYTES:
-            payload = json.dumps({"node": self.node, "ready": None, "due": due})
+            # Too long: "anything", which the listeners then look for.
+            cut = {"node": self.node, "ready": None, "due": due}
+            if ended:
+                cut["ended"] = None
+            payload = json.dumps(cut)
         # Sent with the COMMIT (see commit).
         self._notice = payload
 
@@ -551,7 +558,10 @@ class PostgresStore(SqlStore):
                 return True
             return any(
                 db.execute(expired, (now,)).fetchone() is not None
-                for expired in (sql.expired_reply(POSTGRES), sql.expired_idempotency_key(POSTGRES))
+                for expired in (
+                    sql.expired_reply(POSTGRES), sql.expired_idempotency_key(POSTGRES),
+                    sql.expired_outcome(POSTGRES),
+                )
             )
 
     def run_query(self, text: str, seconds: float, rows: QueryRows) -> None:

@@ -54,6 +54,10 @@ MAX_PAYLOAD_BYTES = 8000
 MAX_PAYLOAD_BRACKETS = 16
 # The names one notice may list (ours list at most 7000 bytes of them).
 MAX_READY_NAMES = 7000
+# The awaited jobs one notice may say ended (ours: under 7000 bytes of
+# jobIDs), and one delivery may carry, past which it says "any of them".
+MAX_ENDED_JOBS = 3000
+MAX_HEARD_ENDED = 1024
 # The names one delivery to the wait queue may carry, merged from every
 # notice read in one round; past it the round becomes a recheck.
 MAX_HEARD_NAMES = 256
@@ -64,8 +68,9 @@ MIN_RECHECK_SECONDS = 0.1
 # A bad notice is logged at most once per this many seconds, with a count.
 BAD_NOTICE_LOG_SECONDS = 60.0
 
-# heard(ready names, earliest future time): ready None means "anything".
-Heard = Callable[["set[str] | None", "str | None"], None]
+# heard(ready names, earliest future time, awaited jobs that ended): ready
+# None means "anything", ended None "any awaited job may have ended".
+Heard = Callable[["set[str] | None", "str | None", "frozenset[int] | None"], None]
 
 # A stored time (model/times.py): seconds, optionally with a fraction.
 _STORED_TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2} [0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,6})?")
@@ -80,6 +85,8 @@ class Hint:
 
     ready: frozenset[str] | None
     due: str | None
+    # Awaited jobs its commit ended (AwaitJob); None: any may have.
+    ended: frozenset[int] | None = frozenset()
 
 
 @dataclass(frozen=True)
@@ -129,7 +136,8 @@ def _read(payload: bytes, node: str) -> Hint:
         raise _Refused("node is not a string")
     if sender == node:
         return NOTHING
-    return Hint(_ready(notice.get("ready")), _due(notice.get("due")))
+    ended = _ended(notice["ended"]) if "ended" in notice else frozenset()
+    return Hint(_ready(notice.get("ready")), _due(notice.get("due")), ended)
 
 
 def _nesting(text: str) -> int:
@@ -159,6 +167,19 @@ def _ready(value: object) -> frozenset[str] | None:
     for name in value:
         if not _is_job_name(name):
             raise _Refused("ready holds something that is not a job name")
+    return frozenset(value)
+
+
+def _ended(value: object) -> frozenset[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise _Refused("ended is not a list")
+    if len(value) > MAX_ENDED_JOBS:
+        raise _Refused(f"ended lists over {MAX_ENDED_JOBS} jobs")
+    for job_id in value:
+        if not isinstance(job_id, int) or isinstance(job_id, bool) or not 0 < job_id < 2**63:
+            raise _Refused("ended holds something that is not a jobID")
     return frozenset(value)
 
 
@@ -193,10 +214,17 @@ class _Round:
         self.names: set[str] = set()
         self.anything = False
         self.due: str | None = None
+        # Awaited jobs that ended; None: any may have.
+        self.ended: set[int] | None = set()
 
     def add(self, hint: Hint) -> None:
         if hint.due is not None and (self.due is None or hint.due < self.due):
             self.due = hint.due
+        if self.ended is not None:
+            if hint.ended is None or len(self.ended) + len(hint.ended) > MAX_HEARD_ENDED:
+                self.ended = None
+            else:
+                self.ended |= hint.ended
         if self.anything:
             return
         if hint.ready is None or len(self.names) + len(hint.ready) > MAX_HEARD_NAMES:
@@ -241,7 +269,7 @@ async def listen(
             if not lost:
                 log.error("cannot listen for other nodes: %s", error)
             lost = True
-            listener.recheck()
+            listener.recheck(lost=True)
             await trio.sleep(RECONNECT_SECONDS)
             continue
         try:
@@ -250,7 +278,7 @@ async def listen(
                 log.info("listening for other nodes again")
             lost = False
             # What happened while nobody listened.
-            listener.recheck()
+            listener.recheck(lost=True)
             await listener.hear(db)
         except Exception as error:  # noqa: BLE001 - the boundary of the listener
             # psycopg's, the socket's, or a bug: this connection ends, the
@@ -333,19 +361,28 @@ class _Listener:
             # A time already past would fire the clock at once, a recheck
             # by another name: it waits its turn like one.
             self.recheck_owed, due = True, None
+        ended = None if gathered.ended is None else frozenset(gathered.ended)
         if gathered.anything:
             self.recheck_owed = True
-        elif gathered.names or due is not None:
-            self._call(set(gathered.names), due)
+            if ended != frozenset():
+                # The awaiters hear at once all the same.
+                self._call(set(), None, ended)
+        elif gathered.names or due is not None or ended != frozenset():
+            self._call(set(gathered.names), due, ended)
 
-    def recheck(self) -> None:
+    def recheck(self, lost: bool = False) -> None:
+        """Tell the wait queue to look at everything; after notices may
+        have been lost (no connection listened), the awaiters too, once:
+        an awaited job may have ended unheard."""
         self.recheck_owed = False
         self.rechecked_at = trio.current_time()
-        self._call(None, None)
+        self._call(None, None, None if lost else frozenset())
 
-    def _call(self, ready: set[str] | None, due: str | None) -> None:
+    def _call(
+        self, ready: set[str] | None, due: str | None, ended: frozenset[int] | None
+    ) -> None:
         try:
-            self.heard(ready, due)
+            self.heard(ready, due, ended)
         except Exception as error:  # noqa: BLE001 - a hint that failed is a recheck later
             # The wait queue's state is its own; the next recheck (within a
             # second) tries every waiter again.

@@ -56,6 +56,8 @@ from jobserver.storage.sqlite_schema import StoreError
 # counts of them and of their dependents, the graph's edges and the
 # outcomes of the jobs depended on; a handed-out job's
 # pending cancel (CancelJob with running: true, protocol.md 14.26).
+# AwaitJob (protocol.md 14.27): the jobs' `awaited` mark, and the
+# outcomes of ended jobs kept for it.
 SCHEMA_VERSION = 10
 
 # Rows of jobserver_locks. The nodes lock these rows, with FOR UPDATE,
@@ -452,6 +454,13 @@ _VERSION_10 = (
     "ALTER TABLE jobs ADD COLUMN IF NOT EXISTS cancelRequested INTEGER NOT NULL DEFAULT 0",
     "CREATE INDEX IF NOT EXISTS jobsCancelling ON jobs (nextRun) "
     "WHERE state = 'RUNQUEUED' AND cancelRequested = 1",
+    # AwaitJob (protocol.md 14.27).
+    "ALTER TABLE jobs ADD COLUMN IF NOT EXISTS awaited INTEGER NOT NULL DEFAULT 0",
+    'CREATE TABLE IF NOT EXISTS outcomes (jobID BIGINT PRIMARY KEY, '
+    'name TEXT COLLATE "C" NOT NULL, state TEXT COLLATE "C" NOT NULL, '
+    'data TEXT COLLATE "C" NOT NULL, lastError TEXT COLLATE "C" NOT NULL, '
+    'ended TEXT COLLATE "C" NOT NULL, expires TEXT COLLATE "C" NOT NULL)',
+    "CREATE INDEX IF NOT EXISTS outcomesExpires ON outcomes (expires)",
 )
 
 

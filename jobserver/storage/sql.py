@@ -24,14 +24,14 @@ COLUMNS = (
     "parentJobID", "retryAfter", "maxAttempts", "retryBackoff", "retryDelay", "retryMaxDelay",
     "attempts", "lastError", "leaseID", "cost", "timeWindows", "timeZone", "ended", "replyKey",
     "lastReport", "worker", "node", "key", "lease", "dependencies", "dependents",
-    "onDependencyFailure", "cancelRequested",
+    "onDependencyFailure", "cancelRequested", "awaited",
 )
 JOB = ", ".join(COLUMNS)
 # The columns that are not text, as PostgreSQL's types (a write of many
 # rows reads them from text).
 NOT_TEXT = {
     "jobID": "bigint", "priority": "bigint", "parentJobID": "bigint", "maxAttempts": "bigint",
-    "attempts": "bigint", "cost": "bigint", "lease": "bigint",
+    "attempts": "bigint", "cost": "bigint", "lease": "bigint", "awaited": "bigint",
     "dependencies": "bigint", "dependents": "bigint", "blockers": "bigint", "retryDelay": "float8",
     "retryMaxDelay": "float8", "cancelRequested": "bigint",
 }
@@ -275,6 +275,11 @@ def expired_reply(d: Dialect) -> str:
 def expired_idempotency_key(d: Dialect) -> str:
     """Whether an idempotency key expired; binds now."""
     return f"SELECT 1 FROM idempotency WHERE expires <= {d.mark} LIMIT 1"
+
+
+def expired_outcome(d: Dialect) -> str:
+    """Whether an ended job's outcome was kept past its time; binds now."""
+    return f"SELECT 1 FROM outcomes WHERE expires <= {d.mark} LIMIT 1"
 
 
 def expired_handout(d: Dialect) -> str:

@@ -25,6 +25,7 @@ from jobserver.storage.held_writes import Write
 from jobserver.storage.searches import Found, NameMatch
 from jobserver.storage.sql import JOB, Dialect
 from jobserver.storage.sql_dependencies import DependencyStatements
+from jobserver.storage.sql_outcomes import Outcomes
 
 # Limits (with their capacity) and paused patterns (with none), in one query.
 FLOW_CONTROL = (
@@ -33,7 +34,7 @@ FLOW_CONTROL = (
 )
 
 
-class SqlStore(DependencyStatements):
+class SqlStore(DependencyStatements, Outcomes):
     """The named operations in SQL; a backend gives it a connection
     (`_run`), a dialect, and its hooks."""
 

@@ -266,7 +266,7 @@ class Store(SqlStore):
 
     # One process per file (lockfile.py): there are no other nodes.
 
-    def announce(self, ready: set[str], due: str | None) -> None:
+    def announce(self, ready: set[str], due: str | None, ended: set[int]) -> None:
         pass
 
     async def listen(self, heard: Heard) -> None:

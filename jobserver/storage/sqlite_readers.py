@@ -251,7 +251,10 @@ def prune_pending(
             row = db.execute(sql.prunable(SQLITE), (state, cutoff)).fetchone()
             if row is not None:
                 return True
-        for expired in (sql.expired_reply(SQLITE), sql.expired_idempotency_key(SQLITE)):
+        for expired in (
+            sql.expired_reply(SQLITE), sql.expired_idempotency_key(SQLITE),
+            sql.expired_outcome(SQLITE),
+        ):
             if db.execute(expired, (now,)).fetchone() is not None:
                 return True
         if db.execute(sql.expired_handout(SQLITE), (handouts_cutoff(now),)).fetchone():

@@ -77,7 +77,10 @@ CREATE TABLE jobs (
     -- 1 once CancelJob with running: true asked a handed-out job to stop:
     -- its worker's next report is answered 410 and the job ends CANCELLED
     -- (protocol.md 14.26).
-    cancelRequested INTEGER NOT NULL DEFAULT 0
+    cancelRequested INTEGER NOT NULL DEFAULT 0,
+    -- 1 once an AwaitJob waits for the job (protocol.md 14.27): its end is
+    -- announced to the other nodes and its outcome kept.
+    awaited       INTEGER NOT NULL DEFAULT 0
 );
 -- GetJob with a pattern: per priority, the due jobs in hand-out order
 -- (nextRun, name, then jobID, which every index ends with), so the first
@@ -177,6 +180,18 @@ CREATE TABLE dependencyOutcomes (
 -- Leased jobs whose cancel is pending, by their lease's end: the clock
 -- ends them then if no GetJob does (protocol.md 14.26).
 CREATE INDEX jobsCancelling ON jobs (nextRun) WHERE state = 'RUNQUEUED' AND cancelRequested = 1;
+-- Outcomes of ended jobs, for AwaitJob (protocol.md 14.27), until expires
+-- (--keep-outcomes after the end).
+CREATE TABLE outcomes (
+    jobID     INTEGER PRIMARY KEY,
+    name      TEXT NOT NULL,
+    state     TEXT NOT NULL,
+    data      TEXT NOT NULL,
+    lastError TEXT NOT NULL,
+    ended     TEXT NOT NULL,
+    expires   TEXT NOT NULL
+);
+CREATE INDEX outcomesExpires ON outcomes (expires);
 """
 
 # Statements that bring a file of version N up to N + 1. They run in one
@@ -274,6 +289,13 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE jobs ADD COLUMN cancelRequested INTEGER NOT NULL DEFAULT 0",
         "CREATE INDEX jobsCancelling ON jobs (nextRun) "
         "WHERE state = 'RUNQUEUED' AND cancelRequested = 1",
+        # AwaitJob (protocol.md 14.27).
+        "ALTER TABLE jobs ADD COLUMN awaited INTEGER NOT NULL DEFAULT 0",
+        "CREATE TABLE outcomes (\n    jobID     INTEGER PRIMARY KEY,\n"
+        "    name      TEXT NOT NULL,\n    state     TEXT NOT NULL,\n"
+        "    data      TEXT NOT NULL,\n    lastError TEXT NOT NULL,\n"
+        "    ended     TEXT NOT NULL,\n    expires   TEXT NOT NULL\n)",
+        "CREATE INDEX outcomesExpires ON outcomes (expires)",
     ),
 }
 

@@ -177,3 +177,14 @@ MAX_REQUEST_DEPENDENCIES = 20_000
 MAX_DEPENDENCY_DATA = 1024 * 1024
 # onDependencyFailure's values; "fail" is the default.
 ON_DEPENDENCY_FAILURE = ("fail", "cancel", "run")
+# AwaitJob (protocol.md 14.27). An ended job's outcome is kept an hour by
+# default (--keep-outcomes): long enough for a caller that lost its
+# connection to ask again, short enough that a busy queue's outcomes stay
+# a fraction of its jobs; at most a year, as a number of seconds that any
+# date arithmetic takes.
+DEFAULT_KEEP_OUTCOMES = 3600
+MAX_KEEP_OUTCOMES = 366 * 86400
+# AwaitJobs waiting at once on one server, over both ports: each holds a
+# connection (bounded by --max-connections and --max-http-connections)
+# and a few hundred bytes; past it, `503 Too many AwaitJobs waiting`.
+MAX_AWAITING = 10_000

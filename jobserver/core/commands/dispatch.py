@@ -25,6 +25,7 @@ from typing import Protocol
 import trio
 
 from jobserver.core.commands import (
+    await_job,
     backup,
     bulk,
     create,
@@ -230,6 +231,7 @@ ROUTES: dict[str, Route] = {
     "resumejobs": InWriter(flow_control.resume_jobs),
     "awaitreply": InWriter(replies.await_reply),
     "deliverreply": InWriter(replies.deliver_reply),
+    "awaitjob": await_job.await_job,
     "backup": backup.backup,
     "runningjobs": running.running_jobs,
 }

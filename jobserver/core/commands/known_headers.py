@@ -55,6 +55,7 @@ KNOWN_HEADERS: dict[str, frozenset[str]] = {
         "resumejobs": ("name",),
         "awaitreply": (*_REPORT, "key", "timeout"),
         "deliverreply": ("key", "data"),
+        "awaitjob": (*_JOB, "timeout"),
         "backup": ("name", "path"),
         "queues": ("limit",),
         "history": ("name", "minutes"),

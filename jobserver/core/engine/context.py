@@ -11,6 +11,7 @@ from jobserver.model import times
 from jobserver.storage.interface import Storage
 from jobserver.wire.limits import (
     DEFAULT_IDEMPOTENCY_KEEP,
+    DEFAULT_KEEP_OUTCOMES,
     DEFAULT_MAX_LIMITS,
     DEFAULT_MAX_REPLY_BYTES,
 )
@@ -53,6 +54,9 @@ class Settings:
     node: str = ""
     # Seconds an idempotency key and its reply are kept (--idempotency-keep).
     idempotency_keep: float = DEFAULT_IDEMPOTENCY_KEEP
+    # Seconds an ended job's outcome is kept for AwaitJob (--keep-outcomes);
+    # 0: only the outcomes of jobs an AwaitJob waits for, until the next prune.
+    keep_outcomes: float = DEFAULT_KEEP_OUTCOMES
 
 
 @dataclass
@@ -65,6 +69,9 @@ class Context:
     ready: set[str] = field(default_factory=set)
     # The earliest future nextRun this request wrote, for the wake-up timer.
     due: str | None = None
+    # Jobs an AwaitJob waits for that this request ended: their awaiters,
+    # on every node, are woken once it commits (core/rules/outcomes.py).
+    ended: set[int] = field(default_factory=set)
     # `now` as stored text; the writer formats it once for a whole batch,
     # whose requests share one moment as they share one commit.
     now_ms: str = ""
@@ -130,6 +137,7 @@ class Context:
     def join(self, part: Context) -> None:
         """Count what a part that succeeded noted as this request's own."""
         self.ready |= part.ready
+        self.ended |= part.ended
         if part.due is not None:
             self.fire_at(part.due)
         if part.events is not None:

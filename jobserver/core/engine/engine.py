@@ -37,11 +37,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 import outcome
 import trio
 
+from jobserver.core.engine.awaits import Awaits
 from jobserver.core.engine.clock import Clock, seconds_until
 from jobserver.core.engine.context import Context, Settings
 from jobserver.core.engine.durability import Durability
@@ -79,6 +81,10 @@ STOP_ROUNDS = 5
 RETRY_SECONDS = 1.0
 
 
+def _ended_of(ctx: Context, ids: list[int]) -> list[int]:
+    return ctx.store.ended_of(ids, ctx.now_ms)
+
+
 def _refuse_abort(raise_cancel: Any) -> trio.lowlevel.Abort:
     # A request handed to the engine is on its way to the disk: waiting for
     # its answer survives a cancellation, so nothing is left half-reported.
@@ -102,6 +108,8 @@ class Engine:
         self._threaded = threaded
         self.writer = Writer(store, clock, settings)
         self.waits = WaitQueue()
+        # Waiting AwaitJobs (awaits.py).
+        self.awaits = Awaits()
         self._pending: deque[Work] = deque()
         # Set while the engine's task sleeps for want of work.
         self._wakeup: trio.Event | None = None
@@ -205,8 +213,15 @@ class Engine:
         """Return undeliverable jobs to the queue, as many times as it takes."""
         self.submit(GiveBack(taken))
 
-    def heard(self, ready: set[str] | None, due: str | None) -> None:
-        """What another node's commit made due (None: look at everything)."""
+    def heard(
+        self, ready: set[str] | None, due: str | None, ended: frozenset[int] | None = frozenset()
+    ) -> None:
+        """What another node's commit made due (None: look at everything),
+        and which awaited jobs it ended (None: any may have)."""
+        if ended is None:
+            self._look_for_ended()
+        elif ended:
+            self.awaits.ended(ended)
         if ready is None:
             self.recheck()
         else:
@@ -230,6 +245,14 @@ class Engine:
     def close(self) -> None:
         """Answer every waiter now (with no jobs) and accept no more."""
         self.waits.close()
+        self.awaits.close()
+
+    def _look_for_ended(self) -> None:
+        """Notices of other nodes may have been lost: wake the awaiters of
+        the awaited jobs whose outcome is kept (one read for all)."""
+        awaited = self.awaits.awaited()
+        if awaited:
+            self.submit(Call(partial(_ended_of, ids=awaited), False, None, self.awaits.ended))
 
     async def stop(self) -> None:
         """Finish everything queued, then stop. While another process holds
@@ -321,6 +344,9 @@ class Engine:
         if committed.ready or committed.due is not None:
             self.notify(committed.ready, committed.due)
         if committed.ok:
+            if committed.ended:
+                # They look again: their look is committed after this.
+                self.awaits.ended(committed.ended)
             if committed.events:
                 self.history.record(committed.events)
             self._durability.committed(committed)
@@ -363,7 +389,7 @@ class Engine:
             changes_before = store.total_changes
             done = self.writer.execute(batch)
             outcomes, ready, due, events = done.outcomes, done.ready, done.due, done.events
-            taken = done.taken
+            taken, ended = done.taken, done.ended
             announced, announced_due = set(ready), due
             # From a thread, only if someone waits (read from here, a race
             # that loses nothing: a GetJob that joins meanwhile hears of
@@ -382,15 +408,18 @@ class Engine:
                     outcomes += served.outcomes
                     events += served.events
                     taken = taken + served.taken
+                    ended = ended | served.ended
                     ready, due = served.ready, served.due
             announced |= ready
             announced_due = earliest(announced_due, due)
-            if announced or announced_due is not None:
+            if announced or announced_due is not None or ended:
                 # Other nodes' waiters hear of it when it commits.
-                store.announce(announced, announced_due)
+                store.announce(announced, announced_due, ended)
             store.commit()
             wrote = store.total_changes != changes_before
-            return Committed([*batch, *tries], outcomes, True, ready, due, wrote, events, taken)
+            return Committed(
+                [*batch, *tries], outcomes, True, ready, due, wrote, events, taken, ended
+            )
         except Exception as error:  # a boundary: see above
             if isinstance(error, store.transient) and not tries:
                 raise Transient(error) from error
@@ -453,6 +482,8 @@ class Engine:
             if isinstance(work, Call):
                 if work.task is not None:
                     reschedule(work.task, result)
+                elif work.then is not None and isinstance(result, outcome.Value):
+                    work.then(result.value)
                 continue
             try:
                 if isinstance(work, Serve):

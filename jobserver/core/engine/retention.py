@@ -1,6 +1,6 @@
 """Retention: deleting finished and failed jobs once they are old enough,
 replies once their grace period is over, idempotency keys once their keep
-is, and giving the freed pages back to
+is, ended jobs' outcomes once --keep-outcomes is, and giving the freed pages back to
 the file system (protocol.md 14.10).
 
 A background task looks every few seconds, on a read-only connection of
@@ -62,6 +62,10 @@ def prune_step(ctx: Context, before: dict[str, str]) -> bool:
     expired = store.prune_replies(ctx.now_ms, PRUNE_BATCH)
     pruned += expired
     more = more or expired == PRUNE_BATCH
+    # Outcomes past --keep-outcomes: an AwaitJob of their job is a 404.
+    dropped = store.prune_outcomes(ctx.now_ms, PRUNE_BATCH)
+    pruned += dropped
+    more = more or dropped == PRUNE_BATCH
     # Idempotency keys past --idempotency-keep: a request sent again with
     # one is done anew.
     forgotten = store.prune_idempotency(ctx.now_ms, PRUNE_BATCH)

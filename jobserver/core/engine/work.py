@@ -32,6 +32,9 @@ class Call:
     # The task awaiting the outcome (Engine.call), woken with it; None
     # when nobody waits for it.
     task: trio.lowlevel.Task | None = None
+    # With no task: given the result, on the event loop, if it succeeded
+    # (the engine's own look for ended awaited jobs).
+    then: Callable[[Any], None] | None = None
 
 
 @dataclass(eq=False, slots=True)

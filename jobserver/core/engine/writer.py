@@ -57,6 +57,8 @@ class Ran:
     events: list[Events] = field(default_factory=list)
     # The jobs they handed out.
     taken: list[Taken] = field(default_factory=list)
+    # The awaited jobs they ended (AwaitJob).
+    ended: set[int] = field(default_factory=set)
 
 
 class Writer:
@@ -200,6 +202,8 @@ class Committed:
     # The jobs it handed out: given back if it is not known to have
     # committed (a commit cut off, a sync that failed).
     taken: list[Taken] = field(default_factory=list)
+    # The awaited jobs it ended: their awaiters look again once it committed.
+    ended: set[int] = field(default_factory=set)
 
 
 class Transient(Exception):
@@ -248,16 +252,18 @@ def ran(results: Results) -> Ran:
     due: str | None = None
     events: list[Events] = []
     taken: list[Taken] = []
+    ended: set[int] = set()
     for result, ctx in results:
         outcomes.append(result)
         if ctx is not None:
             ready |= ctx.ready
+            ended |= ctx.ended
             if ctx.due is not None and (due is None or ctx.due < due):
                 due = ctx.due
             if ctx.events is not None:
                 events.append(ctx.events)
             taken += ctx.taken
-    return Ran(outcomes, ready, due, events, taken)
+    return Ran(outcomes, ready, due, events, taken, ended)
 
 
 def earliest(a: str | None, b: str | None) -> str | None:

@@ -39,7 +39,7 @@ from typing import Any
 from jobserver.core.engine import history
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
-from jobserver.core.rules import dependencies, flow, schedule
+from jobserver.core.rules import dependencies, flow, outcomes, schedule
 from jobserver.core.rules.moves import GONE, JOB_CANCELLED, MOVES, Refused, check, illegal
 from jobserver.model.jobs import (
     ACTIVE,
@@ -101,6 +101,7 @@ def _move(ctx: Context, job: Job, name: str, target: str, /, **changes: Any) -> 
     if job.cancelRequested and target not in ACTIVE:
         # A pending cancel is the run's: whatever ends the run ends it.
         changes.setdefault("cancelRequested", 0)
+    outcomes.on_move(ctx, job, name, target, changes)
     # Fenced by the state the move starts from: a job another node moved
     # first (read unlocked, as FAILED or as a PAUSED child) stays as it left it.
     if job.dependents and target in _ENDS and job.state not in ENDED:
@@ -447,7 +448,8 @@ def finish(ctx: Context, job: Job, parent: Job | None, **changes: Any) -> None:
         # the pruner deletes it.
         _move(ctx, job, "finish", State.FINISHED, ended=ctx.now_s, **changes)
     else:
-        # Its data goes to its dependents, if any: its result.
+        # Its data goes to its dependents, if any, and to its outcome
+        # (AwaitJob): its result.
         _move(ctx, job, "finish", GONE, **changes)
 
 
@@ -565,6 +567,13 @@ def cancel_run(ctx: Context, job: Job) -> None:
 
 def delete(ctx: Context, job: Job) -> None:
     _move(ctx, job, "delete", GONE)
+
+
+def await_end(ctx: Context, job: Job) -> None:
+    """An AwaitJob waits for `job`: marked, so that whichever node ends it
+    keeps its outcome and tells every node (outcomes.py)."""
+    if not job.awaited:
+        _write(ctx, job, awaited=1)
 
 
 def cancel_queued(ctx: Context, job: Job) -> None:

@@ -1,0 +1,71 @@
+"""A job's end, kept for AwaitJob (protocol.md 14.27).
+
+A job ends when it reaches FINISHED, FAILED for good or CANCELLED, or is
+deleted from a state that had not ended (a FINISHED job without a parent
+is deleted as it finishes, unless --keep-finished keeps it: its outcome
+says FINISHED all the same). Every such move passes through
+`lifecycle._move`, which calls `on_move` here; a move that is no end (a
+retry, a failed attempt with attempts left, a repeat's run) costs a few
+comparisons.
+
+At an end, the job's outcome (name, final state, data, lastError, when)
+is kept for --keep-outcomes seconds, written in the same transaction as
+the move and held with the command's other writes (storage's
+`keep_job_outcome`). A job that an AwaitJob waits for carries a mark
+(`awaited`, set by `await_end` through lifecycle.py): its outcome is kept
+even with --keep-outcomes 0 (until the pruner's next pass), and its jobID
+is noted on the Context, so that its awaiters on this node, and on every
+other node through the commit's notice, look again once it commits. A
+job nobody awaits adds nothing to the notice.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from jobserver.core.engine.context import Context
+from jobserver.core.rules.moves import GONE
+from jobserver.model import times
+from jobserver.model.jobs import ENDED, Job, JobOutcome, State
+
+# The final state of a job deleted before it ended.
+DELETED = "DELETED"
+
+
+def on_move(ctx: Context, job: Job, name: str, target: str, changes: dict[str, Any]) -> None:
+    """`job` makes move `name` to `target` with `changes`: if that ends
+    it, keep its outcome, and note it if someone awaits it."""
+    if target == GONE:
+        if job.state in ENDED:
+            # Deleting what had ended already (an operator, a parent's
+            # ended children) is no second end.
+            return
+        # A standalone job that finishes is deleted at once: it finished.
+        final = State.FINISHED.value if name == "finish" else DELETED
+    elif target in ENDED and target != job.state:
+        final = str(target)
+    else:
+        return
+    keep = ctx.settings.keep_outcomes
+    if not keep and not job.awaited:
+        return
+    expires = ctx.now_ms if not keep else times.to_millis(ctx.now + timedelta(seconds=keep))
+    ctx.store.keep_job_outcome(
+        JobOutcome(
+            job.jobID, job.name, final, changes.get("data", job.data),
+            changes.get("lastError", job.lastError), ctx.now_ms, expires,
+        )
+    )
+    if job.awaited:
+        ctx.ended.add(job.jobID)
+
+
+def of_row(job: Job) -> JobOutcome:
+    """The outcome of a job still stored in the state it ended in (kept by
+    --keep-finished, a FAILED job, a cancelled child), or that ended
+    before outcomes were kept."""
+    return JobOutcome(
+        job.jobID, job.name, job.state, job.data, job.lastError, job.ended or job.lastRun or "",
+        "",
+    )
