@@ -7,6 +7,7 @@ answered at once, and a caller that asks again after a restart is too.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -46,7 +47,9 @@ class Awaiting:
         self.thread.start()
 
     def _read(self) -> None:
-        self.reply = self.client.read_reply()
+        # The server may go away first: no reply.
+        with contextlib.suppress(OSError):
+            self.reply = self.client.read_reply()
 
     def result(self) -> Reply:
         self.thread.join(DEADLINE + 5)

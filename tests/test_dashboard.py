@@ -613,3 +613,22 @@ def worker_errors_read_as_text(page: Any, server: ThreadServer) -> None:
     expect(page.locator("pre.error-text")).to_have_text("\n".join(["exit status 1", *output]))
     assert page.locator("script").count() == 1  # the dashboard's own
     assert dialogs == []
+
+
+def test_a_job_that_is_gone_shows_its_kept_outcome(server: ThreadServer) -> None:
+    with server.client() as client:
+        job_id = create(client, "thumb/make", data={"in": 1})
+        ok(client.request("GetJob", name="thumb/make"))
+        ok(client.request("FailJob", jobID=job_id, error="no space left"))
+        ok(client.request("DeleteJob", jobID=job_id))
+        finished = create(client, "thumb/make")
+        ok(client.request("GetJob", name="thumb/make"))
+        ok(client.request("FinishJob", jobID=finished, data={"png": "7.png"}))
+    visitor = Visitor(server)
+    page = visitor.get(f"/jobs/{finished}")
+    assert page.status == 200 and 'class="state finished">FINISHED' in page.text
+    assert "no longer stored" in page.text and "&#34;png&#34;: &#34;7.png&#34;" in page.text
+    # A FAILED job deleted later ended FAILED: its outcome says so.
+    page = visitor.get(f"/jobs/{job_id}")
+    assert 'class="state failed">FAILED' in page.text and "no space left" in page.text
+    assert visitor.get("/jobs/999999").status == 404

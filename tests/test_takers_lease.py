@@ -183,6 +183,8 @@ def test_a_version_8_database_is_migrated_and_its_jobs_take_leases(backend, db, 
         # Version 10's column came after it: a version 8 table has neither.
         pg.execute(str(db), "ALTER TABLE jobs DROP COLUMN cancelRequested")
         pg.execute(str(db), "DROP INDEX jobsRetrying")
+        pg.execute(str(db), "ALTER TABLE jobs DROP COLUMN awaited")
+        pg.execute(str(db), "DROP TABLE outcomes")
         pg.execute(str(db), "UPDATE jobserver_schema SET version = 8")
         pg.execute(str(db), OLD_JOB)
         server = ThreadServer(db)

@@ -35,12 +35,15 @@ from jobserver.client import (
     ServerError,
     auth_token,
 )
+from jobserver.client.await_calls import NOT_ENDED
 
 EXIT_NOT_FOUND = 1
 EXIT_USAGE = 2
 EXIT_ILLEGAL_STATE = 3
 EXIT_SERVER_ERROR = 4
 EXIT_CONNECTION = 5
+# `await`: the job had not ended within --timeout.
+EXIT_NOT_ENDED = 6
 # Ctrl-C, as shells report it.
 EXIT_INTERRUPTED = 130
 
@@ -52,6 +55,7 @@ exit status of the client commands (create, get, query, ...):
   {EXIT_ILLEGAL_STATE}  the job's state does not allow it (405, 409)
   {EXIT_SERVER_ERROR}  server error (5xx) or an unexpected reply
   {EXIT_CONNECTION}  cannot connect, or the connection broke during the request
+  {EXIT_NOT_ENDED}  await: the job had not ended within --timeout (202 Job not ended yet)
 A refusal prints the server's status line on stderr, e.g. "404 No job found",
 and its explanation when it gave one: "402 Bad query: no such table: jobz"."""
 
@@ -227,6 +231,8 @@ def exit_status(error: JobServerError | ConnectionFailed) -> int:
         return EXIT_NOT_FOUND
     if isinstance(error, (IllegalState, Conflict)):
         return EXIT_ILLEGAL_STATE
+    if error.code == NOT_ENDED:
+        return EXIT_NOT_ENDED
     if isinstance(error, ServerError) or not 400 <= error.code <= 499:
         return EXIT_SERVER_ERROR
     return EXIT_USAGE

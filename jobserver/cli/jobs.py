@@ -1,5 +1,5 @@
 """The client subcommands of a job's life after create (create.py): get,
-query, update, touch, await-reply, finish, fail, retry, cancel and delete.
+query, await, update, touch, await-reply, finish, fail, retry, cancel and delete.
 Each is one call of jobserver.client (client_command.py runs it)."""
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from jobserver.cli.options import (
     number,
     reply_key,
 )
-from jobserver.client import Client, JobNotFound
+from jobserver.client import Client, JobNotFound, JobServerError
 from jobserver.wire.counts import counted
 from jobserver.wire.limits import (
     DEFAULT_REPLY_TIMEOUT,
+    DEFAULT_WAIT_MS,
     MAX_DELAY,
     MAX_FINISH_JOBS,
     MAX_REPLY_TIMEOUT,
@@ -44,6 +45,7 @@ def add_parsers(command: CommandAdder) -> None:
     create.add_parser(command)
     _add_get(command)
     _add_query(command)
+    _add_await(command)
     _add_update(command)
     _add_touch(command)
     _add_await_reply(command)
@@ -96,6 +98,34 @@ def _get(client: Client, args: argparse.Namespace) -> dict[str, Any]:
         # An empty queue is a normal answer for the library; a script wants it in the exit status.
         raise JobNotFound("404 No job found")
     return job
+
+
+def _add_await(command: CommandAdder) -> None:
+    wait = command(
+        "await",
+        _await,
+        "wait until a job has ended, and print how it ended",
+        "Wait until the job has ended (AwaitJob, protocol.md 14.27) and print its outcome: "
+        '{"jobID", "name", "state", "data", "lastError", "ended"}, state being FINISHED, '
+        "FAILED, CANCELLED or DELETED (deleted before it ended); a FINISHED job's data is "
+        "its result. A job that has ended is answered at once while the server keeps its "
+        "outcome (--keep-outcomes, an hour by default). Exits 6 with '202 Job not ended "
+        "yet' on stderr if it has not ended within --timeout, 1 if there is no such job.",
+    )
+    add_job_id(wait)
+    wait.add_argument(
+        "--timeout",
+        type=number(float, 0, MAX_WAIT),
+        metavar="SECONDS",
+        help=f"wait up to this long, 0 to {MAX_WAIT} (default: {DEFAULT_WAIT_MS // 1000})",
+    )
+
+
+def _await(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    outcome = client.await_job(args.id, args.timeout)
+    if outcome is None:
+        raise JobServerError("202 Job not ended yet")
+    return outcome
 
 
 # A whole number, as a person types a jobID: what `query` takes for one.

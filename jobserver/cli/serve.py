@@ -300,7 +300,7 @@ def _add_job_options(serve: argparse.ArgumentParser) -> None:
         metavar="DURATION",
         help="keep each ended job's outcome (final state, data, lastError) this long for "
         f"AwaitJob: 0 to {duration_text(MAX_KEEP_OUTCOMES)}; 0 keeps only those of jobs an "
-        "AwaitJob waits for, until the next prune (default: "
+        "AwaitJob waits for, a minute (default: "
         f"{duration_text(DEFAULT_KEEP_OUTCOMES)})",
     )
     serve.add_argument(

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, Generic, Self, TypeVar
 
-from jobserver.client import batches, calls
+from jobserver.client import await_calls, batches, calls
 from jobserver.client.batches import Batch, BatchProgress
 from jobserver.client.calls import Call, Fail, FinishResult, Retry, When, documented_by
 from jobserver.client.endpoint import Endpoint, idle_connection_dead
@@ -135,6 +135,14 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
                 job_id, data, repeat, priority, next_run, lease_id, clear_repeat, time_zone
             )
         )
+
+    @documented_by(await_calls.await_job)
+    # The timeout is AwaitJob's, the server's to keep: None at its end, no
+    # cancellation.
+    async def await_job(
+        self, job_id: int, timeout: float | None = None  # noqa: ASYNC109
+    ) -> dict[str, Any] | None:
+        return await self._call(await_calls.await_job(job_id, timeout))
 
     @documented_by(calls.query_job)
     async def query_job(self, job_id: int) -> dict[str, Any]:

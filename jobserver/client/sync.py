@@ -6,7 +6,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from typing import Any, Self, TypeVar
 
-from jobserver.client import batches, calls
+from jobserver.client import await_calls, batches, calls
 from jobserver.client.batches import Batch, BatchProgress
 from jobserver.client.calls import Call, Fail, FinishResult, Retry, When, documented_by
 from jobserver.client.endpoint import (
@@ -131,6 +131,10 @@ class Client(Endpoint):
                 job_id, data, repeat, priority, next_run, lease_id, clear_repeat, time_zone
             )
         )
+
+    @documented_by(await_calls.await_job)
+    def await_job(self, job_id: int, timeout: float | None = None) -> dict[str, Any] | None:
+        return self._call(await_calls.await_job(job_id, timeout))
 
     @documented_by(calls.query_job)
     def query_job(self, job_id: int) -> dict[str, Any]:

@@ -256,7 +256,7 @@ class Dashboard:
         except CommandError as error:
             return self._message(request, 503, "The job cannot be read", error.status)
         if family is None:
-            return self._message(request, 404, "No such job", f"There is no job {job_id}.")
+            return await self._gone(request, job_id)
         job = family.job
         return self._page(request, "job.html", {
             "job": job,
@@ -273,6 +273,18 @@ class Dashboard:
             # with children is refused, as by CancelJob.
             "stoppable": job.state in (State.RUNNING, State.RUNQUEUED)
             and not job.cancelRequested and not family.children,
+        })
+
+    async def _gone(self, request: Request, job_id: int) -> Response:
+        """A job no longer stored: how it ended, if its outcome is kept for
+        AwaitJob (protocol.md 14.27; timeout 0 answers at once)."""
+        outcome, _ = _json(
+            await self._call(request, "AwaitJob", jobID=str(job_id), timeout="0")
+        )
+        if outcome is None:
+            return self._message(request, 404, "No such job", f"There is no job {job_id}.")
+        return self._page(request, "outcome.html", {
+            "outcome": outcome, "data": texts.pretty(json.dumps(outcome["data"])),
         })
 
     async def jobs(self, request: Request) -> Response:

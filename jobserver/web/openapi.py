@@ -268,6 +268,12 @@ COMMANDS: dict[str, tuple[str, str, list[Param]]] = {
         Param("key", NAME, "the correlation key", required=True),
         Param("data", OBJECT, "the reply", required=True),
     ]),
+    "AwaitJob": ("Wait until a job has ended; its final state, data and lastError", "14.27", [
+        _job_id(),
+        Param("timeout", {"type": "integer", "minimum": 0},
+              "milliseconds to wait, at most 3,600,000 (default 110,000); past it, 202 "
+              "Job not ended yet"),
+    ]),
     "Backup": ("Copy the SQLite database into a new file while serving", "14.18", [
         Param("name", {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"},
               "the new file's name in the server's backup directory (--backup-dir); "

@@ -55,7 +55,7 @@ class Settings:
     # Seconds an idempotency key and its reply are kept (--idempotency-keep).
     idempotency_keep: float = DEFAULT_IDEMPOTENCY_KEEP
     # Seconds an ended job's outcome is kept for AwaitJob (--keep-outcomes);
-    # 0: only the outcomes of jobs an AwaitJob waits for, until the next prune.
+    # 0: only the outcomes of jobs an AwaitJob waits for, a minute.
     keep_outcomes: float = DEFAULT_KEEP_OUTCOMES
 
 

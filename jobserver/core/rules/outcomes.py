@@ -13,7 +13,7 @@ is kept for --keep-outcomes seconds, written in the same transaction as
 the move and held with the command's other writes (storage's
 `keep_job_outcome`). A job that an AwaitJob waits for carries a mark
 (`awaited`, set by `await_end` through lifecycle.py): its outcome is kept
-even with --keep-outcomes 0 (until the pruner's next pass), and its jobID
+even with --keep-outcomes 0 (for AWAITED_KEEP), and its jobID
 is noted on the Context, so that its awaiters on this node, and on every
 other node through the commit's notice, look again once it commits. A
 job nobody awaits adds nothing to the notice.
@@ -31,6 +31,9 @@ from jobserver.model.jobs import ENDED, Job, JobOutcome, State
 
 # The final state of a job deleted before it ended.
 DELETED = "DELETED"
+# With --keep-outcomes 0, an awaited job's outcome is kept this long: its
+# awaiters, on every node, read it within moments of the notice.
+AWAITED_KEEP = 60.0
 
 
 def on_move(ctx: Context, job: Job, name: str, target: str, changes: dict[str, Any]) -> None:
@@ -48,9 +51,11 @@ def on_move(ctx: Context, job: Job, name: str, target: str, changes: dict[str, A
     else:
         return
     keep = ctx.settings.keep_outcomes
-    if not keep and not job.awaited:
-        return
-    expires = ctx.now_ms if not keep else times.to_millis(ctx.now + timedelta(seconds=keep))
+    if not keep:
+        if not job.awaited:
+            return
+        keep = AWAITED_KEEP
+    expires = times.to_millis(ctx.now + timedelta(seconds=keep))
     ctx.store.keep_job_outcome(
         JobOutcome(
             job.jobID, job.name, final, changes.get("data", job.data),
