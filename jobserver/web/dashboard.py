@@ -56,6 +56,7 @@ from jobserver.web import (
     dependency_pages,
     forms,
     later_pages,
+    outcome_pages,
     running_pages,
     texts,
 )
@@ -276,16 +277,11 @@ class Dashboard:
         })
 
     async def _gone(self, request: Request, job_id: int) -> Response:
-        """A job no longer stored: how it ended, if its outcome is kept for
-        AwaitJob (protocol.md 14.27; timeout 0 answers at once)."""
-        outcome, _ = _json(
-            await self._call(request, "AwaitJob", jobID=str(job_id), timeout="0")
-        )
-        if outcome is None:
+        """A job no longer stored: how it ended, if its outcome is kept."""
+        kept = await outcome_pages.kept_outcome(self._call, request, job_id)
+        if kept is None:
             return self._message(request, 404, "No such job", f"There is no job {job_id}.")
-        return self._page(request, "outcome.html", {
-            "outcome": outcome, "data": texts.pretty(json.dumps(outcome["data"])),
-        })
+        return self._page(request, "outcome.html", kept)
 
     async def jobs(self, request: Request) -> Response:
         """A search: by jobID (to that job's page) or by name pattern."""
