@@ -21,7 +21,7 @@ job nobody awaits adds nothing to the notice.
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from jobserver.core.engine.context import Context
@@ -55,7 +55,7 @@ def on_move(ctx: Context, job: Job, name: str, target: str, changes: dict[str, A
         if not job.awaited:
             return
         keep = AWAITED_KEEP
-    expires = times.to_millis(ctx.now + timedelta(seconds=keep))
+    expires = _expires(ctx.now, ctx.now_ms, keep)
     ctx.store.keep_job_outcome(
         JobOutcome(
             job.jobID, job.name, final, changes.get("data", job.data),
@@ -64,6 +64,18 @@ def on_move(ctx: Context, job: Job, name: str, target: str, changes: dict[str, A
     )
     if job.awaited:
         ctx.ended.add(job.jobID)
+
+
+# The last expiry computed, by (now, keep): FinishJobs of a thousand jobs
+# shares one moment (a Context per element), so one formatting, not 1,000.
+_last: tuple[tuple[str, float], str] = (("", 0.0), "")
+
+
+def _expires(now: datetime, now_ms: str, keep: float) -> str:
+    global _last
+    if _last[0] != (now_ms, keep):
+        _last = ((now_ms, keep), times.to_millis(now + timedelta(seconds=keep)))
+    return _last[1]
 
 
 def of_row(job: Job) -> JobOutcome:
