@@ -73,9 +73,13 @@ _last: tuple[tuple[str, float], str] = (("", 0.0), "")
 
 def _expires(now: datetime, now_ms: str, keep: float) -> str:
     global _last
-    if _last[0] != (now_ms, keep):
-        _last = ((now_ms, keep), times.to_millis(now + timedelta(seconds=keep)))
-    return _last[1]
+    # Read once: several servers in one process (tests) write it too.
+    last = _last
+    if last[0] == (now_ms, keep):
+        return last[1]
+    expires = times.to_millis(now + timedelta(seconds=keep))
+    _last = ((now_ms, keep), expires)
+    return expires
 
 
 def of_row(job: Job) -> JobOutcome:
