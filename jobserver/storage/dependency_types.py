@@ -38,15 +38,18 @@ class Dependencies(Protocol):
         """Store the edges (dependent, dependency), and count each
         dependency's new dependents."""
 
-    def keep_outcome(self, outcome: Outcome, only_if_depended_on: bool) -> bool:
-        """Keep a job's outcome for its dependents (when some edge names
-        it, if `only_if_depended_on`); False if one was kept already (the
-        job had ended before: its dependents were told then) or nobody
-        depends on it."""
+    def keep_outcomes(self, outcomes: Sequence[Outcome], only_if_depended_on: bool) -> list[int]:
+        """Keep jobs' outcomes for their dependents (only those some edge
+        names, if `only_if_depended_on`); the jobIDs whose outcome is new
+        (not those kept already: the job had ended before, and its
+        dependents were told then)."""
 
-    def release_dependents(self, job_id: int) -> list[tuple[Job, int]]:
-        """The BLOCKED jobs that depend on `job_id`, each with one blocker
-        fewer: each with the count of blockers left."""
+    def edges_from(self, ids: Sequence[int]) -> list[tuple[int, int]]:
+        """The edges (dependent, dependency) from the jobs of `ids`."""
+
+    def release_dependents(self, ended: Sequence[int]) -> list[tuple[Job, int]]:
+        """The BLOCKED jobs that depend on jobs of `ended`, each counting
+        those as ended: each with the count of blockers left, by jobID."""
 
     def dependency_outcomes(self, job_id: int, budget: int) -> list[Outcome]:
         """Each dependency of `job_id` with its outcome, by jobID; the data

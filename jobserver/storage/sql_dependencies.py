@@ -20,14 +20,15 @@ from collections import Counter
 from collections.abc import Sequence
 
 from jobserver.model.jobs import Job, State
+from jobserver.storage import sql
 from jobserver.storage.dependency_types import Outcome
 from jobserver.storage.sql import COLUMNS, JOB, states
 from jobserver.storage.sql_statements import Statements
 
 _BLOCKED = states((State.BLOCKED,))
 _JOB_OF_JOBS = ", ".join(f"jobs.{column}" for column in COLUMNS)
-# The dependents of one job (the parameter), through the edges' index.
-_DEPENDENTS = "SELECT jobID FROM jobDependencies WHERE dependsOn = {0}"
+# Outcomes kept in one statement at most.
+_CHUNK = 1000
 
 
 class DependencyStatements(Statements):
@@ -53,51 +54,95 @@ class DependencyStatements(Statements):
     def add_dependencies(self, edges: Sequence[tuple[int, int]]) -> None:
         if not edges:
             return
-        m = self.dialect.mark
+        d = self.dialect
+        # In jobID order: the locks other nodes take in the same order.
+        added = sorted(Counter(on for _, on in edges).items())
+        if d.arrays:
+            # One statement each, however many edges (a round trip a
+            # statement: the pipeline of a thousand took a third of a second).
+            self._execute(
+                "INSERT INTO jobDependencies (jobID, dependsOn) "
+                f"SELECT * FROM unnest({d.mark}::bigint[], {d.mark}::bigint[])",
+                [sql.integers(j for j, _ in edges), sql.integers(on for _, on in edges)],
+            )
+            self._execute(
+                "UPDATE jobs SET dependents = dependents + c.n FROM unnest("
+                f"{d.mark}::bigint[], {d.mark}::bigint[]) AS c(id, n) WHERE jobs.jobID = c.id",
+                [sql.integers(on for on, _ in added), sql.integers(n for _, n in added)],
+            )
+            return
+        m = d.mark
         insert = f"INSERT INTO jobDependencies (jobID, dependsOn) VALUES ({m}, {m})"
         self._settle(insert)
         self._run_many(insert, [[job_id, on] for job_id, on in edges])
         count = f"UPDATE jobs SET dependents = dependents + {m} WHERE jobID = {m}"
-        # In jobID order: the locks other nodes take in the same order.
-        added = sorted(Counter(on for _, on in edges).items())
         self._run_many(count, [[n, on] for on, n in added])
 
-    def keep_outcome(self, outcome: Outcome, only_if_depended_on: bool) -> bool:
-        m = self.dialect.mark
-        condition = (
-            f" WHERE EXISTS (SELECT 1 FROM jobDependencies WHERE dependsOn = {m})"
-            if only_if_depended_on
-            else " WHERE 1 = 1"
-        )
-        args: list[object] = [outcome.job_id, outcome.state, outcome.data]
-        if only_if_depended_on:
-            args.append(outcome.job_id)
+    def keep_outcomes(self, outcomes: Sequence[Outcome], only_if_depended_on: bool) -> list[int]:
+        kept: list[int] = []
+        for start in range(0, len(outcomes), _CHUNK):
+            kept += self._keep_outcomes(outcomes[start : start + _CHUNK], only_if_depended_on)
+        return kept
+
+    def _keep_outcomes(self, outcomes: Sequence[Outcome], only_if_depended_on: bool) -> list[int]:
+        d = self.dialect
+        if d.arrays:
+            rows = f"SELECT * FROM unnest({d.mark}::bigint[], {d.mark}::text[], {d.mark}::text[])"
+            args: list[object] = [
+                sql.integers(o.job_id for o in outcomes),
+                [o.state for o in outcomes],
+                [o.data for o in outcomes],
+            ]
+        else:
+            rows = "VALUES " + ", ".join(f"({d.mark}, {d.mark}, {d.mark})" for _ in outcomes)
+            args = [value for o in outcomes for value in (o.job_id, o.state, o.data)]
         # A SELECT with a WHERE: SQLite reads ON CONFLICT after it so.
-        rows = self._execute(
-            f"INSERT INTO dependencyOutcomes (jobID, state, data) SELECT {m}, {m}, {m}"
-            f"{condition} ON CONFLICT (jobID) DO NOTHING",
+        condition = (
+            "EXISTS (SELECT 1 FROM jobDependencies e WHERE e.dependsOn = v.jobID)"
+            if only_if_depended_on
+            else "1 = 1"
+        )
+        return self._ids(
+            f"WITH v(jobID, state, data) AS ({rows}) "
+            "INSERT INTO dependencyOutcomes (jobID, state, data) "
+            f"SELECT jobID, state, data FROM v WHERE {condition} "
+            "ON CONFLICT (jobID) DO NOTHING RETURNING jobID",
             args,
         )
-        return rows.rowcount > 0
 
-    def release_dependents(self, job_id: int) -> list[tuple[Job, int]]:
+    def edges_from(self, ids: Sequence[int]) -> list[tuple[int, int]]:
+        if not ids:
+            return []
+        on, args = self.dialect.any_of("dependsOn", sorted(set(ids)), "bigint")
+        rows = self._execute(
+            f"SELECT jobID, dependsOn FROM jobDependencies WHERE {on}", args
+        ).fetchall()
+        return [(int(row[0]), int(row[1])) for row in rows]
+
+    def release_dependents(self, ended: Sequence[int]) -> list[tuple[Job, int]]:
+        if not ended:
+            return []
         d = self.dialect
-        dependents = _DEPENDENTS.format(d.mark)
+        on, on_args = d.any_of("dependsOn", sorted(set(ended)), "bigint")
+        # How many of `ended` each dependent waited for.
+        count = f"(SELECT COUNT(*) FROM jobDependencies e WHERE e.jobID = jobs.jobID AND e.{on})"
+        dependents = f"SELECT jobID FROM jobDependencies WHERE {on}"
         if d.lock:
             # One statement that locks the dependents in jobID order before
             # it writes any (see above); the lock's wait reads each row
             # again, so one that left BLOCKED meanwhile is passed over.
             statement = (
-                "UPDATE jobs SET blockers = blockers - 1 FROM (SELECT jobID AS locked FROM jobs "
-                f"WHERE jobID IN ({dependents}) AND state = {_BLOCKED} ORDER BY jobID{d.lock}) "
-                f"AS l WHERE jobs.jobID = l.locked RETURNING {_JOB_OF_JOBS}, blockers"
+                f"UPDATE jobs SET blockers = blockers - {count} FROM (SELECT jobID AS locked "
+                f"FROM jobs WHERE jobID IN ({dependents}) AND state = {_BLOCKED} "
+                f"ORDER BY jobID{d.lock}) AS l WHERE jobs.jobID = l.locked "
+                f"RETURNING {_JOB_OF_JOBS}, jobs.blockers"
             )
         else:
             statement = (
-                f"UPDATE jobs SET blockers = blockers - 1 WHERE jobID IN ({dependents}) "
+                f"UPDATE jobs SET blockers = blockers - {count} WHERE jobID IN ({dependents}) "
                 f"AND state = {_BLOCKED} RETURNING {JOB}, blockers"
             )
-        rows = self._execute(statement, (job_id,)).fetchall()
+        rows = self._execute(statement, [*on_args, *on_args]).fetchall()
         released = [(Job(*row[:-1]), int(row[-1])) for row in rows]
         released.sort(key=lambda pair: pair[0].jobID)
         return released

@@ -62,7 +62,7 @@ def _bulk(ctx: Context, request: Request, state: str, act: Act) -> Response:
     selection = _selection(request)
     limit = params.bulk_limit(request)
     dry_run = _dry_run(request)
-    with ctx.store.holding_writes():
+    with ctx.store.holding_writes(), lifecycle.telling_at_end(ctx):
         found, jobs = _found(ctx, selection, state, limit)
         if not dry_run:
             for job in jobs:

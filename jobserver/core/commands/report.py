@@ -75,7 +75,8 @@ def _report_each(ctx: Context, request: Request, command: str, report: Report) -
         raise CommandError(f"413 Too many jobs (max {MAX_FINISH_JOBS})")
     reports = [params.from_json(element, command) for element in elements]
     # Their jobs are read in one statement, and their writes sent together.
-    with ctx.store.holding_writes():
+    # Their dependents, if any, hear of the jobs that ended all at once.
+    with ctx.store.holding_writes(), lifecycle.telling_at_end(ctx):
         ctx.store.hold(_named_jobs(reports))
         results = [_report_element(ctx, each, report) for each in reports]
     return known_headers.with_ignored_elements(ok({"results": results}), reports)

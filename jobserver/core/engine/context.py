@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jobserver.core.engine.history import Events, add_events, new_events
 from jobserver.model import times
@@ -86,6 +86,10 @@ class Context:
     # The jobs this request handed out: given back if whether its
     # transaction committed cannot be learned (Engine._delivered).
     taken: list[Taken] = field(default_factory=list, init=False, repr=False)
+    # Ends of jobs with dependents that a command over many jobs tells
+    # their dependents of at its end, all at once (lifecycle.telling_at_end);
+    # None while each is told as it happens.
+    ends: list[Any] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         # Formatted once: handlers compare against these many times.
@@ -132,12 +136,17 @@ class Context:
     def part(self) -> Context:
         """A context for one part of this request that may fail on its own
         (an element of FinishJobs): what it notes counts only once joined."""
-        return Context(self.store, self.now, self.settings, now_ms=self.now_ms)
+        part = Context(self.store, self.now, self.settings, now_ms=self.now_ms)
+        if self.ends is not None:
+            part.ends = []
+        return part
 
     def join(self, part: Context) -> None:
         """Count what a part that succeeded noted as this request's own."""
         self.ready |= part.ready
         self.ended |= part.ended
+        if part.ends and self.ends is not None:
+            self.ends += part.ends
         if part.due is not None:
             self.fire_at(part.due)
         if part.events is not None:

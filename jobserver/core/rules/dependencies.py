@@ -56,16 +56,25 @@ def outcome_state(target: str) -> str:
     return target if target in ENDED else DELETED
 
 
-def ended(ctx: Context, job: Job, state: str, data: str) -> list[Step]:
-    """`job` has ended in `state` (outcome_state's): keep its outcome, and
-    the moves of its dependents that this decides. Nothing if it had
-    ended before (its dependents heard of it then) or none is left."""
-    outcome = Outcome(job.jobID, state, data)
-    if not ctx.store.keep_outcome(outcome, only_if_depended_on=True):
+def ended(ctx: Context, outcomes: Sequence[Outcome]) -> list[Step]:
+    """Jobs have ended with `outcomes` (outcome_state's states): keep them,
+    and return the moves of their dependents that they decide. A job that
+    had ended before (its dependents heard of it then), or that nobody
+    depends on any more, decides nothing. A few statements for any number
+    of ends: a FinishJobs of a thousand dependencies tells them at once."""
+    kept = ctx.store.keep_outcomes(outcomes, only_if_depended_on=True)
+    if not kept:
         return []
+    new = {o.job_id: o for o in outcomes if o.job_id in set(kept)}
+    # Which of them each dependent learns of matters only if one failed.
+    learned: dict[int, list[Outcome]] = {}
+    if any(o.state != State.FINISHED for o in new.values()):
+        for waiting, on in ctx.store.edges_from(list(new)):
+            learned.setdefault(waiting, []).append(new[on])
     steps = []
-    for dependent, blockers in ctx.store.release_dependents(job.jobID):
-        step = _decided(ctx, dependent, [outcome], blockers)
+    for dependent, blockers in ctx.store.release_dependents(list(new)):
+        heard = sorted(learned.get(dependent.jobID, ()), key=lambda o: o.job_id)
+        step = _decided(ctx, dependent, heard, blockers)
         if step is not None:
             steps.append(step)
     return steps
@@ -132,8 +141,10 @@ def link(
         outcome = known.outcome(on) if on in known.jobs or on in known.gone else None
         if outcome is not None:
             ended_before[on] = outcome
-            if on in known.jobs:
-                ctx.store.keep_outcome(outcome, only_if_depended_on=False)
+    # Kept for the new dependents (those that ended before any had one).
+    ctx.store.keep_outcomes(
+        [o for on, o in ended_before.items() if on in known.jobs], only_if_depended_on=False
+    )
     steps = []
     for job_id, ons in new:
         outcomes = [ended_before[on] for on in ons if on in ended_before]

@@ -33,6 +33,8 @@ command writes a job's row itself.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +54,7 @@ from jobserver.model.jobs import (
     NewJob,
     State,
 )
+from jobserver.storage.dependency_types import Outcome
 from jobserver.wire import jsonbody
 
 # Bedrock's limit: a job whose lease expired this many times without a
@@ -86,7 +89,7 @@ _ENDS = (*ENDED, GONE)
 # found meanwhile (a dependent failed, whose own dependents must hear) is
 # queued here rather than told by a call inside the telling, so a chain
 # of a thousand jobs is a loop, not a thousand nested calls.
-_TELLING: dict[int, list[tuple[Job, str, str]]] = {}
+_TELLING: dict[int, list[Outcome]] = {}
 
 
 def _move(ctx: Context, job: Job, name: str, target: str, /, **changes: Any) -> None:
@@ -124,20 +127,49 @@ def _move(ctx: Context, job: Job, name: str, target: str, /, **changes: Any) -> 
 
 def _tell_dependents(ctx: Context, job: Job, target: str, data: str) -> None:
     """`job` ends: its dependents learn it, and those that it decides move
-    (protocol.md 14.25), in this transaction; their own ends in turn."""
-    state = dependencies.outcome_state(target)
-    queue = _TELLING.get(id(ctx))
-    if queue is not None:
-        queue.append((job, state, data))
+    (protocol.md 14.25), in this transaction; their own ends in turn. A
+    command over many jobs tells them all at its end (telling_at_end)."""
+    outcome = Outcome(job.jobID, dependencies.outcome_state(target), data)
+    if ctx.ends is not None:
+        ctx.ends.append(outcome)
+    else:
+        _tell(ctx, [outcome])
+
+
+def _tell(ctx: Context, outcomes: list[Outcome]) -> None:
+    """Tell `outcomes` to their dependents, a batch at a time: the ends
+    their moves make form the next batch (a cascade, one level a batch)."""
+    pending = _TELLING.get(id(ctx))
+    if pending is not None:
+        pending += outcomes
         return
-    queue = _TELLING[id(ctx)] = [(job, state, data)]
+    pending = _TELLING[id(ctx)] = list(outcomes)
     try:
-        while queue:
-            ended, outcome, result = queue.pop()
-            for step in dependencies.ended(ctx, ended, outcome, result):
+        while pending:
+            batch = pending[:]
+            pending.clear()
+            for step in dependencies.ended(ctx, batch):
                 _move(ctx, step.job, step.move, step.target, **step.changes)
     finally:
         del _TELLING[id(ctx)]
+
+
+@contextmanager
+def telling_at_end(ctx: Context) -> Iterator[None]:
+    """Within: the ends of jobs with dependents are told at the end, all at
+    once (a few statements, not a few per job); those of a part of the
+    request that is undone are never told (Context.part, join)."""
+    if ctx.ends is not None:
+        yield
+        return
+    ctx.ends = []
+    try:
+        yield
+        ends = ctx.ends
+    finally:
+        ctx.ends = None
+    if ends:
+        _tell(ctx, ends)
 
 
 def make(ctx: Context, steps: list[dependencies.Step]) -> None:
