@@ -120,6 +120,7 @@ def test_a_failed_dependency_ends_the_dependent_and_its_own(server, client, poli
     ok(client.request("FailJob", jobID=first, error="boom"))
     shown = query(client, then)
     assert shown["state"] == ends
+    assert shown["lastError"] == f"dependency {first} ended FAILED"
     assert shown["dependencyCounts"]["failed"] == 1
     # The cascade: `after` depended on `then`, which did not finish.
     assert state(client, after) == "FAILED"
@@ -312,3 +313,16 @@ def test_jobs_that_go_take_their_edges_and_outcomes_with_them(backend, db):
             assert client.request("QueryJob", jobID=failed).status.startswith("404")
     finally:
         server.stop()
+
+
+def test_a_running_dependency_cancelled_ends_its_dependent(server, client):
+    first = create(client, "first")
+    then = create(client, "then", dependsOn=json.dumps([first]))
+    assert take(client, "first") is not None
+    ok(client.request("CancelJob", jobID=first, running="true"))
+    assert state(client, then) == "BLOCKED"
+    # The worker hears of it at its next report, and the run ends CANCELLED.
+    assert client.request("FinishJob", jobID=first).status == "410 Job cancelled"
+    shown = query(client, then)
+    assert shown["state"] == "FAILED"
+    assert shown["lastError"] == f"dependency {first} ended CANCELLED"

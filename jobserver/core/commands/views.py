@@ -39,6 +39,9 @@ def job_object(job: Job, with_state: bool = False) -> dict[str, Any]:
             obj["retryBackoff"] = job.retryBackoff
             obj["retryDelay"] = _number(job.retryDelay)
             obj["retryMaxDelay"] = _number(job.retryMaxDelay)
+    if with_state and job.dependencies and job.lastError:
+        # Which dependency ended it (protocol.md 14.25).
+        obj["lastError"] = job.lastError
     if with_state and job.state == State.WAITING:
         # The deadline is the nextRun; named again so nobody has to know.
         obj["replyKey"] = job.replyKey

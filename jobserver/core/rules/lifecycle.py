@@ -105,12 +105,12 @@ def _move(ctx: Context, job: Job, name: str, target: str, /, **changes: Any) -> 
         # A pending cancel is the run's: whatever ends the run ends it.
         changes.setdefault("cancelRequested", 0)
     outcomes.on_move(ctx, job, name, target, changes)
-    # Fenced by the state the move starts from: a job another node moved
-    # first (read unlocked, as FAILED or as a PAUSED child) stays as it left it.
     if job.dependents and target in _ENDS and job.state not in ENDED:
         # A finished job deleted at once (no --keep-finished) finished.
         outcome = State.FINISHED if name == "finish" else target
         _tell_dependents(ctx, job, outcome, changes.get("data", job.data))
+    # Fenced by the state the move starts from: a job another node moved
+    # first (read unlocked, as FAILED or as a PAUSED child) stays as it left it.
     if target == GONE:
         ctx.store.delete([job.jobID], (job.state,))
         if job.dependencies:
