@@ -72,6 +72,25 @@ def test_an_outcome_is_kept_across_a_restart(db: Path | str, backend: str) -> No
         third.kill()
 
 
+def test_a_server_that_stops_answers_its_awaitjobs_not_ended(db: Path | str) -> None:
+    server = ThreadServer(db)
+    stopped = False
+    try:
+        with server.client() as client:
+            job_id = create(client)
+        waiting = Awaiting(server, job_id, timeout_ms=60_000)
+        until(lambda: awaiters(server) == 1, DEADLINE, "the AwaitJob waiting")
+        began = time.monotonic()
+        server.stop()
+        stopped = True
+        reply = waiting.result()
+        assert reply.status == NOT_ENDED and reply.json == {"jobID": job_id, "state": "QUEUED"}
+        assert time.monotonic() - began < 10
+    finally:
+        if not stopped:
+            server.stop()
+
+
 def test_keep_outcomes_0_keeps_only_what_an_awaitjob_waits_for(db: Path | str) -> None:
     server = ThreadServer(db, keep_outcomes=0.0)
     try:

@@ -60,7 +60,9 @@ async def await_job(services: Services, request: Request, peer: str) -> Answer:
                 return _not_ended(job_id, found)
             with trio.move_on_at(deadline):
                 await awaiter.event.wait()
-                continue
+                if not engine.awaits.closed:
+                    continue
+            # The timeout, or the server stops: no look more.
             return _not_ended(job_id, found)
     finally:
         engine.awaits.leave(awaiter)
