@@ -326,3 +326,29 @@ def test_a_running_dependency_cancelled_ends_its_dependent(server, client):
     shown = query(client, then)
     assert shown["state"] == "FAILED"
     assert shown["lastError"] == f"dependency {first} ended CANCELLED"
+
+
+def test_standalone_cancelled_jobs_are_pruned_with_keep_failed(backend, db):
+    server = ThreadServer(db, keep_failed=1.0, prune_interval=0.05)
+    try:
+        with server.client() as client:
+            first = create(client, "first")
+            cancelled = create(client, "c", dependsOn=json.dumps([first]))
+            by_policy = create(
+                client, "p", dependsOn=json.dumps([cancelled]), onDependencyFailure="cancel"
+            )
+            ok(client.request("CancelJob", jobID=cancelled))
+            assert state(client, by_policy) == "CANCELLED"
+            assert graph_rows(db) == (2, 1)
+
+            def gone() -> bool:
+                return all(
+                    client.request("QueryJob", jobID=j).status.startswith("404")
+                    for j in (cancelled, by_policy)
+                )
+
+            until(gone, 10.0, "the pruner to delete the cancelled jobs")
+            until(lambda: graph_rows(db) == (0, 0), 10.0, "their edges to go")
+            assert state(client, first) == "QUEUED"
+    finally:
+        server.stop()

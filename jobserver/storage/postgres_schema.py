@@ -141,7 +141,7 @@ CREATE INDEX jobsFailedName ON jobs (name) WHERE state = 'FAILED';
 CREATE INDEX jobsActive ON jobs (name, state, nextRun, cost)
     WHERE state IN ('RUNNING', 'RUNQUEUED');
 CREATE INDEX jobsEnded ON jobs (state, ended)
-    WHERE state IN ('FINISHED', 'FAILED') AND parentJobID = 0;
+    WHERE state IN ('FINISHED', 'FAILED', 'CANCELLED') AND parentJobID = 0;
 CREATE UNIQUE INDEX jobsReplyKey ON jobs (replyKey) WHERE state = 'WAITING';
 CREATE INDEX jobsWaiting ON jobs (nextRun) WHERE state = 'WAITING';
 CREATE INDEX jobsRunningReport ON jobs (lastReport) WHERE state = 'RUNNING';
@@ -461,6 +461,11 @@ _VERSION_10 = (
     'data TEXT COLLATE "C" NOT NULL, lastError TEXT COLLATE "C" NOT NULL, '
     'ended TEXT COLLATE "C" NOT NULL, expires TEXT COLLATE "C" NOT NULL)',
     "CREATE INDEX IF NOT EXISTS outcomesExpires ON outcomes (expires)",
+    # Standalone CANCELLED jobs are pruned as FAILED ones are.
+    "UPDATE jobs SET ended = COALESCE(lastRun, created) WHERE state = 'CANCELLED' AND ended = ''",
+    "DROP INDEX IF EXISTS jobsEnded",
+    "CREATE INDEX jobsEnded ON jobs (state, ended) "
+    "WHERE state IN ('FINISHED', 'FAILED', 'CANCELLED') AND parentJobID = 0",
 )
 
 

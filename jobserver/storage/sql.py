@@ -36,8 +36,9 @@ NOT_TEXT = {
     "retryMaxDelay": "float8", "cancelRequested": "bigint",
 }
 
-# Standalone jobs in these states are kept for retention, then pruned.
-RETAINED = (State.FINISHED, State.FAILED)
+# Standalone jobs in these states are kept for retention, then pruned
+# (CANCELLED with FAILED's keep: a job cancelled is as dead as one failed).
+RETAINED = (State.FINISHED, State.FAILED, State.CANCELLED)
 
 # Hand-out order within a priority (protocol.md 4.4): the oldest nextRun
 # first, then the name (the order of the indexes' ranges), then jobID.

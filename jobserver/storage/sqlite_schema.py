@@ -107,7 +107,7 @@ CREATE INDEX jobsActive ON jobs (name, state, nextRun, cost)
     WHERE state IN ('RUNNING', 'RUNQUEUED');
 -- Retention: the oldest ended standalone jobs, for the pruner.
 CREATE INDEX jobsEnded ON jobs (state, ended)
-    WHERE state IN ('FINISHED', 'FAILED') AND parentJobID = 0;
+    WHERE state IN ('FINISHED', 'FAILED', 'CANCELLED') AND parentJobID = 0;
 CREATE TABLE limits (
     pattern  TEXT PRIMARY KEY,
     capacity INTEGER NOT NULL,
@@ -296,6 +296,13 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "    data      TEXT NOT NULL,\n    lastError TEXT NOT NULL,\n"
         "    ended     TEXT NOT NULL,\n    expires   TEXT NOT NULL\n)",
         "CREATE INDEX outcomesExpires ON outcomes (expires)",
+        # Standalone CANCELLED jobs (a BLOCKED job cancelled, by CancelJob or
+        # for a dependency; a cancelled run) are pruned as FAILED ones are.
+        "UPDATE jobs SET ended = COALESCE(lastRun, created) "
+        "WHERE state = 'CANCELLED' AND ended = ''",
+        "DROP INDEX jobsEnded",
+        "CREATE INDEX jobsEnded ON jobs (state, ended)\n"
+        "    WHERE state IN ('FINISHED', 'FAILED', 'CANCELLED') AND parentJobID = 0",
     ),
 }
 

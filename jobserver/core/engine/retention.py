@@ -38,12 +38,15 @@ PRUNE_INTERVAL = 5.0
 
 def cutoffs(now: datetime, keep_finished: float, keep_failed: float | None) -> dict[str, str]:
     """For each state the pruner deletes, the `ended` before which a job goes.
-    FAILED jobs are kept forever unless `keep_failed` is set."""
+    FAILED and CANCELLED jobs are kept forever unless `keep_failed` is set."""
     found: dict[str, str] = {
         State.FINISHED: times.to_seconds(now - timedelta(seconds=keep_finished))
     }
     if keep_failed is not None:
         found[State.FAILED] = times.to_seconds(now - timedelta(seconds=keep_failed))
+        # A standalone CANCELLED job (protocol.md 14.25, 14.26) is kept as
+        # long as a FAILED one.
+        found[State.CANCELLED] = found[State.FAILED]
     return found
 
 

@@ -563,7 +563,8 @@ def cancel(ctx: Context, job: Job) -> None:
     a refusal."""
     if job.state not in MOVES["cancel"].sources:
         return
-    _move(ctx, job, "cancel", State.CANCELLED)
+    # When it ended: a standalone one (a BLOCKED job) is pruned from then.
+    _move(ctx, job, "cancel", State.CANCELLED, ended=ctx.now_s)
     parent = ctx.store.get(job.parentJobID)
     if parent is not None:
         # PAUSED siblings do not hold the parent back here, as in Bedrock.
