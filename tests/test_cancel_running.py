@@ -355,3 +355,32 @@ def test_the_client_cancels_and_a_report_raises_job_cancelled(server):
             jobs.finish_job(job_id)
         assert raised.value.status == CANCELLED
         assert jobs.query_job(job_id)["state"] == "CANCELLED"
+
+
+# CancelledJobs: a worker's cheaper check.
+
+
+def test_cancelled_jobs_names_those_whose_cancel_is_pending(client):
+    ids = [create(client, "checked") for _ in range(3)]
+    for _ in ids:
+        take(client, "checked")
+    cancel(client, ids[1])
+    asked = ",".join(map(str, [*ids, 999999, ids[1]]))
+    assert ok(client.request("CancelledJobs", jobIDs=asked)).json == {"jobIDs": [ids[1]]}
+    # A read: the job's cancel is still pending, until its worker reports.
+    assert query_job(client, ids[1])["state"] == "RUNNING"
+    assert client.request("TouchJob", jobID=ids[1]).status == CANCELLED
+    assert ok(client.request("CancelledJobs", jobIDs=asked)).json == {"jobIDs": []}
+
+
+@pytest.mark.parametrize(
+    "value,status",
+    [
+        (None, "402 Missing jobIDs"),
+        ("1,x", "402 Malformed jobIDs"),
+        (",".join(["1"] * 1001), "413 Too many jobIDs (max 1000)"),
+    ],
+)
+def test_cancelled_jobs_refuses_a_bad_list(client, value, status):
+    params = {} if value is None else {"jobIDs": value}
+    assert client.request("CancelledJobs", **params).status == status

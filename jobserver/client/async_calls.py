@@ -248,6 +248,10 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
             calls.retry_job(job_id, delay, next_run, data, name, priority, ignore_repeat, lease_id)
         )
 
+    @documented_by(calls.cancelled_jobs)
+    async def cancelled_jobs(self, job_ids: Sequence[int]) -> list[int]:
+        return await self._call(calls.cancelled_jobs(job_ids))
+
     @documented_by(calls.cancel_job)
     async def cancel_job(self, job_id: int, running: bool = False) -> None:
         await self._call(calls.cancel_job(job_id, running))

@@ -238,6 +238,10 @@ class Client(Endpoint):
             calls.retry_job(job_id, delay, next_run, data, name, priority, ignore_repeat, lease_id)
         )
 
+    @documented_by(calls.cancelled_jobs)
+    def cancelled_jobs(self, job_ids: Sequence[int]) -> list[int]:
+        return self._call(calls.cancelled_jobs(job_ids))
+
     @documented_by(calls.cancel_job)
     def cancel_job(self, job_id: int, running: bool = False) -> None:
         self._call(calls.cancel_job(job_id, running))

@@ -311,6 +311,9 @@ class Jobs(Dependencies, Protocol):
         """The earliest reply deadline, or lease end of a job whose cancel
         is pending, passed or not."""
 
+    def cancel_pending(self, job_ids: Sequence[int]) -> list[int]:
+        """Of these jobs, those whose cancel is pending, in jobID order."""
+
     def cancels_due(self, now: str, limit: int) -> list[Job]:
         """RUNQUEUED jobs whose cancel is pending and whose lease has ended
         by `now`, earliest first."""

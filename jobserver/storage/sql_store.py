@@ -317,6 +317,15 @@ class SqlStore(DependencyStatements, Outcomes):
             f"SELECT MIN(nextRun) FROM jobs WHERE {sql.CANCELLING}) AS times"
         )[0]
 
+    def cancel_pending(self, job_ids: Sequence[int]) -> list[int]:
+        """Of these jobs, those whose cancel is pending (CancelledJobs,
+        protocol.md 14.26), in jobID order: one primary-key lookup each."""
+        by_id, args = self.dialect.any_of("jobID", job_ids, "bigint")
+        rows = self._execute(
+            f"SELECT jobID FROM jobs WHERE {by_id} AND cancelRequested = 1 ORDER BY jobID", args
+        )
+        return [int(row[0]) for row in rows.fetchall()]
+
     def cancels_due(self, now: str, limit: int) -> list[Job]:
         """RUNQUEUED jobs whose cancel is pending and whose lease has ended
         by `now`, earliest first (protocol.md 14.26)."""

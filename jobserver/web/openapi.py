@@ -216,6 +216,11 @@ COMMANDS: dict[str, tuple[str, str, list[Param]]] = {
               "also a RUNNING or RUNQUEUED job: its worker's next report is answered "
               "410 Job cancelled and it ends CANCELLED (14.26)"),
     ]),
+    "CancelledJobs": ("Which of these running jobs have a cancel pending", "14.26", [
+        Param("jobIDs", {"type": "string", "pattern": "^[0-9]+(,[0-9]+)*$",
+                         "examples": ["12,13"]},
+              "comma-separated jobIDs, at most 1,000", required=True),
+    ]),
     "DeleteJob": ("Delete a job that is not running", "5.11", [_job_id()]),
     "RequeueJobs": ("Put jobs back in the queue whatever their state", "5.12", [
         Param("jobIDs", {"type": "string", "pattern": "^[0-9]+(,[0-9]+)*$",

@@ -88,6 +88,9 @@ MAX_FINISH_JOBS = 1000
 # thousand moves hold the writer for tens of milliseconds, as FinishJobs'
 # thousand reports do; a client repeats it for more.
 MAX_BULK = 1000
+# The jobIDs one CancelledJobs may ask about (protocol.md 14.26): a worker's
+# running jobs, asked about together.
+MAX_CANCEL_CHECK = 1000
 # ... and examines at most this many jobs of its state to find them (those
 # whose names could match: the names, the queue's, or those that begin as
 # the pattern does, through the state's index of names), in the writer:

@@ -3,7 +3,13 @@ while a job with a lease (retryAfter, or the one --lease asks for) runs,
 and until its report is done with, its lease is renewed (TouchJob) after a
 third of it or every --touch-interval seconds, whichever is sooner, over a
 connection of its own. A handler may also ask for a renewal now
-(`Job.renew_lease`), from its thread or its task."""
+(`Job.renew_lease`), from its thread or its task.
+
+A renewal answered `410 Job cancelled` (protocol.md 14.26) tells the job's
+handler. So that a cancel is heard within about a second rather than a
+third of a lease, the running jobs are also asked about every
+CANCEL_CHECK seconds with CancelledJobs, a read; each one it names is
+renewed at once, and that renewal's 410 ends it."""
 
 from __future__ import annotations
 
@@ -16,12 +22,23 @@ from typing import Any
 import anyio
 import anyio.from_thread
 
-from jobserver.client import ConnectionFailed, JobCancelled, JobServerError, ServerError
+from jobserver.client import (
+    ConnectionFailed,
+    JobCancelled,
+    JobServerError,
+    ServerError,
+    UnrecognizedCommand,
+)
+from jobserver.wire.limits import MAX_CANCEL_CHECK
 from jobserver.worker.connection import Link, Server
 from jobserver.workers.contract import printable
 from jobserver.workers.leases import Lease, renewal_period
 
 log = logging.getLogger("jobserver.worker")
+
+# How often the running jobs are asked about (CancelledJobs): one read of at
+# most MAX_CANCEL_CHECK jobs a request, only while some job runs.
+CANCEL_CHECK = 1.0
 
 
 class Leases:
@@ -104,6 +121,35 @@ class Leases:
                 lease = await self._next_due()
                 lease.due = anyio.current_time() + lease.period
                 await self._renew(lease, link)
+        finally:
+            await link.aclose()
+
+    async def cancel_check_loop(self) -> None:
+        """Ask which running jobs have a cancel pending, every CANCEL_CHECK
+        seconds while some run, and renew those now: the renewal's 410 ends
+        each. Runs until cancelled, or until the server says it has no
+        CancelledJobs (an older one: renewals alone tell, then)."""
+        link = Link(self.server, "cancel checks")
+        try:
+            while True:
+                await anyio.sleep(CANCEL_CHECK)
+                running = {
+                    lease.job_id: lease.lease_id
+                    for lease in self.held.values() if not lease.ended
+                }
+                ids = sorted(running)
+                try:
+                    for start in range(0, len(ids), MAX_CANCEL_CHECK):
+                        chunk = ids[start:start + MAX_CANCEL_CHECK]
+                        for job_id in await link.client.cancelled_jobs(chunk):
+                            if job_id in running:
+                                self.renew_now(running[job_id])
+                except UnrecognizedCommand:
+                    log.info("server %s has no CancelledJobs: cancels are heard at lease "
+                             "renewals", self.server.address)
+                    return
+                except (ConnectionFailed, JobServerError):
+                    await link.reconnect()  # the renewals say what is wrong
         finally:
             await link.aclose()
 

@@ -158,6 +158,7 @@ class Runner:
             reporter_done = anyio.Event()
             root.start_soon(self.reporter.deliver_loop, reporter_done)
             root.start_soon(self.leases.renew_loop)
+            root.start_soon(self.leases.cancel_check_loop)
             root.start_soon(self.tally.summary_loop)
             root.start_soon(self.give_back_loop)
             parent = take_parent_pid()

@@ -18,9 +18,15 @@ from typing import Any
 import trio
 
 from jobserver.cli.options import number
-from jobserver.client import ConnectionFailed, JobCancelled, JobServerError, ServerError
+from jobserver.client import (
+    ConnectionFailed,
+    JobCancelled,
+    JobServerError,
+    ServerError,
+    UnrecognizedCommand,
+)
 from jobserver.model.repeat import offset_seconds
-from jobserver.wire.limits import MAX_LEASE, MIN_LEASE
+from jobserver.wire.limits import MAX_CANCEL_CHECK, MAX_LEASE, MIN_LEASE
 from jobserver.workers.connection import Link, Server
 from jobserver.workers.contract import printable
 
@@ -34,6 +40,11 @@ TOUCH_FRACTION = 1 / 3
 LEASE_ROUNDING = 1.0
 # Renewing more often than this is only load, whatever the lease.
 MIN_TOUCH_INTERVAL = 0.1
+# How often the running jobs are asked about (CancelledJobs, protocol.md
+# 14.26), a read, so that a cancel is heard within about this long rather
+# than a third of the lease; each one named is renewed at once, and that
+# renewal's 410 ends it.
+CANCEL_CHECK = 1.0
 # Seconds of the lease both kinds of worker ask for by default (--lease,
 # protocol.md 14.24): a killed worker's jobs are back within half a
 # minute, for one renewal per running job every 10 s.
@@ -154,6 +165,34 @@ class Leases:
                 lease = await self._next_due()
                 lease.due = trio.current_time() + lease.period
                 await self._renew(lease, link)
+        finally:
+            await link.aclose()
+
+    async def cancel_check_loop(self) -> None:
+        """Ask which running jobs have a cancel pending, every CANCEL_CHECK
+        seconds while some run, and renew those now. Runs until cancelled,
+        or until the server has no CancelledJobs (an older one)."""
+        link = Link(self.server, "cancel checks")
+        try:
+            while True:
+                await trio.sleep(CANCEL_CHECK)
+                running = {
+                    lease.job_id: lease for lease in self.held.values() if not lease.ended
+                }
+                ids = sorted(running)
+                try:
+                    for start in range(0, len(ids), MAX_CANCEL_CHECK):
+                        chunk = ids[start:start + MAX_CANCEL_CHECK]
+                        for job_id in await link.client.cancelled_jobs(chunk):
+                            if job_id in running:
+                                running[job_id].due = trio.current_time()
+                                self.changed.set()
+                except UnrecognizedCommand:
+                    log.info("server %s has no CancelledJobs: cancels are heard at lease "
+                             "renewals", self.server.address)
+                    return
+                except (ConnectionFailed, JobServerError):
+                    await link.reconnect()  # the renewals say what is wrong
         finally:
             await link.aclose()
 

@@ -168,6 +168,7 @@ class Manager:
                 reporter_done = trio.Event()
                 root.start_soon(self.reporter.deliver_loop, reporter_done)
                 root.start_soon(self.leases.renew_loop)
+                root.start_soon(self.leases.cancel_check_loop)
                 async with trio.open_nursery() as workers:
                     await self.fetch_loop(workers)
                 self.reporter.close()

@@ -219,6 +219,7 @@ ROUTES: dict[str, Route] = {
     "retryjob": InWriter(report.retry_job),
     "failjob": InWriter(report.fail_job),
     "canceljob": InWriter(manage.cancel_job),
+    "cancelledjobs": InWriter(manage.cancelled_jobs),
     "deletejob": InWriter(manage.delete_job),
     "requeuejobs": InWriter(manage.requeue_jobs),
     "touchjob": InWriter(report.touch_job),

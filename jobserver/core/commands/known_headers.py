@@ -39,6 +39,7 @@ KNOWN_HEADERS: dict[str, frozenset[str]] = {
             *_REPORT, "error", "maxattempts", "retrybackoff", "retrydelay", "retrymaxdelay",
         ),
         "canceljob": (*_JOB, "running"),
+        "cancelledjobs": ("jobids",),
         "deletejob": _JOB,
         "requeuejobs": ("jobids", "name"),
         "ping": (),

@@ -17,6 +17,7 @@ from jobserver.core.rules.selection import name_selector
 from jobserver.model import cron
 from jobserver.model.jobs import ACTIVE, Job, State
 from jobserver.wire.framing import Request, Response
+from jobserver.wire.limits import MAX_CANCEL_CHECK
 
 
 def query_job(ctx: Context, request: Request) -> Response:
@@ -93,6 +94,16 @@ def cancel_job(ctx: Context, request: Request) -> Response:
         raise CommandError("404 Invalid jobID - Cannot cancel a job without a parent")
     lifecycle.cancel(ctx, job)
     return ok()
+
+
+def cancelled_jobs(ctx: Context, request: Request) -> Response:
+    """CancelledJobs (protocol.md 14.26): which of a worker's running jobs
+    have a cancel pending, so that it learns sooner than at its next lease
+    renewal, at one lookup per job and no write."""
+    ids = params.job_ids(request)
+    if len(ids) > MAX_CANCEL_CHECK:
+        raise CommandError(f"413 Too many jobIDs (max {MAX_CANCEL_CHECK})")
+    return ok({"jobIDs": ctx.store.cancel_pending(sorted(set(ids)))})
 
 
 def delete_job(ctx: Context, request: Request) -> Response:
