@@ -352,3 +352,16 @@ def test_standalone_cancelled_jobs_are_pruned_with_keep_failed(backend, db):
             assert state(client, first) == "QUEUED"
     finally:
         server.stop()
+
+
+def test_a_chain_of_a_thousand_fails_to_its_end(server, client):
+    length = 1000
+    jobs = [{"name": "link0"}] + [
+        {"name": f"link{i}", "dependsOn": [f"#{i - 1}"]} for i in range(1, length)
+    ]
+    ids = create_jobs(client, jobs)
+    assert take(client, "link0") is not None
+    # One end, a cascade a thousand deep: a loop, not nested calls.
+    ok(client.request("FailJob", jobID=ids[0], error="no"))
+    assert state(client, ids[-1]) == "FAILED"
+    assert query(client, ids[-1])["lastError"] == f"dependency {ids[-2]} ended FAILED"
