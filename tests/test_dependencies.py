@@ -365,3 +365,22 @@ def test_a_chain_of_a_thousand_fails_to_its_end(server, client):
     ok(client.request("FailJob", jobID=ids[0], error="no"))
     assert state(client, ids[-1]) == "FAILED"
     assert query(client, ids[-1])["lastError"] == f"dependency {ids[-2]} ended FAILED"
+
+
+def test_pauses_and_limits_apply_once_it_is_queued(server, client):
+    first = create(client, "first")
+    then = create(client, "then", dependsOn=json.dumps([first]), jobPriority=1000)
+    later = create(client, "then")
+    ok(client.request("PauseJobs", name="then"))
+    run(client, "first")
+    assert state(client, then) == "QUEUED"
+    assert take(client, "then") is None
+    ok(client.request("ResumeJobs", name="then"))
+    ok(client.request("SetLimit", name="then", max=1))
+    # Its priority counts from now on: it goes before the older job.
+    job = take(client, "then")
+    assert job is not None and job["jobID"] == then
+    assert take(client, "then") is None  # the limit holds `later` back
+    finish(client, then)
+    job = take(client, "then")
+    assert job is not None and job["jobID"] == later

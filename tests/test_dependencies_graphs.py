@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,10 +18,10 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_nodes import NODES, queue_url, start_nodes  # noqa: F401 - fixtures
+from test_nodes import NODES, queue_url, start_nodes, status  # noqa: F401 - fixtures
 
 from harness import ServerProcess
-from helpers import ok
+from helpers import ok, until
 from wire import Client
 
 pytestmark = pytest.mark.backends
@@ -195,3 +196,31 @@ def run_all(work: Callable[[ServerProcess], None], nodes: list[ServerProcess]) -
         thread.start()
     for thread in threads:
         thread.join(60)
+
+
+@pytest.mark.backends(only="postgres")
+def test_a_getjob_waiting_on_one_node_gets_a_job_another_node_unblocked(
+    three: list[ServerProcess],
+) -> None:
+    with three[0].client() as client:
+        first = ok(client.request("CreateJob", name="first")).json["jobID"]
+        then = ok(client.request("CreateJob", name="then", dependsOn=json.dumps([first])))
+    got: list[Any] = []
+
+    def wait() -> None:
+        with three[1].client(timeout=20) as waiting:
+            got.append(waiting.request("GetJob", name="then", Connection="wait", timeout=15_000))
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    until(lambda: status(three[1])["waitingGetJobs"] == 1, 10.0, "the GetJob to wait")
+    with three[2].client() as client:
+        ok(client.request("GetJob", name="first"))
+        began = time.monotonic()
+        ok(client.request("FinishJob", jobID=first))
+    waiter.join(20)
+    assert got and got[0].status == "200 OK", got
+    assert got[0].json["jobID"] == then.json["jobID"]
+    # Served within its wait, promptly: the other node's notice, or at the
+    # latest the recheck that comes every second.
+    assert time.monotonic() - began < 5.0
