@@ -21,7 +21,8 @@ this module, and costs no statement more.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,58 @@ class Step:
     move: str
     target: str
     changes: dict[str, Any]
+
+
+# Makes one of the moves this module names (lifecycle's).
+Make = Callable[[Context, Step], None]
+
+# The requests telling dependents of ends, each with the ends still to
+# tell (by id(ctx): a Context is not hashable): an end found meanwhile (a
+# dependent failed, whose own dependents must hear) is queued here rather
+# than told by a call inside the telling, so a chain of a thousand jobs is
+# a loop, not a thousand nested calls.
+_TELLING: dict[int, list[Outcome]] = {}
+
+
+def tell(ctx: Context, outcomes: list[Outcome], make: Make) -> None:
+    """Tell `outcomes` to their dependents and `make` the moves they
+    decide, a batch at a time: the ends those moves make form the next
+    batch (a cascade, one level a batch). Within telling_at_end, kept for
+    its end."""
+    if ctx.ends is not None:
+        ctx.ends += outcomes
+        return
+    pending = _TELLING.get(id(ctx))
+    if pending is not None:
+        pending += outcomes
+        return
+    pending = _TELLING[id(ctx)] = list(outcomes)
+    try:
+        while pending:
+            batch = pending[:]
+            pending.clear()
+            for step in ended(ctx, batch):
+                make(ctx, step)
+    finally:
+        del _TELLING[id(ctx)]
+
+
+@contextmanager
+def telling_at_end(ctx: Context, make: Make) -> Iterator[None]:
+    """Within: the ends of jobs with dependents are told at the end, all at
+    once (a few statements, not a few per job); those of a part of the
+    request that is undone are never told (Context.part, join)."""
+    if ctx.ends is not None:
+        yield
+        return
+    ctx.ends = []
+    try:
+        yield
+        ends = ctx.ends
+    finally:
+        ctx.ends = None
+    if ends:
+        tell(ctx, ends, make)
 
 
 def outcome_state(target: str) -> str:

@@ -33,8 +33,7 @@ command writes a job's row itself.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,13 +83,6 @@ _EVENTS: dict[str, dict[str, int]] = {
 # Where a job ends (issue 37): its dependents are told, from any state
 # that had not ended.
 _ENDS = (*ENDED, GONE)
-# The requests whose moves are telling dependents of an end, each with
-# the ends still to tell (by id(ctx): a Context is not hashable): an end
-# found meanwhile (a dependent failed, whose own dependents must hear) is
-# queued here rather than told by a call inside the telling, so a chain
-# of a thousand jobs is a loop, not a thousand nested calls.
-_TELLING: dict[int, list[Outcome]] = {}
-
 
 def _move(ctx: Context, job: Job, name: str, target: str, /, **changes: Any) -> None:
     move = MOVES[name]
@@ -127,55 +119,25 @@ def _move(ctx: Context, job: Job, name: str, target: str, /, **changes: Any) -> 
 
 def _tell_dependents(ctx: Context, job: Job, target: str, data: str) -> None:
     """`job` ends: its dependents learn it, and those that it decides move
-    (protocol.md 14.25), in this transaction; their own ends in turn. A
-    command over many jobs tells them all at its end (telling_at_end)."""
+    (protocol.md 14.25), by this module's moves (dependencies.tell)."""
     outcome = Outcome(job.jobID, dependencies.outcome_state(target), data)
-    if ctx.ends is not None:
-        ctx.ends.append(outcome)
-    else:
-        _tell(ctx, [outcome])
+    dependencies.tell(ctx, [outcome], _make)
 
 
-def _tell(ctx: Context, outcomes: list[Outcome]) -> None:
-    """Tell `outcomes` to their dependents, a batch at a time: the ends
-    their moves make form the next batch (a cascade, one level a batch)."""
-    pending = _TELLING.get(id(ctx))
-    if pending is not None:
-        pending += outcomes
-        return
-    pending = _TELLING[id(ctx)] = list(outcomes)
-    try:
-        while pending:
-            batch = pending[:]
-            pending.clear()
-            for step in dependencies.ended(ctx, batch):
-                _move(ctx, step.job, step.move, step.target, **step.changes)
-    finally:
-        del _TELLING[id(ctx)]
-
-
-@contextmanager
-def telling_at_end(ctx: Context) -> Iterator[None]:
-    """Within: the ends of jobs with dependents are told at the end, all at
-    once (a few statements, not a few per job); those of a part of the
-    request that is undone are never told (Context.part, join)."""
-    if ctx.ends is not None:
-        yield
-        return
-    ctx.ends = []
-    try:
-        yield
-        ends = ctx.ends
-    finally:
-        ctx.ends = None
-    if ends:
-        _tell(ctx, ends)
+def telling_at_end(ctx: Context) -> AbstractContextManager[None]:
+    """Within: the ends of jobs with dependents are told at the end, all
+    at once (dependencies.telling_at_end)."""
+    return dependencies.telling_at_end(ctx, _make)
 
 
 def make(ctx: Context, steps: list[dependencies.Step]) -> None:
     """The moves dependencies.link decided for new jobs."""
     for step in steps:
-        _move(ctx, step.job, step.move, step.target, **step.changes)
+        _make(ctx, step)
+
+
+def _make(ctx: Context, step: dependencies.Step) -> None:
+    _move(ctx, step.job, step.move, step.target, **step.changes)
 
 
 def _write(ctx: Context, job: Job, **changes: Any) -> None:
