@@ -1,8 +1,9 @@
 """Cancelling a running job (CancelJob with running: true, protocol.md
 14.26): the job's cancel is pending until its worker's next report, which
 is answered `410 Job cancelled` as the job ends CANCELLED; its lease's end
-or its stale deadline end it if the worker is gone. On every backend,
-over a real server.
+or its stale deadline end it if the worker is gone. On every backend, and
+on three PostgreSQL nodes (each client of a test on the next node: the
+cancel asked on one, the report refused on another), over real servers.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from jobserver.storage.sqlite import Store
 from jobserver.storage.sqlite_schema import SCHEMA
 from wire import Client, encode
 
-pytestmark = pytest.mark.backends
+pytestmark = pytest.mark.backends(nodes=True)
 
 DEADLINE = 30.0
 CANCELLED = "410 Job cancelled"
@@ -204,10 +205,16 @@ def test_a_cancelled_job_frees_its_limit_and_wakes_a_waiting_get_job(server, cli
         waiter.send(encode(
             "GetJob", {"name": "slot/*", "Connection": "wait", "timeout": int(DEADLINE * 1000)}
         ))
-        until(lambda: ok(client.request("Status")).json["waitingGetJobs"] == 1, DEADLINE,
-              "the GetJob to wait")
+        until(lambda: _waiting(server), DEADLINE, "the GetJob to wait")
         assert client.request("TouchJob", jobID=first).status == CANCELLED
         assert ok(waiter.read_reply()).json["jobID"] == second
+
+
+def _waiting(server: Any) -> bool:
+    """A GetJob waits at the server; on three nodes, at the one this
+    look's new connection reaches (each look the next node)."""
+    with server.client() as look:
+        return bool(ok(look.request("Status")).json["waitingGetJobs"])
 
 
 # The worker is gone.
