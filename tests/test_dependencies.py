@@ -384,3 +384,20 @@ def test_pauses_and_limits_apply_once_it_is_queued(server, client):
     finish(client, then)
     job = take(client, "then")
     assert job is not None and job["jobID"] == later
+
+
+@pytest.mark.backends(only="sqlite")
+def test_a_failure_fans_out_to_more_dependents_than_a_statement_binds(server, client):
+    # 17,000 dependents fail at once, and their 17,000 ends are told in
+    # turn: in chunks of 1,000, each within the 32,766 parameters a SQLite
+    # statement binds (each end's jobID is bound twice). Told in one go,
+    # the FailJob got no answer within the client's 10 s.
+    width = 17_000
+    root = create(client, "root")
+    leaves = create_jobs(client, [{"name": "leaf", "dependsOn": [root]} for _ in range(width)])
+    tails = create_jobs(client, [
+        {"name": "tail", "dependsOn": leaves[i : i + 1000]} for i in range(0, width, 1000)
+    ])
+    assert take(client, "root") is not None
+    ok(client.request("FailJob", jobID=root, error="no"))
+    assert [state(client, t) for t in tails] == ["FAILED"] * len(tails)

@@ -34,6 +34,8 @@ from jobserver.storage.interface import Storage
 from jobserver.wire.jsonbody import Raw
 from jobserver.wire.limits import MAX_DEPENDENCY_DATA
 
+# Ends told in one go (a few statements) at most.
+ENDS_AT_ONCE = 1000
 # The outcome of a job deleted before it ended.
 DELETED = "DELETED"
 CANCEL = "cancel"
@@ -110,6 +112,16 @@ def outcome_state(target: str) -> str:
 
 
 def ended(ctx: Context, outcomes: Sequence[Outcome]) -> list[Step]:
+    """`_ended` a thousand at a time: a cascade's batch may be a failed
+    job's every dependent, and a statement's parameters are bounded
+    (SQLite's 32,766)."""
+    steps: list[Step] = []
+    for start in range(0, len(outcomes), ENDS_AT_ONCE):
+        steps += _ended(ctx, outcomes[start : start + ENDS_AT_ONCE])
+    return steps
+
+
+def _ended(ctx: Context, outcomes: Sequence[Outcome]) -> list[Step]:
     """Jobs have ended with `outcomes` (outcome_state's states): keep them,
     and return the moves of their dependents that they decide. A job that
     had ended before (its dependents heard of it then), or that nobody
