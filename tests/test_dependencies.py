@@ -386,7 +386,6 @@ def test_pauses_and_limits_apply_once_it_is_queued(server, client):
     assert job is not None and job["jobID"] == later
 
 
-@pytest.mark.backends(only="sqlite")
 def test_a_failure_fans_out_to_more_dependents_than_a_statement_binds(server, client):
     # 17,000 dependents fail at once, and their 17,000 ends are told in
     # turn: in chunks of 1,000, each within the 32,766 parameters a SQLite

@@ -145,6 +145,9 @@ class DependencyStatements(Statements):
         rows = self._execute(statement, [*on_args, *on_args]).fetchall()
         released = [(Job(*row[:-1]), int(row[-1])) for row in rows]
         released.sort(key=lambda pair: pair[0].jobID)
+        # Locked (or this process's alone): while writes are held, their
+        # moves are sent together, not a statement each.
+        self._found([job for job, _ in released])
         return released
 
     def dependency_outcomes(self, job_id: int, budget: int) -> list[Outcome]:

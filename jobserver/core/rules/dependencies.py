@@ -78,11 +78,13 @@ def tell(ctx: Context, outcomes: list[Outcome], make: Make) -> None:
         return
     pending = _TELLING[id(ctx)] = list(outcomes)
     try:
-        while pending:
-            batch = pending[:]
-            pending.clear()
-            for step in ended(ctx, batch):
-                make(ctx, step)
+        # The dependents' moves are sent together (storage's held_writes.py).
+        with ctx.store.holding_writes():
+            while pending:
+                batch = pending[:]
+                pending.clear()
+                for step in ended(ctx, batch):
+                    make(ctx, step)
     finally:
         del _TELLING[id(ctx)]
 
@@ -130,7 +132,8 @@ def _ended(ctx: Context, outcomes: Sequence[Outcome]) -> list[Step]:
     kept = ctx.store.keep_outcomes(outcomes, only_if_depended_on=True)
     if not kept:
         return []
-    new = {o.job_id: o for o in outcomes if o.job_id in set(kept)}
+    fresh = set(kept)
+    new = {o.job_id: o for o in outcomes if o.job_id in fresh}
     # Which of them each dependent learns of matters only if one failed.
     learned: dict[int, list[Outcome]] = {}
     if any(o.state != State.FINISHED for o in new.values()):
