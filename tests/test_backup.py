@@ -24,7 +24,7 @@ import trio
 from harness import ServerProcess, ThreadServer
 from helpers import create, ok, outside_address, tmpfs, unprivileged, until
 from jobserver.client import TrioClient
-from jobserver.client.calls import BACKUP_WAIT, backup
+from jobserver.client.operating_calls import BACKUP_WAIT, backup
 from jobserver.core.commands.backup import MALFORMED_NAME, cancelled
 from jobserver.storage.backup_types import BackupDirectory, BackupFailed
 from jobserver.storage.sqlite_backup import STOP_CHECK_STEPS

@@ -13,7 +13,8 @@ first needed. A refusal is a `JobServerError`, with a subclass per status
 code, the whole status line and the server's explanation (`detail`); a
 network failure is `ConnectionFailed`. An empty queue is an answer, not an
 error: `get_job` returns None and `get_jobs` an empty list. The clients
-share what each command sends and what its reply means (calls.py), the
+share what each command sends and what its reply means (calls.py;
+report_calls.py, operating_calls.py), the
 encoding of requests and the sans-IO `ReplyReader` (jobserver.wire.framing);
 the two async clients share their methods and reconnect rules too
 (async_calls.py). Only the moving of bytes
@@ -131,7 +132,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from jobserver.client.batches import MAX_BATCH, Batch, BatchProgress
-from jobserver.client.calls import Fail, Finish, FinishResult, Retry, When
+from jobserver.client.calls import When
 from jobserver.client.endpoint import (
     DEFAULT_TIMEOUT,
     TLS,
@@ -154,6 +155,7 @@ from jobserver.client.errors import (
     UnrecognizedCommand,
     error_for,
 )
+from jobserver.client.report_calls import Fail, Finish, FinishResult, Retry
 from jobserver.client.servers import MAX_SERVERS, format_servers, parse_address, parse_servers
 from jobserver.client.sync import Client
 from jobserver.wire.client_framing import Reply, ReplyReader, encode_request, encode_value

@@ -14,11 +14,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, Generic, Self, TypeVar
 
-from jobserver.client import await_calls, batches, calls
+from jobserver.client import await_calls, batches, calls, operating_calls, report_calls
 from jobserver.client.batches import Batch, BatchProgress
-from jobserver.client.calls import Call, Fail, FinishResult, Retry, When, documented_by
+from jobserver.client.calls import Call, When, documented_by
 from jobserver.client.endpoint import Endpoint, idle_connection_dead
 from jobserver.client.errors import ConnectionFailed, MalformedReply, TLSFailed
+from jobserver.client.report_calls import Fail, FinishResult, Retry
 from jobserver.wire.client_framing import Reply
 
 T = TypeVar("T")
@@ -148,27 +149,27 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
     async def query_job(self, job_id: int) -> dict[str, Any]:
         return await self._call(calls.query_job(job_id))
 
-    @documented_by(calls.finish_job)
+    @documented_by(report_calls.finish_job)
     async def finish_job(
         self, job_id: int, data: dict[str, Any] | None = None, lease_id: str | None = None
     ) -> None:
-        await self._call(calls.finish_job(job_id, data, lease_id))
+        await self._call(report_calls.finish_job(job_id, data, lease_id))
 
-    @documented_by(calls.finish_jobs)
+    @documented_by(report_calls.finish_jobs)
     async def finish_jobs(
         self, jobs: Sequence[tuple[int, str | None, dict[str, Any] | None]]
     ) -> list[FinishResult]:
-        return await self._call(calls.finish_jobs(jobs))
+        return await self._call(report_calls.finish_jobs(jobs))
 
-    @documented_by(calls.fail_jobs)
+    @documented_by(report_calls.fail_jobs)
     async def fail_jobs(self, jobs: Sequence[Fail]) -> list[FinishResult]:
-        return await self._call(calls.fail_jobs(jobs))
+        return await self._call(report_calls.fail_jobs(jobs))
 
-    @documented_by(calls.retry_jobs)
+    @documented_by(report_calls.retry_jobs)
     async def retry_jobs(self, jobs: Sequence[Retry]) -> list[FinishResult]:
-        return await self._call(calls.retry_jobs(jobs))
+        return await self._call(report_calls.retry_jobs(jobs))
 
-    @documented_by(calls.fail_job)
+    @documented_by(report_calls.fail_job)
     async def fail_job(
         self,
         job_id: int,
@@ -181,7 +182,7 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
         retry_max_delay: float | None = None,
     ) -> None:
         await self._call(
-            calls.fail_job(
+            report_calls.fail_job(
                 job_id, data, lease_id, error, max_attempts, retry_backoff, retry_delay,
                 retry_max_delay,
             )
@@ -202,17 +203,17 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
     async def deliver_reply(self, key: str, data: dict[str, Any]) -> dict[str, Any]:
         return await self._call(calls.deliver_reply(key, data))
 
-    @documented_by(calls.touch_job)
+    @documented_by(report_calls.touch_job)
     async def touch_job(self, job_id: int, lease_id: str | None = None) -> str | None:
-        return await self._call(calls.touch_job(job_id, lease_id))
+        return await self._call(report_calls.touch_job(job_id, lease_id))
 
-    @documented_by(calls.failed_jobs)
+    @documented_by(operating_calls.failed_jobs)
     async def failed_jobs(
         self, pattern: str = "*", limit: int | None = None
     ) -> list[dict[str, Any]]:
-        return await self._call(calls.failed_jobs(pattern, limit))
+        return await self._call(operating_calls.failed_jobs(pattern, limit))
 
-    @documented_by(calls.set_limit)
+    @documented_by(operating_calls.set_limit)
     async def set_limit(
         self,
         pattern: str,
@@ -222,17 +223,17 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
         per_key: bool = False,
         fair: bool = False,
     ) -> None:
-        await self._call(calls.set_limit(pattern, max, rate, per_key, fair))
+        await self._call(operating_calls.set_limit(pattern, max, rate, per_key, fair))
 
-    @documented_by(calls.pause_jobs)
+    @documented_by(operating_calls.pause_jobs)
     async def pause_jobs(self, pattern: str) -> None:
-        await self._call(calls.pause_jobs(pattern))
+        await self._call(operating_calls.pause_jobs(pattern))
 
-    @documented_by(calls.resume_jobs)
+    @documented_by(operating_calls.resume_jobs)
     async def resume_jobs(self, pattern: str) -> None:
-        await self._call(calls.resume_jobs(pattern))
+        await self._call(operating_calls.resume_jobs(pattern))
 
-    @documented_by(calls.retry_job)
+    @documented_by(report_calls.retry_job)
     async def retry_job(
         self,
         job_id: int,
@@ -245,7 +246,9 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
         lease_id: str | None = None,
     ) -> None:
         await self._call(
-            calls.retry_job(job_id, delay, next_run, data, name, priority, ignore_repeat, lease_id)
+            report_calls.retry_job(
+                job_id, delay, next_run, data, name, priority, ignore_repeat, lease_id
+            )
         )
 
     @documented_by(calls.cancelled_jobs)
@@ -260,37 +263,37 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
     async def delete_job(self, job_id: int) -> None:
         await self._call(calls.delete_job(job_id))
 
-    @documented_by(calls.requeue_jobs)
+    @documented_by(operating_calls.requeue_jobs)
     async def requeue_jobs(self, job_ids: list[int], name: str | None = None) -> None:
-        await self._call(calls.requeue_jobs(job_ids, name))
+        await self._call(operating_calls.requeue_jobs(job_ids, name))
 
-    @documented_by(calls.ping)
+    @documented_by(operating_calls.ping)
     async def ping(self) -> None:
-        await self._call(calls.ping())
+        await self._call(operating_calls.ping())
 
-    @documented_by(calls.queues)
+    @documented_by(operating_calls.queues)
     async def queues(self, limit: int | None = None) -> dict[str, Any]:
-        return await self._call(calls.queues(limit))
+        return await self._call(operating_calls.queues(limit))
 
-    @documented_by(calls.query)
+    @documented_by(operating_calls.query)
     async def query(self, sql: str) -> dict[str, Any]:
-        return await self._call(calls.query(sql))
+        return await self._call(operating_calls.query(sql))
 
-    @documented_by(calls.status)
+    @documented_by(operating_calls.status)
     async def status(self) -> dict[str, Any]:
-        return await self._call(calls.status())
+        return await self._call(operating_calls.status())
 
-    @documented_by(calls.running_jobs)
+    @documented_by(operating_calls.running_jobs)
     async def running_jobs(
         self, name: str | None = None, limit: int | None = None, newest: bool = False
     ) -> dict[str, Any]:
-        return await self._call(calls.running_jobs(name, limit, newest))
+        return await self._call(operating_calls.running_jobs(name, limit, newest))
 
-    @documented_by(calls.history)
+    @documented_by(operating_calls.history)
     async def history(self, queue: str | None = None, minutes: int | None = None) -> dict[str, Any]:
-        return await self._call(calls.history(queue, minutes))
+        return await self._call(operating_calls.history(queue, minutes))
 
-    @documented_by(calls.requeue_failed_jobs)
+    @documented_by(operating_calls.requeue_failed_jobs)
     async def requeue_failed_jobs(
         self,
         name: str | None = None,
@@ -300,9 +303,11 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
         limit: int | None = None,
         dry_run: bool = False,
     ) -> dict[str, Any]:
-        return await self._call(calls.requeue_failed_jobs(name, queue, job_ids, limit, dry_run))
+        return await self._call(
+            operating_calls.requeue_failed_jobs(name, queue, job_ids, limit, dry_run)
+        )
 
-    @documented_by(calls.delete_failed_jobs)
+    @documented_by(operating_calls.delete_failed_jobs)
     async def delete_failed_jobs(
         self,
         name: str | None = None,
@@ -312,9 +317,11 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
         limit: int | None = None,
         dry_run: bool = False,
     ) -> dict[str, Any]:
-        return await self._call(calls.delete_failed_jobs(name, queue, job_ids, limit, dry_run))
+        return await self._call(
+            operating_calls.delete_failed_jobs(name, queue, job_ids, limit, dry_run)
+        )
 
-    @documented_by(calls.cancel_queued_jobs)
+    @documented_by(operating_calls.cancel_queued_jobs)
     async def cancel_queued_jobs(
         self,
         name: str | None = None,
@@ -324,11 +331,13 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
         limit: int | None = None,
         dry_run: bool = False,
     ) -> dict[str, Any]:
-        return await self._call(calls.cancel_queued_jobs(name, queue, job_ids, limit, dry_run))
+        return await self._call(
+            operating_calls.cancel_queued_jobs(name, queue, job_ids, limit, dry_run)
+        )
 
-    @documented_by(calls.backup)
+    @documented_by(operating_calls.backup)
     async def backup(self, name: str) -> dict[str, Any]:
-        return await self._call(calls.backup(name))
+        return await self._call(operating_calls.backup(name))
 
     async def _call(self, call: Call[T]) -> T:
         # Two tasks' requests on one connection would mix their bytes and

@@ -3,6 +3,13 @@
 Each function here builds the `Call` for the client method of the same
 name; its docstring is that method's, on Client and the async clients alike
 (`documented_by`), so they all say the same thing from one place.
+
+Here are the `Call` itself (whether it may be sent again, how long the
+server may hold it, its reply's meaning) and the calls of a job's life up
+to its hand-out: create, get, update, query, cancel, delete, and replies.
+What a worker reports of a job it was handed is in report_calls.py, an
+operator's commands in operating_calls.py; a batch's in batches.py,
+AwaitJob's in await_calls.py.
 """
 
 from __future__ import annotations
@@ -11,22 +18,17 @@ import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, TypeVar
 
-from jobserver.client.errors import JobServerError, OutcomeUnknown, error_for
-from jobserver.wire.client_framing import Reply, without_lone_surrogates
-from jobserver.wire.limits import DEFAULT_WAIT_MS, MAX_FINISH_JOBS, MAX_JOB_ID, MAX_WAIT_MS
+from jobserver.client.errors import OutcomeUnknown, error_for
+from jobserver.wire.client_framing import Reply
+from jobserver.wire.limits import DEFAULT_WAIT_MS, MAX_JOB_ID, MAX_WAIT_MS
 
 T = TypeVar("T")
 Method = TypeVar("Method", bound=Callable[..., Any])
 # A time for firstRun or nextRun: text the server reads (protocol.md 4.3),
 # or a timezone-aware datetime.
 When = str | datetime
-
-# How long a backup's reply may take beyond the client's timeout: the
-# server copies and checks the whole database first; an hour is room for
-# many gigabytes.
-BACKUP_WAIT = 3600.0
 
 # Commands that change nothing, so sending one twice does no harm.
 _READ_ONLY = frozenset(
@@ -377,174 +379,6 @@ def query_job(job_id: int) -> Call[dict[str, Any]]:
     return Call("QueryJob", {"jobID": job_id}, _body)
 
 
-def finish_job(job_id: int, data: dict[str, Any] | None, lease_id: str | None) -> Call[None]:
-    """Report a handed-out job done: it is deleted, or queued for its next
-    run if it repeats. `data` replaces its data."""
-    return _on_job("FinishJob", job_id, data=data, leaseID=lease_id)
-
-
-class Finish(NamedTuple):
-    """One job for finish_jobs: as finish_job's job_id, lease_id and data.
-    A plain (job_id, lease_id, data) tuple does as well."""
-
-    job_id: int
-    lease_id: str | None = None
-    data: dict[str, Any] | None = None
-
-
-@dataclass(frozen=True)
-class FinishResult:
-    """What finish_jobs (fail_jobs, retry_jobs) did with one job. `status`
-    is the status line that finish_job (fail_job, retry_job) would have had
-    for it; `job_id` the jobID as the server read it (None if it was not an
-    integer)."""
-
-    job_id: int | None
-    status: str
-
-    @property
-    def code(self) -> int:
-        return int(self.status[:3])
-
-    @property
-    def ok(self) -> bool:
-        return 200 <= self.code <= 299
-
-    def error(self) -> JobServerError | None:
-        """The exception the one-job call would have raised, or None for success."""
-        return None if self.ok else error_for(self.status)
-
-
-def _finish_results(reply: Reply) -> list[FinishResult]:
-    return [FinishResult(r["jobID"], r["status"]) for r in reply.json()["results"]]
-
-
-def finish_jobs(
-    jobs: Sequence[tuple[int, str | None, dict[str, Any] | None]],
-) -> Call[list[FinishResult]]:
-    """Report many handed-out jobs done in one request: each Finish(job_id,
-    lease_id, data) as finish_job would report it, in order, 1 to 1,000 of
-    them (ValueError otherwise, before sending). Returns a FinishResult per
-    job, in the same order. A job the server refuses does not stop the
-    others: its result is not `ok`, and `error()` is what finish_job would
-    have raised (Conflict for a lease that moved on, JobNotFound...); the
-    call itself raises only when the whole request fails."""
-    if not 1 <= len(jobs) <= MAX_FINISH_JOBS:
-        raise ValueError(f"finish_jobs takes 1 to {MAX_FINISH_JOBS} jobs, not {len(jobs)}")
-    elements = [_element(job_id, lease_id, data=data) for job_id, lease_id, data in jobs]
-    return Call("FinishJobs", {"jobs": elements}, _finish_results)
-
-
-class Fail(NamedTuple):
-    """One job for fail_jobs: as fail_job's job_id, lease_id, error, data
-    and retry policy."""
-
-    job_id: int
-    lease_id: str | None = None
-    error: str | None = None
-    data: dict[str, Any] | None = None
-    max_attempts: int | None = None
-    retry_backoff: str | None = None
-    retry_delay: float | None = None
-    retry_max_delay: float | None = None
-
-
-class Retry(NamedTuple):
-    """One job for retry_jobs: as retry_job's job_id, lease_id, delay,
-    next_run, data and ignore_repeat."""
-
-    job_id: int
-    lease_id: str | None = None
-    delay: int | None = None
-    next_run: When | None = None
-    data: dict[str, Any] | None = None
-    ignore_repeat: bool = False
-
-
-def fail_jobs(jobs: Sequence[Fail]) -> Call[list[FinishResult]]:
-    """Report many handed-out jobs failed in one request: each
-    Fail(job_id, lease_id, error, data) as fail_job would report it, 1 to
-    1,000 of them (ValueError otherwise, before sending). Returns a
-    FinishResult per job, in order, as finish_jobs does."""
-    elements = [
-        _element(
-            job.job_id, job.lease_id, data=job.data, error=_text(job.error),
-            **_policy(job.max_attempts, job.retry_backoff, job.retry_delay, job.retry_max_delay),
-        )
-        for job in jobs
-    ]
-    return _reports("FailJobs", elements)
-
-
-def _policy(
-    max_attempts: int | None, backoff: str | None, delay: float | None, max_delay: float | None
-) -> dict[str, object]:
-    """A failure's retry policy, for a job created without one (protocol.md
-    14.1): its parameters, None for those not given."""
-    return {
-        "maxAttempts": max_attempts, "retryBackoff": backoff, "retryDelay": delay,
-        "retryMaxDelay": max_delay,
-    }
-
-
-def _text(text: str | None) -> str | None:
-    """A text for a string inside `jobs`: a lone surrogate (an error made of
-    a client's data) becomes U+FFFD, as it does in a header; the server
-    refuses one as a JSON escape (protocol.md 3)."""
-    return None if text is None else without_lone_surrogates(text)
-
-
-def retry_jobs(jobs: Sequence[Retry]) -> Call[list[FinishResult]]:
-    """Put many handed-out jobs back in the queue in one request: each
-    Retry(job_id, lease_id, delay, next_run, data, ignore_repeat) as
-    retry_job would, 1 to 1,000 of them (ValueError otherwise, before
-    sending). Returns a FinishResult per job, in order, as finish_jobs does."""
-    elements = [
-        _element(
-            job.job_id, job.lease_id, delay=job.delay, nextRun=_time_text(job.next_run),
-            data=job.data, ignoreRepeat=job.ignore_repeat or None,
-        )
-        for job in jobs
-    ]
-    return _reports("RetryJobs", elements)
-
-
-def _element(job_id: int, lease_id: str | None, **params: object) -> dict[str, Any]:
-    """One job of a many-job report: its parameters that are not None."""
-    element: dict[str, Any] = {"jobID": job_id}
-    if lease_id is not None:
-        element["leaseID"] = lease_id
-    element |= {name: value for name, value in params.items() if value is not None}
-    return element
-
-
-def _reports(method: str, elements: list[dict[str, Any]]) -> Call[list[FinishResult]]:
-    if not 1 <= len(elements) <= MAX_FINISH_JOBS:
-        raise ValueError(
-            f"{method} takes 1 to {MAX_FINISH_JOBS} jobs, not {len(elements)}"
-        )
-    return Call(method, {"jobs": elements}, _finish_results)
-
-
-def fail_job(
-    job_id: int,
-    data: dict[str, Any] | None,
-    lease_id: str | None,
-    error: str | None,
-    max_attempts: int | None = None,
-    retry_backoff: str | None = None,
-    retry_delay: float | None = None,
-    retry_max_delay: float | None = None,
-) -> Call[None]:
-    """Report a job failed; `error` becomes its last error. With a retry
-    policy and attempts left, the server queues it again. A job created
-    without a policy takes the one given here (`max_attempts`, and
-    `retry_backoff`, `retry_delay`, `retry_max_delay` as create_job's), as
-    a worker gives its handler's; a job's own wins."""
-    policy = _policy(max_attempts, retry_backoff, retry_delay, retry_max_delay)
-    return _on_job("FailJob", job_id, data=data, error=error, leaseID=lease_id, **policy)
-
-
 def await_reply(
     job_id: int,
     key: str,
@@ -565,86 +399,6 @@ def deliver_reply(key: str, data: dict[str, Any]) -> Call[dict[str, Any]]:
     on it, or {"expires": ...} when it is kept for a job to await it.
     JobNotFound (404) if this key's reply was delivered already."""
     return Call("DeliverReply", {"key": key, "data": data}, _body)
-
-
-def _report_deadline(reply: Reply) -> str | None:
-    body = reply.json()
-    return body.get("nextRun", body.get("staleAt"))
-
-
-def touch_job(job_id: int, lease_id: str | None) -> Call[str | None]:
-    """Show a handed-out job is still being worked on; returns by when it
-    must next be reported on. A leased (RUNQUEUED) job's lease is extended
-    to retryAfter from now: the new end of the lease, its nextRun. A
-    RUNNING job's stale-job count starts again: when it would be presumed
-    lost (staleAt), or None if the server never presumes so
-    (--stale-after 0)."""
-    return Call("TouchJob", {"jobID": job_id, "leaseID": lease_id}, _report_deadline)
-
-
-def failed_jobs(pattern: str, limit: int | None) -> Call[list[dict[str, Any]]]:
-    """FAILED jobs whose name matches, oldest first, with their last error."""
-    return Call("FailedJobs", {"name": pattern, "limit": limit}, _field("jobs"))
-
-
-def set_limit(
-    pattern: str, max: int, rate: str | None, per_key: bool, fair: bool
-) -> Call[None]:
-    """Limit the jobs whose name matches the GLOB `pattern` (protocol.md
-    14.7, 14.23): at most `max` cost units of them run at once (0: no
-    capacity); with `rate` ("N/DURATION", as "100/1m": N of 1 to 10,000 per
-    1s to 1d), at most N of them are handed out in any window of DURATION;
-    with `per_key`, `max` and `rate` count each job's `key` (create_job)
-    apart; with `fair`, hand-outs rotate between keys. Each call replaces
-    the pattern's whole limit, and `max` 0 without a rate and not fair
-    removes it. A malformed rate is InvalidRequest (402); `per_key` alone
-    is ValueError before sending: it would remove the limit, not set one."""
-    if per_key and not (max or rate or fair):
-        raise ValueError("per_key needs max, rate or fair: alone it holds nothing")
-    params: dict[str, object] = {
-        "name": pattern,
-        "max": max,
-        "rate": rate,
-        # Off is left out: SetLimit reads an absent switch as off.
-        "perKey": per_key or None,
-        "fair": fair or None,
-    }
-    return Call("SetLimit", params, _nothing)
-
-
-def pause_jobs(pattern: str) -> Call[None]:
-    """Hand out no job whose name matches until resume_jobs(pattern)."""
-    return Call("PauseJobs", {"name": pattern}, _nothing)
-
-
-def resume_jobs(pattern: str) -> Call[None]:
-    """Hand out the jobs that pause_jobs(pattern) held back; other paused
-    patterns that match the same jobs still hold them."""
-    return Call("ResumeJobs", {"name": pattern}, _nothing)
-
-
-def retry_job(
-    job_id: int,
-    delay: int | None,
-    next_run: When | None,
-    data: dict[str, Any] | None,
-    name: str | None,
-    priority: int | None,
-    ignore_repeat: bool,
-    lease_id: str | None,
-) -> Call[None]:
-    """Put a handed-out job back in the queue, after `delay` seconds or at `next_run`."""
-    return _on_job(
-        "RetryJob",
-        job_id,
-        delay=delay,
-        nextRun=_time_text(next_run),
-        data=data,
-        name=name,
-        jobPriority=priority,
-        ignoreRepeat=ignore_repeat or None,
-        leaseID=lease_id,
-    )
 
 
 def cancel_job(job_id: int, running: bool = False) -> Call[None]:
@@ -676,117 +430,3 @@ def delete_job(job_id: int) -> Call[None]:
     return _on_job("DeleteJob", job_id)
 
 
-def requeue_jobs(job_ids: list[int], name: str | None) -> Call[None]:
-    """Put jobs back in the queue, due now, whatever their state; a job with
-    a retry policy gets all its attempts back. `name` renames them all.
-    IDs of jobs that do not exist are skipped."""
-    params: dict[str, object] = {"jobIDs": ",".join(map(str, job_ids)), "name": name}
-    return Call("RequeueJobs", params, _nothing)
-
-
-def ping() -> Call[None]:
-    """Check that the server answers."""
-    return Call("Ping", {}, _nothing)
-
-
-def query(sql: str) -> Call[dict[str, Any]]:
-    """Run one read-only SQL statement, ending in `;` (protocol.md 5.15;
-    loopback clients only, unless the server allows others). Returns
-    {"headers": [column names], "rows": [[values], ...]}, integers and
-    finite reals as numbers, everything else as text (NULL as "")."""
-    return Call("Query", {"query": sql, "format": "json"}, _body)
-
-
-def status() -> Call[dict[str, Any]]:
-    """The server's status: jobs per state, waiting GetJobs, connections,
-    database size, uptime and version (protocol.md 5.14)."""
-    return Call("Status", {}, _body)
-
-
-def queues(limit: int | None) -> Call[dict[str, Any]]:
-    """Each queue (a name up to its first `/`), the largest first: its
-    jobs by state and how long its oldest ready job has waited
-    (protocol.md 14.17)."""
-    return Call("Queues", {"limit": limit}, _body)
-
-
-def running_jobs(
-    name: str | None, limit: int | None, newest: bool
-) -> Call[dict[str, Any]]:
-    """The jobs handed out now (RUNNING, and RUNQUEUED under a lease), the
-    longest running first (`newest` for the last handed out first), each
-    with the worker that took it and the node it was taken on; at most
-    `limit` (1 to 1,000; 100 if None), only those whose name matches the
-    GLOB `name` if given. Returns {"jobs": [...], "total", "more", "now"}
-    (protocol.md 14.21)."""
-    order = "newest" if newest else None
-    return Call("RunningJobs", {"name": name, "limit": limit, "order": order}, _body)
-
-
-def history(queue: str | None, minutes: int | None) -> Call[dict[str, Any]]:
-    """What the queues did, minute by minute: jobs created, handed out,
-    finished, failed and retried, and the depth, for the last `minutes`
-    (the server's whole window if None) of one queue or of all; kept in
-    the server's memory since it started (protocol.md 14.20)."""
-    return Call("History", {"name": queue, "minutes": minutes}, _body)
-
-
-def _bulk(
-    method: str,
-    name: str | None,
-    queue: str | None,
-    job_ids: list[int] | None,
-    limit: int | None,
-    dry_run: bool,
-) -> Call[dict[str, Any]]:
-    ids = ",".join(map(str, job_ids)) if job_ids is not None else None
-    params: dict[str, object] = {
-        "name": name, "queue": queue, "jobIDs": ids, "limit": limit,
-        "dryRun": "true" if dry_run else None,
-    }
-    return Call(method, params, _body)
-
-
-def requeue_failed_jobs(
-    name: str | None, queue: str | None, job_ids: list[int] | None, limit: int | None,
-    dry_run: bool,
-) -> Call[dict[str, Any]]:
-    """Requeue FAILED jobs, due now, in one transaction: those whose name
-    matches the GLOB `name`, those of `queue`, or those of `job_ids` (give
-    one); at most `limit` (1,000 if None). With `dry_run`, nothing changes.
-    Returns {"matched", "acted", "remaining", "jobIDs"} (protocol.md 14.19):
-    call again while "remaining" is not 0. A search examines at most
-    100,000 jobs; when more could match, "complete" is False and
-    "examined" says how many: the counts are of those alone."""
-    return _bulk("RequeueFailedJobs", name, queue, job_ids, limit, dry_run)
-
-
-def delete_failed_jobs(
-    name: str | None, queue: str | None, job_ids: list[int] | None, limit: int | None,
-    dry_run: bool,
-) -> Call[dict[str, Any]]:
-    """Delete FAILED jobs, chosen and answered as requeue_failed_jobs'
-    (protocol.md 14.19)."""
-    return _bulk("DeleteFailedJobs", name, queue, job_ids, limit, dry_run)
-
-
-def cancel_queued_jobs(
-    name: str | None, queue: str | None, job_ids: list[int] | None, limit: int | None,
-    dry_run: bool,
-) -> Call[dict[str, Any]]:
-    """Take QUEUED jobs out of the queue (a child is cancelled, any other
-    job deleted), chosen and answered as requeue_failed_jobs' (protocol.md
-    14.19)."""
-    return _bulk("CancelQueuedJobs", name, queue, job_ids, limit, dry_run)
-
-
-def backup(name: str) -> Call[dict[str, Any]]:
-    """Have the server copy its SQLite database, as it is at one moment,
-    into a new file `name` in its backup directory (--backup-dir; a name,
-    not a path) while it keeps serving; returns `{"bytes", "jobs", "name",
-    "path", "seconds"}` of the copy, checked with quick_check (protocol.md
-    14.18), `path` being where the server wrote it. The reply is awaited
-    for up to an hour more than the timeout. An existing file is never
-    overwritten (InvalidRequest); on PostgreSQL the server refuses with
-    ServerError (501): use pg_dump."""
-    return Call("Backup", {"name": name}, _body, held=BACKUP_WAIT)

@@ -6,9 +6,9 @@ import socket
 from collections.abc import Mapping, Sequence
 from typing import Any, Self, TypeVar
 
-from jobserver.client import await_calls, batches, calls
+from jobserver.client import await_calls, batches, calls, operating_calls, report_calls
 from jobserver.client.batches import Batch, BatchProgress
-from jobserver.client.calls import Call, Fail, FinishResult, Retry, When, documented_by
+from jobserver.client.calls import Call, When, documented_by
 from jobserver.client.endpoint import (
     CANNOT_CONNECT,
     CANNOT_SEND,
@@ -18,6 +18,7 @@ from jobserver.client.endpoint import (
     idle_connection_dead,
 )
 from jobserver.client.errors import ConnectionFailed, MalformedReply, TLSFailed
+from jobserver.client.report_calls import Fail, FinishResult, Retry
 from jobserver.wire.client_framing import Reply
 
 T = TypeVar("T")
@@ -140,27 +141,27 @@ class Client(Endpoint):
     def query_job(self, job_id: int) -> dict[str, Any]:
         return self._call(calls.query_job(job_id))
 
-    @documented_by(calls.finish_job)
+    @documented_by(report_calls.finish_job)
     def finish_job(
         self, job_id: int, data: dict[str, Any] | None = None, lease_id: str | None = None
     ) -> None:
-        self._call(calls.finish_job(job_id, data, lease_id))
+        self._call(report_calls.finish_job(job_id, data, lease_id))
 
-    @documented_by(calls.finish_jobs)
+    @documented_by(report_calls.finish_jobs)
     def finish_jobs(
         self, jobs: Sequence[tuple[int, str | None, dict[str, Any] | None]]
     ) -> list[FinishResult]:
-        return self._call(calls.finish_jobs(jobs))
+        return self._call(report_calls.finish_jobs(jobs))
 
-    @documented_by(calls.fail_jobs)
+    @documented_by(report_calls.fail_jobs)
     def fail_jobs(self, jobs: Sequence[Fail]) -> list[FinishResult]:
-        return self._call(calls.fail_jobs(jobs))
+        return self._call(report_calls.fail_jobs(jobs))
 
-    @documented_by(calls.retry_jobs)
+    @documented_by(report_calls.retry_jobs)
     def retry_jobs(self, jobs: Sequence[Retry]) -> list[FinishResult]:
-        return self._call(calls.retry_jobs(jobs))
+        return self._call(report_calls.retry_jobs(jobs))
 
-    @documented_by(calls.fail_job)
+    @documented_by(report_calls.fail_job)
     def fail_job(
         self,
         job_id: int,
@@ -173,7 +174,7 @@ class Client(Endpoint):
         retry_max_delay: float | None = None,
     ) -> None:
         self._call(
-            calls.fail_job(
+            report_calls.fail_job(
                 job_id, data, lease_id, error, max_attempts, retry_backoff, retry_delay,
                 retry_max_delay,
             )
@@ -194,15 +195,15 @@ class Client(Endpoint):
     def deliver_reply(self, key: str, data: dict[str, Any]) -> dict[str, Any]:
         return self._call(calls.deliver_reply(key, data))
 
-    @documented_by(calls.touch_job)
+    @documented_by(report_calls.touch_job)
     def touch_job(self, job_id: int, lease_id: str | None = None) -> str | None:
-        return self._call(calls.touch_job(job_id, lease_id))
+        return self._call(report_calls.touch_job(job_id, lease_id))
 
-    @documented_by(calls.failed_jobs)
+    @documented_by(operating_calls.failed_jobs)
     def failed_jobs(self, pattern: str = "*", limit: int | None = None) -> list[dict[str, Any]]:
-        return self._call(calls.failed_jobs(pattern, limit))
+        return self._call(operating_calls.failed_jobs(pattern, limit))
 
-    @documented_by(calls.set_limit)
+    @documented_by(operating_calls.set_limit)
     def set_limit(
         self,
         pattern: str,
@@ -212,17 +213,17 @@ class Client(Endpoint):
         per_key: bool = False,
         fair: bool = False,
     ) -> None:
-        self._call(calls.set_limit(pattern, max, rate, per_key, fair))
+        self._call(operating_calls.set_limit(pattern, max, rate, per_key, fair))
 
-    @documented_by(calls.pause_jobs)
+    @documented_by(operating_calls.pause_jobs)
     def pause_jobs(self, pattern: str) -> None:
-        self._call(calls.pause_jobs(pattern))
+        self._call(operating_calls.pause_jobs(pattern))
 
-    @documented_by(calls.resume_jobs)
+    @documented_by(operating_calls.resume_jobs)
     def resume_jobs(self, pattern: str) -> None:
-        self._call(calls.resume_jobs(pattern))
+        self._call(operating_calls.resume_jobs(pattern))
 
-    @documented_by(calls.retry_job)
+    @documented_by(report_calls.retry_job)
     def retry_job(
         self,
         job_id: int,
@@ -235,7 +236,9 @@ class Client(Endpoint):
         lease_id: str | None = None,
     ) -> None:
         self._call(
-            calls.retry_job(job_id, delay, next_run, data, name, priority, ignore_repeat, lease_id)
+            report_calls.retry_job(
+                job_id, delay, next_run, data, name, priority, ignore_repeat, lease_id
+            )
         )
 
     @documented_by(calls.cancelled_jobs)
@@ -250,37 +253,37 @@ class Client(Endpoint):
     def delete_job(self, job_id: int) -> None:
         self._call(calls.delete_job(job_id))
 
-    @documented_by(calls.requeue_jobs)
+    @documented_by(operating_calls.requeue_jobs)
     def requeue_jobs(self, job_ids: list[int], name: str | None = None) -> None:
-        self._call(calls.requeue_jobs(job_ids, name))
+        self._call(operating_calls.requeue_jobs(job_ids, name))
 
-    @documented_by(calls.ping)
+    @documented_by(operating_calls.ping)
     def ping(self) -> None:
-        self._call(calls.ping())
+        self._call(operating_calls.ping())
 
-    @documented_by(calls.queues)
+    @documented_by(operating_calls.queues)
     def queues(self, limit: int | None = None) -> dict[str, Any]:
-        return self._call(calls.queues(limit))
+        return self._call(operating_calls.queues(limit))
 
-    @documented_by(calls.query)
+    @documented_by(operating_calls.query)
     def query(self, sql: str) -> dict[str, Any]:
-        return self._call(calls.query(sql))
+        return self._call(operating_calls.query(sql))
 
-    @documented_by(calls.status)
+    @documented_by(operating_calls.status)
     def status(self) -> dict[str, Any]:
-        return self._call(calls.status())
+        return self._call(operating_calls.status())
 
-    @documented_by(calls.running_jobs)
+    @documented_by(operating_calls.running_jobs)
     def running_jobs(
         self, name: str | None = None, limit: int | None = None, newest: bool = False
     ) -> dict[str, Any]:
-        return self._call(calls.running_jobs(name, limit, newest))
+        return self._call(operating_calls.running_jobs(name, limit, newest))
 
-    @documented_by(calls.history)
+    @documented_by(operating_calls.history)
     def history(self, queue: str | None = None, minutes: int | None = None) -> dict[str, Any]:
-        return self._call(calls.history(queue, minutes))
+        return self._call(operating_calls.history(queue, minutes))
 
-    @documented_by(calls.requeue_failed_jobs)
+    @documented_by(operating_calls.requeue_failed_jobs)
     def requeue_failed_jobs(
         self,
         name: str | None = None,
@@ -290,9 +293,9 @@ class Client(Endpoint):
         limit: int | None = None,
         dry_run: bool = False,
     ) -> dict[str, Any]:
-        return self._call(calls.requeue_failed_jobs(name, queue, job_ids, limit, dry_run))
+        return self._call(operating_calls.requeue_failed_jobs(name, queue, job_ids, limit, dry_run))
 
-    @documented_by(calls.delete_failed_jobs)
+    @documented_by(operating_calls.delete_failed_jobs)
     def delete_failed_jobs(
         self,
         name: str | None = None,
@@ -302,9 +305,9 @@ class Client(Endpoint):
         limit: int | None = None,
         dry_run: bool = False,
     ) -> dict[str, Any]:
-        return self._call(calls.delete_failed_jobs(name, queue, job_ids, limit, dry_run))
+        return self._call(operating_calls.delete_failed_jobs(name, queue, job_ids, limit, dry_run))
 
-    @documented_by(calls.cancel_queued_jobs)
+    @documented_by(operating_calls.cancel_queued_jobs)
     def cancel_queued_jobs(
         self,
         name: str | None = None,
@@ -314,11 +317,11 @@ class Client(Endpoint):
         limit: int | None = None,
         dry_run: bool = False,
     ) -> dict[str, Any]:
-        return self._call(calls.cancel_queued_jobs(name, queue, job_ids, limit, dry_run))
+        return self._call(operating_calls.cancel_queued_jobs(name, queue, job_ids, limit, dry_run))
 
-    @documented_by(calls.backup)
+    @documented_by(operating_calls.backup)
     def backup(self, name: str) -> dict[str, Any]:
-        return self._call(calls.backup(name))
+        return self._call(operating_calls.backup(name))
 
     def _call(self, call: Call[T]) -> T:
         reply, earlier_lost = self._exchange(call)
