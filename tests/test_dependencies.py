@@ -18,7 +18,7 @@ from helpers import create, ok, until
 from wire import Client
 
 # The same protocol on every backend (conftest.BACKENDS).
-pytestmark = pytest.mark.backends
+pytestmark = pytest.mark.backends(nodes=True)
 
 
 def query(client: Client, job_id: int) -> dict[str, Any]:
@@ -204,6 +204,8 @@ def test_createjob_takes_no_element_reference(server, client):
     assert reply.status.startswith("402 Malformed dependsOn")
 
 
+# Heavy, or a server of its own: SQLite and PostgreSQL, not three nodes.
+@pytest.mark.backends()
 def test_a_fan_out_and_fan_in_of_a_thousand(server, client):
     width = 1000
     jobs = [{"name": "root"}]
@@ -239,6 +241,8 @@ def test_a_waiting_getjob_is_served_when_its_job_unblocks(server, client):
     assert reply.status == "200 OK" and reply.json["jobID"] == then
 
 
+# Heavy, or a server of its own: SQLite and PostgreSQL, not three nodes.
+@pytest.mark.backends()
 def test_the_hand_out_leaves_out_data_past_its_budget(server, client):
     big = {"blob": "x" * 400_000}
     deps = create_jobs(client, [{"name": "big"} for _ in range(4)])
@@ -284,6 +288,8 @@ def graph_rows(db: Path | str) -> tuple[int, int]:
     return counts[0], counts[1]
 
 
+# Heavy, or a server of its own: SQLite and PostgreSQL, not three nodes.
+@pytest.mark.backends()
 def test_jobs_that_go_take_their_edges_and_outcomes_with_them(backend, db):
     server = ThreadServer(db, keep_failed=1.0, prune_interval=0.05)
     try:
@@ -328,6 +334,8 @@ def test_a_running_dependency_cancelled_ends_its_dependent(server, client):
     assert shown["lastError"] == f"dependency {first} ended CANCELLED"
 
 
+# Heavy, or a server of its own: SQLite and PostgreSQL, not three nodes.
+@pytest.mark.backends()
 def test_standalone_cancelled_jobs_are_pruned_with_keep_failed(backend, db):
     server = ThreadServer(db, keep_failed=1.0, prune_interval=0.05)
     try:
@@ -354,6 +362,8 @@ def test_standalone_cancelled_jobs_are_pruned_with_keep_failed(backend, db):
         server.stop()
 
 
+# Heavy, or a server of its own: SQLite and PostgreSQL, not three nodes.
+@pytest.mark.backends()
 def test_a_chain_of_a_thousand_fails_to_its_end(server, client):
     length = 1000
     jobs = [{"name": "link0"}] + [
@@ -386,6 +396,8 @@ def test_pauses_and_limits_apply_once_it_is_queued(server, client):
     assert job is not None and job["jobID"] == later
 
 
+# Heavy, or a server of its own: SQLite and PostgreSQL, not three nodes.
+@pytest.mark.backends()
 def test_a_failure_fans_out_to_more_dependents_than_a_statement_binds(server, client):
     # 17,000 dependents fail at once, and their 17,000 ends are told in
     # turn: in chunks of 1,000, each within the 32,766 parameters a SQLite
