@@ -36,7 +36,8 @@ from jobserver.client import Client as LibraryClient
 from jobserver.model.globmatch import MAX_WILDCARDS
 from jobserver.worker import Job, RetryLater, Worker
 from jobserver.worker.arguments import settings_from
-from jobserver.worker.runner import END_WAIT_PATIENCE, Runner
+from jobserver.worker.fetching import END_WAIT_PATIENCE
+from jobserver.worker.runner import Runner
 from jobserver.worker.settings import Settings
 from tls_certs import tls_server
 from wire import Client

@@ -12,7 +12,8 @@ registered by job-name pattern, run N at once, reporting in batches.
 Where things are:
 - registry.py   Worker: handlers by pattern, their signatures, the GetJobs name
 - job.py        Job (what a handler may ask for) and RetryLater
-- runner.py     the Runner: fetching, slots, signals, exit status; Settings
+- runner.py     the Runner: slots, signals, exit status
+- fetching.py   the fetchers: GetJobs for the room free, taking turns to wait
 - calling.py    calling one handler: thread or task, timeout, grace period
 - outcome.py    what a handler's end means: the report, the log's words
 - leases.py     renewing the leases of running jobs (TouchJob)

@@ -3,8 +3,8 @@ together on an anyio event loop (asyncio or trio).
 
 Two tasks ask the server for jobs with waiting GetJobs, each for the slots
 (--concurrency) free when it asks and the jobs to hold beyond them
-(prefetch.py), and only when there is room for one; the jobs they get
-wait in a queue for a slot. Each slot is a task that takes the next job,
+(prefetch.py), and only when there is room for one (fetching.py); the
+jobs they get wait in a queue for a slot. Each slot is a task that takes the next job,
 calls its handler (calling.py) and queues the report (outcome.py), up to
 --concurrency of them, made as jobs first need them: a task per slot, not
 per job. One more task reports (reporting.py), another renews leases
@@ -25,7 +25,8 @@ not run a second time: the run under way goes on, and takes over the new
 hand-out's lease, so that its report is the one the server waits for
 (`_adopt`). A reply that means nothing, or is larger than
 --max-reply-bytes, is a broken connection: the fetcher that got it
-reconnects after its backoff wait, and the running jobs go on.
+reconnects after its backoff wait, and the running jobs go on
+(fetching.py).
 
 Exit status: 0 after a clean stop; 1 after a forced stop (second signal) or
 when results could not be reported; 2 when the server refuses our GetJobs,
@@ -39,6 +40,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Literal
 
 import anyio
@@ -46,12 +48,11 @@ import trio
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from jobserver.client import ConnectionFailed, JobServerError, ServerError, TLSFailed
-from jobserver.client.async_calls import end_wait
 from jobserver.wire.counts import counted
 from jobserver.worker import outcome
 from jobserver.worker.calling import Caller
-from jobserver.worker.connection import BACKOFF_MAX, Backoff, JobClient, Link, Server
+from jobserver.worker.connection import JobClient, Server
+from jobserver.worker.fetching import Fetchers
 from jobserver.worker.job import Job
 from jobserver.worker.leases import Leases, Renewal
 from jobserver.worker.outcome import Outcome
@@ -62,7 +63,7 @@ from jobserver.worker.reporting import Reporter
 from jobserver.worker.settings import Settings
 from jobserver.worker.tally import Tally
 from jobserver.workers.contract import printable
-from jobserver.workers.manager import FETCH_WAIT, REPORT_DRAIN, GetJobsRefused
+from jobserver.workers.manager import REPORT_DRAIN
 
 log = logging.getLogger("jobserver.worker")
 
@@ -70,16 +71,6 @@ Loop = Literal["asyncio", "trio"]
 # After a second signal, what is left of the run (handing back the running
 # jobs, reporting) gets this long: "at once", but a report takes a moment.
 FORCED_DRAIN = 3.0
-# GetJobs at a time: while one waits for its reply (or for jobs), another
-# can ask for the slots that came free meanwhile, so that a fast handler's
-# slots do not idle for a round trip.
-FETCHERS = 2
-# After a stop, how long a GetJobs may take to answer once its connection's
-# sending side is shut (end_wait) before it is cancelled: its reply is
-# on its way, or it was sent just after the stop, on a new connection.
-END_WAIT_PATIENCE = 5.0
-# The most one GetJobs hands out (protocol.md 5.4).
-MAX_GET_JOBS = 1000
 # How often a worker of `--processes` looks for its parent: a second's
 # delay to stop is nothing beside a lease's, and a getppid is cheap.
 PARENT_CHECK = 1.0
@@ -120,26 +111,19 @@ class Runner:
         )
 
         self.running: dict[int, Running] = {}  # by job ID, from taken until its handler ends
-        self.reserved = 0  # slots asked for by GetJobs on their way
         self.prefetch = Prefetch(settings.prefetch, settings.concurrency)
         self.slots = 0  # slot tasks made
         self.to_slots: MemoryObjectSendStream[Taken]
         self.queued: MemoryObjectReceiveStream[Taken]
         self.to_slots, self.queued = anyio.create_memory_object_stream[Taken](math.inf)
         self.tally = Tally()
-        self.freed = anyio.Event()  # set (and replaced) whenever slots come free
-        # One fetcher at a time waits on the server (a waiting GetJobs); the
-        # other asks without waiting, and, given nothing, waits here for the
-        # waiting one's answer: an idle worker is one waiting GetJobs in the
-        # server's Status (its idle workers), not one per fetcher.
-        self.waiting_fetch = False
-        self.wait_answered = anyio.Event()  # set (and replaced) at each answer
+        self.fetchers = Fetchers(
+            self.server, self.jobs_name, settings, self.prefetch, self.running, self._refused
+        )
         self.stopping = False
         self.signalled = False
         self.forced = False
         self.exit_status = 0
-        self.fetch_scope = anyio.CancelScope()
-        self.fetch_links: list[Link] = []  # the fetchers' connections
         self.root_scope: anyio.CancelScope | None = None
 
         self.caller = Caller(settings.timeout, settings.concurrency)
@@ -166,7 +150,7 @@ class Runner:
                 root.start_soon(self.watch_parent, parent)
             async with anyio.create_task_group() as jobs:
                 with self.to_slots:
-                    await self.fetch_loop(jobs)
+                    await self.fetchers.fetch_loop(partial(self._take, jobs=jobs))
             self.tally.summarize()
             self.reporter.close()
             if self.stopping or self.exit_status:
@@ -246,15 +230,14 @@ class Runner:
         (default: the settings'), then their jobs are handed back. From
         the event loop's thread."""
         self.stopping = True
-        # A waiting GetJobs is ended, not cancelled: a reply already on its
-        # way still arrives, and its jobs are handed back (run_job).
-        for link in self.fetch_links:
-            end_wait(link.client)
-        self._slots_changed()  # a fetcher waiting for a slot
-        self.fetch_scope.deadline = min(
-            self.fetch_scope.deadline, anyio.current_time() + END_WAIT_PATIENCE
-        )
+        self.fetchers.stop()
         self.caller.stop(self.settings.grace if grace is None else grace)
+
+    def _refused(self) -> None:
+        """The server refused our GetJobs, or TLS with it: trying again
+        would not help (exit status 2)."""
+        self.exit_status = 2
+        self.stop()
 
     def force(self) -> None:
         """Hand back every running job now; the rest of the run gets
@@ -265,46 +248,7 @@ class Runner:
         if self.root_scope is not None:
             self.root_scope.deadline = anyio.current_time() + FORCED_DRAIN + 1
 
-    # Fetching.
-
-    async def fetch_loop(self, jobs: TaskGroup) -> None:
-        """Take jobs and start their tasks in `jobs` until stopped or
-        refused, with FETCHERS GetJobs at a time."""
-        with self.fetch_scope:
-            async with anyio.create_task_group() as fetchers:
-                for _ in range(FETCHERS):
-                    fetchers.start_soon(self._fetch, jobs)
-
-    async def _fetch(self, jobs: TaskGroup) -> None:
-        """One fetcher: asks for the free slots, over a connection of its own."""
-        link, backoff = Link(self.server, "taking jobs"), Backoff()
-        self.fetch_links.append(link)
-        try:
-            while not self.stopping:
-                if backoff.failing:
-                    # Before waiting for room, which the other fetcher's
-                    # waiting GetJobs may hold for a minute: is the server back?
-                    await self._get_jobs(link, backoff, 0)
-                    continue
-                asked = await self.reserve_slots()
-                waits = bool(asked) and not self.waiting_fetch
-                try:
-                    batch = await self._get_jobs(link, backoff, asked, waits) if asked else None
-                finally:
-                    self.reserved -= asked
-                started = sum(self._take(job, jobs) for job in batch or ())
-                if started < asked:
-                    self._slots_changed()  # the other fetcher may ask for the rest
-                if batch == [] and not waits and self.waiting_fetch:
-                    await self.wait_answered.wait()  # nothing due: the waiting one will say
-        except GetJobsRefused:
-            self.exit_status = 2
-            self.stop()
-        finally:
-            self.fetch_links.remove(link)
-            # Closing a connection left mid-request (END_WAIT_PATIENCE ran
-            # out) tells the server, which puts back any job it took for us.
-            await link.aclose()
+    # Taking and holding jobs.
 
     def _take(self, raw: dict[str, Any], jobs: TaskGroup) -> bool:
         """Start the job's task in `jobs`, unless it runs here already;
@@ -345,88 +289,6 @@ class Runner:
             running.lease.lease_id,
         )
 
-    async def _get_jobs(
-        self, link: Link, backoff: Backoff, free: int, waits: bool = True
-    ) -> list[dict[str, Any]] | None:
-        """One GetJobs for up to `free` jobs (0: none, only the Ping after a
-        failure), waiting on the server for one if `waits`; None if the
-        server could not be reached (after the next backoff wait)."""
-        try:
-            if backoff.failing:
-                # A waiting GetJobs may not answer for a minute: make sure
-                # the server is back, and say so, first.
-                await link.client.ping()
-                log.info("server %s reachable again; taking jobs", self.server.address)
-                backoff.reset()
-            if not free:
-                return None
-            if not waits:
-                return await link.client.get_jobs(
-                    self.jobs_name, free, lease=self.settings.lease or None
-                )
-            self.waiting_fetch = True
-            try:
-                return await link.client.get_jobs(
-                    self.jobs_name, free, wait=FETCH_WAIT, lease=self.settings.lease or None
-                )
-            finally:
-                self.waiting_fetch = False
-                self.wait_answered.set()
-                self.wait_answered = anyio.Event()
-        except TLSFailed as error:
-            log.error("cannot get jobs: %s", error)
-            raise GetJobsRefused from error
-        except (ConnectionFailed, ServerError) as error:
-            if not backoff.failing:
-                log.warning(
-                    "cannot get jobs (%s); running jobs carry on, retrying with backoff up to %gs",
-                    error,
-                    BACKOFF_MAX,
-                )
-            await link.reconnect()
-            if not self.stopping:
-                await anyio.sleep(backoff.next())
-            return None
-        except JobServerError as error:
-            log.error(
-                "the server refused GetJobs for %r: %s %s", self.jobs_name, error.code, error.reason
-            )
-            raise GetJobsRefused from error
-
-    async def reserve_slots(self) -> int:
-        """Wait until a job may be taken: a slot free, or room to hold one
-        beyond them (prefetch.py); reserve the room for one GetJobs (at
-        most 1,000, as GetJobs takes), and return how much: 0 once the
-        worker stops."""
-        while (free := self._room() - len(self.running) - self.reserved) < self._worth_asking():
-            if self.stopping:
-                return 0
-            await self.freed.wait()
-        # Each fetcher asks for its share of the room: both keep a GetJobs
-        # under way, so that neither waits for the other's reply.
-        asked = min(free, MAX_GET_JOBS, -(-self._room() // FETCHERS))
-        self.reserved += asked
-        return asked
-
-    def _worth_asking(self) -> int:
-        """The least room a GetJobs asks for: a slot, or, while jobs are held
-        beyond the slots, half of what may be held, so that the held jobs
-        are topped up a batch at a time rather than a job at a time as
-        each ends (a commit on the server each); a fetcher's share of
-        that half."""
-        return max(1, self.prefetch.allowed(anyio.current_time()) // (2 * FETCHERS))
-
-    def _room(self) -> int:
-        """How many jobs may be here at once: running, or waiting for a slot."""
-        return self.settings.concurrency + self.prefetch.allowed(anyio.current_time())
-
-    def _slots_changed(self) -> None:
-        # A new Event only when a fetcher waits on this one: at thousands of
-        # jobs a second, making one per job would cost more than the job.
-        if self.freed.statistics().tasks_waiting:
-            self.freed.set()
-            self.freed = anyio.Event()
-
     async def give_back_loop(self) -> None:
         """Hand back the held jobs beyond what may be held now: those behind
         slots stuck in long calls (prefetch.py), for other workers to run."""
@@ -447,7 +309,7 @@ class Runner:
                 del self.running[job.id]
                 self.tally.ended(job.id, printable(job.name), result, 0.0)
                 self.reporter.add(result.report)
-            self._slots_changed()
+            self.fetchers.slots_changed()
 
     # Running jobs.
 
@@ -469,7 +331,7 @@ class Runner:
             # time) stays in `running`, for _stopped to name as abandoned.
             if result is not None:
                 del self.running[raw["jobID"]]
-            self._slots_changed()
+            self.fetchers.slots_changed()
         seconds = time.perf_counter() - wall
         self.prefetch.ended(raw["jobID"], seconds)
         self.tally.ended(raw["jobID"], printable(raw["name"]), result, seconds)
