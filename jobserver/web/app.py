@@ -52,9 +52,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from jobserver.core.build import Core
-from jobserver.core.commands import params
+from jobserver.core.commands import json_params
 from jobserver.core.commands.dispatch import PARSE_IN_THREAD_BYTES
-from jobserver.core.commands.params import MAX_DATA
+from jobserver.core.commands.json_params import MAX_DATA
 from jobserver.core.commands.route import Answer
 from jobserver.model import times
 from jobserver.web import access, openapi, schema_errors, statuses
@@ -264,7 +264,7 @@ def _request(verb: str, document: dict[str, Any]) -> Request:
         if isinstance(value, dict | list):
             # A lone surrogate inside stays escaped. Parsed with the body:
             # the command does not parse it again.
-            params.with_json_value(request, name.lower(), jsonbody.compact(value), value)
+            json_params.with_json_value(request, name.lower(), jsonbody.compact(value), value)
             continue
         text = str(value) if not isinstance(value, bool) else "true" if value else "false"
         request.headers[name.lower()] = text

@@ -84,7 +84,7 @@ class Request:
     # UTF-8: the stream is still in step, so the connection can go on.
     invalid_utf8: bool = False
     # JSON parameters as parsed, by header name: the text parsed, and its
-    # value or the ValueError it raised (core/commands/params.json_value).
+    # value or the ValueError it raised (core/commands/json_params.json_value).
     # A value of 900 KB takes tens of milliseconds to parse: it is parsed
     # once, by whoever reads it first.
     parsed: dict[str, tuple[str, Any]] = field(default_factory=dict, compare=False, repr=False)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from jobserver.core.commands.params import MAX_ERROR
+from jobserver.core.commands.json_params import MAX_ERROR
 from jobserver.worker.job import Job, RetryLater
 from jobserver.workers.contract import Outcome, Report, fate, printable
 

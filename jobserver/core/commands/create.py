@@ -13,7 +13,14 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
-from jobserver.core.commands import depends_on, idempotency, known_headers, params
+from jobserver.core.commands import (
+    depends_on,
+    flow_params,
+    idempotency,
+    json_params,
+    known_headers,
+    params,
+)
 from jobserver.core.commands.depends_on import NONE, Wanted
 from jobserver.core.commands.views import ok
 from jobserver.core.engine.context import Context
@@ -56,7 +63,7 @@ def create_jobs(ctx: Context, request: Request) -> Response:
     key = idempotency.key_of(request)
     if key is not None:
         # As create_job's, each element in turn.
-        for element in _elements(params.job_list(request)):
+        for element in _elements(json_params.job_list(request)):
             _check_parameters(element)
     done = idempotency.replay(ctx, request, key)
     if done is not None:
@@ -69,7 +76,7 @@ def create_jobs(ctx: Context, request: Request) -> Response:
 def _create_all(ctx: Context, request: Request) -> Response:
     ids: list[int] = []
     created = []
-    elements = params.job_list(request)
+    elements = json_params.job_list(request)
     wanted = depends_on.of_elements(elements)
     graph = any(one.count for one in wanted)
     # Read (and locked) before any job is created: a dependency that
@@ -103,19 +110,19 @@ def _elements(elements: list[dict[str, Any]]) -> Iterator[Request]:
     for element in elements:
         if not any(key.lower() == "name" for key in element):
             raise CommandError("402 Missing name")
-        yield params.from_json(element, "CreateJob")
+        yield json_params.from_json(element, "CreateJob")
 
 
 def _check_parameters(request: Request) -> None:
     """What _create checks of a request without reading the database."""
     params.name(request)
     params.priority(request, "jobPriority", "priority")
-    params.data(request)
+    json_params.data(request)
     params.retry_after(request)
     params.time(request, "firstRun")
     params.repeat_rule(request)
     params.retry_policy(request)
-    params.flow_options(request)
+    flow_params.flow_options(request)
     _parent_id(request)
 
 
@@ -124,12 +131,12 @@ def _create(
 ) -> int:
     name = params.name(request)
     priority = params.priority(request, "jobPriority", "priority")
-    data = params.data(request)
+    data = json_params.data(request)
     retry_after = params.retry_after(request)
     first_run = params.time(request, "firstRun")
     rule = params.repeat_rule(request)
     policy = params.retry_policy(request)
-    flow = params.flow_options(request)
+    flow = flow_params.flow_options(request)
     _check_cost_fits(ctx, name, flow.cost)
     parent_id = _parent_id(request)
     parent = _parent(ctx, parent_id) if parent_id else None

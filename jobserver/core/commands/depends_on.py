@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from jobserver.core.commands import params
+from jobserver.core.commands import json_params, params
 from jobserver.core.errors import CommandError
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request
@@ -90,7 +90,7 @@ def _items(request: Request) -> list[Any] | None:
     if params.present(request, "dependsOn") is None:
         return None
     try:
-        value = params.json_value(request, "dependson")
+        value = json_params.json_value(request, "dependson")
     except ValueError:
         raise CommandError(MALFORMED) from None
     return _list(value)

@@ -32,9 +32,9 @@ from jobserver.core.commands import (
     flow_control,
     get_jobs,
     history,
+    json_params,
     known_headers,
     manage,
-    params,
     query,
     queues,
     replies,
@@ -128,11 +128,11 @@ class InWriter:
 
 async def parse_large_json(services: Services, request: Request) -> None:
     """Parse the request's large JSON parameters in a thread, before the
-    writer, which then finds them parsed (params.json_value). Parsing
+    writer, which then finds them parsed (json_params.json_value). Parsing
     900 KB takes tens of milliseconds, in C that holds the GIL throughout:
     in a thread the event loop still waits while it runs, but between
     parses it serves others, and the writer never waits for one."""
-    for header in params.JSON_PARAMETERS:
+    for header in json_params.JSON_PARAMETERS:
         text = request.get(header)
         if text is not None and len(text) > PARSE_IN_THREAD_BYTES:
             await trio.to_thread.run_sync(
@@ -144,7 +144,7 @@ def _parse_quietly(request: Request, header: str) -> None:
     """Parse a parameter for later: a ValueError is kept with the request,
     and raised when the command reads the parameter, in its turn."""
     with contextlib.suppress(ValueError), jsonbody.collection_paused():
-        params.json_value(request, header)
+        json_params.json_value(request, header)
 
 
 async def _check_cron_first(services: Services, request: Request) -> None:
@@ -249,7 +249,7 @@ def _repeat_rules(request: Request) -> list[tuple[str, str]]:
     if verb != "createjobs" or '"repeat"' not in (request.get("jobs") or "").lower():
         return []
     try:
-        elements = params.json_value(request, "jobs")
+        elements = json_params.json_value(request, "jobs")
     except ValueError:  # not JSON, or nested too deeply: the writer says so
         return []
     if not isinstance(elements, list):

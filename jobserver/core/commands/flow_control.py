@@ -3,7 +3,7 @@ ResumeJobs."""
 
 from __future__ import annotations
 
-from jobserver.core.commands import params
+from jobserver.core.commands import flow_params, params
 from jobserver.core.commands.views import ok
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
@@ -17,7 +17,7 @@ def set_limit(ctx: Context, request: Request) -> Response:
     rate, per key, fair. A new one past --max-limits is refused; changing
     or removing one always works."""
     pattern = params.pattern(request)
-    limit = params.set_limit(request)
+    limit = flow_params.set_limit(request)
     limits = ctx.store.limits
     most = ctx.settings.max_limits
     if limit.is_set and pattern not in limits:

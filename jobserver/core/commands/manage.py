@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from jobserver.core.commands import params
+from jobserver.core.commands import flow_params, json_params, params
 from jobserver.core.commands.lookup import check_lease, load_job
 from jobserver.core.commands.views import failed_object, job_object, ok
 from jobserver.core.engine.context import Context
@@ -38,11 +38,11 @@ def update_job(ctx: Context, request: Request) -> Response:
     job_id = params.job_id(request)
     if params.present(request, "data") is None:
         raise CommandError("402 Missing data")
-    data = params.data(request)
+    data = json_params.data(request)
     rule = params.repeat_rule(request)
     priority = params.priority(request, "jobPriority")
     next_run = params.time(request, "nextRun")
-    zone = params.time_zone(request)
+    zone = flow_params.time_zone(request)
     job = ctx.store.get(job_id)
     if job is None:
         raise CommandError("404 No job with this jobID")

@@ -1,17 +1,17 @@
-"""Reading and checking request parameters, with Bedrock's status lines."""
+"""Reading and checking request parameters, with Bedrock's status lines.
+
+The parameters that hold JSON (`data`, `jobs`, FailJob's error) are read
+in json_params.py, and those of flow control (cost, time windows, key,
+SetLimit's limit) in flow_params.py; both build on the readers here."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Any
 
 from jobserver.core.errors import CommandError
-from jobserver.model import cron, globmatch, repeat, times, windows
-from jobserver.model.jobs import PLAIN, FlowOptions, RetryPolicy
-from jobserver.model.limits import MAX_KEY, MAX_RATE, Limit, parse_rate
+from jobserver.model import cron, globmatch, repeat, times
+from jobserver.model.jobs import RetryPolicy
 from jobserver.model.names import has_control
-from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request
 from jobserver.wire.limits import (
     BACKOFFS,
@@ -23,8 +23,6 @@ from jobserver.wire.limits import (
     DEFAULT_WAIT_MS,
     MAX_ATTEMPTS,
     MAX_BULK,
-    MAX_CAPACITY,
-    MAX_COST,
     MAX_DELAY_DIGITS,
     MAX_JOB_ID,
     MAX_LEASE,
@@ -39,14 +37,9 @@ from jobserver.wire.limits import (
 
 # Bedrock's limit for a GetJob pattern, which may list many names.
 MAX_PATTERN = 12750
-# Bedrock's limit for a data value.
-MAX_DATA = 1024 * 1024
-
 # Seconds as RetryJob's delay allows them (8 digits), to the millisecond,
 # the precision of the nextRun a policy computes.
 _SECONDS = re.compile(r"[0-9]{1,8}(?:\.[0-9]{1,3})?")
-# An error text is for people reading the dead set: a traceback fits.
-MAX_ERROR = 64 * 1024
 
 
 def present(request: Request, name: str) -> str | None:
@@ -139,58 +132,6 @@ def priority(request: Request, *names: str) -> int | None:
     return None
 
 
-# The parameters that hold JSON text: parsed once, whoever reads them first
-# (json_value), and before the writer when they are large (dispatch.py).
-JSON_PARAMETERS = ("data", "jobs")
-
-
-def json_value(request: Request, header: str) -> Any:
-    """The JSON value of the parameter `header`, which the request has:
-    strict and depth-checked (jsonbody.parse), parsed the first time it is
-    asked for and kept with the request, as is a ValueError it raises."""
-    text = request.headers[header]
-    known = request.parsed.get(header)
-    if known is None or known[0] is not text:
-        try:
-            known = (text, jsonbody.parse(text))
-        except ValueError as error:
-            known = (text, error)
-        request.parsed[header] = known
-    if isinstance(known[1], ValueError):
-        raise known[1]
-    return known[1]
-
-
-def with_json_value(request: Request, header: str, text: str, value: Any) -> None:
-    """Set the parameter `header` to `text`, the compact JSON of `value`
-    (a value parsed with jsonbody.parse, or a part of one), known parsed."""
-    request.headers[header] = text
-    request.parsed[header] = (text, value)
-
-
-def data(request: Request, header: str = "data") -> str | None:
-    """A JSON object parameter as compact JSON text, or None when absent."""
-    text = request.get(header)
-    if text is None:
-        return None
-    if len(text.encode("utf-8")) > MAX_DATA:
-        raise too_large(header, MAX_DATA)
-    try:
-        value = json_value(request, header)
-    except jsonbody.TooDeep as error:
-        raise CommandError(f"402 Malformed data: {error}") from None
-    except ValueError:
-        raise CommandError("402 Data is not a valid JSON Object") from None
-    if not isinstance(value, dict):
-        raise CommandError("402 Data is not a valid JSON Object")
-    # Valid JSON with no white space at all is already compact: keep the
-    # client's text rather than spend time writing it out again.
-    if _BLANKS.isdisjoint(text):
-        return text
-    return jsonbody.compact(value)
-
-
-_BLANKS = frozenset(" \t\r\n")
 
 
 def time(request: Request, header: str) -> str | None:
@@ -304,27 +245,6 @@ def lease_id(request: Request) -> str | None:
     return present(request, "leaseID")
 
 
-def error_text(request: Request, data: str | None) -> str:
-    """What FailJob records as the job's last error: the `error` parameter,
-    else the `error` key of the data it sends (a string as it is, anything
-    else as compact JSON), else nothing. NUL becomes U+FFFD: PostgreSQL's
-    text cannot hold it, and the error must read the same on every backend."""
-    text = present(request, "error")
-    if text is not None:
-        if len(text.encode("utf-8")) > MAX_ERROR:
-            raise too_large("error", MAX_ERROR)
-        return text.replace("\0", "\ufffd")
-    # Read only when it may hold an error key: `data` is the request's
-    # data, which data() has parsed (an object).
-    if data is None or '"error"' not in data:
-        return ""
-    value = json_value(request, "data").get("error")
-    if value is None:
-        return ""
-    text = value if isinstance(value, str) else jsonbody.compact(value)
-    # A lone surrogate (from a `\\ud800` escape) has no UTF-8 form: replaced.
-    text = text.encode("utf-8", "replace")[:MAX_ERROR].decode("utf-8", "ignore")
-    return text.replace("\0", "\ufffd")
 
 
 def limit(request: Request) -> int:
@@ -383,128 +303,8 @@ def wait_seconds(request: Request) -> float:
     return min(millis, MAX_WAIT_MS) / 1000
 
 
-def from_json(element: Mapping[str, Any], verb: str) -> Request:
-    """One element of a batch (CreateJobs, FinishJobs) as the parameters
-    of a request `verb` (CreateJob, FinishJob).
-
-    Keys are case-insensitive, as header names are; objects stay JSON text;
-    `data: []` is how PHP writes an empty object, so it means `{}`. A key
-    or a string value with a lone surrogate is `402 Malformed KEY`: it
-    could be neither stored nor compared (inside objects, such as data,
-    compact() keeps it escaped).
-    """
-    request = Request(method_line=verb)
-    for key, value in element.items():
-        if jsonbody.has_lone_surrogate(key):
-            raise CommandError("402 Malformed parameter name: a lone surrogate")
-        if isinstance(value, str) and jsonbody.has_lone_surrogate(value):
-            raise CommandError(f"402 Malformed {key}")
-        if key.lower() == "data" and value == []:
-            value = {}
-        if isinstance(value, str):
-            text = value
-        elif isinstance(value, bool):
-            text = "true" if value else "false"
-        elif value is None:
-            continue
-        elif isinstance(value, (dict, list)):
-            # Parsed with the list: not parsed again as the element's own.
-            with_json_value(request, key.lower(), jsonbody.compact(value), value)
-            continue
-        else:
-            text = str(value)
-        request.headers[key.lower()] = text
-    return request
 
 
-def job_list(request: Request) -> list[dict[str, Any]]:
-    """The `jobs` of CreateJobs and FinishJobs: a non-empty JSON array of
-    non-empty objects."""
-    text = present(request, "jobs")
-    try:
-        elements = json_value(request, "jobs") if text is not None else None
-    except jsonbody.TooDeep as error:
-        raise CommandError(f"401 Invalid JSON: {error}") from None
-    except ValueError:
-        elements = None
-    if not isinstance(elements, list) or not elements:
-        raise CommandError("401 Invalid JSON")
-    if not all(isinstance(e, dict) and e for e in elements):
-        raise CommandError("401 Invalid JSON")
-    return elements
-
-
-def flow_options(request: Request) -> FlowOptions:
-    """CreateJob's cost, timeWindows and timeZone (protocol.md 14.7, 14.8)."""
-    key = job_key(request)
-    cost_text = present(request, "cost")
-    cost = 1 if cost_text is None else parse_job_id(cost_text, "cost")
-    if cost > MAX_COST:
-        raise CommandError("402 Malformed cost")
-    windows_text = present(request, "timeWindows")
-    zone_text = present(request, "timeZone")
-    if windows_text is None:
-        # A CRON repeat is read in the zone too (protocol.md 6.1).
-        if zone_text is None:
-            return PLAIN if cost == 1 and not key else FlowOptions(cost=cost, key=key)
-        if not cron.is_cron(request.get("repeat") or ""):
-            raise CommandError("402 Missing timeWindows")
-        return FlowOptions(cost=cost, zone=_zone(zone_text), key=key)
-    try:
-        parsed = windows.format_windows(windows.parse_windows(windows_text))
-    except ValueError:
-        raise CommandError("402 Malformed timeWindows") from None
-    zone = _zone(zone_text) if zone_text is not None else "UTC"
-    return FlowOptions(cost=cost, windows=parsed, zone=zone, key=key)
-
-
-def time_zone(request: Request) -> str | None:
-    """UpdateJob's timeZone, checked as CreateJob's; None when absent."""
-    text = present(request, "timeZone")
-    return None if text is None else _zone(text)
-
-
-def _zone(text: str) -> str:
-    zone = text.strip()
-    try:
-        windows.parse_zone(zone)
-    except ValueError:
-        raise CommandError("402 Malformed timeZone") from None
-    return zone
-
-
-def capacity(request: Request) -> int:
-    """SetLimit's `max`: 0 (none, or remove the limit) or a positive
-    capacity; required unless a `rate` or `fair` is given."""
-    if not request.has("max") and (request.has("rate") or request.has("fair")):
-        return 0
-    text = require(request, "max")
-    if text == "0":
-        return 0
-    number = parse_job_id(text, "max")
-    if number > MAX_CAPACITY:
-        raise CommandError("402 Malformed max")
-    return number
-
-
-def set_limit(request: Request) -> Limit:
-    """SetLimit's limit (protocol.md 14.7, 14.23): `max`, `rate`, `perKey`
-    and `fair`."""
-    rate = None
-    text = present(request, "rate")
-    if text is not None:
-        try:
-            rate = parse_rate(text)
-        except ValueError:
-            raise CommandError(
-                f"402 Malformed rate (N/DURATION: 1 to {MAX_RATE} per 1s to 1d, as 100/1m)"
-            ) from None
-    return Limit(
-        max=capacity(request),
-        rate=rate,
-        per_key=flag(request, "perKey"),
-        fair=flag(request, "fair"),
-    )
 
 
 def flag(request: Request, name: str) -> bool:
@@ -518,17 +318,6 @@ def flag(request: Request, name: str) -> bool:
     return value == "true"
 
 
-def job_key(request: Request) -> str:
-    """CreateJob's `key` (protocol.md 14.23): whose job it is, for per-key
-    and fair limits; "" for none."""
-    text = present(request, "key")
-    if text is None:
-        return ""
-    if len(text.encode("utf-8")) > MAX_KEY:
-        raise too_large("key", MAX_KEY)
-    if has_control(text):
-        raise CommandError("402 Malformed key")
-    return text
 
 
 def pattern(request: Request) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from datetime import timedelta
 
-from jobserver.core.commands import params
+from jobserver.core.commands import json_params, params
 from jobserver.core.commands.lookup import cancelled_run, check_lease, load_job
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
@@ -54,7 +54,7 @@ def await_reply(ctx: Context, request: Request) -> Response:
     other = ctx.store.waiting_on(key)
     if other is not None:
         raise CommandError("409 Another job waits on this key")
-    new_data = params.data(request) if params.present(request, "data") else None
+    new_data = json_params.data(request) if params.present(request, "data") else None
     data = new_data or _run_done(job.data)
     kept = ctx.store.reply(key, ctx.now_ms)
     if kept is not None and kept[1] == 0:
@@ -73,7 +73,7 @@ def deliver_reply(ctx: Context, request: Request) -> Response:
     key = _key(request)
     if params.present(request, "data") is None:
         raise CommandError("402 Missing data")
-    reply = params.data(request)
+    reply = json_params.data(request)
     assert reply is not None
     expires = times.to_millis(ctx.now + timedelta(seconds=ctx.settings.reply_grace))
     job = ctx.store.waiting_on(key)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from jobserver.core.commands import known_headers, params
+from jobserver.core.commands import json_params, known_headers, params
 from jobserver.core.commands.lookup import cancelled_run, check_lease, load_job
 from jobserver.core.commands.views import ok
 from jobserver.core.engine.context import Context
@@ -70,10 +70,10 @@ def _retry(ctx: Context, request: Request) -> Response:
 def _report_each(ctx: Context, request: Request, command: str, report: Report) -> Response:
     """`command` for each element of `jobs`, in order, each with its own
     outcome: an element that fails undoes its own writes and no others."""
-    elements = params.job_list(request)
+    elements = json_params.job_list(request)
     if len(elements) > MAX_FINISH_JOBS:
         raise CommandError(f"413 Too many jobs (max {MAX_FINISH_JOBS})")
-    reports = [params.from_json(element, command) for element in elements]
+    reports = [json_params.from_json(element, command) for element in elements]
     # Their jobs are read in one statement, and their writes sent together.
     # Their dependents, if any, hear of the jobs that ended all at once.
     with ctx.store.holding_writes(), lifecycle.telling_at_end(ctx):
@@ -113,7 +113,7 @@ def _finish_or_retry(ctx: Context, request: Request, retry: bool) -> Response:
     if cancelled is not None:
         return cancelled
     parent = lifecycle.parent_of_ending_run(ctx, job)
-    new_data = params.data(request) if params.present(request, "data") else None
+    new_data = json_params.data(request) if params.present(request, "data") else None
     # Most jobs never have children: one look spares the two child queries.
     has_children = ctx.store.has_children(job.jobID)
     if has_children:
@@ -184,8 +184,8 @@ def fail_job(ctx: Context, request: Request) -> Response:
     if cancelled is not None:
         return cancelled
     lifecycle.check(job, "fail an attempt")
-    data = params.data(request) if params.present(request, "data") else None
-    error = params.error_text(request, data)
+    data = json_params.data(request) if params.present(request, "data") else None
+    error = json_params.error_text(request, data)
     changes: dict[str, Any] = {} if data is None else {"data": data}
     policy = params.retry_policy(request)
     if policy is not None and not job.maxAttempts:
