@@ -24,7 +24,7 @@ import pytest
 from harness import ThreadServer
 from helpers import create, ok, until
 from jobserver.model.limits import Limit
-from jobserver.storage import postgres
+from jobserver.storage import postgres, postgres_connection
 from relay import Relay
 from wire import Client, encode
 
@@ -131,7 +131,7 @@ def test_a_commit_whose_outcome_cannot_be_learned_is_a_504_and_its_hand_outs_com
     node, url, proxy, monkeypatch
 ):
     # PostgreSQL stays out of reach for longer than the node asks.
-    monkeypatch.setattr(postgres, "OUTCOME_SECONDS", 1.0)
+    monkeypatch.setattr(postgres_connection, "OUTCOME_SECONDS", 1.0)
     with waiting(node, "served") as worker, node.client(timeout=DEADLINE) as client:
         for _ in range(CUT_TRIES):
             proxy.cut_at_commit(reaches=True, stay_cut=True)
@@ -227,18 +227,18 @@ def test_an_ask_whose_answer_never_comes_is_cut_off_at_its_time(url):
     """What a node asks after a COMMIT cut off is bounded on its own side:
     a statement whose answer does not come (here PostgreSQL sleeps; a path
     that drops requests does the same) fails at the deadline."""
-    db = postgres.connect(url)
+    db = postgres_connection.connect(url)
     try:
         started = time.monotonic()
-        with pytest.raises(psycopg.OperationalError), postgres.cut_off_after(db, 0.5):
+        with pytest.raises(psycopg.OperationalError), postgres_connection.cut_off_after(db, 0.5):
             db.execute("SELECT pg_sleep(20)")
         assert time.monotonic() - started < 5
     finally:
         db.close()
     # Once the block has ended, nothing is cut.
-    db = postgres.connect(url)
+    db = postgres_connection.connect(url)
     try:
-        with postgres.cut_off_after(db, 0.2):
+        with postgres_connection.cut_off_after(db, 0.2):
             db.execute("SELECT 1")
         time.sleep(0.4)
         assert db.execute("SELECT 2").fetchone() == (2,)

@@ -20,7 +20,8 @@ import pytest
 from harness import ThreadServer
 from helpers import create, ok, until
 from jobserver.storage import postgres_schema
-from jobserver.storage.postgres import PostgresStore, redact
+from jobserver.storage.postgres import PostgresStore
+from jobserver.storage.postgres_connection import redact
 from jobserver.storage.sqlite_schema import StoreError
 from wire import Client, encode
 

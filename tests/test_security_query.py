@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from harness import ServerProcess, ThreadServer
 from helpers import create, ok, until
 from jobserver.storage import postgres_query, postgres_schema, sqlite_readers
-from jobserver.storage.postgres import QUERY_APPLICATION
+from jobserver.storage.postgres_connection import QUERY_APPLICATION
 from jobserver.storage.sqlite_readers import QUERY_FUNCTIONS
 from wire import Client, encode
 

@@ -2,10 +2,12 @@
 nodes, on one machine or many, serving one queue.
 
 The named operations are sql_store.py's, in PostgreSQL's dialect (sql.py);
-this module adds the connection, the transactions, the hand-out search,
-the locks and the readers. What SQLite gets from being one file served by
-one process, PostgreSQL gets from locks that every node's transactions
-respect:
+this module adds the connection, the transactions, the hand-out search
+and the locks (how a connection is made, and how a COMMIT cut off with it
+is asked about, are postgres_connection.py's; the readers, on connections
+of their own, postgres_readers.py's). What SQLite gets from being one file
+served by one process, PostgreSQL gets from locks that every node's
+transactions respect:
 
 - a job is handed out once: `find_ready` locks the rows it returns
   (`FOR UPDATE SKIP LOCKED`), so a second node passes over them, and every
@@ -36,119 +38,48 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import secrets
-import socket
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
-from decimal import Decimal
-from functools import partial
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.pq import TransactionStatus
 
 from jobserver.model.globmatch import glob_to_regex, is_glob
 from jobserver.model.jobs import Job
-from jobserver.model.limits import Limit, handouts_cutoff
-from jobserver.storage import postgres_listen, postgres_query, postgres_schema, sql
+from jobserver.model.limits import Limit
+from jobserver.storage import postgres_listen, postgres_readers, postgres_schema
 from jobserver.storage.backup_types import BackupCopy, BackupDirectory, BackupUnsupported
 from jobserver.storage.interface import (
     LaterJobs,
-    OutcomeUnknown,
     QueryRows,
     QueueStats,
-    RunningJob,
     RunningStats,
 )
+from jobserver.storage.postgres_connection import (
+    ASK_MILLISECONDS,
+    check_version,
+    committed,
+    connect,
+    cut_off_after,
+    end_own_backend,
+    redact,
+)
 from jobserver.storage.searches import NOTHING_PASSED, PassedOver, pair_text
-from jobserver.storage.sql import COLUMNS, JOB, POSTGRES, priorities_from
+from jobserver.storage.sql import JOB, POSTGRES, priorities_from
 from jobserver.storage.sql_store import FLOW_CONTROL, SqlStore
 from jobserver.storage.sqlite_schema import StoreError
 
 log = logging.getLogger("jobserver")
 
-# The oldest PostgreSQL a node runs on (as server_version_num).
-MIN_SERVER_VERSION = 130000
-
-# How long a connection attempt may take, and how long after a failed one
-# the next is tried: meanwhile requests fail at once with 503.
-CONNECT_SECONDS = 3
+# How long after a failed connection attempt the next is tried: meanwhile
+# requests fail at once with 503.
 RECONNECT_SECONDS = 0.5
-# How long a node that lost its connection while COMMIT was under way asks
-# PostgreSQL, on new connections, whether that transaction committed,
-# before its requests are answered `504 Outcome unknown`; and how long it
-# waits between two asks. The writer waits meanwhile: no other batch could
-# commit on a database it cannot reach.
-OUTCOME_SECONDS = 10.0
-OUTCOME_POLL_SECONDS = 0.2
-# The same, once the server is stopping: its shutdown waits for no longer.
-STOPPING_OUTCOME_SECONDS = 1.0
-# The longest one ask's statements may take, whatever PostgreSQL does.
-ASK_MILLISECONDS = 2000
 
 # The longest NOTIFY payload PostgreSQL takes is 8000 bytes; past this the
 # notice says "anything may be ready" instead of listing names.
 MAX_NOTICE_BYTES = 7000
-
-# Query's result columns, spelled as on SQLite: PostgreSQL folds unquoted
-# identifiers to lower case.
-_SPELLING = {
-    column.lower(): column
-    for column in (
-        *COLUMNS, "pattern", "capacity", "rate", "ratePer", "perKey", "received", "expires",
-        "blockers", "dependsOn",
-    )
-}
-
-
-def redact(url: str) -> str:
-    """The URL without its password, for logs and Status."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
-
-
-# How Query's connections name themselves to PostgreSQL (pg_stat_activity).
-QUERY_APPLICATION = "jobserver query"
-# How the short reads off the writer (Queues, Status' limits, the
-# dashboard's search, RunningJobs, the history's depth sample) name theirs:
-# apart from the node's lasting connections (the writer, the listener),
-# which keep "jobserver".
-READ_APPLICATION = "jobserver read"
-
-# libpq settings a URL does not give: a PostgreSQL that stops answering
-# without closing the connection (a cable pulled, a host gone) is noticed
-# within seconds, so the node answers 503 instead of hanging for the
-# minutes TCP would wait.
-CONNECTION_DEFAULTS = {
-    "connect_timeout": str(CONNECT_SECONDS),
-    "application_name": "jobserver",
-    "keepalives": "1",
-    "keepalives_idle": "5",
-    "keepalives_interval": "2",
-    "keepalives_count": "3",
-    "tcp_user_timeout": "10000",
-}
-
-
-def connect(url: str, **overrides: str) -> psycopg.Connection[Any]:
-    """A connection to `url`, with libpq settings of `overrides` (such as
-    another user) taking the place of the URL's."""
-    given = conninfo_to_dict(url)
-    settings = {
-        **CONNECTION_DEFAULTS,
-        **{k: str(v) for k, v in given.items() if v is not None},
-        **overrides,
-    }
-    return psycopg.connect(make_conninfo("", **settings), autocommit=True)
 
 
 class PostgresStore(SqlStore):
@@ -186,9 +117,9 @@ class PostgresStore(SqlStore):
         self.node = secrets.token_hex(6)
         try:
             self._db = connect(url)
-            _check_version(self._db, self.path)
+            check_version(self._db, self.path)
             self.schema = postgres_schema.prepare(self._db, self.path)
-            self._query = self._query_login(query_url)
+            self._query = postgres_readers.query_login(self._db, url, query_url, self.schema)
             self._load_flow_control()
         except psycopg.Error as error:
             raise StoreError(f"cannot use {self.path} as a job database: {error}") from error
@@ -196,45 +127,14 @@ class PostgresStore(SqlStore):
         # Advisory locks are the database's: the schema's name keeps two
         # queues in one database apart.
 
-    def _query_login(self, query_url: str | None) -> postgres_query.QueryLogin:
-        """How Query logs in: as the role --query-db-url names (checked, or
-        the node does not start), else as the queue's own role, set up now
-        if this node's user may; or not at all (501), said in the log."""
-        row = self._db.execute("SELECT session_user, current_database()").fetchone()
-        assert row is not None
-        node_user, database = str(row[0]), str(row[1])
-        if query_url is not None:
-            given = partial(connect, query_url, application_name=QUERY_APPLICATION)
-            user = postgres_query.check_operator_role(given, node_user, database, self.schema)
-            log.info("Query logs in to PostgreSQL as %s (--query-db-url)", user)
-            return postgres_query.QueryLogin(user, given)
-        role = postgres_query.role_name(database, self.schema)
-        password = postgres_query.own_role_password(self._db, role, self.schema)
-        if password is None:
-            log.warning("Query is off (501): %s", postgres_query.NOT_SET_UP)
-            return postgres_query.QueryLogin(role, None)
-        own = partial(
-            connect, self._url, user=role, password=password, application_name=QUERY_APPLICATION
-        )
-        try:
-            _, wrong = postgres_query.problems(own, node_user, database, self.schema)
-        except psycopg.Error as error:
-            wrong = [f"cannot log in: {str(error).strip()}"]
-        if wrong:
-            log.warning("Query is off (501): its role %s %s", role, "; ".join(wrong))
-            return postgres_query.QueryLogin(
-                role, None, postgres_query.UNUSABLE.format(role=role)
-            )
-        log.info("Query logs in to PostgreSQL as %s", role)
-        return postgres_query.QueryLogin(role, own)
-
     def close(self) -> None:
         self._db.close()
 
     def stop_waiting_long(self) -> None:
         """A lock wait is bounded by the other node's transaction, and a
         connection attempt by CONNECT_SECONDS; asking what became of a
-        COMMIT cut off (`_committed`) stops after STOPPING_OUTCOME_SECONDS."""
+        COMMIT cut off (`_committed`) stops after STOPPING_OUTCOME_SECONDS
+        (postgres_connection.py)."""
         self._stopping = True
 
     # Statements. Every one goes through _execute, which counts what it
@@ -385,46 +285,13 @@ class PostgresStore(SqlStore):
     def _committed(self, error: psycopg.Error) -> bool:
         """Whether the open transaction committed, after its COMMIT raised
         `error`: the connection is closed (it may be in any state), and
-        PostgreSQL is asked on new connections what became of the
-        transaction, for up to OUTCOME_SECONDS (STOPPING_OUTCOME_SECONDS once
-        the server stops). One still in progress (the
-        old connection's backend lives on, cut off from this node) is
-        ended first, so that the answer is final. Raises OutcomeUnknown
-        when no answer came."""
+        PostgreSQL asked on a new one (postgres_connection.committed),
+        which the store goes on with."""
         xid, backend = self._xid, self._backend
         self._db.close()
-        log.warning(
-            "COMMIT of transaction %s failed (%s); asking PostgreSQL whether it committed",
-            xid, str(error).strip(),
-        )
-        began = time.monotonic()
-        failure = str(error).strip()
-        while True:
-            try:
-                db = connect(self._url)
-            except psycopg.Error as connecting:
-                failure = str(connecting).strip()
-            else:
-                try:
-                    # A PostgreSQL, or a path to it, that takes the ask and
-                    # never answers does not hold it past its time.
-                    with cut_off_after(db, ASK_MILLISECONDS / 1000):
-                        status = _transaction_status(db, xid, backend)
-                except psycopg.Error as asking:
-                    failure = str(asking).strip()
-                    status = None
-                if status in ("committed", "aborted"):
-                    self._db, self._lost, self._retry_at = db, False, 0.0
-                    log.warning("transaction %s was %s", xid, status)
-                    return status == "committed"
-                db.close()
-            patience = STOPPING_OUTCOME_SECONDS if self._stopping else OUTCOME_SECONDS
-            if time.monotonic() + OUTCOME_POLL_SECONDS > began + patience:
-                log.error("whether transaction %s committed is unknown: %s", xid, failure)
-                raise OutcomeUnknown(
-                    f"the connection to PostgreSQL was lost during COMMIT ({failure})"
-                )
-            time.sleep(OUTCOME_POLL_SECONDS)
+        done, self._db = committed(self._url, xid, backend, error, lambda: self._stopping)
+        self._lost, self._retry_at = False, 0.0
+        return done
 
     def sync(self) -> None:
         """Commits are durable when COMMIT returns."""
@@ -547,102 +414,36 @@ class PostgresStore(SqlStore):
         """PostgreSQL's autovacuum reuses the space of deleted rows."""
         return False
 
-    # Connections of their own, for other threads.
+    # Connections of their own, for other threads (postgres_readers.py).
 
     def prune_pending(self, before: Mapping[str, str], now: str) -> bool:
-        with connect(self._url, application_name=READ_APPLICATION) as db:
-            for state, cutoff in before.items():
-                if db.execute(sql.prunable(POSTGRES), (state, cutoff)).fetchone() is not None:
-                    return True
-            if db.execute(sql.expired_handout(POSTGRES), (handouts_cutoff(now),)).fetchone():
-                return True
-            return any(
-                db.execute(expired, (now,)).fetchone() is not None
-                for expired in (
-                    sql.expired_reply(POSTGRES), sql.expired_idempotency_key(POSTGRES),
-                    sql.expired_outcome(POSTGRES),
-                )
-            )
+        return postgres_readers.prune_pending(self._url, before, now)
 
     def run_query(self, text: str, seconds: float, rows: QueryRows) -> None:
-        """The client's SQL as Query's own role (postgres_query.py)."""
-        postgres_query.run(self._query, self.schema, text, seconds, _AsOnSQLite(rows))
+        postgres_readers.run_query(self._query, self.schema, text, seconds, rows)
 
     def queue_stats(self, now: str) -> QueueStats:
-        with connect(self._url, application_name=READ_APPLICATION) as db:
-            counts = {
-                (str(queue), str(state)): int(count)
-                for queue, state, count in db.execute(
-                    "SELECT split_part(name, '/', 1) AS queue, state, COUNT(*) FROM jobs "
-                    "GROUP BY queue, state"
-                ).fetchall()
-            }
-            oldest: dict[str, str] = {}
-            held: dict[str, int] = {}
-            # Each name due is matched once: jobs share names.
-            for queue, due, count in db.execute(
-                "SELECT split_part(name, '/', 1) AS queue, MIN(first) FILTER (WHERE NOT held), "
-                "COALESCE(SUM(jobs) FILTER (WHERE held), 0) FROM ("
-                "SELECT name, MIN(nextRun) AS first, COUNT(*) AS jobs, "
-                "name ~ ANY(%s::text[]) AS held FROM jobs "
-                f"WHERE state IN ({sql.READY_SQL}) AND nextRun <= %s GROUP BY name"
-                ") AS due GROUP BY queue",
-                ([glob_to_regex(pattern) for pattern in sorted(self.paused)], now),
-            ).fetchall():
-                if due is not None:
-                    oldest[str(queue)] = str(due)
-                if count:
-                    held[str(queue)] = int(count)
-        return counts, oldest, held
+        return postgres_readers.queue_stats(self._url, now, self.paused)
 
     def ready_by_queue(self) -> dict[str, int]:
-        with connect(self._url, application_name=READ_APPLICATION) as db:
-            return {
-                str(queue): int(count)
-                for queue, count in db.execute(
-                    "SELECT split_part(name, '/', 1) AS queue, COUNT(*) FROM jobs "
-                    f"WHERE state IN ({sql.READY_SQL}) GROUP BY queue"
-                ).fetchall()
-            }
+        return postgres_readers.ready_by_queue(self._url)
 
     def running_by_name(self, now: str) -> list[tuple[str, str, int]]:
-        with connect(self._url, application_name=READ_APPLICATION) as db:
-            rows = db.execute(sql.running_by_name(POSTGRES), (now,)).fetchall()
-        return [(str(name), str(key), int(cost)) for name, key, cost in rows]
+        return postgres_readers.running_by_name(self._url, now)
 
     def handouts_in_windows(self, windows: Mapping[str, str]) -> dict[str, int]:
-        # One snapshot for every window: they are of the same moment.
-        with connect(self._url, application_name=READ_APPLICATION) as db, db.transaction():
-            db.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-            return sql.read_windows(
-                POSTGRES, windows,
-                lambda statement, args: db.execute(statement, args).fetchall(),
-            )
+        return postgres_readers.handouts_in_windows(self._url, windows)
 
     def find_matching(self, pattern: str, limit: int) -> list[Job]:
-        with connect(self._url, application_name=READ_APPLICATION) as db:
-            rows = db.execute(*sql.find_matching(POSTGRES, pattern, limit)).fetchall()
-        return [Job(*row) for row in rows]
+        return postgres_readers.find_matching(self._url, pattern, limit)
 
     def later_jobs(self, now: str, retrying: bool, limit: int, most: int) -> LaterJobs:
-        listed, counted = sql.later_jobs(POSTGRES, now, retrying, limit, most)
-        # One snapshot for both: the count is of the same moment.
-        with connect(self._url, application_name=READ_APPLICATION) as db, db.transaction():
-            db.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-            jobs = [Job(*row) for row in db.execute(*listed).fetchall()]
-            counted_to = int((db.execute(*counted).fetchone() or (0,))[0])
-        return LaterJobs(jobs, min(counted_to, most), counted_to <= most)
+        return postgres_readers.later_jobs(self._url, now, retrying, limit, most)
 
     def running_jobs(
         self, now: str, pattern: str | None, limit: int, newest: bool = False
     ) -> RunningStats:
-        listed, counted = sql.running_jobs(POSTGRES, now, pattern, limit, newest)
-        # One snapshot for both: the count is of the same moment.
-        with connect(self._url, application_name=READ_APPLICATION) as db, db.transaction():
-            db.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-            jobs = [RunningJob(*row) for row in db.execute(*listed).fetchall()]
-            row = db.execute(*counted).fetchone()
-        return jobs, int(row[0]) if row else 0
+        return postgres_readers.running_jobs(self._url, now, pattern, limit, newest)
 
     def size_bytes(self) -> int:
         row = self._one(
@@ -663,35 +464,6 @@ class PostgresStore(SqlStore):
         )
 
 
-@contextmanager
-def cut_off_after(db: psycopg.Connection[Any], seconds: float) -> Iterator[None]:
-    """Within: the connection's socket is shut down if the block has not
-    ended after `seconds`, so that a statement whose answer never comes
-    (PostgreSQL hung, or a path that takes requests and drops them)
-    fails instead of waiting for good. libpq's own timeouts cover a
-    connection attempt and a peer that stops acknowledging, not this."""
-    guard = threading.Lock()
-    ended = False
-    fd = db.pgconn.socket
-
-    def cut() -> None:
-        with guard:
-            if ended:
-                return
-            with suppress(OSError), socket.socket(fileno=os.dup(fd)) as sock:
-                sock.shutdown(socket.SHUT_RDWR)
-
-    timer = threading.Timer(seconds, cut)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        with guard:
-            ended = True
-        timer.cancel()
-
-
 # The idempotency keys a transaction kept, written in one statement.
 KEEP_KEYS = (
     "INSERT INTO idempotency (idempotencyKey, request, reply, expires) "
@@ -705,69 +477,3 @@ def _columns(kept: Mapping[str, tuple[str, str, str]]) -> tuple[tuple[str, ...],
     """Keys kept, as the four columns KEEP_KEYS takes."""
     rows = [(key, *values) for key, values in kept.items()]
     return tuple(zip(*rows, strict=True))
-
-
-def _check_version(db: psycopg.Connection[Any], where: str) -> None:
-    """A PostgreSQL that has what a node needs: 13 for a transaction's ID as
-    xid8 and pg_xact_status, with which a COMMIT cut off is asked about."""
-    version = db.info.server_version
-    if version < MIN_SERVER_VERSION:
-        raise StoreError(
-            f"{where} runs PostgreSQL {version // 10000}: jobserver needs "
-            f"{MIN_SERVER_VERSION // 10000} or later"
-        )
-
-
-def _transaction_status(db: psycopg.Connection[Any], xid: str, backend: int) -> str | None:
-    """What PostgreSQL says of transaction `xid`: committed, aborted, or
-    None while it is in progress. A transaction in progress is the node's
-    own, on a backend its lost connection left behind: that backend is
-    terminated (end_own_backend), so the next ask gets a final answer;
-    unless it waits for a synchronous standby to confirm its commit, which
-    a termination would leave committed here and not on the standby."""
-    row = db.execute("SELECT pg_xact_status(%s::xid8)", (xid,)).fetchone()
-    status = None if row is None else row[0]
-    if status in ("committed", "aborted"):
-        return str(status)
-    end_own_backend(db, xid, backend, unless_waiting="SyncRep")
-    return None
-
-
-def end_own_backend(
-    db: psycopg.Connection[Any], xid: str, backend: int, unless_waiting: str = ""
-) -> None:
-    """Terminate `backend` if it still runs transaction `xid`, the node's
-    own (a backend's process ID is reused, a transaction ID is not), and
-    does not wait on `unless_waiting`."""
-    db.execute(
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-        "WHERE pid = %s AND backend_xid::text = (%s::xid8::text::bigint %% 4294967296)::text "
-        "AND wait_event IS DISTINCT FROM %s",
-        (backend, xid, unless_waiting or None),
-    )
-
-
-class _AsOnSQLite:
-    """Query's rows as SQLite gives them: the job tables' columns spelled
-    as there, and numbers as numbers (_plain)."""
-
-    def __init__(self, rows: QueryRows) -> None:
-        self._rows = rows
-        self.max_rows = rows.max_rows
-        self.max_bytes = rows.max_bytes
-
-    def start(self, headers: list[str]) -> None:
-        self._rows.start([_SPELLING.get(name, name) for name in headers])
-
-    def add(self, row: tuple[object, ...]) -> None:
-        self._rows.add(tuple(_plain(value) for value in row))
-
-
-def _plain(value: object) -> object:
-    """A value as SQLite would give it: numbers as int or float (SUM of a
-    BIGINT is NUMERIC in PostgreSQL), anything without a JSON form as text."""
-    if isinstance(value, Decimal):
-        return int(value) if value == value.to_integral_value() else float(value)
-    if value is None or isinstance(value, int | float | str | bytes):
-        return value
-    return str(value)
