@@ -18,9 +18,10 @@ Pages (GET):
 Bulk actions (bulk_pages.py) show a confirmation first (`POST
 /bulk/confirm`, which changes nothing), then act as the other actions do.
 
-Actions are form POSTs to `/actions/{name}`, answered with a redirect
-(303) back to the page, which shows once what came of it (a short-lived
-cookie carries the message). A refusal is shown the same way; nothing a
+Actions are form POSTs to `/actions/{name}` (job_actions.py: those on one
+job or one name pattern), answered with a redirect (303) back to the page,
+which shows once what came of it (a short-lived cookie carries the
+message). A refusal is shown the same way; nothing a
 form sends stops the server or gets a 500.
 
 Everything is asked through the dispatcher: the wire commands (Status,
@@ -32,9 +33,7 @@ who can create a job), and the pages load no script but their own
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -55,6 +54,7 @@ from jobserver.web import (
     bulk_pages,
     dependency_pages,
     forms,
+    job_actions,
     later_pages,
     outcome_pages,
     running_pages,
@@ -108,30 +108,6 @@ PAGE_HEADERS = {
     "Cache-Control": "no-store",
 }
 STATIC_TYPES = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8"}
-# The set-limit form's fields that SetLimit reads (protocol.md 14.7, 14.23),
-# and how its message names the switches.
-LIMIT_FIELDS = ("max", "rate", "perKey", "fair")
-LIMIT_SWITCHES = {"perKey": "per key", "fair": "fair"}
-
-
-def _limit_set(pattern: str, given: dict[str, str]) -> str:
-    """What a SetLimit the server took did: `given` are its fields."""
-    shown = [given["max"]] if given.get("max", "0") != "0" else []
-    if "rate" in given:
-        shown.append(f"rate {given['rate']}")
-    shown += [text for name, text in LIMIT_SWITCHES.items() if given.get(name) == "true"]
-    if not shown:
-        return f"Limit on {pattern} removed."
-    return f"Limit on {pattern} set to {', '.join(shown)}."
-
-
-def _json(reply: WireResponse, key: str | None = None) -> tuple[Any, str]:
-    """(the reply's body, or `key` of it; "") for a 200, (None, status line) otherwise."""
-    if reply.code != 200:
-        return None, reply.status
-    body = json.loads(reply.body)
-    return (body if key is None else body[key]), ""
-
 
 class Dashboard:
     def __init__(
@@ -170,15 +146,7 @@ class Dashboard:
             for path in (HERE / "static").iterdir()
             if path.suffix in STATIC_TYPES
         }
-        self._actions: dict[str, Callable[[Request, dict[str, str]], Awaitable[forms.Flash]]] = {
-            "requeue": self._requeue,
-            "delete": self._delete,
-            "cancel": self._cancel,
-            "cancel-running": self._cancel_running,
-            "pause": self._pause,
-            "resume": self._resume,
-            "limit": self._set_limit,
-        }
+        self._actions: dict[str, job_actions.Action] = job_actions.JobActions(self._call).actions()
         self._bulk = bulk_pages.BulkPages(self)
         self._actions.update(self._bulk.actions())
         self._history = HistoryPages(self._call, self._page, self._message)
@@ -202,7 +170,7 @@ class Dashboard:
     # Pages.
 
     async def index(self, request: Request) -> Response:
-        failed, failed_error = _json(
+        failed, failed_error = forms.reply_json(
             await self._call(request, "FailedJobs", limit=str(FAILED_SHOWN)), "jobs"
         )
         live = await self._live(request)
@@ -228,8 +196,8 @@ class Dashboard:
         )
 
     async def _live(self, request: Request) -> dict[str, Any]:
-        status, status_error = _json(await self._call(request, "Status"))
-        listed, queues_error = _json(
+        status, status_error = forms.reply_json(await self._call(request, "Status"))
+        listed, queues_error = forms.reply_json(
             await self._call(request, "Queues", limit=str(QUEUES_SHOWN))
         )
         queues = listed["queues"] if listed else []
@@ -350,56 +318,6 @@ class Dashboard:
         except forms.Refused as error:
             flash = forms.Flash("error", str(error))
         return self._back(form, flash)
-
-    async def _requeue(self, request: Request, form: dict[str, str]) -> forms.Flash:
-        job_id = forms.job_id(form)
-        reply = await self._call(request, "RequeueJobs", jobIDs=str(job_id))
-        if reply.code != 200:
-            return forms.Flash("error", f"Job {job_id} was not requeued: {reply.status}")
-        # RequeueJobs passes over IDs it does not find: say so.
-        found, status = _json(await self._call(request, "QueryJob", jobID=str(job_id)))
-        if found is None:
-            return forms.Flash("error", f"Job {job_id} was not requeued: {status}")
-        return forms.Flash("ok", f"Job {job_id} requeued: {found['state']}, due now.")
-
-    async def _delete(self, request: Request, form: dict[str, str]) -> forms.Flash:
-        job_id = forms.job_id(form)
-        reply = await self._call(request, "DeleteJob", jobID=str(job_id))
-        return forms.outcome(reply, f"Job {job_id} deleted.", f"Job {job_id} was not deleted")
-
-    async def _cancel(self, request: Request, form: dict[str, str]) -> forms.Flash:
-        job_id = forms.job_id(form)
-        reply = await self._call(request, "CancelJob", jobID=str(job_id))
-        return forms.outcome(reply, f"Job {job_id} cancelled.", f"Job {job_id} was not cancelled")
-
-    async def _cancel_running(self, request: Request, form: dict[str, str]) -> forms.Flash:
-        job_id = forms.job_id(form)
-        reply = await self._call(request, "CancelJob", jobID=str(job_id), running="true")
-        return forms.outcome(
-            reply, f"Job {job_id} will be cancelled: its worker is told at its next report.",
-            f"Job {job_id} was not cancelled",
-        )
-
-    async def _pause(self, request: Request, form: dict[str, str]) -> forms.Flash:
-        pattern = forms.field(form, "name")
-        reply = await self._call(request, "PauseJobs", name=pattern)
-        return forms.outcome(reply, f"Paused {pattern}.", f"{pattern} was not paused")
-
-    async def _resume(self, request: Request, form: dict[str, str]) -> forms.Flash:
-        pattern = forms.field(form, "name")
-        reply = await self._call(request, "ResumeJobs", name=pattern)
-        return forms.outcome(reply, f"Resumed {pattern}.", f"{pattern} was not resumed")
-
-    async def _set_limit(self, request: Request, form: dict[str, str]) -> forms.Flash:
-        pattern = forms.field(form, "name")
-        # The fields given, as they are: SetLimit judges them, and its
-        # refusal is the message.
-        given = {
-            name: form[name].strip() for name in LIMIT_FIELDS if form.get(name, "").strip()
-        }
-        reply = await self._call(request, "SetLimit", name=pattern, **given)
-        failed = f"The limit on {pattern} was not set"
-        return forms.outcome(reply, _limit_set(pattern, given), failed)
 
     def _guard(self, request: Request) -> Response | None:
         """A page saying why a POST is refused, or None if it may act."""

@@ -1,10 +1,13 @@
 """The dashboard's forms: reading one within its bounds, the fields an
-action needs, the one-time message that tells what came of it, and where a
-redirect may lead (never to another site)."""
+action needs, what a command's reply holds, the one-time message that
+tells what came of it, and where a redirect may lead (never to another
+site)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import parse_qs, unquote
 
 from starlette.requests import Request
@@ -30,6 +33,14 @@ class Flash:
 
 class Refused(Exception):
     """A form asks for something that is not done; its text says why."""
+
+
+def reply_json(reply: WireResponse, key: str | None = None) -> tuple[Any, str]:
+    """(the reply's body, or `key` of it; "") for a 200, (None, status line) otherwise."""
+    if reply.code != 200:
+        return None, reply.status
+    body = json.loads(reply.body)
+    return (body if key is None else body[key]), ""
 
 
 def outcome(reply: WireResponse, done: str, failed: str) -> Flash:
