@@ -14,11 +14,9 @@ commit has returned: a `200` is never sent for a write that would not
 survive a power cut.
 
 A batch runs in a worker thread instead when one of its requests is heavy
-(a thousand jobs in one request, the pruner's deletions), so that the event
-loop goes on answering meanwhile, or when another process holds the
-database's lock, so that the event loop never waits for it. The waiters
-such a batch makes ready are served by the next batch (the wait queue
-lives on the event loop).
+(a thousand jobs in one request, the pruner's deletions), or when another
+process holds the database's lock (batch.py, which runs each batch's
+transaction from its begin to its commit).
 
 The engine's clock (`_run_clock`) fires at the earliest time something is
 due (a future job, a lease's end, a reply deadline, a stale deadline): it
@@ -36,36 +34,28 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import datetime
 from functools import partial
 from typing import Any
 
 import outcome
 import trio
 
+from jobserver.core.engine.alarm import RETRY_SECONDS, Alarm
 from jobserver.core.engine.awaits import Awaits
-from jobserver.core.engine.clock import Clock, seconds_until
+from jobserver.core.engine.batch import Batches
+from jobserver.core.engine.clock import Clock
 from jobserver.core.engine.context import Context, Settings
 from jobserver.core.engine.durability import Durability
 from jobserver.core.engine.histogram import BATCH_BOUNDS, SECONDS_BOUNDS, Histogram
 from jobserver.core.engine.history import History
 from jobserver.core.engine.waiters import Waiter, WaitQueue
 from jobserver.core.engine.work import Call, GiveBack, Serve, Tick, Work
-from jobserver.core.engine.writer import (
-    TRANSIENT_ATTEMPTS,
-    Committed,
-    Transient,
-    TransientFailed,
-    Writer,
-    earliest,
-    outcomes_unknown,
-    ran,
-)
+from jobserver.core.engine.writer import Committed, Writer, outcomes_unknown
 from jobserver.core.rules import flow
 from jobserver.core.rules.selection import JobQuery, Taken
-from jobserver.model import times
 from jobserver.model.globmatch import Matcher
-from jobserver.storage.interface import OutcomeUnknown, Storage
+from jobserver.storage.interface import Storage
 
 log = logging.getLogger("jobserver")
 
@@ -75,10 +65,6 @@ MAX_BATCH = 256
 # Rounds of late work a stopping engine runs (see Engine.stop): each one is
 # what the previous round's outcomes asked for, so two or three suffice.
 STOP_ROUNDS = 5
-# After a failed transaction (the database locked past its busy timeout, a
-# full disk), what the clock and the give-backs still owe is tried again
-# this long after: soon enough for a waiting worker, slow enough not to spin.
-RETRY_SECONDS = 1.0
 
 
 def _ended_of(ctx: Context, ids: list[int]) -> list[int]:
@@ -105,9 +91,10 @@ class Engine:
         # What committed batches moved, per minute (--history-minutes).
         self.history = history if history is not None else History(clock=clock)
         self.settings = settings
-        self._threaded = threaded
         self.writer = Writer(store, clock, settings)
         self.waits = WaitQueue()
+        # Each batch's transaction, begun to committed (batch.py).
+        self._batches = Batches(store, self.writer, self.waits, self._woken, threaded)
         # Waiting AwaitJobs (awaits.py).
         self.awaits = Awaits()
         self._pending: deque[Work] = deque()
@@ -118,9 +105,8 @@ class Engine:
         self._finished = trio.Event()
         self._batch_ended = trio.Event()
         self._durability = Durability(store, self._delivered, threaded)
-        # When the clock fires next, and the event that makes it look again.
-        self._next_due: str | None = None
-        self._rearm = trio.Event()
+        # When the clock fires next (alarm.py).
+        self._alarm = Alarm(clock)
         # Give-backs whose transaction failed: tried again when the clock
         # next fires, so no job is left RUNNING without an owner.
         self._owed: list[list[Taken]] = []
@@ -139,7 +125,7 @@ class Engine:
     def start(self, due: str | None = None) -> None:
         """Start committing; `due`: what the store holds at start that the
         clock must fire for (deadlines.at_start)."""
-        self._lower_due(due)
+        self._alarm.lower(due)
         self._durability.start()
         trio.lowlevel.spawn_system_task(self._commit_loop, name="jobserver-engine")
 
@@ -230,7 +216,7 @@ class Engine:
     def notify(self, ready: set[str], due: str | None) -> None:
         """These names became due; `due` is the earliest future time a
         commit wrote."""
-        self._lower_due(due)
+        self._alarm.lower(due)
         self._try(self.waits.ready(ready))
 
     def recheck(self) -> None:
@@ -327,14 +313,7 @@ class Engine:
 
     async def _run_batch(self, batch: list[Work]) -> None:
         began = time.perf_counter()
-        if not self._threaded:
-            committed = self._transact(batch, begun=False, in_thread=False)
-        elif self._store.blocking or any(work.heavy for work in batch) or not self._try_begin():
-            # Waiting for another process's lock, or a long run, happens off
-            # the event loop.
-            committed = await trio.to_thread.run_sync(self._transact, batch, False, True)
-        else:
-            committed = self._transact(batch, begun=True, in_thread=False)
+        committed = await self._batches.run(batch)
         self.batches += 1
         self.requests += len(committed.works)
         self.batch_sizes.observe(len(committed.works))
@@ -353,100 +332,15 @@ class Engine:
         else:
             self._delivered(committed, None)
 
-    def _try_begin(self) -> bool:
-        """Open the transaction at once, if no other process holds the lock."""
-        try:
-            return self._store.try_begin()
-        except self._store.errors:
-            # Tried again in the thread, which reports what goes wrong.
-            return False
-
-    def _transact(self, batch: list[Work], begun: bool, in_thread: bool) -> Committed:
-        """Run a batch and commit it (not yet durable), again if the
-        database undid it for a reason that running it again removes (two
-        nodes' transactions in a deadlock)."""
-        for attempt in range(1, TRANSIENT_ATTEMPTS + 1):
-            try:
-                return self._transact_once(batch, begun and attempt == 1, in_thread)
-            except Transient as transient:
-                log.warning(
-                    "transaction undone by the database (%s); running it again (%d of %d)",
-                    transient.error, attempt, TRANSIENT_ATTEMPTS,
-                )
-                self.writer.abandon(transient.error)
-        return Committed(batch, self.writer.failed(batch, TransientFailed()), False)
-
-    def _transact_once(self, batch: list[Work], begun: bool, in_thread: bool) -> Committed:
-        """Run a batch, serve the waiters it made ready, and commit.
-        Whatever goes wrong, every request gets an outcome, waiters' tries
-        included: a caller must never wait for a commit that will not come."""
-        store = self._store
-        tries: list[Serve] = []
-        taken: list[Taken] = []
-        try:
-            if not begun:
-                store.begin()
-            changes_before = store.total_changes
-            done = self.writer.execute(batch)
-            outcomes, ready, due, events = done.outcomes, done.ready, done.due, done.events
-            taken, ended = done.taken, done.ended
-            announced, announced_due = set(ready), due
-            # From a thread, only if someone waits (read from here, a race
-            # that loses nothing: a GetJob that joins meanwhile hears of
-            # these names after the commit): the wait queue is the event
-            # loop's, asked there.
-            if ready and (not in_thread or len(self.waits)):
-                # Recorded before they run, so that they are answered even
-                # if the transaction fails from here on.
-                woken = self._woken_from_thread if in_thread else self._woken
-                tries = woken(ready, due)
-                # What the tries in turn made ready or due: heard of after
-                # the commit.
-                ready, due = set(), None
-                if tries:
-                    served = ran(self.writer.run_all(tries, savepoints=True) or [])
-                    outcomes += served.outcomes
-                    events += served.events
-                    taken = taken + served.taken
-                    ended = ended | served.ended
-                    ready, due = served.ready, served.due
-            announced |= ready
-            announced_due = earliest(announced_due, due)
-            if announced or announced_due is not None or ended:
-                # Other nodes' waiters hear of it when it commits.
-                store.announce(announced, announced_due, ended)
-            store.commit()
-            wrote = store.total_changes != changes_before
-            return Committed(
-                [*batch, *tries], outcomes, True, ready, due, wrote, events, taken, ended
-            )
-        except Exception as error:  # a boundary: see above
-            if isinstance(error, store.transient) and not tries:
-                raise Transient(error) from error
-            works: list[Work] = [*batch, *tries]
-            if isinstance(error, OutcomeUnknown):
-                return Committed(works, self.writer.unknown(works, error), False, taken=taken)
-            return Committed(works, self.writer.failed(works, error), False)
-
     def _woken(self, ready: set[str], due: str | None) -> list[Serve]:
         """The tries of the waiters these names made ready, to run in this
         transaction."""
         try:
-            self._lower_due(due)
+            self._alarm.lower(due)
             woken = self.waits.ready(ready)
             return self._tries(woken) if woken else []
         except Exception:
             log.exception("finding the waiting GetJobs to serve failed")
-            return []
-
-    def _woken_from_thread(self, ready: set[str], due: str | None) -> list[Serve]:
-        """`_woken`, from the writer's thread: run on the event loop while
-        the thread waits. Serving the waiters in this transaction spares
-        them one of their own (on PostgreSQL, four round trips more)."""
-        try:
-            return trio.from_thread.run_sync(self._woken, ready, due)
-        except (trio.RunFinishedError, trio.Cancelled):
-            # The server stops: the waiters are answered as it ends.
             return []
 
     # Outcomes.
@@ -471,7 +365,7 @@ class Engine:
             # out again, fail again, and spin.
             if batch.taken:
                 self._owed.append(batch.taken)
-            self._retry_soon()
+            self._alarm.retry_soon()
         self._deliver(batch.works, outcomes)
 
     def _deliver(self, works: list[Work], outcomes: list[outcome.Maybe[Any]]) -> None:
@@ -504,10 +398,10 @@ class Engine:
             log.error("serving waiting GetJobs failed: %s", result.error)
             handed: list[list[Taken] | None] = [None] * len(serve.waiters)
             # Whatever made them worth trying may still hold.
-            self._retry_soon()
+            self._alarm.retry_soon()
         else:
             handed, due = result.value
-            self._lower_due(due)
+            self._alarm.lower(due)
         served = self.waits.served(serve.waiters, handed)
         for taken in served.unwanted:
             self.give_back(taken)
@@ -521,7 +415,7 @@ class Engine:
                 result.error, RETRY_SECONDS,
             )
             self._owed.append(give_back.taken)
-            self._retry_soon()
+            self._alarm.retry_soon()
 
     def _ticked(self, result: outcome.Maybe[Any]) -> None:
         if isinstance(result, outcome.Error):
@@ -530,9 +424,9 @@ class Engine:
             )
             # The due time that fired was cleared: without this the clock
             # would sleep until some later commit happened to write one.
-            self._retry_soon()
+            self._alarm.retry_soon()
             return
-        self._lower_due(result.value)
+        self._alarm.lower(result.value)
 
     # Trying waiters.
 
@@ -564,25 +458,10 @@ class Engine:
         """Wake waiters when the earliest future job becomes due, and run
         the tick then, even with nobody waiting."""
         while True:
-            self._rearm = trio.Event()
-            due = self._next_due
-            if due is None:
-                await self._rearm.wait()
-                continue
-            with trio.move_on_after(seconds_until(self._clock, due)):
-                await self._rearm.wait()
-                continue
-            self._next_due = None
+            await self._alarm.rings()
             owed, self._owed = self._owed, []
             for taken in owed:
                 self.give_back(taken)
             self.submit(Tick())
             self._try(self.waits.everyone())
 
-    def _retry_soon(self) -> None:
-        self._lower_due(times.to_millis(self._clock.now() + timedelta(seconds=RETRY_SECONDS)))
-
-    def _lower_due(self, due: str | None) -> None:
-        if due is not None and (self._next_due is None or due < self._next_due):
-            self._next_due = due
-            self._rearm.set()

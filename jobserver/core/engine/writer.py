@@ -174,7 +174,7 @@ class Writer:
         except CommandError as error:
             return outcome.Error(error)
         except self._store.transient:
-            # The whole batch is run again (see Engine._transact).
+            # The whole batch is run again (see batch.Batches._transact).
             raise
         except self._store.errors as error:
             log.error("query failed: %s", error)

@@ -1,0 +1,157 @@
+"""One batch, from its transaction's begin to its commit.
+
+Where it runs: on the event loop, or in a worker thread when one of its
+requests is heavy (a thousand jobs in one request, the pruner's
+deletions), so that the event loop goes on answering meanwhile, or when
+another process holds the database's lock, so that the event loop never
+waits for it; on PostgreSQL, where every call waits on the network,
+always in a thread. What runs: the writer's batch (writer.py), again
+when the database undid it for a reason that running it again removes
+(a deadlock between two nodes); then the waiting GetJobs it made ready,
+served in the same transaction (the engine's `woken` says which: the
+wait queue lives on the event loop, asked from a thread there); the
+notice to other nodes; the commit. Whatever goes wrong, every request
+gets an outcome, the waiters' tries included.
+
+Apart from the engine (engine.py), which decides when batches run and
+hands out what they committed, so that the path of one transaction reads
+in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import trio
+
+from jobserver.core.engine.waiters import WaitQueue
+from jobserver.core.engine.work import Serve, Work
+from jobserver.core.engine.writer import (
+    TRANSIENT_ATTEMPTS,
+    Committed,
+    Transient,
+    TransientFailed,
+    Writer,
+    earliest,
+    ran,
+)
+from jobserver.core.rules.selection import Taken
+from jobserver.storage.interface import OutcomeUnknown, Storage
+
+log = logging.getLogger("jobserver")
+
+# The tries of the waiting GetJobs that these names (made ready, with the
+# earliest future time written) woke, to run in the batch's transaction.
+Woken = Callable[[set[str], str | None], list[Serve]]
+
+
+class Batches:
+    """Runs each batch the engine takes in one transaction."""
+
+    def __init__(
+        self, store: Storage, writer: Writer, waits: WaitQueue, woken: Woken, threaded: bool
+    ) -> None:
+        self._store = store
+        self.writer = writer
+        self.waits = waits
+        self._woken = woken
+        self._threaded = threaded
+
+    async def run(self, batch: list[Work]) -> Committed:
+        """Run `batch` and commit it (not yet durable), on the event loop
+        or in a thread."""
+        if not self._threaded:
+            committed = self._transact(batch, begun=False, in_thread=False)
+        elif self._store.blocking or any(work.heavy for work in batch) or not self._try_begin():
+            # Waiting for another process's lock, or a long run, happens off
+            # the event loop.
+            committed = await trio.to_thread.run_sync(self._transact, batch, False, True)
+        else:
+            committed = self._transact(batch, begun=True, in_thread=False)
+        return committed
+
+    def _try_begin(self) -> bool:
+        """Open the transaction at once, if no other process holds the lock."""
+        try:
+            return self._store.try_begin()
+        except self._store.errors:
+            # Tried again in the thread, which reports what goes wrong.
+            return False
+
+    def _transact(self, batch: list[Work], begun: bool, in_thread: bool) -> Committed:
+        """Run a batch and commit it (not yet durable), again if the
+        database undid it for a reason that running it again removes (two
+        nodes' transactions in a deadlock)."""
+        for attempt in range(1, TRANSIENT_ATTEMPTS + 1):
+            try:
+                return self._transact_once(batch, begun and attempt == 1, in_thread)
+            except Transient as transient:
+                log.warning(
+                    "transaction undone by the database (%s); running it again (%d of %d)",
+                    transient.error, attempt, TRANSIENT_ATTEMPTS,
+                )
+                self.writer.abandon(transient.error)
+        return Committed(batch, self.writer.failed(batch, TransientFailed()), False)
+
+    def _transact_once(self, batch: list[Work], begun: bool, in_thread: bool) -> Committed:
+        """Run a batch, serve the waiters it made ready, and commit.
+        Whatever goes wrong, every request gets an outcome, waiters' tries
+        included: a caller must never wait for a commit that will not come."""
+        store = self._store
+        tries: list[Serve] = []
+        taken: list[Taken] = []
+        try:
+            if not begun:
+                store.begin()
+            changes_before = store.total_changes
+            done = self.writer.execute(batch)
+            outcomes, ready, due, events = done.outcomes, done.ready, done.due, done.events
+            taken, ended = done.taken, done.ended
+            announced, announced_due = set(ready), due
+            # From a thread, only if someone waits (read from here, a race
+            # that loses nothing: a GetJob that joins meanwhile hears of
+            # these names after the commit): the wait queue is the event
+            # loop's, asked there.
+            if ready and (not in_thread or len(self.waits)):
+                # Recorded before they run, so that they are answered even
+                # if the transaction fails from here on.
+                woken = self._woken_from_thread if in_thread else self._woken
+                tries = woken(ready, due)
+                # What the tries in turn made ready or due: heard of after
+                # the commit.
+                ready, due = set(), None
+                if tries:
+                    served = ran(self.writer.run_all(tries, savepoints=True) or [])
+                    outcomes += served.outcomes
+                    events += served.events
+                    taken = taken + served.taken
+                    ended = ended | served.ended
+                    ready, due = served.ready, served.due
+            announced |= ready
+            announced_due = earliest(announced_due, due)
+            if announced or announced_due is not None or ended:
+                # Other nodes' waiters hear of it when it commits.
+                store.announce(announced, announced_due, ended)
+            store.commit()
+            wrote = store.total_changes != changes_before
+            return Committed(
+                [*batch, *tries], outcomes, True, ready, due, wrote, events, taken, ended
+            )
+        except Exception as error:  # a boundary: see above
+            if isinstance(error, store.transient) and not tries:
+                raise Transient(error) from error
+            works: list[Work] = [*batch, *tries]
+            if isinstance(error, OutcomeUnknown):
+                return Committed(works, self.writer.unknown(works, error), False, taken=taken)
+            return Committed(works, self.writer.failed(works, error), False)
+
+    def _woken_from_thread(self, ready: set[str], due: str | None) -> list[Serve]:
+        """`_woken`, from the writer's thread: run on the event loop while
+        the thread waits. Serving the waiters in this transaction spares
+        them one of their own (on PostgreSQL, four round trips more)."""
+        try:
+            return trio.from_thread.run_sync(self._woken, ready, due)
+        except (trio.RunFinishedError, trio.Cancelled):
+            # The server stops: the waiters are answered as it ends.
+            return []
