@@ -34,7 +34,7 @@ from jobserver.core.engine.context import DEFAULT_STALE_AFTER, Settings
 from jobserver.core.engine.engine import Engine
 from jobserver.core.engine.stale import lost_error
 from jobserver.core.engine.work import Call
-from jobserver.core.rules.lifecycle import LEASE_EXPIRED, MAX_LEASES
+from jobserver.core.rules.leases import LEASE_EXPIRED, MAX_LEASES
 from jobserver.model import times
 from jobserver.storage.backends import open_store
 from jobserver.storage.interface import Storage

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from conformance_helpers import in_seconds, parse_time, query, row, utcnow
 from harness import ThreadServer
 from helpers import create, ok, until
-from jobserver.core.rules import lifecycle, schedule
+from jobserver.core.rules import leases, schedule
 from jobserver.model.jobs import Job
 from jobserver.model.repeat import offset_seconds
 from jobserver.storage.sqlite import Store
@@ -340,7 +340,7 @@ def test_an_expired_lease_counts_as_an_attempt_and_uses_the_same_limit(client):
     assert second.json["attempt"] == 2
     assert second.json["leaseID"] != first.json["leaseID"]
     job = query_job(client, job_id)
-    assert (job["lastError"], job["data"]) == (lifecycle.LEASE_EXPIRED, {})
+    assert (job["lastError"], job["data"]) == (leases.LEASE_EXPIRED, {})
 
     def dead() -> bool:
         reply = client.request("GetJob", name="lost")
@@ -349,7 +349,7 @@ def test_an_expired_lease_counts_as_an_attempt_and_uses_the_same_limit(client):
 
     until(dead, DEADLINE, "the second lease to expire")
     job = query_job(client, job_id)
-    assert (job["attempt"], job["lastError"]) == (2, lifecycle.LEASE_EXPIRED)
+    assert (job["attempt"], job["lastError"]) == (2, leases.LEASE_EXPIRED)
     # The policy replaces Bedrock's counter.
     assert "retryAfterCount" not in job["data"]
 

@@ -13,7 +13,7 @@ import pytest
 
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
-from jobserver.core.rules import lifecycle, moves
+from jobserver.core.rules import leases, lifecycle, moves
 from jobserver.core.rules.moves import GONE, MOVES, NEW, IllegalMove, Refused
 from jobserver.model.jobs import NewJob, State
 from jobserver.model.times import utcnow
@@ -115,7 +115,7 @@ def test_a_move_no_client_asks_for_is_a_bug_not_a_refusal(tmp_path):
     job = store.get(job_id)
     assert job is not None
     with pytest.raises(IllegalMove) as illegal:
-        lifecycle.hand_out(ctx, job)
+        leases.hand_out(ctx, job)
     assert not isinstance(illegal.value, CommandError)
     store.rollback()
     store.close()

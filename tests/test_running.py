@@ -21,7 +21,7 @@ from conformance_helpers import fmt, force, get_job, parse_time, utcnow
 from harness import Nodes, ThreadServer
 from helpers import create, ok, until
 from jobserver.core.engine.context import Context, Settings
-from jobserver.core.rules import lifecycle
+from jobserver.core.rules import leases, lifecycle
 from jobserver.model import times
 from jobserver.model.jobs import NewJob
 from jobserver.storage import postgres_schema, sql
@@ -341,12 +341,12 @@ def test_a_give_back_restores_who_had_the_job_before(store):
     job_id = lifecycle.create(ctx, NewJob(name="job", next_run=ctx.now_ms, priority=500), None)
     before = store.get(job_id)
     assert before is not None
-    lease = lifecycle.hand_out(ctx, before, "10.0.0.7:4242")
+    lease = leases.hand_out(ctx, before, "10.0.0.7:4242")
     assert lease is not None
     taken = store.get(job_id)
     assert taken is not None
     assert (taken.state, taken.worker, taken.node) == ("RUNNING", "10.0.0.7:4242", "node-a:8888")
-    lifecycle.give_back(ctx, before, lease)
+    leases.give_back(ctx, before, lease)
     back = store.get(job_id)
     assert back is not None
     assert (back.state, back.worker, back.node) == ("QUEUED", "", "")

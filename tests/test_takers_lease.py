@@ -20,7 +20,7 @@ import pytest
 
 from harness import ThreadServer
 from helpers import create, ok
-from jobserver.core.rules.lifecycle import LEASE_EXPIRED, OUT_OF_LEASES
+from jobserver.core.rules.leases import LEASE_EXPIRED, OUT_OF_LEASES
 from jobserver.storage import postgres_schema
 from jobserver.storage.postgres import PostgresStore
 from jobserver.storage.sqlite import Store

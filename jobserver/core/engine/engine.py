@@ -351,7 +351,7 @@ class Engine:
         batch of that last kind committed cannot be told, so its requests
         are answered `504 Outcome unknown`, and the jobs it handed out are
         given back: a give-back moves a job only if it is still as the
-        hand-out left it (lifecycle.give_back), so each job is queued again
+        hand-out left it (leases.give_back), so each job is queued again
         if the batch committed and left alone if it did not, and none stays
         RUNNING with no one to run it."""
         outcomes = batch.outcomes

@@ -1,7 +1,7 @@
 """Which jobs a GetJob gets: its query, the search, and waiting GetJobs.
 
 A search takes due jobs highest priority first, then oldest nextRun, and
-hands each out (lifecycle.hand_out). On the way it moves jobs outside their
+hands each out (leases.hand_out). On the way it moves jobs outside their
 time windows to the next window, and passes over jobs of paused patterns
 and jobs that would take a concurrency limit over its capacity.
 """
@@ -15,7 +15,7 @@ from jobserver.core.commands import params
 from jobserver.core.commands.views import handout_object
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
-from jobserver.core.rules import lifecycle, schedule
+from jobserver.core.rules import leases, lifecycle, schedule
 from jobserver.core.rules.holds import Holds
 from jobserver.model.globmatch import MAX_PATTERNS, is_glob, listed_names
 from jobserver.model.jobs import Job
@@ -139,7 +139,7 @@ class Taken:
 
     job: Job
     reply: dict[str, Any]
-    lease: lifecycle.Lease
+    lease: leases.Lease
 
 
 def reply(query: JobQuery, taken: list[Taken]) -> Response:
@@ -393,7 +393,7 @@ class _Turns:
 
 
 def _hand_out(ctx: Context, job: Job, obj: dict[str, Any], query: JobQuery) -> Taken | None:
-    lease = lifecycle.hand_out(ctx, job, query.worker, query.lease)
+    lease = leases.hand_out(ctx, job, query.worker, query.lease)
     if lease is None:
         return None
     if job.maxAttempts:
@@ -459,4 +459,4 @@ def serve_waiters(
 def give_back(ctx: Context, taken: list[Taken]) -> None:
     """Undo hand-outs whose reply never reached the client."""
     for item in taken:
-        lifecycle.give_back(ctx, item.job, item.lease)
+        leases.give_back(ctx, item.job, item.lease)
