@@ -68,7 +68,8 @@ from jobserver.storage.postgres_connection import (
 )
 from jobserver.storage.searches import NOTHING_PASSED, PassedOver, pair_text
 from jobserver.storage.sql import JOB, POSTGRES, priorities_from
-from jobserver.storage.sql_store import FLOW_CONTROL, SqlStore
+from jobserver.storage.sql_flow import FLOW_CONTROL
+from jobserver.storage.sql_store import SqlStore
 from jobserver.storage.sqlite_schema import StoreError
 
 log = logging.getLogger("jobserver")

@@ -44,6 +44,9 @@ class Statements:
         """Run one statement for each of `args`, in one go."""
         raise NotImplementedError
 
+    def _lock(self, purpose: str, key: str) -> None:
+        """Until the transaction ends, no other node takes the same lock."""
+
     def _may_have_children(self, parent_id: int) -> bool:
         return True
 

@@ -11,6 +11,11 @@ that does them all in one round trip on PostgreSQL).
 Every operation that writes jobs takes many jobIDs at once and says which
 it changed; a state change is fenced (`set_state_if`): only rows still in
 an expected state, and holding an expected lease if one is given, change.
+
+The jobs' own operations are here; those of the tables beside them come
+in with their classes: flow control (sql_flow.py), replies and
+idempotency keys (sql_replies.py), outcomes kept for AwaitJob
+(sql_outcomes.py), dependencies (sql_dependencies.py).
 """
 
 from __future__ import annotations
@@ -19,35 +24,21 @@ from collections.abc import Sequence
 from typing import Any
 
 from jobserver.model.jobs import NO_CHANGES, PLAIN, Job, JobChanges, NewJob, State
-from jobserver.model.limits import Limit, Rate
 from jobserver.storage import sql, sql_bulk
 from jobserver.storage.held_writes import Write
 from jobserver.storage.searches import Found, NameMatch
 from jobserver.storage.sql import JOB, Dialect
 from jobserver.storage.sql_dependencies import DependencyStatements
+from jobserver.storage.sql_flow import FlowStatements
 from jobserver.storage.sql_outcomes import Outcomes
-
-# Limits (with their capacity) and paused patterns (with none), in one query.
-FLOW_CONTROL = (
-    "SELECT pattern, capacity, rate, ratePer, perKey, fair FROM limits "
-    "UNION ALL SELECT pattern, NULL, 0, 0, 0, 0 FROM paused"
-)
+from jobserver.storage.sql_replies import ReplyStatements
 
 
-class SqlStore(DependencyStatements, Outcomes):
+class SqlStore(DependencyStatements, Outcomes, FlowStatements, ReplyStatements):
     """The named operations in SQL; a backend gives it a connection
     (`_run`), a dialect, and its hooks."""
 
-    # Limits given at start (--limit) are the base; those set by SetLimit
-    # are stored and win.
-    _base_limits: dict[str, Limit]
-    limits: dict[str, Limit]
-    paused: frozenset[str]
-
     # Hooks.
-
-    def _lock(self, purpose: str, key: str) -> None:
-        """Until the transaction ends, no other node takes the same lock."""
 
     def _noted(self, priority: int, parent_id: int) -> None:
         """A job of this priority, and a child of this parent, may exist."""
@@ -357,236 +348,6 @@ class SqlStore(DependencyStatements, Outcomes):
             (reported_before, limit),
         )
 
-    # Replies (protocol.md 14.11). A key's lock orders a DeliverReply and
-    # an AwaitReply on two nodes.
-
-    def waiting_on(self, key: str) -> Job | None:
-        d = self.dialect
-        self._lock("reply", key)
-        return self._job(
-            f"SELECT {JOB} FROM jobs WHERE state = {sql.WAITING_SQL} AND replyKey = {d.mark}"
-            f"{d.lock}",
-            (key,),
-        )
-
-    def overdue(self, now: str, limit: int) -> list[Job]:
-        """WAITING jobs whose reply deadline has passed, earliest first."""
-        d = self.dialect
-        return self._jobs(
-            f"SELECT {JOB} FROM jobs {d.indexed_by('jobsWaiting')} "
-            f"WHERE state = {sql.WAITING_SQL} AND nextRun <= {d.mark} "
-            f"ORDER BY nextRun LIMIT {d.mark}{d.skip_locked}",
-            (now, limit),
-        )
-
-    def reply(self, key: str, now: str) -> tuple[str, int] | None:
-        """A kept reply's data and the job it went to (0: none yet); None
-        if there is none, or it expired (and is deleted here)."""
-        m = self.dialect.mark
-        self._lock("reply", key)
-        row = self._one(f"SELECT data, jobID, expires FROM replies WHERE replyKey = {m}", (key,))
-        if row is None:
-            return None
-        if row[2] <= now:
-            self._execute(f"DELETE FROM replies WHERE replyKey = {m}", (key,))
-            return None
-        return row[0], int(row[1])
-
-    def keep_reply(self, key: str, data: str, received: str, expires: str, job_id: int) -> None:
-        marks = ", ".join(self.dialect.mark for _ in range(5))
-        self._execute(
-            f"INSERT INTO replies (replyKey, data, received, expires, jobID) VALUES ({marks}) "
-            "ON CONFLICT (replyKey) DO UPDATE SET data = excluded.data, "
-            "received = excluded.received, expires = excluded.expires, jobID = excluded.jobID",
-            (key, data, received, expires, job_id),
-        )
-
-    def claim_reply(self, key: str, job_id: int) -> None:
-        m = self.dialect.mark
-        self._execute(f"UPDATE replies SET jobID = {m} WHERE replyKey = {m}", (job_id, key))
-
-    def early_replies(self, now: str) -> int:
-        """Unexpired replies that no job has claimed yet."""
-        row = self._one(
-            f"SELECT COUNT(*) FROM replies WHERE jobID = 0 AND expires > {self.dialect.mark}",
-            (now,),
-        )
-        return int(row[0])
-
-    # Idempotency keys (protocol.md 14.22). A key is claimed by inserting
-    # its row: a second transaction with the same key waits on that row
-    # (its primary key) until the first ends, then finds its reply; other
-    # keys wait on nothing (a lock slot shared by hash made unrelated
-    # creates on two nodes wait on each other, and deadlock).
-
-    def idempotent(self, key: str, now: str) -> tuple[str, str] | None:
-        m = self.dialect.mark
-        claimed = self._execute(
-            "INSERT INTO idempotency (idempotencyKey, request, reply, expires) "
-            f"VALUES ({m}, '', '', '') ON CONFLICT (idempotencyKey) DO NOTHING",
-            (key,),
-        )
-        if claimed.rowcount == 1:
-            return None
-        row = self._one(
-            f"SELECT request, reply, expires FROM idempotency WHERE idempotencyKey = {m}"
-            f"{self.dialect.lock}",
-            (key,),
-        )
-        if row is None or row[2] <= now:
-            # Expired (or pruned just now): the request is done anew, and
-            # keep_idempotent writes over it.
-            return None
-        return str(row[0]), str(row[1])
-
-    def keep_idempotent(self, key: str, request: str, reply: str, expires: str) -> None:
-        marks = ", ".join(self.dialect.mark for _ in range(4))
-        self._execute(
-            f"INSERT INTO idempotency (idempotencyKey, request, reply, expires) VALUES ({marks}) "
-            "ON CONFLICT (idempotencyKey) DO UPDATE SET request = excluded.request, "
-            "reply = excluded.reply, expires = excluded.expires",
-            (key, request, reply, expires),
-        )
-
-    # Flow control: concurrency limits and paused patterns. The tables are
-    # tiny; the copies in memory are read again whenever a transaction (or
-    # a savepoint) is rolled back, so they never disagree with what is stored.
-
-    def _load_flow_control(self) -> None:
-        try:
-            rows = self._execute(FLOW_CONTROL).fetchall()
-        except self.errors:
-            # A failing database: the rollback that brought us here is what
-            # matters; the copies are read again after the next one.
-            return
-        self._set_flow_control(rows)
-
-    def _set_flow_control(self, rows: list[tuple[Any, ...]]) -> None:
-        limits = {
-            **self._base_limits,
-            **{row[0]: _limit(row) for row in rows if row[1] is not None},
-        }
-        # In one order on every node: hand-outs take the limits' locks in it.
-        self.limits = dict(sorted(limits.items()))
-        self.paused = frozenset(row[0] for row in rows if row[1] is None)
-
-    def set_limit(self, pattern: str, limit: Limit) -> None:
-        """Store a limit; one that holds nothing removes it (a --limit one
-        until restart). What its rate counted is forgotten when the rate or
-        its keys change, and its round when its fairness does: a new max
-        alone does not open a spent window."""
-        m = self.dialect.mark
-        was = self.limits.get(pattern, Limit())
-        if (was.rate, was.per_key) != (limit.rate, limit.per_key):
-            self._execute(f"DELETE FROM handouts WHERE pattern = {m}", (pattern,))
-        if was.fair != limit.fair:
-            self._execute(f"DELETE FROM fairServed WHERE pattern = {m}", (pattern,))
-        if limit.is_set:
-            rate = limit.rate
-            self._execute(
-                "INSERT INTO limits (pattern, capacity, rate, ratePer, perKey, fair) "
-                f"VALUES ({m}, {m}, {m}, {m}, {m}, {m}) ON CONFLICT (pattern) DO UPDATE SET "
-                "capacity = excluded.capacity, rate = excluded.rate, "
-                "ratePer = excluded.ratePer, perKey = excluded.perKey, fair = excluded.fair",
-                (
-                    pattern, limit.max, rate.count if rate else 0, rate.window_ms if rate else 0,
-                    int(limit.per_key), int(limit.fair),
-                ),
-            )
-            self.limits = dict(sorted({**self.limits, pattern: limit}.items()))
-        else:
-            self._execute(f"DELETE FROM limits WHERE pattern = {m}", (pattern,))
-            self._base_limits.pop(pattern, None)
-            self.limits = {p: c for p, c in self.limits.items() if p != pattern}
-
-    def usage(self, pattern: str, now: str, key: str | None = None) -> int:
-        """The cost of the running jobs a limit's pattern matches: RUNNING,
-        and RUNQUEUED whose lease has not run out; of one `key` alone when
-        one is given."""
-        clause, args = self.dialect.matches("name", pattern)
-        if key is not None:
-            clause += f" AND key = {self.dialect.mark}"
-            args = [*args, key]
-        row = self._one(
-            f"SELECT COALESCE(SUM(cost), 0) FROM jobs WHERE {clause} AND {self.dialect.holding()}",
-            (*args, now),
-        )
-        return int(row[0])
-
-    def usage_by_key(self, pattern: str, now: str) -> dict[str, int]:
-        """What the running jobs a per-key limit's pattern matches use, by key."""
-        clause, args = self.dialect.matches("name", pattern)
-        rows = self._execute(
-            f"SELECT key, SUM(cost) FROM jobs WHERE {clause} AND {self.dialect.holding()} "
-            "GROUP BY key",
-            (*args, now),
-        )
-        return {str(key): int(cost) for key, cost in rows.fetchall()}
-
-    def usage_by_name(self, now: str, most: int) -> list[tuple[str, str, int]]:
-        rows = self._execute(
-            f"SELECT name, key, SUM(cost) FROM jobs WHERE {self.dialect.holding()} "
-            f"GROUP BY name, key LIMIT {self.dialect.mark}",
-            (now, most + 1),
-        )
-        return [(str(name), str(key), int(cost)) for name, key, cost in rows.fetchall()]
-
-    # Rates and fairness (protocol.md 14.23).
-
-    def handouts_by_key(self, pattern: str, since: str) -> dict[str, tuple[int, str]]:
-        """For each key, how many hand-outs under a rate's `pattern` came
-        after `since`, and the earliest of them."""
-        m = self.dialect.mark
-        rows = self._execute(
-            f"SELECT key, COUNT(*), MIN(at) FROM handouts WHERE pattern = {m} AND at > {m} "
-            "GROUP BY key",
-            (pattern, since),
-        )
-        return {str(k): (int(count), str(first)) for k, count, first in rows.fetchall()}
-
-    def note_handout(self, pattern: str, key: str, at: str, forget_before: str) -> None:
-        """Count a hand-out under a rate, and forget those of its key that
-        no window can hold any more."""
-        m = self.dialect.mark
-        self._execute(
-            f"DELETE FROM handouts WHERE pattern = {m} AND key = {m} AND at <= {m}",
-            (pattern, key, forget_before),
-        )
-        self._execute(
-            f"INSERT INTO handouts (pattern, key, at) VALUES ({m}, {m}, {m})", (pattern, key, at)
-        )
-
-    def served_keys(self, pattern: str) -> list[str]:
-        """The keys a fair pattern has served in its current round."""
-        rows = self._execute(
-            f"SELECT key FROM fairServed WHERE pattern = {self.dialect.mark}", (pattern,)
-        )
-        return [str(row[0]) for row in rows.fetchall()]
-
-    def note_served(self, pattern: str, key: str) -> None:
-        m = self.dialect.mark
-        self._execute(
-            f"INSERT INTO fairServed (pattern, key) VALUES ({m}, {m}) ON CONFLICT DO NOTHING",
-            (pattern, key),
-        )
-
-    def new_round(self, pattern: str) -> None:
-        """A fair pattern's next round: no key has been served in it."""
-        self._execute(f"DELETE FROM fairServed WHERE pattern = {self.dialect.mark}", (pattern,))
-
-    def pause(self, pattern: str) -> None:
-        self._execute(
-            f"INSERT INTO paused (pattern) VALUES ({self.dialect.mark}) ON CONFLICT DO NOTHING",
-            (pattern,),
-        )
-        self.paused = self.paused | {pattern}
-
-    def resume(self, pattern: str) -> bool:
-        """Forget a paused pattern; False if it was not paused."""
-        rows = self._execute(f"DELETE FROM paused WHERE pattern = {self.dialect.mark}", (pattern,))
-        self.paused = self.paused - {pattern}
-        return rows.rowcount > 0
-
     # Retention (protocol.md 14.10).
 
     def prune(self, state: str, ended_before: str, batch: int) -> int:
@@ -606,37 +367,6 @@ class SqlStore(DependencyStatements, Outcomes):
         self.forget_dependencies([int(row[0]) for row in rows if row[1]])
         return len(rows)
 
-    def prune_replies(self, now: str, batch: int) -> int:
-        """Delete up to `batch` expired replies; how many went."""
-        d = self.dialect
-        rows = self._execute(
-            "DELETE FROM replies WHERE replyKey IN (SELECT replyKey FROM replies "
-            f"WHERE expires <= {d.mark} ORDER BY expires LIMIT {d.mark}{d.skip_locked})",
-            (now, batch),
-        )
-        return max(rows.rowcount, 0)
-
-    def prune_idempotency(self, now: str, batch: int) -> int:
-        """Delete up to `batch` expired idempotency keys; how many went."""
-        d = self.dialect
-        rows = self._execute(
-            "DELETE FROM idempotency WHERE idempotencyKey IN (SELECT idempotencyKey "
-            f"FROM idempotency WHERE expires <= {d.mark} ORDER BY expires "
-            f"LIMIT {d.mark}{d.skip_locked})",
-            (now, batch),
-        )
-        return max(rows.rowcount, 0)
-
-    def prune_handouts(self, before: str, batch: int) -> int:
-        """Delete hand-outs under rates from before `before` (older than
-        the longest window), about `batch` at most; how many went."""
-        d = self.dialect
-        rows = self._execute(
-            f"DELETE FROM handouts WHERE at IN (SELECT at FROM handouts WHERE at < {d.mark} "
-            f"ORDER BY at LIMIT {d.mark})",
-            (before, batch),
-        )
-        return max(rows.rowcount, 0)
 
 
 # The text of a write is made once per shape: a job's writes are few shapes,
@@ -700,14 +430,3 @@ def _insert(d: Dialect, columns: tuple[str, ...]) -> str:
         marks = ", ".join(d.mark for _ in columns)
         statement = _INSERTS[key] = f"INSERT INTO jobs ({', '.join(columns)}) VALUES ({marks})"
     return statement
-
-
-def _limit(row: tuple[Any, ...]) -> Limit:
-    """A stored limit: pattern, capacity, rate, ratePer, perKey, fair."""
-    _, capacity, rate, per, per_key, fair = row
-    return Limit(
-        max=int(capacity),
-        rate=Rate(int(rate), int(per)) if rate else None,
-        per_key=bool(per_key),
-        fair=bool(fair),
-    )
