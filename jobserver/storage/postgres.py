@@ -51,12 +51,6 @@ from jobserver.model.jobs import Job
 from jobserver.model.limits import Limit
 from jobserver.storage import postgres_listen, postgres_readers, postgres_schema
 from jobserver.storage.backup_types import BackupCopy, BackupDirectory, BackupUnsupported
-from jobserver.storage.interface import (
-    LaterJobs,
-    QueryRows,
-    QueueStats,
-    RunningStats,
-)
 from jobserver.storage.postgres_connection import (
     ASK_MILLISECONDS,
     check_version,
@@ -66,6 +60,7 @@ from jobserver.storage.postgres_connection import (
     end_own_backend,
     redact,
 )
+from jobserver.storage.reader_types import LaterJobs, QueryRows, QueueStats, RunningStats
 from jobserver.storage.searches import NOTHING_PASSED, PassedOver, pair_text
 from jobserver.storage.sql import JOB, POSTGRES, priorities_from
 from jobserver.storage.sql_flow import FLOW_CONTROL

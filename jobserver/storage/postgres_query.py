@@ -43,14 +43,14 @@ from psycopg import sql
 from psycopg.pq import ExecStatus
 
 from jobserver.storage import postgres_schema
-from jobserver.storage.interface import (
+from jobserver.storage.postgres_schema import JOB_TABLES, ident
+from jobserver.storage.reader_types import (
     BadQuery,
     QueryRows,
     QueryTimeout,
     QueryUnavailable,
     ReplyTooLarge,
 )
-from jobserver.storage.postgres_schema import JOB_TABLES, ident
 from jobserver.storage.sqlite_schema import StoreError
 
 log = logging.getLogger("jobserver")

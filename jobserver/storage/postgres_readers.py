@@ -22,8 +22,14 @@ from jobserver.model.globmatch import glob_to_regex
 from jobserver.model.jobs import Job
 from jobserver.model.limits import handouts_cutoff
 from jobserver.storage import postgres_query, sql
-from jobserver.storage.interface import LaterJobs, QueryRows, QueueStats, RunningJob, RunningStats
 from jobserver.storage.postgres_connection import QUERY_APPLICATION, READ_APPLICATION, connect
+from jobserver.storage.reader_types import (
+    LaterJobs,
+    QueryRows,
+    QueueStats,
+    RunningJob,
+    RunningStats,
+)
 from jobserver.storage.sql import COLUMNS, POSTGRES
 
 log = logging.getLogger("jobserver")

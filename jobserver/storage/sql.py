@@ -192,7 +192,7 @@ def read_windows(
     windows: Mapping[str, str],
     read: Callable[[str, list[str]], Iterable[Sequence[Any]]],
 ) -> dict[str, int]:
-    """`handouts_in_windows` (storage.interface.Readers) in statements of
+    """`handouts_in_windows` (storage.reader_types.Readers) in statements of
     WINDOWS_PER_STATEMENT rates, each run by `read` (statement, arguments)."""
     listed = sorted(windows.items())
     found: dict[str, int] = {}
@@ -238,7 +238,7 @@ def later_jobs(
     return listed, counted
 
 
-# What RunningJobs reads of a job handed out (interface.RunningJob).
+# What RunningJobs reads of a job handed out (reader_types.RunningJob).
 RUNNING_JOB = "jobID, name, state, lastRun, nextRun, lastReport, worker, node"
 
 

@@ -24,7 +24,8 @@ from jobserver.model.jobs import Job
 from jobserver.model.limits import Limit
 from jobserver.storage import sqlite_backup, sqlite_path, sqlite_readers, sqlite_schema
 from jobserver.storage.backup_types import BackupCopy, BackupDirectory, BackupUnsupported
-from jobserver.storage.interface import Heard, LaterJobs, QueryRows, QueueStats, RunningStats
+from jobserver.storage.interface import Heard
+from jobserver.storage.reader_types import LaterJobs, QueryRows, QueueStats, RunningStats
 from jobserver.storage.searches import NOTHING_PASSED, PassedOver, pair_text
 from jobserver.storage.sql import (
     AFTER_IN_ORDER,

@@ -23,7 +23,7 @@ import resource
 import sys
 from typing import Any, BinaryIO
 
-from jobserver.storage.interface import BadQuery, QueryTimeout, ReplyTooLarge
+from jobserver.storage.reader_types import BadQuery, QueryTimeout, ReplyTooLarge
 from jobserver.storage.sqlite_readers import read_only_query
 
 

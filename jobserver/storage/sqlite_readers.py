@@ -19,7 +19,7 @@ from urllib.parse import quote
 from jobserver.model.jobs import Job
 from jobserver.model.limits import handouts_cutoff
 from jobserver.storage import sql
-from jobserver.storage.interface import (
+from jobserver.storage.reader_types import (
     BadQuery,
     LaterJobs,
     QueryRows,

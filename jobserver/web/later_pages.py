@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jobserver.storage.interface import LaterJobs
+from jobserver.storage.reader_types import LaterJobs
 
 # Jobs listed: a screen's worth; the count says how many more.
 SHOWN = 50

@@ -21,7 +21,7 @@ from jobserver.core.build import Core
 from jobserver.core.engine.context import Context
 from jobserver.model import times
 from jobserver.model.jobs import Job, State
-from jobserver.storage.interface import LaterJobs
+from jobserver.storage.reader_types import LaterJobs
 
 
 @dataclass(frozen=True)

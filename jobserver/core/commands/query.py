@@ -17,13 +17,8 @@ import trio
 
 from jobserver.core.commands import params
 from jobserver.core.commands.route import DEFAULT_QUERY_SECONDS, Answer, Services, is_loopback
-from jobserver.storage.interface import (
-    BadQuery,
-    QueryTimeout,
-    QueryUnavailable,
-    ReplyTooLarge,
-    Storage,
-)
+from jobserver.storage.interface import Storage
+from jobserver.storage.reader_types import BadQuery, QueryTimeout, QueryUnavailable, ReplyTooLarge
 from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request, Response
 from jobserver.wire.limits import DEFAULT_MAX_REPLY_BYTES

@@ -19,7 +19,7 @@ from jobserver.core.commands import params
 from jobserver.core.commands.route import Answer, Services
 from jobserver.core.commands.views import ok
 from jobserver.model import times
-from jobserver.storage.interface import QueueStats
+from jobserver.storage.reader_types import QueueStats
 from jobserver.wire.framing import Request, Response
 
 

@@ -20,7 +20,7 @@ from jobserver.core.commands.views import ok
 from jobserver.core.errors import CommandError
 from jobserver.model import times
 from jobserver.model.jobs import State
-from jobserver.storage.interface import RunningJob
+from jobserver.storage.reader_types import RunningJob
 from jobserver.wire.framing import Request, Response
 
 # A page people read and `jobserver top` fits in a frame; the largest
