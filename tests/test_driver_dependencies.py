@@ -35,14 +35,24 @@ def test_edges_count_dependents_and_outcomes_release_them(store: Storage) -> Non
         assert kept == [deps[0]]
         # Kept once: a second end of the same job is not news.
         assert store.keep_outcomes([Outcome(deps[0], "FAILED", "{}")], True) == []
-        released = store.release_dependents([deps[0]])
-    assert [(j.jobID, left) for j, left in released] == [(waiting[0], 1), (waiting[1], 1)]
-    assert all(j.state == State.BLOCKED and j.onDependencyFailure == "run" for j, _ in released)
+        assert store.blocked_dependents([deps[0]], 1) == [waiting[0]]
+        assert store.blocked_dependents([deps[0]], 5) == waiting
+        # Behind: their count (2) is not yet what the outcomes say (1).
+        assert store.behind(0, 5) == [(waiting[0], True), (waiting[1], True)]
+        released = store.settle(waiting)
+        assert store.behind(0, 5) == [(waiting[0], False), (waiting[1], False)]
+        # Counted again, the same answer.
+        assert [left for _, left, _ in store.settle(waiting)] == [1, 1]
+    assert [(j.jobID, left, f) for j, left, f in released] == [
+        (waiting[0], 1, None), (waiting[1], 1, None)
+    ]
+    assert all(j.state == State.BLOCKED and j.onDependencyFailure == "run" for j, _, _ in released)
     with transaction(store):
         store.keep_outcomes([Outcome(deps[1], "FAILED", "{}")], True)
         assert store.edges_from([deps[1]]) == [(waiting[0], deps[1]), (waiting[1], deps[1])]
-        released = store.release_dependents([deps[1]])
-        assert [left for _, left in released] == [0, 0]
+        released = store.settle(store.blocked_dependents([deps[1]], 5))
+        assert [left for _, left, _ in released] == [0, 0]
+        assert [f for _, _, f in released] == [Outcome(deps[1], "FAILED", "{}")] * 2
         shown = store.dependency_outcomes(waiting[0], 1 << 20)
         counts = store.dependency_counts(waiting[0])
     assert [(o.job_id, o.state, o.data) for o in shown] == [

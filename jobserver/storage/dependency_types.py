@@ -47,9 +47,21 @@ class Dependencies(Protocol):
     def edges_from(self, ids: Sequence[int]) -> list[tuple[int, int]]:
         """The edges (dependent, dependency) from the jobs of `ids`."""
 
-    def release_dependents(self, ended: Sequence[int]) -> list[tuple[Job, int]]:
-        """The BLOCKED jobs that depend on jobs of `ended`, each counting
-        those as ended: each with the count of blockers left, by jobID."""
+    def blocked_dependents(self, ended: Sequence[int], limit: int) -> list[int]:
+        """The BLOCKED jobs that depend on jobs of `ended`, at most `limit`
+        of them, the lowest jobIDs first; locked where other nodes write."""
+
+    def behind(self, after: int, examine: int) -> list[tuple[int, bool]]:
+        """The next `examine` BLOCKED jobs after jobID `after`, in jobID
+        order, each with whether it is behind its dependencies' outcomes
+        (some ended that it has not counted: a cascade left for later)."""
+
+    def settle(self, ids: Sequence[int]) -> list[tuple[Job, int, Outcome | None]]:
+        """Count again what each still BLOCKED job of `ids` waits for, from
+        the stored outcomes (the same answer however often it is asked):
+        each job, locked where other nodes write, with its blockers left and
+        the outcome of its lowest dependency that ended other than
+        FINISHED (None if none did), by jobID."""
 
     def dependency_outcomes(self, job_id: int, budget: int) -> list[Outcome]:
         """Each dependency of `job_id` with its outcome, by jobID; the data

@@ -7,11 +7,15 @@ it is deleted (FinishJob deletes a finished job by default). A job's own
 row counts its dependencies, those of them not ended yet (`blockers`) and
 its dependents: a job with neither is never looked up here.
 
+A dependent's count is not decremented but counted again from the stored
+outcomes (`settle`): the same answer however often it is asked, so a
+cascade left for a later transaction (core/rules/cascade.py) is found
+from the rows (`behind`) and finished by whichever node gets to it.
 On PostgreSQL two nodes may end two dependencies of one job at once:
-each takes the dependents' row locks in jobID order before it counts
-(`release_dependents`), so neither waits for the other in a circle, and
-the second to count sees the first's count (the UPDATE reads the row as
-committed once its lock is granted): the dependent is queued once.
+each takes the dependents' row locks in jobID order before it counts, so
+neither waits for the other in a circle, and the second to count sees
+the first's outcome (its count is a statement run once the lock is
+granted): the dependent is queued once.
 """
 
 from __future__ import annotations
@@ -22,13 +26,28 @@ from collections.abc import Sequence
 from jobserver.model.jobs import Job, State
 from jobserver.storage import sql
 from jobserver.storage.dependency_types import Outcome
-from jobserver.storage.sql import COLUMNS, JOB, states
+from jobserver.storage.sql import JOB, states
 from jobserver.storage.sql_statements import Statements
 
 _BLOCKED = states((State.BLOCKED,))
-_JOB_OF_JOBS = ", ".join(f"jobs.{column}" for column in COLUMNS)
 # Outcomes kept in one statement at most.
 _CHUNK = 1000
+
+
+def _pending(job: str) -> str:
+    """How many dependencies of `job` (a table's alias) have no outcome."""
+    return (
+        f"(SELECT COUNT(*) FROM jobDependencies e WHERE e.jobID = {job}.jobID AND NOT EXISTS "
+        "(SELECT 1 FROM dependencyOutcomes o WHERE o.jobID = e.dependsOn))"
+    )
+
+
+def _failed(job: str) -> str:
+    """The lowest dependency of `job` that ended other than FINISHED."""
+    return (
+        "(SELECT MIN(e.dependsOn) FROM jobDependencies e JOIN dependencyOutcomes o "
+        f"ON o.jobID = e.dependsOn WHERE e.jobID = {job}.jobID AND o.state <> 'FINISHED')"
+    )
 
 
 class DependencyStatements(Statements):
@@ -119,36 +138,70 @@ class DependencyStatements(Statements):
         ).fetchall()
         return [(int(row[0]), int(row[1])) for row in rows]
 
-    def release_dependents(self, ended: Sequence[int]) -> list[tuple[Job, int]]:
-        if not ended:
+    def blocked_dependents(self, ended: Sequence[int], limit: int) -> list[int]:
+        if not ended or limit <= 0:
             return []
         d = self.dialect
-        on, on_args = d.any_of("dependsOn", sorted(set(ended)), "bigint")
-        # How many of `ended` each dependent waited for.
-        count = f"(SELECT COUNT(*) FROM jobDependencies e WHERE e.jobID = jobs.jobID AND e.{on})"
-        dependents = f"SELECT jobID FROM jobDependencies WHERE {on}"
+        on, args = d.any_of("dependsOn", sorted(set(ended)), "bigint")
+        rows = self._execute(
+            f"SELECT jobID FROM jobs WHERE jobID IN (SELECT jobID FROM jobDependencies "
+            f"WHERE {on}) AND state = {_BLOCKED} ORDER BY jobID LIMIT {int(limit)}{d.lock}",
+            args,
+        ).fetchall()
+        return [int(row[0]) for row in rows]
+
+    def behind(self, after: int, examine: int) -> list[tuple[int, bool]]:
+        d = self.dialect
+        rows = self._execute(
+            f"SELECT b.jobID, CASE WHEN b.blockers <> {_pending('b')} OR b.blockers <= 0 "
+            f"OR (b.onDependencyFailure <> 'run' AND {_failed('b')} IS NOT NULL) "
+            "THEN 1 ELSE 0 END FROM (SELECT jobID, blockers, onDependencyFailure FROM jobs "
+            f"WHERE state = {_BLOCKED} AND jobID > {d.mark} ORDER BY jobID "
+            f"LIMIT {int(examine)}) AS b ORDER BY b.jobID",
+            (after,),
+        ).fetchall()
+        return [(int(row[0]), bool(row[1])) for row in rows]
+
+    def settle(self, ids: Sequence[int]) -> list[tuple[Job, int, Outcome | None]]:
+        if not ids:
+            return []
+        d = self.dialect
+        by_id, args = d.any_of("jobID", sorted(set(ids)), "bigint")
         if d.lock:
-            # One statement that locks the dependents in jobID order before
-            # it writes any (see above); the lock's wait reads each row
-            # again, so one that left BLOCKED meanwhile is passed over.
-            statement = (
-                f"UPDATE jobs SET blockers = blockers - {count} FROM (SELECT jobID AS locked "
-                f"FROM jobs WHERE jobID IN ({dependents}) AND state = {_BLOCKED} "
-                f"ORDER BY jobID{d.lock}) AS l WHERE jobs.jobID = l.locked "
-                f"RETURNING {_JOB_OF_JOBS}, jobs.blockers"
-            )
-        else:
-            statement = (
-                f"UPDATE jobs SET blockers = blockers - {count} WHERE jobID IN ({dependents}) "
-                f"AND state = {_BLOCKED} RETURNING {JOB}, blockers"
-            )
-        rows = self._execute(statement, [*on_args, *on_args]).fetchall()
-        released = [(Job(*row[:-1]), int(row[-1])) for row in rows]
-        released.sort(key=lambda pair: pair[0].jobID)
+            # Locked in jobID order first (see above), in a statement of its
+            # own: the count below, a statement after the lock was granted,
+            # reads every outcome committed before (READ COMMITTED), so two
+            # nodes ending two dependencies of one job at once count both.
+            locked = self._execute(
+                f"SELECT jobID FROM jobs WHERE {by_id} AND state = {_BLOCKED} "
+                f"ORDER BY jobID{d.lock}",
+                args,
+            ).fetchall()
+            if not locked:
+                return []
+            by_id, args = d.any_of("jobID", [int(row[0]) for row in locked], "bigint")
+        rows = self._execute(
+            f"UPDATE jobs SET blockers = {_pending('jobs')} WHERE {by_id} "
+            f"AND state = {_BLOCKED} RETURNING {JOB}, blockers",
+            args,
+        ).fetchall()
+        if not rows:
+            return []
+        settled = sorted(((Job(*row[:-1]), int(row[-1])) for row in rows), key=lambda p: p[0].jobID)
+        by_id, args = d.any_of("j.jobID", [job.jobID for job, _ in settled], "bigint")
+        failed = dict(
+            self._execute(f"SELECT j.jobID, {_failed('j')} FROM jobs j WHERE {by_id}", args)
+            .fetchall()
+        )
+        first = [int(f) for f in failed.values() if f is not None]
+        outcomes = self.outcomes_of(first) if first else {}
         # Locked (or this process's alone): while writes are held, their
         # moves are sent together, not a statement each.
-        self._found([job for job, _ in released])
-        return released
+        self._found([job for job, _ in settled])
+        return [
+            (job, left, outcomes.get(int(failed[job.jobID])) if failed.get(job.jobID) else None)
+            for job, left in settled
+        ]
 
     def dependency_outcomes(self, job_id: int, budget: int) -> list[Outcome]:
         d = self.dialect

@@ -52,7 +52,7 @@ from jobserver.core.engine.history import History
 from jobserver.core.engine.waiters import Waiter, WaitQueue
 from jobserver.core.engine.work import Call, GiveBack, Serve, Tick, Work
 from jobserver.core.engine.writer import Committed, Writer, outcomes_unknown
-from jobserver.core.rules import flow
+from jobserver.core.rules import cascade, flow
 from jobserver.core.rules.selection import JobQuery, Taken
 from jobserver.model.globmatch import Matcher
 from jobserver.storage.interface import Storage
@@ -225,7 +225,7 @@ class Engine:
         next fire, and try every waiter."""
         if self.waits.closed:
             return
-        self.submit(Tick())
+        self.submit(Tick(heavy=cascade.is_heavy(self._store)))
         self._try(self.waits.everyone())
 
     def close(self) -> None:
@@ -462,6 +462,6 @@ class Engine:
             owed, self._owed = self._owed, []
             for taken in owed:
                 self.give_back(taken)
-            self.submit(Tick())
+            self.submit(Tick(heavy=cascade.is_heavy(self._store)))
             self._try(self.waits.everyone())
 

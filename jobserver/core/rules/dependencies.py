@@ -5,8 +5,10 @@ A job created with dependencies waits BLOCKED, its row counting those not
 ended yet (`blockers`). When a job with dependents ends (FINISHED, FAILED
 for good, CANCELLED, or deleted before any of those: lifecycle._move), its
 outcome is kept for them (its state, and its data: a FINISHED job's is its
-result) and each BLOCKED dependent counts one blocker fewer, in that same
-transaction. A dependent then moves by its onDependencyFailure:
+result) in that same transaction, and each BLOCKED dependent counts its
+blockers again from the outcomes kept, in that transaction or, past
+cascade.py's bound on one, a later one. A dependent then moves by its
+onDependencyFailure:
 
 - the dependency did not finish, and the policy is `fail` (the default):
   FAILED at once, its lastError naming the dependency; `cancel`:
@@ -28,6 +30,7 @@ from typing import Any
 
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
+from jobserver.core.rules import cascade
 from jobserver.model.jobs import ENDED, Job, State
 from jobserver.storage.dependency_types import Outcome
 from jobserver.storage.interface import Storage
@@ -67,24 +70,44 @@ _TELLING: dict[int, list[Outcome]] = {}
 def tell(ctx: Context, outcomes: list[Outcome], make: Make) -> None:
     """Tell `outcomes` to their dependents and `make` the moves they
     decide, a batch at a time: the ends those moves make form the next
-    batch (a cascade, one level a batch). Within telling_at_end, kept for
-    its end."""
+    batch (a cascade, one level a batch), within cascade.py's bound on a
+    transaction's work. Within telling_at_end, kept for its end."""
     if ctx.ends is not None:
         ctx.ends += outcomes
         return
+    _work(ctx, list(outcomes), [], make)
+
+
+def resume(ctx: Context, make: Make) -> None:
+    """Settle dependents a cascade left BLOCKED for a later transaction
+    (cascade.py), and tell the ends that makes. Run by the clock's tick."""
+    found = cascade.left_behind(ctx)
+    if found:
+        _work(ctx, [], found, make)
+
+
+def _work(ctx: Context, outcomes: list[Outcome], dependents: list[int], make: Make) -> None:
+    """Settle `dependents` and tell `outcomes`, and the ends their moves
+    make in turn."""
     pending = _TELLING.get(id(ctx))
     if pending is not None:
         pending += outcomes
+        for step in _settled(ctx, dependents):
+            make(ctx, step)
         return
-    pending = _TELLING[id(ctx)] = list(outcomes)
+    pending = _TELLING[id(ctx)] = outcomes
     try:
         # The dependents' moves are sent together (storage's held_writes.py).
         with ctx.store.holding_writes():
-            while pending:
+            steps = _settled(ctx, dependents)
+            while True:
+                for step in steps:
+                    make(ctx, step)
+                if not pending:
+                    break
                 batch = pending[:]
                 pending.clear()
-                for step in ended(ctx, batch):
-                    make(ctx, step)
+                steps = ended(ctx, batch)
     finally:
         del _TELLING[id(ctx)]
 
@@ -125,24 +148,32 @@ def ended(ctx: Context, outcomes: Sequence[Outcome]) -> list[Step]:
 
 def _ended(ctx: Context, outcomes: Sequence[Outcome]) -> list[Step]:
     """Jobs have ended with `outcomes` (outcome_state's states): keep them,
-    and return the moves of their dependents that they decide. A job that
-    had ended before (its dependents heard of it then), or that nobody
-    depends on any more, decides nothing. A few statements for any number
-    of ends: a FinishJobs of a thousand dependencies tells them at once."""
+    and return the moves of their dependents that they decide, as many as
+    this transaction may still make (cascade.py; the rest are left for
+    later, found again from the outcomes kept here). A job that had ended
+    before (its dependents heard of it then), or that nobody depends on any
+    more, decides nothing. A few statements for any number of ends: a
+    FinishJobs of a thousand dependencies tells them at once."""
     kept = ctx.store.keep_outcomes(outcomes, only_if_depended_on=True)
     if not kept:
         return []
-    fresh = set(kept)
-    new = {o.job_id: o for o in outcomes if o.job_id in fresh}
-    # Which of them each dependent learns of matters only if one failed.
-    learned: dict[int, list[Outcome]] = {}
-    if any(o.state != State.FINISHED for o in new.values()):
-        for waiting, on in ctx.store.edges_from(list(new)):
-            learned.setdefault(waiting, []).append(new[on])
+    room = cascade.allowance(ctx)
+    dependents = ctx.store.blocked_dependents(kept, room + 1)
+    if len(dependents) > room:
+        dependents = dependents[:room]
+        cascade.left_over(ctx)
+    return _settled(ctx, dependents)
+
+
+def _settled(ctx: Context, dependents: Sequence[int]) -> list[Step]:
+    """Count again what each of `dependents` waits for, from the outcomes
+    kept, and return the moves that decides."""
+    if not dependents:
+        return []
+    cascade.spend(ctx, len(dependents))
     steps = []
-    for dependent, blockers in ctx.store.release_dependents(list(new)):
-        heard = sorted(learned.get(dependent.jobID, ()), key=lambda o: o.job_id)
-        step = _decided(ctx, dependent, heard, blockers)
+    for job, blockers, failed in ctx.store.settle(dependents):
+        step = _decided(ctx, job, [failed] if failed is not None else [], blockers)
         if step is not None:
             steps.append(step)
     return steps

@@ -116,6 +116,11 @@ def telling_at_end(ctx: Context) -> AbstractContextManager[None]:
     return dependencies.telling_at_end(ctx, _make)
 
 
+def resume_cascade(ctx: Context) -> None:
+    """Settle dependents a cascade left for later (dependencies.resume)."""
+    dependencies.resume(ctx, _make)
+
+
 def make(ctx: Context, steps: list[dependencies.Step]) -> None:
     """The moves dependencies.link decided for new jobs."""
     for step in steps:

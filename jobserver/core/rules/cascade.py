@@ -1,0 +1,116 @@
+"""How much of a cascade one transaction tells (protocol.md 14.25), and
+where the engine's clock picks up the rest.
+
+A job may have any number of dependents, and they theirs: told in one
+transaction, a FailJob of a job with 20,000 dependents held the writer
+(and every other request) for seconds. So a transaction settles at most
+MOVES_AT_ONCE dependents. Every end is still kept as an outcome in the
+transaction that makes it; the dependents not settled yet stay BLOCKED
+with a count of blockers their stored outcomes no longer agree with, or
+with a failed outcome their policy has not acted on. That is how the rest
+is found again, from the rows alone (`Dependencies.behind`): by this
+node's clock, fired at once, MOVES_AT_ONCE at a time; after a crash or a
+restart by the first tick (deadlines.at_start); by any node, because
+settling a dependent counts its blockers again from the outcomes and
+moves it from BLOCKED under its row lock, so it happens once.
+
+The order holds: a dependent leaves BLOCKED only when settled, and a
+dependent is settled only from stored outcomes, so none runs before its
+dependencies ended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jobserver.core.engine.context import Context
+from jobserver.storage.interface import Storage
+
+# Dependents settled in one transaction at most: a few tens of
+# milliseconds of the writer's time on either backend (about 0.1 s on
+# SQLite on a busy machine of two cores).
+MOVES_AT_ONCE = 1000
+# BLOCKED jobs a tick looks at, at most, to find those left behind.
+EXAMINE_AT_ONCE = 5000
+
+
+@dataclass
+class _Progress:
+    # The transaction (its time, the same for all of a batch's requests)
+    # the count is of, and how many dependents it has settled.
+    transaction: str = ""
+    settled: int = 0
+    # Where the look for dependents left behind goes on (after this jobID);
+    # None: nothing is left. A server starts by looking.
+    after: int | None = 0
+
+
+# By store (id: a store is not hashable), one per server.
+_PROGRESS: dict[int, _Progress] = {}
+
+
+def _progress(store: Storage) -> _Progress:
+    progress = _PROGRESS.get(id(store))
+    if progress is None:
+        progress = _PROGRESS[id(store)] = _Progress()
+    return progress
+
+
+def is_heavy(store: Storage) -> bool:
+    """Whether the clock's next tick may settle dependents left behind: it
+    then runs in a thread, the event loop left to answer meanwhile."""
+    progress = _PROGRESS.get(id(store))
+    return progress is None or progress.after is not None
+
+
+def allowance(ctx: Context) -> int:
+    """How many dependents this transaction may still settle."""
+    progress = _progress(ctx.store)
+    if progress.transaction != ctx.now_ms:
+        progress.transaction, progress.settled = ctx.now_ms, 0
+    return max(0, MOVES_AT_ONCE - progress.settled)
+
+
+def spend(ctx: Context, settled: int) -> None:
+    allowance(ctx)
+    _progress(ctx.store).settled += settled
+
+
+def left_over(ctx: Context) -> None:
+    """Dependents were left BLOCKED for later: look for them from the
+    start, with the clock fired at once after this commit."""
+    _progress(ctx.store).after = 0
+    ctx.wake_all()
+
+
+def left_behind(ctx: Context) -> list[int]:
+    """The dependents left behind that this transaction may settle (run by
+    the clock's tick). Moves the look on; fires the clock again at once
+    while there may be more."""
+    progress = _progress(ctx.store)
+    after = progress.after
+    room = allowance(ctx)
+    if after is None or room == 0:
+        if after is not None:
+            ctx.wake_all()
+        return []
+    rows = ctx.store.behind(after, EXAMINE_AT_ONCE)
+    found: list[int] = []
+    # Up to just before the first job taken: if this transaction is undone,
+    # the next look finds it again; if not, it has left BLOCKED (or is
+    # counted right), and the look passes it.
+    resume = rows[-1][0] if rows else after
+    for job_id, behind in rows:
+        if not behind:
+            continue
+        if not found:
+            resume = max(after, job_id - 1)
+        if len(found) == room:
+            break
+        found.append(job_id)
+    if not found and len(rows) < EXAMINE_AT_ONCE:
+        progress.after = None
+        return []
+    progress.after = resume
+    ctx.wake_all()
+    return found
