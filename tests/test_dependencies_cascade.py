@@ -1,7 +1,8 @@
 """A cascade's work bounded per transaction (protocol.md 14.25,
 core/rules/cascade.py): one end with 20,000 dependents never holds the
 writer for seconds, the rest is told by the clock's next transactions,
-and what is left is found again from the stored rows after a restart.
+and what is left is found again from the stored rows after a restart,
+by any node of several, each dependent moved once.
 Over a real server, on SQLite and PostgreSQL."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pg
 import pytest
 from test_dependencies import SLOW, create_jobs, query, take
 
-from harness import ThreadServer
+from harness import Nodes, ThreadServer
 from helpers import create, ok, until
 from jobserver.core.rules import cascade
 from jobserver.wire.limits import MAX_REQUEST_DEPENDENCIES
@@ -112,7 +113,6 @@ def test_a_wide_unblock_keeps_the_order(server, client, monkeypatch):
     until(lambda: query(client, join)["state"] == "QUEUED", 30.0, "the join to be queued")
 
 
-@pytest.mark.backends("sqlite")
 def test_a_cascade_stopped_midway_ends_after_a_restart(db, monkeypatch):
     # 100 a transaction: 20,000 take 200, so the stop comes in the middle.
     monkeypatch.setattr(cascade, "MOVES_AT_ONCE", 100)
@@ -160,3 +160,35 @@ def test_what_a_crash_left_is_found_from_the_rows(db):
             until(lambda: query(client, waits[0])["state"] == "FAILED", 30.0, "the wait")
     finally:
         server.stop()
+
+
+@pytest.mark.backends(only="postgres")
+def test_nodes_that_start_together_each_move_a_left_dependent_once(db, monkeypatch):
+    # Three nodes find the same rows left behind and settle them at once,
+    # 100 a transaction each: every dependent fails once in all (the
+    # failures the nodes' histories count add up to the dependents).
+    monkeypatch.setattr(cascade, "MOVES_AT_ONCE", 100)
+    width = 3000
+    server = ThreadServer(db)
+    try:
+        with server.client(timeout=SLOW) as client:
+            root, _ = fan_out(client, width)
+    finally:
+        server.stop()
+    run_sql(db, f"UPDATE jobs SET state = 'FAILED' WHERE jobID = {root}")
+    run_sql(
+        db,
+        f"INSERT INTO dependencyOutcomes (jobID, state, data) VALUES ({root}, 'FAILED', '{{}}')",
+    )
+    nodes = Nodes(str(db), 3)
+    try:
+        until(lambda: rows(db, "state = 'BLOCKED'") == 0, 60.0, "the cascade to end")
+        assert rows(db, "name = 'leaf' AND state = 'FAILED'") == width
+        failed = 0
+        for node in nodes.nodes:
+            with node.client() as client:
+                body = ok(client.request("History", name="leaf")).json
+                failed += sum(body["series"]["failed"])
+        assert failed == width
+    finally:
+        nodes.stop()
