@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from functools import cache
+from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import psycopg
@@ -30,6 +32,8 @@ REQUIRED = os.environ.get("JOBSERVER_REQUIRE_POSTGRES") == "1"
 # workers inherit), so that two runs on one machine never drop each
 # other's database.
 DATABASE_PREFIX = "jobserver_tests"
+# A schema's drop, tried again when it lost a deadlock (_drop_schema).
+DROP_TRIES = 5
 DATABASE = os.environ.setdefault(
     "JOBSERVER_TEST_DATABASE", f"{DATABASE_PREFIX}_{os.getpid()}"
 )
@@ -108,6 +112,22 @@ def with_schema(url: str, schema: str) -> str:
     return f"{url}{separator}options={quote(f'-csearch_path={schema}')}"
 
 
+def _drop_schema(db: psycopg.Connection[Any], schema: str) -> None:
+    """DROP SCHEMA, again if PostgreSQL ended it as a deadlock's victim: a
+    node's backend that has not yet seen its connection close (a node
+    killed by the test, a reader thread's last statement) can still be
+    locking the schema's tables while the drop waits for them (seen in CI:
+    the drop's AccessExclusiveLock against a backend's RowShareLock)."""
+    for attempt in range(DROP_TRIES):
+        try:
+            db.execute(f"DROP SCHEMA {schema} CASCADE".encode())
+            return
+        except psycopg.errors.DeadlockDetected:
+            if attempt == DROP_TRIES - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+
+
 @contextmanager
 def fresh_schema() -> Iterator[str]:
     """A URL whose jobserver tables live in a new, empty schema."""
@@ -119,7 +139,7 @@ def fresh_schema() -> Iterator[str]:
         yield with_schema(url, schema)
     finally:
         with psycopg.connect(url, autocommit=True) as db:
-            db.execute(f"DROP SCHEMA {schema} CASCADE".encode())
+            _drop_schema(db, schema)
             # The schema's Query role (roles are the cluster's, not the schema's).
             role = postgres_query.role_name(DATABASE, schema)
             db.execute(f"DROP ROLE IF EXISTS {role}".encode())
