@@ -15,6 +15,7 @@ from jobserver.cli.options import (
     add_priority,
     idempotency_key,
     job_id,
+    job_ids,
     job_key,
     json_object,
     number,
@@ -33,6 +34,8 @@ from jobserver.wire.limits import (
     MAX_ATTEMPTS,
     MAX_COST,
     MAX_DELAY,
+    MAX_DEPENDENCIES,
+    ON_DEPENDENCY_FAILURE,
 )
 
 WHEN_HELP = (
@@ -187,6 +190,19 @@ def _add_flow_options(create: argparse.ArgumentParser) -> None:
         "Europe/Paris (default: UTC)",
     )
     create.add_argument(
+        "--depends-on",
+        type=job_ids,
+        metavar="IDS",
+        help=f"jobIDs, comma-separated, 1 to {MAX_DEPENDENCIES}: the job waits (BLOCKED) until "
+        "each of them has ended, and runs if all finished (default: none)",
+    )
+    create.add_argument(
+        "--on-dependency-failure",
+        choices=ON_DEPENDENCY_FAILURE,
+        help="what the job does when a job it depends on fails for good, is cancelled or "
+        "deleted: fail, cancel, or run anyway (default: fail; with --then, run)",
+    )
+    create.add_argument(
         "--idempotency-key",
         type=idempotency_key,
         metavar="KEY",
@@ -253,6 +269,8 @@ def _one_job(args: argparse.Namespace, name: str) -> dict[str, Any]:
         time_zone=args.time_zone,
         overwrite=not args.no_overwrite,
         key=args.key,
+        depends_on=args.depends_on,
+        on_dependency_failure=args.on_dependency_failure,
     )
 
 
@@ -274,7 +292,7 @@ def _read(path: str, create: Callable[[BinaryIO], dict[str, Any]]) -> dict[str, 
 _JOB_OPTIONS = (
     "data", "first_run", "repeat", "priority", "retry_after", "parent", "unique",
     "no_overwrite", "max_attempts", "retry_backoff", "retry_delay", "retry_max_delay",
-    "cost", "key", "time_windows", "time_zone",
+    "cost", "key", "time_windows", "time_zone", "depends_on", "on_dependency_failure",
 )
 
 # create's options that mean nothing without another, by their dests.
@@ -306,6 +324,8 @@ def _options_needed(args: argparse.Namespace) -> str | None:
         return None
     if args.name is None:
         return "give the job's NAME, or --from FILE"
+    if args.on_dependency_failure is not None and args.depends_on is None:
+        return "--on-dependency-failure needs --depends-on"
     return _one_job_needs(args)
 
 
@@ -320,6 +340,8 @@ def _then_needs(args: argparse.Namespace) -> str | None:
         return "--unique cannot go with --then: a batch's completion job is always a new job"
     if args.parent is not None:
         return "--parent cannot go with --then: a job with dependencies is no child"
+    if args.depends_on is not None:
+        return "--depends-on cannot go with --then: the completion job depends on the batch's jobs"
     return _one_job_needs(args)
 
 

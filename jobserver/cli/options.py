@@ -26,6 +26,7 @@ from jobserver.wire.limits import (
     MAX_CLIENT_MAX_REPLY_BYTES,
     MAX_DELAY,
     MAX_DELAY_DIGITS,
+    MAX_DEPENDENCIES,
     MAX_IDEMPOTENCY_KEY,
     MAX_JOB_ID,
     MAX_NAME,
@@ -108,6 +109,17 @@ def _text(bound: float) -> str:
 
 # A jobID argument.
 job_id = number(int, 1, MAX_JOB_ID)
+
+
+def job_ids(text: str) -> list[int]:
+    """An argparse type: jobIDs separated by commas, 1 to MAX_DEPENDENCIES
+    of them (a job's dependencies, protocol.md 14.25)."""
+    listed = [part.strip() for part in text.split(",")]
+    if len(listed) > MAX_DEPENDENCIES:
+        raise argparse.ArgumentTypeError(
+            f"at most {MAX_DEPENDENCIES} jobIDs, not {len(listed)}"
+        )
+    return [int(job_id(part)) for part in listed]
 JOB_ID_HELP = f"a jobID, 1 to {MAX_JOB_ID}"
 
 # Lowest first: argparse lists the choices in this order when one is refused.

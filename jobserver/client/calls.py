@@ -22,7 +22,7 @@ from typing import Any, Generic, TypeVar
 
 from jobserver.client.errors import OutcomeUnknown, error_for
 from jobserver.wire.client_framing import Reply
-from jobserver.wire.limits import DEFAULT_WAIT_MS, MAX_JOB_ID, MAX_WAIT_MS
+from jobserver.wire.limits import DEFAULT_WAIT_MS, MAX_DEPENDENCIES, MAX_JOB_ID, MAX_WAIT_MS
 
 T = TypeVar("T")
 Method = TypeVar("Method", bound=Callable[..., Any])
@@ -233,6 +233,8 @@ def create_job(
     overwrite: bool,
     idempotency_key: str | None,
     key: str | None,
+    depends_on: Sequence[int] | None = None,
+    on_dependency_failure: str | None = None,
 ) -> Call[int]:
     """Create a job; returns its jobID. `max_attempts` gives it a retry
     policy: FailJob queues it again after `retry_delay` seconds
@@ -245,7 +247,10 @@ def create_job(
     (a tenant, a customer; at most 255 bytes, no control characters), for
     limits set `per_key` or `fair` (set_limit). With `unique`, the oldest job
     of this name is reused, `data` merged into its data unless `overwrite`
-    is False.
+    is False. With `depends_on` (at most 1,000 jobIDs, protocol.md 14.25)
+    it waits, BLOCKED, until each of those jobs has ended, and runs if all
+    FINISHED; if one did not, `on_dependency_failure` says what it does:
+    "fail" (the server's default), "cancel", or "run" anyway.
 
     The request carries an idempotency key (protocol.md 14.22):
     `idempotency_key`, or a random one. Under it the job is created once
@@ -275,6 +280,8 @@ def create_job(
         "timeWindows": time_windows,
         "timeZone": time_zone,
         "key": key,
+        "dependsOn": _dependencies(depends_on),
+        "onDependencyFailure": on_dependency_failure,
         # Absent means true: only the refusal to overwrite is sent.
         "overwrite": None if overwrite else False,
         "idempotencyKey": _key(idempotency_key),
@@ -291,6 +298,18 @@ def create_jobs(jobs: list[dict[str, Any]], idempotency_key: str | None) -> Call
         "jobs": jobs, "idempotencyKey": _key(idempotency_key),
     }
     return Call("CreateJobs", params, _field("jobIDs"))
+
+
+def _dependencies(job_ids: Sequence[int] | None) -> list[int] | None:
+    """`depends_on` as sent, checked as the server would check it first."""
+    listed = list(job_ids or ())
+    if not listed:
+        return None
+    if len(listed) > MAX_DEPENDENCIES:
+        raise ValueError(f"depends_on holds at most {MAX_DEPENDENCIES} jobIDs, not {len(listed)}")
+    if not all(isinstance(job_id, int) and not isinstance(job_id, bool) for job_id in listed):
+        raise ValueError(f"depends_on that is not a list of jobIDs: {_shown(listed)}")
+    return listed
 
 
 def _key(given: str | None) -> str | None:

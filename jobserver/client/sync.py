@@ -66,12 +66,14 @@ class Client(Endpoint):
         overwrite: bool = True,
         idempotency_key: str | None = None,
         key: str | None = None,
+        depends_on: Sequence[int] | None = None,
+        on_dependency_failure: str | None = None,
     ) -> int:
         return self._call(
             calls.create_job(
                 name, data, first_run, repeat, priority, retry_after, unique, parent_job_id,
                 max_attempts, retry_backoff, retry_delay, retry_max_delay, cost, time_windows,
-                time_zone, overwrite, idempotency_key, key,
+                time_zone, overwrite, idempotency_key, key, depends_on, on_dependency_failure,
             )
         )
 
