@@ -328,6 +328,27 @@ def test_the_bound_holds_for_text_that_takes_more_bytes_than_characters(db):
         server.stop()
 
 
+def test_the_bound_counts_the_data_of_a_jobs_dependencies(db):
+    """A job handed out with `dependencies` (protocol.md 14.25) carries up to
+    1 MiB of their data besides its own: counted as its own data only, a
+    GetJobs of ten such jobs answered 10 MB past the least bound of 4 MiB
+    (and a thousand, a gigabyte past the default)."""
+    server = ThreadServer(db, max_reply_bytes=MIN_MAX_REPLY_BYTES)
+    try:
+        with server.client(timeout=60) as client:
+            dependency = create(client, "dep")
+            for i in range(10):
+                create(client, f"after{i}", dependsOn=f"[{dependency}]")
+            ok(client.request("GetJob", name="dep"))
+            ok(client.request("FinishJob", jobID=dependency, data=MEGABYTE_DATA))
+            reply = ok(client.request("GetJobs", name="after*", numResults=1000))
+            assert len(reply.body) <= MIN_MAX_REPLY_BYTES
+            assert 1 <= len(reply.json["jobs"]) < 10
+            assert reply.json["jobs"][0]["dependencies"][0]["data"] == {"blob": "x" * 1_000_000}
+    finally:
+        server.stop()
+
+
 def test_one_job_of_the_largest_size_fits_the_least_bound(db):
     server = ThreadServer(db, max_reply_bytes=MIN_MAX_REPLY_BYTES)
     try:

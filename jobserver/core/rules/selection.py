@@ -425,9 +425,9 @@ def _reply_bytes(job: Job, obj: dict[str, Any]) -> int:
     """At most the bytes a job adds to a GetJobs reply, without building it
     (which would cost a second encoding of every job handed out): its data
     exactly, every other text as if each character took an escape's 6
-    bytes, and PER_JOB_EXTRA for the rest. With a parent's or children's
-    data, the object is encoded."""
-    if "parentData" in obj or "finishedChildJobs" in obj:
+    bytes, and PER_JOB_EXTRA for the rest. With a parent's, children's or
+    dependencies' data, the object is encoded."""
+    if "parentData" in obj or "finishedChildJobs" in obj or "dependencies" in obj:
         return len(jsonbody.encode(obj)) + PER_JOB_EXTRA
     texts = (
         job.created, job.name, job.nextRun, job.lastRun or "", job.repeat,
