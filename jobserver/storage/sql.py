@@ -78,6 +78,7 @@ RUNNING_SQL = states((State.RUNNING,))
 QUEUED_SQL = states((State.QUEUED,))
 WAITING_SQL = states((State.WAITING,))
 FAILED_SQL = states((State.FAILED,))
+FINISHED_SQL = states((State.FINISHED,))
 # Leased jobs whose cancel is pending (the index jobsCancelling).
 CANCELLING = f"state = {states((State.RUNQUEUED,))} AND cancelRequested = 1"
 # A finished standalone job kept for retention is history, not a job.

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from jobserver.model.jobs import Job, State
 from jobserver.storage import sql
 from jobserver.storage.dependency_types import Outcome
-from jobserver.storage.sql import JOB, states
+from jobserver.storage.sql import FINISHED_SQL, JOB, states
 from jobserver.storage.sql_statements import Statements
 
 _BLOCKED = states((State.BLOCKED,))
@@ -46,7 +46,7 @@ def _failed(job: str) -> str:
     """The lowest dependency of `job` that ended other than FINISHED."""
     return (
         "(SELECT MIN(e.dependsOn) FROM jobDependencies e JOIN dependencyOutcomes o "
-        f"ON o.jobID = e.dependsOn WHERE e.jobID = {job}.jobID AND o.state <> 'FINISHED')"
+        f"ON o.jobID = e.dependsOn WHERE e.jobID = {job}.jobID AND o.state <> {FINISHED_SQL})"
     )
 
 
