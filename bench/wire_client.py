@@ -1,5 +1,5 @@
 """A plain wire client for the bench scripts that count what a real server
-does per request (hops.py, pg_statements.py): one socket, one request at a
+does per request (hops.py, pg_statements.py, syscalls.py): one socket, one request at a
 time, no reconnects, nothing of the client library, so the server sees
 exactly the requests the script sends."""
 
