@@ -44,6 +44,11 @@ class Dependencies(Protocol):
         (not those kept already: the job had ended before, and its
         dependents were told then)."""
 
+    def forget_outcomes(self, ids: Sequence[int]) -> None:
+        """The jobs of `ids` live again (RequeueJobs of a job that had
+        ended): their kept outcomes go, so that their dependents wait for
+        their next end, and hear of it."""
+
     def edges_from(self, ids: Sequence[int]) -> list[tuple[int, int]]:
         """The edges (dependent, dependency) from the jobs of `ids`."""
 

@@ -129,6 +129,12 @@ class DependencyStatements(Statements):
             args,
         )
 
+    def forget_outcomes(self, ids: Sequence[int]) -> None:
+        if not ids:
+            return
+        on, args = self.dialect.any_of("jobID", sorted(set(ids)), "bigint")
+        self._execute(f"DELETE FROM dependencyOutcomes WHERE {on}", args)
+
     def edges_from(self, ids: Sequence[int]) -> list[tuple[int, int]]:
         if not ids:
             return []

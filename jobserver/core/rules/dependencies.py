@@ -130,6 +130,15 @@ def telling_at_end(ctx: Context, make: Make) -> Iterator[None]:
         tell(ctx, ends, make)
 
 
+def live_again(ctx: Context, job: Job) -> None:
+    """`job` is requeued: if it had ended and jobs depend on it, its kept
+    outcome goes. Kept, a job created to depend on it later counted it as
+    ended (its old outcome), and its next end, kept already, was told to no
+    one: its dependents stayed BLOCKED for good."""
+    if job.dependents:
+        ctx.store.forget_outcomes([job.jobID])
+
+
 def outcome_state(target: str) -> str:
     """The outcome a dependent sees of a job that reached `target` (a
     state, or lifecycle's GONE) from a state that had not ended."""

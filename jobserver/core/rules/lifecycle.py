@@ -350,6 +350,7 @@ def requeue(ctx: Context, job: Job, **changes: Any) -> None:
     old would read as a queue that has not moved for days."""
     due = job.created if job.state in PENDING else ctx.now_ms
     next_run = schedule.in_window(job.timeWindows, job.timeZone, due)
+    dependencies.live_again(ctx, job)
     _move(ctx, job, "requeue", State.QUEUED, nextRun=next_run, attempts=0, **changes)
 
 
