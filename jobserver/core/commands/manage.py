@@ -100,6 +100,10 @@ def cancelled_jobs(ctx: Context, request: Request) -> Response:
     """CancelledJobs (protocol.md 14.26): which of a worker's running jobs
     have a cancel pending, so that it learns sooner than at its next lease
     renewal, at one lookup per job and no write."""
+    # Counted before they are parsed, as a bulk action's: parsed first, a
+    # line of a million held the writer up to 1.1 s before its 413.
+    if params.require(request, "jobIDs").count(",") >= MAX_CANCEL_CHECK:
+        raise CommandError(f"413 Too many jobIDs (max {MAX_CANCEL_CHECK})")
     ids = params.job_ids(request)
     if len(ids) > MAX_CANCEL_CHECK:
         raise CommandError(f"413 Too many jobIDs (max {MAX_CANCEL_CHECK})")
