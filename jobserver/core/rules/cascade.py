@@ -10,9 +10,12 @@ with a count of blockers their stored outcomes no longer agree with, or
 with a failed outcome their policy has not acted on. That is how the rest
 is found again, from the rows alone (`Dependencies.behind`): by this
 node's clock, fired at once, MOVES_AT_ONCE at a time; after a crash or a
-restart by the first tick (deadlines.at_start); by any node, because
-settling a dependent counts its blockers again from the outcomes and
-moves it from BLOCKED under its row lock, so it happens once.
+restart by the first tick (deadlines.at_start); by any node that starts
+or leaves a cascade of its own, because settling a dependent counts its
+blockers again from the outcomes and moves it from BLOCKED under its row
+lock, so it happens once. Nothing tells the other nodes that one left
+work: a node stopped mid-cascade leaves it until one of them looks. The
+bound counts dependents, not the edges each is counted over again.
 
 The order holds: a dependent leaves BLOCKED only when settled, and a
 dependent is settled only from stored outcomes, so none runs before its
