@@ -241,6 +241,36 @@ def test_tls_with_a_certificate_made_now(make_server, tmp_path):
         assert not answer.startswith(b"200")
 
 
+def test_tls_read_deadlines_fire_too(make_server, tmp_path):
+    """A read under TLS is stopped at its deadline as a plain one is: a
+    trickled request gets its 408 in TLS, and an idle connection is closed."""
+    authority = trustme.CA()
+    certificate = authority.issue_cert("127.0.0.1")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    certificate.cert_chain_pems[0].write_to_path(cert)
+    certificate.private_key_pem.write_to_path(key)
+    running = make_server(tls_cert=str(cert), tls_key=str(key), request_timeout=0.5,
+                          idle_timeout=0.5)
+    context = ssl.create_default_context()
+    authority.configure_trust(context)
+    with (
+        socket.create_connection(("127.0.0.1", running.port), timeout=DEADLINE) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
+        tls.sendall(b"CreateJob\r\nname: slow")
+        data = b""
+        while chunk := tls.recv(4096):
+            data += chunk
+        assert data.startswith(b"408 Request timeout\r\n")
+    with (
+        socket.create_connection(("127.0.0.1", running.port), timeout=DEADLINE) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
+        began = time.monotonic()
+        assert tls.recv(1) == b""
+        assert time.monotonic() - began >= 0.4
+
+
 # Binding to other addresses.
 
 

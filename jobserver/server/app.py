@@ -37,6 +37,7 @@ from jobserver.core.engine.clock import SystemClock
 from jobserver.core.engine.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER, Settings
 from jobserver.model.limits import Limit
 from jobserver.model.times import to_millis
+from jobserver.server import sweeper
 from jobserver.server.connection import Connection, serve_connection
 from jobserver.storage import lockfile
 from jobserver.storage.backends import is_postgres, open_store
@@ -235,6 +236,7 @@ class Server:
             async with trio.open_nursery() as core:
                 core.start_soon(engine.run)
                 core.start_soon(engine.listen)
+                core.start_soon(sweeper.sweep_reads, self)
                 if http is not None:
                     core.start_soon(self._serve_http, http)
                 if config.db != ":memory:":
