@@ -202,6 +202,20 @@ def test_include_lease_id_puts_the_header_value_in_each_job(client):
     assert reply.json["leaseID"] == reply.headers["leaseID"]
 
 
+def test_lease_tokens_stay_distinct_across_draws_of_random_bytes(client):
+    # Tokens are cut from random bytes drawn TOKENS_PER_DRAW at a time: a
+    # GetJobs past two draws hands out only new, whole 16-digit tokens.
+    count = 2 * leases.TOKENS_PER_DRAW + 10
+    jobs = json.dumps([{"name": "drawn"}] * count)
+    ok(client.request("CreateJobs", jobs=jobs))
+    tokens: list[str] = []
+    while len(tokens) < count:
+        reply = ok(client.request("GetJobs", name="drawn", numResults=1000, includeLeaseID="true"))
+        tokens += reply.headers["leaseID"].split(",")
+    assert len(tokens) == len(set(tokens)) == count
+    assert all(len(token) == 16 and int(token, 16) >= 0 for token in tokens)
+
+
 def test_policy_jobs_show_their_attempt(client):
     job_id = create(client, "p", maxAttempts=4, retryBackoff="fixed", retryDelay=0)
     job = ok(client.request("GetJob", name="p")).json
