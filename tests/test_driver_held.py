@@ -184,7 +184,7 @@ def test_writes_group_into_few_statements() -> None:
     assert args == [[1], [2]]
     leases = [Write("UPDATE jobs SET leaseID = %s", ("leaseID",), (f"L{i}",), i) for i in (1, 2)]
     ((statement, args),) = held_writes.batches(leases, "%s", arrays=True)
-    assert "json_array_elements" in statement and args == [['[[1,"L1"],[2,"L2"]]', "{1,2}"]]
+    assert "jsonb_array_elements" in statement and args == [['[[1,"L1"],[2,"L2"]]', "{1,2}"]]
     twice = [*same, Write("DELETE FROM jobs", (), (), 1, fence)]
     assert len(held_writes.batches(twice, "%s", arrays=True)) == 2
 
@@ -208,6 +208,21 @@ def test_many_rows_keep_every_value_byte_for_byte(store: Storage) -> None:
             texts[i],
             "RUNNING",
         )
+
+
+def test_many_rows_keep_every_number_exactly(store: Storage) -> None:
+    # Rows of different values go as one JSON parameter (jsonb on
+    # PostgreSQL, whose numbers are decimal): each float and integer must
+    # come back as written.
+    delays = [0.1, 1e-07, 1e16, 3600.0, 2.5e-320, 1.7976931348623157e308]
+    big = [2**31 - 1, 2**30, 7, 0, 1, 12345]
+    ids = create(store, *(job(f"n{i}") for i in range(len(delays))))
+    with transaction(store), store.holding_writes():
+        store.hold(ids)
+        for job_id, delay, attempts in zip(ids, delays, big, strict=True):
+            store.amend([job_id], JobChanges(retryDelay=delay, attempts=attempts))
+    got = [(row.retryDelay, row.attempts) for row in rows(store, ids) if row is not None]
+    assert got == list(zip(delays, big, strict=True))
 
 
 # The property: held or not, the same answers and the same rows.

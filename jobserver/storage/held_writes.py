@@ -247,11 +247,14 @@ def _rows(columns: tuple[str, ...], rows: list[tuple[Any, ...]], mark: str) -> t
     """A row source of `rows`, their columns named v0, v1, ... and typed
     as `columns`, and its one parameter: the rows as a JSON array of
     arrays (json.dumps is C; a list parameter is dumped in Python). A
-    PostgreSQL text holds no NUL, so no stored value needs `\\u0000`."""
+    PostgreSQL text holds no NUL, so no stored value needs `\\u0000`.
+    Read as jsonb, parsed once: each `->>` of a json value parses its
+    element's text again, which cost a hand-out of 100 jobs about 4 µs a
+    job of PostgreSQL's CPU and an outcomes insert 3 (docs/benchmarks.md)."""
     typed = ", ".join(
         f"(e->>{i}){_CASTS.get(column, '')} AS v{i}" for i, column in enumerate(columns)
     )
-    source = f"(SELECT {typed} FROM json_array_elements({mark}::json) AS e)"
+    source = f"(SELECT {typed} FROM jsonb_array_elements({mark}::jsonb) AS e)"
     return source, json.dumps(rows, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
