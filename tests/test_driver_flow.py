@@ -353,7 +353,9 @@ def test_only_one_node_prunes_at_a_time(
 
 STORAGE = Path(storage.__file__).parent
 # The stored formats: their text is what files and databases hold.
-SCHEMAS = ("sqlite_schema.py", "postgres_schema.py", "postgres_functions.py")
+SCHEMAS = (
+    "sqlite_schema.py", "postgres_schema.py", "postgres_migrations.py", "postgres_functions.py",
+)
 
 
 def test_storage_imports_nothing_of_the_core() -> None:

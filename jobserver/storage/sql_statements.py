@@ -150,27 +150,35 @@ class Statements:
             held.new_ids = chunk[::-1]
         return held.new_ids.pop() if held.new_ids else None
 
-    def _found(self, jobs: list[Job]) -> list[Job]:
+    def _found(self, jobs: list[Job], children: dict[int, bool] | None = None) -> list[Job]:
         """A search's finds, locked (or this process's alone): held, while
-        writes are."""
+        writes are; `children`, whether each has children, if the search
+        said (PostgreSQL's)."""
         held = self._held
         if held is None or not jobs:
             return jobs
         # Whether each has children, which its hand-out reads: one
-        # statement for all, not one each.
-        maybe = [job.jobID for job in jobs if self._may_have_children(job.jobID)]
-        if maybe:
-            by_id, args = self.dialect.any_of("parentJobID", maybe, "bigint")
-            parents = set(
-                self._ids(
-                    f"SELECT DISTINCT parentJobID FROM jobs WHERE parentJobID != 0 AND {by_id}",
-                    args,
-                )
+        # statement for all, not one each, where the search did not say.
+        if children is None:
+            children = self._children_of(
+                [job.jobID for job in jobs if self._may_have_children(job.jobID)]
             )
-            held.parents.update((job_id, job_id in parents) for job_id in maybe)
+        held.parents.update(children)
         for job in jobs:
             held.rows[job.jobID] = job
         return jobs
+
+    def _children_of(self, maybe: list[int]) -> dict[int, bool]:
+        """Whether each of these jobs has children."""
+        if not maybe:
+            return {}
+        by_id, args = self.dialect.any_of("parentJobID", maybe, "bigint")
+        parents = set(
+            self._ids(
+                f"SELECT DISTINCT parentJobID FROM jobs WHERE parentJobID != 0 AND {by_id}", args
+            )
+        )
+        return {job_id: job_id in parents for job_id in maybe}
 
     def savepoint(self, name: str = "request") -> None:
         if self._held is not None and self._held.opens(name):
