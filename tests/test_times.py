@@ -213,6 +213,29 @@ def test_text_sorts_like_time(a: datetime, b: datetime) -> None:
 
 
 @FAST
+@given(st.datetimes(timezones=st.just(UTC)))
+def test_millis_are_written_as_format_specs_write_them(moment: datetime) -> None:
+    # to_millis looks its digits up in tables; years below 1000 padded too.
+    t = moment
+    assert to_millis(moment) == (
+        f"{t.year:04d}-{t.month:02d}-{t.day:02d} "
+        f"{t.hour:02d}:{t.minute:02d}:{t.second:02d}.{t.microsecond // 1000:03d}"
+    )
+
+
+def test_a_later_time_is_made_once_a_moment_for_each_span() -> None:
+    now = datetime(2026, 3, 4, 5, 6, 7, 890123, tzinfo=UTC)
+    now_ms = to_millis(now)
+    day = times.later_millis(now, now_ms, 86400)
+    assert day == "2026-03-05 05:06:07.890"
+    assert times.later_millis(now, now_ms, 86400) is day
+    assert times.later_millis(now, now_ms, 1.5) == "2026-03-04 05:06:09.390"
+    assert times.later_millis(now, now_ms, 86400) is day
+    later = now + timedelta(seconds=1)
+    assert times.later_millis(later, to_millis(later), 86400) == "2026-03-05 05:06:08.890"
+
+
+@FAST
 @given(_MOMENTS)
 def test_stored_text_reads_back(moment: datetime) -> None:
     assert parse_stored(to_seconds(moment)) == moment.replace(microsecond=0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from jobserver.core.engine.history import Events, add_events, new_events
@@ -122,8 +122,7 @@ class Context:
     def stale_at(self) -> str:
         """now + --stale-after, to the millisecond, as nextRun is stored."""
         if self._stale_at is None:
-            later = self.now + timedelta(seconds=self.settings.stale_after)
-            self._stale_at = times.to_millis(later)
+            self._stale_at = times.later_millis(self.now, self.now_ms, self.settings.stale_after)
         return self._stale_at
 
     def wake_all(self) -> None:

@@ -21,7 +21,6 @@ job nobody awaits adds nothing to the notice.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
 from typing import Any
 
 from jobserver.core.engine.context import Context
@@ -55,7 +54,7 @@ def on_move(ctx: Context, job: Job, name: str, target: str, changes: dict[str, A
         if not job.awaited:
             return
         keep = AWAITED_KEEP
-    expires = _expires(ctx.now, ctx.now_ms, keep)
+    expires = times.later_millis(ctx.now, ctx.now_ms, keep)
     ctx.store.keep_job_outcome(
         JobOutcome(
             job.jobID, job.name, final, changes.get("data", job.data),
@@ -64,22 +63,6 @@ def on_move(ctx: Context, job: Job, name: str, target: str, changes: dict[str, A
     )
     if job.awaited:
         ctx.ended.add(job.jobID)
-
-
-# The last expiry computed, by (now, keep): FinishJobs of a thousand jobs
-# shares one moment (a Context per element), so one formatting, not 1,000.
-_last: tuple[tuple[str, float], str] = (("", 0.0), "")
-
-
-def _expires(now: datetime, now_ms: str, keep: float) -> str:
-    global _last
-    # Read once: several servers in one process (tests) write it too.
-    last = _last
-    if last[0] == (now_ms, keep):
-        return last[1]
-    expires = times.to_millis(now + timedelta(seconds=keep))
-    _last = ((now_ms, keep), expires)
-    return expires
 
 
 def of_row(job: Job) -> JobOutcome:
