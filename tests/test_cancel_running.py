@@ -329,7 +329,7 @@ def test_a_version_9_database_is_migrated_and_its_jobs_can_be_cancelled(backend,
             index = conn.execute(
                 "SELECT 1 FROM pg_indexes WHERE indexname = 'jobscancelling'"
             ).fetchone()
-        assert row == (postgres_schema.SCHEMA_VERSION,) == (11,)
+        assert row == (postgres_schema.SCHEMA_VERSION,) == (10,)
         assert index == (1,)
 
 

@@ -283,7 +283,7 @@ def test_an_older_database_is_migrated_and_keeps_its_jobs(backend, db, tmp_path)
     if not isinstance(db, Path):
         with psycopg.connect(str(db)) as conn:
             row = conn.execute("SELECT version FROM jobserver_schema").fetchone()
-        assert row == (postgres_schema.SCHEMA_VERSION,) == (11,)
+        assert row == (postgres_schema.SCHEMA_VERSION,) == (10,)
 
 
 def _sqlite_layout(path: Path) -> tuple[Any, ...]:

@@ -81,16 +81,17 @@ def _find_ready_after(names_or_pattern: str, after: str) -> str:
                 FOR UPDATE SKIP LOCKED;"""
 
 
-# Written after `priority = level`, from the index's second column, so
-# that PostgreSQL starts its range there (version 11). Version 8's form,
-# `(priority, nextRun, name, jobID) > (level, ...)`, was taken for a filter
-# behind `priority = level`, the range's start: each page read the
-# priority's entries from its first again, on a queue with 25,000 jobs
-# handed out before the one passed over 213 buffers a page of 100 where
-# this reads 7.
+# Written from the index's first column. Behind `priority = level` this
+# is a filter, not the range's start: each page reads the priority's
+# entries from its first again (with 25,000 jobs handed out before the one
+# passed over, 213 buffers a page of 100). `(nextRun, name, jobID) > (...)`
+# starts the range there (7 buffers), but in a generic plan without
+# statistics PostgreSQL then took jobsReadyNextRun's range from after_next
+# to due and sorted it (a page of 1,600 behind 100,000 held jobs: 470 ms
+# against 20), so the search stays written this way (docs/benchmarks.md).
 _AFTER = (
-    '\n                AND (nextRun, name, jobID) > '
-    '(after_next COLLATE "C", after_name COLLATE "C", after_id)'
+    '\n                AND (priority, nextRun, name, jobID) > '
+    '(level, after_next COLLATE "C", after_name COLLATE "C", after_id)'
 )
 FIND_READY_AFTER_FUNCTION = f"""
 CREATE OR REPLACE FUNCTION jobserver_find_ready_after(
@@ -121,7 +122,6 @@ BEGIN
 END
 $fn$
 """
-
 
 # Query's own role logs in with this password (storage/postgres_query.py):
 # one row, kept where only the nodes' own database user can read it, so

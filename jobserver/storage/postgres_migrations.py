@@ -142,9 +142,3 @@ def version_10(db: psycopg.Connection) -> None:
     for statement in _VERSION_10:
         db.execute(statement.encode())
 
-
-def version_11(db: psycopg.Connection) -> None:
-    # The search starts its index range after what it has passed over
-    # (postgres_functions._AFTER); the same arguments and answers, so a
-    # node of version 10 still serving goes on calling it.
-    db.execute(FIND_READY_AFTER_FUNCTION.encode())

@@ -58,10 +58,8 @@ from jobserver.storage.sqlite_schema import StoreError
 # pending cancel (CancelJob with running: true, protocol.md 14.26).
 # AwaitJob (protocol.md 14.27): the jobs' `awaited` mark, and the
 # outcomes of ended jobs kept for it.
-# 11: GetJob's search starts its index range after what it has passed
-# over (jobserver_find_ready_after, replaced).
 # The steps from version 5 on are postgres_migrations.py's.
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 10
 
 # Rows of jobserver_locks. The nodes lock these rows, with FOR UPDATE,
 # where they once took advisory locks: any role that can connect to the
@@ -285,7 +283,6 @@ def _migrate(db: psycopg.Connection, where: str, schema: str) -> None:
         step.version_8(db)
     step.version_9(db)
     step.version_10(db)
-    step.version_11(db)
     db.execute("DELETE FROM jobserver_schema")
     db.execute("INSERT INTO jobserver_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
 
