@@ -13,6 +13,7 @@ comes back to the queue.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -197,6 +198,44 @@ def test_a_transaction_spoiled_by_an_error_is_never_answered_as_committed(url):
         with pytest.raises(psycopg.Error, match="rolled back instead of committed"):
             store.commit()
     finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        {"plain", "queue/a b"},
+        {"it's", "back\\slash", "$jobserver$", "a$", "$$", "$1", "'; COMMIT; --", "caf\u00e9"},
+    ],
+)
+def test_the_notice_sent_with_the_commit_arrives_as_it_was_written(url, names):
+    """A COMMIT and the notice to other nodes go as one query, the notice
+    quoted in it: every name arrives as written, whatever quotes, dollars
+    or backslashes it holds, and only if the transaction commits."""
+    store = postgres.PostgresStore(url)
+    listener = psycopg.connect(url, autocommit=True)
+    try:
+        listener.execute(f'LISTEN "{store.channel}"')
+        store.begin()
+        store.announce(names, "2030-01-01 00:00:00.000", {7})
+        store.commit()
+        heard = next(listener.notifies(timeout=DEADLINE))
+        notice = json.loads(heard.payload)
+        assert (set(notice["ready"]), notice["due"], notice["ended"]) == (
+            names, "2030-01-01 00:00:00.000", [7]
+        )
+        store.begin()
+        store.announce({"spoiled"}, None, set())
+        with pytest.raises(psycopg.Error):
+            store._execute("SELECT 1/0")
+        with pytest.raises(psycopg.Error):
+            store.commit()
+        store.begin()
+        store.announce({"after"}, None, set())
+        store.commit()
+        assert json.loads(next(listener.notifies(timeout=DEADLINE)).payload)["ready"] == ["after"]
+    finally:
+        listener.close()
         store.close()
 
 

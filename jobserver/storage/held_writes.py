@@ -35,7 +35,9 @@ from jobserver.model.jobs import Job
 from jobserver.storage.sql import NOT_TEXT, integers
 
 
-@dataclass(frozen=True)
+# Plain, with slots: made for every write a command holds (three a job
+# in a drain), and a frozen dataclass's __init__ costs five times as much.
+@dataclass(slots=True)
 class Write:
     """One job's write: `{head} WHERE jobID = ?{fence}`, bound to
     head_args, the jobID, fence_args; for an insert, `head` bound to
@@ -215,7 +217,7 @@ def _grouped(groups: dict[tuple[str, str], list[Write]], mark: str, arrays: bool
             out.append(_one_by_one(writes, mark))
         elif writes[0].insert:
             out.append(_insert_rows(writes, mark))
-        elif all(_same_values(w, writes[0]) for w in writes):
+        elif _same_values(writes):
             out.append(_any_of(writes, mark))
         elif not writes[0].fence_args:
             out.append(_update_rows(writes, mark))
@@ -232,13 +234,17 @@ def _one_by_one(writes: list[Write], mark: str) -> Batch:
     return statement, [[*w.head_args, w.job_id, *w.fence_args] for w in writes]
 
 
-def _same_values(write: Write, first: Write) -> bool:
-    return write.head_args == first.head_args and write.fence_args == first.fence_args
+def _same_values(writes: list[Write]) -> bool:
+    """Whether the writes bind the same values (a list, not a generator:
+    one call, not one a job)."""
+    first = writes[0]
+    head, fence = first.head_args, first.fence_args
+    return all([w.head_args == head and w.fence_args == fence for w in writes])
 
 
 def _any_of(writes: list[Write], mark: str) -> Batch:
     first = writes[0]
-    ids = integers(w.job_id for w in writes)
+    ids = integers([w.job_id for w in writes])
     statement = f"{first.head} WHERE jobID = ANY({mark}::bigint[]){first.many_fence}"
     return statement, [[*first.head_args, ids, *first.fence_args]]
 
@@ -280,7 +286,7 @@ def _update_rows(writes: list[Write], mark: str) -> Batch:
     # their key. Joined on v.v0 alone it scanned every job of the fence's
     # states into a hash (12 ms for 100 of 40,000 queued jobs: the time
     # grew with the queue), its statistics of a queue table never current.
-    ids = integers(w.job_id for w in writes)
+    ids = integers([w.job_id for w in writes])
     statement = (
         f"UPDATE jobs SET {sets} FROM {source} AS v "
         f"WHERE jobID = ANY({mark}::bigint[]) AND jobID = v.v0{first.many_fence}"

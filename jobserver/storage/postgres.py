@@ -45,12 +45,14 @@ from typing import Any
 
 import psycopg
 from psycopg.pq import TransactionStatus
+from psycopg.sql import SQL, Literal
 
 from jobserver.model.globmatch import glob_to_regex, is_glob
 from jobserver.model.jobs import Job
 from jobserver.model.limits import Limit
 from jobserver.storage import postgres_listen, postgres_readers, postgres_schema
 from jobserver.storage.backup_types import BackupCopy, BackupDirectory, BackupUnsupported
+from jobserver.storage.held_writes import Batch
 from jobserver.storage.postgres_connection import (
     ASK_MILLISECONDS,
     check_version,
@@ -157,6 +159,31 @@ class PostgresStore(SqlStore):
             raise
         self._changes += max(cursor.rowcount, len(args))
 
+    def _run_batches(self, sent: list[Batch]) -> None:
+        """Held writes of several statements in one round trip (a
+        pipeline): a FinishJobs' deletes and its outcomes' insert were
+        two. A statement that fails fails the pipeline, and PostgreSQL
+        skips the rest, as if they had been sent one at a time."""
+        if len(sent) < 2:
+            super()._run_batches(sent)
+            return
+        ran: list[tuple[psycopg.Cursor[Any], int]] = []
+        try:
+            with self._db.pipeline():
+                for statement, args in sent:
+                    cursor = self._db.cursor()
+                    if len(args) == 1:
+                        cursor.execute(statement, args[0])
+                    else:
+                        cursor.executemany(statement, args)
+                    ran.append((cursor, len(args)))
+        except psycopg.Error:
+            self._changes += 1
+            raise
+        # Counted as _run and _run_many count them.
+        for cursor, times in ran:
+            self._changes += max(cursor.rowcount, times) if times > 1 else max(cursor.rowcount, 0)
+
     def _next_ids(self, count: int) -> list[int]:
         # From the column's own sequence: an ID is never handed out twice,
         # whether the insert that takes it commits or not.
@@ -194,29 +221,30 @@ class PostgresStore(SqlStore):
             self._reconnect()
         self._notice = None
         self._kept_keys = {}
-        # One round trip for all three (a pipeline): BEGIN; the
-        # transaction's ID, known before anything is written, so that a
-        # COMMIT whose reply is lost can be asked about (commit); and what
-        # another node changed of limits and pauses since the last batch.
-        # The ID is taken even if the batch only reads: a transaction that
-        # wrote has one anyway, and one that did not costs PostgreSQL a
-        # commit record.
+        # One round trip for all three: BEGIN; the transaction's ID, known
+        # before anything is written, so that a COMMIT whose reply is lost
+        # can be asked about (commit); and what another node changed of
+        # limits and pauses since the last batch. The ID is taken even if
+        # the batch only reads: a transaction that wrote has one anyway,
+        # and one that did not costs PostgreSQL a commit record. One query
+        # of three statements (no parameters: the simple protocol), whose
+        # results come one after the other: as a pipeline of three it took
+        # twice the node's CPU, and every batch begins.
         try:
-            with self._db.pipeline():
-                self._db.execute(b"BEGIN")
-                xid = self._db.execute(b"SELECT pg_current_xact_id()::text, pg_backend_pid()")
-                flow = self._db.execute(FLOW_CONTROL)
+            results = self._db.execute(_BEGIN)
+            results.nextset()
+            row = results.fetchone()
+            results.nextset()
+            flow = results.fetchall()
         except psycopg.Error:
             self._changes += 1
-            # A pipeline cut off midway can leave the connection in a state
-            # psycopg does not call broken ("cannot exit pipeline mode while
-            # busy"): the next batch starts on a new one.
+            # A query cut off midway can leave the connection in a state
+            # psycopg does not call broken: the next batch starts on a new one.
             self._db.close()
             raise
-        row = xid.fetchone()
         assert row is not None
         self._xid, self._backend = str(row[0]), int(row[1])
-        self._set_flow_control(flow.fetchall())
+        self._set_flow_control(flow)
 
     def try_begin(self) -> bool:
         self.begin()
@@ -258,13 +286,20 @@ class PostgresStore(SqlStore):
         new connection (`_committed`) before it says either way."""
         notice, self._notice = self._notice, None
         kept, self._kept_keys = self._kept_keys, {}
-        # The idempotency keys, the notice and the commit in one round trip.
+        # The idempotency keys, the notice and the commit in one round trip:
+        # a pipeline where keys were kept, else one query (the simple
+        # protocol, the notice a literal), at half the node's CPU.
         try:
-            with self._db.pipeline():
-                if kept:
+            if kept:
+                with self._db.pipeline():
                     self._db.execute(KEEP_KEYS, [list(column) for column in _columns(kept)])
-                if notice is not None:
-                    self._db.execute("SELECT pg_notify(%s, %s)", (self.channel, notice))
+                    if notice is not None:
+                        self._db.execute("SELECT pg_notify(%s, %s)", (self.channel, notice))
+                    done = self._db.execute(b"COMMIT")
+            elif notice is not None:
+                done = self._db.execute(self._notify_and_commit(notice))
+                done.nextset()
+            else:
                 done = self._db.execute(b"COMMIT")
         except psycopg.Error as error:
             self._changes += 1
@@ -277,6 +312,25 @@ class PostgresStore(SqlStore):
             raise psycopg.OperationalError(
                 f"the transaction was rolled back instead of committed ({done.statusmessage})"
             )
+
+    def _notify_and_commit(self, notice: str) -> bytes:
+        """`notice` sent to the other nodes, then COMMIT, as one query. The
+        channel and the notice are dollar-quoted: taken as they are, with
+        no escapes whatever the server's settings, and no Python work a
+        character. ASCII (announce's JSON escapes the rest) reads the same
+        in every client encoding. A text with a `$` (a job name can hold
+        one), which could end the quote, is quoted by psycopg as a literal
+        instead."""
+        text = notice + self.channel
+        if text.isascii() and "$" not in text:
+            return (
+                f"SELECT pg_notify({_DOLLAR}{self.channel}{_DOLLAR}, "
+                f"{_DOLLAR}{notice}{_DOLLAR}); COMMIT"
+            ).encode()
+        query = SQL("SELECT pg_notify({}, {}); COMMIT").format(
+            Literal(self.channel), Literal(notice)
+        )
+        return query.as_bytes(self._db)
 
     def _committed(self, error: psycopg.Error) -> bool:
         """Whether the open transaction committed, after its COMMIT raised
@@ -484,6 +538,13 @@ KEEP_KEYS = (
     "ON CONFLICT (idempotencyKey) DO UPDATE SET request = excluded.request, "
     "reply = excluded.reply, expires = excluded.expires"
 )
+
+
+# The quote of a dollar-quoted string (_notify_and_commit).
+_DOLLAR = "$jobserver$"
+# A batch's begin: its transaction, the transaction's ID and backend, and
+# the limits and pauses as other nodes left them.
+_BEGIN = f"BEGIN; SELECT pg_current_xact_id()::text, pg_backend_pid(); {FLOW_CONTROL}".encode()
 
 
 def _columns(kept: Mapping[str, tuple[str, str, str]]) -> tuple[tuple[str, ...], ...]:

@@ -62,7 +62,7 @@ def integers(values: Iterable[int]) -> str:
     """PostgreSQL's array literal of integers, bound as text: psycopg
     dumps a list parameter element by element in Python, which showed in
     the profile of a drain."""
-    return "{" + ",".join(str(int(value)) for value in values) + "}"
+    return "{" + ",".join(map(str, map(int, values))) + "}"
 
 
 def states(names: Iterable[str]) -> str:

@@ -21,6 +21,10 @@ _ON_CONFLICT = " ON CONFLICT (jobID) DO UPDATE SET " + ", ".join(
     f"{column} = excluded.{column}" for column in _COLUMNS[1:]
 )
 
+# The insert of one outcome, by the dialect's parameter mark: made once,
+# not for each job a FinishJobs ends.
+_INSERTS: dict[str, str] = {}
+
 
 class Outcomes(Statements):
     """The named operations on outcomes, for the writer's connection."""
@@ -28,8 +32,12 @@ class Outcomes(Statements):
     def keep_job_outcome(self, outcome: JobOutcome) -> None:
         """Keep `outcome` (replacing an older one of the same job): held
         with the command's other writes, if it holds them."""
-        marks = ", ".join(self.dialect.mark for _ in _COLUMNS)
-        head = f"INSERT INTO outcomes ({', '.join(_COLUMNS)}) VALUES ({marks}){_ON_CONFLICT}"
+        head = _INSERTS.get(self.dialect.mark)
+        if head is None:
+            marks = ", ".join(self.dialect.mark for _ in _COLUMNS)
+            head = _INSERTS[self.dialect.mark] = (
+                f"INSERT INTO outcomes ({', '.join(_COLUMNS)}) VALUES ({marks}){_ON_CONFLICT}"
+            )
         values = (
             outcome.jobID, outcome.name, outcome.state, outcome.data, outcome.lastError,
             outcome.ended, outcome.expires,

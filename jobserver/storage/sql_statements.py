@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from jobserver.model.jobs import Job
-from jobserver.storage.held_writes import HeldWrites, Write, batches
+from jobserver.storage.held_writes import Batch, HeldWrites, batches
 from jobserver.storage.sql import COLUMNS, Dialect, Rows
 
 # jobIDs taken from the sequence at once by reserve_ids.
@@ -78,13 +78,15 @@ class Statements:
 
     def _send(self, held: HeldWrites) -> None:
         before, savepoint, since = held.take_pending()
-        self._run_writes(before)
+        d = self.dialect
+        sent = batches(before, d.mark, d.arrays)
         if savepoint is not None:
-            self._run(f'SAVEPOINT "{savepoint}"')
-        self._run_writes(since)
+            sent.append((f'SAVEPOINT "{savepoint}"', [[]]))
+        self._run_batches(sent + batches(since, d.mark, d.arrays))
 
-    def _run_writes(self, writes: list[Write]) -> None:
-        for statement, args in batches(writes, self.dialect.mark, self.dialect.arrays):
+    def _run_batches(self, sent: list[Batch]) -> None:
+        """Run the statements, in order (a backend may send them at once)."""
+        for statement, args in sent:
             if len(args) == 1:
                 self._run(statement, args[0])
             else:

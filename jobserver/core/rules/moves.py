@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import product
 
 from jobserver.core.errors import CommandError
@@ -33,8 +34,9 @@ class Move:
     ends_run: bool = True
     refusals: Mapping[str, str] = field(default_factory=dict)
 
-    @property
+    @cached_property
     def sources(self) -> frozenset[str]:
+        # Asked at every report on a job (`check`): made once.
         return frozenset(source for source, _ in self.pairs)
 
 
