@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from bulk_jobs import COSTLY, costly_name, create_many, failed_jobs, queue_many, states
+from bulk_jobs import COSTLY, costly_name, create_many, failed_jobs, states, stored_queued
 
 from harness import ServerProcess, ThreadServer
 from helpers import create, ok
@@ -256,10 +256,12 @@ def test_a_search_stops_at_its_bound_says_so_and_leaves_the_writer_free(
 ) -> None:
     """More queued jobs than a search examines, none of the first of them
     matching: the dry run answers at once, saying it stopped short, never
-    "nothing", even where a match lies beyond what it examined."""
+    "nothing", even where a match lies beyond what it examined. (The jobs
+    are written to the table before the server starts: the test is of the
+    search over them, not of their creation.)"""
+    stored_queued(db, [queued_name(i) for i in range(MAX_BULK_EXAMINED + 1000)])
     server = start_server(db)
     with server.client(timeout=120) as client:
-        queue_many(client, [queued_name(i) for i in range(MAX_BULK_EXAMINED + 1000)])
         (late,) = create_many(client, ["b/match"])
         stopped = {"matched": 0, "acted": 0, "remaining": 0, "jobIDs": [], "complete": False}
         for pattern, cost in PATTERNS:
