@@ -94,7 +94,7 @@ def start(root: Path | None, out: Path, url: str) -> tuple[subprocess.Popen[byte
          sys.executable, "-m", "jobserver", "serve", "--port", str(port), "--db", url],
         cwd=root or out, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 900  # valgrind on a loaded machine
     while True:
         try:
             Client(port).ok("Ping")

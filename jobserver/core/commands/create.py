@@ -108,7 +108,7 @@ def _elements(elements: list[dict[str, Any]]) -> Iterator[Request]:
     """CreateJobs' elements, each as a CreateJob, read as they are asked for
     (so that a bad element is refused after the elements before it)."""
     for element in elements:
-        if not any(key.lower() == "name" for key in element):
+        if "name" not in element and not any(key.lower() == "name" for key in element):
             raise CommandError("402 Missing name")
         yield json_params.from_json(element, "CreateJob")
 

@@ -112,26 +112,29 @@ def from_json(element: Mapping[str, Any], verb: str) -> Request:
     compact() keeps it escaped).
     """
     request = Request(method_line=verb)
+    headers = request.headers
     for key, value in element.items():
-        if jsonbody.has_lone_surrogate(key):
+        # ASCII holds no surrogate: the search is only for the rest.
+        if not key.isascii() and jsonbody.has_lone_surrogate(key):
             raise CommandError("402 Malformed parameter name: a lone surrogate")
-        if isinstance(value, str) and jsonbody.has_lone_surrogate(value):
-            raise CommandError(f"402 Malformed {key}")
-        if key.lower() == "data" and value == []:
-            value = {}
+        name = key.lower()
         if isinstance(value, str):
+            if not value.isascii() and jsonbody.has_lone_surrogate(value):
+                raise CommandError(f"402 Malformed {key}")
             text = value
         elif isinstance(value, bool):
             text = "true" if value else "false"
         elif value is None:
             continue
         elif isinstance(value, (dict, list)):
+            if name == "data" and value == []:
+                value = {}
             # Parsed with the list: not parsed again as the element's own.
-            with_json_value(request, key.lower(), jsonbody.compact(value), value)
+            with_json_value(request, name, jsonbody.compact(value), value)
             continue
         else:
             text = str(value)
-        request.headers[key.lower()] = text
+        headers[name] = text
     return request
 
 

@@ -44,8 +44,9 @@ _SECONDS = re.compile(r"[0-9]{1,8}(?:\.[0-9]{1,3})?")
 
 def present(request: Request, name: str) -> str | None:
     """The value of a parameter, or None when absent or empty."""
-    value = request.get(name)
-    return None if value is None or value == "" else value
+    # The headers themselves, not request.get: a CreateJob asks for
+    # fifteen parameters, most of them absent, a CreateJobs for each job.
+    return request.headers.get(name.lower()) or None
 
 
 def too_large(parameter: str, limit: int, unit: str = "bytes") -> CommandError:
