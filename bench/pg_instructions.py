@@ -115,6 +115,32 @@ def counted(out: Path, server: subprocess.Popen[bytes], name: str, run: Callable
     return dumped(out, name)
 
 
+def measure(root: Path | None, out: Path, url: str, jobs: int) -> None:
+    server, port = start(root, out, url)
+    try:
+        client = Client(port)
+        insert(client, BATCH, "warm")
+        drain(port, 1, "warm")
+        single(client, 100)
+        workloads: list[tuple[str, int, Callable[[], None]]] = [
+            ("batch insert", jobs, lambda: insert(client, jobs, "one")),
+            ("drain, 1 connection", jobs, lambda: drain(port, 1, "one")),
+            ("batch insert (4)", jobs, lambda: insert(client, jobs, "four")),
+            ("drain, 4 connections", jobs, lambda: drain(port, 4, "four")),
+            ("single enqueue", jobs // 10, lambda: single(client, jobs // 10)),
+        ]
+        idle = counted(out, server, "idle", lambda: time.sleep(IDLE_SECONDS)) / IDLE_SECONDS
+        print(f"{'idle':22} {idle:>12,.0f} instructions/s (subtracted below)", flush=True)
+        for index, (label, count, run) in enumerate(workloads):
+            began = time.monotonic()
+            total = counted(out, server, f"w{index}", run)
+            busy = total - idle * (time.monotonic() - began)
+            print(f"{label:22} {busy / count:>12,.0f} instructions/job", flush=True)
+    finally:
+        server.terminate()
+        server.wait()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--server-root", type=Path, help="the checkout to run")
@@ -125,32 +151,12 @@ def main() -> int:
     args = parser.parse_args()
     jobs = args.jobs - args.jobs % BATCH
     database = BenchDatabase.create(args.postgres)
-    with tempfile.TemporaryDirectory() as out_dir:
-        out = Path(out_dir)
-        server, port = start(args.server_root, out, database.url)
-        try:
-            client = Client(port)
-            insert(client, BATCH, "warm")
-            drain(port, 1, "warm")
-            single(client, 100)
-            workloads: list[tuple[str, int, Callable[[], None]]] = [
-                ("batch insert", jobs, lambda: insert(client, jobs, "one")),
-                ("drain, 1 connection", jobs, lambda: drain(port, 1, "one")),
-                ("batch insert (4)", jobs, lambda: insert(client, jobs, "four")),
-                ("drain, 4 connections", jobs, lambda: drain(port, 4, "four")),
-                ("single enqueue", jobs // 10, lambda: single(client, jobs // 10)),
-            ]
-            idle = counted(out, server, "idle", lambda: time.sleep(IDLE_SECONDS)) / IDLE_SECONDS
-            print(f"{'idle':22} {idle:>12,.0f} instructions/s (subtracted below)", flush=True)
-            for index, (label, count, run) in enumerate(workloads):
-                began = time.monotonic()
-                total = counted(out, server, f"w{index}", run)
-                busy = total - idle * (time.monotonic() - began)
-                print(f"{label:22} {busy / count:>12,.0f} instructions/job", flush=True)
-        finally:
-            server.terminate()
-            server.wait()
-            database.drop()
+    # Dropped whatever happens, a node that never started included.
+    try:
+        with tempfile.TemporaryDirectory() as out_dir:
+            measure(args.server_root, Path(out_dir), database.url, jobs)
+    finally:
+        database.drop()
     return 0
 
 
