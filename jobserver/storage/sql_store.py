@@ -21,7 +21,7 @@ idempotency keys (sql_replies.py), outcomes kept for AwaitJob
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from jobserver.model.jobs import NO_CHANGES, PLAIN, Job, JobChanges, NewJob, State
 from jobserver.storage import sql, sql_bulk
@@ -34,9 +34,25 @@ from jobserver.storage.sql_outcomes import Outcomes
 from jobserver.storage.sql_replies import ReplyStatements
 
 
+class KeptRows(Protocol):
+    """Job rows a backend keeps as they are stored (SQLite's writer,
+    sqlite_rows.py), so that a row just read is not read again."""
+
+    def get(self, job_id: int) -> Job | None: ...
+
+    def keep(self, jobs: list[Job]) -> None:
+        """Rows just read from the database."""
+
+    def written(self, job_id: int, columns: dict[str, object]) -> None:
+        """The last statement updated one job's row, setting `columns`."""
+
+
 class SqlStore(DependencyStatements, Outcomes, FlowStatements, ReplyStatements):
     """The named operations in SQL; a backend gives it a connection
     (`_run`), a dialect, and its hooks."""
+
+    # Rows kept as stored, where a backend keeps them.
+    _rows: KeptRows | None = None
 
     # Hooks.
 
@@ -141,7 +157,11 @@ class SqlStore(DependencyStatements, Outcomes, FlowStatements, ReplyStatements):
             many = _fence(self.dialect, states, lease is not None, many=True)
             write = Write(head, tuple(columns), values, ids[0], fence, tuple(leased), many)
             return list(ids) if held.write(write, columns, states, lease) else []
-        return self._changed(head, list(columns.values()), ids, fence, leased)
+        changed = self._changed(head, list(columns.values()), ids, fence, leased)
+        rows = self._rows
+        if rows is not None and changed and len(ids) == 1:
+            rows.written(ids[0], columns)
+        return changed
 
     def delete(self, ids: Sequence[int], in_states: Sequence[str] | None = None) -> list[int]:
         """Delete the jobs (only those in one of `in_states`, if given); the
@@ -189,8 +209,15 @@ class SqlStore(DependencyStatements, Outcomes, FlowStatements, ReplyStatements):
         held = self._held
         if held is not None and job_id in held.rows:
             return held.rows[job_id]
+        rows = self._rows
+        kept = None if rows is None else rows.get(job_id)
+        if kept is not None:
+            return kept
         d = self.dialect
-        return self._job(f"SELECT {JOB} FROM jobs WHERE jobID = {d.mark}{d.lock}", (job_id,))
+        job = self._job(f"SELECT {JOB} FROM jobs WHERE jobID = {d.mark}{d.lock}", (job_id,))
+        if job is not None and rows is not None:
+            rows.keep([job])
+        return job
 
     def find_by_name(self, name: str) -> Job | None:
         """The oldest job with exactly this name that is not history. Two

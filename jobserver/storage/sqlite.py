@@ -22,7 +22,7 @@ from typing import Any
 from jobserver.model.globmatch import is_glob
 from jobserver.model.jobs import Job
 from jobserver.model.limits import Limit
-from jobserver.storage import sqlite_backup, sqlite_path, sqlite_readers, sqlite_schema
+from jobserver.storage import sqlite_backup, sqlite_path, sqlite_readers, sqlite_rows, sqlite_schema
 from jobserver.storage.backup_types import BackupCopy, BackupDirectory, BackupUnsupported
 from jobserver.storage.interface import Heard
 from jobserver.storage.reader_types import LaterJobs, QueryRows, QueueStats, RunningStats
@@ -73,6 +73,7 @@ class Store(SqlStore):
     dialect = SQLITE
     # A local file: every call is quick enough for the event loop.
     blocking = False
+    _rows: sqlite_rows.Rows
 
     def __init__(
         self, path: str, synchronous: str = "FULL", limits: Mapping[str, Limit] | None = None
@@ -93,6 +94,8 @@ class Store(SqlStore):
             # The schema and its migrations are synced by SQLite itself.
             sqlite_schema.prepare(self._db, path, "FULL", BUSY_MS)
             self._commit_without_syncing(synchronous)
+            # The rows read or written last, as stored (sqlite_rows.py).
+            self._rows = sqlite_rows.Rows(self._db)
             # Every priority a job has had since the file was opened: a
             # superset of those with waiting jobs, so GetJob skips the rest.
             self._priorities = {
@@ -261,9 +264,15 @@ class Store(SqlStore):
             self._restart_backoff = RESTART_BACKOFF_MIN
 
     def rollback(self) -> None:
+        # Undone without triggers: no kept row may outlive it.
+        self._rows.clear()
         if self._db.in_transaction:
             self._db.execute("ROLLBACK")
         self._load_flow_control()
+
+    def rollback_savepoint(self, name: str = "request") -> None:
+        self._rows.clear()
+        super().rollback_savepoint(name)
 
     # One process per file (lockfile.py): there are no other nodes.
 
@@ -362,6 +371,8 @@ class Store(SqlStore):
             found += (Job(*row) for row in rows.fetchall())
             if len(found) >= limit:
                 break
+        # Kept: the hand-out writes them, and the report reads them again.
+        self._rows.keep(found)
         return self._found(found)
 
     # Retention: giving space back.
