@@ -24,6 +24,10 @@ class Raw(str):
     """Text that is already valid JSON."""
 
 
+# A str as a JSON string, quotes and escapes included (json's own, in C).
+quote = _quote
+
+
 def encode(value: Any) -> bytes:
     return _encode(value).encode("utf-8")
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from jobserver.core.commands import params
-from jobserver.core.commands.views import handout_object
+from jobserver.core.commands.views import handout_json, handout_object
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
 from jobserver.core.rules import leases, lifecycle, schedule
@@ -147,12 +147,12 @@ def reply(query: JobQuery, taken: list[Taken]) -> Response:
     has a lease or the request asked for them or for a lease: a plain
     Bedrock hand-out of jobs without retryAfter stays the same byte for
     byte."""
-    objects = [t.reply for t in taken]
-    body = {"jobs": objects} if query.many else objects[0]
+    objects = [handout_json(t.reply) for t in taken]
+    body = b'{"jobs":[' + b",".join(objects) + b"]}" if query.many else objects[0]
     headers = {}
     if query.lease or any(t.job.retryAfter or "leaseID" in t.reply for t in taken):
         headers["leaseID"] = ",".join(t.lease.token for t in taken)
-    return Response("200 OK", jsonbody.encode(body), headers)
+    return Response("200 OK", body, headers)
 
 
 def take(ctx: Context, query: JobQuery, holds: Holds | None = None) -> list[Taken]:
