@@ -11,7 +11,6 @@ Every value reaches SQLite as a bound parameter.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sqlite3
 import threading
@@ -22,16 +21,19 @@ from typing import Any
 from jobserver.model.globmatch import is_glob
 from jobserver.model.jobs import Job
 from jobserver.model.limits import Limit
-from jobserver.storage import sqlite_backup, sqlite_path, sqlite_readers, sqlite_rows, sqlite_schema
+from jobserver.storage import (
+    sqlite_backup,
+    sqlite_path,
+    sqlite_readers,
+    sqlite_rows,
+    sqlite_schema,
+    sqlite_search,
+)
 from jobserver.storage.backup_types import BackupCopy, BackupDirectory, BackupUnsupported
 from jobserver.storage.interface import Heard
 from jobserver.storage.reader_types import LaterJobs, QueryRows, QueueStats, RunningStats
-from jobserver.storage.searches import NOTHING_PASSED, PassedOver, pair_text
+from jobserver.storage.searches import NOTHING_PASSED, PassedOver
 from jobserver.storage.sql import (
-    AFTER_IN_ORDER,
-    HAND_OUT_ORDER,
-    JOB,
-    READY_SQL,
     SQLITE,
     priorities_from,
 )
@@ -327,48 +329,28 @@ class Store(SqlStore):
         names and patterns are tested in C on the index's entries, and
         the jobs already read lie before the range.
         """
+        globs = any(map(is_glob, patterns))
         # What the name clause binds: names or a GLOB.
-        name_args: list[str | int]
-        if any(map(is_glob, patterns)):
-            source = "jobs"
-            name_clause = "(" + " OR ".join("name GLOB ?" for _ in patterns) + ")"
-            name_args = list(patterns)
-        else:
-            # Exact names: seek each one in the name index, however many
-            # jobs of other names are due.
-            names = list(patterns or names)
-            source = "jobs INDEXED BY jobsReadyName"
-            name_clause = f"name IN ({', '.join('?' for _ in names)})"
-            name_args = list(names)
-        if passed.names:
-            name_clause += " AND name NOT IN (SELECT value FROM json_each(?))"
-            name_args.append(json.dumps(sorted(passed.names)))
-        for held in passed.patterns:
-            name_clause += " AND NOT (name GLOB ?)"
-            name_args.append(held)
-        if passed.pairs:
-            name_clause += " AND (name || char(10) || key) NOT IN (SELECT value FROM json_each(?))"
-            name_args.append(json.dumps(sorted(pair_text(n, k) for n, k in passed.pairs)))
-        for held, key in passed.keyed:
-            name_clause += " AND NOT (key = ? AND name GLOB ?)"
-            name_args += (key, held)
-        sql = (
-            f"SELECT {JOB} FROM {source} "
-            f"WHERE state IN ({READY_SQL}) AND priority = ? AND nextRun <= ? "
-            f"AND {name_clause}{{after}} ORDER BY {HAND_OUT_ORDER} LIMIT ?"
-        )
+        name_args: list[str | int] = list(patterns if globs else patterns or names)
+        excluded = passed.names or passed.patterns or passed.pairs or passed.keyed
+        shape = (globs, len(name_args))
+        sql = None if excluded else sqlite_search.STATEMENTS.get(shape)
+        if sql is None:
+            sql = sqlite_search.statement(globs, len(name_args), passed, name_args)
+            if not excluded:
+                sqlite_search.STATEMENTS[shape] = sql
         found: list[Job] = []
         for priority in priorities_from(priorities, passed.after):
             if priority not in self._priorities:
                 continue
             after, after_args = "", ()  # type: tuple[str, tuple[str | int, ...]]
             if passed.after is not None and passed.after[0] == priority:
-                after, after_args = " AND " + AFTER_IN_ORDER.format("?"), passed.after[1:]
+                after, after_args = sqlite_search.AFTER, passed.after[1:]
             rows = self._execute(
-                sql.format(after=after),
+                sql.replace("{after}", after),
                 (priority, now, *name_args, *after_args, limit - len(found)),
             )
-            found += (Job(*row) for row in rows.fetchall())
+            found += [Job(*row) for row in rows.fetchall()]
             if len(found) >= limit:
                 break
         # Kept: the hand-out writes them, and the report reads them again.
