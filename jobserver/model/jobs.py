@@ -136,7 +136,10 @@ class RetryPolicy:
     max_delay: float
 
 
-@dataclass(frozen=True)
+# Plain, with slots: one per job created, and a frozen dataclass's __init__
+# costs three times as much for its twelve fields. Nothing changes one once
+# made.
+@dataclass(slots=True)
 class NewJob:
     """Everything CreateJob stores about a job, before it has an ID."""
 
