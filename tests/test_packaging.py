@@ -10,7 +10,9 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.metadata
+import importlib.util
 import re
+import subprocess
 import sys
 import tomllib
 from collections.abc import Mapping
@@ -69,6 +71,24 @@ def test_the_distribution_is_jobserverd_with_the_jobserver_command():
     assert PROJECT["scripts"] == {"jobserver": "jobserver.cli:main"}
     assert PROJECT["license"] == "MIT"
     assert (ROOT / "LICENSE").is_file()
+
+
+def test_the_version_says_whether_the_compiled_build_runs():
+    # The optional mypyc build (setup.py) puts a C extension beside each
+    # module it compiles; .ci/run runs this test on that build too.
+    framing = importlib.util.find_spec("jobserver.wire.framing")
+    assert framing is not None and framing.origin is not None
+    compiled = not framing.origin.endswith(".py")
+    shown = subprocess.run(
+        [sys.executable, "-m", "jobserver", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=ROOT,
+    ).stdout.strip()
+    suffix = " (compiled with mypyc)" if compiled else ""
+    assert shown == f"jobserver {importlib.metadata.version('jobserverd')}{suffix}"
 
 
 def test_the_clients_the_worker_and_cron_need_no_extra():

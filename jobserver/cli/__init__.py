@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -27,6 +28,15 @@ PROGRAMS = {
 }
 
 
+def version() -> str:
+    """`jobserver VERSION`, and whether the optional compiled build (setup.py,
+    docs/install.md) is the one installed: it puts a C extension beside
+    framing.py, which Python then imports instead (found, not imported)."""
+    spec = importlib.util.find_spec("jobserver.wire.framing")
+    compiled = spec is not None and not str(spec.origin).endswith(".py")
+    return f"jobserver {__version__}" + (" (compiled with mypyc)" if compiled else "")
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole command line; with `only`, the options of that one of
     PROGRAMS alone (the others are listed, their modules not imported)."""
@@ -36,7 +46,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         epilog=commands.EXIT_STATUS_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"jobserver {__version__}")
+    parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (summary, _) in PROGRAMS.items():

@@ -18,11 +18,7 @@ from json.encoder import encode_basestring as _quote
 from typing import Any
 
 from jobserver.wire.limits import MAX_JSON_DEPTH
-
-
-class Raw(str):
-    """Text that is already valid JSON."""
-
+from jobserver.wire.raw import Raw
 
 # A str as a JSON string, quotes and escapes included (json's own, in C).
 quote = _quote
@@ -122,7 +118,8 @@ _STRING = re.compile(r'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.DOTALL)
 # is made of. Bytes, so that translate works through a table in C.
 _AS_BRACKETS = bytes.maketrans(b"{}", b"[]")
 _NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+# Built with chr: mypyc compiles no surrogate in a literal (setup.py).
+_LONE_SURROGATE = re.compile(f"[{chr(0xD800)}-{chr(0xDFFF)}]")
 
 
 def _nesting(depth: int) -> re.Pattern[bytes]:

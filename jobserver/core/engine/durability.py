@@ -64,7 +64,8 @@ class Durability:
         self._syncs = store.needs_sync
         self._threaded = threaded
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="jobserver-sync", daemon=True)
+        # Not `_thread`: mypyc (setup.py) names its C field `__thread`, a C keyword.
+        self._syncer = threading.Thread(target=self._loop, name="jobserver-sync", daemon=True)
         self._token = trio.lowlevel.current_trio_token()
         self._committed = 0
         self._durable = 0
@@ -79,7 +80,7 @@ class Durability:
 
     def start(self) -> None:
         if self._syncs and self._threaded:
-            self._thread.start()
+            self._syncer.start()
 
     def committed(self, batch: Committed) -> None:
         """A batch was committed; deliver its outcomes once it is durable.
@@ -132,9 +133,9 @@ class Durability:
 
     async def stop(self) -> None:
         """After the last batch: let the thread finish and end."""
-        if self._thread.is_alive():
+        if self._syncer.is_alive():
             self._queue.put(_STOP)
-            await trio.to_thread.run_sync(self._thread.join)
+            await trio.to_thread.run_sync(self._syncer.join)
 
     def _loop(self) -> None:
         """The sync thread: take every batch committed so far, sync once,

@@ -70,11 +70,13 @@ _EVENTS: dict[str, dict[str, int]] = {
 # that had not ended.
 _ENDS = (*ENDED, GONE)
 
-def _move(ctx: Context, job: Job, name: str, target: str, /, **changes: Any) -> None:
-    move = MOVES[name]
+# `kind`, not `name`: the compiled build (setup.py) does not keep `/`, and
+# RetryJob's changes can hold `name` (a new name for the job).
+def _move(ctx: Context, job: Job, kind: str, target: str, /, **changes: Any) -> None:
+    move = MOVES[kind]
     if (job.state, target) not in move.pairs:
-        raise illegal(job, name, target)
-    counted = _EVENTS.get(name)
+        raise illegal(job, kind, target)
+    counted = _EVENTS.get(kind)
     if counted is not None:
         ctx.note(counted[target], job.name)
     if move.ends_run:
@@ -82,10 +84,10 @@ def _move(ctx: Context, job: Job, name: str, target: str, /, **changes: Any) -> 
     if job.cancelRequested and target not in ACTIVE:
         # A pending cancel is the run's: whatever ends the run ends it.
         changes.setdefault("cancelRequested", 0)
-    outcomes.on_move(ctx, job, name, target, changes)
+    outcomes.on_move(ctx, job, kind, target, changes)
     if job.dependents and target in _ENDS and job.state not in ENDED:
         # A finished job deleted at once (no --keep-finished) finished.
-        outcome = State.FINISHED if name == "finish" else target
+        outcome = State.FINISHED if kind == "finish" else target
         _tell_dependents(ctx, job, outcome, changes.get("data", job.data))
     # Fenced by the state the move starts from: a job another node moved
     # first (read unlocked, as FAILED or as a PAUSED child) stays as it left it.
