@@ -135,3 +135,24 @@ def test_rows_undone_by_a_savepoint_or_a_rollback_read_as_before(
         row = store.get(second)
     assert row is not None and row.data == "{}"
     assert row == stored(backend, db, second)
+
+
+def test_a_row_another_connection_changed_is_read_as_it_left_it(
+    store: Storage, backend: str, db: Path | str
+) -> None:
+    """An operator's `sqlite3 jobs.db "UPDATE ..."` (any connection but the
+    writer's, whose triggers see only its own writes) is read by the next
+    transaction, not the row kept from before it."""
+    (job_id,) = create(store, job("a", data='{"n":1}'))
+    with transaction(store):
+        assert store.get(job_id) is not None
+    other = open_store(backend, db)
+    try:
+        with transaction(other):
+            assert other.set_state_if([job_id], [State.QUEUED], State.PAUSED, JobChanges())
+    finally:
+        other.close()
+    with transaction(store):
+        report = store.get(job_id)
+    assert report is not None and report.state == State.PAUSED
+    assert report == stored(backend, db, job_id)

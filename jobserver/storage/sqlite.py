@@ -98,6 +98,9 @@ class Store(SqlStore):
             self._commit_without_syncing(synchronous)
             # The rows read or written last, as stored (sqlite_rows.py).
             self._rows = sqlite_rows.Rows(self._db)
+            # SQLite's count of commits by other connections to the file, as
+            # last seen: when it moves, kept rows may be stale (_outside_writes).
+            self._data_version = self._read_data_version()
             # Every priority a job has had since the file was opened: a
             # superset of those with waiting jobs, so GetJob skips the rest.
             self._priorities = {
@@ -181,6 +184,7 @@ class Store(SqlStore):
             self._db.execute("BEGIN IMMEDIATE")
         finally:
             self._db.execute("PRAGMA busy_timeout = 0")
+        self._outside_writes()
 
     def try_begin(self) -> bool:
         if self._restarting.locked():
@@ -192,7 +196,22 @@ class Store(SqlStore):
             if error.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY:
                 return False
             raise
+        self._outside_writes()
         return True
+
+    def _outside_writes(self) -> None:
+        """Forget the kept rows if another connection has committed since
+        this one last looked: the lockfile keeps out a second server, not an
+        operator's `sqlite3 jobs.db "UPDATE ..."`, whose changes the next
+        report must read (the triggers see only this connection's writes).
+        Read inside the transaction, so no commit can slip in after it."""
+        version = self._read_data_version()
+        if version != self._data_version:
+            self._rows.clear()
+            self._data_version = version
+
+    def _read_data_version(self) -> int:
+        return int(self._db.execute("PRAGMA data_version").fetchone()[0])
 
     def commit(self) -> None:
         self._db.execute("COMMIT")

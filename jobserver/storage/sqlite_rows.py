@@ -21,9 +21,12 @@ Kept rows are exactly the stored ones, whoever writes:
 - a rollback, of the transaction or of a savepoint, forgets every row (it
   changes rows without triggers).
 
-No other process writes the file (lockfile.py), and the readers'
-connections only read. A new job's insert needs nothing: no kept row has
-its jobID (AUTOINCREMENT: a jobID is never used twice).
+No other server writes the file (lockfile.py), and the readers'
+connections only read; a commit by any other connection (an operator's
+`sqlite3` at the file) moves SQLite's `data_version`, and the writer's next
+transaction then forgets every row (sqlite.Store._outside_writes). A new
+job's insert needs nothing: no kept row has its jobID (AUTOINCREMENT: a
+jobID is never used twice).
 """
 
 from __future__ import annotations
