@@ -3,9 +3,11 @@ authentication and TLS. Nothing crashes, and other clients are served."""
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -308,3 +310,42 @@ def test_the_client_cli_and_manager_send_the_token(make_server, tmp_path, monkey
     assert result.returncode == 0, result.stderr
     monkeypatch.setenv("JOBSERVER_AUTH_TOKEN", "t0k")
     assert subprocess.run(command, capture_output=True, timeout=30).returncode == 0
+
+
+def test_requests_trickled_without_pause_get_408_within_a_sweep(make_server):
+    """A client that sends a byte of its request as fast as it can: its reads
+    are each under way when a sweep looks, or just done, and a deadline
+    already past is seen by the read that follows it (a sweep that finds the
+    task awake stops nothing), so the 408 comes within the request timeout
+    and a sweep, not whenever a sweep happens to catch a read."""
+    running = make_server(request_timeout=1.0, idle_timeout=30.0)
+    clients = [running.client() for _ in range(6)]
+    stop = threading.Event()
+    sent_at: dict[int, float] = {}
+
+    def trickle(index: int, client: Client) -> None:
+        client.send(b"CreateJob\nname: ")
+        sent_at[index] = time.monotonic()
+        with contextlib.suppress(OSError):
+            while not stop.is_set():
+                client.sock.send(b"x")
+                time.sleep(0.0001)
+
+    threads = [
+        threading.Thread(target=trickle, args=(i, c), daemon=True) for i, c in enumerate(clients)
+    ]
+    try:
+        for thread in threads:
+            thread.start()
+        for index, client in enumerate(clients):
+            reply = client.read_reply()
+            assert reply.status == "408 Request timeout"
+            # 1 s of timeout and a second for a loaded machine; without the
+            # check before each read, a sweep or more went by (2.2 to 2.7 s).
+            assert time.monotonic() - sent_at[index] < 2.0
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(DEADLINE)
+        for client in clients:
+            client.close()

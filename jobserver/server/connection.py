@@ -307,6 +307,12 @@ class Connection:
         `timed_out` says which)."""
         if self.server.closing:
             return None
+        if trio.current_time() >= deadline:
+            # Past it already: a sweep that came while this connection's task
+            # was awake (data had just arrived) stopped nothing, and a client
+            # trickling bytes would otherwise win each such race.
+            self.timed_out = True
+            return None
         self.read_deadline = deadline
         self._reading, self._read_stopped = True, False
         try:
