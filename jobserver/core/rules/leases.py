@@ -47,11 +47,12 @@ class _Tokens:
     batch's writer may run in a thread."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self.forget()
 
     def forget(self) -> None:
-        """Draw anew at the next token."""
+        """Draw anew at the next token (and, in a forked child, with a lock
+        no thread of the parent can be holding)."""
+        self._lock = threading.Lock()
         self._pool = b""
         self._at = 0
 
