@@ -26,6 +26,7 @@ stops as on SIGTERM: no worker runs on unwatched."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -94,7 +95,10 @@ class Processes:
         self.stopping = True
         self.stopped.set()
         for process in self.running.values():
-            process.send_signal(signal.SIGTERM)
+            # One that has just exited (two that cannot work end together)
+            # is still listed until its own task sees it end: nothing to stop.
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
 
     async def keep(self, number: int) -> None:
         """Keep worker process `number` running until the stop."""
