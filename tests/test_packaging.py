@@ -75,7 +75,7 @@ def test_the_distribution_is_jobserverd_with_the_jobserver_command():
 
 def test_the_version_says_whether_the_compiled_build_runs():
     # The optional mypyc build (setup.py) puts a C extension beside each
-    # module it compiles; .ci/run runs this test on that build too.
+    # module it compiles; run this test on that build too (docs/install.md).
     framing = importlib.util.find_spec("jobserver.wire.framing")
     assert framing is not None and framing.origin is not None
     compiled = not framing.origin.endswith(".py")
