@@ -4,8 +4,10 @@ nodes, on one machine or many, serving one queue.
 The named operations are sql_store.py's, in PostgreSQL's dialect (sql.py);
 this module adds the connection, the transactions, the hand-out search
 and the locks (how a connection is made, and how a COMMIT cut off with it
-is asked about, are postgres_connection.py's; the readers, on connections
-of their own, postgres_readers.py's). What SQLite gets from being one file
+is asked about, are postgres_connection.py's; what a batch's begin and
+commit send, postgres_commit.py's; the search's statement,
+postgres_search.py's; the readers, on connections of their own,
+postgres_readers.py's). What SQLite gets from being one file
 served by one process, PostgreSQL gets from locks that every node's
 transactions respect:
 
@@ -36,7 +38,6 @@ RECONNECT_SECONDS.
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import time
@@ -45,12 +46,16 @@ from typing import Any
 
 import psycopg
 from psycopg.pq import TransactionStatus
-from psycopg.sql import SQL, Literal
 
-from jobserver.model.globmatch import glob_to_regex, is_glob
 from jobserver.model.jobs import Job
 from jobserver.model.limits import Limit
-from jobserver.storage import postgres_listen, postgres_readers, postgres_schema
+from jobserver.storage import (
+    postgres_commit,
+    postgres_listen,
+    postgres_readers,
+    postgres_schema,
+    postgres_search,
+)
 from jobserver.storage.backup_types import BackupCopy, BackupDirectory, BackupUnsupported
 from jobserver.storage.held_writes import Batch
 from jobserver.storage.postgres_connection import (
@@ -63,9 +68,8 @@ from jobserver.storage.postgres_connection import (
     redact,
 )
 from jobserver.storage.reader_types import LaterJobs, QueryRows, QueueStats, RunningStats
-from jobserver.storage.searches import NOTHING_PASSED, PassedOver, pair_text
-from jobserver.storage.sql import JOB, POSTGRES, priorities_from
-from jobserver.storage.sql_flow import FLOW_CONTROL
+from jobserver.storage.searches import NOTHING_PASSED, PassedOver
+from jobserver.storage.sql import POSTGRES
 from jobserver.storage.sql_store import SqlStore
 from jobserver.storage.sqlite_schema import StoreError
 
@@ -74,11 +78,6 @@ log = logging.getLogger("jobserver")
 # How long after a failed connection attempt the next is tried: meanwhile
 # requests fail at once with 503.
 RECONNECT_SECONDS = 0.5
-
-# The longest NOTIFY payload PostgreSQL takes is 8000 bytes; past this the
-# notice says "anything may be ready" instead of listing names.
-MAX_NOTICE_BYTES = 7000
-
 
 class PostgresStore(SqlStore):
     dialect = POSTGRES
@@ -231,7 +230,7 @@ class PostgresStore(SqlStore):
         # results come one after the other: as a pipeline of three it took
         # twice the node's CPU, and every batch begins.
         try:
-            results = self._db.execute(_BEGIN)
+            results = self._db.execute(postgres_commit.BEGIN)
             results.nextset()
             row = results.fetchone()
             results.nextset()
@@ -292,12 +291,13 @@ class PostgresStore(SqlStore):
         try:
             if kept:
                 with self._db.pipeline():
-                    self._db.execute(KEEP_KEYS, [list(column) for column in _columns(kept)])
+                    self._db.execute(postgres_commit.KEEP_KEYS, postgres_commit.kept_rows(kept))
                     if notice is not None:
                         self._db.execute("SELECT pg_notify(%s, %s)", (self.channel, notice))
                     done = self._db.execute(b"COMMIT")
             elif notice is not None:
-                done = self._db.execute(self._notify_and_commit(notice))
+                query = postgres_commit.notify_and_commit(self._db, self.channel, notice)
+                done = self._db.execute(query)
                 done.nextset()
             else:
                 done = self._db.execute(b"COMMIT")
@@ -312,25 +312,6 @@ class PostgresStore(SqlStore):
             raise psycopg.OperationalError(
                 f"the transaction was rolled back instead of committed ({done.statusmessage})"
             )
-
-    def _notify_and_commit(self, notice: str) -> bytes:
-        """`notice` sent to the other nodes, then COMMIT, as one query. The
-        channel and the notice are dollar-quoted: taken as they are, with
-        no escapes whatever the server's settings, and no Python work a
-        character. ASCII (announce's JSON escapes the rest) reads the same
-        in every client encoding. A text with a `$` (a job name can hold
-        one), which could end the quote, is quoted by psycopg as a literal
-        instead."""
-        text = notice + self.channel
-        if text.isascii() and "$" not in text:
-            return (
-                f"SELECT pg_notify({_DOLLAR}{self.channel}{_DOLLAR}, "
-                f"{_DOLLAR}{notice}{_DOLLAR}); COMMIT"
-            ).encode()
-        query = SQL("SELECT pg_notify({}, {}); COMMIT").format(
-            Literal(self.channel), Literal(notice)
-        )
-        return query.as_bytes(self._db)
 
     def _committed(self, error: psycopg.Error) -> bool:
         """Whether the open transaction committed, after its COMMIT raised
@@ -381,7 +362,7 @@ class PostgresStore(SqlStore):
         # at once.
         kept, self._kept_keys = self._kept_keys, {}
         if kept:
-            self._execute(KEEP_KEYS, [list(column) for column in _columns(kept)])
+            self._execute(postgres_commit.KEEP_KEYS, postgres_commit.kept_rows(kept))
         return super().prune_idempotency(now, batch)
 
     async def listen(self, heard: postgres_listen.Heard) -> None:
@@ -393,18 +374,8 @@ class PostgresStore(SqlStore):
         """Tell the other nodes, when this transaction commits, which names
         it made due, the earliest future time it wrote, and which awaited
         jobs it ended (only those: a job nobody awaits adds nothing)."""
-        notice: dict[str, Any] = {"node": self.node, "ready": sorted(ready), "due": due}
-        if ended:
-            notice["ended"] = sorted(ended)
-        payload = json.dumps(notice, separators=(",", ":"))
-        if len(payload.encode()) > MAX_NOTICE_BYTES:
-            # Too long: "anything", which the listeners then look for.
-            cut = {"node": self.node, "ready": None, "due": due}
-            if ended:
-                cut["ended"] = None
-            payload = json.dumps(cut)
         # Sent with the COMMIT (see commit).
-        self._notice = payload
+        self._notice = postgres_commit.notice(self.node, ready, due, ended)
 
     def find_ready(
         self,
@@ -421,29 +392,11 @@ class PostgresStore(SqlStore):
         this search has `passed` over, in the query
         (postgres_functions.FIND_READY_AFTER_FUNCTION); with whether each
         has children, in the same statement."""
-        exact: list[str] | None = None
-        regex: str | None = None
-        if any(map(is_glob, patterns)):
-            # Each translation is anchored at both ends: a job matching any.
-            regex = "|".join(map(glob_to_regex, patterns))
-        else:
-            exact = list(patterns or names)
-        after = passed.after or (None, None, None, None)
         rows = self._execute(
-            f"SELECT {_FOUND} FROM jobserver_find_ready_after"
-            f"(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) {_WITH_CHILDREN}",
-            (
-                now, list(priorities_from(priorities, passed.after)), limit, regex, exact,
-                sorted(passed.names), [glob_to_regex(held) for held in passed.patterns],
-                sorted(pair_text(name, key) for name, key in passed.pairs),
-                [glob_to_regex(pattern) for pattern, _ in passed.keyed],
-                [key for _, key in passed.keyed],
-                *after,
-            ),
+            postgres_search.STATEMENT,
+            postgres_search.arguments(now, priorities, limit, patterns, names, passed),
         ).fetchall()
-        return self._found(
-            [Job(*row[:-1]) for row in rows], {int(row[1]): bool(row[-1]) for row in rows}
-        )
+        return self._found(*postgres_search.found(rows))
 
     def hold_limits(self) -> None:
         """Take the limits' lock: hand-outs under limits, on any node, then
@@ -515,39 +468,3 @@ class PostgresStore(SqlStore):
             "Backup is for SQLite: back up PostgreSQL with pg_dump "
             "(docs/backups.md)"
         )
-
-
-# A job the search found, and whether it has children, which its hand-out
-# reads: asked in the search's own statement, not in one more after it.
-# Each job's children are looked up by its jobID (LATERAL, LIMIT 1): with
-# EXISTS, PostgreSQL, expecting a thousand rows of the function, read every
-# child in the table into a hash instead. (Returned by the function as a
-# column beside the job's, each of the row's 33 fields was taken out of it
-# again, about 11 µs a job.) WITH ORDINALITY keeps the search's order.
-_FOUND = f"{JOB}, kids.one IS NOT NULL"
-_WITH_CHILDREN = (
-    "WITH ORDINALITY AS f LEFT JOIN LATERAL (SELECT 1 AS one FROM jobs c "
-    "WHERE c.parentJobID != 0 AND c.parentJobID = f.jobID LIMIT 1) AS kids ON true "
-    "ORDER BY f.ordinality"
-)
-
-# The idempotency keys a transaction kept, written in one statement.
-KEEP_KEYS = (
-    "INSERT INTO idempotency (idempotencyKey, request, reply, expires) "
-    "SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[]) "
-    "ON CONFLICT (idempotencyKey) DO UPDATE SET request = excluded.request, "
-    "reply = excluded.reply, expires = excluded.expires"
-)
-
-
-# The quote of a dollar-quoted string (_notify_and_commit).
-_DOLLAR = "$jobserver$"
-# A batch's begin: its transaction, the transaction's ID and backend, and
-# the limits and pauses as other nodes left them.
-_BEGIN = f"BEGIN; SELECT pg_current_xact_id()::text, pg_backend_pid(); {FLOW_CONTROL}".encode()
-
-
-def _columns(kept: Mapping[str, tuple[str, str, str]]) -> tuple[tuple[str, ...], ...]:
-    """Keys kept, as the four columns KEEP_KEYS takes."""
-    rows = [(key, *values) for key, values in kept.items()]
-    return tuple(zip(*rows, strict=True))

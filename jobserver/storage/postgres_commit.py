@@ -1,0 +1,73 @@
+"""What a PostgreSQL node sends to begin and to commit a batch, each in
+one round trip (postgres.PostgresStore.begin and commit): the begin's
+three statements, the idempotency keys the batch kept, and the notice
+the other nodes hear with the COMMIT."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import psycopg
+from psycopg.sql import SQL, Literal
+
+from jobserver.storage.sql_flow import FLOW_CONTROL
+
+# A batch's begin: its transaction, the transaction's ID and backend, and
+# the limits and pauses as other nodes left them.
+BEGIN = f"BEGIN; SELECT pg_current_xact_id()::text, pg_backend_pid(); {FLOW_CONTROL}".encode()
+
+# The idempotency keys a transaction kept, written in one statement.
+KEEP_KEYS = (
+    "INSERT INTO idempotency (idempotencyKey, request, reply, expires) "
+    "SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[]) "
+    "ON CONFLICT (idempotencyKey) DO UPDATE SET request = excluded.request, "
+    "reply = excluded.reply, expires = excluded.expires"
+)
+
+# The longest NOTIFY payload PostgreSQL takes is 8000 bytes; past this the
+# notice says "anything may be ready" instead of listing names.
+MAX_NOTICE_BYTES = 7000
+
+# The quote of a dollar-quoted string (notify_and_commit).
+_DOLLAR = "$jobserver$"
+
+
+def kept_rows(kept: Mapping[str, tuple[str, str, str]]) -> list[list[str]]:
+    """Keys kept (key -> request, reply, expires), as the four columns
+    KEEP_KEYS takes."""
+    rows = [(key, *values) for key, values in kept.items()]
+    return [list(column) for column in zip(*rows, strict=True)]
+
+
+def notice(node: str, ready: set[str], due: str | None, ended: set[int]) -> str:
+    """The notice of a commit: which names it made due, the earliest future
+    time it wrote, and which awaited jobs it ended; "anything" (null) in
+    place of a list that would not fit, which the listeners then look for."""
+    told: dict[str, Any] = {"node": node, "ready": sorted(ready), "due": due}
+    if ended:
+        told["ended"] = sorted(ended)
+    payload = json.dumps(told, separators=(",", ":"))
+    if len(payload.encode()) <= MAX_NOTICE_BYTES:
+        return payload
+    cut: dict[str, Any] = {"node": node, "ready": None, "due": due}
+    if ended:
+        cut["ended"] = None
+    return json.dumps(cut)
+
+
+def notify_and_commit(db: psycopg.Connection[Any], channel: str, notice: str) -> bytes:
+    """`notice` sent on `channel`, then COMMIT, as one query. Both are
+    dollar-quoted: taken as they are, with no escapes whatever the server's
+    settings, and no Python work a character. ASCII (notice's JSON escapes
+    the rest) reads the same in every client encoding. A text with a `$`
+    (a job name can hold one), which could end the quote, is quoted by
+    psycopg as a literal instead."""
+    text = notice + channel
+    if text.isascii() and "$" not in text:
+        return (
+            f"SELECT pg_notify({_DOLLAR}{channel}{_DOLLAR}, {_DOLLAR}{notice}{_DOLLAR}); COMMIT"
+        ).encode()
+    query = SQL("SELECT pg_notify({}, {}); COMMIT").format(Literal(channel), Literal(notice))
+    return query.as_bytes(db)
