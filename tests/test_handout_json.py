@@ -47,3 +47,14 @@ def test_an_object_with_more_keys_is_encoded_key_by_key() -> None:
     written = handout_json(obj)
     assert written == jsonbody.encode(obj)
     assert list(json.loads(written))[:2] == ["attempt", "created"]
+
+
+def test_the_keys_kept_for_replies_are_bounded_in_count_and_length() -> None:
+    """jsonbody keeps each object key's written form for the next reply; a
+    key can be a client's text (a queue's name), so a reply of thousands of
+    long keys is written right and leaves at most 1,024 short ones kept."""
+    keys = {f"{index:05d}" + "q" * 10_000: index for index in range(3_000)}
+    assert json.loads(jsonbody.encode(keys)) == keys
+    kept = jsonbody._KEYS
+    assert len(kept) <= 1024
+    assert max(map(len, kept), default=0) <= 64

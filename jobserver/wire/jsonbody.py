@@ -46,9 +46,11 @@ def _encode(value: Any) -> str:
 
 
 # Object keys as they are written, `"key":`: replies use a few dozen names.
-# Bounded, since a key may come from a client's text.
+# Bounded in count and in length, since a key may come from a client's text
+# (a queue's name): at most 1,024 keys of 64 characters are kept.
 _KEYS: dict[str, str] = {}
 _MAX_KEYS = 1024
+_MAX_KEPT_KEY = 64
 
 
 def _object(value: dict[str, Any]) -> str:
@@ -59,7 +61,7 @@ def _object(value: dict[str, Any]) -> str:
         head = _KEYS.get(key)
         if head is None:
             head = _quote(key) + ":"
-            if len(_KEYS) < _MAX_KEYS and type(key) is str:
+            if len(_KEYS) < _MAX_KEYS and type(key) is str and len(key) <= _MAX_KEPT_KEY:
                 _KEYS[key] = head
         item = value[key]
         kind = type(item)
