@@ -352,11 +352,12 @@ class Store(SqlStore):
         # What the name clause binds: names or a GLOB.
         name_args: list[str | int] = list(patterns if globs else patterns or names)
         excluded = passed.names or passed.patterns or passed.pairs or passed.keyed
+        kept = not excluded and len(name_args) <= sqlite_search.KEPT_SHAPE
         shape = (globs, len(name_args))
-        sql = None if excluded else sqlite_search.STATEMENTS.get(shape)
+        sql = sqlite_search.STATEMENTS.get(shape) if kept else None
         if sql is None:
             sql = sqlite_search.statement(globs, len(name_args), passed, name_args)
-            if not excluded:
+            if kept:
                 sqlite_search.STATEMENTS[shape] = sql
         found: list[Job] = []
         for priority in priorities_from(priorities, passed.after):

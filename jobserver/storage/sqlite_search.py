@@ -11,8 +11,12 @@ from jobserver.storage.sql import AFTER_IN_ORDER, HAND_OUT_ORDER, JOB, READY_SQL
 
 # The hand-out search's statements without exclusions, by whether they
 # match GLOBs and how many names or patterns they bind: made once, not at
-# every GetJob (the text cost a quarter of a search's instructions).
+# every GetJob (the text cost a quarter of a search's instructions). Only
+# for up to KEPT_SHAPE names or patterns: a list of exact names is bounded
+# by its bytes alone (6,000 one-letter names), and a statement kept for
+# every length a client sends would hold tens of megabytes.
 STATEMENTS: dict[tuple[bool, int], str] = {}
+KEPT_SHAPE = 32
 AFTER = " AND " + AFTER_IN_ORDER.format("?")
 
 
