@@ -12,6 +12,8 @@ connection reads from the database.
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
@@ -156,3 +158,29 @@ def test_a_row_another_connection_changed_is_read_as_it_left_it(
         report = store.get(job_id)
     assert report is not None and report.state == State.PAUSED
     assert report == stored(backend, db, job_id)
+
+
+def test_rows_with_large_data_are_read_again_not_kept(tmp_path: Path) -> None:
+    """A job's data may be megabytes: a row is kept only if its data and
+    last error are small, so reading many large jobs leaves no memory held,
+    and each is still read as stored."""
+    store = open_store("sqlite", tmp_path / "jobs.db")
+    try:
+        big = '{"x":"' + "d" * 65_536 + '"}'
+        ids = create(store, *(job(f"big{index}", data=big) for index in range(300)))
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            with transaction(store):
+                for job_id in ids:
+                    read = store.get(job_id)
+                    assert read is not None and read.data == big
+            gc.collect()
+            held = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        # 300 rows of 64 KiB kept would be about 20 MB.
+        assert held < 2_000_000, held
+    finally:
+        store.close()

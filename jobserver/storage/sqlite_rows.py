@@ -38,6 +38,12 @@ from jobserver.model.jobs import Job
 # Rows kept at most: a take holds one between its GetJob and its report; jobs
 # handed out and never reported on are dropped with the rest past this.
 MOST = 4096
+# Only rows whose data and last error come to at most this many characters
+# are kept: a job's data may be megabytes (a wire line holds 2 MiB), and
+# 4,096 such rows would hold gigabytes for as long as they are kept. The
+# rest are read again, as every row was before; the other columns are
+# bounded small (a name, a repeat, windows).
+MOST_TEXT = 4096
 # The SQL function the triggers call, and the triggers.
 _FUNCTION = "jobserver_forget_row"
 _TRIGGERS = (
@@ -73,7 +79,8 @@ class Rows:
         if len(rows) + len(jobs) > MOST:
             rows.clear()
         for job in jobs[:MOST]:
-            rows[job.jobID] = job
+            if len(job.data) + len(job.lastError) <= MOST_TEXT:
+                rows[job.jobID] = job
 
     def written(self, job_id: int, columns: dict[str, object]) -> None:
         """A statement just updated the row of `job_id` alone, setting
@@ -89,7 +96,8 @@ class Rows:
         # copies are made): rows handed out are never changed in place.
         copy = object.__new__(Job)
         copy.__dict__ = {**before.__dict__, **columns}
-        self._rows[job_id] = copy
+        if len(copy.data) + len(copy.lastError) <= MOST_TEXT:
+            self._rows[job_id] = copy
 
     def clear(self) -> None:
         self._rows.clear()
