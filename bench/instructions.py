@@ -85,33 +85,23 @@ def wake_rounds(port: int, rounds: int) -> None:
         worker.join()
 
 
-def start(root: Path | None, out: Path, database: Path) -> tuple[subprocess.Popen[bytes], int]:
+def start(
+    root: Path | None, out: Path, database: Path | str, patience: float = 300
+) -> tuple[subprocess.Popen[bytes], int]:
+    """`jobserver serve` on `database` (a file, or a PostgreSQL URL) under
+    callgrind, once it answers a Ping (within `patience` seconds)."""
     port = free_port()
     env = dict(os.environ)
     if root is not None:
         env["PYTHONPATH"] = str(root)
     server = subprocess.Popen(
-        [
-            "valgrind",
-            "--tool=callgrind",
-            f"--callgrind-out-file={out}/callgrind.out",
-            sys.executable,
-            "-m",
-            "jobserver",
-            "serve",
-            "--port",
-            str(port),
-            "--db",
-            str(database),
-        ],
+        ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/callgrind.out",
+         sys.executable, "-m", "jobserver", "serve", "--port", str(port), "--db", str(database)],
         # `python -m` puts its working directory first on the path, before
         # PYTHONPATH: the checkout's own directory, or one with no jobserver.
-        cwd=root or database.parent,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        cwd=root or out, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + patience
     while True:
         try:
             Client(port).ok("Ping")
@@ -121,6 +111,15 @@ def start(root: Path | None, out: Path, database: Path) -> tuple[subprocess.Pope
                 server.kill()
                 raise SystemExit("the server did not start under valgrind") from None
             time.sleep(0.5)
+
+
+def counted(out: Path, server: subprocess.Popen[bytes], name: str, run: Callable[[], None]) -> int:
+    """The instructions the server executed while `run` ran."""
+    pid = str(server.pid)
+    subprocess.run(["callgrind_control", "-z", pid], check=True, capture_output=True)
+    run()
+    subprocess.run(["callgrind_control", "-d", name, pid], check=True, capture_output=True)
+    return dumped(out, name)
 
 
 def dumped(out: Path, name: str) -> int:
@@ -161,14 +160,8 @@ def main() -> int:
                 ("wake round", n // 10, lambda: wake_rounds(port, n // 10)),
             ]
             for index, (label, ops, run) in enumerate(workloads):
-                pid = str(server.pid)
-                subprocess.run(["callgrind_control", "-z", pid], check=True, capture_output=True)
-                run()
-                name = f"w{index}"
-                subprocess.run(
-                    ["callgrind_control", "-d", name, pid], check=True, capture_output=True
-                )
-                print(f"{label:20} {dumped(out, name) / ops:>12,.0f} instructions/op", flush=True)
+                total = counted(out, server, f"w{index}", run)
+                print(f"{label:20} {total / ops:>12,.0f} instructions/op", flush=True)
         finally:
             server.terminate()
             server.wait()

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,9 +36,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from instructions import dumped
+from instructions import counted, start
 from run import BenchDatabase
-from wire_client import Client, free_port
+from wire_client import Client
 
 DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/postgres"
 DATA = {"p": "x" * 90}
@@ -84,39 +83,9 @@ def single(client: Client, jobs: int) -> None:
         client.ok("CreateJob", name="single", data=DATA)
 
 
-def start(root: Path | None, out: Path, url: str) -> tuple[subprocess.Popen[bytes], int]:
-    port = free_port()
-    env = dict(os.environ)
-    if root is not None:
-        env["PYTHONPATH"] = str(root)
-    server = subprocess.Popen(
-        ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/callgrind.out",
-         sys.executable, "-m", "jobserver", "serve", "--port", str(port), "--db", url],
-        cwd=root or out, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 900  # valgrind on a loaded machine
-    while True:
-        try:
-            Client(port).ok("Ping")
-            return server, port
-        except OSError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                raise SystemExit("the node did not start under valgrind") from None
-            time.sleep(0.5)
-
-
-def counted(out: Path, server: subprocess.Popen[bytes], name: str, run: Callable[[], None]) -> int:
-    """The instructions the node executed while `run` ran."""
-    pid = str(server.pid)
-    subprocess.run(["callgrind_control", "-z", pid], check=True, capture_output=True)
-    run()
-    subprocess.run(["callgrind_control", "-d", name, pid], check=True, capture_output=True)
-    return dumped(out, name)
-
-
 def measure(root: Path | None, out: Path, url: str, jobs: int) -> None:
-    server, port = start(root, out, url)
+    # Patient: valgrind on a loaded machine, and a schema to make.
+    server, port = start(root, out, url, patience=900)
     try:
         client = Client(port)
         insert(client, BATCH, "warm")

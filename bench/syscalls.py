@@ -79,12 +79,16 @@ def in_threads(port: int, clients: int, each: int, run: Callable[[Client], None]
         client.close()
 
 
-def attach(pid: int, out: Path) -> subprocess.Popen[str]:
-    """strace counting every thread of `pid`, once it has attached (it says
-    so on its standard error: "Process PID attached with 3 threads")."""
+# What `attach` has strace do by default: count the calls, by name.
+COUNTING = ("-c", "-U", "name,calls,errors", "-S", "calls")
+
+
+def attach(pid: int, out: Path, options: tuple[str, ...] = COUNTING) -> subprocess.Popen[str]:
+    """strace on every thread of `pid` with `options`, writing to `out`, once
+    it has attached (it says so on its standard error: "Process PID attached
+    with 3 threads")."""
     tracer = subprocess.Popen(
-        ["strace", "-f", "-c", "-U", "name,calls,errors", "-S", "calls",
-         "-o", str(out), "-p", str(pid)],
+        ["strace", "-f", *options, "-o", str(out), "-p", str(pid)],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -109,6 +113,27 @@ def detach(tracer: subprocess.Popen[str], out: Path) -> dict[str, int]:
         if len(fields) >= 2 and fields[1].isdigit():
             counts[fields[0]] = int(fields[1])
     return counts
+
+
+def warmed(db: Path, root: Path, creates: int) -> tuple[subprocess.Popen[bytes], int]:
+    """`jobserver serve` of the checkout at `root` on a new SQLite file at
+    `db` (`--synchronous FULL`), once it has served `creates` CreateJobs and
+    a hundred takes of them."""
+    port = free_port()
+    server = start_server(db, port, root, "--synchronous", "FULL")
+    try:
+        wait_port(port, server)
+        warm = Client(port)
+        for _ in range(creates):
+            create(warm)
+        for _ in range(100):
+            take(warm)
+        warm.close()
+    except BaseException:
+        server.terminate()
+        server.wait()
+        raise
+    return server, port
 
 
 def filesystem(directory: Path) -> str:
@@ -150,17 +175,8 @@ def main() -> int:
     each = n // clients
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         directory = Path(tmp)
-        port = free_port()
-        server = start_server(directory / "jobs.db", port, args.server_root.resolve(),
-                              "--synchronous", "FULL")
+        server, port = warmed(directory / "jobs.db", args.server_root.resolve(), creates=100)
         try:
-            wait_port(port, server)
-            warm = Client(port)
-            for _ in range(100):
-                create(warm)
-            for _ in range(100):
-                take(warm)
-            warm.close()
             print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; database on "
                   f"{filesystem(directory)}; server of {args.server_root}")
             workloads: list[tuple[str, int, Callable[[], None]]] = [

@@ -23,7 +23,6 @@ import argparse
 import re
 import signal
 import sqlite3
-import subprocess
 import sys
 import tempfile
 from collections import Counter
@@ -31,10 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from run import wait_port
-from scale import start_server
-from syscalls import ATTACH_TIMEOUT, create, take
-from wire_client import Client, free_port
+from syscalls import ATTACH_TIMEOUT, attach, create, take, warmed
+from wire_client import Client
 
 ROOT = Path(__file__).resolve().parent.parent
 # strace -xx writes every byte as \xNN, paths too: "-wal" is this.
@@ -42,6 +39,9 @@ WAL_SUFFIX = r"\\x2d\\x77\\x61\\x6c"
 FRAME_HEADER = re.compile(r'pwrite64\(\d+<[^>]*' + WAL_SUFFIX + r'>, "((?:\\x[0-9a-f]{2})+)", 24,')
 SOCKET_READ = re.compile(r' read\(\d+<[^>]*>, "((?:\\x[0-9a-f]{2})+)')
 SHOWN = 0.05  # pages per commit below this are only in the total
+# strace's options: the log's writes and the sockets' reads, in full, each
+# with the file its descriptor names.
+TRACING = ("-xx", "-y", "-e", "trace=pwrite64,read")
 
 
 def pages_by_btree(db: Path) -> dict[int, str]:
@@ -50,20 +50,6 @@ def pages_by_btree(db: Path) -> dict[int, str]:
         return {page: name for name, page in reader.execute("SELECT name, pageno FROM dbstat")}
     finally:
         reader.close()
-
-
-def trace(pid: int, out: Path) -> subprocess.Popen[str]:
-    tracer = subprocess.Popen(
-        ["strace", "-f", "-xx", "-y", "-e", "trace=pwrite64,read", "-o", str(out),
-         "-p", str(pid)],
-        stderr=subprocess.PIPE, text=True,
-    )
-    assert tracer.stderr is not None
-    line = tracer.stderr.readline()
-    if "attached" not in line:
-        tracer.kill()
-        raise SystemExit(f"strace did not attach to {pid}: {line.strip()}")
-    return tracer
 
 
 def commits(lines: list[str], names: dict[int, str]) -> dict[str, tuple[int, Counter[str]]]:
@@ -97,19 +83,14 @@ def main() -> int:
     parser.add_argument("--server-root", type=Path, default=ROOT, metavar="DIR")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        db, out, port = Path(tmp) / "jobs.db", Path(tmp) / "strace.out", free_port()
-        server = start_server(db, port, args.server_root.resolve(), "--synchronous", "FULL")
+        db, out = Path(tmp) / "jobs.db", Path(tmp) / "strace.out"
+        server, port = warmed(db, args.server_root.resolve(), creates=300)
         try:
-            wait_port(port, server)
             client = Client(port)
-            for _ in range(300):
-                create(client)
-            for _ in range(100):
-                take(client)
             seen: dict[str, tuple[int, Counter[str]]] = {}
             for phase in (create, take):
                 began = pages_by_btree(db)
-                tracer = trace(server.pid, out)
+                tracer = attach(server.pid, out, TRACING)
                 for _ in range(args.n):
                     phase(client)
                 tracer.send_signal(signal.SIGINT)

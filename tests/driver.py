@@ -26,6 +26,17 @@ def open_store(backend: str, db: Path | str) -> Storage:
 
 
 @contextmanager
+def another_store(backend: str, db: Path | str) -> Iterator[Storage]:
+    """A second store on the same database (another connection: a SQLite
+    file opened again, another node), closed at the end."""
+    other = open_store(backend, db)
+    try:
+        yield other
+    finally:
+        other.close()
+
+
+@contextmanager
 def transaction(store: Storage) -> Iterator[Storage]:
     """The writer's way: one transaction, committed at the end."""
     store.begin()

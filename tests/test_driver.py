@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from driver import LATER, NOW, PAST, create, job, open_store, transaction
+from driver import LATER, NOW, PAST, another_store, create, job, transaction
 
 from jobserver.model.jobs import (
     ACTIVE,
@@ -340,17 +340,10 @@ def test_children_of_a_parent_created_by_another_connection(
     """What one connection knows of parents must not hide another's children
     (a SQLite file reopened, another node)."""
     (parent,) = create(store, job("p"))
-    other = open_store(backend, db)
-    try:
+    with another_store(backend, db) as other:
         create(other, job("c", parent_id=parent))
-    finally:
-        other.close()
-    reopened = open_store(backend, db)
-    try:
-        with transaction(reopened):
-            assert reopened.has_children(parent)
-    finally:
-        reopened.close()
+    with another_store(backend, db) as reopened, transaction(reopened):
+        assert reopened.has_children(parent)
 
 
 # The clock.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pg
 import pytest
-from driver import LATER, NOW, PAST, create, job, open_store, transaction
+from driver import LATER, NOW, PAST, another_store, create, job, transaction
 
 from jobserver import storage
 from jobserver.model.jobs import FlowOptions, JobChanges, State
@@ -122,11 +122,8 @@ def test_limits_are_stored_removed_and_survive_a_reopening(
     with transaction(store):
         store.set_limit("a/*", Limit())
     assert store.limits == {"b": Limit(2, Rate(5, 60_000), True, True)}
-    reopened = open_store(backend, db)
-    try:
+    with another_store(backend, db) as reopened:
         assert reopened.limits == {"b": Limit(2, Rate(5, 60_000), True, True)}
-    finally:
-        reopened.close()
 
 
 def test_a_rollback_restores_limits_and_pauses(store: Storage) -> None:
@@ -181,11 +178,8 @@ def test_pause_and_resume(store: Storage, backend: str, db: Path | str) -> None:
     with transaction(store):
         assert store.resume("b")
         assert not store.resume("b")
-    reopened = open_store(backend, db)
-    try:
+    with another_store(backend, db) as reopened:
         assert reopened.paused == frozenset({"a/*"})
-    finally:
-        reopened.close()
 
 
 # Retention (protocol.md 14.10).

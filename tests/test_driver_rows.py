@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from driver import NOW, create, job, open_store, transaction
+from driver import NOW, another_store, create, job, open_store, transaction
 
 from jobserver.model.jobs import Job, JobChanges, State
 from jobserver.storage.interface import Storage
@@ -28,12 +28,8 @@ pytestmark = pytest.mark.backends()
 
 def stored(backend: str, db: Path | str, job_id: int) -> Job | None:
     """The row as another connection reads it from the database."""
-    other = open_store(backend, db)
-    try:
-        with transaction(other):
-            return other.get(job_id)
-    finally:
-        other.close()
+    with another_store(backend, db) as other, transaction(other):
+        return other.get(job_id)
 
 
 def handed_out(store: Storage) -> Job:
@@ -148,12 +144,8 @@ def test_a_row_another_connection_changed_is_read_as_it_left_it(
     (job_id,) = create(store, job("a", data='{"n":1}'))
     with transaction(store):
         assert store.get(job_id) is not None
-    other = open_store(backend, db)
-    try:
-        with transaction(other):
-            assert other.set_state_if([job_id], [State.QUEUED], State.PAUSED, JobChanges())
-    finally:
-        other.close()
+    with another_store(backend, db) as other, transaction(other):
+        assert other.set_state_if([job_id], [State.QUEUED], State.PAUSED, JobChanges())
     with transaction(store):
         report = store.get(job_id)
     assert report is not None and report.state == State.PAUSED

@@ -213,20 +213,33 @@ def test_without_a_token_option_the_header_is_ignored(client):
 # TLS.
 
 
-def test_tls_with_a_certificate_made_now(make_server, tmp_path):
+def certificate_files(tmp_path: Path) -> tuple[trustme.CA, Path, Path]:
+    """A certificate authority made now, and a certificate of the server's
+    own from it, written where `serve --tls-cert/--tls-key` read them."""
     authority = trustme.CA()
     certificate = authority.issue_cert("127.0.0.1", "localhost")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     certificate.cert_chain_pems[0].write_to_path(cert)
     certificate.private_key_pem.write_to_path(key)
-    running = make_server(tls_cert=str(cert), tls_key=str(key))
+    return authority, cert, key
 
+
+@contextlib.contextmanager
+def tls_connection(port: int, authority: trustme.CA) -> Iterator[ssl.SSLSocket]:
+    """A TLS connection to the server, trusting `authority`."""
     context = ssl.create_default_context()
     authority.configure_trust(context)
     with (
-        socket.create_connection(("127.0.0.1", running.port), timeout=DEADLINE) as raw,
+        socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as raw,
         context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
     ):
+        yield tls
+
+
+def test_tls_with_a_certificate_made_now(make_server, tmp_path):
+    authority, cert, key = certificate_files(tmp_path)
+    running = make_server(tls_cert=str(cert), tls_key=str(key))
+    with tls_connection(running.port, authority) as tls:
         tls.sendall(b"CreateJob\r\nname: secure\r\n\r\n")
         data = b""
         while b'"jobID"' not in data:
@@ -246,28 +259,16 @@ def test_tls_with_a_certificate_made_now(make_server, tmp_path):
 def test_tls_read_deadlines_fire_too(make_server, tmp_path):
     """A read under TLS is stopped at its deadline as a plain one is: a
     trickled request gets its 408 in TLS, and an idle connection is closed."""
-    authority = trustme.CA()
-    certificate = authority.issue_cert("127.0.0.1")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    certificate.cert_chain_pems[0].write_to_path(cert)
-    certificate.private_key_pem.write_to_path(key)
+    authority, cert, key = certificate_files(tmp_path)
     running = make_server(tls_cert=str(cert), tls_key=str(key), request_timeout=0.5,
                           idle_timeout=0.5)
-    context = ssl.create_default_context()
-    authority.configure_trust(context)
-    with (
-        socket.create_connection(("127.0.0.1", running.port), timeout=DEADLINE) as raw,
-        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
-    ):
+    with tls_connection(running.port, authority) as tls:
         tls.sendall(b"CreateJob\r\nname: slow")
         data = b""
         while chunk := tls.recv(4096):
             data += chunk
         assert data.startswith(b"408 Request timeout\r\n")
-    with (
-        socket.create_connection(("127.0.0.1", running.port), timeout=DEADLINE) as raw,
-        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
-    ):
+    with tls_connection(running.port, authority) as tls:
         began = time.monotonic()
         assert tls.recv(1) == b""
         assert time.monotonic() - began >= 0.4

@@ -26,8 +26,7 @@ _VERSION_5 = (
 def version_5(db: psycopg.Connection) -> None:
     # Jobs handed out before the upgrade have no known taker: "". Adding a
     # column with a constant default rewrites no rows.
-    for statement in _VERSION_5:
-        db.execute(statement.encode())
+    _run_all(db, _VERSION_5)
 
 
 # Version 6's table (in SCHEMA for a new schema), IF NOT EXISTS as above;
@@ -46,8 +45,7 @@ _VERSION_6 = (
 
 
 def version_6(db: psycopg.Connection) -> None:
-    for statement in _VERSION_6:
-        db.execute(statement.encode())
+    _run_all(db, _VERSION_6)
 
 
 def version_7(db: psycopg.Connection) -> None:
@@ -85,8 +83,7 @@ FIND_READY_8 = (
 
 
 def version_8(db: psycopg.Connection) -> None:
-    for statement in _VERSION_8:
-        db.execute(statement.encode())
+    _run_all(db, _VERSION_8)
     db.execute(FIND_READY_AFTER_FUNCTION.encode())
     # It runs with its caller's rights (a role without the nodes' grants
     # reads nothing through it); only the nodes need to call it at all.
@@ -139,6 +136,10 @@ _VERSION_10 = (
 
 
 def version_10(db: psycopg.Connection) -> None:
-    for statement in _VERSION_10:
-        db.execute(statement.encode())
+    _run_all(db, _VERSION_10)
 
+
+def _run_all(db: psycopg.Connection, statements: tuple[str, ...]) -> None:
+    """A step's statements, in order, in the migration's transaction."""
+    for statement in statements:
+        db.execute(statement.encode())
