@@ -305,11 +305,16 @@ def test_the_query_process_imports_nothing_from_the_working_directory(
 def _open_in(directory: Path) -> list[str]:
     """Files of any process here that lie in `directory` (deleted or not)."""
     found = []
-    for link in Path("/proc").glob("[0-9]*/fd/*"):
+    for process in Path("/proc").iterdir():
+        if not process.name.isdigit():
+            continue
+        # A process may end between being listed and being read.
         with suppress(OSError):
-            target = os.readlink(link)
-            if target.startswith(str(directory)):
-                found.append(target)
+            for link in (process / "fd").iterdir():
+                with suppress(OSError):
+                    target = os.readlink(link)
+                    if target.startswith(str(directory)):
+                        found.append(target)
     return found
 
 
