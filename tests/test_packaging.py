@@ -1,8 +1,9 @@
 """What pyproject.toml promises a plain `pip install jobserverd`: the
 distribution's name, the `jobserver` command, and that every library the
 code imports is a dependency, a plain one unless the importing module is
-part of an extra (the HTTP side, the PostgreSQL backend). Nothing is built
-here: .ci/run builds the wheel and smoke-tests it in a fresh environment
+part of an extra (the HTTP side, the PostgreSQL backend), and that the
+source distribution holds the documentation and the tests. The wheel is not
+built here: .ci/run builds it and smoke-tests it in a fresh environment
 (.ci/smoke_wheel.py)."""
 
 from __future__ import annotations
@@ -12,11 +13,15 @@ import functools
 import importlib.metadata
 import importlib.util
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -70,6 +75,9 @@ def test_the_distribution_is_jobserverd_with_the_jobserver_command():
     assert dynamic == {"version": {"attr": "jobserver.__version__"}}
     assert PROJECT["scripts"] == {"jobserver": "jobserver.cli:main"}
     assert PROJECT["license"] == "MIT"
+    # A project URL only where the project has a real home: never its own
+    # page on PyPI standing in for one (README.md says where the docs are).
+    assert not any("pypi.org" in url for url in PROJECT.get("urls", {}).values())
     assert (ROOT / "LICENSE").is_file()
 
 
@@ -122,3 +130,45 @@ def test_each_extra_part_holds_modules_that_import_its_libraries():
         wanted = {_name(requirement) for requirement in PROJECT["optional-dependencies"][extra]}
         imported = set().union(*(_distributions(_imported(path)) for path in modules))
         assert imported & wanted, extra
+
+
+# What the sdist holds beside the repository's tracked files: the metadata
+# setuptools writes. A tracked file it need not hold: git's own.
+SDIST_METADATA = ("PKG-INFO", "setup.cfg", "jobserverd.egg-info/")
+NOT_SHIPPED = {".gitignore"}
+
+
+def _tracked() -> set[str]:
+    listed = subprocess.run(
+        ["git", "ls-files", "-z"], capture_output=True, timeout=60, check=True, cwd=ROOT
+    ).stdout.decode()
+    # A file deleted in the working tree but not yet in git's index is gone.
+    return {name for name in listed.split("\0") if name and (ROOT / name).exists()}
+
+
+def test_the_sdist_holds_the_documentation_the_tests_and_nothing_untracked(tmp_path):
+    """The sdist is the repository's tracked files (MANIFEST.in): docs/ and
+    mkdocs.yml, protocol.md, SECURITY.md, ARCHITECTURE.md, LICENSE, the
+    tests with their helpers. Built as CI builds it (--no-isolation), from
+    a copy of those files, so that the build leaves nothing in the checkout
+    and sees no file that git does not track."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout (an unpacked sdist is what this test checks)")
+    tracked = _tracked()
+    source = tmp_path / "source"
+    for name in tracked:
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, source / name, follow_symlinks=False)
+    subprocess.run(
+        [sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir", tmp_path, source],
+        capture_output=True, timeout=120, check=True,
+    )
+    (sdist,) = tmp_path.glob("jobserverd-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        shipped = {entry.name.partition("/")[2] for entry in archive if not entry.isdir()}
+    extra = {name for name in shipped - tracked if not name.startswith(SDIST_METADATA)}
+    assert extra == set()
+    assert tracked - NOT_SHIPPED - shipped == set()
+    for needed in ("docs/index.md", "docs/protocol.md", "mkdocs.yml", "protocol.md",
+                   "SECURITY.md", "ARCHITECTURE.md", "LICENSE", "tests/conftest.py"):
+        assert needed in shipped, needed
