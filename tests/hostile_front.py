@@ -1,10 +1,15 @@
 """A server that is broken or hostile, on real loopback connections: a
 front for a real server that passes every request to it and its reply
-back, except the GetJobs that find a bad reply queued
-(`answer_get_jobs_with`). Such a GetJobs never reaches the server, so no
-job is taken for it, and the client gets the bad reply instead. So a test
+back, except the requests that find a bad reply queued for their
+command (`answer_with`; `answer_get_jobs_with` for GetJobs). Such a
+request never reaches the server (a GetJobs takes no job, a FinishJob
+finishes nothing), and the client gets the bad reply instead. So a test
 shows a worker keeping its running jobs, and going on taking new ones,
 across the replies a real server never sends.
+
+`double_jobs()`: from then on each GetJobs goes to the server, and its
+reply comes back with each job listed twice, until one such reply has
+held a job.
 
 FLOOD, as a bad reply: a head announcing a body of 100 GB, then zeros for
 as long as the client reads them, up to FLOOD_CAP; `flooded` holds, for each
@@ -12,6 +17,7 @@ flood, the bytes the client took before it closed the connection."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 from contextlib import suppress
@@ -34,7 +40,8 @@ class HostileFront:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port: int = self.listener.getsockname()[1]
         self._guard = threading.Lock()
-        self._bad: list[bytes | str] = []
+        self._bad: dict[bytes, list[bytes | str]] = {}  # by command, lowercased
+        self._doubling = False  # double_jobs() until a reply held a job
         self._open: set[socket.socket] = set()
         self.answered = 0  # bad replies sent
         self.connections = 0  # accepted so far
@@ -43,8 +50,18 @@ class HostileFront:
 
     def answer_get_jobs_with(self, *replies: bytes | str) -> None:
         """Answer the next GetJobs (one each) with these, in turn."""
+        self.answer_with("GetJobs", *replies)
+
+    def answer_with(self, command: str, *replies: bytes | str) -> None:
+        """Answer the next requests of `command` (one each) with these, in turn."""
         with self._guard:
-            self._bad.extend(replies)
+            self._bad.setdefault(command.lower().encode(), []).extend(replies)
+
+    def double_jobs(self) -> None:
+        """List each job twice in the server's replies to GetJobs, until
+        one such reply has held a job (counted in `answered`)."""
+        with self._guard:
+            self._doubling = True
 
     def close(self) -> None:
         self.listener.close()
@@ -67,10 +84,19 @@ class HostileFront:
             with self._guard:
                 self.connections += 1
                 self._open |= {client, server}
-            threading.Thread(target=self._requests, args=(client, server), daemon=True).start()
-            threading.Thread(target=self._replies, args=(server, client), daemon=True).start()
+            # Set while the reply on its way is to be doubled: a client sends
+            # its next request only after the reply to the last.
+            doubled = threading.Event()
+            threading.Thread(
+                target=self._requests, args=(client, server, doubled), daemon=True
+            ).start()
+            threading.Thread(
+                target=self._replies, args=(server, client, doubled), daemon=True
+            ).start()
 
-    def _requests(self, client: socket.socket, server: socket.socket) -> None:
+    def _requests(
+        self, client: socket.socket, server: socket.socket, doubled: threading.Event
+    ) -> None:
         """Requests to the server, or a bad reply instead. A client's
         requests have no bodies, and it sends the next only after a reply."""
         buffered = b""
@@ -81,6 +107,8 @@ class HostileFront:
                     head, _, buffered = buffered.partition(b"\r\n\r\n")
                     bad = self._take_bad(head)
                     if bad is None:
+                        if self._doubles(head):
+                            doubled.set()
                         server.sendall(head + b"\r\n\r\n")
                     elif bad == FLOOD:
                         self._flood(client)
@@ -93,20 +121,47 @@ class HostileFront:
             # the server, which answers, then closes.
             server.shutdown(socket.SHUT_WR)
 
-    def _replies(self, server: socket.socket, client: socket.socket) -> None:
+    def _replies(
+        self, server: socket.socket, client: socket.socket, doubled: threading.Event
+    ) -> None:
+        buffered = b""
         with suppress(OSError):
             while chunk := server.recv(65536):
-                client.sendall(chunk)
+                if not doubled.is_set():
+                    client.sendall(chunk)
+                    continue
+                buffered += chunk
+                whole = _whole_reply(buffered)
+                if whole is not None:
+                    doubled.clear()
+                    client.sendall(self._double(*whole))
+                    buffered = b""
         _drop(server, client)
 
+    def _command(self, head: bytes) -> bytes:
+        return head.split(maxsplit=1)[0].lower() if head.strip() else b""
+
     def _take_bad(self, head: bytes) -> bytes | str | None:
-        if not head.lstrip().startswith(b"GetJobs"):
-            return None
         with self._guard:
-            if not self._bad:
+            queued = self._bad.get(self._command(head))
+            if not queued:
                 return None
             self.answered += 1
-            return self._bad.pop(0)
+            return queued.pop(0)
+
+    def _doubles(self, head: bytes) -> bool:
+        with self._guard:
+            return self._doubling and self._command(head) == b"getjobs"
+
+    def _double(self, status: str, body: bytes) -> bytes:
+        """The reply `status`, `body` with each job in it listed twice."""
+        jobs = json.loads(body)["jobs"] if status.startswith("200 ") else []
+        if not jobs:
+            return reply(status, body)
+        with self._guard:
+            self._doubling = False
+            self.answered += 1
+        return reply(status, json.dumps({"jobs": [job for job in jobs for _ in (1, 2)]}).encode())
 
     def _flood(self, client: socket.socket) -> None:
         sent = 0
@@ -117,6 +172,17 @@ class HostileFront:
                 sent += len(_ZEROS)
         with self._guard:
             self.flooded.append(sent)
+
+
+def _whole_reply(received: bytes) -> tuple[str, bytes] | None:
+    """The status line and body of the reply `received` holds, once whole."""
+    head, found, body = received.partition(b"\r\n\r\n")
+    if not found:
+        return None
+    lines = head.decode().split("\r\n")
+    name = "content-length:"
+    length = sum(int(line[len(name):]) for line in lines if line.lower().startswith(name))
+    return (lines[0], body) if len(body) >= length else None
 
 
 def _drop(*sockets: socket.socket) -> None:

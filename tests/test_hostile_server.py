@@ -308,3 +308,171 @@ def test_the_manager_runs_a_job_handed_out_again_only_once(tmp_path, manager, wo
     finally:
         server.stop()
     assert starts(workers, long) == 1
+
+
+# A job listed twice in one GetJobs reply: run once, and the worker goes on.
+
+
+def test_the_python_worker_runs_a_job_listed_twice_in_one_reply_once(server, front, caplog):
+    caplog.set_level(logging.INFO, logger="jobserver.worker")
+    runs: list[int] = []
+    worker = Worker()
+
+    @worker.handler("hostile/*")
+    def handle(data: dict[str, Any], job: Job) -> dict[str, Any]:
+        runs.append(job.id)
+        return {"done": True}
+
+    with server.client() as c:
+        doubled = create(c, "hostile/doubled", repeat=REPEAT)
+        front.double_jobs()
+        with in_process(worker, front.port, "asyncio", concurrency=4) as process:
+            until(lambda: front.answered, DEADLINE, "the doubled reply")
+            until(lambda: job(c, doubled)["data"] == {"done": True}, DEADLINE, "the doubled job")
+            after = create(c, "hostile/after", repeat=REPEAT)
+            until(lambda: job(c, after)["data"] == {"done": True}, DEADLINE, "a later job")
+            assert process.stop() == 0
+    assert runs.count(doubled) == 1, runs
+    assert "handed out again while it runs here" in caplog.text
+
+
+def test_the_manager_runs_a_job_listed_twice_in_one_reply_once(server, front, manager, workers):
+    holding_worker(workers, "hold")
+    with server.client() as c:
+        doubled = create(c, "hostile/hold", repeat=REPEAT)
+        front.double_jobs()
+        process = manager(front.port, "--job-name", "hostile/*")
+        process.wait_for("handed out again while its worker runs")
+        assert front.answered
+        until(lambda: job(c, doubled)["data"] == {"done": True}, DEADLINE, "the doubled job")
+        after = create(c, "hostile/hold", repeat=REPEAT)
+        until(lambda: job(c, after)["data"] == {"done": True}, DEADLINE, "a later job")
+        assert process.proc.poll() is None
+    assert starts(workers, doubled) == 1
+
+
+# A reply to a report (FinishJob) or a lease renewal (TouchJob) that means
+# nothing is a broken connection: the report is sent again, the renewal
+# tried again, and the other running jobs go on.
+
+NOT_A_REPLY = b"<html>Service Unavailable</html>\r\n\r\n"
+FINISH_BAD = {"not a status line": NOT_A_REPLY, "100 GB announced": FLOOD}
+TOUCH_BAD = {
+    "not JSON": MEANINGLESS["not JSON"],
+    "a list": reply("200 OK", b"[]"),
+    "null": reply("200 OK", b"null"),
+    "a number": reply("200 OK", b"7"),
+    "not a status line": NOT_A_REPLY,
+}
+# What each bad reply answers, and what the worker logs of it.
+BAD_ANSWERS = [("FinishJob", bad, "cannot report job") for bad in FINISH_BAD.values()] + [
+    ("TouchJob", bad, "cannot renew the lease") for bad in TOUCH_BAD.values()
+]
+BAD_IDS = [f"FinishJob, {name}" for name in FINISH_BAD] + [
+    f"TouchJob, {name}" for name in TOUCH_BAD
+]
+
+
+@pytest.mark.parametrize(("command", "bad", "logged"), BAD_ANSWERS, ids=BAD_IDS)
+def test_the_python_worker_keeps_its_jobs_across_a_bad_answer_to_a_report_or_renewal(
+    server, front, command, bad, logged, caplog
+):
+    caplog.set_level(logging.INFO, logger="jobserver.worker")
+    started, release = threading.Event(), threading.Event()
+    worker = Worker()
+
+    @worker.handler("hostile/*")
+    def handle(data: dict[str, Any]) -> dict[str, Any]:
+        if data.get("wait"):
+            started.set()
+            release.wait(DEADLINE)
+        return {"done": True}
+
+    with server.client() as c:
+        running = create(c, "hostile/running", data='{"wait": true}', repeat=REPEAT)
+        with in_process(
+            worker, front.port, "trio", concurrency=4, touch_interval=0.2
+        ) as process:
+            assert started.wait(DEADLINE)
+            front.answer_with(command, bad)
+            quick = create(c, "hostile/quick", repeat=REPEAT)
+            until(lambda: front.answered == 1, DEADLINE, f"the bad answer to {command}")
+            until(lambda: job(c, quick)["data"] == {"done": True}, DEADLINE, "the quick job")
+            until(lambda: logged in caplog.text, DEADLINE, "the broken connection logged")
+            release.set()
+            until(lambda: job(c, running)["data"] == {"done": True}, DEADLINE, "the running job")
+            assert process.stop() == 0
+    assert all(taken < FLOOD_READ for taken in front.flooded), front.flooded
+
+
+@pytest.mark.parametrize(("command", "bad", "logged"), BAD_ANSWERS, ids=BAD_IDS)
+def test_the_manager_keeps_its_workers_across_a_bad_answer_to_a_report_or_renewal(
+    server, front, manager, workers, command, bad, logged
+):
+    release = holding_worker(workers, "hold")
+    with server.client() as c:
+        running = create(c, "hostile/hold", data='{"hold": true}', repeat=REPEAT)
+        process = manager(front.port, "--job-name", "hostile/*", "--touch-interval", "0.2")
+        until(lambda: starts(workers, running), DEADLINE, "the running worker")
+        front.answer_with(command, bad)
+        quick = create(c, "hostile/hold", repeat=REPEAT)
+        until(lambda: front.answered == 1, DEADLINE, f"the bad answer to {command}")
+        until(lambda: job(c, quick)["data"] == {"done": True}, DEADLINE, "the quick job")
+        process.wait_for(logged)
+        release.touch()
+        until(lambda: job(c, running)["data"] == {"done": True}, DEADLINE, "the running job")
+        assert process.proc.poll() is None  # still serving
+    assert all(taken < FLOOD_READ for taken in front.flooded), front.flooded
+
+
+# The replies to FinishJobs and TouchJob, checked by every client: a shape
+# the command never answers is a MalformedReply, never another exception.
+
+FINISH_JOBS_BAD = {
+    "not JSON": MEANINGLESS["not JSON"],
+    "results not a list": reply("200 OK", b'{"results":{"jobID":7,"status":"200 OK"}}'),
+    "a result too few": reply("200 OK", b'{"results":[]}'),
+    "a result that is a list": reply("200 OK", b'{"results":[[7,"200 OK"]]}'),
+    "a status that is a number": reply("200 OK", b'{"results":[{"jobID":7,"status":200}]}'),
+    "a status that is no status": reply("200 OK", b'{"results":[{"jobID":7,"status":"OK"}]}'),
+}
+REPORTS_BAD = [("FinishJobs", bad) for bad in FINISH_JOBS_BAD.values()] + [
+    ("TouchJob", bad) for bad in TOUCH_BAD.values() if bad is not NOT_A_REPLY
+]
+REPORTS_IDS = [f"FinishJobs, {name}" for name in FINISH_JOBS_BAD] + [
+    f"TouchJob, {name}" for name, bad in TOUCH_BAD.items() if bad is not NOT_A_REPLY
+]
+
+
+def report_once(kind: str, port: int, command: str) -> object:
+    """One FinishJobs or TouchJob of job 7 on a client of `kind`: what it returned or raised."""
+    if kind == "sync":
+        with Client("127.0.0.1", port) as client:
+            try:
+                if command == "FinishJobs":
+                    return client.finish_jobs([(7, None, None)])
+                return client.touch_job(7)
+            except ConnectionFailed as error:
+                return error
+    if kind == "asyncio":
+        return anyio.run(_report_once, AsyncClient("127.0.0.1", port), command, backend="asyncio")
+    return trio.run(_report_once, TrioClient("127.0.0.1", port), command)
+
+
+async def _report_once(client: AsyncClient | TrioClient, command: str) -> object:
+    async with client:
+        try:
+            if command == "FinishJobs":
+                return await client.finish_jobs([(7, None, None)])
+            return await client.touch_job(7)
+        except ConnectionFailed as error:
+            return error
+
+
+@pytest.mark.parametrize("kind", CLIENTS)
+@pytest.mark.parametrize(("command", "bad"), REPORTS_BAD, ids=REPORTS_IDS)
+def test_a_client_closes_a_connection_whose_report_reply_means_nothing(
+    server, front, kind, command, bad
+):
+    front.answer_with(command, bad)
+    assert isinstance(report_once(kind, front.port, command), MalformedReply)

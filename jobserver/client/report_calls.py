@@ -10,11 +10,12 @@ are the client methods' as there (`documented_by`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from jobserver.client.calls import Call, When, _on_job, _time_text
+from jobserver.client.calls import Call, When, _on_job, _shown, _time_text
 from jobserver.client.errors import JobServerError, error_for
 from jobserver.wire.client_framing import Reply, without_lone_surrogates
 from jobserver.wire.limits import MAX_FINISH_JOBS
@@ -58,8 +59,34 @@ class FinishResult:
         return None if self.ok else error_for(self.status)
 
 
-def _finish_results(reply: Reply) -> list[FinishResult]:
-    return [FinishResult(r["jobID"], r["status"]) for r in reply.json()["results"]]
+# A job's status in a FinishJobs reply: a status line, as its own reply's.
+_STATUS = re.compile(r"[1-5][0-9][0-9](?: .*)?", re.DOTALL)
+
+
+def _finish_results(count: int) -> Callable[[Reply], list[FinishResult]]:
+    """The results of a FinishJobs (FailJobs, RetryJobs) of `count` jobs,
+    checked: a reporter pairs them with its reports, one each, and reads
+    each status's code, so a hostile reply of another shape must be a
+    MalformedReply, not an exception that ends the worker."""
+
+    def results(reply: Reply) -> list[FinishResult]:
+        listed = reply.json()["results"]
+        if not isinstance(listed, list) or len(listed) != count:
+            raise ValueError(f"{count} results expected, not {_shown(listed)}")
+        return [_result(result) for result in listed]
+
+    return results
+
+
+def _result(value: object) -> FinishResult:
+    if not isinstance(value, dict):
+        raise ValueError(f"a result that is not an object: {_shown(value)}")
+    job_id, status = value.get("jobID"), value.get("status")
+    if not (job_id is None or type(job_id) is int):
+        raise ValueError(f"a result whose jobID is {_shown(job_id)}")
+    if not (isinstance(status, str) and _STATUS.fullmatch(status)):
+        raise ValueError(f"a result whose status is {_shown(status)}")
+    return FinishResult(job_id, status)
 
 
 def finish_jobs(
@@ -75,7 +102,7 @@ def finish_jobs(
     if not 1 <= len(jobs) <= MAX_FINISH_JOBS:
         raise ValueError(f"finish_jobs takes 1 to {MAX_FINISH_JOBS} jobs, not {len(jobs)}")
     elements = [_element(job_id, lease_id, data=data) for job_id, lease_id, data in jobs]
-    return Call("FinishJobs", {"jobs": elements}, _finish_results)
+    return Call("FinishJobs", {"jobs": elements}, _finish_results(len(elements)))
 
 
 def fail_job(
@@ -209,7 +236,7 @@ def _reports(method: str, elements: list[dict[str, Any]]) -> Call[list[FinishRes
         raise ValueError(
             f"{method} takes 1 to {MAX_FINISH_JOBS} jobs, not {len(elements)}"
         )
-    return Call(method, {"jobs": elements}, _finish_results)
+    return Call(method, {"jobs": elements}, _finish_results(len(elements)))
 
 
 def touch_job(job_id: int, lease_id: str | None) -> Call[str | None]:
@@ -223,5 +250,12 @@ def touch_job(job_id: int, lease_id: str | None) -> Call[str | None]:
 
 
 def _report_deadline(reply: Reply) -> str | None:
+    # Checked: a renewal's reply that is no object (a list, null, a
+    # number) raised AttributeError, which ended the worker's renewals.
     body = reply.json()
-    return body.get("nextRun", body.get("staleAt"))
+    if not isinstance(body, dict):
+        raise ValueError(f"a reply that is not an object: {_shown(body)}")
+    deadline = body.get("nextRun", body.get("staleAt"))
+    if not (deadline is None or isinstance(deadline, str)):
+        raise ValueError(f"a deadline that is {_shown(deadline)}")
+    return deadline
