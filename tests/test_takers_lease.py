@@ -30,6 +30,8 @@ from wire import Client, Reply
 pytestmark = pytest.mark.backends
 
 DEADLINE = 30.0
+# Past a lease's end, how long its job may take to come back on a loaded machine.
+SLACK = 3.0
 
 
 def query_job(client: Client, job_id: int) -> dict[str, Any]:
@@ -83,6 +85,53 @@ def test_touch_job_renews_the_takers_lease(server, client):
             time.sleep(0.2)
     ok(client.request("FinishJob", jobID=job_id, leaseID=lease))
     assert client.request("QueryJob", jobID=job_id).status == "404 No job with this jobID"
+
+
+def test_touch_job_with_a_lease_replaces_the_takers(server, client):
+    """A handler's own lease (protocol.md 14.4): TouchJob's `lease` is the
+    job's lease from then on, renewed by it, and ends by it."""
+    job_id = create(client, "handled")
+    lease = take(client, "handled", lease=60).headers["leaseID"]
+    ok(client.request("TouchJob", jobID=job_id, leaseID=lease, lease=1))
+    with server.client() as other:
+        # Plain renewals now renew by one second...
+        end = time.monotonic() + 2.5
+        while time.monotonic() < end:
+            ok(client.request("TouchJob", jobID=job_id, leaseID=lease))
+            assert other.request("GetJob", name="handled").status == "404 No job found"
+            time.sleep(0.2)
+        # ... and once they stop, the job is due within a second, not sixty.
+        stopped = time.monotonic()
+        assert take(other, "handled").json["jobID"] == job_id
+    assert time.monotonic() - stopped < 1 + SLACK
+
+
+def test_a_jobs_own_lease_wins_over_touch_jobs(server, client):
+    job_id = create(client, "own lease", retryAfter="+1 HOUR")
+    lease = take(client, "own lease", lease=60).headers["leaseID"]
+    ok(client.request("TouchJob", jobID=job_id, leaseID=lease, lease=1))
+    time.sleep(1.5)
+    assert client.request("GetJob", name="own lease").status == "404 No job found"
+
+
+def test_touch_job_with_a_lease_leaves_a_job_taken_without_one_running(server, client):
+    job_id = create(client, "no lease")
+    take(client, "no lease")
+    ok(client.request("TouchJob", jobID=job_id, lease=1))
+    assert query_job(client, job_id)["state"] == "RUNNING"
+
+
+@pytest.mark.parametrize(
+    ("value", "status"),
+    [("x", "402 Malformed lease"), ("0", "402 Lease out of range (1 to 86400 seconds)")],
+)
+def test_a_bad_lease_on_touch_job_is_refused(server, client, value, status):
+    job_id = create(client, "bad touch")
+    lease = take(client, "bad touch", lease=60).headers["leaseID"]
+    before = query_job(client, job_id)["nextRun"]
+    reply = client.request("TouchJob", jobID=job_id, leaseID=lease, lease=value)
+    assert reply.status == status
+    assert query_job(client, job_id)["nextRun"] == before
 
 
 def test_a_jobs_own_lease_wins_over_the_takers(server, client):

@@ -8,10 +8,12 @@ Real processes on a real server; leases of 2 s, and waits with deadlines.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -77,6 +79,53 @@ def test_a_killed_python_workers_job_is_back_when_its_lease_ends(
     assert taken_again(client, "hang", job_id) < LEASE + SLACK
 
 
+HANDLERS_LEASE = f"""
+import os, time
+from jobserver.worker import Worker
+
+worker = Worker()
+
+
+@worker.handler("hang", lease={LEASE})
+def hang(data, job):
+    open(os.environ["STARTED"], "w").close()
+    time.sleep(3600)
+"""
+
+
+def test_a_killed_python_workers_job_is_back_when_its_handlers_lease_ends(
+    server, client, tmp_path, monkeypatch
+):
+    """The worker asks for its own lease (30 s by default); the handler's
+    replaces it at the job's first renewal, due at once."""
+    (tmp_path / "leased.py").write_text(HANDLERS_LEASE)
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    monkeypatch.setenv("PYTHONPATH", path)
+    monkeypatch.setenv("STARTED", str(tmp_path / "started"))
+    job_id = create(client, "hang")
+    proc = LoggedProcess(
+        [sys.executable, "-m", "jobserver", "worker", "leased:worker",
+         "--server", f"127.0.0.1:{server.port}"]
+    )
+    try:
+        until((tmp_path / "started").exists, DEADLINE, "the handler to start")
+        until(lambda: lease_left(client, job_id) < 10, DEADLINE, "the handler's lease")
+        proc.proc.kill()
+    finally:
+        proc.kill()
+    assert taken_again(client, "hang", job_id) < LEASE + SLACK
+
+
+def lease_left(client: Client, job_id: int) -> float:
+    """Seconds until the job's lease ends (its nextRun, UTC); infinite
+    while it is not leased (not yet taken: its nextRun is when it is due)."""
+    job = ok(client.request("QueryJob", jobID=job_id)).json
+    if job["state"] != "RUNQUEUED":
+        return math.inf
+    end = datetime.fromisoformat(job["nextRun"]).replace(tzinfo=UTC)
+    return (end - datetime.now(UTC)).total_seconds()
+
+
 def test_a_killed_managers_job_is_back_when_its_lease_ends(server, client, workers, tmp_path):
     pid = tmp_path / "pid"
     script = workers / "Hang"
@@ -130,6 +179,25 @@ def test_a_python_workers_job_outlives_stale_after_under_its_lease(stale_server)
         job = ok(client.request("QueryJob", jobID=job_id)).json
     assert runs == [job_id]
     assert (job["state"], job["data"]) == ("QUEUED", {"done": True})
+
+
+def test_a_python_workers_job_is_renewed_by_its_handlers_lease(server, client):
+    worker = Worker()
+
+    @worker.handler("slow", lease=1)
+    def slow(data, job):
+        time.sleep(3)  # three of the handler's leases, within the worker's
+        return {"done": True}
+
+    job_id = create(client, "slow", repeat="FINISHED, +1 HOUR")
+    with in_process(worker, server.port, "asyncio", lease=60):
+        until(lambda: lease_left(client, job_id) < 10, DEADLINE, "the handler's lease")
+        # Renewed at a third of it: nobody else gets the job while it runs.
+        with server.client() as other:
+            while not ok(client.request("QueryJob", jobID=job_id)).json["data"]:
+                assert other.request("GetJob", name="slow").status == "404 No job found"
+                time.sleep(0.2)
+    assert ok(client.request("QueryJob", jobID=job_id)).json["state"] == "QUEUED"
 
 
 def test_a_managers_job_outlives_stale_after_under_its_lease(stale_server, workers, tmp_path):

@@ -97,7 +97,8 @@ def test_a_handlers_policy_applies_to_jobs_without_their_own(server, client):
 @pytest.mark.parametrize(
     "policy",
     [{"max_attempts": 0}, {"max_attempts": 3, "backoff": "linear"},
-     {"max_attempts": 3, "retry_delay": -1}, {"max_attempts": 3, "retry_max_delay": 1e9}],
+     {"max_attempts": 3, "retry_delay": -1}, {"max_attempts": 3, "retry_max_delay": 1e9},
+     {"lease": 0}, {"lease": 1.5}, {"lease": True}, {"lease": 86401}],
 )
 def test_a_handlers_policy_out_of_range_is_refused_when_registered(policy):
     with pytest.raises(ValueError):

@@ -206,8 +206,10 @@ class AsyncCalls(Endpoint, ABC, Generic[Stream]):
         return await self._call(calls.deliver_reply(key, data))
 
     @documented_by(report_calls.touch_job)
-    async def touch_job(self, job_id: int, lease_id: str | None = None) -> str | None:
-        return await self._call(report_calls.touch_job(job_id, lease_id))
+    async def touch_job(
+        self, job_id: int, lease_id: str | None = None, lease: int | None = None
+    ) -> str | None:
+        return await self._call(report_calls.touch_job(job_id, lease_id, lease))
 
     @documented_by(operating_calls.failed_jobs)
     async def failed_jobs(

@@ -239,14 +239,17 @@ def _reports(method: str, elements: list[dict[str, Any]]) -> Call[list[FinishRes
     return Call(method, {"jobs": elements}, _finish_results(len(elements)))
 
 
-def touch_job(job_id: int, lease_id: str | None) -> Call[str | None]:
+def touch_job(job_id: int, lease_id: str | None, lease: int | None = None) -> Call[str | None]:
     """Show a handed-out job is still being worked on; returns by when it
     must next be reported on. A leased (RUNQUEUED) job's lease is extended
-    to retryAfter from now: the new end of the lease, its nextRun. A
-    RUNNING job's stale-job count starts again: when it would be presumed
-    lost (staleAt), or None if the server never presumes so
-    (--stale-after 0)."""
-    return Call("TouchJob", {"jobID": job_id, "leaseID": lease_id}, _report_deadline)
+    to retryAfter (or the lease its taker asked for) from now: the new end
+    of the lease, its nextRun. `lease` (seconds) replaces the one its taker
+    asked for, from this renewal on; a job's retryAfter wins. A RUNNING
+    job's stale-job count starts again: when it would be presumed lost
+    (staleAt), or None if the server never presumes so (--stale-after 0)."""
+    return Call(
+        "TouchJob", {"jobID": job_id, "leaseID": lease_id, "lease": lease}, _report_deadline
+    )
 
 
 def _report_deadline(reply: Reply) -> str | None:

@@ -198,8 +198,10 @@ class Client(Endpoint):
         return self._call(calls.deliver_reply(key, data))
 
     @documented_by(report_calls.touch_job)
-    def touch_job(self, job_id: int, lease_id: str | None = None) -> str | None:
-        return self._call(report_calls.touch_job(job_id, lease_id))
+    def touch_job(
+        self, job_id: int, lease_id: str | None = None, lease: int | None = None
+    ) -> str | None:
+        return self._call(report_calls.touch_job(job_id, lease_id, lease))
 
     @documented_by(operating_calls.failed_jobs)
     def failed_jobs(self, pattern: str = "*", limit: int | None = None) -> list[dict[str, Any]]:

@@ -234,7 +234,11 @@ COMMANDS: dict[str, tuple[str, str, list[Param]]] = {
         Param("query", TEXT, "one SQL statement that reads", required=True),
         Param("format", {"type": "string", "enum": ["json"]}, "json: rows as JSON"),
     ]),
-    "TouchJob": ("Renew a running job's lease", "14.4", [_job_id(), _LEASE_ID]),
+    "TouchJob": ("Renew a running job's lease", "14.4", [
+        _job_id(), _LEASE_ID,
+        Param("lease", {"type": "integer", "minimum": MIN_LEASE, "maximum": MAX_LEASE},
+              "seconds to renew a lease the worker asked for by, from now on (14.4)"),
+    ]),
     "FailedJobs": ("List the dead set with last errors", "14.5", [
         Param("name", PATTERN, "which jobs"),
         Param("limit", {"type": "integer", "minimum": 1, "maximum": 10_000}, "at most this many"),

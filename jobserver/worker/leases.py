@@ -5,6 +5,12 @@ third of it or every --touch-interval seconds, whichever is sooner, over a
 connection of its own. A handler may also ask for a renewal now
 (`Job.renew_lease`), from its thread or its task.
 
+A job whose handler has a lease of its own (`@worker.handler(...,
+lease=S)`) is taken under the worker's (--lease: the handler is known only
+once the job is), and its first renewal, due at once, asks for the
+handler's (TouchJob's `lease`, protocol.md 14.4), as do the ones after,
+at a third of it. A job with retryAfter keeps its own lease.
+
 A renewal answered `410 Job cancelled` (protocol.md 14.26) tells the job's
 handler. So that a cancel is heard within about a second rather than a
 third of a lease, the running jobs are also asked about every
@@ -17,6 +23,7 @@ import contextlib
 import logging
 import math
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -44,10 +51,17 @@ CANCEL_CHECK = 1.0
 class Leases:
     """The leases of the running jobs, and the task that renews them."""
 
-    def __init__(self, server: Server, touch_interval: float, lease: int = 0) -> None:
+    def __init__(
+        self,
+        server: Server,
+        touch_interval: float,
+        lease: int = 0,
+        lease_for: Callable[[str], int | None] = lambda name: None,
+    ) -> None:
         self.server = server
         self.touch_interval = touch_interval
         self.lease = lease  # the seconds each GetJobs asks for (--lease)
+        self.lease_for = lease_for  # a job name's handler's lease, if it has one
         self.held: dict[str, Lease] = {}  # by lease token
         # Each running job's way to hear of its cancel, by lease token.
         self.renewals: dict[str, Renewal] = {}
@@ -62,14 +76,27 @@ class Leases:
         lease_id = job.get("leaseID")
         if not (isinstance(lease_id, str) and lease_id):
             return None
-        period = renewal_period(job, self.touch_interval, self.lease)
+        seconds = self._handlers_lease(job)
+        period = renewal_period(job, self.touch_interval, seconds or self.lease)
         if period is None:
             period = math.inf  # RUNNING: the stale-job net's 24 h is its own
-        due = anyio.current_time() + period
-        self.held[lease_id] = Lease(job["jobID"], printable(job["name"]), lease_id, period, due)
+        # A handler's lease replaces the worker's at once.
+        due = anyio.current_time() + (0 if seconds else period)
+        self.held[lease_id] = Lease(
+            job["jobID"], printable(job["name"]), lease_id, period, due, seconds=seconds
+        )
         if period != math.inf:
             self._wake()  # the renewer may be waiting for a later one
         return lease_id
+
+    def _handlers_lease(self, job: dict[str, Any]) -> int | None:
+        """The lease of the job's handler, if it has one other than the
+        worker's and the job was taken under the worker's: a job's own
+        (retryAfter) wins, and one taken without a lease has none to renew."""
+        if not self.lease or job.get("retryAfter"):
+            return None
+        seconds = self.lease_for(job["name"])
+        return seconds if seconds != self.lease else None
 
     def adopt(self, old: str | None, job: dict[str, Any]) -> str | None:
         """The job, running here under the lease `old`, was handed out
@@ -169,7 +196,9 @@ class Leases:
 
     async def _renew(self, lease: Lease, link: Link) -> None:
         try:
-            await link.client.touch_job(lease.job_id, lease_id=lease.lease_id)
+            await link.client.touch_job(
+                lease.job_id, lease_id=lease.lease_id, lease=lease.seconds
+            )
         except (ConnectionFailed, ServerError) as error:
             if not self.failing:
                 log.warning(

@@ -7,7 +7,7 @@ pattern, and which one takes a job.
     def send(data):                      # runs in a thread
         ...
 
-    @worker.handler("thumb/make", timeout=60)
+    @worker.handler("thumb/make", timeout=60, lease=10)
     async def thumbnail(data, job):      # runs as a task on the event loop
         ...
 
@@ -38,6 +38,8 @@ from jobserver.wire.limits import (
     DEFAULT_RETRY_DELAY,
     MAX_ATTEMPTS,
     MAX_DELAY,
+    MAX_LEASE,
+    MIN_LEASE,
 )
 from jobserver.worker.settings import MAX_TIMEOUT, Settings
 
@@ -59,6 +61,9 @@ class Handler:
     # The retry policy sent with a failure of a job created without one
     # (FailJob's, protocol.md 14.1), as fail_job's keywords; {} for none.
     policy: dict[str, Any] = field(default_factory=dict)
+    # Seconds of the lease its jobs are renewed by (leases.py); None: the
+    # worker's (--lease).
+    lease: int | None = None
 
     @property
     def label(self) -> str:
@@ -85,6 +90,7 @@ class Worker:
         backoff: str = DEFAULT_BACKOFF,
         retry_delay: float = DEFAULT_RETRY_DELAY,
         retry_max_delay: float = DEFAULT_MAX_RETRY_DELAY,
+        lease: int | None = None,
     ) -> Callable[[F], F]:
         """A decorator: the function handles the jobs whose name matches
         `pattern` (a GLOB pattern, no comma), each within `timeout` seconds
@@ -93,9 +99,15 @@ class Worker:
         `max_attempts` (1 to 10,000), `backoff` ("fixed" or "exponential"),
         `retry_delay` and `retry_max_delay` (seconds) are the retry policy
         of the jobs it takes that were created without one (a job's own
-        wins), sent with their first failure (protocol.md 14.1)."""
+        wins), sent with their first failure (protocol.md 14.1). `lease`
+        (whole seconds, 1 to a day) replaces the worker's --lease for the
+        jobs it takes without retryAfter, from their first renewal on
+        (leases.py): a job whose worker died is back when it ends."""
         check_pattern(pattern, params.MAX_NAME, commas=False)
         policy = _policy(max_attempts, backoff, retry_delay, retry_max_delay)
+        if lease is not None and not (type(lease) is int and MIN_LEASE <= lease <= MAX_LEASE):
+            raise ValueError(f"lease must be whole seconds from {MIN_LEASE} to {MAX_LEASE}, "
+                             f"not {lease!r}")
         if timeout is not None and not (
             isinstance(timeout, int | float)
             and math.isfinite(timeout)
@@ -104,7 +116,8 @@ class Worker:
             raise ValueError(f"timeout must be seconds above 0 and at most {MAX_TIMEOUT:g}")
 
         def register(function: F) -> F:
-            self.handlers.append(replace(_handler(pattern, function, timeout), policy=policy))
+            handler = _handler(pattern, function, timeout)
+            self.handlers.append(replace(handler, policy=policy, lease=lease))
             return function
 
         return register
@@ -128,6 +141,11 @@ class Worker:
     def handler_for(self, name: str) -> Handler | None:
         """The handler that takes jobs named `name`, if any."""
         return next((h for h in self.handlers if glob_match(h.pattern, name)), None)
+
+    def lease_for(self, name: str) -> int | None:
+        """The lease of the handler that takes jobs named `name`, if it has one."""
+        handler = self.handler_for(name)
+        return None if handler is None else handler.lease
 
     def get_jobs_name(self) -> str:
         """The GetJobs name that asks for exactly the jobs the handlers

@@ -127,7 +127,12 @@ class Runner:
         self.root_scope: anyio.CancelScope | None = None
 
         self.caller = Caller(settings.timeout, settings.concurrency)
-        self.leases = Leases(self.server, settings.touch_interval, settings.lease)
+        # A job's handler is looked up for its lease only if one has a lease.
+        leased = any(h.lease for h in worker.handlers)
+        self.leases = Leases(
+            self.server, settings.touch_interval, settings.lease,
+            worker.lease_for if leased else lambda name: None,
+        )
         self.reporter = Reporter(self.server, self.leases)
 
     # Top level.
@@ -172,6 +177,9 @@ class Runner:
             _event_loop(),
             s.prefetch,
         )
+        if not s.lease and any(h.lease for h in self.worker.handlers):
+            log.warning("--lease 0: jobs are taken without a lease, so the handlers' leases "
+                        "do not apply")
 
     def _stopped(self) -> int:
         """Log what the stop left undone; the exit status."""

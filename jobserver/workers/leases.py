@@ -68,6 +68,9 @@ class Lease:
     due: float  # trio time of the next renewal
     # The worker has ended: the job's report is on its way.
     ended: bool = False
+    # Seconds each renewal asks for (TouchJob's `lease`): a handler's own
+    # lease; None renews by the one the job was taken under.
+    seconds: int | None = None
 
 
 def check_lease(value: int) -> None:

@@ -46,7 +46,7 @@ KNOWN_HEADERS: dict[str, frozenset[str]] = {
         "status": (),
         "query": ("query", "format"),
         "query:": ("format",),
-        "touchjob": (*_JOB, "leaseid"),
+        "touchjob": (*_JOB, "leaseid", "lease"),
         "failedjobs": ("limit", "name"),
         "requeuefailedjobs": _BULK,
         "deletefailedjobs": _BULK,

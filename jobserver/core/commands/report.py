@@ -209,15 +209,17 @@ def _with_workers_policy(job: Job, policy: RetryPolicy, changes: dict[str, Any])
 
 
 def touch_job(ctx: Context, request: Request) -> Response:
-    """Extend a lease: the job is due again only retryAfter from now. A
-    RUNNING job's report restarts the stale-job safety net's count."""
+    """Extend a lease: the job is due again only retryAfter (or the lease
+    its taker asked for, or `lease`) from now. A RUNNING job's report
+    restarts the stale-job safety net's count."""
+    lease = params.lease_seconds(request)
     job = load_job(ctx, request)
     check_lease(request, job)
     cancelled = cancelled_run(ctx, job)
     if cancelled is not None:
         return cancelled
     try:
-        next_run = lifecycle.touch(ctx, job)
+        next_run = lifecycle.touch(ctx, job, lease)
     except RepeatStalled as stalled:
         # Returned, not raised, so that the failure stays: a lease that
         # ends at once would hand the job to another worker right away.

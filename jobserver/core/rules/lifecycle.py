@@ -204,21 +204,26 @@ def wait_for_window(ctx: Context, job: Job, start: str) -> None:
 # Reports on a running job.
 
 
-def touch(ctx: Context, job: Job) -> str | None:
+def touch(ctx: Context, job: Job, lease: int = 0) -> str | None:
     """TouchJob. A RUNNING job's report is noted (the stale-job safety net
     counts from now): None. A leased job is due again only when a new lease
-    ends, from the moment it was due: that end is returned. Raises
-    RepeatStalled for a lease that would end at once."""
+    ends, from the moment it was due: that end is returned. `lease` (0:
+    none) replaces the seconds its taker asked for, a handler's own lease;
+    a job with retryAfter keeps its own. Raises RepeatStalled for a lease
+    that would end at once."""
     if job.state == State.RUNNING:
         _note_report(ctx, job)
         return None
     check(job, "extend a lease")
+    changes: dict[str, Any] = {}
     # Its own lease, else the one its taker asked for (protocol.md 14.24).
     seconds = 0 if job.retryAfter else job.lease
+    if seconds and lease and lease != seconds:
+        seconds = changes["lease"] = lease
     next_run = schedule.lease_end(ctx, job, schedule.due_moment(job), seconds)
     if next_run is None:
         raise CommandError("502 Failed to compute nextRun")
-    _move(ctx, job, "extend a lease", State.RUNQUEUED, nextRun=next_run)
+    _move(ctx, job, "extend a lease", State.RUNQUEUED, nextRun=next_run, **changes)
     return next_run
 
 
