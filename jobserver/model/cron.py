@@ -13,9 +13,11 @@ field starts with `*` follows real time, so it skips what does not exist
 and runs again in the repeated hour.
 
 Searching can walk decades (`0 0 * 2 MON#5` next fires in 2044), so a next
-run is remembered per (rule, zone, minute): every job of a rule asked
-about in one minute costs one search, which a thread does before the
-writer for the rules a request carries.
+run is remembered per (rule, zone), for the whole span it holds where
+cronsim's moments are the same whatever it starts from (found after t,
+it is the next run after every moment from t until it comes), else for
+the minute: see next_run. A thread does the search before the writer for
+the rules a request carries.
 """
 
 from __future__ import annotations
@@ -53,18 +55,19 @@ _CHECKED_FROM = datetime(2000, 1, 1, tzinfo=UTC)
 # back more than a few hours: this many is far more than can be skipped.
 _MOST_SKIPPED = 24 * 60
 _DISTINCT_RULES = 16_384
-# Next runs remembered, each for a (rule, zone, minute): a minute's worth
-# for thousands of rules and zones at once, each entry a few hundred bytes
-# (a rule is at most MAX_LENGTH characters), about 8 MB in all. Each
-# request carries at most MOST_RULES_A_REQUEST distinct pairs, found in
-# the thread before the writer: sixteen such requests would have to be
-# searched between one's search and its turn in the writer for it to
-# search again there.
+# Next runs remembered, each for a (rule, zone) with the moment its search
+# started from: each entry a few hundred bytes (a rule is at most
+# MAX_LENGTH characters), about 8 MB in all. Each request carries at most
+# MOST_RULES_A_REQUEST distinct pairs, found in the thread before the
+# writer: sixteen such requests would have to be searched between one's
+# search and its turn in the writer for it to search again there.
 REMEMBERED_RUNS = 16_384
 MOST_RULES_A_REQUEST = 1000
 _MINUTE = timedelta(minutes=1)
-# What a next run is remembered by: a rule's fields, a zone's name, a minute.
-_Key = tuple[str, str, datetime]
+# What a next run is remembered by: a rule's fields, a zone's name.
+_Key = tuple[str, str]
+# A next run and the moments it is the next run after: [start, end).
+_Span = tuple[datetime, datetime, datetime]
 NEVER_FIRES = "never fires (no moment in 50 years)"
 # Each distinct rule's verdict ("" when it can run), oldest first, for
 # _DISTINCT_RULES rules.
@@ -76,25 +79,28 @@ class MalformedCron(ValueError):
 
 
 class _Remembered:
-    """Next runs found lately, by _key, the least recently used forgotten
-    first. The writer and the threads that warm it share it: a lock keeps
-    its order whole."""
+    """Next runs found lately, by (rule, zone), each with the span of
+    moments it answers for; the least recently used forgotten first. The
+    writer and the threads that warm it share it: a lock keeps its order
+    whole."""
 
     def __init__(self, size: int) -> None:
         self._size = size
-        self._runs: OrderedDict[_Key, datetime] = OrderedDict()
+        self._runs: OrderedDict[_Key, _Span] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: _Key) -> datetime | None:
+    def get(self, key: _Key, after: datetime) -> datetime | None:
+        """The remembered next run after `after`, if its span holds it."""
         with self._lock:
-            found = self._runs.get(key)
-            if found is not None:
-                self._runs.move_to_end(key)
-            return found
+            span = self._runs.get(key)
+            if span is None or not span[0] <= after < span[1]:
+                return None
+            self._runs.move_to_end(key)
+            return span[2]
 
-    def put(self, key: _Key, found: datetime) -> None:
+    def put(self, key: _Key, span: _Span) -> None:
         with self._lock:
-            self._runs[key] = found
+            self._runs[key] = span
             self._runs.move_to_end(key)
             while len(self._runs) > self._size:
                 self._runs.popitem(last=False)
@@ -160,11 +166,7 @@ def unchecked(rules: list[tuple[str, str]], now: datetime) -> bool:
             return True
         if verdict:
             continue  # refused: there is no next run to remember
-        try:
-            key = _key(fields, zone_name.strip(), now)
-        except ValueError:
-            continue  # an unknown zone: the writer refuses it
-        if key is not None and _runs.get(key) is None:
+        if _runs.get((fields, zone_name.strip() or "UTC"), now) is None:
             return True
     return False
 
@@ -224,52 +226,58 @@ def runs_after(rule: str, zone_name: str, after: datetime) -> Iterator[datetime]
 
 def next_run(rule: str, zone_name: str, after: datetime) -> datetime | None:
     """The first moment of the rule strictly after `after`, or None; the
-    same as `search_next_run`, remembered for the minute `after` falls in (a
-    None, which a rule checked at arrival never gives, is not). Raises
-    ValueError for an unknown zone."""
-    key = _key(" ".join(rule.split()[1:]), zone_name, after)
-    if key is None:
+    same as `search_next_run`, remembered (a None, which a rule checked at
+    arrival never gives, is not). Raises ValueError for an unknown zone."""
+    fields = " ".join(rule.split()[1:])
+    key = (fields, zone_name or "UTC")
+    found = _runs.get(key, after)
+    if found is not None:
+        return found
+    zone = windows.parse_zone(zone_name or "UTC")
+    span_start = after if _one_set(fields, zone) else _minute_start(zone, after)
+    if span_start is None:
         return search_next_run(rule, zone_name, after)
-    found = _runs.get(key)
+    found = search_next_run(rule, zone_name, span_start)
     if found is None:
-        found = search_next_run(rule, zone_name, key[2])
-        if found is None:
-            return None
-        _runs.put(key, found)
-    # The minute's search gave the first moment after the minute began: on
-    # the whole-minute offsets _key admits, a later minute, so after
-    # `after` too. Checked all the same, since a wrong next run is silent.
-    return found if found > after else search_next_run(rule, zone_name, after)
+        return None
+    span_end = found if span_start is after else min(found, span_start + _MINUTE)
+    _runs.put(key, (span_start, span_end, found))
+    return found
+
+
+def _one_set(fields: str, zone: tzinfo) -> bool:
+    """Whether cronsim gives the rule's moments as one set whatever moment
+    it starts from, so that a run N found after t is the run after any t'
+    in [t, N). In UTC it walks plain times. For a fixed minute and hour in
+    another zone it walks the wall clock with no offset, up from the
+    start's, and places each time it finds at its first occurrence (a
+    gap's at its end), which never goes back as the wall clock goes on;
+    runs_after drops what falls at or before the start. Not with a `*`
+    minute or hour, which walk real time with wall-clock jumps: around
+    Lord Howe's half-hour changes a walk from 01:59 skips 02:00-02:29 that
+    one from 02:00 finds (tests/test_cron_cost.py checks both kinds)."""
+    minute, hour = fields.split()[:2]
+    return zone is UTC or not (minute.startswith("*") or hour.startswith("*"))
+
+
+def _minute_start(zone: tzinfo, after: datetime) -> datetime | None:
+    """The start of the minute `after` falls in, from which cronsim gives
+    the same next run as from `after`; None where it may not. cronsim steps
+    a second, then to the next whole minute of the wall clock: from any
+    moment of a minute it walks the same steps, provided the minute is a
+    whole minute on the wall clock too and the zone's offset holds through
+    it (offsets of seconds are old local mean times)."""
+    start = after.astimezone(UTC).replace(second=0, microsecond=0)
+    offset = after.astimezone(zone).utcoffset()
+    if offset is None or offset % _MINUTE or start.astimezone(zone).utcoffset() != offset:
+        return None
+    return start
 
 
 def search_next_run(rule: str, zone_name: str, after: datetime) -> datetime | None:
     """The first moment of the rule strictly after `after`, or None: one
     search, remembered nowhere."""
     return next(runs_after(rule, zone_name, after), None)
-
-
-def _key(fields: str, zone_name: str, after: datetime) -> _Key | None:
-    """What a next run after `after` is remembered by: the fields, the zone,
-    and the minute `after` falls in; None where moments of one minute may
-    have different next runs. cronsim steps a second, then to the next
-    whole minute of the wall clock, and compares fields of wall-clock time:
-    from any moment of a minute it walks the same steps, provided the
-    minute is a whole minute on the wall clock too and the zone's offset
-    holds through it (offsets of seconds are old local mean times)."""
-    zone = windows.parse_zone(zone_name or "UTC")
-    minute = after.astimezone(UTC).replace(second=0, microsecond=0)
-    if not _same_whole_minute_offset(zone, minute, after):
-        return None
-    return fields, zone_name or "UTC", minute
-
-
-def _same_whole_minute_offset(zone: tzinfo, start: datetime, moment: datetime) -> bool:
-    offset = moment.astimezone(zone).utcoffset()
-    return (
-        offset is not None
-        and offset % _MINUTE == timedelta(0)
-        and start.astimezone(zone).utcoffset() == offset
-    )
 
 
 def upcoming(rule: str, zone_name: str, start: datetime) -> list[datetime]:

@@ -152,8 +152,7 @@ async def _check_cron_first(services: Services, request: Request) -> None:
     moments (cron.py), which can take tens of milliseconds the first time
     and walk decades: done here, one request at a time, in a thread that
     does not hold up the writer, which then finds the verdict and the next
-    run remembered for the minute (its jobs, however many, search no
-    more)."""
+    run remembered (its jobs, however many, search no more)."""
     rules = _repeat_rules(request)
     distinct = {(rule, zone) for rule, zone in rules if cron.is_cron(rule)}
     if len(distinct) > cron.MOST_RULES_A_REQUEST:
