@@ -113,3 +113,49 @@ def test_every_refusal_reads_as_one_short_line(command: str, body: dict[str, Any
         return
     assert message and message.isprintable() and len(message) < 400, message
     assert "is not valid under any of the given schemas" not in message
+
+
+def answer(
+    server: ThreadServer, path: str, body: bytes, kind: str = "application/json"
+) -> tuple[int, dict[str, Any], str | None]:
+    """(HTTP status, the JSON body, its Jobserver-Status header)."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{server.server.http_port}{path}", data=body, method="POST",
+        headers={"Content-Type": kind},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT) as reply:
+            return reply.status, json.loads(reply.read()), reply.headers["Jobserver-Status"]
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read()), error.headers["Jobserver-Status"]
+
+
+@pytest.mark.parametrize(
+    "path,body,kind,line",
+    [
+        # The schema's refusal, a parameter's name of characters no header can carry.
+        ("/api/CreateJob", b'{"name":"x","maxAttempts":"3"}', "application/json",
+         "400 Bad Request"),
+        ("/api/Ping", json.dumps({"x\r\n\u00e9\u2028": 1}).encode(), "application/json",
+         "400 Bad Request"),
+        ("/queue", b'{"type":"x","priorty":1}', "application/json", "400 Bad Request"),
+        ("/api/Ping", b"not json", "application/json", "400 Bad Request"),
+        ("/api/Ping", b"{}", "text/plain", "415 Unsupported Media Type"),
+        # The wire's own refusals, as they were.
+        ("/api/QueryJob", b'{"jobID":999999}', "application/json",
+         "404 No job with this jobID"),
+        ("/queue", b'{"type":"x","payload":{"a":"' + b"a" * (1 << 20) + b'"}}',
+         "application/json", "402 Data too large (1048576 bytes at most)"),
+    ],
+)
+def test_every_refusal_has_one_shape(
+    http_server: ThreadServer, path: str, body: bytes, kind: str, line: str
+) -> None:
+    """Whoever refuses, the HTTP side before any command runs or the wire's
+    command: the line in `status` and in `Jobserver-Status`, and `error`
+    saying why unless the wire's line is all there is."""
+    code, document, header = answer(http_server, path, body, kind)
+    assert code >= 400
+    assert header == document["status"] == line
+    wire_line_alone = path.startswith("/api/") and line.startswith("404")
+    assert set(document) == ({"status"} if wire_line_alone else {"status", "error"})

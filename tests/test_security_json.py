@@ -173,7 +173,9 @@ def test_an_http_body_at_the_depth_limit_is_taken_and_one_past_is_refused(
     body = '{"name":"deep/http","data":' + nested(MAX_JSON_DEPTH) + "}"
     status, reply = post(server, "/api/CreateJob", body)
     assert (status, reply) == (
-        400, {"error": f"the body is JSON nested deeper than {MAX_JSON_DEPTH} levels"}
+        400,
+        {"status": "400 Bad Request",
+         "error": f"the body is JSON nested deeper than {MAX_JSON_DEPTH} levels"},
     )
     payload = '{"type":"deep/queue","payload":' + nested(MAX_JSON_DEPTH - 1) + "}"
     assert post(server, "/queue", payload)[0] == 201

@@ -40,6 +40,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -149,7 +150,7 @@ def _misdirected(path: str, host: str) -> Response:
         "addresses, localhost, its --host, and the names given with --http-host."
     )
     if path.startswith(_JSON_PATHS):
-        return JSONResponse({"error": text}, 421)
+        return refusal(421, text)
     return PlainTextResponse(
         f"421 Misdirected Request\n\n{text}\n", 421, headers={"X-Content-Type-Options": "nosniff"}
     )
@@ -195,15 +196,25 @@ def api_refusal(request: Request, token: str | None) -> JSONResponse | None:
     """The answer to a request of the JSON API (`/api/*`, `POST /queue`)
     that must not run, or None if it may."""
     if not bearer(request, token):
-        return JSONResponse({"error": "missing or wrong bearer token"}, 401)
+        return refusal(401, "missing or wrong bearer token")
     why = cross_site(request)
     if why:
-        return JSONResponse({"error": f"refused: {why}"}, 403)
+        return refusal(403, f"refused: {why}")
     if not is_json(request):
-        return JSONResponse(
-            {"error": "the body must be sent as Content-Type: application/json"}, 415
-        )
+        return refusal(415, "the body must be sent as Content-Type: application/json")
     return None
+
+
+def refusal(code: int, why: str) -> JSONResponse:
+    """What the HTTP side answers when it refuses a JSON request itself,
+    before any command runs: the shape of a wire refusal's answer (its
+    status line in the body's `status` and in `Jobserver-Status`), the line
+    being HTTP's own (`400 Bad Request`), so that a client reads every
+    refusal the same way; `error` says why. The header holds no text of the
+    request's: `why` may quote it, and a header cannot carry every
+    character."""
+    line = f"{code} {HTTPStatus(code).phrase}"
+    return JSONResponse({"status": line, "error": why}, code, headers={"Jobserver-Status": line})
 
 
 # The token.

@@ -10,15 +10,21 @@ stands for. Routes:
   `{"job-id": "<jobID>"}`. CreateJob's other parameters may go beside
   them (priority, maxAttempts, retryAfter, unique, key, repeat, ...), and
   `delay`, seconds before it is first due, checked against the OpenAPI
-  document as /api's are. A body that is not that gets `400` with
-  `{"error": ...}`, and nothing is stored.
+  document as /api's are. A body that is not that gets `400`, and
+  nothing is stored.
 - `POST /api/<Command>`: any wire command (protocol.md section 5 and 14)
   with its parameters as a JSON object, checked first against the OpenAPI
   document (openapi.py): an unknown parameter, or one of the wrong type or
-  range, is `400` with `{"error": ...}` saying which. The HTTP status is
+  range, is `400` saying which. The HTTP status is
   HTTP's own for the wire reply (statuses.py; `Jobserver-Status` holds the
   wire's status line), the body the wire reply's body: JSON, or text for
   Query's list format, or `{"status": ...}` when the wire reply has none.
+
+  Every refusal of both routes has one shape: `{"status": LINE, "error":
+  WHY}` (on /api, a wire refusal without a body of its own: `{"status":
+  LINE}`), LINE in `Jobserver-Status` too: the wire's status line, or
+  HTTP's own (`400 Bad Request`) for what the HTTP side refuses before any
+  command runs (access.refusal).
 - `GET /metrics`: Prometheus' text format (metrics.py).
 - `GET /healthz`: `200` when the database answers, `503` otherwise. It
   needs no token, so that a load balancer can ask.
@@ -95,11 +101,11 @@ def build(
             return refused
         body = await read_body(request, MAX_BODY)
         if body is None:
-            return _error(413, f"the body is larger than {MAX_BODY} bytes")
+            return access.refusal(413, f"the body is larger than {MAX_BODY} bytes")
         due_from = dispatcher.services.engine.now()
         job, problem = await read_json(body, partial(_jobber_job, body, jobber, due_from))
         if job is None:
-            return _error(400, problem)
+            return access.refusal(400, problem)
         if auth_token is not None:
             job.headers["authtoken"] = auth_token
         answer = await dispatcher.dispatch(job, peer(request))
@@ -109,7 +115,7 @@ def build(
             return JSONResponse({"job-id": str(job_id)}, status_code=201)
         # Jobber's clients read `error`; the line is in `status` too, as /api's.
         return JSONResponse(
-            {"error": status, "status": status}, statuses.http_status(status),
+            {"status": status, "error": status}, statuses.http_status(status),
             headers={"Jobserver-Status": status},
         )
 
@@ -120,18 +126,18 @@ def build(
             return refused
         body = await read_body(request, MAX_BODY)
         if body is None:
-            return _error(413, f"the body is larger than {MAX_BODY} bytes")
+            return access.refusal(413, f"the body is larger than {MAX_BODY} bytes")
         verb = _command_named(request.path_params["command"])
         if verb == "Backup" and auth_token is None:
             # A browser on this machine can send what the server then
             # writes: a file is written only for a holder of the token.
-            return _error(403, "Backup over HTTP needs the token: start the server "
-                          "with --auth-token-file, or use the wire port from this machine")
+            return access.refusal(403, "Backup over HTTP needs the token: start the server "
+                                  "with --auth-token-file, or use the wire port from this machine")
         command, problem = await read_json(
             body, partial(_api_command, verb, body, validators.get(verb))
         )
         if command is None:
-            return _error(400, problem)
+            return access.refusal(400, problem)
         if auth_token is not None:
             command.headers["authtoken"] = auth_token
         answer = await dispatcher.dispatch(command, peer(request))
@@ -150,7 +156,7 @@ def build(
 
     async def scrape(request: HttpRequest) -> Response:
         if not access.bearer(request, auth_token):
-            return _error(401, "missing or wrong bearer token")
+            return access.refusal(401, "missing or wrong bearer token")
         code, text = await metrics.render(peer(request))
         return Response(text, code, media_type=CONTENT_TYPE)
 
@@ -317,8 +323,3 @@ def _whole_second_after(moment: datetime, seconds: int) -> datetime:
     if later.microsecond:
         later += timedelta(microseconds=1_000_000 - later.microsecond)
     return later
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    body: dict[str, Any] = {"error": message}
-    return JSONResponse(body, status_code=status)

@@ -308,34 +308,42 @@ COMMANDS: dict[str, tuple[str, str, list[Param]]] = {
 }
 
 _WIRE_LINE = {
-    "description": "the wire reply's status line, e.g. `430 Unrecognized command`",
+    "description": "the wire reply's status line, e.g. `430 Unrecognized command`; for "
+    "a refusal of the HTTP side's own, before any command runs, HTTP's status and "
+    "reason phrase, e.g. `400 Bad Request`",
     "schema": TEXT,
 }
 _WIRE_STATUS = {"Jobserver-Status": {**_WIRE_LINE, "required": True}}
+# A refusal of the HTTP side's own (access.refusal): `status` its line,
+# `error` why.
 _JSON_ERROR: Schema = {
     "type": "object",
-    "properties": {"error": TEXT},
-    "required": ["error"],
+    "properties": {"status": TEXT, "error": TEXT},
+    "required": ["status", "error"],
 }
 # A refusal: the wire's (`status`, its line; POST /queue adds `error`, the
-# same line, for Jobber's clients) or the HTTP side's own (`error`).
+# same line, for Jobber's clients) or the HTTP side's own (both).
 _REFUSED: Schema = {
     "type": "object",
     "properties": {"status": TEXT, "error": TEXT},
     "anyOf": [{"required": ["status"]}, {"required": ["error"]}],
 }
 # What the HTTP side itself answers with some of the wire's statuses,
-# before a command runs: {"error": ...}, no Jobserver-Status.
+# before a command runs (access.refusal).
 _OWN_REFUSALS = {
     400: "; or, before any command runs, a body that is not a JSON object of the "
-    "command's parameters, or a parameter the document does not allow: {\"error\": ...} "
-    "saying which",
-    401: "; over HTTP, `Authorization: Bearer TOKEN` (else {\"error\": ...})",
-    413: "; or a body over the HTTP side's limit ({\"error\": ...})",
+    "command's parameters, or a parameter the document does not allow: `error` says "
+    "which, `status` is `400 Bad Request`",
+    401: "; over HTTP, `Authorization: Bearer TOKEN` (else `401 Unauthorized`)",
+    413: "; or a body over the HTTP side's limit (`status` 413 and HTTP's reason phrase)",
 }
 # What the HTTP side refuses before any command runs (web/access.py).
 _REFUSALS: Schema = {
-    code: {"description": text, "content": {"application/json": {"schema": _JSON_ERROR}}}
+    code: {
+        "description": text,
+        "headers": _WIRE_STATUS,
+        "content": {"application/json": {"schema": _JSON_ERROR}},
+    }
     for code, text in (
         ("403", "sent from another site's page: an Origin other than this server, or "
          "Sec-Fetch-Site cross-site or same-site"),
@@ -434,7 +442,7 @@ def _wire_refusals() -> Schema:
     return {
         str(int(status)): {
             "description": statuses.MEANINGS[status] + _OWN_REFUSALS.get(status, ""),
-            "headers": {"Jobserver-Status": _WIRE_LINE},
+            "headers": _WIRE_STATUS,
             "content": {"application/json": {"schema": _REFUSED}},
         }
         for status in sorted(statuses.refusals())

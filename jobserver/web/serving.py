@@ -283,11 +283,13 @@ async def _refuse(stream: Accepted, capacity: _Capacity, peer: str) -> None:
 
 
 def _too_many(most: int) -> bytes:
+    # The shape of every refusal (access.refusal).
+    line = "503 Service Unavailable"
     body = json.dumps(
-        {"error": f"too many HTTP connections: this server serves {most} at once"}
+        {"status": line, "error": f"too many HTTP connections: this server serves {most} at once"}
     ).encode()
     head = (
-        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        f"HTTP/1.1 {line}\r\nContent-Type: application/json\r\nJobserver-Status: {line}\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     )
     return head.encode() + body
@@ -425,9 +427,12 @@ class _HTTP11Protocol(H11Protocol):
         await super()._send_h11_event(event)
 
     async def _refuse(self, request: h11.Request, status: int, message: str) -> None:
-        body = json.dumps({"error": message}).encode()
+        # The shape of every refusal (access.refusal).
+        line = f"{status} {_reason(status).decode()}"
+        body = json.dumps({"status": line, "error": message}).encode()
         headers = [
             (b"content-type", b"application/json"),
+            (b"jobserver-status", line.encode()),
             (b"content-length", str(len(body)).encode()),
             (b"connection", b"close"),
             *self.config.response_headers("h11"),

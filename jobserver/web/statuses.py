@@ -50,8 +50,8 @@ BY_CODE: dict[int, HTTPStatus] = {
     430: HTTPStatus.NOT_FOUND,
     431: HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
     500: HTTPStatus.INTERNAL_SERVER_ERROR,
-    # A part the server was built or started without (CRON's cronsim,
-    # backups, Query on this database).
+    # A part the server was started without: Backup without a backup
+    # directory or on PostgreSQL, Query without a role it may use.
     501: HTTPStatus.NOT_IMPLEMENTED,
     # "Query failed": the database refused a statement the server wrote.
     502: HTTPStatus.INTERNAL_SERVER_ERROR,
@@ -103,8 +103,8 @@ MEANINGS: dict[HTTPStatus, str] = {
     "too many items in one request",
     HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE: "a line or head too large (the wire's framing)",
     HTTPStatus.INTERNAL_SERVER_ERROR: "a fault of the server's own; nothing was done",
-    HTTPStatus.NOT_IMPLEMENTED: "a part this server runs without (CRON rules without "
-    "cronsim, Backup without a backup directory, Query on this database)",
+    HTTPStatus.NOT_IMPLEMENTED: "a part this server runs without (Backup without a backup "
+    "directory or on PostgreSQL, Query without a database role it may use)",
     HTTPStatus.SERVICE_UNAVAILABLE: "the database is unavailable, or a Query ran out of "
     "time: nothing was done, ask again later",
     HTTPStatus.GATEWAY_TIMEOUT: "the server could not learn whether the request was done "
