@@ -487,6 +487,31 @@ def test_pg_query_is_stopped_at_its_time_whatever_it_sets(pg_node: ThreadServer)
         assert client.request("Ping").status == "200 OK"
 
 
+# A sort of 200,000 rows of 2 KB: over 400 MB of temporary files past
+# work_mem, well past Query's temp_file_limit.
+PG_SPILLING_SORT = (
+    "SELECT g, repeat(md5(g::text), 64) AS r FROM generate_series(1, 200000) g ORDER BY r;"
+)
+
+
+def test_pg_querys_temporary_files_are_bounded_whatever_it_sets(pg_url: str) -> None:
+    node = ThreadServer(pg_url, query_seconds=60)
+    try:
+        with node.client(timeout=90) as client:
+            for raise_it in ("-1", "100GB"):
+                reply = client.request(
+                    "Query", query=f"SELECT set_config('temp_file_limit', '{raise_it}', false);"
+                )
+                assert reply.status == "402 Bad query", reply.status
+                assert "permission denied" in reply.headers["error"]
+            reply = client.request("Query", query=PG_SPILLING_SORT)
+            assert reply.status == "402 Bad query", reply.status
+            assert "temp_file_limit" in reply.headers["error"]
+            assert client.request("Ping").status == "200 OK"
+    finally:
+        node.stop()
+
+
 def test_a_pg_query_holds_a_nodes_lock_no_longer_than_its_time(
     pg_node: ThreadServer, pg_url: str
 ) -> None:
@@ -703,8 +728,11 @@ def plain_user() -> Iterator[tuple[str, str]]:
         yield made
 
 
-def test_a_node_whose_user_may_create_roles_sets_querys_role_up() -> None:
-    # CREATEROLE without superuser: a typical first install's database user.
+def test_a_node_whose_user_may_create_roles_sets_querys_role_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # CREATEROLE without superuser: a typical first install's database user,
+    # which cannot set the role's temp_file_limit, and says what to run.
     with database_user("CREATEROLE") as (url, _):
         node = ThreadServer(url)
         try:
@@ -714,6 +742,7 @@ def test_a_node_whose_user_may_create_roles_sets_querys_role_up() -> None:
                 assert reply.body == f"who\n{role}\n".encode()
                 reply = client.request("Query", query=ATTACKS["take the node's role back"])
                 assert reply.status == "402 Bad query"
+            assert f"ALTER ROLE {role} SET temp_file_limit = '256MB'" in caplog.text
         finally:
             node.stop()
 

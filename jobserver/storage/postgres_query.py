@@ -22,6 +22,10 @@ What holds it there is PostgreSQL's, not the text's:
   --query-timeout (and again until it has stopped), whatever the statement
   set; statement_timeout is only a backstop for a node that cannot reach
   PostgreSQL to cancel.
+- Its temporary files: the role's temp_file_limit (QUERY_TEMP_FILE_LIMIT),
+  set on it by a node whose user is a superuser; the role's sessions can
+  neither raise nor reset it. A node that may only create roles cannot
+  set it, and says so: the operator sets it (SECURITY.md).
 - The reply's bound: each row is measured by PostgreSQL before it is sent
   (jobserver_query_row_fits), so no row larger than the whole reply may be
   reaches the node, and rows come one at a time (single-row mode).
@@ -59,6 +63,12 @@ log = logging.getLogger("jobserver")
 # per node (core/commands/dispatch.QUERY_THREADS), for up to 16 nodes.
 QUERY_ROLE_CONNECTIONS = 64
 ROLE_PREFIX = "jobserver_query_"
+# The temporary files one Query statement may write (a sort or a hash past
+# work_mem): a sort of random text wrote 1.8 GB on SQLite before its
+# timeout, and the role's 64 connections at this bound are 16 GB at most
+# of the disk the database writes to. As much as SQLite's Query process may
+# hold in memory (192 MiB at the default --max-reply-bytes), rounded up.
+QUERY_TEMP_FILE_LIMIT = "256MB"
 # How often a statement past its time is cancelled again, until it stops.
 CANCEL_AGAIN_SECONDS = 0.25
 # How long one cancel request may take to reach PostgreSQL.
@@ -113,6 +123,7 @@ def own_role_password(db: psycopg.Connection[Any], role: str, schema: str) -> st
                 password = kept or _keep_new_password(db)
                 _create_or_alter(db, role, password)
                 _grant_only_reads(db, role, schema)
+                _bound_temporary_files(db, role)
         except psycopg.errors.InsufficientPrivilege as error:
             log.warning("cannot set up Query's role %s: %s", role, str(error).strip())
             return kept
@@ -179,6 +190,36 @@ def _grant_only_reads(db: psycopg.Connection[Any], role: str, schema: str) -> No
                 schema=sql.Identifier(schema), role=sql.Identifier(role), tables=tables
             )
         )
+
+
+def _bound_temporary_files(db: psycopg.Connection[Any], role: str) -> None:
+    """Set temp_file_limit on the role, read at each of its logins. It is a
+    superuser's setting: only a superuser may set it on a role (CREATEROLE
+    is not enough), and for the same reason the role's sessions can neither
+    SET, set_config nor RESET it (checked on PostgreSQL 15)."""
+    limit = sql.SQL("ALTER ROLE {} SET temp_file_limit = {}").format(
+        sql.Identifier(role), sql.Literal(QUERY_TEMP_FILE_LIMIT)
+    )
+    try:
+        with db.transaction():  # a savepoint: the rest of the set-up stays
+            db.execute(limit)
+    except psycopg.errors.InsufficientPrivilege:
+        if _has_temp_file_limit(db, role):
+            return  # an operator's
+        log.warning(
+            "cannot bound the temporary files of Query's role %s (only a superuser may): "
+            "a database superuser should run ALTER ROLE %s SET temp_file_limit = '%s'",
+            role, role, QUERY_TEMP_FILE_LIMIT,
+        )
+
+
+def _has_temp_file_limit(db: psycopg.Connection[Any], role: str) -> bool:
+    row = db.execute(
+        "SELECT EXISTS (SELECT FROM pg_roles r, unnest(r.rolconfig) c "
+        "WHERE r.rolname = %s AND c LIKE 'temp\\_file\\_limit=%%')",
+        (role,),
+    ).fetchone()
+    return bool(row and row[0])
 
 
 # Checking the role a Query connection logs in as.
