@@ -7,9 +7,10 @@ a fresh virtual environment into which only the built wheel was installed
 
 It starts `jobserver serve` on a temporary SQLite file and a free port,
 creates a job with a CRON repeat and takes it over the wire, uses the sync
-client and the asyncio client, has `jobserver worker` finish a job with a
-decorated handler, and stops both processes. Exits 0, or fails with a
-traceback and the processes' logs. About 5 s; everything has a timeout.
+client and the async client on asyncio and on trio, has `jobserver worker`
+finish a job with a decorated handler and `jobserver worker-manager` one
+with a program, and stops every process. Exits 0, or fails with a
+traceback and the processes' logs. About 3 s; everything has a timeout.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import textwrap
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import trio
 
 import jobserver
 from jobserver.client import AsyncClient, Client, ConnectionFailed
@@ -50,6 +53,9 @@ WORKER_MODULE = textwrap.dedent(
         return {"doubled": data["n"] * 2}
     """
 )
+# The program `jobserver worker-manager` runs for a job named smoke/Managed:
+# it reads the job and prints its new data.
+MANAGED_PROGRAM = "#!/bin/sh\ncat >/dev/null\necho '{\"managed\": true}'\n"
 
 
 def check_installed() -> None:
@@ -171,7 +177,8 @@ def with_the_sync_client(port: int) -> None:
         assert jobs.query_job(job_id)["state"] == "FINISHED"
 
 
-async def with_the_asyncio_client(port: int) -> None:
+async def with_the_async_client(port: int) -> None:
+    """The async client, on whichever event loop runs it (asyncio or trio)."""
     async with AsyncClient(HOST, port, timeout=STEP_TIMEOUT) as jobs:
         job_id = await jobs.create_job("smoke/async", {"n": 2})
         job = await jobs.get_job("smoke/async", wait=STEP_TIMEOUT)
@@ -190,6 +197,21 @@ def with_the_worker(port: int, workdir: Path) -> None:
         assert jobs.query_job(job_id)["data"] == {"doubled": 42}
 
 
+def with_the_worker_manager(port: int, workdir: Path) -> None:
+    """`jobserver worker-manager` runs a program, which finishes a job."""
+    programs = workdir / "workers"
+    programs.mkdir()
+    (programs / "Managed").write_text(MANAGED_PROGRAM)
+    (programs / "Managed").chmod(0o755)
+    with Client(HOST, port, timeout=STEP_TIMEOUT) as jobs:
+        job_id = jobs.create_job("smoke/Managed", {"n": 3})
+        command = [JOBSERVER, "worker-manager", "--server", f"{HOST}:{port}",
+                   "--worker-path", str(programs), "--job-name", "smoke/*"]
+        with running(command, workdir / "worker-manager.log", workdir):
+            wait_for("the manager's job", lambda: jobs.query_job(job_id)["state"] == "FINISHED")
+        assert jobs.query_job(job_id)["data"] == {"managed": True}
+
+
 def main() -> None:
     started = time.monotonic()
     check_installed()
@@ -204,8 +226,10 @@ def main() -> None:
             wait_for("the server's start", lambda: has_started(server, port))
             over_the_wire(port)
             with_the_sync_client(port)
-            asyncio.run(with_the_asyncio_client(port))
+            asyncio.run(with_the_async_client(port))
+            trio.run(with_the_async_client, port)
             with_the_worker(port, workdir)
+            with_the_worker_manager(port, workdir)
     print(f"the wheel works: {time.monotonic() - started:.1f} s ({os.path.basename(sys.prefix)})")
 
 
