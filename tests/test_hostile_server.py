@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -476,3 +476,31 @@ def test_a_client_closes_a_connection_whose_report_reply_means_nothing(
 ):
     front.answer_with(command, bad)
     assert isinstance(report_once(kind, front.port, command), MalformedReply)
+
+
+# Every call of a client whose reply has a body, answered with JSON that is
+# no object: a MalformedReply, never the AttributeError of a `.get` on a
+# list (the calls' readers are shared by the three clients).
+CALLS_READING_A_BODY: dict[str, Callable[[Client], object]] = {
+    "AwaitJob": lambda c: c.await_job(7, timeout=1),
+    "QueryJob": lambda c: c.batch_progress(7),
+    "GetJob": lambda c: c.get_job(PATTERN),
+    "GetJobs": lambda c: c.get_jobs(PATTERN, 2),
+    "CreateJob": lambda c: c.create_job("hostile/x"),
+    "CreateJobs": lambda c: c.create_jobs([{"name": "hostile/x"}]),
+    "Status": lambda c: c.status(),
+    "Queues": lambda c: c.queues(),
+    "RunningJobs": lambda c: c.running_jobs(),
+    "History": lambda c: c.history(),
+    "FailedJobs": lambda c: c.failed_jobs(),
+    "CancelledJobs": lambda c: c.cancelled_jobs([7]),
+    "DeliverReply": lambda c: c.deliver_reply("k", {}),
+}
+
+
+@pytest.mark.parametrize("body", [b"[]", b"null", b"7", b'"text"'])
+@pytest.mark.parametrize("command", CALLS_READING_A_BODY)
+def test_a_reply_whose_json_is_no_object_is_malformed(server, front, command, body):
+    front.answer_with(command, reply("200 OK", body))
+    with Client("127.0.0.1", front.port) as client, pytest.raises(MalformedReply):
+        CALLS_READING_A_BODY[command](client)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobserver.client.calls import Call
+from jobserver.client.calls import Call, reply_object
 from jobserver.wire.client_framing import Reply
 from jobserver.wire.limits import DEFAULT_WAIT_MS, MAX_WAIT_MS
 
@@ -35,7 +35,7 @@ def await_job(job_id: int, timeout: float | None = None) -> Call[dict[str, Any] 
 def _outcome(reply: Reply) -> dict[str, Any] | None:
     if reply.code == NOT_ENDED:
         return None
-    body: dict[str, Any] = reply.json()
+    body = reply_object(reply)
     if not isinstance(body.get("state"), str):
         raise ValueError("no state")
     return body

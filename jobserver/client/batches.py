@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from jobserver.client.calls import Call, _key
+from jobserver.client.calls import Call, _key, reply_object
 from jobserver.wire.client_framing import Reply
 from jobserver.wire.limits import MAX_DEPENDENCIES
 
@@ -114,7 +114,7 @@ def completion_job(then: str | Mapping[str, Any], count: int) -> dict[str, Any]:
 
 
 def _batch(reply: Reply, count: int) -> Batch:
-    ids = reply.json()["jobIDs"]
+    ids = reply_object(reply)["jobIDs"]
     if not isinstance(ids, list) or len(ids) != count + 1:
         raise ValueError(f"{count + 1} jobIDs expected, not {ids!r:.100}")
     return Batch(ids[:-1], ids[-1])
@@ -130,7 +130,7 @@ def batch_progress(job_id: int) -> Call[BatchProgress]:
 
 
 def _progress(reply: Reply) -> BatchProgress:
-    body = reply.json()
+    body = reply_object(reply)
     # A job without dependencies has no counts: 0 of each.
     counts = body.get("dependencyCounts") or dict.fromkeys(_COUNTS, 0)
     return BatchProgress(

@@ -147,12 +147,22 @@ def _nothing(reply: Reply) -> None:
     return None
 
 
-def _body(reply: Reply) -> Any:
-    return reply.json()
+def reply_object(reply: Reply) -> dict[str, Any]:
+    """A reply's body, which every command answers with a JSON object: a
+    list, a number or null would fail a reader's `.get` with an error no
+    caller expects (an AttributeError ended a worker)."""
+    body = reply.json()
+    if not isinstance(body, dict):
+        raise ValueError(f"a body that is not an object: {_shown(body)}")
+    return body
+
+
+def _body(reply: Reply) -> dict[str, Any]:
+    return reply_object(reply)
 
 
 def _field(name: str) -> Callable[[Reply], Any]:
-    return lambda reply: reply.json()[name]
+    return lambda reply: reply_object(reply)[name]
 
 
 def _no_job() -> None:
@@ -174,11 +184,11 @@ def _job(value: object) -> dict[str, Any]:
 
 
 def _one_job(reply: Reply) -> dict[str, Any]:
-    return _job(reply.json())
+    return _job(reply_object(reply))
 
 
 def _jobs(reply: Reply) -> list[dict[str, Any]]:
-    jobs = reply.json()["jobs"]
+    jobs = reply_object(reply)["jobs"]
     if not isinstance(jobs, list):
         raise ValueError(f"jobs that are not a list: {_shown(jobs)}")
     return [_job(job) for job in jobs]
@@ -438,7 +448,7 @@ def cancelled_jobs(job_ids: Sequence[int]) -> Call[list[int]]:
 
 
 def _job_ids(reply: Reply) -> list[int]:
-    ids = reply.json()["jobIDs"]
+    ids = reply_object(reply)["jobIDs"]
     if not isinstance(ids, list) or not all(type(i) is int for i in ids):
         raise ValueError(f"jobIDs that are not a list of integers: {_shown(ids)}")
     return ids

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from jobserver.client.calls import Call, When, _on_job, _shown, _time_text
+from jobserver.client.calls import Call, When, _on_job, _shown, _time_text, reply_object
 from jobserver.client.errors import JobServerError, error_for
 from jobserver.wire.client_framing import Reply, without_lone_surrogates
 from jobserver.wire.limits import MAX_FINISH_JOBS
@@ -70,7 +70,7 @@ def _finish_results(count: int) -> Callable[[Reply], list[FinishResult]]:
     MalformedReply, not an exception that ends the worker."""
 
     def results(reply: Reply) -> list[FinishResult]:
-        listed = reply.json()["results"]
+        listed = reply_object(reply)["results"]
         if not isinstance(listed, list) or len(listed) != count:
             raise ValueError(f"{count} results expected, not {_shown(listed)}")
         return [_result(result) for result in listed]
@@ -253,11 +253,7 @@ def touch_job(job_id: int, lease_id: str | None, lease: int | None = None) -> Ca
 
 
 def _report_deadline(reply: Reply) -> str | None:
-    # Checked: a renewal's reply that is no object (a list, null, a
-    # number) raised AttributeError, which ended the worker's renewals.
-    body = reply.json()
-    if not isinstance(body, dict):
-        raise ValueError(f"a reply that is not an object: {_shown(body)}")
+    body = reply_object(reply)
     deadline = body.get("nextRun", body.get("staleAt"))
     if not (deadline is None or isinstance(deadline, str)):
         raise ValueError(f"a deadline that is {_shown(deadline)}")
