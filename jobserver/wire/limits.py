@@ -191,3 +191,6 @@ MAX_KEEP_OUTCOMES = 366 * 86400
 # connection (bounded by --max-connections and --max-http-connections)
 # and a few hundred bytes; past it, `503 Too many AwaitJobs waiting`.
 MAX_AWAITING = 10_000
+# A handler's or worker's timeout (@worker.handler, --timeout, --policy):
+# up to a week, as far as a lease goes usefully.
+MAX_TIMEOUT = 7 * 86400.0

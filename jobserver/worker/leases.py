@@ -39,7 +39,7 @@ from jobserver.client import (
 from jobserver.wire.limits import MAX_CANCEL_CHECK
 from jobserver.worker.connection import Link, Server
 from jobserver.workers.contract import printable
-from jobserver.workers.leases import Lease, renewal_period
+from jobserver.workers.leases import Lease, policys_lease, renewal_period
 
 log = logging.getLogger("jobserver.worker")
 
@@ -76,7 +76,7 @@ class Leases:
         lease_id = job.get("leaseID")
         if not (isinstance(lease_id, str) and lease_id):
             return None
-        seconds = self._handlers_lease(job)
+        seconds = policys_lease(job, self.lease, self.lease_for)
         period = renewal_period(job, self.touch_interval, seconds or self.lease)
         if period is None:
             period = math.inf  # RUNNING: the stale-job net's 24 h is its own
@@ -88,15 +88,6 @@ class Leases:
         if period != math.inf:
             self._wake()  # the renewer may be waiting for a later one
         return lease_id
-
-    def _handlers_lease(self, job: dict[str, Any]) -> int | None:
-        """The lease of the job's handler, if it has one other than the
-        worker's and the job was taken under the worker's: a job's own
-        (retryAfter) wins, and one taken without a lease has none to renew."""
-        if not self.lease or job.get("retryAfter"):
-            return None
-        seconds = self.lease_for(job["name"])
-        return seconds if seconds != self.lease else None
 
     def adopt(self, old: str | None, job: dict[str, Any]) -> str | None:
         """The job, running here under the lease `old`, was handed out

@@ -32,16 +32,13 @@ from jobserver.model.globmatch import (
     too_many_wildcards,
 )
 from jobserver.wire.limits import (
-    BACKOFFS,
     DEFAULT_BACKOFF,
     DEFAULT_MAX_RETRY_DELAY,
     DEFAULT_RETRY_DELAY,
-    MAX_ATTEMPTS,
-    MAX_DELAY,
-    MAX_LEASE,
-    MIN_LEASE,
+    MAX_TIMEOUT,
 )
-from jobserver.worker.settings import MAX_TIMEOUT, Settings
+from jobserver.worker.settings import Settings
+from jobserver.workers.policy import check_lease, retry_policy
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -104,10 +101,8 @@ class Worker:
         jobs it takes without retryAfter, from their first renewal on
         (leases.py): a job whose worker died is back when it ends."""
         check_pattern(pattern, params.MAX_NAME, commas=False)
-        policy = _policy(max_attempts, backoff, retry_delay, retry_max_delay)
-        if lease is not None and not (type(lease) is int and MIN_LEASE <= lease <= MAX_LEASE):
-            raise ValueError(f"lease must be whole seconds from {MIN_LEASE} to {MAX_LEASE}, "
-                             f"not {lease!r}")
+        policy = retry_policy(max_attempts, backoff, retry_delay, retry_max_delay)
+        check_lease(lease)
         if timeout is not None and not (
             isinstance(timeout, int | float)
             and math.isfinite(timeout)
@@ -185,26 +180,6 @@ def check_pattern(pattern: str, limit: int, commas: bool) -> None:
         raise ValueError(
             f"a handler's pattern holds no comma (GetJobs would read a list of names): {pattern!r}"
         )
-
-
-def _policy(
-    max_attempts: int | None, backoff: str, delay: float, max_delay: float
-) -> dict[str, Any]:
-    """A handler's retry policy as fail_job's keywords; ValueError out of
-    CreateJob's bounds (protocol.md 14.1)."""
-    if max_attempts is None:
-        return {}
-    if not (type(max_attempts) is int and 1 <= max_attempts <= MAX_ATTEMPTS):
-        raise ValueError(f"max_attempts must be 1 to {MAX_ATTEMPTS}, not {max_attempts!r}")
-    if backoff not in BACKOFFS:
-        raise ValueError(f"backoff must be one of {', '.join(BACKOFFS)}, not {backoff!r}")
-    for name, seconds in (("retry_delay", delay), ("retry_max_delay", max_delay)):
-        if not (isinstance(seconds, int | float) and 0 <= seconds <= MAX_DELAY):
-            raise ValueError(f"{name} must be seconds from 0 to {MAX_DELAY}, not {seconds!r}")
-    return {
-        "max_attempts": max_attempts, "retry_backoff": backoff,
-        "retry_delay": round(delay, 3), "retry_max_delay": round(max_delay, 3),
-    }
 
 
 def _handler(pattern: str, function: Callable[..., Any], timeout: float | None) -> Handler:

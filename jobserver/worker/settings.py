@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from jobserver.client.endpoint import check_max_reply_bytes
 from jobserver.client.servers import Address, parse_servers
-from jobserver.wire.limits import DEFAULT_CLIENT_MAX_REPLY_BYTES
+from jobserver.wire.limits import DEFAULT_CLIENT_MAX_REPLY_BYTES, MAX_TIMEOUT
 from jobserver.workers.leases import DEFAULT_LEASE, check_lease
 
 # Each running job is a task or a thread: more than this is a mistake.
@@ -21,8 +21,6 @@ MAX_CONCURRENCY = 10_000
 MAX_PROCESSES = 64
 # Jobs held beyond the slots: each is RUNNING on the server while it waits.
 MAX_PREFETCH = 10_000
-# A handler's timeout: up to a week, as far as a lease goes usefully.
-MAX_TIMEOUT = 7 * 86400.0
 MAX_GRACE = 86400.0
 MAX_TOUCH_INTERVAL = 3600.0
 

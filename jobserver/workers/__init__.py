@@ -8,6 +8,8 @@ Where things are:
                  what exit statuses and stdout mean as reports
 - supervision.py one worker process: start, output capture, timeouts, kills
 - leases.py      renewing the leases of running jobs (TouchJob)
+- policy.py      --policy: retry policy, timeout and lease by job-name pattern
+                 (and the Python handler's checks of the same)
 - reporting.py   delivering reports, and the policy for the server's answers
 - connection.py  reaching the server: addresses, reconnecting, backoff
 """

@@ -29,6 +29,7 @@ from jobserver.cli.options import (
 from jobserver.client import auth_token, tls_context
 from jobserver.workers.leases import add_lease_argument
 from jobserver.workers.manager import Manager
+from jobserver.workers.policy import POLICY_HELP, Policies, parse_policy
 
 log = logging.getLogger("jobserver.workers")
 
@@ -75,6 +76,14 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
         default="*",
         metavar="PATTERN",
         help=f"GetJobs name: {JOB_PATTERNS_HELP} (default: *)",
+    )
+    parser.add_argument(
+        "--policy",
+        type=parse_policy,
+        action="append",
+        default=[],
+        metavar="PATTERN:KEY=VALUE,...",
+        help=POLICY_HELP,
     )
 
 
@@ -199,5 +208,6 @@ def manager_from(args: argparse.Namespace) -> Manager | None:
         grace=args.grace,
         touch_interval=args.touch_interval,
         lease=args.lease,
+        policies=Policies(args.policy),
         max_reply_bytes=args.max_reply_bytes,
     )

@@ -169,6 +169,10 @@ def failed(job: dict[str, Any], error: Any, text: str) -> Outcome:
     return Outcome(report, f"failed ({text}{fate(job.get('attempt'), job.get('maxAttempts'))})")
 
 
+# A failure's fate in the log when the job has no retry policy.
+NO_POLICY = "; no retry policy: FAILED"
+
+
 def fate(attempt: object, max_attempts: object) -> str:
     """What a FailJob does to a job, for the log line of its failure: the
     server retries an attempt that was not the last of its retry policy
@@ -176,7 +180,7 @@ def fate(attempt: object, max_attempts: object) -> str:
     otherwise. `attempt` and `max_attempts` as the hand-out's reply gave
     them (absent for a job without a policy)."""
     if type(attempt) is not int or type(max_attempts) is not int:
-        return "; no retry policy: FAILED"
+        return NO_POLICY
     if attempt < max_attempts:
         return f"; attempt {attempt} of {max_attempts}, retried after its backoff"
     return f"; attempt {attempt} of {max_attempts}, the last: FAILED"

@@ -111,13 +111,33 @@ def renewal_period(job: dict[str, Any], interval: float, asked: int) -> float | 
     return max(min(interval, asked * TOUCH_FRACTION), MIN_TOUCH_INTERVAL)
 
 
+def policys_lease(
+    job: dict[str, Any], asked: int, lease_for: Callable[[str], int | None]
+) -> int | None:
+    """The lease of the job's handler (or --policy), if it has one other
+    than the `asked` seconds the job was taken for: it replaces that at the
+    job's first renewal (TouchJob's `lease`, protocol.md 14.4). A job's own
+    (retryAfter) wins, and one taken without a lease has none to renew."""
+    if not asked or job.get("retryAfter"):
+        return None
+    seconds = lease_for(job["name"])
+    return seconds if seconds != asked else None
+
+
 class Leases:
     """The leases of the running jobs, and the task that renews them."""
 
-    def __init__(self, server: Server, touch_interval: float, lease: int = 0) -> None:
+    def __init__(
+        self,
+        server: Server,
+        touch_interval: float,
+        lease: int = 0,
+        lease_for: Callable[[str], int | None] = lambda name: None,
+    ) -> None:
         self.server = server
         self.touch_interval = touch_interval
         self.lease = lease  # the seconds each GetJobs asks for (--lease)
+        self.lease_for = lease_for  # a job name's --policy lease, if it has one
         self.held: dict[str, Lease] = {}  # by lease token
         self.changed = trio.Event()  # set (and replaced) when a lease is taken on
         self.failing = False  # the last renewal could not reach the server
@@ -130,13 +150,14 @@ class Leases:
         lease_id = job.get("leaseID")
         if not (isinstance(lease_id, str) and lease_id):
             return None
-        period = renewal_period(job, self.touch_interval, self.lease)
+        seconds = policys_lease(job, self.lease, self.lease_for)
+        period = renewal_period(job, self.touch_interval, seconds or self.lease)
         if period is None:
             return None
         name = printable(job["name"])
-        self.held[lease_id] = Lease(
-            job["jobID"], name, lease_id, period, trio.current_time() + period
-        )
+        # A policy's lease replaces the one asked for at once.
+        due = trio.current_time() + (0 if seconds else period)
+        self.held[lease_id] = Lease(job["jobID"], name, lease_id, period, due, seconds=seconds)
         self.changed.set()
         return lease_id
 
@@ -214,7 +235,9 @@ class Leases:
 
     async def _renew(self, lease: Lease, link: Link) -> None:
         try:
-            await link.client.touch_job(lease.job_id, lease_id=lease.lease_id)
+            await link.client.touch_job(
+                lease.job_id, lease_id=lease.lease_id, lease=lease.seconds
+            )
         except (ConnectionFailed, ServerError) as error:
             if not self.failing:
                 log.warning(

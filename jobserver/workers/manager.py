@@ -52,6 +52,7 @@ from jobserver.workers.contract import (
 )
 from jobserver.workers.guard import Guard
 from jobserver.workers.leases import DEFAULT_LEASE, Leases, check_lease
+from jobserver.workers.policy import Policies
 from jobserver.workers.reporting import Reporter
 from jobserver.workers.supervision import Supervisor, spawn
 
@@ -118,6 +119,7 @@ class Manager:
         grace: float,
         touch_interval: float = 30.0,
         lease: int = DEFAULT_LEASE,
+        policies: Policies | None = None,
         token: str | None = None,
         tls: ssl.SSLContext | None = None,
         tls_setting: TLS = None,
@@ -136,6 +138,7 @@ class Manager:
         self.worker_timeout = worker_timeout
         self.max_iterations = max_iterations
         self.grace = grace
+        self.policies = policies or Policies()
 
         self.running = 0  # worker tasks started and not yet ended
         self.jobs: dict[int, dict[str, Any]] = {}  # their jobs, by job ID
@@ -148,7 +151,7 @@ class Manager:
 
         self.supervisor = Supervisor(worker_timeout)
         check_lease(lease)
-        self.leases = Leases(self.server, touch_interval, lease)
+        self.leases = Leases(self.server, touch_interval, lease, self.policies.lease_for)
         self.leases.on_cancel = self.supervisor.cancel
         self.reporter = Reporter(self.server, self.guard, self.leases)
 
@@ -377,6 +380,7 @@ class Manager:
             self.changed.set()
             self.changed = trio.Event()
         duration = trio.current_time() - started
+        result = self.policies.reported(job, result)
         log.info("job %s %s %s in %.3fs", job_id, name, printable(result.text), duration)
         # The newest hand-out's, should the job have been handed out again.
         result.report.lease_id = job.get("leaseID")
@@ -413,8 +417,11 @@ class Manager:
             return cannot_start(job, path, error)
         self.guard.group(proc.pid)
         label = (job["jobID"], printable(job["name"]))
+        timeout = self.policies.timeout(job["name"], self.worker_timeout)
         try:
-            ended = await self.supervisor.supervise(proc, worker_input(job), label, started)
+            ended = await self.supervisor.supervise(
+                proc, worker_input(job), label, started, timeout
+            )
         finally:
             self.guard.reaped(proc.pid)  # supervise() reaps it, even when cancelled
-        return outcome(job, ended, self.worker_timeout)
+        return outcome(job, ended, timeout)

@@ -113,10 +113,16 @@ class Supervisor:
             scope.deadline = min(scope.deadline, self.grace_deadline)
 
     async def supervise(
-        self, proc: trio.Process, stdin: bytes, job: tuple[int, str], started: float
+        self,
+        proc: trio.Process,
+        stdin: bytes,
+        job: tuple[int, str],
+        started: float,
+        timeout: float | None = None,  # noqa: ASYNC109 (the worker's deadline, not this call's)
     ) -> Ended:
         """Feed `stdin` to the worker `proc`, collect its output, and wait for
-        it to exit or stop it at its deadline. If this is cancelled (a forced
+        it to exit or stop it at its deadline (`timeout` seconds from
+        `started`, default --worker-timeout). If this is cancelled (a forced
         exit) the worker is killed, and stays in `live`."""
         self.live[proc.pid] = job
         stdout, stderr = Head(STDOUT_LIMIT), Tail(STDERR_LIMIT)
@@ -127,7 +133,8 @@ class Supervisor:
                 out_done, err_done = trio.Event(), trio.Event()
                 nursery.start_soon(_collect, from_stdout, stdout, out_done)
                 nursery.start_soon(_collect, from_stderr, stderr, err_done)
-                stopped = await self._wait(proc, started, job[0])
+                deadline = started + (timeout or self.worker_timeout)
+                stopped = await self._wait(proc, deadline, job[0])
                 with trio.move_on_after(OUTPUT_DRAIN):
                     await out_done.wait()
                     await err_done.wait()
@@ -137,10 +144,9 @@ class Supervisor:
         del self.live[proc.pid]
         return Ended(returncode, stopped, stdout, stderr)
 
-    async def _wait(self, proc: trio.Process, started: float, job_id: int) -> Stopped | None:
+    async def _wait(self, proc: trio.Process, timeout_at: float, job_id: int) -> Stopped | None:
         """Wait for the worker to exit, or stop it at its deadline or its
         job's cancel; why it was stopped, if it was."""
-        timeout_at = started + self.worker_timeout
         scope = trio.CancelScope(deadline=min(timeout_at, self.grace_deadline))
         if job_id in self.cancelled:
             scope.cancel()
