@@ -100,9 +100,11 @@ def test_a_chain_longer_than_a_transaction_tells_fails_to_its_end(server, client
 def test_a_wide_unblock_keeps_the_order(server, client, monkeypatch):
     # Every dependent is QUEUED once its dependency ended, over several
     # transactions; a job that depends on all of them waits for the last.
-    monkeypatch.setattr(cascade, "MOVES_AT_ONCE", 100)
+    # 200 at 40 a transaction: five, as 500 at 100 were (each leaf is taken
+    # and finished in turn: 500 cost 5 to 10 s a backend).
+    monkeypatch.setattr(cascade, "MOVES_AT_ONCE", 40)
     root = create(client, "root")
-    leaves = create_jobs(client, [{"name": "leaf", "dependsOn": [root]} for _ in range(500)])
+    leaves = create_jobs(client, [{"name": "leaf", "dependsOn": [root]} for _ in range(200)])
     (join,) = create_jobs(client, [{"name": "join", "dependsOn": leaves}])
     assert take(client, "root") is not None
     ok(client.request("FinishJob", jobID=root))
@@ -114,23 +116,27 @@ def test_a_wide_unblock_keeps_the_order(server, client, monkeypatch):
 
 
 def test_a_cascade_stopped_midway_ends_after_a_restart(db, monkeypatch):
-    # 100 a transaction: 20,000 take 200, so the stop comes in the middle.
-    monkeypatch.setattr(cascade, "MOVES_AT_ONCE", 100)
+    # 10 a transaction: 4,000 take 400, so the stop comes in the middle
+    # (two were done at the stop, as were two of 20,000 at 100 each: 20
+    # times the rows cost 15 s a backend, and the question is the count of
+    # transactions, not of rows).
+    width = 4000
+    monkeypatch.setattr(cascade, "MOVES_AT_ONCE", 10)
     server = ThreadServer(db)
     try:
         with server.client(timeout=SLOW) as client:
-            root, _ = fan_out(client)
+            root, _ = fan_out(client, width)
             assert take(client, "root") is not None
             ok(client.request("FailJob", jobID=root, error="no"))
     finally:
         server.stop()
     left = rows(db, "state = 'BLOCKED'")
-    assert 0 < left < WIDTH
-    monkeypatch.setattr(cascade, "MOVES_AT_ONCE", 2000)
+    assert 0 < left < width
+    monkeypatch.setattr(cascade, "MOVES_AT_ONCE", 200)
     server = ThreadServer(db)
     try:
         until(lambda: rows(db, "state = 'BLOCKED'") == 0, 60.0, "the cascade to end")
-        assert rows(db, "name = 'leaf' AND state = 'FAILED'") == WIDTH
+        assert rows(db, "name = 'leaf' AND state = 'FAILED'") == width
     finally:
         server.stop()
 
