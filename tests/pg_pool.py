@@ -96,6 +96,32 @@ class _Schema:
 # This process's schemas that no test holds (each xdist worker is a
 # process, so each has its own).
 _idle: list[_Schema] = []
+# This process's connection for the pool's own statements, kept from test
+# to test: a connection made and closed cost PostgreSQL some 10 ms of CPU
+# (its backend's start and end), and a test on PostgreSQL made three.
+_kept: psycopg.Connection | None = None
+
+
+@contextlib.contextmanager
+def _connection() -> Iterator[psycopg.Connection]:
+    """The kept connection (autocommit), made at first use and again when
+    it no longer answers (a test may end other sessions); closed on an
+    error, so that the next use starts from a new one."""
+    global _kept
+    if _kept is not None:
+        try:
+            _kept.execute(b"SELECT 1")
+        except psycopg.Error:
+            _kept.close()
+            _kept = None
+    if _kept is None:
+        _kept = psycopg.connect(pg.database_url(), autocommit=True)
+    try:
+        yield _kept
+    except BaseException:
+        _kept.close()
+        _kept = None
+        raise
 
 
 @contextlib.contextmanager
@@ -126,13 +152,12 @@ def _take() -> _Schema:
 def _new() -> _Schema:
     """A schema migrated as a node does it (its own start), then emptied as
     a test's is, so that its shape is that of an emptied schema."""
-    url = pg.database_url()
     name = f"p_{secrets.token_hex(6)}"
-    with psycopg.connect(url, autocommit=True) as db:
+    with _connection() as db:
         db.execute(f"CREATE SCHEMA {name}".encode())
-    schema_url = pg.with_schema(url, name)
+    schema_url = pg.with_schema(pg.database_url(), name)
     PostgresStore(schema_url).close()
-    with psycopg.connect(url, autocommit=True) as db:
+    with _connection() as db:
         tables = tuple(
             row[0]
             for row in db.execute(
@@ -147,7 +172,7 @@ def _new() -> _Schema:
             ).fetchall()
         )
     schema = _Schema(name, schema_url, tables, sequences, shape="")
-    with psycopg.connect(url, autocommit=True) as db:
+    with _connection() as db:
         _empty(db, schema)
         schema.shape = _shape(db, name)
     return schema
@@ -157,9 +182,10 @@ def _emptied(schema: _Schema) -> bool:
     """Empties a schema a test has finished with; whether it has the shape
     it was made with, and so may be given out again."""
     try:
-        with psycopg.connect(pg.database_url(), autocommit=True) as db:
+        with _connection() as db:
             db.execute(f"SET lock_timeout = '{LOCK_TIMEOUT}'".encode())
             _empty(db, schema)
+            db.execute(b"RESET lock_timeout")
             return _shape(db, schema.name) == schema.shape
     except psycopg.Error:
         return False
@@ -198,12 +224,12 @@ def _is_empty(schema: _Schema) -> bool:
     any_row = " UNION ALL ".join(
         f"(SELECT 1 FROM {schema.name}.{table} LIMIT 1)" for table in schema.tables
     )
-    with psycopg.connect(pg.database_url(), autocommit=True) as db:
+    with _connection() as db:
         return db.execute(f"SELECT EXISTS ({any_row})".encode()).fetchone() == (False,)
 
 
 def _drop(name: str) -> None:
-    with psycopg.connect(pg.database_url(), autocommit=True) as db:
+    with _connection() as db:
         db.execute(f"DROP SCHEMA IF EXISTS {name} CASCADE".encode())
         role = postgres_query.role_name(pg.DATABASE, name)
         db.execute(f"DROP ROLE IF EXISTS {role}".encode())
