@@ -14,10 +14,13 @@ from __future__ import annotations
 import json
 import re
 import resource
+import select
 import socket
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -241,3 +244,133 @@ def test_long_patterns_at_the_bound_keep_both_ports_answering(
     finally:
         for sock in waiters:
             sock.close()
+
+
+# Patterns at the bounds whose match is slow: as many wildcards and set
+# characters as a GetJob's name may hold, and runs of `x`, against
+# 255-byte names chosen to fit the sets and the runs at a hundred places
+# each. One pattern (two stars, 30 sets of two) costs a name 40 to 130 µs,
+# a list of ten (a star, a set, a star each) 230 to 300 µs, where
+# `email/*` costs 0.3 µs. Matched 4,096 pairs at once, 7 waiters of such
+# lists and 512 names held both ports 1 s (of single patterns, 0.13 to
+# 0.5 s); 512 pairs at a time, 100 waiters of single patterns and 1,000
+# names held /healthz 0.3 to 1 s (nine answers in ten), and Pings 0.15 s.
+# What a neighbour may wait meanwhile: nine answers in ten within 0.1 s
+# on both ports, every Ping within a quarter of a second and every
+# /healthz within half of one. Most runs answer every one within 0.1 s,
+# and nine in ten within 3 to 40 ms; but on two cores shared with the
+# other tests, one Ping in a few thousand waited up to 0.11 s, and one
+# /healthz up to 0.28 s (it opens a connection and runs a Status in the
+# writer's thread: an idle server's waited 0.075 s at worst there).
+HEAVY_BOUND = 0.1
+PING_WORST = 0.25
+HEALTH_WORST = 0.5
+
+
+def heavy_pattern(i: int, pieces: int = 1) -> str:
+    """A GetJob's `name`: one pattern, or a list of `pieces` patterns, that
+    heavy_name's names do not match (nor any name of another `i`)."""
+    if pieces == 1:
+        return "*" + "[xa]" * (MAX_WILDCARDS - 2) + "x" * 130 + f"z{i:04d}*"
+    return ",".join(f"*[xa]{'x' * 128}z{i:04d}{j:02d}*" for j in range(pieces))
+
+
+def heavy_name(i: int) -> str:
+    return f"{i:05d}" + "x" * 250
+
+
+@pytest.mark.parametrize(
+    ("heavy", "pieces", "matched", "names"), [(7, 10, 1, 512), (100, 1, 10, 1000)]
+)
+def test_slow_matches_keep_both_ports_answering_and_wake_every_match(
+    start_server, heavy: int, pieces: int, matched: int, names: int
+) -> None:
+    """Matching is bounded by its time, not its count of pairs, and the
+    bound never costs a waiter its job: younger waiters whose patterns
+    match new names (matched last, so the neighbours ask throughout) each
+    get their job, and the slow ones go on waiting. (The matched waiters'
+    patterns are cheap: a try of a slow one scans the due jobs' names in
+    the writer, 0.2 s for these 1,000, which a neighbour's Status, and so
+    its /healthz, would wait behind.)"""
+    running = start_server(None, "--http-port", "0")
+    assert running.port is not None, running.log
+    [line] = running.matching(HTTP_LISTENING, 1, 15)
+    health = f"http://127.0.0.1:{HTTP_LISTENING.search(line).group(1)}/healthz"
+    patterns = [heavy_pattern(i, pieces) for i in range(heavy)]
+    patterns += [f"m{i}/*" for i in range(matched)]
+    clients = [Client(running.port, timeout=60) for _ in patterns]
+    jobs = [{"name": heavy_name(i)} for i in range(names - matched)]
+    jobs += [{"name": f"m{i}/" + "x" * 250} for i in range(matched)]
+    try:
+        with running.client() as neighbour, running.client() as creator:
+            for i, (client, pattern) in enumerate(zip(clients, patterns, strict=True)):
+                if i == heavy:
+                    _wait_for_waiters(neighbour, i)
+                client.send(
+                    f"GetJob\r\nname: {pattern}\r\nConnection: wait\r\ntimeout: 60000\r\n\r\n"
+                    .encode()
+                )
+            _wait_for_waiters(neighbour, len(clients))
+            with _asking(lambda: ok(neighbour.request("Ping"))) as wire, _asking(
+                lambda: urllib.request.urlopen(health, timeout=5).read()
+            ) as http:
+                # The neighbours ask from before the jobs are sent: the
+                # pairs matched at once are matched before the commit's reply.
+                ok(creator.request("CreateJobs", jobs=json.dumps(jobs)))
+                woken = _replies(clients[heavy:])
+            assert woken == [f"m{i}/" + "x" * 250 for i in range(matched)]
+            assert ok(neighbour.request("Status")).json["waitingGetJobs"] == heavy
+        assert_answering(sorted(wire), "a neighbour's Ping", HEAVY_BOUND, PING_WORST)
+        assert_answering(sorted(http), "/healthz", HEAVY_BOUND, HEALTH_WORST)
+    finally:
+        for client in clients:
+            client.close()
+
+
+def _wait_for_waiters(neighbour: Client, count: int) -> None:
+    deadline = time.monotonic() + 60
+    while ok(neighbour.request("Status")).json["waitingGetJobs"] < count:
+        assert time.monotonic() < deadline, "the waiters did not all arrive"
+
+
+# How often a neighbour asks: a busy client's pace, not as fast as a
+# thread can loop (40,000 Pings in 30 s were load of their own).
+ASK_EVERY = 0.005
+
+
+@contextmanager
+def _asking(ask: Callable[[], object]) -> Iterator[list[float]]:
+    """How long each answer took, asking every ASK_EVERY in a thread of
+    its own until the block ends (a neighbour's view, while it runs)."""
+    waits: list[float] = []
+    done = threading.Event()
+
+    def run() -> None:
+        while not done.wait(ASK_EVERY):
+            began = time.monotonic()
+            ask()
+            waits.append(time.monotonic() - began)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        yield waits
+    finally:
+        done.set()
+        thread.join(30)
+    assert waits and not thread.is_alive(), "the neighbour stopped asking"
+
+
+def _replies(clients: list[Client]) -> list[str]:
+    """The name of the job each waiter got, once they all have one."""
+    names: dict[Client, str] = {}
+    deadline = time.monotonic() + 120
+    while len(names) < len(clients):
+        waiting = [c.sock for c in clients if c not in names]
+        left = deadline - time.monotonic()
+        assert left > 0, f"{len(names)} of {len(clients)} matched waiters woken"
+        readable, _, _ = select.select(waiting, [], [], left)
+        for client in clients:
+            if client.sock in readable:
+                names[client] = client.read_reply().json["name"]
+    return [names[client] for client in clients]

@@ -4,11 +4,13 @@ and the order rules they keep (first come, first served)."""
 from __future__ import annotations
 
 import sys
+from itertools import chain
 
 import pytest
 
-from jobserver.core.engine.waiters import MOVES, IllegalWaiterMove, Phase, WaitQueue
+from jobserver.core.engine.waiters import MATCH_AT_ONCE, MOVES, IllegalWaiterMove, Phase, WaitQueue
 from jobserver.core.rules.selection import JobQuery
+from jobserver.model.globmatch import glob_match, matcher
 
 
 def query(name: str) -> JobQuery:
@@ -137,3 +139,27 @@ async def test_the_count_follows_joins_and_leaves() -> None:
     waits.leave(b)
     waits.leave(c)
     assert len(waits) == 0
+
+
+async def test_matching_bounded_by_its_time_still_finds_every_waiter_of_the_names() -> None:
+    """A commit's names against waiters of slow patterns (40 to 300 µs a
+    name, as test_security_waiting's), as many pairs as are matched at
+    once: past MATCH_SECONDS none are found as the commit is delivered,
+    and the matcher's slices find each waiter whose pattern a name
+    matches, once, and no other."""
+    waits = WaitQueue()
+    patterns = ["*" + "[xa]" * 16 + "x" * 150 + f"z{i:04d}*" for i in range(12)]
+    patterns += [f"m{i}/*" for i in range(4)]
+    waiters = {p: waits.join(JobQuery((p,), (), None, 1), matcher=matcher(p)) for p in patterns}
+    names = {f"{i:05d}" + "x" * 250 for i in range(250)}
+    names |= {"x" * 246 + "z0003", "x" * 246 + "z0011", "m1/", "m3/x", "m9/x", "0m2/"}
+    assert len(names) * len(patterns) == MATCH_AT_ONCE
+    expected = [w for p, w in waiters.items() if any(glob_match(p, name) for name in names)]
+    assert len(expected) == 4
+    assert waits.ready(names) == []
+    left = await waits.unmatched()
+    assert left == names
+    slices = list(waits.matching_slices(left))
+    assert len(slices) > 1
+    found = list(chain(*slices))
+    assert sorted(found, key=lambda w: w.seq) == expected

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -37,13 +38,24 @@ import trio
 from jobserver.core.rules.selection import JobQuery, Taken
 from jobserver.model.globmatch import Matcher, glob_match, is_glob
 
-# New names times waiting patterns: up to this many matches are made as a
-# commit's outcome is delivered. Past it (thousands of waiters with
-# patterns, and a batch of many names) the rest is matched by the
-# engine's matcher, a slice at a time, so the event loop goes on serving
-# every connection meanwhile: one match of a hostile pattern costs ~10 µs.
+# Matching the names a commit made due against the waiting patterns holds
+# the event loop, and a pattern's cost is not its size: two stars, 30 sets
+# and a run of `x`, against a 255-byte name that fits them at a hundred
+# places, cost 40 to 300 µs a pair (a GetJob's list of ten patterns of a
+# set each, 230 to 300 µs), where `email/*` costs 0.3 µs: 7 waiters of
+# such lists and 512 names, 4,096 pairs matched at once, held both ports
+# 1 s; 100 waiters and 1,000 names, 512 pairs at a time, held /healthz
+# 0.3 to 1 s. So matching is bounded by the time it takes: a commit's
+# pairs are matched as its outcome is delivered only if they are at most
+# MATCH_AT_ONCE and take at most MATCH_SECONDS; else they all go to the
+# engine's matcher, which matches MATCH_SECONDS at a time and sleeps
+# MATCH_PAUSE between (engine.py: the writer's thread needs the GIL too).
+# Measured with those 100 waiters: a pause as long as the slice left
+# /healthz 0.1 to 0.2 s at worst, twice as long 0.03 to 0.06 s, as on an
+# idle server (two loaded cores).
 MATCH_AT_ONCE = 4096
-MATCH_SLICE = 512
+MATCH_SECONDS = 0.0005
+MATCH_PAUSE = 0.001
 # Trying many waiters (the clock fired, another node may have changed
 # anything) goes to the writer in groups, each sent once the one before it
 # is served, so other requests run between them. A group holds every
@@ -201,17 +213,16 @@ class WaitQueue:
         self._forget(waiter)
 
     def ready(self, names: set[str]) -> list[Waiter]:
-        """The waiters of these names, made due by a commit. Past
-        MATCH_AT_ONCE name-pattern pairs none: the matcher finds them."""
+        """The waiters of these names, made due by a commit, if they are
+        found within MATCH_AT_ONCE pairs and MATCH_SECONDS; else none, and
+        the matcher finds them all (what was found here is dropped, so that
+        no waiter is tried twice for one name)."""
         if not names or not self._by_selector:
             return []
         if len(names) * len(self._by_selector) <= MATCH_AT_ONCE:
-            return [
-                waiter
-                for selector, group in self._by_selector.items()
-                if any(selector.matches(name) for name in names)
-                for waiter in group
-            ]
+            found, done = next(self._slices(names))
+            if done:
+                return found
         self._unmatched |= names
         self._match_later.set()
         return []
@@ -224,19 +235,25 @@ class WaitQueue:
         return names
 
     def matching_slices(self, names: set[str]) -> Iterator[list[Waiter]]:
-        """The waiters of `names`, found MATCH_SLICE matches at a time."""
+        """The waiters of `names`, found MATCH_SECONDS of matching at a time."""
+        return (found for found, _ in self._slices(names))
+
+    def _slices(self, names: set[str]) -> Iterator[tuple[list[Waiter], bool]]:
+        """The waiters of `names` found in each MATCH_SECONDS of matching,
+        each with whether it is the last (a slice's last pair may take
+        longer: the patterns of one GetJob, 32 wildcards between them,
+        took up to 2.3 ms against one name)."""
         found: list[Waiter] = []
-        matched = 0
+        until = time.perf_counter() + MATCH_SECONDS
         for selector, group in list(self._by_selector.items()):
             for name in names:
-                if matched == MATCH_SLICE:
-                    yield found
-                    found, matched = [], 0
-                matched += 1
+                if time.perf_counter() >= until:
+                    yield found, False
+                    found, until = [], time.perf_counter() + MATCH_SECONDS
                 if selector.matches(name):
                     found += group
                     break
-        yield found
+        yield found, True
 
     def everyone(self) -> list[Waiter]:
         return [w for group in self._by_selector.values() for w in group]
