@@ -121,6 +121,32 @@ def module_servers(
         yield shared
 
 
+# Clients of servers a module's tests share (module_servers): tests of
+# refused requests, or of jobs of their own, need no server of their own.
+
+
+@pytest.fixture
+def untouched(
+    backend: str, module_servers: Callable[[str, str], ThreadServer | Nodes]
+) -> Iterator[Client]:
+    """A client of a server nothing is ever stored on: the tests of refused
+    requests share it, and each still finds the queue empty after its own
+    (one refusal that stored a job would fail the tests after it too)."""
+    with module_servers(backend, "untouched").client() as c:
+        yield c
+
+
+@pytest.fixture
+def shared(
+    backend: str, module_servers: Callable[[str, str], ThreadServer | Nodes]
+) -> Iterator[Client]:
+    """A client of a server that tests create jobs on and then look at
+    their own jobs alone, by jobID; none moves a job, so every job there
+    stays QUEUED."""
+    with module_servers(backend, "shared").client() as c:
+        yield c
+
+
 @pytest.fixture
 def start_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
     """start_server(db=tmp_path/"jobs.db", *extra, wrapper=()) -> ServerProcess,

@@ -2,21 +2,19 @@
 
 Each test talks to a real server (the `server` fixture: trio in a thread, a
 real SQLite file or PostgreSQL schema; tests of refused requests share one
-per backend, `untouched` and `shared`) and reads the replies as a client
-would. Bodies are
+per backend, conftest's `untouched` and `shared`) and reads the replies as a
+client would. Bodies are
 checked as JSON; status lines are checked exactly.
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
-from harness import Nodes, ThreadServer
 from helpers import create
 from jobserver.wire.limits import MAX_BODY, MAX_HEADERS, MAX_LINE
 from wire import Client, Reply, encode
@@ -29,30 +27,6 @@ QUERY_KEYS = {
     "priority", "repeat", "retryAfter", "state",
 }
 GET_KEYS = QUERY_KEYS - {"state"}
-
-
-# Servers shared by the module's tests of requests that are refused or
-# look only at jobs of their own (some 80 tests a backend): a server each
-# cost 0.1 s a test on PostgreSQL, 0.3 s on three nodes.
-
-
-@pytest.fixture
-def untouched(backend: str, module_servers: Any) -> Iterator[Client]:
-    """A client of a server nothing is ever stored on: the tests of refused
-    requests share it, and each still finds the queue empty after its own
-    (one refusal that stored a job would fail the tests after it too)."""
-    running: ThreadServer | Nodes = module_servers(backend, "untouched")
-    with running.client() as c:
-        yield c
-
-
-@pytest.fixture
-def shared(backend: str, module_servers: Any) -> Iterator[Client]:
-    """A client of a server that tests create jobs on and then look at
-    their own jobs alone, by jobID."""
-    running: ThreadServer | Nodes = module_servers(backend, "shared")
-    with running.client() as c:
-        yield c
 
 
 # Helpers.

@@ -148,11 +148,11 @@ def test_lease_length_without_sqlite(text, seconds):
     ({"maxAttempts": "3", "retryDelay": "123456789"}, "402 Malformed retryDelay"),
     ({"maxAttempts": "3", "retryMaxDelay": "soon"}, "402 Malformed retryMaxDelay"),
 ])
-def test_bad_policies_are_refused_and_create_nothing(client, params, status):
-    assert client.request("CreateJob", name="x", **params).status == status
+def test_bad_policies_are_refused_and_create_nothing(untouched, params, status):
+    assert untouched.request("CreateJob", name="x", **params).status == status
     jobs = json.dumps([{"name": "fine"}, {"name": "x", **params}])
-    assert client.request("CreateJobs", jobs=jobs).status == status
-    assert query(client, "SELECT COUNT(*) AS n FROM jobs;")[0]["n"] == 0
+    assert untouched.request("CreateJobs", jobs=jobs).status == status
+    assert query(untouched, "SELECT COUNT(*) AS n FROM jobs;")[0]["n"] == 0
 
 
 def test_policy_defaults_and_case(client):

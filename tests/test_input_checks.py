@@ -84,12 +84,12 @@ def escaped(text: str) -> str:
 
 
 @pytest.mark.parametrize("char", CONTROL)
-def test_create_job_refuses_a_name_with_a_control_character(client, char):
-    reply = client.request("CreateJob", name=escaped(f"job{char}x"))
+def test_create_job_refuses_a_name_with_a_control_character(untouched, char):
+    reply = untouched.request("CreateJob", name=escaped(f"job{char}x"))
     assert reply.status == "402 Malformed name"
-    reply = client.request("CreateJobs", jobs=[{"name": "fine"}, {"name": f"job{char}x"}])
+    reply = untouched.request("CreateJobs", jobs=[{"name": "fine"}, {"name": f"job{char}x"}])
     assert reply.status == "402 Malformed name"
-    assert names(client) == []
+    assert names(untouched) == []
 
 
 @pytest.mark.parametrize("char", CONTROL)
@@ -112,13 +112,13 @@ def test_renames_refuse_a_name_with_a_control_character(client, char):
         ("SetLimit", {"max": 2}), ("PauseJobs", {}), ("ResumeJobs", {}),
     ],
 )
-def test_patterns_refuse_a_control_character(client, verb, params, char):
+def test_patterns_refuse_a_control_character(untouched, verb, params, char):
     # No name holds one, so no pattern with one could match; refused alike
     # on every backend (PostgreSQL's text cannot even hold NUL).
     for pattern in [f"a{char}", f"a*{char}", f"a,b{char}"]:
-        reply = client.request(verb, name=escaped(pattern), **params)
+        reply = untouched.request(verb, name=escaped(pattern), **params)
         assert reply.status == "402 Malformed name", (pattern, reply)
-    status = client.request("Status").json
+    status = untouched.request("Status").json
     assert (status["limits"], status["paused"]) == ({}, [])
 
 
@@ -295,8 +295,8 @@ def test_a_limit_lowered_below_a_queued_jobs_cost_holds_it_back(limited):
 
 
 @pytest.mark.parametrize("ids", [",,", ",", " , , "])
-def test_requeue_jobs_with_no_ids_is_malformed(client, ids):
-    reply = client.request("RequeueJobs", jobIDs=ids)
+def test_requeue_jobs_with_no_ids_is_malformed(untouched, ids):
+    reply = untouched.request("RequeueJobs", jobIDs=ids)
     assert reply.status == "402 Malformed jobIDs"
 
 
