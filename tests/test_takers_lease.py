@@ -128,10 +128,31 @@ def test_a_jobs_own_lease_wins_over_touch_jobs(server, client):
 
 
 def test_touch_job_with_a_lease_leaves_a_job_taken_without_one_running(server, client):
+    """Taken without a lease, a job has no leaseID: `lease` is refused and
+    a plain TouchJob is its sign of life, as in Bedrock."""
     job_id = create(client, "no lease")
-    take(client, "no lease")
-    ok(client.request("TouchJob", jobID=job_id, lease=1))
+    assert "leaseID" not in take(client, "no lease").headers
+    refused = client.request("TouchJob", jobID=job_id, lease=1).status
+    assert refused.startswith("402 Missing leaseID")
+    ok(client.request("TouchJob", jobID=job_id))
     assert query_job(client, job_id)["state"] == "RUNNING"
+
+
+def test_only_the_leases_holder_changes_its_length(server, client):
+    """A renewal without a leaseID may come from anyone: `lease` with it
+    is refused, so a stranger cannot shorten a holder's lease until the
+    job runs twice (a `lease: 1` was kept for the holder's renewals)."""
+    job_id = create(client, "held")
+    lease = take(client, "held", lease=60).headers["leaseID"]
+    before = query_job(client, job_id)["nextRun"]
+    with server.client() as stranger:
+        reply = stranger.request("TouchJob", jobID=job_id, lease=1)
+    assert reply.status == "402 Missing leaseID (a lease's length is changed only with its leaseID)"
+    time.sleep(0.01)
+    renewed = ok(client.request("TouchJob", jobID=job_id, leaseID=lease)).json["nextRun"]
+    assert renewed >= before  # still sixty seconds from now, not one
+    time.sleep(1.5)
+    assert client.request("GetJob", name="held").status == "404 No job found"
 
 
 @pytest.mark.parametrize(

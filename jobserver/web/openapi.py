@@ -237,7 +237,7 @@ COMMANDS: dict[str, tuple[str, str, list[Param]]] = {
     "TouchJob": ("Renew a running job's lease", "14.4", [
         _job_id(), _LEASE_ID,
         Param("lease", {"type": "integer", "minimum": MIN_LEASE, "maximum": MAX_LEASE},
-              "seconds to renew a lease the worker asked for by, from now on (14.4)"),
+              "seconds a lease is renewed by from now on; needs leaseID (14.4)"),
     ]),
     "FailedJobs": ("List the dead set with last errors", "14.5", [
         Param("name", PATTERN, "which jobs"),

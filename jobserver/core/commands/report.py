@@ -20,6 +20,9 @@ from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request, Response
 from jobserver.wire.limits import MAX_FINISH_JOBS
 
+# TouchJob's `lease` without the lease it changes.
+MISSING_LEASE_ID = "402 Missing leaseID (a lease's length is changed only with its leaseID)"
+
 
 def finish_job(ctx: Context, request: Request) -> Response:
     return _report_end_of_run(ctx, request, retry=False)
@@ -213,6 +216,12 @@ def touch_job(ctx: Context, request: Request) -> Response:
     its taker asked for, or `lease`) from now. A RUNNING job's report
     restarts the stale-job safety net's count."""
     lease = params.lease_seconds(request)
+    if lease and params.lease_id(request) is None:
+        # A renewal without a leaseID may come from anyone: it may extend a
+        # lease as its taker asked, never change how long it lasts (a
+        # `lease: 1` from a stranger made the holder's renewals too short
+        # and the job ran twice).
+        raise CommandError(MISSING_LEASE_ID)
     job = load_job(ctx, request)
     check_lease(request, job)
     cancelled = cancelled_run(ctx, job)
