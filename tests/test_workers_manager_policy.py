@@ -18,6 +18,7 @@ from test_workers import job, write_worker
 
 from harness import MANAGER, ManagerProcess
 from helpers import create, until
+from jobserver.workers.policy import parse_policy
 
 DEADLINE = 20.0
 FAILING = 'echo run >> "$RUNS"\necho "no mail server" >&2\nexit 1\n'
@@ -104,6 +105,9 @@ def test_a_killed_managers_job_is_back_when_its_policys_lease_ends(
         ("email/*:lease=1.5", "lease must be a whole number"),
         ("email/*:lease=86401", "lease must be whole seconds from 1 to 86400"),
         ("email/*:max_attempts=2,max_attempts=3", "policy key max_attempts given twice"),
+        ("email/*:max_attempts=\u0663", "max_attempts must be a whole number"),
+        ("email/*:lease=1_0s", "lease must be a whole number"),
+        ("email/*:timeout=\u0665s", "timeout must be a number of seconds"),
     ],
 )
 def test_a_bad_policy_is_refused_with_what_is_wrong(workers, policy, message):
@@ -114,3 +118,9 @@ def test_a_bad_policy_is_refused_with_what_is_wrong(workers, policy, message):
     )
     assert done.returncode == 2
     assert "argument --policy: " in done.stderr and message in done.stderr
+
+
+def test_a_policys_pattern_is_read_without_the_spaces_around_it():
+    """' email/*:lease=2' (a space after a shell's quote) applied to no
+    job: the pattern kept its space."""
+    assert parse_policy(" email/* :lease=2").pattern == "email/*"

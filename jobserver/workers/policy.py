@@ -97,7 +97,7 @@ def parse_policy(text: str) -> Policy:
         )
     values = _options(options)
     try:
-        return _policy(pattern, values)
+        return _policy(pattern.strip(), values)
     except ValueError as error:
         raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
 
@@ -143,8 +143,12 @@ def _number(values: dict[str, str], key: str, kind: type, default: Any = None) -
     text = values.get(key)
     if text is None:
         return default
+    digits = text if key == "max_attempts" else text.removesuffix("s")
     try:
-        number = kind(text if key == "max_attempts" else text.removesuffix("s"))
+        # ASCII alone: int() and float() also read '٣' and '1_0'.
+        if not (digits.isascii() and "_" not in digits):
+            raise ValueError(digits)
+        number = kind(digits)
     except ValueError:
         what = "a whole number" if kind is int else "a number of seconds"
         raise ValueError(f"{key} must be {what}, not {text!r}") from None
