@@ -146,6 +146,14 @@ def _tracked() -> set[str]:
     return {name for name in listed.split("\0") if name and (ROOT / name).exists()}
 
 
+# Files of kinds the sdist never ships (an untracked .py or .md of those
+# folders would: a release is built from a clean clone, as CI builds it).
+UNTRACKED = (
+    "tests/.env", "docs/id_rsa", ".ci/cache/blob.bin", "bench/results.json",
+    "examples/secret.txt", "tests/jobs.db", "bench/peers/node_modules/x/index.js",
+)
+
+
 def test_the_sdist_holds_the_documentation_the_tests_and_nothing_untracked(tmp_path):
     """The sdist is the repository's tracked files (MANIFEST.in): docs/ and
     mkdocs.yml, protocol.md, SECURITY.md, ARCHITECTURE.md, LICENSE, the
@@ -159,6 +167,10 @@ def test_the_sdist_holds_the_documentation_the_tests_and_nothing_untracked(tmp_p
     for name in tracked:
         (source / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, source / name, follow_symlinks=False)
+    # What a working checkout may hold beside them, never to be shipped.
+    for untracked in UNTRACKED:
+        (source / untracked).parent.mkdir(parents=True, exist_ok=True)
+        (source / untracked).write_text("not tracked\n")
     subprocess.run(
         [sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir", tmp_path, source],
         capture_output=True, timeout=120, check=True,
