@@ -159,3 +159,20 @@ def test_every_refusal_has_one_shape(
     assert header == document["status"] == line
     wire_line_alone = path.startswith("/api/") and line.startswith("404")
     assert set(document) == ({"status"} if wire_line_alone else {"status", "error"})
+
+
+@pytest.mark.parametrize("path", ["/api/Ping", "/queue"])
+def test_a_method_other_than_post_is_refused_in_the_same_shape(
+    http_server: ThreadServer, path: str
+) -> None:
+    """The router's 405 was text/plain without Jobserver-Status."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{http_server.server.http_port}{path}", method="GET"
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=TIMEOUT)
+    error = refused.value
+    document = json.loads(error.read())
+    assert error.code == 405 and error.headers["Allow"] == "POST"
+    assert error.headers["Jobserver-Status"] == document["status"] == "405 Method Not Allowed"
+    assert document["error"] == f"{path} takes POST alone"

@@ -24,7 +24,8 @@ stands for. Routes:
   WHY}` (on /api, a wire refusal without a body of its own: `{"status":
   LINE}`), LINE in `Jobserver-Status` too: the wire's status line, or
   HTTP's own (`400 Bad Request`) for what the HTTP side refuses before any
-  command runs (access.refusal).
+  command runs (access.refusal), the router's `405` for a method other
+  than POST included.
 - `GET /metrics`: Prometheus' text format (metrics.py).
 - `GET /healthz`: `200` when the database answers, `503` otherwise. It
   needs no token, so that a load balancer can ask.
@@ -52,9 +53,10 @@ from typing import Any, TypeVar
 import trio
 from jsonschema import Draft202012Validator
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from jobserver.core.build import Core
@@ -182,7 +184,21 @@ def build(
             *Dashboard(core, auth_token, secure, session_seconds).routes(),
         ],
         middleware=[Middleware(access.KnownHostsOnly, names=host_names)],
+        exception_handlers={HTTPException: _routing_refusal},
     )
+
+
+def _routing_refusal(request: HttpRequest, error: Exception) -> Response:
+    """A refusal of the router's own (a GET of /api/Ping: 405): on /api and
+    /queue, in the shape of every other refusal there; elsewhere (the
+    dashboard's pages) as Starlette words it."""
+    assert isinstance(error, HTTPException)
+    path = request.url.path
+    if path == "/queue" or path.startswith("/api/"):
+        refused = access.refusal(error.status_code, f"{path} takes POST alone")
+        refused.headers.update(error.headers or {})
+        return refused
+    return PlainTextResponse(error.detail, error.status_code, headers=error.headers)
 
 
 def _validators() -> dict[str, Draft202012Validator]:
