@@ -5,6 +5,7 @@ for jobserver alone, with the database's side taken apart.
     python bench/pg_drain.py --durations         # + each statement's time
     python bench/pg_drain.py --explain 0.01      # + sampled plans (auto_explain)
     python bench/pg_drain.py --hold-snapshot     # + a transaction held open
+    python bench/pg_drain.py --dead 22000 --analyze-empty  # statistics of an emptied table
 
 One node serves a database made for the run (dropped after); --jobs jobs
 are inserted with CreateJobs of 1,000, then the drain driver of
@@ -23,7 +24,10 @@ statements, and writes the plans to --out. Both read the server's log
 through SQL (bench/pg_statements.py's StatementLog: log_line_prefix must
 hold %d). --hold-snapshot keeps a REPEATABLE READ transaction open in the
 database during the drain, as a forgotten session would: dead index entries
-can then not be marked dead, and each search visits their rows.
+can then not be marked dead, and each search visits their rows. --dead N
+creates and deletes N jobs before the fill (the dead rows pg_peers.py's
+earlier shapes leave, autovacuum off), and --analyze-empty runs ANALYZE of
+the emptied table then: statistics that take the table for empty.
 """
 
 from __future__ import annotations
@@ -149,6 +153,15 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("pg_drain_plans.log"))
     parser.add_argument("--analyze", action="store_true", help="ANALYZE jobs after the fill")
     parser.add_argument("--hold-snapshot", action="store_true")
+    parser.add_argument(
+        "--analyze-empty", action="store_true",
+        help="ANALYZE jobs while it is empty, before the fill (after --dead's delete)",
+    )
+    parser.add_argument(
+        "--dead", type=int, default=0, metavar="N",
+        help="N jobs (a multiple of 1,000) created and deleted before the fill, as"
+        " pg_peers.py's earlier shapes and rounds leave them (autovacuum off)",
+    )
     args = parser.parse_args()
     os.environ["BENCH_JOBSERVER_CONNECTIONS"] = str(args.connections)
     database = BenchDatabase.create(args.postgres)
@@ -165,6 +178,16 @@ def main() -> int:
     try:
         wait_port(port, proc)
         env["BENCH_PORT"] = str(port)
+        if args.dead:
+            dead = Driver(peer, "batch", args.dead // 1000, 1000, "enq")
+            dead.expect("ready")
+            dead.send()
+            dead.expect("done")
+            dead.close()
+            peer.clear()
+        if args.analyze_empty:
+            with psycopg.connect(database.url, autocommit=True) as empty:
+                empty.execute("ANALYZE jobs")
         fill = Driver(peer, "batch", args.jobs // 1000, 1000, "noop")
         fill.expect("ready")
         fill.send()

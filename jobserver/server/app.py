@@ -32,7 +32,7 @@ import trio
 from jobserver.core.build import Core, build_core
 from jobserver.core.commands import backup
 from jobserver.core.commands.route import DEFAULT_QUERY_SECONDS, Access, bounded, is_loopback
-from jobserver.core.engine import deadlines, depth, history, retention
+from jobserver.core.engine import analyzer, deadlines, depth, history, retention
 from jobserver.core.engine.clock import SystemClock
 from jobserver.core.engine.context import DEFAULT_REPLY_GRACE, DEFAULT_STALE_AFTER, Settings
 from jobserver.model.limits import Limit
@@ -245,6 +245,8 @@ class Server:
                         config.keep_finished, config.keep_failed, config.prune_interval,
                     )
                     core.start_soon(depth.run_sampler, self.store, engine.history, self.clock)
+                if is_postgres(config.db):
+                    core.start_soon(analyzer.run_analyzer, self.store)
                 async with trio.open_nursery() as conns:
                     accept = trio.CancelScope()
                     conns.start_soon(self._accept, listeners, conns, accept)

@@ -60,6 +60,7 @@ from jobserver.storage.backup_types import BackupCopy, BackupDirectory, BackupUn
 from jobserver.storage.held_writes import Batch
 from jobserver.storage.postgres_connection import (
     ASK_MILLISECONDS,
+    READ_APPLICATION,
     check_version,
     committed,
     connect,
@@ -67,6 +68,7 @@ from jobserver.storage.postgres_connection import (
     end_own_backend,
     redact,
 )
+from jobserver.storage.postgres_statistics import StatisticsKeeper
 from jobserver.storage.reader_types import LaterJobs, QueryRows, QueueStats, RunningStats
 from jobserver.storage.searches import NOTHING_PASSED, PassedOver
 from jobserver.storage.sql import POSTGRES
@@ -123,9 +125,13 @@ class PostgresStore(SqlStore):
         self.channel = postgres_schema.channel(self.schema)
         # Advisory locks are the database's: the schema's name keeps two
         # queues in one database apart.
+        self._statistics = StatisticsKeeper(
+            lambda: connect(url, application_name=READ_APPLICATION)
+        )
 
     def close(self) -> None:
         self._db.close()
+        self._statistics.close()
 
     def stop_waiting_long(self) -> None:
         """A lock wait is bounded by the other node's transaction, and a
@@ -421,6 +427,9 @@ class PostgresStore(SqlStore):
         return False
 
     # Connections of their own, for other threads (postgres_readers.py).
+
+    def keep_statistics(self) -> bool:
+        return self._statistics.keep()
 
     def prune_pending(self, before: Mapping[str, str], now: str) -> bool:
         return postgres_readers.prune_pending(self._url, before, now)

@@ -91,6 +91,11 @@ class Readers(Protocol):
     """What is read outside the writer, each on a connection of its own
     (from another thread)."""
 
+    def keep_statistics(self) -> bool:
+        """Bring the planner's statistics of the jobs table up to date
+        when they describe a table far smaller than it is (PostgreSQL);
+        whether it did."""
+
     def prune_pending(self, before: Mapping[str, str], now: str) -> bool:
         """Whether the pruner has work, so that an idle server opens no
         transaction."""

@@ -400,6 +400,10 @@ class Store(SqlStore):
 
     # Connections of their own, for other threads.
 
+    def keep_statistics(self) -> bool:
+        """SQLite plans without statistics of the table's size."""
+        return False
+
     def prune_pending(self, before: Mapping[str, str], now: str) -> bool:
         return sqlite_readers.prune_pending(self.path, before, RECLAIM_MIN_PAGES, now)
 

@@ -1,0 +1,130 @@
+"""The nodes keep PostgreSQL's planner statistics of the jobs table true
+(storage/postgres_statistics.py): a table analyzed while emptied, its dead
+rows still in its pages, is taken for empty whatever is written to it
+next, until it is analyzed again; the nodes do that once it holds far
+more than the planner expects, and leave other tables alone."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pg
+import psycopg
+import pytest
+
+from harness import ThreadServer
+from helpers import ok, until
+from jobserver.storage import postgres_statistics
+from jobserver.storage.postgres import PostgresStore
+
+# Queued jobs written by SQL, as many as the argument says.
+_FILL = (
+    "INSERT INTO jobs (created, state, name, nextRun) SELECT '2026-01-01 00:00:00', "
+    "'QUEUED', 'noop', '2026-01-01 00:00:00.000' FROM generate_series(1, %s)"
+)
+# FinishJobs' delete (sql_store.py), planned as the node's prepared
+# statement is once psycopg prepares it: generic, for any 100 jobIDs.
+_DELETE = (
+    "PREPARE finish(bigint[]) AS DELETE FROM jobs WHERE jobID = ANY($1) "
+    "AND (state || '') IN ('RUNNING')"
+)
+
+
+@pytest.fixture
+def url() -> Iterator[str]:
+    with pg.fresh_schema() as schema_url:
+        yield schema_url
+
+
+def emptied_and_analyzed(url: str) -> None:
+    """What autovacuum's ANALYZE, or an operator's, leaves after a queue
+    drained: no rows, in the pages its dead ones still fill."""
+    pg.execute(url, _FILL, (3000,))
+    pg.execute(url, "DELETE FROM jobs")
+    pg.execute(url, "ANALYZE jobs")
+
+
+def reltuples(url: str) -> float:
+    with psycopg.connect(url, autocommit=True) as db:
+        row = db.execute("SELECT reltuples FROM pg_class WHERE oid = 'jobs'::regclass").fetchone()
+    assert row is not None
+    return float(row[0])
+
+
+def live_rows(url: str) -> int:
+    with psycopg.connect(url, autocommit=True) as db:
+        row = db.execute("SELECT pg_stat_get_live_tuples('jobs'::regclass)").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def delete_plan(url: str) -> str:
+    with psycopg.connect(url, autocommit=True) as db:
+        db.execute("SET plan_cache_mode = force_generic_plan")
+        db.execute(_DELETE)
+        rows = db.execute("EXPLAIN EXECUTE finish('{1,2,3}')").fetchall()
+    return "\n".join(str(row[0]) for row in rows)
+
+
+def test_a_table_taken_for_empty_is_analyzed_once_filled(url: str) -> None:
+    store = PostgresStore(url)
+    try:
+        emptied_and_analyzed(url)
+        assert reltuples(url) == 0
+        pg.execute(url, _FILL, (5000,))
+        until(lambda: live_rows(url) >= 5000, 10, "the fill's rows counted")
+        assert store.keep_statistics() is True
+        assert reltuples(url) >= 4000
+        assert "jobs_pkey" in delete_plan(url)
+        # Looked at again, and left as it is.
+        assert store.keep_statistics() is False
+    finally:
+        store.close()
+
+
+def test_tables_the_planner_sizes_rightly_are_left_alone(url: str) -> None:
+    store = PostgresStore(url)
+    try:
+        # Never analyzed: the planner counts its pages instead.
+        pg.execute(url, _FILL, (5000,))
+        until(lambda: live_rows(url) >= 5000, 10, "the fill's rows counted")
+        assert store.keep_statistics() is False
+        assert reltuples(url) < 0
+        # Taken for empty, but too small for any plan to be slow.
+        emptied_and_analyzed(url)
+        pg.execute(url, _FILL, (postgres_statistics.MIN_ROWS - 1,))
+        until(lambda: live_rows(url) >= postgres_statistics.MIN_ROWS - 1, 10, "rows counted")
+        assert store.keep_statistics() is False
+        assert reltuples(url) == 0
+    finally:
+        store.close()
+
+
+def test_a_node_analyzes_the_table_a_burst_of_jobs_filled(url: str) -> None:
+    node = ThreadServer(url)
+    try:
+        emptied_and_analyzed(url)
+        client = node.client()
+        jobs = [{"name": "noop"}] * 1000
+        for _ in range(3):
+            ok(client.request("CreateJobs", jobs=jobs))
+        until(lambda: reltuples(url) >= 2000, 30, "the node to analyze the jobs table")
+    finally:
+        node.stop()
+
+
+@pytest.mark.parametrize(
+    ("reltuples", "relpages", "pages", "live", "is_stale"),
+    [
+        (0, 30, 30, 5000, True),  # analyzed while emptied
+        (10, 1000, 3000, 50_000, True),  # nearly empty then, filled since
+        (-1, 0, 200, 50_000, False),  # never analyzed: sized by its pages
+        (0, 0, 200, 50_000, False),  # analyzed with no pages: the same
+        (5000, 100, 200, 10_000, False),  # grown, and counted by its pages
+        (0, 30, 30, postgres_statistics.MIN_ROWS - 1, False),  # small
+    ],
+)
+def test_which_statistics_are_stale(
+    reltuples: float, relpages: int, pages: int, live: int, is_stale: bool
+) -> None:
+    assert postgres_statistics.stale(reltuples, relpages, pages, live) is is_stale
