@@ -307,7 +307,7 @@ def test_a_version_9_database_is_migrated_and_its_jobs_can_be_cancelled(backend,
         Store(str(old)).close()
         Store(str(tmp_path / "fresh.db")).close()
         assert sqlite_shape(old) == sqlite_shape(tmp_path / "fresh.db")
-        assert sqlite_shape(old)[0] == 10
+        assert sqlite_shape(old)[0] == 11
         server = ThreadServer(old)
     else:
         PostgresStore(str(db)).close()

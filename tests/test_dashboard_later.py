@@ -19,7 +19,7 @@ from test_dashboard import Visitor, start
 
 from harness import ThreadServer
 from helpers import create, ok
-from jobserver.storage import sql
+from jobserver.storage import sql, sqlite_ready
 from jobserver.web.dashboard import PAGE_HEADERS
 from jobserver.web.later_pages import COUNTED, SHOWN
 from wire import Client
@@ -110,13 +110,18 @@ def test_the_soonest_are_listed_whatever_waits_before_them(tmp_path: Path) -> No
         with sqlite3.connect(db) as conn:
             conn.execute("UPDATE jobs SET state = 'RUNQUEUED' WHERE name = 'leased'")
             conn.execute("UPDATE jobs SET nextRun = ? WHERE jobID = ?", (later(48), retry))
-            for retrying, index in ((True, "jobsRetrying"), (False, "jobsReadyNextRun")):
-                read = sql.later_jobs(sql.SQLITE, later(0), retrying, SHOWN, COUNTED)
+            retries = sql.later_jobs(sql.SQLITE, later(0), True, SHOWN, COUNTED)
+            scheduled = sqlite_ready.scheduled(later(0), SHOWN, COUNTED)
+            reads = (
+                ("jobsRetrying (nextRun>?)", retries),
+                ("jobsReadyPriority (priority=? AND nextRun>?)", scheduled),
+            )
+            for index, read in reads:
                 for statement, args in read:
                     explained = conn.execute(f"EXPLAIN QUERY PLAN {statement}", args)
                     plan = " ".join(row[3] for row in explained)
-                    assert f"USING INDEX {index} (nextRun>?)" in plan, plan
-                    assert "SCAN jobs" not in plan, plan
+                    assert f"USING INDEX {index}" in plan, plan
+                    assert "SCAN jobs" not in plan and "TEMP B-TREE" not in plan, plan
         web = start(db)
         visitor = Visitor(web)
         began = time.monotonic()

@@ -557,7 +557,7 @@ def test_a_version_1_file_is_migrated_to_the_current_schema(tmp_path):
     old = v1_file(tmp_path / "old.db")
     Store(str(old)).close()
     Store(str(tmp_path / "fresh.db")).close()
-    assert SCHEMA_VERSION == 10
+    assert SCHEMA_VERSION == 11
     assert layout(old) == layout(tmp_path / "fresh.db")
 
     server = ThreadServer(old)

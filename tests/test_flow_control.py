@@ -452,7 +452,7 @@ def test_a_version_2_file_is_migrated_to_version_3(tmp_path):
     old = v2_file(tmp_path / "old.db")
     Store(str(old)).close()
     Store(str(tmp_path / "fresh.db")).close()
-    assert SCHEMA_VERSION == 10
+    assert SCHEMA_VERSION == 11
     assert layout(old) == layout(tmp_path / "fresh.db")
     db = sqlite3.connect(old)
     tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}

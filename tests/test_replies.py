@@ -326,7 +326,7 @@ def test_a_version_3_file_is_migrated_to_version_4(tmp_path):
     old = v3_file(tmp_path / "old.db")
     Store(str(old)).close()
     Store(str(tmp_path / "fresh.db")).close()
-    assert SCHEMA_VERSION == 10
+    assert SCHEMA_VERSION == 11
     assert schema(old) == schema(tmp_path / "fresh.db")
     db = sqlite3.connect(old)
     assert db.execute("SELECT state, replyKey FROM jobs WHERE name = 'dead'").fetchone() == (

@@ -185,7 +185,7 @@ def test_a_version_4_file_is_migrated_to_version_5(tmp_path: Path) -> None:
         )
     Store(str(old)).close()
     Store(str(tmp_path / "fresh.db")).close()
-    assert SCHEMA_VERSION == 10
+    assert SCHEMA_VERSION == 11
     assert schema(old) == schema(tmp_path / "fresh.db")
     with sqlite3.connect(old) as db:
         rows = db.execute("SELECT name, lastReport FROM jobs ORDER BY jobID").fetchall()

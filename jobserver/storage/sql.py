@@ -223,14 +223,17 @@ def later_jobs(
     to `most` + 1 (past `most`, the count is "more than most").
 
     Each is an index range read in nextRun order: Retries' own index holds
-    only the jobs it lists; Scheduled reads the waiting jobs' index, whose
-    other jobs (RUNQUEUED: running under a lease) it passes over, so it
-    reads at most as many more rows as jobs run under a lease."""
+    only the jobs it lists; Scheduled reads the waiting jobs' index (on
+    PostgreSQL, jobsReadyNextRun; SQLite has none and reads Scheduled with
+    sqlite_ready.scheduled), whose other jobs (RUNQUEUED: running under a
+    lease) it passes over, so it reads at most as many more rows as jobs
+    run under a lease."""
     if retrying:
-        index, where = "jobsRetrying", f"state = {QUEUED_SQL} AND attempts > 0"
+        source = f"jobs {d.indexed_by('jobsRetrying')}"
+        where = f"state = {QUEUED_SQL} AND attempts > 0"
     else:
-        index, where = "jobsReadyNextRun", f"state IN ({READY_SQL}) AND state = {QUEUED_SQL}"
-    matching = f"FROM jobs {d.indexed_by(index)} WHERE {where} AND nextRun > {d.mark}"
+        source, where = "jobs", f"state IN ({READY_SQL}) AND state = {QUEUED_SQL}"
+    matching = f"FROM {source} WHERE {where} AND nextRun > {d.mark}"
     listed = (f"SELECT {JOB} {matching} ORDER BY nextRun, jobID LIMIT {d.mark}", [now, limit])
     counted = (
         f"SELECT COUNT(*) FROM (SELECT jobID {matching} LIMIT {d.mark}) AS later",

@@ -25,6 +25,7 @@ from jobserver.storage import (
     sqlite_backup,
     sqlite_path,
     sqlite_readers,
+    sqlite_ready,
     sqlite_rows,
     sqlite_schema,
     sqlite_search,
@@ -376,6 +377,11 @@ class Store(SqlStore):
         # Kept: the hand-out writes them, and the report reads them again.
         self._rows.keep(found)
         return self._found(found)
+
+    def next_due(self, after: str) -> str | None:
+        """As SqlStore's, without an index of ready jobs by nextRun alone:
+        one range of jobsReadyPriority per priority (sqlite_ready.py)."""
+        return self._one(sqlite_ready.NEXT_DUE, (after,))[0]
 
     # Retention: giving space back.
 

@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 from jobserver.model.jobs import Job
 from jobserver.model.limits import handouts_cutoff
-from jobserver.storage import sql
+from jobserver.storage import sql, sqlite_ready
 from jobserver.storage.reader_types import (
     BadQuery,
     LaterJobs,
@@ -352,7 +352,10 @@ def find_matching(path: str, pattern: str, limit: int) -> list[tuple[Any, ...]]:
 def later_jobs(path: str, now: str, retrying: bool, limit: int, most: int) -> LaterJobs:
     """The dashboard's Scheduled or Retries and their count, in one read
     transaction: the count is of the same moment."""
-    listed, counted = sql.later_jobs(SQLITE, now, retrying, limit, most)
+    if retrying:
+        listed, counted = sql.later_jobs(SQLITE, now, retrying, limit, most)
+    else:
+        listed, counted = sqlite_ready.scheduled(now, limit, most)
     db = sqlite3.connect(_read_only_uri(path), uri=True, isolation_level=None)
     try:
         db.execute("BEGIN")
