@@ -203,20 +203,6 @@ class Jobs(Dependencies, Protocol):
         jobID), matching one of the GLOB `patterns` or one of `names`,
         except what the search has `passed` over; at most `limit`."""
 
-    def examined_until(
-        self,
-        *,
-        now: str,
-        priorities: Sequence[int],
-        after: tuple[int, str, str, int] | None,
-        examine: int,
-    ) -> tuple[int, str, str, int] | None:
-        """Where a page of a costly pattern's search that examines
-        `examine` due jobs after `after` ends (priority, nextRun, name,
-        jobID: the `examine`-th, for `find_ready`'s `passed.until`); None
-        if fewer are left, or if this store does not page such searches
-        (PostgreSQL: its search reads on until it has found enough)."""
-
     def find_by_name(self, name: str) -> Job | None:
         """The oldest job with exactly this name that is not history (a
         standalone FINISHED job kept for retention)."""

@@ -383,17 +383,6 @@ class PostgresStore(SqlStore):
         # Sent with the COMMIT (see commit).
         self._notice = postgres_commit.notice(self.node, ready, due, ended)
 
-    def examined_until(
-        self,
-        *,
-        now: str,
-        priorities: Sequence[int],
-        after: tuple[int, str, str, int] | None,
-        examine: int,
-    ) -> tuple[int, str, str, int] | None:
-        # Not paged yet (SECURITY.md): the search function has no end bound.
-        return None
-
     def find_ready(
         self,
         *,

@@ -28,11 +28,9 @@ class PassedOver:
     whatever their cost; and the same of one key alone (a per-key or fair
     limit holds one key's jobs): `pairs` of a name and a key, and
     `keyed` (pattern, key). The held names and patterns bound the work,
-    not the held jobs. A costly pattern's page ends at `until` (the
-    last job it examines, `Storage.examined_until`), if given."""
+    not the held jobs."""
 
     after: tuple[int, str, str, int] | None = None
-    until: tuple[int, str, str, int] | None = None
     names: frozenset[str] = frozenset()
     patterns: tuple[str, ...] = ()
     pairs: frozenset[tuple[str, str]] = frozenset()

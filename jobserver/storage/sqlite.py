@@ -353,7 +353,7 @@ class Store(SqlStore):
         # What the name clause binds: names or a GLOB.
         name_args: list[str | int] = list(patterns if globs else patterns or names)
         excluded = passed.names or passed.patterns or passed.pairs or passed.keyed
-        kept = not excluded and not passed.until and len(name_args) <= sqlite_search.KEPT_SHAPE
+        kept = not excluded and len(name_args) <= sqlite_search.KEPT_SHAPE
         shape = (globs, len(name_args))
         sql = sqlite_search.STATEMENTS.get(shape) if kept else None
         if sql is None:
@@ -364,15 +364,15 @@ class Store(SqlStore):
         for priority in priorities_from(priorities, passed.after):
             if priority not in self._priorities:
                 continue
-            bounds, bound_args = "", ()  # type: tuple[str, tuple[str | int, ...]]
-            if passed.after is not None or passed.until is not None:
-                bounds, bound_args = sqlite_search.range_clause(priority, passed)
+            after, after_args = "", ()  # type: tuple[str, tuple[str | int, ...]]
+            if passed.after is not None and passed.after[0] == priority:
+                after, after_args = sqlite_search.AFTER, passed.after[1:]
             rows = self._execute(
-                sql.replace("{after}", bounds),
-                (priority, now, *bound_args, *name_args, limit - len(found)),
+                sql.replace("{after}", after),
+                (priority, now, *name_args, *after_args, limit - len(found)),
             )
             found += [Job(*row) for row in rows.fetchall()]
-            if len(found) >= limit or (passed.until is not None and passed.until[0] == priority):
+            if len(found) >= limit:
                 break
         # Kept: the hand-out writes them, and the report reads them again.
         self._rows.keep(found)
@@ -382,17 +382,6 @@ class Store(SqlStore):
         """As SqlStore's, without an index of ready jobs by nextRun alone:
         one range of jobsReadyPriority per priority (sqlite_ready.py)."""
         return self._one(sqlite_ready.NEXT_DUE, (after,))[0]
-
-    def examined_until(
-        self,
-        *,
-        now: str,
-        priorities: Sequence[int],
-        after: tuple[int, str, str, int] | None,
-        examine: int,
-    ) -> tuple[int, str, str, int] | None:
-        used = [priority for priority in priorities if priority in self._priorities]
-        return sqlite_search.examined_until(self._execute, now, used, after, examine)
 
     # Retention: giving space back.
 

@@ -3,7 +3,7 @@
 A GetJob that waits goes down and comes back up one way: the connection
 awaits the dispatcher, which awaits this route, which awaits the engine's
 `wait` (engine.py), which returns the jobs the wait queue's try took in
-the writer (tries.serve_waiters). The jobs are the caller's from the
+the writer (selection.serve_waiters). The jobs are the caller's from the
 moment the wait returns: nothing between here and the connection's record
 of them as undelivered gives trio a chance to cancel.
 """
@@ -16,10 +16,8 @@ import trio
 
 from jobserver.core.commands import params
 from jobserver.core.commands.route import Answer, Services, Undo, worker_name
-from jobserver.core.engine.context import Context
 from jobserver.core.engine.engine import Engine
 from jobserver.core.rules import flow, selection
-from jobserver.core.rules.scan import Scan, costly
 from jobserver.core.rules.selection import JobQuery, Taken
 from jobserver.model import globmatch
 from jobserver.wire.framing import Request, Response
@@ -48,28 +46,12 @@ async def get_jobs(services: Services, request: Request, peer: str) -> Answer:
         return _handing_out(engine, query, waited, waited=True)
     # A GLOB's search of a long queue, or a search under many limits and
     # pauses, runs off the event loop.
-    scans = query.scans
-    heavy = scans or flow.is_heavy(services.store)
-    scan = costly(query.patterns) if scans else None
-    if scan is None:
-        run = partial(selection.take, query=query)
-    else:
-        run = partial(_take, query=query, scan=scan)
-    taken: list[Taken] = await engine.call(run, heavy)
-    if scan is not None and scan.carried:
-        # Its search goes on as a waiter's try that waits no longer than
-        # the search (scan.py): neighbours' requests commit in between.
-        matcher = await _compiled(query, services.pattern_compiles)
-        taken = await engine.wait(query, 0, matcher) or []
+    heavy = query.scans or flow.is_heavy(services.store)
+    taken: list[Taken] = await engine.call(partial(selection.take, query=query), heavy)
     if not taken:
         # Jobs failed on the way (out of leases) stay failed.
         return Answer(Response(NO_JOB))
     return _handing_out(engine, query, taken, waited=False)
-
-
-def _take(ctx: Context, query: JobQuery, scan: Scan) -> list[Taken]:
-    scan.begin(ctx.scan_share)
-    return selection.take(ctx, query, scan=scan)
 
 
 async def _compiled(

@@ -75,9 +75,6 @@ class Context:
     # `now` as stored text; the writer formats it once for a whole batch,
     # whose requests share one moment as they share one commit.
     now_ms: str = ""
-    # When costly searches' share of this run of requests ends (scan.py),
-    # shared by its requests: 0.0 until one begins.
-    scan_share: list[float] = field(default_factory=lambda: [0.0])
     now_s: str = field(init=False)
     # When a job that runs from now becomes stale (--stale-after), made at
     # the first hand-out or report that asks: a GetJobs asks for each job.

@@ -4,7 +4,7 @@ Requests from all connections queue up; the engine's task takes everything
 waiting (up to `MAX_BATCH`), has the writer (writer.py) run it in one
 transaction on the event loop, serves the waiting GetJobs the batch made
 ready in the same transaction (the wait queue, waiters.py, says which;
-`tries.serve_waiters` tries them), and commits without waiting for the
+`selection.serve_waiters` tries them), and commits without waiting for the
 disk: a worker blocked in GetJob gets a new job with the same sync that
 stored it. The batch then goes to the durability stage (durability.py),
 which makes it durable with one sync of the log in a thread, while the
@@ -54,7 +54,6 @@ from jobserver.core.engine.work import Call, GiveBack, Serve, Tick, Work
 from jobserver.core.engine.writer import Committed, Writer, outcomes_unknown
 from jobserver.core.rules import cascade, flow
 from jobserver.core.rules.selection import JobQuery, Taken
-from jobserver.core.rules.tries import Carry
 from jobserver.model.globmatch import Matcher
 from jobserver.storage.interface import Storage
 
@@ -401,29 +400,13 @@ class Engine:
             # Whatever made them worth trying may still hold.
             self._alarm.retry_soon()
         else:
-            handed, due, carry = result.value
+            handed, due = result.value
             self._alarm.lower(due)
-            if carry is not None:
-                self._carry_on(serve.waiters[len(handed) :], carry)
-        served = self.waits.served(serve.waiters[: len(handed)], handed)
+        served = self.waits.served(serve.waiters, handed)
         for taken in served.unwanted:
             self.give_back(taken)
         if served.again:
             self._try(served.again)
-
-    def _carry_on(self, waiters: list[Waiter], carry: Carry) -> None:
-        """Go on with a pass that a costly search cut short, in a later
-        transaction: other requests commit in between."""
-        going, ended = self.waits.carried(waiters)
-        if going and going[0] is not waiters[0]:
-            # The waiter whose search it was left: the next begins anew.
-            carry = Carry(None, carry.empty)
-        if going:
-            self.submit(Serve(going, heavy=True, carry=carry))
-        for taken in ended.unwanted:
-            self.give_back(taken)
-        if ended.again:
-            self._try(ended.again)
 
     def _given_back(self, give_back: GiveBack, result: outcome.Maybe[Any]) -> None:
         if isinstance(result, outcome.Error):

@@ -5,7 +5,7 @@ is tried again only when a commit made a job of a matching name due, or
 when the clock reached the earliest future nextRun. This module keeps the
 book and decides; it runs nothing. The engine (engine.py) asks it which
 waiters to try for the names a batch made ready (`ready`), tries them in
-the writer with `tries.serve_waiters`, and tells it what each try
+the writer with `selection.serve_waiters`, and tells it what each try
 found (`served`).
 
 A waiter moves through the states of `MOVES`, each move checked:
@@ -136,8 +136,6 @@ class Waiter:
     # gone to (HELD); they are tried once it ends, so the job cannot pass it.
     held: list[Waiter] = field(default_factory=list)
     jobs: list[Taken] | None = None
-    # Its try went on over several transactions (a costly search).
-    carried: bool = False
     woken: trio.Event = field(default_factory=trio.Event)
     tried: trio.Event = field(default_factory=trio.Event)
 
@@ -305,12 +303,7 @@ class WaitQueue:
         try failed)."""
         result = Served()
         for waiter, jobs in zip(waiters, handed, strict=True):
-            carried, waiter.carried = waiter.carried, False
-            if not (carried and jobs is None and waiter.phase is Phase.POKED):
-                # A try over several transactions that a match made ready
-                # during is tried again before its GetJob's wait begins:
-                # a GetJob that does not wait (timeout 0) gets its job.
-                waiter.tried.set()
+            waiter.tried.set()
             held, waiter.held = waiter.held, []
             result.again += [w for w in held if w.phase in _WAITING]
             if waiter.phase is Phase.LEAVING:
@@ -332,17 +325,6 @@ class WaitQueue:
                 result.again.append(waiter)
         result.again = list(dict.fromkeys(result.again))
         return result
-
-    def carried(self, waiters: list[Waiter]) -> tuple[list[Waiter], Served]:
-        """A try cut short, to go on in a later transaction: the waiters it
-        goes on for (still trying, and poked by what becomes ready behind
-        it), and what the end of the others' asks (they left, or the
-        queue closed: answered with nothing)."""
-        going = [] if self.closed else [w for w in waiters if w.phase in _TRYING]
-        for waiter in going:
-            waiter.carried = True
-        ended = [w for w in waiters if w not in going]
-        return going, self.served(ended, [None] * len(ended))
 
     def close(self) -> None:
         """Answer every waiter not being tried now (with no jobs), and the

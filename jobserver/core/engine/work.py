@@ -20,9 +20,8 @@ import trio
 from jobserver.core.engine import deadlines
 from jobserver.core.engine.context import Context
 from jobserver.core.engine.waiters import Waiter
-from jobserver.core.rules import selection, tries
+from jobserver.core.rules import selection
 from jobserver.core.rules.selection import Taken
-from jobserver.core.rules.tries import Carry
 
 
 @dataclass(eq=False, slots=True)
@@ -48,13 +47,9 @@ class Serve:
     # A GLOB's search of a long queue, or a search under many limits and
     # pauses, runs off the event loop.
     heavy: bool = False
-    # Where a pass cut short by a costly search goes on (tries.Carry).
-    carry: Carry | None = None
 
-    def run(
-        self, ctx: Context
-    ) -> tuple[list[list[Taken] | None], str | None, Carry | None]:
-        return tries.serve_waiters(ctx, [waiter.query for waiter in self.waiters], self.carry)
+    def run(self, ctx: Context) -> tuple[list[list[Taken] | None], str | None]:
+        return selection.serve_waiters(ctx, [waiter.query for waiter in self.waiters])
 
 
 @dataclass(eq=False, slots=True)

@@ -91,9 +91,8 @@ class Writer:
         now = self._clock.now()
         now_ms = times.to_millis(now)
         results: Results = []
-        scan_share = [0.0]
         for work in batch:
-            ctx = Context(store, now, settings, now_ms=now_ms, scan_share=scan_share)
+            ctx = Context(store, now, settings, now_ms=now_ms)
             before = store.total_changes
             if savepoints:
                 store.savepoint()

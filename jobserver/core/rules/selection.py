@@ -17,7 +17,6 @@ from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
 from jobserver.core.rules import leases, lifecycle, schedule
 from jobserver.core.rules.holds import Holds
-from jobserver.core.rules.scan import Scan
 from jobserver.model.globmatch import MAX_PATTERNS, is_glob, listed_names
 from jobserver.model.jobs import Job
 from jobserver.storage.searches import NOTHING_PASSED, PassedOver
@@ -158,9 +157,7 @@ def reply(query: JobQuery, taken: list[Taken]) -> Response:
     return Response("200 OK", body, headers)
 
 
-def take(
-    ctx: Context, query: JobQuery, holds: Holds | None = None, scan: Scan | None = None
-) -> list[Taken]:
+def take(ctx: Context, query: JobQuery, holds: Holds | None = None) -> list[Taken]:
     """Take up to `query.limit` due jobs, highest priority first.
 
     Jobs that run out of leases on the way are failed and skipped, and the
@@ -173,30 +170,26 @@ def take(
     cost, so held jobs cost the search a test in the query each, however
     many lie in front of a free one. A GetJobs stops before the job
     that would take its reply past --max-reply-bytes; that job and the
-    rest are not taken. A costly pattern's search (`scan`, scan.py) stops
-    once its share of the transaction is spent: with jobs taken it answers
-    with them, with none it is carried (`scan.carried`), to go on later.
+    rest are not taken.
     """
     if query.limit == 1 and not ctx.store.blocking:
         # No round trip to spare (SQLite): holding one job costs more.
-        return _take_and_note(ctx, query, holds, scan)
+        return _take_and_note(ctx, query, holds)
     # The hand-outs' writes are sent together (storage's held_writes.py).
     with ctx.store.holding_writes():
-        return _take_and_note(ctx, query, holds, scan)
+        return _take_and_note(ctx, query, holds)
 
 
-def _take_and_note(
-    ctx: Context, query: JobQuery, holds: Holds | None, scan: Scan | None
-) -> list[Taken]:
+def _take_and_note(ctx: Context, query: JobQuery, holds: Holds | None) -> list[Taken]:
     if holds is None and (ctx.store.limits or ctx.store.paused):
         holds = Holds(ctx)
-    taken = _take(ctx, query, holds, scan)
+    taken = _take(ctx, query, holds)
     if holds is not None:
         holds.write_rounds()
     return taken
 
 
-def _take(ctx: Context, query: JobQuery, holds: Holds | None, scan: Scan | None) -> list[Taken]:
+def _take(ctx: Context, query: JobQuery, holds: Holds | None) -> list[Taken]:
     store = ctx.store
     taken: list[Taken] = []
     # Flow control, only when some is set (a plain queue pays nothing):
@@ -207,8 +200,6 @@ def _take(ctx: Context, query: JobQuery, holds: Holds | None, scan: Scan | None)
     # Jobs a fair pattern held for their key's turn, read on the way.
     turns = _Turns(query.limit)
     passed = NOTHING_PASSED
-    if scan is not None and scan.after is not None:
-        passed = _passed(holds, scan.after)
     restarts = 0
     # The first page asks for what is wanted: on PostgreSQL a page's jobs
     # are locked as they are read, and a page of 100 for a GetJob of one
@@ -217,13 +208,6 @@ def _take(ctx: Context, query: JobQuery, holds: Holds | None, scan: Scan | None)
     while len(taken) < query.limit:
         # Held jobs are passed over a page at a time, and what holds them
         # (their names, or patterns) is left out of the next page's query.
-        if scan is not None:
-            if scan.spent() and not turns:
-                # Jobs held for fair turns would be lost if it stopped now.
-                if not taken:
-                    scan.carry(passed.after)
-                break
-            passed = scan.page(store, ctx.now_ms, query.priorities, passed)
         wanted = query.limit - len(taken)
         asked = max(wanted, page)
         before = len(taken)
@@ -251,10 +235,6 @@ def _take(ctx: Context, query: JobQuery, holds: Holds | None, scan: Scan | None)
                 return taken
             if not went and holds is not None and holds.waiting_turn is not None:
                 turns.add(holds.waiting_turn, job)
-        if len(candidates) < asked and passed.until is not None:
-            # Its page ended before the queue did: the next begins after it.
-            passed = _passed(holds, passed.until)
-            continue
         if len(candidates) < asked:
             # Read to the end. Jobs that a fair pattern held for their
             # key's turn go now, a round at a time, as read; past them the
@@ -282,16 +262,9 @@ def _take(ctx: Context, query: JobQuery, holds: Holds | None, scan: Scan | None)
         if holds is not None and len(taken) == before:
             page = min(max(page * 2, PAGE), MOST_PAGE)
         last = candidates[-1]
-        passed = _passed(holds, (last.priority, last.nextRun, last.name, last.jobID))
+        after = (last.priority, last.nextRun, last.name, last.jobID)
+        passed = holds.passed_over(after) if holds is not None else PassedOver(after=after)
     return taken
-
-
-def _passed(holds: Holds | None, after: tuple[int, str, str, int] | None) -> PassedOver:
-    """What the next page leaves out: the jobs up to `after`, and what
-    holds passed over."""
-    if holds is not None:
-        return holds.passed_over(after)
-    return PassedOver(after=after) if after is not None else NOTHING_PASSED
 
 
 def _offer(
@@ -464,6 +437,25 @@ def _reply_bytes(job: Job, obj: dict[str, Any]) -> int:
     )
     data = len(job.data) if job.data.isascii() else len(job.data.encode("utf-8"))
     return data + 6 * sum(map(len, texts)) + PER_JOB_EXTRA
+
+
+def serve_waiters(
+    ctx: Context, queries: list[JobQuery]
+) -> tuple[list[list[Taken] | None], str | None]:
+    """Try waiting GetJobs oldest first. A selector that found nothing is
+    not tried again in the same pass, so ten thousand waiters on one name
+    cost one query, not ten thousand."""
+    empty: set[tuple[object, ...]] = set()
+    handed: list[list[Taken] | None] = []
+    # One budget and one count of usage for the whole pass.
+    holds = Holds(ctx) if ctx.store.limits or ctx.store.paused else None
+    with ctx.store.holding_writes():
+        for query in queries:
+            taken = [] if query.selector in empty else take(ctx, query, holds)
+            if not taken:
+                empty.add(query.selector)
+            handed.append(taken or None)
+    return handed, ctx.store.next_due(ctx.now_ms)
 
 
 def give_back(ctx: Context, taken: list[Taken]) -> None:
