@@ -25,7 +25,7 @@ from jobserver.core.rules.leases import LEASE_EXPIRED, OUT_OF_LEASES
 from jobserver.storage import postgres_schema
 from jobserver.storage.postgres import PostgresStore
 from jobserver.storage.sqlite import Store
-from jobserver.storage.sqlite_schema import SCHEMA
+from jobserver.storage.sqlite_schema import SCHEMA, SCHEMA_VERSION
 from wire import Client, Reply
 
 pytestmark = pytest.mark.backends
@@ -260,7 +260,8 @@ def test_a_version_8_database_is_migrated_and_its_jobs_take_leases(backend, db, 
             raw.execute("PRAGMA user_version = 8")
         Store(str(old)).close()
         Store(str(tmp_path / "fresh.db")).close()
-        assert sqlite_version(old) == sqlite_version(tmp_path / "fresh.db") == (10, LEASE_COLUMN)
+        fresh = sqlite_version(tmp_path / "fresh.db")
+        assert sqlite_version(old) == fresh == (SCHEMA_VERSION, LEASE_COLUMN)
         assert retrying_index(old) == retrying_index(tmp_path / "fresh.db") != []
         server = ThreadServer(old)
     else:
