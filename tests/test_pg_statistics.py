@@ -2,7 +2,8 @@
 (storage/postgres_statistics.py): a table analyzed while emptied, its dead
 rows still in its pages, is taken for empty whatever is written to it
 next, until it is analyzed again; the nodes do that once it holds far
-more than the planner expects, and leave other tables alone."""
+more than the planner expects, or once a plain VACUUM has sized it with
+no column statistics taken, and leave other tables alone."""
 
 from __future__ import annotations
 
@@ -100,6 +101,47 @@ def test_tables_the_planner_sizes_rightly_are_left_alone(url: str) -> None:
         store.close()
 
 
+def column_statistics(url: str) -> int:
+    """The rows pg_stats holds for the jobs table of the url's schema."""
+    with psycopg.connect(url, autocommit=True) as db:
+        row = db.execute(
+            "SELECT count(*) FROM pg_stats WHERE schemaname = current_schema() "
+            "AND tablename = 'jobs'"
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_a_vacuumed_table_without_column_statistics_is_analyzed(url: str) -> None:
+    store = PostgresStore(url)
+    try:
+        # A plain VACUUM of a never-analyzed table: rightly sized, no
+        # column statistics, so the planner guesses every selectivity.
+        pg.execute(url, _FILL, (3000,))
+        pg.execute(url, "VACUUM jobs")
+        until(lambda: live_rows(url) >= 3000, 10, "the fill's rows counted")
+        assert reltuples(url) >= 3000
+        assert column_statistics(url) == 0
+        assert store.keep_statistics() is True
+        assert column_statistics(url) > 0
+        # Once: with its column statistics taken, it is left alone.
+        assert store.keep_statistics() is False
+    finally:
+        store.close()
+
+
+def test_a_table_with_column_statistics_is_left_alone(url: str) -> None:
+    store = PostgresStore(url)
+    try:
+        pg.execute(url, _FILL, (3000,))
+        pg.execute(url, "VACUUM ANALYZE jobs")
+        until(lambda: live_rows(url) >= 3000, 10, "the fill's rows counted")
+        assert column_statistics(url) > 0
+        assert store.keep_statistics() is False
+    finally:
+        store.close()
+
+
 def test_a_node_analyzes_the_table_a_burst_of_jobs_filled(url: str) -> None:
     node = ThreadServer(url)
     try:
@@ -128,3 +170,21 @@ def test_which_statistics_are_stale(
     reltuples: float, relpages: int, pages: int, live: int, is_stale: bool
 ) -> None:
     assert postgres_statistics.stale(reltuples, relpages, pages, live) is is_stale
+
+
+@pytest.mark.parametrize(
+    ("reltuples", "relpages", "live", "has_columns", "is_unanalyzed"),
+    [
+        (3000, 17, 3000, False, True),  # vacuumed, never analyzed
+        (0, 17, 3000, False, True),  # sized by a VACUUM of it emptied
+        (3000, 17, 3000, True, False),  # analyzed
+        (-1, 0, 3000, False, False),  # never vacuumed: sized by its pages
+        (500, 3, postgres_statistics.MIN_ROWS - 1, False, False),  # small
+    ],
+)
+def test_which_tables_lack_column_statistics(
+    reltuples: float, relpages: int, live: int, has_columns: bool, is_unanalyzed: bool
+) -> None:
+    assert (
+        postgres_statistics.unanalyzed(reltuples, relpages, live, has_columns) is is_unanalyzed
+    )

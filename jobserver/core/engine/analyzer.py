@@ -15,8 +15,8 @@ from jobserver.storage.interface import Storage
 log = logging.getLogger("jobserver")
 
 # How often the statistics are looked at: a stale plan of a drain costs
-# about a millisecond a job more (docs/benchmarks.md), and a look is one
-# read of two catalog rows.
+# about a millisecond a job more (docs/benchmarks.md), and a look is a few
+# indexed catalog reads (~0.1 ms).
 ANALYZE_INTERVAL = 1.0
 
 
