@@ -7,6 +7,8 @@ no column statistics taken, and leave other tables alone."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
 import pg
@@ -188,3 +190,44 @@ def test_which_tables_lack_column_statistics(
     assert (
         postgres_statistics.unanalyzed(reltuples, relpages, live, has_columns) is is_unanalyzed
     )
+
+
+def test_a_locked_table_is_passed_over_not_waited_for(url: str) -> None:
+    """Another session's lock that ANALYZE conflicts with (a VACUUM, a
+    node's ANALYZE, LOCK TABLE) held the analyzer's thread, and with it a
+    node's shutdown, until released; now the look goes on at once."""
+    store = PostgresStore(url)
+    try:
+        pg.execute(url, _FILL, (3000,))
+        pg.execute(url, "VACUUM jobs")
+        until(lambda: live_rows(url) >= 3000, 10, "the fill's rows counted")
+        holder = psycopg.connect(url)
+        holder.execute("LOCK TABLE jobs IN SHARE UPDATE EXCLUSIVE MODE")
+        # Ended after 8 s whatever happens, so that a wait fails, not hangs.
+        ending = threading.Timer(
+            8, pg.execute, (url, "SELECT pg_terminate_backend(%s)", (holder.info.backend_pid,))
+        )
+        ending.start()
+        try:
+            began = time.monotonic()
+            store.keep_statistics()
+            assert time.monotonic() - began < 5  # waited for the lock before
+            assert column_statistics(url) == 0  # passed over
+        finally:
+            ending.cancel()
+            holder.close()
+        assert store.keep_statistics() is True
+        assert column_statistics(url) > 0
+    finally:
+        store.close()
+
+
+def test_the_analyzers_connection_has_its_own_statement_timeout(url: str) -> None:
+    """A role's shorter statement_timeout failed every ANALYZE of a large
+    table, once a second for good."""
+    PostgresStore(url).close()  # the schema's tables
+    with psycopg.connect(url, autocommit=True) as role:
+        role.execute("SET statement_timeout = '20ms'")  # as a role's setting would
+        keeper = postgres_statistics.StatisticsKeeper(lambda: role)
+        keeper.keep()
+        assert role.execute("SHOW statement_timeout").fetchone() == ("1min",)

@@ -98,6 +98,11 @@ def _why_analyze(
     return None
 
 
+# The analyzer's connection's statement_timeout: ANALYZE samples at most
+# 300 x default_statistics_target rows (30,000), a second or so.
+ANALYZE_TIMEOUT = b"SET statement_timeout = '60s'"
+
+
 class StatisticsKeeper:
     """Looks at the jobs table's statistics on a connection of its own,
     made on first use and again after it fails."""
@@ -111,6 +116,9 @@ class StatisticsKeeper:
         """ANALYZE jobs if its statistics are stale; whether it did."""
         if self._db is None or self._db.closed:
             self._db = self._connect()
+            # Its own bound, whatever the role's: a shorter one failed every
+            # ANALYZE of a large table, once a second for good.
+            self._db.execute(ANALYZE_TIMEOUT)
         try:
             row = self._db.execute(_LOOK).fetchone()
             assert row is not None
@@ -120,7 +128,10 @@ class StatisticsKeeper:
             if not row[4]:
                 self._say_refused()
                 return False
-            self._db.execute(b"ANALYZE jobs")
+            # SKIP_LOCKED: a VACUUM, another node's ANALYZE or a session's
+            # LOCK TABLE would have held it (and a node's shutdown, which
+            # waits for this thread) until released.
+            self._db.execute(b"ANALYZE (SKIP_LOCKED) jobs")
         except psycopg.Error:
             self._db.close()
             raise

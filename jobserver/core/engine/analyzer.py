@@ -20,10 +20,22 @@ log = logging.getLogger("jobserver")
 ANALYZE_INTERVAL = 1.0
 
 
+# After a look fails (PostgreSQL down, a statement refused), the next comes
+# twice as late, up to this: a warning and a connection a second, per node,
+# for as long as it lasted, said nothing more.
+MOST_INTERVAL = 60.0
+
+
 async def run_analyzer(store: Storage, interval: float = ANALYZE_INTERVAL) -> None:
+    wait = interval
     while True:
-        await trio.sleep(interval)
+        await trio.sleep(wait)
         try:
             await trio.to_thread.run_sync(store.keep_statistics)
         except Exception as error:  # noqa: BLE001 - it lives on and looks again later
-            log.warning("cannot look at the jobs table's statistics: %s", error)
+            log.warning(
+                "cannot look at the jobs table's statistics: %s; again in %gs", error, wait
+            )
+            wait = min(2 * wait, MOST_INTERVAL)
+        else:
+            wait = interval
