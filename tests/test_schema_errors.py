@@ -176,3 +176,20 @@ def test_a_method_other_than_post_is_refused_in_the_same_shape(
     assert error.code == 405 and error.headers["Allow"] == "POST"
     assert error.headers["Jobserver-Status"] == document["status"] == "405 Method Not Allowed"
     assert document["error"] == f"{path} takes POST alone"
+
+
+def test_a_path_under_api_that_names_no_command_is_refused_as_such(
+    http_server: ThreadServer,
+) -> None:
+    """The router's 404 under /api said "takes POST alone"."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{http_server.server.http_port}/api/a/b", data=b"{}", method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=TIMEOUT)
+    error = refused.value
+    document = json.loads(error.read())
+    assert error.code == 404
+    assert error.headers["Jobserver-Status"] == document["status"] == "404 Not Found"
+    assert document["error"] == "/api/a/b names no command"

@@ -189,13 +189,14 @@ def build(
 
 
 def _routing_refusal(request: HttpRequest, error: Exception) -> Response:
-    """A refusal of the router's own (a GET of /api/Ping: 405): on /api and
-    /queue, in the shape of every other refusal there; elsewhere (the
-    dashboard's pages) as Starlette words it."""
+    """A refusal of the router's own (a GET of /api/Ping: 405; /api/a/b:
+    404): on /api and /queue, in the shape of every other refusal there;
+    elsewhere (the dashboard's pages) as Starlette words it."""
     assert isinstance(error, HTTPException)
     path = request.url.path
     if path == "/queue" or path.startswith("/api/"):
-        refused = access.refusal(error.status_code, f"{path} takes POST alone")
+        why = "takes POST alone" if error.status_code == 405 else "names no command"
+        refused = access.refusal(error.status_code, f"{path} {why}")
         refused.headers.update(error.headers or {})
         return refused
     return PlainTextResponse(error.detail, error.status_code, headers=error.headers)
