@@ -160,11 +160,9 @@ def bad_replies(bad: bytes | str) -> list[bytes | str]:
     return [bad] * 3 if bad == FLOOD else [bad]
 
 
-@pytest.mark.parametrize("bad", WORKER_BAD.values(), ids=WORKER_BAD.keys())
-def test_the_python_worker_keeps_its_jobs_across_a_reply_that_means_nothing(
-    server, front, bad, caplog
-):
-    caplog.set_level(logging.INFO, logger="jobserver.worker")
+def holding_python_worker() -> tuple[Worker, threading.Event, threading.Event]:
+    """A Python worker whose jobs with `wait` set hold their slot until
+    released: the worker, and the events `started` and `release`."""
     started, release = threading.Event(), threading.Event()
     worker = Worker()
 
@@ -174,6 +172,16 @@ def test_the_python_worker_keeps_its_jobs_across_a_reply_that_means_nothing(
             started.set()
             release.wait(DEADLINE)
         return {"done": True}
+
+    return worker, started, release
+
+
+@pytest.mark.parametrize("bad", WORKER_BAD.values(), ids=WORKER_BAD.keys())
+def test_the_python_worker_keeps_its_jobs_across_a_reply_that_means_nothing(
+    server, front, bad, caplog
+):
+    caplog.set_level(logging.INFO, logger="jobserver.worker")
+    worker, started, release = holding_python_worker()
 
     with server.client() as c:
         running = create(c, "hostile/running", data='{"wait": true}', repeat=REPEAT)
@@ -378,15 +386,7 @@ def test_the_python_worker_keeps_its_jobs_across_a_bad_answer_to_a_report_or_ren
     server, front, command, bad, logged, caplog
 ):
     caplog.set_level(logging.INFO, logger="jobserver.worker")
-    started, release = threading.Event(), threading.Event()
-    worker = Worker()
-
-    @worker.handler("hostile/*")
-    def handle(data: dict[str, Any]) -> dict[str, Any]:
-        if data.get("wait"):
-            started.set()
-            release.wait(DEADLINE)
-        return {"done": True}
+    worker, started, release = holding_python_worker()
 
     with server.client() as c:
         running = create(c, "hostile/running", data='{"wait": true}', repeat=REPEAT)
