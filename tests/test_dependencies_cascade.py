@@ -7,18 +7,22 @@ Over a real server, on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import gc
 import sqlite3
 import threading
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pg
 import pytest
+from driver import open_store, transaction
 from test_dependencies import SLOW, create_jobs, query, take
 
 from harness import Nodes, ThreadServer
 from helpers import create, ok, until
+from jobserver.core.engine.context import Context
 from jobserver.core.rules import cascade
 from jobserver.wire.limits import MAX_REQUEST_DEPENDENCIES
 from wire import Client
@@ -139,6 +143,23 @@ def test_a_cascade_stopped_midway_ends_after_a_restart(db, monkeypatch):
         assert rows(db, "name = 'leaf' AND state = 'FAILED'") == width
     finally:
         server.stop()
+
+
+@pytest.mark.backends(only="sqlite")
+def test_a_dropped_stores_ended_look_goes_with_it(db):
+    # A store whose look ended (nothing left) is closed and dropped: its
+    # progress goes with it. Kept by id(), it stayed, and a store later
+    # given that id (CPython reuses them) took the ended look over: a
+    # server restarted mid-cascade never settled the rest (CI, once).
+    ended = open_store("sqlite", db)
+    with transaction(ended):
+        cascade.left_behind(Context(ended, datetime.now(UTC)))
+    assert not cascade.is_heavy(ended)
+    dropped = id(ended)
+    ended.close()
+    del ended
+    gc.collect()
+    assert dropped not in cascade._PROGRESS
 
 
 def test_what_a_crash_left_is_found_from_the_rows(db):

@@ -24,6 +24,7 @@ dependencies ended.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 from jobserver.core.engine.context import Context
@@ -48,21 +49,23 @@ class _Progress:
     after: int | None = 0
 
 
-# By store (id: a store is not hashable), one per server.
-_PROGRESS: dict[int, _Progress] = {}
+# By store object, one per server, and gone with it: keyed by id(), a new
+# store given a stopped one's id took over its progress, and one whose look
+# had ended never looked for what a restart left (a flaky CI failure).
+_PROGRESS: weakref.WeakKeyDictionary[Storage, _Progress] = weakref.WeakKeyDictionary()
 
 
 def _progress(store: Storage) -> _Progress:
-    progress = _PROGRESS.get(id(store))
+    progress = _PROGRESS.get(store)
     if progress is None:
-        progress = _PROGRESS[id(store)] = _Progress()
+        progress = _PROGRESS[store] = _Progress()
     return progress
 
 
 def is_heavy(store: Storage) -> bool:
     """Whether the clock's next tick may settle dependents left behind: it
     then runs in a thread, the event loop left to answer meanwhile."""
-    progress = _PROGRESS.get(id(store))
+    progress = _PROGRESS.get(store)
     return progress is None or progress.after is not None
 
 
