@@ -49,7 +49,10 @@ def proxy(url: str) -> Iterator[Relay]:
 
 @pytest.fixture
 def node(url: str, proxy: Relay) -> Iterator[ThreadServer]:
-    running = ThreadServer(proxy.url(url))
+    # One writer: the relay cuts the first COMMIT it sees on any of the
+    # node's connections, and with two the clock's tick could commit on one
+    # and be cut while the request under test committed on the other.
+    running = ThreadServer(proxy.url(url), writers=1)
     yield running
     running.stop()
 
@@ -158,7 +161,9 @@ def test_a_connection_lost_while_a_waiter_is_served_fails_the_whole_batch(url):
     """The waiters a batch wakes are served in its own transaction: a
     connection lost there takes the batch with it, and the node must not
     answer the batch from a transaction it opened again in its place."""
-    running = ThreadServer(url, limits={"held": Limit(10)})
+    # One writer, as `node`: with two, the clock's tick could wait for the
+    # same lock on the other, and the backend ended below be the tick's.
+    running = ThreadServer(url, limits={"held": Limit(10)}, writers=1)
     try:
         with waiting(running, "held") as worker, running.client(timeout=DEADLINE) as client:
             with psycopg.connect(url) as locker, psycopg.connect(url, autocommit=True) as admin:

@@ -240,8 +240,11 @@ def test_a_batch_undone_by_a_deadlock_is_run_again(node: ThreadServer, url: str)
             other.execute("UPDATE jobs SET data = '{}' WHERE jobID = %s", (first,))
             jobs = json.dumps([{"jobID": second}, {"jobID": first}])
             client.send(encode("FinishJobs", {"jobs": jobs}))
-            pid = node.server.store._db.info.backend_pid  # type: ignore[union-attr]
-            until(lambda: _waiting_for_a_lock(url, pid), 10, "the server to wait for the row")
+            pids = [
+                writer._db.info.backend_pid  # type: ignore[attr-defined]
+                for writer in node.server.store.writers()  # type: ignore[union-attr]
+            ]
+            until(lambda: _waiting_for_a_lock(url, pids), 10, "the server to wait for the row")
             # Now each holds a row the other wants.
             other.execute("UPDATE jobs SET data = '{}' WHERE jobID = %s", (second,))
             other.commit()
@@ -249,11 +252,13 @@ def test_a_batch_undone_by_a_deadlock_is_run_again(node: ThreadServer, url: str)
         assert [r["status"] for r in reply.json["results"]] == ["200 OK", "200 OK"]
 
 
-def _waiting_for_a_lock(url: str, pid: int) -> bool:
+def _waiting_for_a_lock(url: str, pids: list[int]) -> bool:
+    """Whether one of these backends waits for a lock."""
     with psycopg.connect(url, autocommit=True) as db:
         row = db.execute(
-            "SELECT COUNT(*) FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock'",
-            (pid,),
+            "SELECT COUNT(*) FROM pg_stat_activity WHERE pid = ANY(%s) "
+            "AND wait_event_type = 'Lock'",
+            (pids,),
         ).fetchone()
         return bool(row and row[0])
 

@@ -21,7 +21,7 @@ from jobserver.core.rules import flow
 from jobserver.model.times import duration_text
 from jobserver.server.app import Config, HttpListenError, Server
 from jobserver.storage import sqlite_backup
-from jobserver.storage.backends import is_postgres
+from jobserver.storage.backends import DEFAULT_WRITERS, MAX_WRITERS, is_postgres
 from jobserver.storage.backup_types import BackupDirectoryUnusable
 from jobserver.storage.sqlite import SYNCHRONOUS_MODES
 from jobserver.storage.sqlite_schema import StoreError
@@ -186,6 +186,16 @@ def _add_client_options(serve: argparse.ArgumentParser) -> None:
         "the queue's tables (checked at start); needed when the --db user may not create "
         "Query's own role, else Query answers 501 (default: the queue's own role, created "
         "by the server)",
+    )
+    serve.add_argument(
+        "--writers",
+        type=number(int, 1, MAX_WRITERS),
+        default=None,
+        metavar="N",
+        help="on PostgreSQL, transactions this node runs at once, each on a connection of "
+        f"its own, 1 to {MAX_WRITERS}: while one waits for the database another's requests "
+        "run; a SQLite file has one writer "
+        f"(default: {DEFAULT_WRITERS} on PostgreSQL)",
     )
     serve.add_argument(
         "--max-reply-bytes",
@@ -409,6 +419,9 @@ def run(args: argparse.Namespace) -> int:
     ):
         log.error("--query-db-url takes a PostgreSQL URL, and is for a PostgreSQL --db")
         return 2
+    if args.writers not in (None, 1) and not is_postgres(args.db):
+        log.error("--writers is for a PostgreSQL --db: a SQLite file has one writer")
+        return 2
     if len(dict(args.limit)) > args.max_limits:
         log.error("more --limit patterns than --max-limits %d", args.max_limits)
         return 2
@@ -427,6 +440,7 @@ def run(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         http_hosts=tuple(args.http_host),
         query_db_url=args.query_db_url,
+        writers=args.writers or DEFAULT_WRITERS,
         db=args.db,
         synchronous=args.synchronous,
         max_connections=args.max_connections,

@@ -40,7 +40,7 @@ from jobserver.model.times import to_millis
 from jobserver.server import sweeper
 from jobserver.server.connection import Connection, serve_connection
 from jobserver.storage import lockfile
-from jobserver.storage.backends import is_postgres, open_store
+from jobserver.storage.backends import DEFAULT_WRITERS, is_postgres, open_store
 from jobserver.storage.interface import Storage
 from jobserver.wire.limits import (
     DEFAULT_HOST,
@@ -136,6 +136,9 @@ class Config:
     # On PostgreSQL, the role Query logs in as (--query-db-url); None: the
     # queue's own, which the server creates if its database user may.
     query_db_url: str | None = None
+    # On PostgreSQL, transactions run at once, each on its own connection
+    # (--writers).
+    writers: int = DEFAULT_WRITERS
 
 
 class HttpListenError(OSError):
@@ -204,7 +207,8 @@ class Server:
             http = self._listen_http()
             # Opening PostgreSQL waits on the network: not on the event loop.
             self.store = await trio.to_thread.run_sync(
-                open_store, config.db, config.synchronous, config.limits, config.query_db_url
+                open_store, config.db, config.synchronous, config.limits, config.query_db_url,
+                config.writers,
             )
         except BaseException:
             for listener in listeners:

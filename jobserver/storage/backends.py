@@ -17,6 +17,12 @@ POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 # +, - or .) and `://`. A SQLite file is a path, never a URL.
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 MEMORY = ":memory:"
+# Transactions a PostgreSQL node runs at once by default (--writers), each
+# on a connection of its own: while one waits for the database, another's
+# Python runs (a drain from one node, 5,800 jobs a second with one and
+# 7,500 with two: docs/benchmarks.md). A SQLite file has one writer.
+DEFAULT_WRITERS = 2
+MAX_WRITERS = 16
 
 log = logging.getLogger("jobserver")
 
@@ -41,11 +47,16 @@ def check_db(db: str) -> str:
 
 
 def open_store(
-    db: str, synchronous: str, limits: Mapping[str, Limit], query_url: str | None = None
+    db: str,
+    synchronous: str,
+    limits: Mapping[str, Limit],
+    query_url: str | None = None,
+    writers: int = DEFAULT_WRITERS,
 ) -> Storage:
     """A PostgreSQL URL opens PostgreSQL (psycopg must be installed: the
-    `postgres` extra), whose Query logs in as the role `query_url` names
-    when it is given; anything else is a SQLite file."""
+    `postgres` extra) with `writers` connections for transactions, whose
+    Query logs in as the role `query_url` names when it is given; anything
+    else is a SQLite file (one writer)."""
     if not is_postgres(db):
         return Store(sqlite_file(db), synchronous, limits)
     try:
@@ -55,7 +66,7 @@ def open_store(
             f"--db {db.split('://')[0]}://... needs psycopg, which is not installed: "
             f"pip install 'jobserverd[postgres]' ({error})"
         ) from error
-    return PostgresStore(db, limits, query_url)
+    return PostgresStore(db, limits, query_url, writers)
 
 
 def sqlite_file(db: str) -> str:

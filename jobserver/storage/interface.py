@@ -76,6 +76,19 @@ class Transactions(Protocol):
         """The server stops: waits for another process's lock are cut short."""
 
     @property
+    def origin(self) -> Storage:
+        """The store of the node's first writer, which the others were made
+        from (itself for the first): what a node's writers share is kept
+        by it (a cascade's look, core/rules/cascade.py)."""
+        ...
+
+    def writers(self) -> Sequence[Storage]:
+        """The stores the engine runs batches on at once, each in a thread
+        of its own: this one first, and on PostgreSQL the node's other
+        writers, each on a connection of its own (--writers)."""
+        ...
+
+    @property
     def total_changes(self) -> int:
         """Rows changed so far: the writer compares it before and after a
         request to know whether it wrote."""
@@ -372,7 +385,7 @@ class Jobs(Dependencies, Protocol):
 
 
 class Storage(Transactions, Jobs, Readers, Protocol):
-    """The jobs database, used by one thread at a time (the writer's),
+    """The jobs database, used by one thread at a time (its writer's),
     except for its Readers."""
 
     # What a human reads in logs and Status: a file path, or a URL.

@@ -38,6 +38,7 @@ RECONNECT_SECONDS.
 
 from __future__ import annotations
 
+import copy
 import logging
 import secrets
 import time
@@ -56,6 +57,7 @@ from jobserver.storage import (
     postgres_schema,
     postgres_search,
 )
+from jobserver.storage.backends import DEFAULT_WRITERS, MAX_WRITERS
 from jobserver.storage.backup_types import BackupCopy, BackupDirectory, BackupUnsupported
 from jobserver.storage.held_writes import Batch
 from jobserver.storage.postgres_connection import (
@@ -87,7 +89,11 @@ class PostgresStore(SqlStore):
     needs_sync = False
 
     def __init__(
-        self, url: str, limits: Mapping[str, Limit] | None = None, query_url: str | None = None
+        self,
+        url: str,
+        limits: Mapping[str, Limit] | None = None,
+        query_url: str | None = None,
+        writers: int = DEFAULT_WRITERS,
     ) -> None:
         self.path = redact(url)
         self._url = url
@@ -95,13 +101,48 @@ class PostgresStore(SqlStore):
         self.transient: tuple[type[Exception], ...] = (
             psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure,
         )
+        if not 1 <= writers <= MAX_WRITERS:
+            raise StoreError(f"a node runs 1 to {MAX_WRITERS} writers, not {writers}")
+        self._stopping = False
+        self._base_limits = dict(limits or {})
+        # Names this node in the notices it sends, so it can skip its own.
+        self.node = secrets.token_hex(6)
+        # The first writer's store; the others (`writers`) were made from it.
+        self.origin: PostgresStore = self
+        self._others: list[PostgresStore] = []
+        self._statistics = StatisticsKeeper(
+            lambda: connect(url, application_name=READ_APPLICATION)
+        )
+        try:
+            self._use(connect(url))
+        except psycopg.Error as error:
+            raise self._unusable(error) from error
+        try:
+            check_version(self._db, self.path)
+            self.schema = postgres_schema.prepare(self._db, self.path)
+            # Advisory locks are the database's: the schema's name keeps two
+            # queues in one database apart.
+            self.channel = postgres_schema.channel(self.schema)
+            self._query = postgres_readers.query_login(self._db, url, query_url, self.schema)
+            self._load_flow_control()
+            for _ in range(writers - 1):
+                self._others.append(self._another_writer())
+        except psycopg.Error as error:
+            self.close()
+            raise self._unusable(error) from error
+
+    def _unusable(self, error: psycopg.Error) -> StoreError:
+        return StoreError(f"cannot use {self.path} as a job database: {error}")
+
+    def _use(self, db: psycopg.Connection[Any]) -> None:
+        """Run transactions on `db`, none begun yet."""
+        self._db = db
         self._changes = 0
         self._retry_at = 0.0
         # The open transaction's ID (PostgreSQL's xid8, as text) and the
         # backend running it: what is asked about if its COMMIT is cut off.
         self._xid = ""
         self._backend = 0
-        self._stopping = False
         # Idempotency keys kept in the open transaction, written with its
         # COMMIT (keep_idempotent): key -> (request, reply, expires).
         self._kept_keys: dict[str, tuple[str, str, str]] = {}
@@ -109,36 +150,38 @@ class PostgresStore(SqlStore):
         self._lost = False
         # The notice to send with the next COMMIT (announce).
         self._notice: str | None = None
-        self._base_limits = dict(limits or {})
         self.limits: dict[str, Limit] = dict(self._base_limits)
         self.paused: frozenset[str] = frozenset()
-        # Names this node in the notices it sends, so it can skip its own.
-        self.node = secrets.token_hex(6)
-        try:
-            self._db = connect(url)
-            check_version(self._db, self.path)
-            self.schema = postgres_schema.prepare(self._db, self.path)
-            self._query = postgres_readers.query_login(self._db, url, query_url, self.schema)
-            self._load_flow_control()
-        except psycopg.Error as error:
-            raise StoreError(f"cannot use {self.path} as a job database: {error}") from error
-        self.channel = postgres_schema.channel(self.schema)
-        # Advisory locks are the database's: the schema's name keeps two
-        # queues in one database apart.
-        self._statistics = StatisticsKeeper(
-            lambda: connect(url, application_name=READ_APPLICATION)
-        )
+
+    def _another_writer(self) -> PostgresStore:
+        """A store for another of this node's writers: its own connection
+        and transactions; the node's name (its listener skips the notices
+        of all its writers, whose commits the engine hears itself), schema,
+        Query role and statistics shared."""
+        other = copy.copy(self)
+        other._use(connect(self._url))
+        other.origin, other._others = self, []
+        other._load_flow_control()
+        return other
+
+    def writers(self) -> list[PostgresStore]:
+        """This store and the node's other writers' (--writers)."""
+        return [self, *self._others]
 
     def close(self) -> None:
+        for other in self._others:
+            other.close()
         self._db.close()
-        self._statistics.close()
+        if self.origin is self:
+            self._statistics.close()
 
     def stop_waiting_long(self) -> None:
         """A lock wait is bounded by the other node's transaction, and a
         connection attempt by CONNECT_SECONDS; asking what became of a
         COMMIT cut off (`_committed`) stops after STOPPING_OUTCOME_SECONDS
         (postgres_connection.py)."""
-        self._stopping = True
+        for writer in self.writers():
+            writer._stopping = True
 
     # Statements. Every one goes through _execute, which counts what it
     # changed; a failed statement counts as a change, because in PostgreSQL
@@ -222,10 +265,27 @@ class PostgresStore(SqlStore):
         )
 
     def begin(self) -> None:
-        if self._db.closed or self._db.broken:
-            self._reconnect()
         self._notice = None
         self._kept_keys = {}
+        for _ in range(2):
+            new = self._db.closed or self._db.broken
+            if new:
+                self._reconnect()
+            try:
+                self._begin_on_connection()
+                return
+            except psycopg.Error:
+                self._changes += 1
+                # A query cut off midway can leave the connection in a state
+                # psycopg does not call broken: it is not used again.
+                self._db.close()
+                if new:
+                    raise
+                # Lost while it was idle (a writer no batch used while the
+                # database was away): nothing of the batch has run, so it
+                # begins again on a new connection.
+
+    def _begin_on_connection(self) -> None:
         # One round trip for all three: BEGIN; the transaction's ID, known
         # before anything is written, so that a COMMIT whose reply is lost
         # can be asked about (commit); and what another node changed of
@@ -235,18 +295,11 @@ class PostgresStore(SqlStore):
         # of three statements (no parameters: the simple protocol), whose
         # results come one after the other: as a pipeline of three it took
         # twice the node's CPU, and every batch begins.
-        try:
-            results = self._db.execute(postgres_commit.BEGIN)
-            results.nextset()
-            row = results.fetchone()
-            results.nextset()
-            flow = results.fetchall()
-        except psycopg.Error:
-            self._changes += 1
-            # A query cut off midway can leave the connection in a state
-            # psycopg does not call broken: the next batch starts on a new one.
-            self._db.close()
-            raise
+        results = self._db.execute(postgres_commit.BEGIN)
+        results.nextset()
+        row = results.fetchone()
+        results.nextset()
+        flow = results.fetchall()
         assert row is not None
         self._xid, self._backend = str(row[0]), int(row[1])
         self._set_flow_control(flow)
@@ -438,7 +491,7 @@ class PostgresStore(SqlStore):
         postgres_readers.run_query(self._query, self.schema, text, seconds, rows)
 
     def queue_stats(self, now: str) -> QueueStats:
-        return postgres_readers.queue_stats(self._url, now, self.paused)
+        return postgres_readers.queue_stats(self._url, now)
 
     def ready_by_queue(self) -> dict[str, int]:
         return postgres_readers.ready_by_queue(self._url)

@@ -103,8 +103,12 @@ def prune_pending(url: str, before: Mapping[str, str], now: str) -> bool:
         )
 
 
-def queue_stats(url: str, now: str, paused: frozenset[str]) -> QueueStats:
+def queue_stats(url: str, now: str) -> QueueStats:
+    """Counts by queue and state, the oldest due job of each queue, and the
+    due jobs a pause holds: by the patterns paused as committed, which a
+    node's writers each read again only as their transactions begin."""
     with connect(url, application_name=READ_APPLICATION) as db:
+        paused = [str(row[0]) for row in db.execute("SELECT pattern FROM paused").fetchall()]
         counts = {
             (str(queue), str(state)): int(count)
             for queue, state, count in db.execute(

@@ -164,6 +164,14 @@ class Store(SqlStore):
     def stop_waiting_long(self) -> None:
         self._stopping = True
 
+    @property
+    def origin(self) -> Store:
+        return self
+
+    def writers(self) -> list[Store]:
+        """One: a SQLite file has one writer at a time."""
+        return [self]
+
     # Transactions. The writer opens one, gives each request a savepoint so
     # that a failing request undoes only its own changes, and commits once.
 

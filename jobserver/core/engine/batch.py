@@ -101,13 +101,14 @@ class Batches:
         store = self._store
         tries: list[Serve] = []
         taken: list[Taken] = []
+        cascade_left = False
         try:
             if not begun:
                 store.begin()
             changes_before = store.total_changes
             done = self.writer.execute(batch)
             outcomes, ready, due, events = done.outcomes, done.ready, done.due, done.events
-            taken, ended = done.taken, done.ended
+            taken, ended, cascade_left = done.taken, done.ended, done.cascade_left
             announced, announced_due = set(ready), due
             # From a thread, only if someone waits (read from here, a race
             # that loses nothing: a GetJob that joins meanwhile hears of
@@ -127,6 +128,7 @@ class Batches:
                     events += served.events
                     taken = taken + served.taken
                     ended = ended | served.ended
+                    cascade_left = cascade_left or served.cascade_left
                     ready, due = served.ready, served.due
             announced |= ready
             announced_due = earliest(announced_due, due)
@@ -136,14 +138,19 @@ class Batches:
             store.commit()
             wrote = store.total_changes != changes_before
             return Committed(
-                [*batch, *tries], outcomes, True, ready, due, wrote, events, taken, ended
+                [*batch, *tries], outcomes, True, ready, due, wrote, events, taken, ended,
+                cascade_left,
             )
         except Exception as error:  # a boundary: see above
             if isinstance(error, store.transient) and not tries:
                 raise Transient(error) from error
             works: list[Work] = [*batch, *tries]
             if isinstance(error, OutcomeUnknown):
-                return Committed(works, self.writer.unknown(works, error), False, taken=taken)
+                # It may have committed what a cascade left: looked for again.
+                return Committed(
+                    works, self.writer.unknown(works, error), False, taken=taken,
+                    cascade_left=cascade_left,
+                )
             return Committed(works, self.writer.failed(works, error), False)
 
     def _woken_from_thread(self, ready: set[str], due: str | None) -> list[Serve]:

@@ -90,6 +90,9 @@ class Context:
     # their dependents of at its end, all at once (lifecycle.telling_at_end);
     # None while each is told as it happens.
     ends: list[Any] | None = field(default=None, init=False, repr=False)
+    # Whether a cascade left dependents BLOCKED for a later transaction:
+    # the engine looks for them once this one commits (cascade.look_again).
+    cascade_left: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         # Formatted once: handlers compare against these many times.

@@ -13,6 +13,12 @@ Each request's outcome is handed out only once a sync that began after its
 commit has returned: a `200` is never sent for a write that would not
 survive a power cut.
 
+On PostgreSQL a node has several writers (--writers), each a store on a
+connection of its own: a batch begins on any writer not running one, so
+while one transaction waits for the database another's Python runs. They
+are ordered as two nodes' transactions are (the database's locks); what a
+request was answered is committed before any batch that follows it begins.
+
 A batch runs in a worker thread instead when one of its requests is heavy
 (a thousand jobs in one request, the pruner's deletions), or when another
 process holds the database's lock (batch.py, which runs each batch's
@@ -91,16 +97,23 @@ class Engine:
         # What committed batches moved, per minute (--history-minutes).
         self.history = history if history is not None else History(clock=clock)
         self.settings = settings
-        self.writer = Writer(store, clock, settings)
         self.waits = WaitQueue()
-        # Each batch's transaction, begun to committed (batch.py).
-        self._batches = Batches(store, self.writer, self.waits, self._woken, threaded)
+        # Each batch's transaction, begun to committed (batch.py), on one of
+        # the store's writers (PostgreSQL's --writers) not running one.
+        self._idle_writers: list[Batches] = [
+            Batches(writer, Writer(writer, clock, settings), self.waits, self._woken, threaded)
+            for writer in store.writers()
+        ]
+        self._concurrent = len(self._idle_writers) > 1
+        # Set when a writer ends its batch while none was idle.
+        self._writer_idle: trio.Event | None = None
         # Waiting AwaitJobs (awaits.py).
         self.awaits = Awaits()
         self._pending: deque[Work] = deque()
         # Set while the engine's task sleeps for want of work.
         self._wakeup: trio.Event | None = None
-        self._running = False
+        # Batches begun and not yet committed.
+        self._running = 0
         self._stopping = False
         self._finished = trio.Event()
         self._batch_ended = trio.Event()
@@ -286,40 +299,62 @@ class Engine:
 
     async def _commit_loop(self) -> None:
         try:
-            while self._pending or not self._stopping:
-                if not self._pending:
-                    self._wakeup = trio.Event()
-                    await self._wakeup.wait()
-                    # The task that woke the engine ran in the same round as
-                    # every other task ready then: their requests are all here.
-                    self._wakeup = None
-                    continue
-                # While the disk is behind, requests gather into a larger batch.
-                await self._durability.room()
-                count = min(len(self._pending), MAX_BATCH)
-                batch = [self._pending.popleft() for _ in range(count)]
-                self._running = True
-                try:
-                    await self._run_batch(batch)
-                finally:
-                    self._running = False
-                    self._batch_ended.set()
-                if self._pending:
-                    # Work that followed this batch (what its outcomes asked
-                    # for) waits a round, so connections are never starved.
-                    await trio.lowlevel.cancel_shielded_checkpoint()
+            async with trio.open_nursery() as nursery:
+                while self._pending or not self._stopping:
+                    if not self._pending:
+                        self._wakeup = trio.Event()
+                        await self._wakeup.wait()
+                        # The task that woke the engine ran in the same round as
+                        # every other task ready then: their requests are all here.
+                        self._wakeup = None
+                        continue
+                    if not self._idle_writers:
+                        # Requests gather into a larger batch meanwhile.
+                        self._writer_idle = trio.Event()
+                        await self._writer_idle.wait()
+                        self._writer_idle = None
+                        continue
+                    # While the disk is behind, requests gather into a larger batch.
+                    await self._durability.room()
+                    count = min(len(self._pending), MAX_BATCH)
+                    batch = [self._pending.popleft() for _ in range(count)]
+                    self._running += 1
+                    writer = self._idle_writers.pop()
+                    if self._concurrent:
+                        nursery.start_soon(self._run_on, writer, batch)
+                    else:
+                        # One writer: no task of its own, a step less a batch.
+                        await self._run_on(writer, batch)
+                    if self._pending:
+                        # Work that followed this batch (what its outcomes
+                        # asked for) waits a round, so connections are never
+                        # starved.
+                        await trio.lowlevel.cancel_shielded_checkpoint()
         finally:
             self._finished.set()
 
-    async def _run_batch(self, batch: list[Work]) -> None:
+    async def _run_on(self, writer: Batches, batch: list[Work]) -> None:
+        try:
+            await self._run_batch(writer, batch)
+        finally:
+            self._running -= 1
+            self._idle_writers.append(writer)
+            if self._writer_idle is not None:
+                self._writer_idle.set()
+            self._batch_ended.set()
+
+    async def _run_batch(self, writer: Batches, batch: list[Work]) -> None:
         began = time.perf_counter()
-        committed = await self._batches.run(batch)
+        committed = await writer.run(batch)
         self.batches += 1
         self.requests += len(committed.works)
         self.batch_sizes.observe(len(committed.works))
         self.commit_seconds.observe(time.perf_counter() - began)
         # Waiting GetJobs hear of new jobs at once: the batch that serves
         # them is synced after this one, so nothing is handed out early.
+        if committed.cascade_left:
+            # Before the tick its commit fired runs.
+            cascade.look_again(self._store)
         if committed.ready or committed.due is not None:
             self.notify(committed.ready, committed.due)
         if committed.ok:

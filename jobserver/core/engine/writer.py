@@ -59,6 +59,8 @@ class Ran:
     taken: list[Taken] = field(default_factory=list)
     # The awaited jobs they ended (AwaitJob).
     ended: set[int] = field(default_factory=set)
+    # Whether a cascade left dependents for later (cascade.left_over).
+    cascade_left: bool = False
 
 
 class Writer:
@@ -204,6 +206,8 @@ class Committed:
     taken: list[Taken] = field(default_factory=list)
     # The awaited jobs it ended: their awaiters look again once it committed.
     ended: set[int] = field(default_factory=set)
+    # Whether a cascade left dependents for later: looked for once it committed.
+    cascade_left: bool = False
 
 
 class Transient(Exception):
@@ -253,17 +257,19 @@ def ran(results: Results) -> Ran:
     events: list[Events] = []
     taken: list[Taken] = []
     ended: set[int] = set()
+    cascade_left = False
     for result, ctx in results:
         outcomes.append(result)
         if ctx is not None:
             ready |= ctx.ready
             ended |= ctx.ended
+            cascade_left = cascade_left or ctx.cascade_left
             if ctx.due is not None and (due is None or ctx.due < due):
                 due = ctx.due
             if ctx.events is not None:
                 events.append(ctx.events)
             taken += ctx.taken
-    return Ran(outcomes, ready, due, events, taken, ended)
+    return Ran(outcomes, ready, due, events, taken, ended, cascade_left)
 
 
 def earliest(a: str | None, b: str | None) -> str | None:

@@ -9,7 +9,8 @@ transaction that makes it; the dependents not settled yet stay BLOCKED
 with a count of blockers their stored outcomes no longer agree with, or
 with a failed outcome their policy has not acted on. That is how the rest
 is found again, from the rows alone (`Dependencies.behind`): by this
-node's clock, fired at once, MOVES_AT_ONCE at a time; after a crash or a
+node's clock, fired at once once the transaction that left them has
+committed, MOVES_AT_ONCE at a time; after a crash or a
 restart by the first tick (deadlines.at_start); by any node that starts
 or leaves a cascade of its own, because settling a dependent counts its
 blockers again from the outcomes and moves it from BLOCKED under its row
@@ -24,8 +25,9 @@ dependencies ended.
 
 from __future__ import annotations
 
+import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jobserver.core.engine.context import Context
 from jobserver.storage.interface import Storage
@@ -47,25 +49,33 @@ class _Progress:
     # Where the look for dependents left behind goes on (after this jobID);
     # None: nothing is left. A server starts by looking.
     after: int | None = 0
+    # How many times the look was begun again (look_again). A look that
+    # began before the last of those neither moves `after` nor ends it: in
+    # the transaction of another of the node's writers (PostgreSQL's
+    # --writers) it may not have seen what that commit left.
+    restarts: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-# By store object, one per server, and gone with it: keyed by id(), a new
+# By the store of the node's first writer (Storage.origin), one per
+# server, shared by its writers, and gone with it: keyed by id(), a new
 # store given a stopped one's id took over its progress, and one whose look
 # had ended never looked for what a restart left (a flaky CI failure).
 _PROGRESS: weakref.WeakKeyDictionary[Storage, _Progress] = weakref.WeakKeyDictionary()
 
 
 def _progress(store: Storage) -> _Progress:
-    progress = _PROGRESS.get(store)
+    origin = store.origin
+    progress = _PROGRESS.get(origin)
     if progress is None:
-        progress = _PROGRESS[store] = _Progress()
+        progress = _PROGRESS.setdefault(origin, _Progress())
     return progress
 
 
 def is_heavy(store: Storage) -> bool:
     """Whether the clock's next tick may settle dependents left behind: it
     then runs in a thread, the event loop left to answer meanwhile."""
-    progress = _PROGRESS.get(store)
+    progress = _PROGRESS.get(store.origin)
     return progress is None or progress.after is not None
 
 
@@ -83,10 +93,21 @@ def spend(ctx: Context, settled: int) -> None:
 
 
 def left_over(ctx: Context) -> None:
-    """Dependents were left BLOCKED for later: look for them from the
-    start, with the clock fired at once after this commit."""
-    _progress(ctx.store).after = 0
+    """Dependents were left BLOCKED for later: once this transaction has
+    committed, the engine looks for them from the start (`look_again`),
+    with the clock fired at once."""
+    ctx.cascade_left = True
     ctx.wake_all()
+
+
+def look_again(store: Storage) -> None:
+    """A transaction that left dependents BLOCKED has committed: look for
+    them from the start. Not in that transaction: a look in another
+    writer's, begun before this commit, could miss them and end."""
+    progress = _progress(store)
+    with progress.lock:
+        progress.restarts += 1
+        progress.after = 0
 
 
 def left_behind(ctx: Context) -> list[int]:
@@ -94,7 +115,8 @@ def left_behind(ctx: Context) -> list[int]:
     the clock's tick). Moves the look on; fires the clock again at once
     while there may be more."""
     progress = _progress(ctx.store)
-    after = progress.after
+    with progress.lock:
+        after, restarts = progress.after, progress.restarts
     room = allowance(ctx)
     if after is None or room == 0:
         if after is not None:
@@ -114,9 +136,10 @@ def left_behind(ctx: Context) -> list[int]:
         if len(found) == room:
             break
         found.append(job_id)
-    if not found and len(rows) < EXAMINE_AT_ONCE:
-        progress.after = None
-        return []
-    progress.after = resume
-    ctx.wake_all()
+    ended = not found and len(rows) < EXAMINE_AT_ONCE
+    with progress.lock:
+        if progress.restarts == restarts:
+            progress.after = None if ended else resume
+    if not ended:
+        ctx.wake_all()
     return found

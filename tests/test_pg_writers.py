@@ -1,0 +1,141 @@
+"""A PostgreSQL node's writers (--writers; docs/nodes.md, ARCHITECTURE.md):
+transactions run at once, each on a connection of its own, so that one
+waiting on the database holds no other; a writer whose connection was
+lost while idle begins its next batch on a new one; and the option's
+bounds. Over a real server and real PostgreSQL."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+import pytest
+
+from harness import ThreadServer
+from helpers import create, ok, until
+from wire import Client, encode
+
+pytestmark = pytest.mark.backends(only="postgres")
+
+# Generous: a shared machine. A request held behind a lock would take as
+# long as the lock is held, which is longer.
+PROMPT = 5.0
+HELD = 30.0
+
+
+def backends(server: ThreadServer) -> list[int]:
+    """The PIDs of the node's writers' connections."""
+    assert server.server.store is not None
+    return [writer._db.info.backend_pid for writer in server.server.store.writers()]  # type: ignore[attr-defined]
+
+
+@contextmanager
+def row_locked(url: str, job_id: int) -> Iterator[psycopg.Connection[Any]]:
+    """Job `job_id`'s row locked by a session of its own until the end."""
+    with psycopg.connect(url) as session:
+        session.execute("SELECT 1 FROM jobs WHERE jobID = %s FOR UPDATE", (job_id,))
+        yield session
+        session.rollback()
+
+
+def waiting_on_lock(url: str, count: int) -> None:
+    """Until `count` of the node's connections wait for a lock."""
+    with psycopg.connect(url, autocommit=True) as admin:
+        until(
+            lambda: admin.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'jobserver' "
+                "AND wait_event_type = 'Lock' AND datname = current_database()"
+            ).fetchone()[0] >= count,
+            HELD, f"{count} of the node's transactions to wait for the lock",
+        )
+
+
+@pytest.mark.parametrize("writers", [2, 3])
+def test_transactions_waiting_on_the_database_leave_the_next_to_another_writer(db, writers):
+    # writers - 1 transactions wait for a row another session holds (each a
+    # QueryJob of it, which locks the row): a neighbour's CreateJob is still
+    # answered at once. With one writer fewer it waited for the lock.
+    server = ThreadServer(db, writers=writers)
+    try:
+        with server.client(timeout=HELD) as client:
+            held = create(client, "held")
+        waiters = [Client(server.port, HELD) for _ in range(writers - 1)]
+        try:
+            with row_locked(str(db), held):
+                for count, waiter in enumerate(waiters, 1):
+                    waiter.send(encode("QueryJob", {"jobID": held}))
+                    # One batch each: the next is sent once this one waits.
+                    waiting_on_lock(str(db), count)
+                with server.client(timeout=HELD) as neighbour:
+                    began = time.monotonic()
+                    create(neighbour, "neighbour")
+                    took = time.monotonic() - began
+            for waiter in waiters:
+                assert ok(waiter.read_reply()).json["jobID"] == held
+        finally:
+            for waiter in waiters:
+                waiter.close()
+        assert took < PROMPT, f"the neighbour's CreateJob took {took:.2f} s"
+    finally:
+        server.stop()
+
+
+def test_one_writer_runs_one_transaction_at_a_time(db):
+    # The test above can fail: with --writers 1 the neighbour waits for the
+    # lock, answered only once it is released.
+    server = ThreadServer(db, writers=1)
+    try:
+        with server.client(timeout=HELD) as client:
+            held = create(client, "held")
+        with Client(server.port, HELD) as waiter, server.client(timeout=HELD) as neighbour:
+            with row_locked(str(db), held):
+                waiter.send(encode("QueryJob", {"jobID": held}))
+                waiting_on_lock(str(db), 1)
+                neighbour.send(encode("CreateJob", {"name": "neighbour"}))
+                neighbour.sock.settimeout(1.0)
+                with pytest.raises(TimeoutError):
+                    neighbour.read_reply()
+                neighbour.sock.settimeout(HELD)
+            assert ok(waiter.read_reply()).json["jobID"] == held
+            ok(neighbour.read_reply())
+    finally:
+        server.stop()
+
+
+def test_a_writer_whose_connection_was_lost_while_idle_begins_on_a_new_one(db):
+    # Every writer's backend ended while idle (a PostgreSQL restart, a
+    # terminated session): no request is answered 503, since nothing of a
+    # batch has run when its BEGIN finds the connection gone. Before, each
+    # writer's first batch after it failed.
+    server = ThreadServer(db, writers=2)
+    try:
+        with server.client() as client:
+            create(client, "before")
+            with psycopg.connect(str(db), autocommit=True) as admin:
+                for pid in backends(server):
+                    admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            replies = [client.request("CreateJob", name="after") for _ in range(4)]
+        assert [reply.status for reply in replies] == ["200 OK"] * 4
+    finally:
+        server.stop()
+
+
+def test_writers_is_for_postgresql_and_bounded(tmp_path):
+    def serve(*options: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "jobserver", "serve", "--port", "0", *options],
+            capture_output=True, text=True, timeout=60,
+        )
+
+    sqlite = serve("--db", str(tmp_path / "jobs.db"), "--writers", "2")
+    assert sqlite.returncode == 2
+    assert "--writers is for a PostgreSQL --db" in sqlite.stderr
+    for wrong in ("0", "17", "two"):
+        refused = serve("--writers", wrong)
+        assert refused.returncode == 2
+        assert "from 1 to 16" in refused.stderr, refused.stderr
