@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -18,6 +20,9 @@ import pytest
 
 from harness import ThreadServer
 from helpers import create, ok, until
+from jobserver.core.engine.context import Context
+from jobserver.core.rules import cascade
+from jobserver.storage import postgres_listen
 from wire import Client, encode
 
 pytestmark = pytest.mark.backends(only="postgres")
@@ -121,6 +126,99 @@ def test_a_writer_whose_connection_was_lost_while_idle_begins_on_a_new_one(db):
                     admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
             replies = [client.request("CreateJob", name="after") for _ in range(4)]
         assert [reply.status for reply in replies] == ["200 OK"] * 4
+    finally:
+        server.stop()
+
+
+def blocked(url: str) -> int:
+    with psycopg.connect(url) as session:
+        row = session.execute("SELECT count(*) FROM jobs WHERE state = 'BLOCKED'").fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+def test_a_cascade_left_for_later_goes_on_once_it_commits_with_waiters_served_in_it(
+    db, monkeypatch
+):
+    # 1,500 dependents, past one transaction's 1,000: the rest is settled
+    # by the clock, fired at the commit. Waiters for the dependents are
+    # served in the same transaction, which fired the clock before the
+    # commit; the tick then ran on the other writer, found nothing, and the
+    # rest waited for the listener's look each FALLBACK_SECONDS (0.5 s
+    # where it was 0.05 s; here two minutes, past the test's bound).
+    monkeypatch.setattr(postgres_listen, "FALLBACK_SECONDS", 120.0)
+    server = ThreadServer(db, writers=2)
+    try:
+        with server.client(timeout=HELD) as client:
+            root = create(client, "root")
+            ok(client.request(
+                "CreateJobs", jobs=[{"name": "leaf", "dependsOn": [root]} for _ in range(1500)]
+            ))
+            ok(client.request("GetJob", name="root"))
+            waiters = [Client(server.port, HELD) for _ in range(4)]
+            try:
+                for waiter in waiters:
+                    waiter.send(encode("GetJob", {"name": "leaf", "Connection": "wait"}))
+                until(lambda: len(server.server.core.engine.waits) == 4, HELD, "the waiters")
+                ok(client.request("FinishJob", jobID=root))
+                until(lambda: blocked(str(db)) == 0, 20.0, "the cascade to end")
+                for waiter in waiters:
+                    ok(waiter.read_reply())
+            finally:
+                for waiter in waiters:
+                    waiter.close()
+    finally:
+        server.stop()
+
+
+def test_each_writers_transaction_settles_at_most_its_bound(db, monkeypatch):
+    # Two FailJobs at once, each of a root with 600 dependents that each
+    # have one: 1,200 to settle each. Each transaction settles at most
+    # MOVES_AT_ONCE. The count was the node's, by transaction time: two
+    # writers' transactions reset each other's, and one settled 1,200.
+    settled: Counter[tuple[int, str]] = Counter()
+    spend = cascade.spend
+
+    def counted(ctx: Context, count: int) -> None:
+        settled[id(ctx.store), ctx.now_ms] += count
+        spend(ctx, count)
+
+    monkeypatch.setattr(cascade, "spend", counted)
+    server = ThreadServer(db, writers=2)
+    try:
+        roots = []
+        with server.client(timeout=HELD) as client:
+            for tree in range(2):
+                root = create(client, f"root{tree}")
+                middles = ok(client.request(
+                    "CreateJobs", jobs=[{"name": f"middle{tree}", "dependsOn": [root]}] * 600
+                )).json["jobIDs"]
+                ok(client.request(
+                    "CreateJobs",
+                    jobs=[{"name": f"leaf{tree}", "dependsOn": [middle]} for middle in middles],
+                ))
+                ok(client.request("GetJob", name=f"root{tree}"))
+                roots.append(root)
+        settled.clear()
+        together = threading.Barrier(2)
+        replies: list[str] = []
+
+        def fail(root: int) -> None:
+            with server.client(timeout=HELD) as client:
+                together.wait()
+                replies.append(client.request("FailJob", jobID=root, error="no").status)
+
+        threads = [threading.Thread(target=fail, args=(root,)) for root in roots]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert replies == ["200 OK", "200 OK"]
+        until(lambda: blocked(str(db)) == 0, HELD, "the cascades to end")
+        with psycopg.connect(str(db)) as session:
+            states = dict(session.execute("SELECT state, count(*) FROM jobs GROUP BY state"))
+        assert states == {"FAILED": 2402}
+        assert max(settled.values()) <= cascade.MOVES_AT_ONCE, sorted(settled.values())
     finally:
         server.stop()
 

@@ -60,6 +60,7 @@ from jobserver.core.engine.work import Call, GiveBack, Serve, Tick, Work
 from jobserver.core.engine.writer import Committed, Writer, outcomes_unknown
 from jobserver.core.rules import cascade, flow
 from jobserver.core.rules.selection import JobQuery, Taken
+from jobserver.model import times
 from jobserver.model.globmatch import Matcher
 from jobserver.storage.interface import Storage
 
@@ -353,8 +354,11 @@ class Engine:
         # Waiting GetJobs hear of new jobs at once: the batch that serves
         # them is synced after this one, so nothing is handed out early.
         if committed.cascade_left:
-            # Before the tick its commit fired runs.
             cascade.look_again(self._store)
+            # The clock fires now, whatever it did: a waiter's try in the
+            # batch lowered it before the commit, and with several writers
+            # the tick may have run, on another, before this commit.
+            self._alarm.lower(times.to_millis(self._clock.now()))
         if committed.ready or committed.due is not None:
             self.notify(committed.ready, committed.due)
         if committed.ok:

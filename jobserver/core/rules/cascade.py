@@ -9,7 +9,7 @@ transaction that makes it; the dependents not settled yet stay BLOCKED
 with a count of blockers their stored outcomes no longer agree with, or
 with a failed outcome their policy has not acted on. That is how the rest
 is found again, from the rows alone (`Dependencies.behind`): by this
-node's clock, fired at once once the transaction that left them has
+node's clock, fired at once when the transaction that left them has
 committed, MOVES_AT_ONCE at a time; after a crash or a
 restart by the first tick (deadlines.at_start); by any node that starts
 or leaves a cascade of its own, because settling a dependent counts its
@@ -41,11 +41,16 @@ EXAMINE_AT_ONCE = 5000
 
 
 @dataclass
-class _Progress:
+class _Budget:
     # The transaction (its time, the same for all of a batch's requests)
-    # the count is of, and how many dependents it has settled.
+    # the count is of, and how many dependents it has settled. One per
+    # writer's store: two writers' transactions each have their own.
     transaction: str = ""
     settled: int = 0
+
+
+@dataclass
+class _Progress:
     # Where the look for dependents left behind goes on (after this jobID);
     # None: nothing is left. A server starts by looking.
     after: int | None = 0
@@ -57,11 +62,13 @@ class _Progress:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-# By the store of the node's first writer (Storage.origin), one per
-# server, shared by its writers, and gone with it: keyed by id(), a new
-# store given a stopped one's id took over its progress, and one whose look
-# had ended never looked for what a restart left (a flaky CI failure).
+# The look by the store of the node's first writer (Storage.origin), one
+# per server, shared by its writers; the budget by each writer's store.
+# Both gone with their store: keyed by id(), a new store given a stopped
+# one's id took over its progress, and one whose look had ended never
+# looked for what a restart left (a flaky CI failure).
 _PROGRESS: weakref.WeakKeyDictionary[Storage, _Progress] = weakref.WeakKeyDictionary()
+_BUDGETS: weakref.WeakKeyDictionary[Storage, _Budget] = weakref.WeakKeyDictionary()
 
 
 def _progress(store: Storage) -> _Progress:
@@ -70,6 +77,13 @@ def _progress(store: Storage) -> _Progress:
     if progress is None:
         progress = _PROGRESS.setdefault(origin, _Progress())
     return progress
+
+
+def _budget(store: Storage) -> _Budget:
+    budget = _BUDGETS.get(store)
+    if budget is None:
+        budget = _BUDGETS[store] = _Budget()
+    return budget
 
 
 def is_heavy(store: Storage) -> bool:
@@ -81,15 +95,15 @@ def is_heavy(store: Storage) -> bool:
 
 def allowance(ctx: Context) -> int:
     """How many dependents this transaction may still settle."""
-    progress = _progress(ctx.store)
-    if progress.transaction != ctx.now_ms:
-        progress.transaction, progress.settled = ctx.now_ms, 0
-    return max(0, MOVES_AT_ONCE - progress.settled)
+    budget = _budget(ctx.store)
+    if budget.transaction != ctx.now_ms:
+        budget.transaction, budget.settled = ctx.now_ms, 0
+    return max(0, MOVES_AT_ONCE - budget.settled)
 
 
 def spend(ctx: Context, settled: int) -> None:
     allowance(ctx)
-    _progress(ctx.store).settled += settled
+    _budget(ctx.store).settled += settled
 
 
 def left_over(ctx: Context) -> None:
