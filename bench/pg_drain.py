@@ -148,6 +148,9 @@ def main() -> int:
         "--postgres", default=os.environ.get("JOBSERVER_BENCH_POSTGRES", DEFAULT_POSTGRES)
     )
     parser.add_argument("--connections", type=int, default=4, help="the drain driver's threads")
+    parser.add_argument(
+        "--writers", type=int, default=1, help="the node's --writers (transactions at once)"
+    )
     parser.add_argument("--durations", action="store_true")
     parser.add_argument("--explain", type=float, default=0.0, metavar="RATE")
     parser.add_argument("--out", type=Path, default=Path("pg_drain_plans.log"))
@@ -170,7 +173,7 @@ def main() -> int:
     log = StatementLog(admin, database.name, None)
     env = {**os.environ}
     port = free_port()
-    proc = scale.start_server(database.url, port, ROOT)
+    proc = scale.start_server(database.url, port, ROOT, "--writers", str(args.writers))
     peer = Peer(
         "jobserver-pg", "", database, [sys.executable, str(DRIVERS / "jobserver_driver.py")],
         env, "DELETE FROM jobs", node=Node(port, proc), logs=Path(os.environ.get("TMPDIR", "/tmp")),

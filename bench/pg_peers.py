@@ -255,7 +255,8 @@ def notes(args: argparse.Namespace, sizes: Sizes, peers: list[Peer]) -> str:
         f" CreateJobs; addJobs; enqueue with lists, {BATCH:,} jobs a call. 100-byte payloads.",
         f"Drain of {sizes.drain:,} jobs inserted beforehand, by one worker process: jobserver,"
         " GetJobs numResults 100 + one FinishJobs per batch on"
-        f" {args.jobserver_connections} connections (threads);"
+        f" {args.jobserver_connections} connections (threads), the node's --writers"
+        f" {args.jobserver_writers};"
         " Graphile Worker, concurrentJobs 24, pool 25, localQueue size 500,"
         " completeJobBatchDelay 0, failJobBatchDelay 0 (its performance page's); PgQueuer,"
         f" QueueManager.run(batch_size={args.pgqueuer_batch}, mode=drain) on asyncpg.",
@@ -307,6 +308,10 @@ def parse_args() -> argparse.Namespace:
         help="connections (threads) of jobserver's drain worker (default 4)",
     )
     parser.add_argument(
+        "--jobserver-writers", type=int, default=1, metavar="N",
+        help="the jobserver node's --writers, transactions at once (default 1)",
+    )
+    parser.add_argument(
         "--pgqueuer-batch", type=int, default=500, metavar="N",
         help="PgQueuer's batch_size, jobs per dequeue (default 500)",
     )
@@ -319,6 +324,7 @@ def main() -> int:
     command = " ".join(["python bench/pg_peers.py", *sys.argv[1:]])
     # The drivers' settings, in the environment they inherit.
     os.environ["BENCH_JOBSERVER_CONNECTIONS"] = str(args.jobserver_connections)
+    os.environ["BENCH_JOBSERVER_WRITERS"] = str(args.jobserver_writers)
     os.environ["BENCH_PGQUEUER_BATCH"] = str(args.pgqueuer_batch)
     peers: list[Peer] = []
     with tempfile.TemporaryDirectory(prefix="jobserver-pg-peers-") as tmp:
