@@ -162,6 +162,22 @@ def test_a_dropped_stores_ended_look_goes_with_it(db):
     assert dropped not in cascade._PROGRESS
 
 
+@pytest.mark.backends(only="sqlite")
+def test_what_a_part_of_a_request_left_is_the_requests(db):
+    # A cascade in one part of a request (an element of FinishJobs) that
+    # left dependents for later: the request's Context says so once the
+    # part is joined, so the engine looks again after the commit.
+    store = open_store("sqlite", db)
+    try:
+        request = Context(store, datetime.now(UTC))
+        part = request.part()
+        cascade.left_over(part)
+        request.join(part)
+        assert request.cascade_left
+    finally:
+        store.close()
+
+
 def test_what_a_crash_left_is_found_from_the_rows(db):
     # The rows a crash leaves between two of a cascade's transactions: the
     # dependency's end and outcome stored, its dependents still BLOCKED.

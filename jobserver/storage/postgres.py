@@ -274,7 +274,7 @@ class PostgresStore(SqlStore):
             try:
                 self._begin_on_connection()
                 return
-            except psycopg.Error:
+            except psycopg.Error as error:
                 self._changes += 1
                 # A query cut off midway can leave the connection in a state
                 # psycopg does not call broken: it is not used again.
@@ -284,6 +284,8 @@ class PostgresStore(SqlStore):
                 # Lost while it was idle (a writer no batch used while the
                 # database was away): nothing of the batch has run, so it
                 # begins again on a new connection.
+                log.info("a transaction could not begin (%s); beginning it on a new connection",
+                         error)
 
     def _begin_on_connection(self) -> None:
         # One round trip for all three: BEGIN; the transaction's ID, known

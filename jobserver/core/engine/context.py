@@ -147,6 +147,7 @@ class Context:
         """Count what a part that succeeded noted as this request's own."""
         self.ready |= part.ready
         self.ended |= part.ended
+        self.cascade_left = self.cascade_left or part.cascade_left
         if part.ends and self.ends is not None:
             self.ends += part.ends
         if part.due is not None:
