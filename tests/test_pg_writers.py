@@ -245,39 +245,6 @@ def test_two_cascades_at_once_each_settle_within_the_bound(db, monkeypatch):
         server.stop()
 
 
-def test_waiters_are_served_first_come_first_served_with_two_writers(db):
-    # Three waiters, then three jobs one at a time: each goes to the one
-    # that has waited longest, on a node just started, round after round.
-    # With two writers a younger waiter's try, queued with the batch that
-    # created the job or run beside an older one's in the other writer,
-    # took it (8 runs of 15 of test_waiting's single round failed).
-    for round_ in range(8):
-        server = ThreadServer(db, writers=2)
-        try:
-            engine = server.server.core.engine
-            name = f"fifo{round_}"
-            waiters = []
-            with server.client(timeout=HELD) as client:
-                try:
-                    for _ in range(3):
-                        before = len(engine.waits)
-                        waiter = Client(server.port, HELD)
-                        waiters.append(waiter)
-                        waiter.send(encode("GetJob", {"name": name, "Connection": "wait"}))
-                        until(lambda b=before, e=engine: len(e.waits) > b, HELD, "a waiter")
-                    for count, waiter in enumerate(waiters):
-                        job_id = create(client, name)
-                        waiter.sock.settimeout(PROMPT)
-                        assert ok(waiter.read_reply()).json["jobID"] == job_id, (round_, count)
-                        left = len(waiters) - count - 1
-                        until(lambda n=left, e=engine: len(e.waits) == n, HELD, "the rest")
-                finally:
-                    for waiter in waiters:
-                        waiter.close()
-        finally:
-            server.stop()
-
-
 def test_writers_is_for_postgresql_and_bounded(tmp_path):
     def serve(*options: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
