@@ -18,6 +18,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from test_dependencies_cascade import rows
 
 from harness import ThreadServer
 from helpers import create, ok, until
@@ -135,10 +136,7 @@ def test_a_writer_whose_connection_was_lost_while_idle_begins_on_a_new_one(db):
 
 
 def blocked(url: str) -> int:
-    with psycopg.connect(url) as session:
-        row = session.execute("SELECT count(*) FROM jobs WHERE state = 'BLOCKED'").fetchone()
-        assert row is not None
-        return int(row[0])
+    return rows(url, "state = 'BLOCKED'")
 
 
 def test_a_cascade_left_for_later_goes_on_once_it_commits_with_waiters_served_in_it(

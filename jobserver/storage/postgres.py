@@ -71,7 +71,6 @@ from jobserver.storage.postgres_connection import (
     redact,
 )
 from jobserver.storage.postgres_statistics import StatisticsKeeper
-from jobserver.storage.reader_types import LaterJobs, QueryRows, QueueStats, RunningStats
 from jobserver.storage.searches import NOTHING_PASSED, PassedOver
 from jobserver.storage.sql import POSTGRES
 from jobserver.storage.sql_store import SqlStore
@@ -83,7 +82,7 @@ log = logging.getLogger("jobserver")
 # requests fail at once with 503.
 RECONNECT_SECONDS = 0.5
 
-class PostgresStore(SqlStore):
+class PostgresStore(postgres_readers.ReaderCalls, SqlStore):
     dialect = POSTGRES
     blocking = True
     needs_sync = False
@@ -480,40 +479,6 @@ class PostgresStore(SqlStore):
     def reclaim_space(self, pruned: bool) -> bool:
         """PostgreSQL's autovacuum reuses the space of deleted rows."""
         return False
-
-    # Connections of their own, for other threads (postgres_readers.py).
-
-    def keep_statistics(self) -> bool:
-        return self._statistics.keep()
-
-    def prune_pending(self, before: Mapping[str, str], now: str) -> bool:
-        return postgres_readers.prune_pending(self._url, before, now)
-
-    def run_query(self, text: str, seconds: float, rows: QueryRows) -> None:
-        postgres_readers.run_query(self._query, self.schema, text, seconds, rows)
-
-    def queue_stats(self, now: str) -> QueueStats:
-        return postgres_readers.queue_stats(self._url, now)
-
-    def ready_by_queue(self) -> dict[str, int]:
-        return postgres_readers.ready_by_queue(self._url)
-
-    def running_by_name(self, now: str) -> list[tuple[str, str, int]]:
-        return postgres_readers.running_by_name(self._url, now)
-
-    def handouts_in_windows(self, windows: Mapping[str, str]) -> dict[str, int]:
-        return postgres_readers.handouts_in_windows(self._url, windows)
-
-    def find_matching(self, pattern: str, limit: int) -> list[Job]:
-        return postgres_readers.find_matching(self._url, pattern, limit)
-
-    def later_jobs(self, now: str, retrying: bool, limit: int, most: int) -> LaterJobs:
-        return postgres_readers.later_jobs(self._url, now, retrying, limit, most)
-
-    def running_jobs(
-        self, now: str, pattern: str | None, limit: int, newest: bool = False
-    ) -> RunningStats:
-        return postgres_readers.running_jobs(self._url, now, pattern, limit, newest)
 
     def size_bytes(self) -> int:
         row = self._one(

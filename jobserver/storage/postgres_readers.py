@@ -23,6 +23,7 @@ from jobserver.model.jobs import Job
 from jobserver.model.limits import handouts_cutoff
 from jobserver.storage import postgres_query, sql
 from jobserver.storage.postgres_connection import QUERY_APPLICATION, READ_APPLICATION, connect
+from jobserver.storage.postgres_statistics import StatisticsKeeper
 from jobserver.storage.reader_types import (
     LaterJobs,
     QueryRows,
@@ -214,3 +215,46 @@ def _plain(value: object) -> object:
     if value is None or isinstance(value, int | float | str | bytes):
         return value
     return str(value)
+
+
+class ReaderCalls:
+    """PostgresStore's reads on connections of their own, for other threads
+    than the writer's: each opens its connection, or uses Query's login or
+    the statistics keeper's."""
+
+    _url: str
+    _query: postgres_query.QueryLogin
+    _statistics: StatisticsKeeper
+    schema: str
+
+    def keep_statistics(self) -> bool:
+        return self._statistics.keep()
+
+    def prune_pending(self, before: Mapping[str, str], now: str) -> bool:
+        return prune_pending(self._url, before, now)
+
+    def run_query(self, text: str, seconds: float, rows: QueryRows) -> None:
+        run_query(self._query, self.schema, text, seconds, rows)
+
+    def queue_stats(self, now: str) -> QueueStats:
+        return queue_stats(self._url, now)
+
+    def ready_by_queue(self) -> dict[str, int]:
+        return ready_by_queue(self._url)
+
+    def running_by_name(self, now: str) -> list[tuple[str, str, int]]:
+        return running_by_name(self._url, now)
+
+    def handouts_in_windows(self, windows: Mapping[str, str]) -> dict[str, int]:
+        return handouts_in_windows(self._url, windows)
+
+    def find_matching(self, pattern: str, limit: int) -> list[Job]:
+        return find_matching(self._url, pattern, limit)
+
+    def later_jobs(self, now: str, retrying: bool, limit: int, most: int) -> LaterJobs:
+        return later_jobs(self._url, now, retrying, limit, most)
+
+    def running_jobs(
+        self, now: str, pattern: str | None, limit: int, newest: bool = False
+    ) -> RunningStats:
+        return running_jobs(self._url, now, pattern, limit, newest)

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 import trio
 
+from jobserver.core.engine.context import Context
 from jobserver.wire.limits import MAX_AWAITING
 
 
@@ -80,3 +81,9 @@ class Awaits:
         for waiting in self._by_job.values():
             for awaiter in waiting:
                 awaiter.event.set()
+
+
+def ended_of(ctx: Context, ids: list[int]) -> list[int]:
+    """Which of the awaited jobs `ids` have an outcome kept: run in a
+    transaction when notices of other nodes may have been lost."""
+    return ctx.store.ended_of(ids, ctx.now_ms)

@@ -13,11 +13,8 @@ Each request's outcome is handed out only once a sync that began after its
 commit has returned: a `200` is never sent for a write that would not
 survive a power cut.
 
-On PostgreSQL a node has several writers (--writers), each a store on a
-connection of its own: a batch begins on any writer not running one, so
-while one transaction waits for the database another's Python runs. They
-are ordered as two nodes' transactions are (the database's locks); what a
-request was answered is committed before any batch that follows it begins.
+On PostgreSQL a batch begins on any of the node's writers not running one
+(--writers; ARCHITECTURE.md, "Pipelined group commit").
 
 A batch runs in a worker thread instead when one of its requests is heavy
 (a thousand jobs in one request, the pruner's deletions), or when another
@@ -48,7 +45,7 @@ import outcome
 import trio
 
 from jobserver.core.engine.alarm import RETRY_SECONDS, Alarm
-from jobserver.core.engine.awaits import Awaits
+from jobserver.core.engine.awaits import Awaits, ended_of
 from jobserver.core.engine.batch import Batches
 from jobserver.core.engine.clock import Clock
 from jobserver.core.engine.context import Context, Settings
@@ -56,7 +53,7 @@ from jobserver.core.engine.durability import Durability
 from jobserver.core.engine.histogram import BATCH_BOUNDS, SECONDS_BOUNDS, Histogram
 from jobserver.core.engine.history import History
 from jobserver.core.engine.waiters import MATCH_PAUSE, Waiter, WaitQueue
-from jobserver.core.engine.work import Call, GiveBack, Serve, Tick, Work
+from jobserver.core.engine.work import Call, GiveBack, Serve, Tick, Work, refuse_abort
 from jobserver.core.engine.writer import Committed, Writer, outcomes_unknown
 from jobserver.core.rules import cascade, flow
 from jobserver.core.rules.selection import JobQuery, Taken
@@ -72,16 +69,6 @@ MAX_BATCH = 256
 # Rounds of late work a stopping engine runs (see Engine.stop): each one is
 # what the previous round's outcomes asked for, so two or three suffice.
 STOP_ROUNDS = 5
-
-
-def _ended_of(ctx: Context, ids: list[int]) -> list[int]:
-    return ctx.store.ended_of(ids, ctx.now_ms)
-
-
-def _refuse_abort(raise_cancel: Any) -> trio.lowlevel.Abort:
-    # A request handed to the engine is on its way to the disk: waiting for
-    # its answer survives a cancellation, so nothing is left half-reported.
-    return trio.lowlevel.Abort.FAILED
 
 
 class Engine:
@@ -166,7 +153,7 @@ class Engine:
     async def call(self, run: Callable[[Context], Any], heavy: bool = False) -> Any:
         """Run `run` in a transaction and return its result once durable."""
         self.submit(Call(run, heavy, trio.lowlevel.current_task()))
-        return await trio.lowlevel.wait_task_rescheduled(_refuse_abort)
+        return await trio.lowlevel.wait_task_rescheduled(refuse_abort)
 
     async def settled(self) -> None:
         """Until every commit made so far is durable: for replies that read
@@ -252,7 +239,7 @@ class Engine:
         the awaited jobs whose outcome is kept (one read for all)."""
         awaited = self.awaits.awaited()
         if awaited:
-            self.submit(Call(partial(_ended_of, ids=awaited), False, None, self.awaits.ended))
+            self.submit(Call(partial(ended_of, ids=awaited), False, None, self.awaits.ended))
 
     async def stop(self) -> None:
         """Finish everything queued, then stop. While another process holds

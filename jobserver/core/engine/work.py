@@ -70,3 +70,9 @@ class Tick:
 
 
 Work = Call | Serve | GiveBack | Tick
+
+
+def refuse_abort(raise_cancel: Any) -> trio.lowlevel.Abort:
+    """A Call's task waits for its outcome through a cancellation: the
+    request is on its way to the disk, so nothing is left half-reported."""
+    return trio.lowlevel.Abort.FAILED
