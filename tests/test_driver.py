@@ -11,6 +11,7 @@ its order, failed jobs), parents and children, and the clock's questions.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from driver import LATER, NOW, PAST, another_store, create, job, transaction
 from jobserver.model.jobs import (
     ACTIVE,
     ENDED_CHILDREN,
+    FinishedRun,
     FlowOptions,
     JobChanges,
     RetryPolicy,
@@ -185,6 +187,37 @@ def test_delete_is_fenced_by_state(store: Storage) -> None:
         assert store.get(failed) is None and store.get(queued) is not None
         assert store.delete([queued, 999]) == [queued]
         assert store.delete([]) == []
+
+
+def test_finish_plain_runs_deletes_only_runs_with_nothing_more_to_do(store: Storage) -> None:
+    plain, leased, repeating, parent, cancelling, counted, queued, depended = create(
+        store, job("a", data='{"x":1}'), job("a"), job("a"), job("a"), job("a"),
+        job("a", data='{"retryAfterCount":1}'), job("a"), job("a"),
+    )
+    (child,) = create(store, job("a", parent_id=parent))
+    (dependent,) = create(store, replace(job("a"), dependencies=1, blockers=0))
+    (waiter,) = create(store, replace(job("w"), dependencies=1, blockers=1), state=State.BLOCKED)
+    running = [plain, leased, repeating, child, parent, cancelling, counted, depended, dependent]
+    with transaction(store):
+        store.add_dependencies([(waiter, depended), (dependent, queued)])
+        store.set_state_if(running, [State.QUEUED], State.RUNNING, JobChanges(leaseID="L"))
+        store.amend([repeating], JobChanges(repeat="FINISHED, +1 HOUR"))
+        store.amend([cancelling], JobChanges(cancelRequested=1))
+        others = (repeating, child, parent, cancelling, counted, queued, depended, dependent)
+        runs = [(plain, None), (leased, "L"), (leased, "L"), (999, None), (plain, "not its")]
+        finished = store.finish_plain_runs([*runs, *((j, None) for j in others)])
+    if store.dialect.returning:
+        assert sorted(f.jobID for f in finished) == [plain, leased]
+        assert next(f for f in finished if f.jobID == plain) == FinishedRun(
+            plain, "a", '{"x":1}', "", False
+        )
+    else:
+        # SQLite finishes none this way: the caller takes the long way.
+        assert finished == []
+    with transaction(store):
+        assert [store.get(j) is None for j in (plain, leased)] == [bool(finished)] * 2
+        assert all(store.get(j) is not None for j in others)
+        assert store.finish_plain_runs([]) == []
 
 
 def test_a_savepoint_undoes_only_its_own_writes(store: Storage) -> None:

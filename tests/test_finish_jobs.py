@@ -329,6 +329,105 @@ def test_each_element_is_finished_exactly_as_finish_job_would_finish_it(client, 
     assert [_state(client, j) for j in batch_ids] == [_state(client, j) for j in twin_ids]
 
 
+# A plain run (RUNNING, standalone and childless, with nothing to do but
+# its delete) is finished in one statement with the others of its request
+# where the backend can (PostgreSQL: lifecycle.finish_plain_runs); each
+# other kind takes the long way. Their answers, states and outcomes are
+# FinishJob's all the same, in any mix and order.
+
+_KINDS = (
+    "plain", "repeating", "parent", "depended on", "cancel asked", "retryAfterCount in data",
+    "plain",
+)
+
+
+def _mixed_world(client: Client) -> tuple[list[int], dict[int, str]]:
+    """One job of each of _KINDS, handed out, then the parent's child and
+    the job that depends on the fourth; their leases."""
+    name = f"mixed{next(_names)}"
+    ids = [
+        create(client, name, data={"a": 1}),
+        create(client, name, repeat="FINISHED, +1 HOUR"),
+        create(client, name),
+        create(client, name),
+        create(client, name),
+        create(client, name, data={"retryAfterCount": 2, "b": 2}),
+        create(client, name, data={"c": 3}),
+    ]
+    leases = hand_out(client, name, len(ids))
+    ids.append(create(client, f"{name}/child", parentJobID=ids[2]))
+    ids.append(create(client, f"{name}/after", dependsOn=json.dumps([ids[3]])))
+    ok(client.request("CancelJob", jobID=ids[4], running="true"))
+    return ids, leases
+
+
+def _ended(client: Client, job_id: int) -> tuple[str, Any]:
+    """What AwaitJob says at once of a job: its end's state and data, or not yet."""
+    reply = client.request("AwaitJob", jobID=job_id, timeout=0)
+    if not reply.status.startswith("200"):
+        return reply.status, None
+    return reply.status, (reply.json.get("state"), reply.json.get("data"))
+
+
+# Each job of a mixed world named once, in its own way, then a few more
+# elements (the same jobs again, jobs that are none), in any order.
+_naming = st.tuples(
+    st.sampled_from([int, int, str]),
+    st.sampled_from(["absent", "own", "wrong"]),
+    st.sampled_from(["absent", "absent", {"k": "v"}]),
+    st.sampled_from([str, str, str.lower]),
+)
+_more = st.one_of(
+    st.tuples(st.integers(0, len(_KINDS) - 1), _naming),
+    st.tuples(st.sampled_from([UNKNOWN, 0, "abc"]), _naming),
+)
+
+
+@st.composite
+def mixed_elements(draw: st.DrawFn) -> list[tuple[Any, ...]]:
+    specs = []
+    for at, (form, lease, data, case) in enumerate(
+        draw(st.lists(_naming, min_size=len(_KINDS), max_size=len(_KINDS)))
+    ):
+        specs.append((("job", at, form), lease, data, case))
+    for ref, (form, lease, data, case) in draw(st.lists(_more, max_size=4)):
+        job_ref = ("job", ref, form) if type(ref) is int and ref < 100 else ("literal", ref, None)
+        specs.append((job_ref, lease, data, case))
+    return draw(st.permutations(specs))
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(specs=mixed_elements())
+def test_plain_runs_and_every_other_kind_are_finished_as_finish_job_would(client, specs):
+    batch_ids, batch_leases = _mixed_world(client)
+    twin_ids, twin_leases = _mixed_world(client)
+    batch = [_element(spec, batch_ids, batch_leases) for spec in specs]
+    results = finish_jobs(client, batch)
+    assert [r["jobID"] for r in results] == [_expected_id(e) for e in batch]
+    for spec, got in zip(specs, results, strict=True):
+        element = _element(spec, twin_ids, twin_leases)
+        reply: Reply = client.request("FinishJob", headers=_headers(element))
+        assert got["status"] == reply.status, (spec, element)
+    assert [_state(client, j) for j in batch_ids] == [_state(client, j) for j in twin_ids]
+    assert [_ended(client, j) for j in batch_ids] == [_ended(client, j) for j in twin_ids]
+
+
+def test_plain_runs_finished_together_are_gone_with_their_outcomes_kept(client):
+    ids = [create(client, "plainrun", data={"n": n}) for n in range(3)]
+    leases = hand_out(client, "plainrun", 3)
+    elements = [{"jobID": j, "leaseID": lease} for j, lease in leases.items()]
+    assert finish_jobs(client, elements) == [result(j) for j in leases]
+    for n, job_id in enumerate(ids):
+        assert query(client, job_id) is None
+        assert _ended(client, job_id) == ("200 OK", ("FINISHED", {"n": n}))
+    # Finished once: a second report finds nothing.
+    assert [r["status"] for r in finish_jobs(client, elements)] == [
+        "404 No job with this jobID"
+    ] * 3
+
+
 # The client library: finish_jobs on Client and TrioClient.
 
 

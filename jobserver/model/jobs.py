@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, StrEnum
+from typing import NamedTuple
 
 
 class State(StrEnum):
@@ -109,6 +110,17 @@ class JobOutcome:
     lastError: str
     ended: str
     expires: str
+
+
+class FinishedRun(NamedTuple):
+    """A job a plain finish deleted (storage's finish_plain_runs): what its
+    outcome and the history need of it."""
+
+    jobID: int
+    name: str
+    data: str
+    lastError: str
+    awaited: bool
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
-from jobserver.model.jobs import NO_CHANGES, Job, JobChanges, JobOutcome, NewJob
+from jobserver.model.jobs import NO_CHANGES, FinishedRun, Job, JobChanges, JobOutcome, NewJob
 from jobserver.model.limits import Limit
 from jobserver.storage.dependency_types import Dependencies
 from jobserver.storage.reader_types import Readers
@@ -178,6 +178,14 @@ class Jobs(Dependencies, Protocol):
     def delete(self, ids: Sequence[int], in_states: Sequence[str] | None = None) -> list[int]:
         """Delete the jobs (only those in one of `in_states`, if given); the
         jobIDs deleted."""
+
+    def finish_plain_runs(self, runs: Sequence[tuple[int, str | None]]) -> list[FinishedRun]:
+        """Delete in one statement the jobs of `runs` (jobID, and the leaseID
+        their report holds or None) whose finish is nothing more: RUNNING
+        under that lease, standalone and childless, without a repeat, a
+        cancel asked for, dependencies or dependents, with data a finish
+        leaves as it is; what each deleted one was. A backend may finish
+        none this way (SQLite): the caller finishes the rest one by one."""
 
     # Many jobs in a few statements (held_writes.py).
 

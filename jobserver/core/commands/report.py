@@ -10,7 +10,7 @@ from typing import Any
 
 from jobserver.core.commands import json_params, known_headers, params
 from jobserver.core.commands.lookup import cancelled_run, check_lease, load_job
-from jobserver.core.commands.views import ok
+from jobserver.core.commands.views import OK, ok
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
 from jobserver.core.rules import lifecycle, schedule
@@ -76,13 +76,62 @@ def _report_each(ctx: Context, request: Request, command: str, report: Report) -
     elements = json_params.job_list(request)
     if len(elements) > MAX_FINISH_JOBS:
         raise CommandError(f"413 Too many jobs (max {MAX_FINISH_JOBS})")
-    reports = [json_params.from_json(element, command) for element in elements]
-    # Their jobs are read in one statement, and their writes sent together.
-    # Their dependents, if any, hear of the jobs that ended all at once.
+    plain, reports = _sorted_elements(elements, command, plain_allowed=report is _finish)
+    # Every write is held and sent together (the plain runs' outcomes too).
+    # Dependents, if any, hear of the jobs that ended all at once.
     with ctx.store.holding_writes(), lifecycle.telling_at_end(ctx):
-        ctx.store.hold(_named_jobs(reports))
-        results = [_report_element(ctx, each, report) for each in reports]
-    return known_headers.with_ignored_elements(ok({"results": results}), reports)
+        # The plain runs first, in one statement: none is anything to
+        # another element's job (no parent, child, dependency or
+        # dependent), and no element before names its job.
+        finished = lifecycle.finish_plain_runs(ctx, list(plain.values())) if plain else set()
+        for at, (job_id, _) in plain.items():
+            if job_id not in finished:
+                reports[at] = json_params.from_json(elements[at], command)
+        # The others' jobs are read in one statement.
+        ctx.store.hold(_named_jobs(list(reports.values())))
+        results = [
+            _report_element(ctx, reports[at], report)
+            if at in reports
+            else {"jobID": plain[at][0], "status": OK}
+            for at in range(len(elements))
+        ]
+    return known_headers.with_ignored_elements(ok({"results": results}), list(reports.values()))
+
+
+def _sorted_elements(
+    elements: list[dict[str, Any]], command: str, plain_allowed: bool
+) -> tuple[dict[int, tuple[int, str | None]], dict[int, Request]]:
+    """By position: the elements that may be plain runs (jobID, and leaseID
+    or None), and every other as its command's request (each checked here,
+    before anything is written). A plain run's element holds `jobID`, a
+    job's number, and maybe `leaseID`, an ASCII text, and nothing else,
+    and no element before it names its job."""
+    plain: dict[int, tuple[int, str | None]] = {}
+    reports: dict[int, Request] = {}
+    named: set[int] = set()
+    for at, element in enumerate(elements):
+        run = _plain_run(element) if plain_allowed else None
+        if run is not None and run[0] not in named:
+            plain[at] = run
+            named.add(run[0])
+            continue
+        request = reports[at] = json_params.from_json(element, command)
+        job_id = params.given_job_id(request)
+        if job_id is not None:
+            named.add(job_id)
+    return plain, reports
+
+
+def _plain_run(element: dict[str, Any]) -> tuple[int, str | None] | None:
+    job_id = element.get("jobID")
+    if type(job_id) is not int or not 0 < job_id <= params.MAX_JOB_ID:
+        return None
+    lease = element.get("leaseID")
+    if lease is None:
+        return (job_id, None) if len(element) == 1 else None
+    if type(lease) is str and lease and lease.isascii() and len(element) == 2:
+        return job_id, lease
+    return None
 
 
 def _named_jobs(reports: list[Request]) -> list[int]:

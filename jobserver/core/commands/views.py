@@ -12,9 +12,11 @@ from jobserver.wire import jsonbody
 from jobserver.wire.framing import Response
 from jobserver.wire.jsonbody import Raw, quote
 
+OK = "200 OK"
+
 
 def ok(body: Any = None) -> Response:
-    return Response("200 OK", b"" if body is None else jsonbody.encode(body))
+    return Response(OK, b"" if body is None else jsonbody.encode(body))
 
 
 def job_object(job: Job, with_state: bool = False) -> dict[str, Any]:

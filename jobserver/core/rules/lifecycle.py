@@ -141,9 +141,12 @@ def _write(ctx: Context, job: Job, **changes: Any) -> None:
 def _freed(ctx: Context, job: Job) -> None:
     """A job stops running: if it held capacity of a concurrency limit,
     every waiting GetJob may now get a job."""
-    if job.state not in ACTIVE or not ctx.store.limits:
-        return
-    if flow.index_of(ctx.store).verdict(job.name).limits:
+    if job.state in ACTIVE:
+        _freed_name(ctx, job.name)
+
+
+def _freed_name(ctx: Context, name: str) -> None:
+    if ctx.store.limits and flow.index_of(ctx.store).verdict(name).limits:
         ctx.wake_all()
 
 
@@ -287,6 +290,23 @@ def finish(ctx: Context, job: Job, parent: Job | None, **changes: Any) -> None:
         # Its data goes to its dependents, if any, and to its outcome
         # (AwaitJob): its result.
         _move(ctx, job, "finish", GONE, **changes)
+
+
+def finish_plain_runs(ctx: Context, runs: list[tuple[int, str | None]]) -> set[int]:
+    """Finish at once, in one statement, the runs (jobID, and the leaseID
+    their report holds or None) whose finish is only the delete of a
+    RUNNING standalone job (storage's finish_plain_runs says which), with
+    what `finish` and `_move` do beside it: the history's count, the
+    outcome, capacity freed. The jobIDs finished; the caller finishes the
+    others one by one. None with --keep-finished: a finished job stays."""
+    if ctx.settings.keep_finished:
+        return set()
+    finished = ctx.store.finish_plain_runs(runs)
+    for run in finished:
+        ctx.note(history.FINISHED, run.name)
+        _freed_name(ctx, run.name)
+        outcomes.on_plain_finish(ctx, run)
+    return {run.jobID for run in finished}
 
 
 def retry(

@@ -26,7 +26,7 @@ from typing import Any
 from jobserver.core.engine.context import Context
 from jobserver.core.rules.moves import GONE
 from jobserver.model import times
-from jobserver.model.jobs import ENDED, Job, JobOutcome, State
+from jobserver.model.jobs import ENDED, FinishedRun, Job, JobOutcome, State
 
 # The final state of a job deleted before it ended.
 DELETED = "DELETED"
@@ -49,20 +49,32 @@ def on_move(ctx: Context, job: Job, name: str, target: str, changes: dict[str, A
         final = str(target)
     else:
         return
+    _keep(
+        ctx, job.jobID, job.name, final, changes.get("data", job.data),
+        changes.get("lastError", job.lastError), bool(job.awaited),
+    )
+
+
+def on_plain_finish(ctx: Context, run: FinishedRun) -> None:
+    """A job a plain finish deleted (lifecycle.finish_plain_runs) ended
+    FINISHED, as `on_move` keeps a finish's end."""
+    _keep(ctx, run.jobID, run.name, State.FINISHED.value, run.data, run.lastError, run.awaited)
+
+
+def _keep(
+    ctx: Context, job_id: int, name: str, final: str, data: str, last_error: str, awaited: bool
+) -> None:
     keep = ctx.settings.keep_outcomes
     if not keep:
-        if not job.awaited:
+        if not awaited:
             return
         keep = AWAITED_KEEP
     expires = times.later_millis(ctx.now, ctx.now_ms, keep)
     ctx.store.keep_job_outcome(
-        JobOutcome(
-            job.jobID, job.name, final, changes.get("data", job.data),
-            changes.get("lastError", job.lastError), ctx.now_ms, expires,
-        )
+        JobOutcome(job_id, name, final, data, last_error, ctx.now_ms, expires)
     )
-    if job.awaited:
-        ctx.ended.add(job.jobID)
+    if awaited:
+        ctx.ended.add(job_id)
 
 
 def of_row(job: Job) -> JobOutcome:
