@@ -205,7 +205,9 @@ def test_finish_plain_runs_deletes_only_runs_with_nothing_more_to_do(store: Stor
         store.amend([cancelling], JobChanges(cancelRequested=1))
         others = (repeating, child, parent, cancelling, counted, queued, depended, dependent)
         runs = [(plain, None), (leased, "L"), (leased, "L"), (999, None), (plain, "not its")]
-        finished = store.finish_plain_runs([*runs, *((j, None) for j in others)])
+        finished = store.finish_plain_runs(
+            [*runs, *((j, None) for j in others)], [plain, leased, 999, *others]
+        )
     if store.dialect.returning:
         assert sorted(f.jobID for f in finished) == [plain, leased]
         assert next(f for f in finished if f.jobID == plain) == FinishedRun(
@@ -217,7 +219,24 @@ def test_finish_plain_runs_deletes_only_runs_with_nothing_more_to_do(store: Stor
     with transaction(store):
         assert [store.get(j) is None for j in (plain, leased)] == [bool(finished)] * 2
         assert all(store.get(j) is not None for j in others)
-        assert store.finish_plain_runs([]) == []
+        assert store.finish_plain_runs([], [plain]) == []
+
+
+def test_finish_plain_runs_locks_every_job_named_first(store: Storage, db: Path | str) -> None:
+    run, named, bystander = create(store, job("a"), job("a"), job("a"))
+    with transaction(store):
+        store.set_state_if([run], [State.QUEUED], State.RUNNING)
+        finished = store.finish_plain_runs([(run, None)], [run, named])
+        if not store.dialect.returning:
+            # One writer to a file: nothing to lock, and nothing finished.
+            assert finished == []
+            return
+        with another_store("postgres", db) as other, transaction(other):
+            # Another node's hand-out passes over the request's other job,
+            # locked; a job it did not name stays free.
+            query = {"now": NOW, "priorities": [500], "limit": 10, "patterns": ["a"]}
+            found = other.find_ready(**query)  # type: ignore[arg-type]
+            assert [j.jobID for j in found] == [bystander]
 
 
 def test_a_savepoint_undoes_only_its_own_writes(store: Storage) -> None:

@@ -428,6 +428,20 @@ def test_plain_runs_finished_together_are_gone_with_their_outcomes_kept(client):
     ] * 3
 
 
+def test_ignored_keys_are_named_by_their_elements_place_whichever_way_it_went(client):
+    plain, repeating, other = (
+        create(client, "ignored"), create(client, "ignored", repeat="FINISHED, +1 HOUR"),
+        create(client, "ignored"),
+    )
+    hand_out(client, "ignored", 3)
+    # The first two are finished by number alone (the first at once where
+    # the backend can, the repeating one the long way), the third not.
+    elements = [{"jobID": plain}, {"jobID": repeating}, {"jobID": other, "priorty": 5}]
+    reply = ok(client.request("FinishJobs", jobs=elements))
+    assert reply.headers.get("ignoredHeaders") == "jobs[2].priorty"
+    assert [r["status"] for r in reply.json["results"]] == ["200 OK"] * 3
+
+
 # The client library: finish_jobs on Client and TrioClient.
 
 

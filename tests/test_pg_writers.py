@@ -6,6 +6,7 @@ bounds. Over a real server and real PostgreSQL."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import threading
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.backends(only="postgres")
 # long as the lock is held, which is longer.
 PROMPT = 5.0
 HELD = 30.0
+OK, GONE = "200 OK", "404 No job with this jobID"
 
 
 def backends(server: ThreadServer) -> list[int]:
@@ -241,6 +243,54 @@ def test_two_cascades_at_once_each_settle_within_the_bound(db, monkeypatch):
         assert max(settled.values()) <= cascade.MOVES_AT_ONCE, sorted(settled.values())
     finally:
         server.stop()
+
+
+def _finish_at_once(
+    client: Client, jobs: list[dict[str, Any]], both: threading.Barrier, replies: list[Any]
+) -> None:
+    both.wait(PROMPT)
+    replies.append(client.request("FinishJobs", jobs=jobs))
+
+
+def test_finish_jobs_naming_the_same_jobs_in_other_orders_and_shapes_never_deadlock(db, caplog):
+    # Two writers finish the same two jobs at once, each naming one by
+    # number alone (a plain run, finished first in one statement) and the
+    # other with data (the long way): every job a request names is locked
+    # first, in key order. Locked in two steps, the plain run's then the
+    # rest, 46 rounds of 100 deadlocked (each a second's wait and a batch
+    # run again, a 503 after three).
+    caplog.set_level(logging.WARNING, logger="jobserver")
+    server = ThreadServer(db, writers=2)
+    try:
+        with (
+            server.client(timeout=HELD) as setup,
+            server.client(timeout=HELD) as one,
+            server.client(timeout=HELD) as other,
+        ):
+            for _ in range(20):
+                a, b = create(setup, "mirrored"), create(setup, "mirrored")
+                ok(setup.request("GetJobs", name="mirrored", numResults=2))
+                both = threading.Barrier(2)
+                replies: list[Any] = []
+                mirrored = [
+                    (one, [{"jobID": b}, {"jobID": a, "data": {}}]),
+                    (other, [{"jobID": a}, {"jobID": b, "data": {}}]),
+                ]
+                sent = [
+                    threading.Thread(target=_finish_at_once, args=(*pair, both, replies))
+                    for pair in mirrored
+                ]
+                for thread in sent:
+                    thread.start()
+                for thread in sent:
+                    thread.join(HELD)
+                # Each job finished once, by one of the two.
+                statuses = sorted(r["status"] for got in replies for r in ok(got).json["results"])
+                assert statuses == [OK, OK, GONE, GONE], statuses
+    finally:
+        server.stop()
+    undone = [r.getMessage() for r in caplog.records if "undone by the database" in r.getMessage()]
+    assert undone == []
 
 
 def test_writers_is_for_postgresql_and_bounded(tmp_path):

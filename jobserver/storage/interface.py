@@ -179,13 +179,18 @@ class Jobs(Dependencies, Protocol):
         """Delete the jobs (only those in one of `in_states`, if given); the
         jobIDs deleted."""
 
-    def finish_plain_runs(self, runs: Sequence[tuple[int, str | None]]) -> list[FinishedRun]:
+    def finish_plain_runs(
+        self, runs: Sequence[tuple[int, str | None]], named: Sequence[int]
+    ) -> list[FinishedRun]:
         """Delete in one statement the jobs of `runs` (jobID, and the leaseID
         their report holds or None) whose finish is nothing more: RUNNING
         under that lease, standalone and childless, without a repeat, a
         cancel asked for, dependencies or dependents, with data a finish
-        leaves as it is; what each deleted one was. A backend may finish
-        none this way (SQLite): the caller finishes the rest one by one."""
+        leaves as it is; what each deleted one was. Where other nodes write,
+        every job of `named` (the request's, these among them) is locked
+        first, in the order of their keys, as `hold` locks: the request
+        then takes no lock after another. A backend may finish none this
+        way (SQLite): the caller finishes the rest one by one."""
 
     # Many jobs in a few statements (held_writes.py).
 

@@ -177,21 +177,25 @@ class SqlStore(DependencyStatements, Outcomes, FlowStatements, ReplyStatements):
             return list(ids) if held.write(write, None, states, None) else []
         return self._changed("DELETE FROM jobs", [], ids, fence, [])
 
-    def finish_plain_runs(self, runs: Sequence[tuple[int, str | None]]) -> list[FinishedRun]:
+    def finish_plain_runs(
+        self, runs: Sequence[tuple[int, str | None]], named: Sequence[int]
+    ) -> list[FinishedRun]:
         """Delete, in one statement, the jobs of `runs` (jobID, and the
         leaseID the report holds or None) whose finish is only that: RUNNING
         under that lease, standalone, childless, without a repeat, a cancel
         asked for, dependencies or dependents, and data that holds neither
         `"retryAfterCount"` nor `"delete"` (which a finish rewrites or reads);
-        what each was. Only where one statement returns the rows it deletes
-        (PostgreSQL); elsewhere none, and each run is finished the long way."""
+        what each was. Every job of `named` is locked first, in key order.
+        Only where one statement returns the rows it deletes (PostgreSQL);
+        elsewhere none, and each run is finished the long way."""
         if not runs or not self.dialect.returning:
             return []
-        # Locked in the order of their keys, as `hold` locks rows: two
-        # requests naming the same jobs in other orders never deadlock.
-        ordered = sorted(runs, key=lambda run: run[0])
-        ids = sql.integers(run[0] for run in ordered)
-        rows = self._execute(_FINISH_PLAIN, [ids, [run[1] for run in ordered]]).fetchall()
+        args = [
+            sql.integers(sorted(set(named))),
+            sql.integers(run[0] for run in runs),
+            [run[1] for run in runs],
+        ]
+        rows = self._execute(_FINISH_PLAIN, args).fetchall()
         return [FinishedRun(int(r[0]), r[1], r[2], r[3], bool(r[4])) for r in rows]
 
     def _many(self, ids: Sequence[int]) -> bool:
@@ -431,14 +435,27 @@ _DEPENDENCIES = ("dependencies", "blockers", "onDependencyFailure")
 _STATE_NAMES = {state.value: state.value for state in State}
 
 
-# finish_plain_runs' statement (PostgreSQL): each run's row by its key (the
-# state as an expression, as in _fence: a queue table's statistics are never
-# current, and with the state's index the planner read every RUNNING job),
-# the lease compared where the report names one; children looked for in
+# finish_plain_runs' statement (PostgreSQL). First every job the request
+# names is locked, in key order (`locked`, read whole by the count, a
+# condition on nothing of the row that PostgreSQL tests once, before the
+# delete reads a row), as `hold` locks them: a request never takes a lock
+# after another of its own, and two requests naming the same jobs in any
+# order and shape wait for each other rather than deadlock.
+# The runs whose lease matches are then found among the locked rows, and
+# deleted by key (an index read of the key whatever the planner knows of
+# the table: joined to unnest, it once read every RUNNING job for each
+# run); the state as an expression, as in _fence; children looked for in
 # jobsParentJobIDState (which `!= 0` lets the planner use: without it, it
 # read the whole table for each job).
-_FINISH_PLAIN = f"""DELETE FROM jobs USING unnest(%s::bigint[], %s::text[]) AS run(id, lease)
-WHERE jobs.jobID = run.id AND (run.lease IS NULL OR jobs.leaseID = run.lease)
+_FINISH_PLAIN = f"""WITH locked AS (
+    SELECT jobID, leaseID FROM jobs WHERE jobID = ANY(%s::bigint[]) ORDER BY jobID FOR UPDATE
+)
+DELETE FROM jobs
+WHERE (SELECT count(*) FROM locked) > 0
+AND jobs.jobID = ANY(ARRAY(
+    SELECT locked.jobID FROM locked JOIN unnest(%s::bigint[], %s::text[]) AS run(id, lease)
+    ON locked.jobID = run.id WHERE run.lease IS NULL OR locked.leaseID = run.lease
+))
 AND (jobs.state || '') = '{State.RUNNING.value}' AND jobs.parentJobID = 0 AND jobs.repeat = ''
 AND jobs.cancelRequested = 0 AND jobs.dependencies = 0 AND jobs.dependents = 0
 AND strpos(jobs.data, '"retryAfterCount"') = 0 AND strpos(jobs.data, '"delete"') = 0

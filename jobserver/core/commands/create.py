@@ -90,7 +90,7 @@ def _create_all(ctx: Context, request: Request) -> Response:
             ids.append(_create(ctx, element, one, known))
     if known is not None:
         _link(ctx, known, wanted, ids)
-    return known_headers.with_ignored_elements(ok({"jobIDs": ids}), created)
+    return known_headers.with_ignored_elements(ok({"jobIDs": ids}), dict(enumerate(created)))
 
 
 def _link(ctx: Context, known: Known, wanted: list[Wanted], ids: list[int]) -> None:

@@ -3,6 +3,8 @@ the ones it does not: a typo (`priorty: 1000`) must not pass unnoticed."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from jobserver.wire.framing import Request, Response
 
 # Which headers each command reads (lower case, as Request keeps them). A
@@ -89,13 +91,13 @@ def unread_headers(request: Request) -> list[str]:
     return [n for n in request.headers if n not in known and n not in GENERAL_HEADERS]
 
 
-def ignored_in_elements(elements: list[Request]) -> list[str]:
+def ignored_in_elements(elements: Mapping[int, Request]) -> list[str]:
     """The keys the elements of CreateJobs', FinishJobs', FailJobs' or
-    RetryJobs' `jobs` carry
-    that their command does not read, as `jobs[INDEX].KEY`."""
+    RetryJobs' `jobs` carry (by their position in `jobs`) that their
+    command does not read, as `jobs[INDEX].KEY`, in order."""
     return [
         f"jobs[{index}].{name}"
-        for index, element in enumerate(elements)
+        for index, element in sorted(elements.items())
         for name in unread_headers(element)
     ]
 
@@ -119,9 +121,10 @@ def describe_ignored(ignored: list[str]) -> str:
     return ", ".join(listed) + (f" and {more} more" if more else "")
 
 
-def with_ignored_elements(response: Response, elements: list[Request]) -> Response:
-    """The reply, naming the keys of `jobs` elements their command does not
-    read (`jobs[1].priorty`), as a request's own headers are named."""
+def with_ignored_elements(response: Response, elements: Mapping[int, Request]) -> Response:
+    """The reply, naming the keys of `jobs` elements (by position) their
+    command does not read (`jobs[1].priorty`), as a request's own headers
+    are named."""
     ignored = ignored_in_elements(elements)
     if ignored:
         response.headers["ignoredHeaders"] = describe_ignored(ignored)

@@ -83,7 +83,10 @@ def _report_each(ctx: Context, request: Request, command: str, report: Report) -
         # The plain runs first, in one statement: none is anything to
         # another element's job (no parent, child, dependency or
         # dependent), and no element before names its job.
-        finished = lifecycle.finish_plain_runs(ctx, list(plain.values())) if plain else set()
+        finished = set()
+        if plain:
+            named = [run[0] for run in plain.values()] + _named_jobs(list(reports.values()))
+            finished = lifecycle.finish_plain_runs(ctx, list(plain.values()), named)
         for at, (job_id, _) in plain.items():
             if job_id not in finished:
                 reports[at] = json_params.from_json(elements[at], command)
@@ -95,7 +98,7 @@ def _report_each(ctx: Context, request: Request, command: str, report: Report) -
             else {"jobID": plain[at][0], "status": OK}
             for at in range(len(elements))
         ]
-    return known_headers.with_ignored_elements(ok({"results": results}), list(reports.values()))
+    return known_headers.with_ignored_elements(ok({"results": results}), reports)
 
 
 def _sorted_elements(

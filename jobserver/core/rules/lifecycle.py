@@ -292,16 +292,19 @@ def finish(ctx: Context, job: Job, parent: Job | None, **changes: Any) -> None:
         _move(ctx, job, "finish", GONE, **changes)
 
 
-def finish_plain_runs(ctx: Context, runs: list[tuple[int, str | None]]) -> set[int]:
+def finish_plain_runs(
+    ctx: Context, runs: list[tuple[int, str | None]], named: list[int]
+) -> set[int]:
     """Finish at once, in one statement, the runs (jobID, and the leaseID
     their report holds or None) whose finish is only the delete of a
-    RUNNING standalone job (storage's finish_plain_runs says which), with
-    what `finish` and `_move` do beside it: the history's count, the
-    outcome, capacity freed. The jobIDs finished; the caller finishes the
-    others one by one. None with --keep-finished: a finished job stays."""
+    RUNNING standalone job (storage's finish_plain_runs says which, having
+    locked every job of `named`, the request's), with what `finish` and
+    `_move` do beside it: the history's count, the outcome, capacity
+    freed. The jobIDs finished; the caller finishes the others one by one.
+    None with --keep-finished: a finished job stays."""
     if ctx.settings.keep_finished:
         return set()
-    finished = ctx.store.finish_plain_runs(runs)
+    finished = ctx.store.finish_plain_runs(runs, named)
     for run in finished:
         ctx.note(history.FINISHED, run.name)
         _freed_name(ctx, run.name)
