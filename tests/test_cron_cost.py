@@ -23,7 +23,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from harness import ServerProcess, ThreadServer
@@ -187,11 +187,21 @@ _MOMENTS = st.one_of(
 )
 
 
+def _cronsim_loops(zone: str, moment: datetime) -> bool:
+    """Whether a search from `moment` may never end in cronsim 2.8: in St.
+    John's, whose clocks went back at 00:01 from 2007 to 2010, a rule of a
+    Sunday in November with a `*` hour (`30 * 31 11 SUN`) loops there for
+    good, from any moment of those years (found when this test ran for
+    minutes). No search of the server's starts before its own now."""
+    return zone == "America/St_Johns" and 2006 <= moment.year <= 2011
+
+
 @settings(max_examples=300, deadline=None)
 @given(_PLAUSIBLE, _ZONES, _MOMENTS, st.integers(0, 59_999_999))
 def test_a_remembered_next_run_is_the_one_a_search_gives(
     rule: str, zone: str, moment: datetime, earlier: int
 ) -> None:
+    assume(not _cronsim_loops(zone, moment))
     try:
         stored = cron.normalise(rule)
     except cron.MalformedCron:
@@ -212,6 +222,7 @@ def test_a_next_run_remembered_for_its_span_is_the_one_a_search_gives(
     (for rules whose moments do not depend on where a search starts):
     asked at any of them, it is what a fresh search gives, across changes
     of the zone's offset too."""
+    assume(not _cronsim_loops(zone, moment))
     try:
         stored = cron.normalise(rule)
     except cron.MalformedCron:
