@@ -155,6 +155,33 @@ def test_a_state_must_be_one_of_the_model(store: Storage) -> None:
         store.set_state_if([job_id], [State.QUEUED], "DONE")
 
 
+@pytest.mark.parametrize("held", [False, True])
+def test_hand_out_plain_writes_what_set_state_if_writes(store: Storage, held: bool) -> None:
+    plain, twin, running = create(store, job("a"), job("a"), job("a"))
+    changes = JobChanges(
+        lastRun=PAST, leaseID="L", lastReport=NOW, worker="1.2.3.4:5", node="n"
+    )
+    with transaction(store), store.holding_writes():
+        store.set_state_if([running], [State.QUEUED], State.RUNNING)
+        if held:
+            store.hold([plain, twin, running])
+        assert store.hand_out_plain(plain, "L", "1.2.3.4:5", "n", PAST, NOW) is True
+        assert store.set_state_if([twin], [State.QUEUED], State.RUNNING, changes) == [twin]
+        # Only a QUEUED job moves.
+        assert store.hand_out_plain(running, "M", "w", "n", PAST, NOW) is False
+        # Read back as the transaction left them (from the held copies, if held).
+        inside = [store.get(plain), store.get(twin)]
+    after = [store.get(plain), store.get(twin), store.get(running)]
+    for rows in (inside, after[:2]):
+        first, second = rows
+        assert first is not None and second is not None
+        assert replace(first, jobID=second.jobID) == second
+        assert (first.state, first.leaseID, first.worker, first.lastReport) == (
+            State.RUNNING, "L", "1.2.3.4:5", NOW
+        )
+    assert after[2] is not None and after[2].leaseID == ""
+
+
 def test_amend_changes_columns_and_never_the_state(store: Storage) -> None:
     (job_id,) = create(store, job())
     (done,) = create(store, job("b"), state=State.FAILED)

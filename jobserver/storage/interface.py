@@ -169,6 +169,13 @@ class Jobs(Dependencies, Protocol):
         `lease`, if given) to `to_state`, setting `changes` too; the jobIDs
         moved. The only way a job's state changes."""
 
+    def hand_out_plain(
+        self, job_id: int, lease_id: str, worker: str, node: str, last_run: str, last_report: str
+    ) -> bool:
+        """Move a QUEUED job to RUNNING under `lease_id`, taken by `worker`
+        on `node` at `last_run` and `last_report`: what set_state_if of
+        those changes does; whether it moved."""
+
     def amend(self, ids: Sequence[int], changes: JobChanges) -> list[int]:
         """Set `changes` on the jobs whatever their state; the jobIDs changed."""
 

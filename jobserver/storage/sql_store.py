@@ -123,6 +123,28 @@ class SqlStore(DependencyStatements, Outcomes, FlowStatements, ReplyStatements):
         if given) to `to_state`, with `changes`; the jobIDs moved."""
         return self._write(ids, {"state": _state_name(to_state)}, changes, from_states, lease)
 
+    def hand_out_plain(
+        self, job_id: int, lease_id: str, worker: str, node: str, last_run: str, last_report: str
+    ) -> bool:
+        """Move a QUEUED job to RUNNING under `lease_id`, taken by `worker`
+        on `node` at `last_run` (`last_report` to the millisecond): the
+        write set_state_if makes of it, with its columns known in advance.
+        Whether it moved."""
+        held = self._held
+        if held is None or job_id not in held.rows:
+            changes = JobChanges(
+                lastRun=last_run, leaseID=lease_id, lastReport=last_report, worker=worker,
+                node=node,
+            )
+            return bool(self.set_state_if([job_id], (State.QUEUED,), State.RUNNING, changes))
+        values = (State.RUNNING.value, last_run, lease_id, last_report, worker, node)
+        d = self.dialect
+        write = Write(
+            _update_head(d, _HANDED_OUT), _HANDED_OUT, values, job_id,
+            _fence(d, _QUEUED, False), (), _fence(d, _QUEUED, False, many=True),
+        )
+        return held.write(write, dict(zip(_HANDED_OUT, values, strict=True)), _QUEUED, None)
+
     def amend(self, ids: Sequence[int], changes: JobChanges) -> list[int]:
         """Set `changes` (never a state) on the jobs, in whatever state
         they are; the jobIDs changed."""
@@ -430,6 +452,11 @@ _NEW_JOB = (
     "retryAfter",
 )
 _FLOW = ("cost", "timeWindows", "timeZone", "key")
+# A plain hand-out's columns, in the order set_state_if writes them (the
+# state, then JobChanges' fields'), so that it and a hand-out written
+# through set_state_if make one statement together.
+_HANDED_OUT = ("state", "lastRun", "leaseID", "lastReport", "worker", "node")
+_QUEUED: tuple[str, ...] = (State.QUEUED,)
 _POLICY = ("maxAttempts", "retryBackoff", "retryDelay", "retryMaxDelay")
 _DEPENDENCIES = ("dependencies", "blockers", "onDependencyFailure")
 _STATE_NAMES = {state.value: state.value for state in State}

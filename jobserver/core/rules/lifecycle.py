@@ -105,6 +105,20 @@ def _move(ctx: Context, job: Job, kind: str, target: str, /, **changes: Any) -> 
         _watch_for_staleness(ctx)
 
 
+def hand_out_plain(ctx: Context, job: Job, token: str, worker: str) -> None:
+    """Hand out a QUEUED job without a lease of its own, a retry policy or
+    a cancel asked for (leases.hand_out says which) under lease `token`:
+    the move `_move` makes of it ("hand out" to RUNNING, its history's
+    count and the stale-job clock), its write named in storage
+    (`hand_out_plain`) rather than built of changes, as most hand-outs of
+    a drain are."""
+    ctx.note(history.HANDED_OUT, job.name)
+    ctx.store.hand_out_plain(
+        job.jobID, token, worker, ctx.settings.node, ctx.now_s, ctx.now_ms
+    )
+    _watch_for_staleness(ctx)
+
+
 def _tell_dependents(ctx: Context, job: Job, target: str, data: str) -> None:
     """`job` ends: its dependents learn it, and those that it decides move
     (protocol.md 14.25), by this module's moves (dependencies.tell)."""
