@@ -428,6 +428,17 @@ def test_plain_runs_finished_together_are_gone_with_their_outcomes_kept(client):
     ] * 3
 
 
+@pytest.mark.parametrize("lease", ["ab\u0000cd", "x" * 100_000, "0123456789ABCDEF", "é" * 16])
+def test_a_lease_no_hand_out_gave_is_refused_alone(client, lease):
+    # Not a lease token: the element takes the long way (409), and the
+    # others are finished. A NUL sent to PostgreSQL failed the whole request.
+    wrong, right = create(client, "oddlease"), create(client, "oddlease")
+    hand_out(client, "oddlease", 2)
+    elements = [{"jobID": wrong, "leaseID": lease}, {"jobID": right}]
+    assert finish_jobs(client, elements) == [result(wrong, "409 Lease expired"), result(right)]
+    assert query(client, wrong) is not None and query(client, right) is None
+
+
 def test_ignored_keys_are_named_by_their_elements_place_whichever_way_it_went(client):
     plain, repeating, other = (
         create(client, "ignored"), create(client, "ignored", repeat="FINISHED, +1 HOUR"),

@@ -18,6 +18,7 @@ with its write named, which costs a drain a tenth less of the node's CPU.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,12 @@ class _Tokens:
 
 
 _tokens = _Tokens()
+_TOKEN = re.compile(f"[0-9a-f]{{{2 * LEASE_BYTES}}}")
+
+
+def is_token(text: str) -> bool:
+    """Whether `text` has the form of a lease token (a hand-out's leaseID)."""
+    return _TOKEN.fullmatch(text) is not None
 # A process forked from this one (a test's, a worker's) must not hand out
 # the tokens this one will.
 os.register_at_fork(after_in_child=_tokens.forget)
