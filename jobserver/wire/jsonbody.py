@@ -149,8 +149,12 @@ def check_depth(text: str) -> None:
     deeper part."""
     if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
         return  # too few brackets to be that deep: the common case
-    outside = _STRING.sub("", text).encode("utf-8", "surrogatepass")
-    brackets = outside.translate(_AS_BRACKETS, _NOT_BRACKETS)
+    # Without an escape every string runs from a quote to the next: a
+    # split at the quotes leaves them at its odd places (an unterminated
+    # last one too), at a fifth of the expression's time (a CreateJobs of
+    # 1,000 jobs, 124 KB: 0.3 ms against 1.35).
+    outside = _STRING.sub("", text) if "\\" in text else "".join(text.split('"')[::2])
+    brackets = outside.encode("utf-8", "surrogatepass").translate(_AS_BRACKETS, _NOT_BRACKETS)
     within = _WITHIN_DEPTH.match(brackets)  # it matches at least nothing
     end = within.end() if within else 0
     if brackets[end : end + 1] == b"[":
