@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -317,8 +318,18 @@ def _state(client: Client, job_id: int) -> tuple[Any, ...] | None:
 )
 @given(specs=elements)
 def test_each_element_is_finished_exactly_as_finish_job_would_finish_it(client, specs):
-    batch_ids, batch_leases = _world(client)
-    twin_ids, twin_leases = _world(client)
+    _finished_both_ways(client, specs, _world)
+
+
+World = Callable[[Client], tuple[list[int], dict[int, str]]]
+
+
+def _finished_both_ways(client: Client, specs: list[Any], world: World) -> tuple[list[int], ...]:
+    """The elements `specs` sent as one FinishJobs to one world's jobs and
+    as FinishJob one by one to a twin world's: the same answers and
+    states. The two worlds' jobIDs."""
+    batch_ids, batch_leases = world(client)
+    twin_ids, twin_leases = world(client)
     batch = [_element(spec, batch_ids, batch_leases) for spec in specs]
     results = finish_jobs(client, batch)
     assert [r["jobID"] for r in results] == [_expected_id(e) for e in batch]
@@ -327,6 +338,7 @@ def test_each_element_is_finished_exactly_as_finish_job_would_finish_it(client, 
         reply: Reply = client.request("FinishJob", headers=_headers(element))
         assert got["status"] == reply.status, (spec, element)
     assert [_state(client, j) for j in batch_ids] == [_state(client, j) for j in twin_ids]
+    return batch_ids, twin_ids
 
 
 # A plain run (RUNNING, standalone and childless, with nothing to do but
@@ -401,16 +413,7 @@ def mixed_elements(draw: st.DrawFn) -> list[tuple[Any, ...]]:
 )
 @given(specs=mixed_elements())
 def test_plain_runs_and_every_other_kind_are_finished_as_finish_job_would(client, specs):
-    batch_ids, batch_leases = _mixed_world(client)
-    twin_ids, twin_leases = _mixed_world(client)
-    batch = [_element(spec, batch_ids, batch_leases) for spec in specs]
-    results = finish_jobs(client, batch)
-    assert [r["jobID"] for r in results] == [_expected_id(e) for e in batch]
-    for spec, got in zip(specs, results, strict=True):
-        element = _element(spec, twin_ids, twin_leases)
-        reply: Reply = client.request("FinishJob", headers=_headers(element))
-        assert got["status"] == reply.status, (spec, element)
-    assert [_state(client, j) for j in batch_ids] == [_state(client, j) for j in twin_ids]
+    batch_ids, twin_ids = _finished_both_ways(client, specs, _mixed_world)
     assert [_ended(client, j) for j in batch_ids] == [_ended(client, j) for j in twin_ids]
 
 

@@ -15,7 +15,9 @@ an expected state, and holding an expected lease if one is given, change.
 The jobs' own operations are here; those of the tables beside them come
 in with their classes: flow control (sql_flow.py), replies and
 idempotency keys (sql_replies.py), outcomes kept for AwaitJob
-(sql_outcomes.py), dependencies (sql_dependencies.py).
+(sql_outcomes.py), dependencies (sql_dependencies.py); and the reads of
+due times, pending cancels and stale jobs, which write nothing, in
+sql_clock.py.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from jobserver.storage import sql, sql_bulk
 from jobserver.storage.held_writes import Write
 from jobserver.storage.searches import Found, NameMatch
 from jobserver.storage.sql import JOB, Dialect
+from jobserver.storage.sql_clock import ClockStatements
 from jobserver.storage.sql_dependencies import DependencyStatements
 from jobserver.storage.sql_flow import FlowStatements
 from jobserver.storage.sql_outcomes import Outcomes
@@ -47,7 +50,7 @@ class KeptRows(Protocol):
         """The last statement updated one job's row, setting `columns`."""
 
 
-class SqlStore(DependencyStatements, Outcomes, FlowStatements, ReplyStatements):
+class SqlStore(DependencyStatements, Outcomes, FlowStatements, ReplyStatements, ClockStatements):
     """The named operations in SQL; a backend gives it a connection
     (`_run`), a dialect, and its hooks."""
 
@@ -353,71 +356,6 @@ class SqlStore(DependencyStatements, Outcomes, FlowStatements, ReplyStatements):
         )
         return max(rows.rowcount, 0)
 
-    # The clock.
-
-    def next_due(self, after: str) -> str | None:
-        """The earliest nextRun later than `after` among jobs that wait to
-        run, and reply deadlines of WAITING jobs; one index each."""
-        m = self.dialect.mark
-        row = self._one(
-            "SELECT MIN(due) FROM ("
-            f"SELECT MIN(nextRun) AS due FROM jobs WHERE state IN ({sql.READY_SQL}) "
-            f"AND nextRun > {m} UNION ALL "
-            f"SELECT MIN(nextRun) FROM jobs WHERE state = {sql.WAITING_SQL} AND nextRun > {m}"
-            ") AS times",
-            (after, after),
-        )
-        return row[0]
-
-    def first_deadline(self) -> str | None:
-        """The earliest reply deadline, or lease end of a job whose cancel
-        is pending, passed or not."""
-        return self._one(
-            "SELECT MIN(due) FROM ("
-            f"SELECT MIN(nextRun) AS due FROM jobs WHERE state = {sql.WAITING_SQL} UNION ALL "
-            f"SELECT MIN(nextRun) FROM jobs WHERE {sql.CANCELLING}) AS times"
-        )[0]
-
-    def cancel_pending(self, job_ids: Sequence[int]) -> list[int]:
-        """Of these jobs, those whose cancel is pending (CancelledJobs,
-        protocol.md 14.26), in jobID order: one primary-key lookup each."""
-        by_id, args = self.dialect.any_of("jobID", job_ids, "bigint")
-        rows = self._execute(
-            f"SELECT jobID FROM jobs WHERE {by_id} AND cancelRequested = 1 ORDER BY jobID", args
-        )
-        return [int(row[0]) for row in rows.fetchall()]
-
-    def cancels_due(self, now: str, limit: int) -> list[Job]:
-        """RUNQUEUED jobs whose cancel is pending and whose lease has ended
-        by `now`, earliest first (protocol.md 14.26)."""
-        d = self.dialect
-        return self._jobs(
-            f"SELECT {JOB} FROM jobs {d.indexed_by('jobsCancelling')} WHERE {sql.CANCELLING} "
-            f"AND nextRun <= {d.mark} ORDER BY nextRun LIMIT {d.mark}{d.skip_locked}",
-            (now, limit),
-        )
-
-    def oldest_report(self) -> str | None:
-        """The lastReport of the RUNNING job heard from least recently. One
-        without a report time (which should not exist) must not hide the
-        others' deadlines; `stale` takes it at the next tick."""
-        row = self._one(
-            f"SELECT lastReport FROM jobs {self.dialect.indexed_by('jobsRunningReport')} "
-            f"WHERE state = {sql.RUNNING_SQL} AND lastReport > '' ORDER BY lastReport LIMIT 1"
-        )
-        return row[0] if row else None
-
-    def stale(self, reported_before: str, limit: int) -> list[Job]:
-        """RUNNING jobs last heard from at or before `reported_before`,
-        those heard from least recently first."""
-        d = self.dialect
-        return self._jobs(
-            f"SELECT {JOB} FROM jobs {d.indexed_by('jobsRunningReport')} "
-            f"WHERE state = {sql.RUNNING_SQL} AND lastReport <= {d.mark} "
-            f"ORDER BY lastReport LIMIT {d.mark}{d.skip_locked}",
-            (reported_before, limit),
-        )
-
     # Retention (protocol.md 14.10).
 
     def prune(self, state: str, ended_before: str, batch: int) -> int:
@@ -452,14 +390,14 @@ _NEW_JOB = (
     "retryAfter",
 )
 _FLOW = ("cost", "timeWindows", "timeZone", "key")
+_POLICY = ("maxAttempts", "retryBackoff", "retryDelay", "retryMaxDelay")
+_DEPENDENCIES = ("dependencies", "blockers", "onDependencyFailure")
+_STATE_NAMES = {state.value: state.value for state in State}
 # A plain hand-out's columns, in the order set_state_if writes them (the
 # state, then JobChanges' fields'), so that it and a hand-out written
 # through set_state_if make one statement together.
 _HANDED_OUT = ("state", "lastRun", "leaseID", "lastReport", "worker", "node")
 _QUEUED: tuple[str, ...] = (State.QUEUED,)
-_POLICY = ("maxAttempts", "retryBackoff", "retryDelay", "retryMaxDelay")
-_DEPENDENCIES = ("dependencies", "blockers", "onDependencyFailure")
-_STATE_NAMES = {state.value: state.value for state in State}
 
 
 # finish_plain_runs' statement (PostgreSQL). First every job the request

@@ -83,7 +83,7 @@ def _report_each(ctx: Context, request: Request, command: str, report: Report) -
         # The plain runs first, in one statement: none is anything to
         # another element's job (no parent, child, dependency or
         # dependent), and no element before names its job.
-        finished = set()
+        finished: set[int] = set()
         if plain:
             named = [run[0] for run in plain.values()] + _named_jobs(list(reports.values()))
             finished = lifecycle.finish_plain_runs(ctx, list(plain.values()), named)
@@ -107,8 +107,8 @@ def _sorted_elements(
     """By position: the elements that may be plain runs (jobID, and leaseID
     or None), and every other as its command's request (each checked here,
     before anything is written). A plain run's element holds `jobID`, a
-    job's number, and maybe `leaseID`, an ASCII text, and nothing else,
-    and no element before it names its job."""
+    job's number, and maybe `leaseID` in a lease token's form, and nothing
+    else, and no element before it names its job."""
     plain: dict[int, tuple[int, str | None]] = {}
     reports: dict[int, Request] = {}
     named: set[int] = set()

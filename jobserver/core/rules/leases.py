@@ -71,15 +71,16 @@ class _Tokens:
 
 
 _tokens = _Tokens()
+# A process forked from this one (a test's, a worker's) must not hand out
+# the tokens this one will.
+os.register_at_fork(after_in_child=_tokens.forget)
+# What a token is: LEASE_BYTES bytes in lowercase hex.
 _TOKEN = re.compile(f"[0-9a-f]{{{2 * LEASE_BYTES}}}")
 
 
 def is_token(text: str) -> bool:
     """Whether `text` has the form of a lease token (a hand-out's leaseID)."""
     return _TOKEN.fullmatch(text) is not None
-# A process forked from this one (a test's, a worker's) must not hand out
-# the tokens this one will.
-os.register_at_fork(after_in_child=_tokens.forget)
 
 
 # Plain, with slots: made at every hand-out, and a frozen dataclass's
