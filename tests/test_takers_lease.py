@@ -18,6 +18,7 @@ import pg
 import psycopg
 import pytest
 
+from conformance_helpers import row
 from harness import ThreadServer
 from helpers import create, ok
 from jobserver.core.rules import leases
@@ -166,6 +167,19 @@ def test_a_bad_lease_on_touch_job_is_refused(server, client, value, status):
     reply = client.request("TouchJob", jobID=job_id, leaseID=lease, lease=value)
     assert reply.status == status
     assert query_job(client, job_id)["nextRun"] == before
+
+
+def test_a_job_taken_again_without_a_lease_keeps_none_of_its_last_takers(server, client):
+    """Taken under a lease, put back, then taken without one: the row
+    keeps no lease (a hand-out of a job without one of its own is written
+    the short way, lifecycle.hand_out_plain, which must not be it), so it
+    stays RUNNING, as a job never leased does."""
+    job_id = create(client, "relet")
+    lease = take(client, "relet", lease=60).headers["leaseID"]
+    ok(client.request("RetryJob", jobID=job_id, leaseID=lease, delay=0))
+    assert "leaseID" not in take(client, "relet").headers
+    assert row(client, job_id)["lease"] == 0
+    assert query_job(client, job_id)["state"] == "RUNNING"
 
 
 def test_a_jobs_own_lease_wins_over_the_takers(server, client):
