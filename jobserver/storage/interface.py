@@ -195,8 +195,10 @@ class Jobs(Dependencies, Protocol):
         cancel asked for, dependencies or dependents, with data a finish
         leaves as it is; what each deleted one was. Where other nodes write,
         every job of `named` (the request's, these among them) is locked
-        first, in the order of their keys, as `hold` locks: the request
-        then takes no lock after another. A backend may finish none this
+        first, in the order of their keys, as `hold` locks (the request
+        then takes no lock after another), and the delete begins once they
+        are held (so that it sees a child created by a transaction the lock
+        waited for). A backend may finish none this
         way (SQLite): the caller finishes the rest one by one."""
 
     # Many jobs in a few statements (held_writes.py).
@@ -209,7 +211,9 @@ class Jobs(Dependencies, Protocol):
 
     def hold(self, ids: Sequence[int]) -> None:
         """While writes are held: read these jobs in one statement (locked
-        where other nodes write), with whether each has children. The
+        where other nodes write), with whether each has children (asked
+        once the locks are held, so that a child created by a transaction
+        the read waited for is seen). The
         finds of `find_ready` are held too."""
 
     def reserve_ids(self, count: int) -> None:

@@ -73,6 +73,7 @@ from jobserver.storage.postgres_connection import (
 from jobserver.storage.postgres_statistics import StatisticsKeeper
 from jobserver.storage.searches import NOTHING_PASSED, PassedOver
 from jobserver.storage.sql import POSTGRES
+from jobserver.storage.sql_statements import Statement
 from jobserver.storage.sql_store import SqlStore
 from jobserver.storage.sqlite_schema import StoreError
 
@@ -192,9 +193,12 @@ class PostgresStore(postgres_readers.ReaderCalls, SqlStore):
         except psycopg.Error:
             self._changes += 1
             raise
+        self._count(statement, cursor)
+        return cursor
+
+    def _count(self, statement: str, cursor: psycopg.Cursor[Any]) -> None:
         if cursor.rowcount > 0 and not statement.startswith("SELECT"):
             self._changes += cursor.rowcount
-        return cursor
 
     def _run_many(self, statement: str, args: list[list[Any]]) -> None:
         # psycopg sends them in one pipeline: one round trip for all.
@@ -205,6 +209,20 @@ class PostgresStore(postgres_readers.ReaderCalls, SqlStore):
             self._changes += 1
             raise
         self._changes += max(cursor.rowcount, len(args))
+
+    def _run_pair(self, first: Statement, second: Statement) -> tuple[list[Any], list[Any]]:
+        # In one pipeline: PostgreSQL begins the second (and takes its
+        # snapshot) once the first has ended, one round trip for both.
+        try:
+            with self._db.pipeline():
+                cursors = [self._db.execute(*first), self._db.execute(*second)]
+            rows = cursors[0].fetchall(), cursors[1].fetchall()
+        except psycopg.Error:
+            self._changes += 1
+            raise
+        self._count(first[0], cursors[0])
+        self._count(second[0], cursors[1])
+        return rows
 
     def _run_batches(self, sent: list[Batch]) -> None:
         """Held writes of several statements in one round trip (a

@@ -15,14 +15,14 @@ from typing import Any
 
 from jobserver.model.jobs import Job
 from jobserver.storage.held_writes import Batch, HeldWrites, batches
-from jobserver.storage.sql import COLUMNS, Dialect, Rows
+from jobserver.storage.sql import JOB, Dialect, Rows
 
+# A statement and its arguments.
+Statement = tuple[str, Sequence[Any]]
 # jobIDs taken from the sequence at once by reserve_ids.
 RESERVE_CHUNK = 1000
 # Statements that change no job: the copies of held rows stay right.
 _LEAVES_JOBS_ALONE = ("SELECT", "SAVEPOINT", "RELEASE")
-# A held job's row, and whether it has children (`hold`).
-_JOB_OF_J = ", ".join(f"j.{column}" for column in COLUMNS)
 
 
 class Statements:
@@ -84,6 +84,11 @@ class Statements:
             sent.append((f'SAVEPOINT "{savepoint}"', [[]]))
         self._run_batches(sent + batches(since, d.mark, d.arrays))
 
+    def _run_pair(self, first: Statement, second: Statement) -> tuple[list[Any], list[Any]]:
+        """Run two statements, the second begun once the first has ended (a
+        backend may send both in one round trip); the rows of each."""
+        return self._run(*first).fetchall(), self._run(*second).fetchall()
+
     def _run_batches(self, sent: list[Batch]) -> None:
         """Run the statements, in order (a backend may send them at once)."""
         for statement, args in sent:
@@ -119,16 +124,31 @@ class Statements:
         if held is None or not wanted:
             return
         d = self.dialect
-        by_id, args = d.any_of("j.jobID", wanted, "bigint")
-        rows = self._execute(
-            f"SELECT {_JOB_OF_J}, EXISTS (SELECT 1 FROM jobs c WHERE c.parentJobID != 0 "
-            f"AND c.parentJobID = j.jobID) FROM jobs j WHERE {by_id} ORDER BY j.jobID{d.lock}",
-            args,
-        ).fetchall()
+        by_id, args = d.any_of("jobID", wanted, "bigint")
+        read = (f"SELECT {JOB} FROM jobs WHERE {by_id} ORDER BY jobID{d.lock}", args)
+        maybe = [job_id for job_id in wanted if self._may_have_children(job_id)]
+        if maybe:
+            # Children are looked for in a statement of their own, begun once
+            # the rows are locked: a statement sees what its snapshot, taken
+            # before it waited for a lock, saw, and would miss a child that
+            # the transaction it waited for created.
+            by_parent, parent_args = d.any_of("parentJobID", maybe, "bigint")
+            self._settle(read[0])
+            rows, parents = self._run_pair(
+                read,
+                (
+                    f"SELECT DISTINCT parentJobID FROM jobs WHERE parentJobID != 0 "
+                    f"AND {by_parent}",
+                    parent_args,
+                ),
+            )
+        else:
+            rows, parents = self._execute(*read).fetchall(), []
+        with_children = {int(row[0]) for row in parents}
         for row in rows:
-            job = Job(*row[:-1])
+            job = Job(*row)
             held.rows[job.jobID] = job
-            held.parents[job.jobID] = bool(row[-1])
+            held.parents[job.jobID] = job.jobID in with_children
 
     def reserve_ids(self, count: int) -> None:
         """While writes are held: up to `count` jobs created next take

@@ -215,12 +215,10 @@ class SqlStore(DependencyStatements, Outcomes, FlowStatements, ReplyStatements, 
         elsewhere none, and each run is finished the long way."""
         if not runs or not self.dialect.returning:
             return []
-        args = [
-            sql.integers(sorted(set(named))),
-            sql.integers(run[0] for run in runs),
-            [run[1] for run in runs],
-        ]
-        rows = self._execute(_FINISH_PLAIN, args).fetchall()
+        named_ids = sql.integers(sorted(set(named)))
+        args = [named_ids, sql.integers(run[0] for run in runs), [run[1] for run in runs]]
+        self._settle(_FINISH_PLAIN)
+        _, rows = self._run_pair((_LOCK_NAMED, [named_ids]), (_FINISH_PLAIN, args))
         return [FinishedRun(int(r[0]), r[1], r[2], r[3], bool(r[4])) for r in rows]
 
     def _many(self, ids: Sequence[int]) -> bool:
@@ -400,24 +398,25 @@ _HANDED_OUT = ("state", "lastRun", "leaseID", "lastReport", "worker", "node")
 _QUEUED: tuple[str, ...] = (State.QUEUED,)
 
 
-# finish_plain_runs' statement (PostgreSQL). First every job the request
-# names is locked, in key order (`locked`, read whole by the count, a
-# condition on nothing of the row that PostgreSQL tests once, before the
-# delete reads a row), as `hold` locks them: a request never takes a lock
-# after another of its own, and two requests naming the same jobs in any
-# order and shape wait for each other rather than deadlock.
-# The runs whose lease matches are then found among the locked rows, and
-# deleted by key (an index read of the key whatever the planner knows of
-# the table: joined to unnest, it once read every RUNNING job for each
-# run); the state as an expression, as in _fence; children looked for in
-# jobsParentJobIDState (which `!= 0` lets the planner use: without it, it
-# read the whole table for each job).
-_FINISH_PLAIN = f"""WITH locked AS (
-    SELECT jobID, leaseID FROM jobs WHERE jobID = ANY(%s::bigint[]) ORDER BY jobID FOR UPDATE
+# finish_plain_runs' statements (PostgreSQL). First every job the request
+# names is locked, in key order, as `hold` locks them: a request never
+# takes a lock after another of its own, and two requests naming the same
+# jobs in any order and shape wait for each other rather than deadlock.
+# The delete is a statement of its own, begun once the locks are held: a
+# statement sees what its snapshot, taken before it waited for a lock, saw,
+# and would miss a child that the transaction it waited for created.
+# It finds the runs whose lease matches among the named rows (`locked`,
+# read once), and deletes them by key (an index read of the key whatever
+# the planner knows of the table: joined to unnest, it once read every
+# RUNNING job for each run); the state as an expression, as in _fence;
+# children looked for in jobsParentJobIDState (which `!= 0` lets the
+# planner use: without it, it read the whole table for each job).
+_LOCK_NAMED = "SELECT jobID FROM jobs WHERE jobID = ANY(%s::bigint[]) ORDER BY jobID FOR UPDATE"
+_FINISH_PLAIN = f"""WITH locked AS MATERIALIZED (
+    SELECT jobID, leaseID FROM jobs WHERE jobID = ANY(%s::bigint[])
 )
 DELETE FROM jobs
-WHERE (SELECT count(*) FROM locked) > 0
-AND jobs.jobID = ANY(ARRAY(
+WHERE jobs.jobID = ANY(ARRAY(
     SELECT locked.jobID FROM locked JOIN unnest(%s::bigint[], %s::text[]) AS run(id, lease)
     ON locked.jobID = run.id WHERE run.lease IS NULL OR locked.leaseID = run.lease
 ))

@@ -36,7 +36,7 @@ def _report_end_of_run(ctx: Context, request: Request, retry: bool) -> Response:
     if not ctx.store.blocking:
         # No round trip to spare (SQLite): holding one job costs more.
         return _finish_or_retry(ctx, request, retry)
-    # The job, and whether it has children, in one statement.
+    # The job, and whether it has children, in one round trip.
     with ctx.store.holding_writes():
         ctx.store.hold(_named_jobs([request]))
         return _finish_or_retry(ctx, request, retry)

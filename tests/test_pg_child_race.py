@@ -1,0 +1,88 @@
+"""A child created on one node while another node's report of its parent
+waits for the parent's row (protocol.md 8, parent and child jobs; docs/nodes.md):
+the report sees the child, as if the child's CreateJob had come first,
+whichever way the report takes. Over two real nodes on real PostgreSQL.
+
+Node B's CreateJob of a unique child locks the parent, then waits for its
+name's lock, which a session of the test's own holds; node A's report of
+the parent then waits for the parent's row. Released, B commits the child
+first and A's report goes on. A statement sees what its snapshot, taken
+before a lock wait, saw: a report that looked for children in the statement
+that waited missed this one, deleted the parent and left the child PAUSED
+for good."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from test_pg_writers import HELD, waiting_on_lock
+
+from harness import ThreadServer
+from helpers import create, ok
+from jobserver.storage import postgres_schema
+from wire import Client, encode
+
+pytestmark = pytest.mark.backends(only="postgres")
+
+
+@pytest.fixture
+def nodes(db: str) -> Iterator[tuple[ThreadServer, ThreadServer]]:
+    a, b = ThreadServer(db), ThreadServer(db)
+    try:
+        yield a, b
+    finally:
+        a.stop()
+        b.stop()
+
+
+def name_locked(url: str, name: str) -> psycopg.Connection[Any]:
+    """A session holding the lock a unique job named `name` takes."""
+    session = psycopg.connect(url)
+    slot = postgres_schema.lock_slot("name", name)
+    session.execute("SELECT slot FROM jobserver_locks WHERE slot = %s FOR UPDATE", (slot,))
+    return session
+
+
+def report(command: str, parent: int) -> bytes:
+    if command == "FinishJobs":
+        return encode(command, {"jobs": json.dumps([{"jobID": parent}])})
+    return encode(command, {"jobID": parent})
+
+
+def state(client: Client, job_id: int) -> str:
+    return str(ok(client.request("QueryJob", jobID=job_id)).json["state"])
+
+
+@pytest.mark.parametrize("command", ["FinishJob", "FinishJobs", "FailJob", "RetryJob"])
+def test_a_report_of_a_parent_sees_a_child_created_while_it_waited(
+    db: str, nodes: tuple[ThreadServer, ThreadServer], command: str
+) -> None:
+    a, b = nodes
+    with a.client(HELD) as client, Client(b.port, HELD) as creator:
+        parent = create(client, "parent")
+        assert ok(client.request("GetJob", name="parent")).json["jobID"] == parent
+        session = name_locked(db, "kid")
+        try:
+            creator.send(
+                encode("CreateJob", {"name": "kid", "parentJobID": parent, "unique": "true"})
+            )
+            waiting_on_lock(b, db, 1)
+            client.send(report(command, parent))
+            waiting_on_lock(a, db, 1)
+        finally:
+            session.rollback()
+            session.close()
+        child = ok(creator.read_reply()).json["jobID"]
+        ok(client.read_reply())
+        raced = (state(client, parent), state(client, child))
+        # The same with the child's CreateJob first, on one node.
+        first = create(client, "first")
+        assert ok(client.request("GetJob", name="first")).json["jobID"] == first
+        first_child = create(client, "kid", parentJobID=first)
+        client.send(report(command, first))
+        ok(client.read_reply())
+        assert raced == (state(client, first), state(client, first_child))
