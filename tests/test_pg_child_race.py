@@ -1,13 +1,13 @@
-"""A child created on one node while another node's report of its parent
+"""A child created on one node while another node's finish of its parent
 waits for the parent's row (protocol.md 8, parent and child jobs; docs/nodes.md):
-the report sees the child, as if the child's CreateJob had come first,
-whichever way the report takes. Over two real nodes on real PostgreSQL.
+the finish sees the child, as if the child's CreateJob had come first,
+whichever way it takes. Over two real nodes on real PostgreSQL.
 
 Node B's CreateJob of a unique child locks the parent, then waits for its
-name's lock, which a session of the test's own holds; node A's report of
+name's lock, which a session of the test's own holds; node A's finish of
 the parent then waits for the parent's row. Released, B commits the child
-first and A's report goes on. A statement sees what its snapshot, taken
-before a lock wait, saw: a report that looked for children in the statement
+first and A's finish goes on. A statement sees what its snapshot, taken
+before a lock wait, saw: a finish that looked for children in the statement
 that waited missed this one, deleted the parent and left the child PAUSED
 for good."""
 
@@ -47,19 +47,24 @@ def name_locked(url: str, name: str) -> psycopg.Connection[Any]:
     return session
 
 
-def report(command: str, parent: int) -> bytes:
-    if command == "FinishJobs":
-        return encode(command, {"jobs": json.dumps([{"jobID": parent}])})
-    return encode(command, {"jobID": parent})
+def finish(way: str, parent: int) -> bytes:
+    """A finish of the parent: alone, or as a FinishJobs' element, plain (one
+    statement for its plain runs) or with data (read the long way, `hold`)."""
+    if way == "FinishJob":
+        return encode(way, {"jobID": parent})
+    element: dict[str, object] = {"jobID": parent}
+    if way == "FinishJobs, with data":
+        element["data"] = {"done": True}
+    return encode("FinishJobs", {"jobs": json.dumps([element])})
 
 
 def state(client: Client, job_id: int) -> str:
     return str(ok(client.request("QueryJob", jobID=job_id)).json["state"])
 
 
-@pytest.mark.parametrize("command", ["FinishJob", "FinishJobs", "FailJob", "RetryJob"])
-def test_a_report_of_a_parent_sees_a_child_created_while_it_waited(
-    db: str, nodes: tuple[ThreadServer, ThreadServer], command: str
+@pytest.mark.parametrize("way", ["FinishJob", "FinishJobs", "FinishJobs, with data"])
+def test_a_finish_of_a_parent_sees_a_child_created_while_it_waited(
+    db: str, nodes: tuple[ThreadServer, ThreadServer], way: str
 ) -> None:
     a, b = nodes
     with a.client(HELD) as client, Client(b.port, HELD) as creator:
@@ -71,7 +76,7 @@ def test_a_report_of_a_parent_sees_a_child_created_while_it_waited(
                 encode("CreateJob", {"name": "kid", "parentJobID": parent, "unique": "true"})
             )
             waiting_on_lock(b, db, 1)
-            client.send(report(command, parent))
+            client.send(finish(way, parent))
             waiting_on_lock(a, db, 1)
         finally:
             session.rollback()
@@ -83,6 +88,7 @@ def test_a_report_of_a_parent_sees_a_child_created_while_it_waited(
         first = create(client, "first")
         assert ok(client.request("GetJob", name="first")).json["jobID"] == first
         first_child = create(client, "kid", parentJobID=first)
-        client.send(report(command, first))
+        client.send(finish(way, first))
         ok(client.read_reply())
         assert raced == (state(client, first), state(client, first_child))
+        assert raced == ("PAUSED", "QUEUED")

@@ -117,8 +117,9 @@ class Statements:
 
     def hold(self, ids: Sequence[int]) -> None:
         """While writes are held: read these jobs in one statement, locked
-        where other nodes write, with whether each has children; reads
-        and writes of them are then answered here."""
+        where other nodes write, then whether each has children (in the same
+        round trip where the backend can); reads and writes of them are then
+        answered here."""
         held = self._held
         wanted = sorted({job_id for job_id in ids if held is not None and job_id not in held.rows})
         if held is None or not wanted:
