@@ -73,7 +73,7 @@ from jobserver.storage.postgres_connection import (
 from jobserver.storage.postgres_statistics import StatisticsKeeper
 from jobserver.storage.searches import NOTHING_PASSED, PassedOver
 from jobserver.storage.sql import POSTGRES
-from jobserver.storage.sql_statements import Statement
+from jobserver.storage.sql_statements import Statement, rows_of
 from jobserver.storage.sql_store import SqlStore
 from jobserver.storage.sqlite_schema import StoreError
 
@@ -216,7 +216,7 @@ class PostgresStore(postgres_readers.ReaderCalls, SqlStore):
         try:
             with self._db.pipeline():
                 cursors = [self._db.execute(*first), self._db.execute(*second)]
-            rows = cursors[0].fetchall(), cursors[1].fetchall()
+            rows = rows_of(cursors[0]), rows_of(cursors[1])
         except psycopg.Error:
             self._changes += 1
             raise

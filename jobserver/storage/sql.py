@@ -94,6 +94,9 @@ class Rows(Protocol):
     @property
     def rowcount(self) -> int: ...
 
+    @property
+    def description(self) -> Any: ...
+
     def fetchone(self) -> Any: ...
 
     def fetchall(self) -> list[Any]: ...
@@ -110,7 +113,9 @@ class Dialect:
     mark: a parameter's placeholder. lock: the clause that locks the rows a
     read may go on to change (so that two nodes never change one job on the
     strength of what they read before the other wrote); skip_locked: the
-    same, passing over rows another transaction holds. Both are empty where
+    same, passing over rows another transaction holds; keep: the clause that
+    keeps the rows a read relies on from being deleted until its transaction
+    ends, other readers free to read them too. All three are empty where
     one process owns the database. hints: whether statements name the
     index they must use (SQLite's planner may pick a worse one). returning:
     whether a write says which rows it changed (RETURNING) at little cost:
@@ -121,6 +126,7 @@ class Dialect:
     mark: str
     lock: str
     skip_locked: str
+    keep: str
     hints: bool
     arrays: bool
     returning: bool
@@ -149,12 +155,13 @@ class Dialect:
 
 
 SQLITE = Dialect(
-    mark="?", lock="", skip_locked="", hints=True, arrays=False, returning=False
+    mark="?", lock="", skip_locked="", keep="", hints=True, arrays=False, returning=False
 )
 POSTGRES = Dialect(
     mark="%s",
     lock=" FOR UPDATE",
     skip_locked=" FOR UPDATE SKIP LOCKED",
+    keep=" FOR KEY SHARE",
     hints=False,
     arrays=True,
     returning=True,

@@ -64,9 +64,15 @@ class DependencyStatements(Statements):
     def outcomes_of(self, ids: Sequence[int]) -> dict[int, Outcome]:
         if not ids:
             return {}
-        by_id, args = self.dialect.any_of("jobID", sorted(set(ids)), "bigint")
+        d = self.dialect
+        by_id, args = d.any_of("jobID", sorted(set(ids)), "bigint")
+        # Kept until this transaction ends: a dependent counted with the
+        # outcome is added under it, and no other node forgets it meanwhile
+        # (forget_dependencies).
         rows = self._execute(
-            f"SELECT jobID, state, data FROM dependencyOutcomes WHERE {by_id}", args
+            f"SELECT jobID, state, data FROM dependencyOutcomes WHERE {by_id} "
+            f"ORDER BY jobID{d.keep}",
+            args,
         ).fetchall()
         return {int(r[0]): Outcome(int(r[0]), str(r[1]), str(r[2])) for r in rows}
 
@@ -252,8 +258,20 @@ class DependencyStatements(Statements):
         if not gone:
             return
         on, on_args = d.any_of("jobID", sorted(int(row[0]) for row in gone), "bigint")
-        self._execute(
+        forget = (
             f"DELETE FROM dependencyOutcomes WHERE {on} AND NOT EXISTS (SELECT 1 FROM "
             "jobDependencies e WHERE e.dependsOn = dependencyOutcomes.jobID)",
             on_args,
         )
+        if not d.lock:
+            self._execute(*forget)
+            return
+        # The outcomes are locked first, and the delete is a statement begun
+        # once they are held: another node adding a dependent reads the
+        # outcome kept (outcomes_of), and the edge it commits while this
+        # waits must be seen, which the snapshot of a statement that waited
+        # would miss (the outcome deleted under the edge, its dependent
+        # waiting for good).
+        lock = (f"SELECT jobID FROM dependencyOutcomes WHERE {on} ORDER BY jobID{d.lock}", on_args)
+        self._settle(forget[0])
+        self._run_pair(lock, forget)

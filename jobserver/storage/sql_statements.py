@@ -25,6 +25,12 @@ RESERVE_CHUNK = 1000
 _LEAVES_JOBS_ALONE = ("SELECT", "SAVEPOINT", "RELEASE")
 
 
+def rows_of(cursor: Rows) -> list[Any]:
+    """A statement's rows; none if it returns none (a write without
+    RETURNING)."""
+    return [] if cursor.description is None else cursor.fetchall()
+
+
 class Statements:
     """A backend's connection (`_run`, `_run_many`), and what holds
     writes back in front of it."""
@@ -86,8 +92,9 @@ class Statements:
 
     def _run_pair(self, first: Statement, second: Statement) -> tuple[list[Any], list[Any]]:
         """Run two statements, the second begun once the first has ended (a
-        backend may send both in one round trip); the rows of each."""
-        return self._run(*first).fetchall(), self._run(*second).fetchall()
+        backend may send both in one round trip); the rows of each (none for
+        a write that returns none)."""
+        return rows_of(self._run(*first)), rows_of(self._run(*second))
 
     def _run_batches(self, sent: list[Batch]) -> None:
         """Run the statements, in order (a backend may send them at once)."""

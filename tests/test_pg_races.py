@@ -1,15 +1,21 @@
-"""A child created on one node while another node's finish of its parent
-waits for the parent's row (protocol.md 8, parent and child jobs; docs/nodes.md):
-the finish sees the child, as if the child's CreateJob had come first,
-whichever way it takes. Over two real nodes on real PostgreSQL.
+"""Two nodes' transactions interleaved where they meet a row lock, over two
+real nodes on real PostgreSQL: each request ends as if the other had come
+first. A session of the test's own holds the lock a unique job's name takes,
+so that one node's transaction stays open, its locks held, at a known point.
 
-Node B's CreateJob of a unique child locks the parent, then waits for its
-name's lock, which a session of the test's own holds; node A's finish of
-the parent then waits for the parent's row. Released, B commits the child
-first and A's finish goes on. A statement sees what its snapshot, taken
-before a lock wait, saw: a finish that looked for children in the statement
-that waited missed this one, deleted the parent and left the child PAUSED
-for good."""
+A child created on one node while another node's finish of its parent waits
+for the parent's row (protocol.md 8, parent and child jobs; docs/nodes.md):
+the finish sees the child, whichever way it takes. Node B's CreateJob of a
+unique child locks the parent, then waits for its name's lock; node A's
+finish of the parent then waits for the parent's row. Released, B commits
+the child first and A's finish goes on. A statement sees what its
+snapshot, taken before a lock wait, saw: a finish that looked for children
+in the statement that waited missed this one, deleted the parent and left
+the child PAUSED for good.
+
+A dependent added on one node to a job whose kept outcome another node is
+forgetting (protocol.md 14.25): the outcome stays while an edge names it.
+"""
 
 from __future__ import annotations
 
@@ -92,3 +98,37 @@ def test_a_finish_of_a_parent_sees_a_child_created_while_it_waited(
         ok(client.read_reply())
         assert raced == (state(client, first), state(client, first_child))
         assert raced == ("PAUSED", "QUEUED")
+
+
+def test_an_outcome_a_new_dependent_read_is_kept_for_it(
+    db: str, nodes: tuple[ThreadServer, ThreadServer]
+) -> None:
+    # X ended with a dependent, Y, so its outcome is kept; W has not ended.
+    # Node B's CreateJobs of Z (dependsOn X and W: X counted as ended) waits
+    # for its second element's name; node A's DeleteJob of Y, X's last
+    # dependent, then forgets X's outcome unless an edge still names it.
+    # Read without a lock, A deleted it under B's uncommitted edge, and Z
+    # waited for X for good once W finished.
+    a, b = nodes
+    with a.client(HELD) as client, Client(b.port, HELD) as creator:
+        x = create(client, "x")
+        y = create(client, "y", dependsOn=json.dumps([x]))
+        w = create(client, "w")
+        assert ok(client.request("GetJob", name="x")).json["jobID"] == x
+        ok(client.request("FinishJob", jobID=x))
+        session = name_locked(db, "kid")
+        try:
+            jobs = [{"name": "z", "dependsOn": [x, w]}, {"name": "kid", "unique": True}]
+            creator.send(encode("CreateJobs", {"jobs": json.dumps(jobs)}))
+            waiting_on_lock(b, db, 1)
+            client.send(encode("DeleteJob", {"jobID": y}))
+            waiting_on_lock(a, db, 1)
+        finally:
+            session.rollback()
+            session.close()
+        z = ok(creator.read_reply()).json["jobIDs"][0]
+        ok(client.read_reply())
+        assert state(client, z) == "BLOCKED"
+        assert ok(client.request("GetJob", name="w")).json["jobID"] == w
+        ok(client.request("FinishJob", jobID=w))
+        assert state(client, z) == "QUEUED"
