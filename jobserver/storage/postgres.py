@@ -60,6 +60,7 @@ from jobserver.storage import (
 from jobserver.storage.backends import DEFAULT_WRITERS, MAX_WRITERS
 from jobserver.storage.backup_types import BackupCopy, BackupDirectory, BackupUnsupported
 from jobserver.storage.held_writes import Batch
+from jobserver.storage.postgres_alone import Company
 from jobserver.storage.postgres_connection import (
     ASK_MILLISECONDS,
     READ_APPLICATION,
@@ -110,8 +111,10 @@ class PostgresStore(postgres_readers.ReaderCalls, SqlStore):
         # The first writer's store; the others (`writers`) were made from it.
         self.origin: PostgresStore = self
         self._others: list[PostgresStore] = []
+        # Shared by the writers and the listener: whether the node is alone.
+        self._company = Company()
         self._statistics = StatisticsKeeper(
-            lambda: connect(url, application_name=READ_APPLICATION)
+            lambda: self._company.own("statistics", connect(url, application_name=READ_APPLICATION))
         )
         try:
             self._use(connect(url))
@@ -136,7 +139,7 @@ class PostgresStore(postgres_readers.ReaderCalls, SqlStore):
 
     def _use(self, db: psycopg.Connection[Any]) -> None:
         """Run transactions on `db`, none begun yet."""
-        self._db = db
+        self._db = self._company.own(f"writer {id(self)}", db)
         self._changes = 0
         self._retry_at = 0.0
         # The open transaction's ID (PostgreSQL's xid8, as text) and the
@@ -314,7 +317,13 @@ class PostgresStore(postgres_readers.ReaderCalls, SqlStore):
         # of three statements (no parameters: the simple protocol), whose
         # results come one after the other: as a pipeline of three it took
         # twice the node's CPU, and every batch begins.
-        results = self._db.execute(postgres_commit.BEGIN)
+        # And, at most once a second, whether any other session is on the
+        # database (postgres_alone.py).
+        company = self._company
+        now = time.monotonic()
+        looking = company.look_due(now)
+        begin = postgres_commit.BEGIN + b"; " + company.look() if looking else postgres_commit.BEGIN
+        results = self._db.execute(begin)
         results.nextset()
         row = results.fetchone()
         results.nextset()
@@ -322,6 +331,10 @@ class PostgresStore(postgres_readers.ReaderCalls, SqlStore):
         assert row is not None
         self._xid, self._backend = str(row[0]), int(row[1])
         self._set_flow_control(flow)
+        if looking:
+            results.nextset()
+            seen = results.fetchone()
+            company.saw(seen is None or bool(seen[0]), now)
 
     def try_begin(self) -> bool:
         self.begin()
@@ -362,6 +375,9 @@ class PostgresStore(postgres_readers.ReaderCalls, SqlStore):
         with its connection may have been carried out: the node asks on a
         new connection (`_committed`) before it says either way."""
         notice, self._notice = self._notice, None
+        if notice is not None and not self._company.must_tell(time.monotonic()):
+            # Nobody else is on the database to hear it (postgres_alone.py).
+            notice = None
         kept, self._kept_keys = self._kept_keys, {}
         # The idempotency keys, the notice and the commit in one round trip:
         # a pipeline where keys were kept, else one query (the simple
@@ -444,8 +460,9 @@ class PostgresStore(postgres_readers.ReaderCalls, SqlStore):
         return super().prune_idempotency(now, batch)
 
     async def listen(self, heard: postgres_listen.Heard) -> None:
+        company, url = self._company, self._url
         await postgres_listen.listen(
-            lambda: connect(self._url), self.channel, self.node, heard
+            lambda: company.own("listener", connect(url)), self.channel, self.node, heard
         )
 
     def announce(self, ready: set[str], due: str | None, ended: set[int]) -> None:

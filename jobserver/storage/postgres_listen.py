@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ import trio
 
 from jobserver.model import times
 from jobserver.model.names import has_control
+from jobserver.storage.postgres_alone import SETTLE_SECONDS
 from jobserver.wire.limits import MAX_NAME
 
 log = logging.getLogger("jobserver")
@@ -277,8 +279,11 @@ async def listen(
             if lost:
                 log.info("listening for other nodes again")
             lost = False
-            # What happened while nobody listened.
+            # What happened while nobody listened; and again once every node
+            # has seen this one (postgres_alone.py: a node alone sends no
+            # notices, until its next look).
             listener.recheck(lost=True)
+            listener.settle_at = trio.current_time() + SETTLE_SECONDS
             await listener.hear(db)
         except Exception as error:  # noqa: BLE001 - the boundary of the listener
             # psycopg's, the socket's, or a bug: this connection ends, the
@@ -312,6 +317,8 @@ class _Listener:
         # notice asked it to again.
         self.rechecked_at = -FALLBACK_SECONDS
         self.recheck_owed = False
+        # When to look at everything, the awaiters too, once more.
+        self.settle_at = math.inf
 
     async def hear(self, db: psycopg.Connection[Any]) -> None:
         pgconn = db.pgconn
@@ -326,13 +333,17 @@ class _Listener:
                 # Outside the timeout: what libpq holds must all be read
                 # now, since the socket will not say so again.
                 await self._read_all(pgconn)
-            if trio.current_time() >= self._next_recheck_at():
+            now = trio.current_time()
+            if now >= self.settle_at:
+                self.settle_at = math.inf
+                self.recheck(lost=True)
+            elif now >= self._next_recheck_at():
                 self.recheck()
 
     def _next_recheck_at(self) -> float:
         if self.recheck_owed:
-            return self.rechecked_at + MIN_RECHECK_SECONDS
-        return self.rechecked_at + FALLBACK_SECONDS
+            return min(self.rechecked_at + MIN_RECHECK_SECONDS, self.settle_at)
+        return min(self.rechecked_at + FALLBACK_SECONDS, self.settle_at)
 
     async def _read_all(self, pgconn: Any) -> None:
         """Every notice libpq has read, NOTICES_PER_ROUND at a time, with
