@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from driver import NOW, another_store, create, job, open_store, transaction
+from test_driver import ready
 
 from jobserver.model.jobs import Job, JobChanges, State
 from jobserver.storage.interface import Storage
@@ -150,6 +151,24 @@ def test_a_row_another_connection_changed_is_read_as_it_left_it(
         report = store.get(job_id)
     assert report is not None and report.state == State.PAUSED
     assert report == stored(backend, db, job_id)
+
+
+def test_a_job_another_connection_added_is_found_and_seen_as_a_child(
+    store: Storage, backend: str, db: Path | str
+) -> None:
+    """A job an operator's connection inserts, of a priority no job had and
+    the child of a stored job, is handed out and seen as the child: SQLite's
+    writer keeps the priorities and parents it knows of in memory, and
+    learns of these at its next transaction."""
+    (parent,) = create(store, job("parent"))
+    with transaction(store):
+        assert not store.has_children(parent)
+    assert ready(store, priorities=[321]) == []
+    with another_store(backend, db) as other:
+        (child,) = create(other, job("kid", priority=321, parent_id=parent))
+    with transaction(store):
+        assert store.has_children(parent)
+    assert ready(store, priorities=[321]) == [child]
 
 
 def test_rows_with_large_data_are_read_again_not_kept(tmp_path: Path) -> None:

@@ -104,18 +104,12 @@ class Store(SqlStore):
             self._data_version = self._read_data_version()
             # Every priority a job has had since the file was opened: a
             # superset of those with waiting jobs, so GetJob skips the rest.
-            self._priorities = {
-                row[0] for row in self._db.execute("SELECT DISTINCT priority FROM jobs")
-            }
+            self._priorities: set[int] = set()
             # Every job named as a parent since the file was opened: a
             # superset of the jobs with children, so that handing out or
             # finishing any other job asks nothing about children.
-            self._parents = {
-                row[0]
-                for row in self._db.execute(
-                    "SELECT DISTINCT parentJobID FROM jobs WHERE parentJobID != 0"
-                )
-            }
+            self._parents: set[int] = set()
+            self._note_stored_jobs()
             # Flow control, read on every hand-out: kept in memory, so that
             # a GetJob costs nothing more when no limit or pause is set.
             # Limits given at start (--limit) are the base; those set by
@@ -217,7 +211,24 @@ class Store(SqlStore):
         version = self._read_data_version()
         if version != self._data_version:
             self._rows.clear()
+            # A job it made may have a priority or a parent this connection
+            # never wrote: without them, GetJob would pass the job over and
+            # a finish of the parent would miss the child.
+            self._note_stored_jobs()
             self._data_version = version
+
+    def _note_stored_jobs(self) -> None:
+        """Add the priorities and parents the stored jobs have to the
+        supersets kept in memory."""
+        self._priorities.update(
+            row[0] for row in self._db.execute("SELECT DISTINCT priority FROM jobs")
+        )
+        self._parents.update(
+            row[0]
+            for row in self._db.execute(
+                "SELECT DISTINCT parentJobID FROM jobs WHERE parentJobID != 0"
+            )
+        )
 
     def _read_data_version(self) -> int:
         return int(self._db.execute("PRAGMA data_version").fetchone()[0])
