@@ -15,6 +15,9 @@ the child PAUSED for good.
 
 A dependent added on one node to a job whose kept outcome another node is
 forgetting (protocol.md 14.25): the outcome stays while an edge names it.
+
+A unique CreateJob that waits for the oldest job of its name, which another
+transaction ends while making a newer one: it finds the newer one.
 """
 
 from __future__ import annotations
@@ -132,3 +135,26 @@ def test_an_outcome_a_new_dependent_read_is_kept_for_it(
         assert ok(client.request("GetJob", name="w")).json["jobID"] == w
         ok(client.request("FinishJob", jobID=w))
         assert state(client, z) == "QUEUED"
+
+
+def test_a_unique_job_merges_into_the_one_another_transaction_left(
+    db: str, nodes: tuple[ThreadServer, ThreadServer]
+) -> None:
+    # An application's transaction deletes the oldest job named "n" (so holds
+    # its row) and creates another (jobserver_create_job, which takes no name
+    # lock); a unique CreateJob of "n" waits for the row. As if it had come
+    # after: it finds the new job, not nothing (a second "n" beside it).
+    a, _ = nodes
+    with a.client(HELD) as client:
+        oldest = create(client, "n")
+        with psycopg.connect(db) as session:
+            session.execute("DELETE FROM jobs WHERE jobID = %s", (oldest,))
+            row = session.execute("SELECT jobserver_create_job('n')").fetchone()
+            assert row is not None
+            newer = int(row[0])
+            client.send(encode("CreateJob", {"name": "n", "unique": "true"}))
+            waiting_on_lock(a, db, 1)
+        assert ok(client.read_reply()).json["jobID"] == newer
+        with psycopg.connect(db) as reader:
+            named = reader.execute("SELECT jobID FROM jobs WHERE name = 'n'").fetchall()
+        assert named == [(newer,)]

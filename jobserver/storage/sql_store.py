@@ -269,11 +269,22 @@ class SqlStore(DependencyStatements, Outcomes, FlowStatements, ReplyStatements, 
         to commit, then finds its job."""
         d = self.dialect
         self._lock("name", name)
-        return self._job(
+        oldest = (
             f"SELECT {JOB} FROM jobs WHERE name = {d.mark} AND {sql.NOT_HISTORY} "
             f"ORDER BY jobID LIMIT 1{d.lock}",
             (name,),
         )
+        if not d.lock:
+            return self._job(*oldest)
+        # Asked again in a statement begun once the first has its lock (same
+        # round trip): a transaction that held the oldest job, and took no
+        # name lock (jobserver_create_job, a rename), may have ended it and
+        # made another of the name, which the first statement's snapshot,
+        # taken before it waited, cannot see.
+        self._settle(oldest[0])
+        first, again = self._run_pair(oldest, oldest)
+        found = again or first
+        return Job(*found[0]) if found else None
 
     def failed(self, *, pattern: str | None, names: Sequence[str], limit: int) -> list[Job]:
         """FAILED jobs whose name matches a GLOB `pattern` or is one of
