@@ -1,9 +1,9 @@
 """A node alone on its database sends no notices, and one with company does
-(storage/postgres_alone.py; docs/nodes.md): any other session makes it
-send them again, within a look, and a node that joins hears of what ends
-elsewhere. Over real nodes on a database of the test's own (the other
-tests' databases keep a session of the test process open, which is
-company)."""
+(storage/postgres_alone.py; docs/nodes.md): any other session, of any role,
+makes it send them again within a look, and a node that joins hears of what
+ends elsewhere, even from a node that has not seen it yet. Over real nodes
+on a database of the test's own (the other tests' databases keep a session
+of the test process open, which is company)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
@@ -20,54 +19,76 @@ import pytest
 
 from harness import ThreadServer
 from helpers import create, ok, until
-from jobserver.storage.postgres_alone import LOOK_SECONDS, SETTLE_SECONDS
+from jobserver.storage import postgres_alone, postgres_listen
+from jobserver.storage.postgres_alone import Company
 from wire import Client, encode
 
 pytestmark = pytest.mark.backends(only="postgres")
 
 # Generous: a shared machine.
 PATIENCE = 20.0
+SERVER = os.environ.get("JOBSERVER_TEST_POSTGRES", "")
+
+
+def url_of(database: str, user: str = "") -> str:
+    parts = urlsplit(SERVER)
+    netloc = parts.netloc if not user else f"{user}@{parts.netloc.rsplit('@', 1)[-1]}"
+    return urlunsplit(parts._replace(netloc=netloc, path=f"/{database}"))
 
 
 @pytest.fixture
 def own_database() -> Iterator[str]:
-    """The URL of a database made for the test, with no session open on it."""
-    server = os.environ["JOBSERVER_TEST_POSTGRES"]
+    """The name of a database made for the test, with no session open on
+    it, and of a login role made with it that owns it."""
     name = f"jobserver_alone_{secrets.token_hex(4)}"
-    with psycopg.connect(server, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
+    with psycopg.connect(SERVER, autocommit=True) as admin:
+        admin.execute(f'CREATE ROLE "{name}" LOGIN')
+        admin.execute(f'CREATE DATABASE "{name}" OWNER "{name}"')
         try:
-            yield urlunsplit(urlsplit(server)._replace(path=f"/{name}"))
+            yield name
         finally:
             admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+            admin.execute(f'DROP ROLE "{name}"')
 
 
-def tells(server: ThreadServer) -> bool:
-    """Whether the node's next commit would send its notice."""
+def company(server: ThreadServer) -> Company:
     store = server.server.store
     assert store is not None
-    return bool(store._company.must_tell(time.monotonic()))  # type: ignore[attr-defined]
+    return store._company  # type: ignore[attr-defined, no-any-return]
 
 
-def creating_until(client: Client, done: Any, what: str) -> None:
+def alone(server: ThreadServer) -> bool:
+    """Whether the node's next commit would send no notice."""
+    return not company(server).must_tell(time.monotonic())
+
+
+def creating_until(client: Client, done: Callable[[], bool], what: str) -> None:
     """CreateJobs (each a transaction, whose BEGIN may look) until `done()`."""
 
     def step() -> bool:
         create(client, "step")
-        return bool(done())
+        return done()
 
     until(step, PATIENCE, what)
 
 
-def test_a_node_alone_sends_no_notice_until_another_session_comes(own_database: str) -> None:
-    server = ThreadServer(own_database)
+@pytest.mark.parametrize("node_role", ["the listener's", "one that cannot see its kind"])
+def test_a_node_alone_sends_no_notice_until_another_session_comes(
+    own_database: str, node_role: str
+) -> None:
+    # The node as the database's owner, a role that may only log in, sees a
+    # superuser's session without its kind (NULL): it counts all the same.
+    owner = own_database if node_role != "the listener's" else ""
+    server = ThreadServer(url_of(own_database, owner))
     try:
         with server.client(PATIENCE) as client:
-            creating_until(client, lambda: not tells(server), "the node to find itself alone")
-            with psycopg.connect(own_database, autocommit=True) as listener:
+            creating_until(client, lambda: alone(server), "the node to find itself alone")
+            sent = company(server).notices
+            for _ in range(20):
+                create(client, "unheard")
+            assert company(server).notices == sent
+            with psycopg.connect(url_of(own_database), autocommit=True) as listener:
                 listener.execute('LISTEN "jobserver.public"')
-                # At its next look (within LOOK_SECONDS), a commit that makes
-                # a job due tells this session.
                 heard: list[psycopg.Notify] = []
 
                 def told() -> bool:
@@ -77,36 +98,64 @@ def test_a_node_alone_sends_no_notice_until_another_session_comes(own_database: 
 
                 until(told, PATIENCE, "a notice once another session is on the database")
                 assert json.loads(heard[0].payload)["ready"] == ["told"]
-            # Alone again once it has gone.
-            creating_until(client, lambda: not tells(server), "the node to be alone again")
+                assert company(server).notices > sent
+            creating_until(client, lambda: alone(server), "the node to be alone again")
     finally:
         server.stop()
 
 
-def test_a_node_that_joins_hears_of_an_awaited_job_another_node_ended(own_database: str) -> None:
-    # Node A was alone; B joins. Once past B's own second look at everything
-    # (SETTLE_SECONDS), only A's notice can wake B's AwaitJob, which would
-    # otherwise wait for its whole timeout.
-    a = ThreadServer(own_database)
+def test_a_node_whose_connections_were_ended_is_alone_again_on_new_ones(
+    own_database: str,
+) -> None:
+    # Its new writer and listener connections are its own, not company.
+    server = ThreadServer(url_of(own_database))
+    try:
+        with server.client(PATIENCE) as client:
+            creating_until(client, lambda: alone(server), "the node to find itself alone")
+            with psycopg.connect(SERVER, autocommit=True) as admin:
+                admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+                    (own_database,),
+                )
+            ended = time.monotonic()
+
+            def alone_after_a_create() -> bool:
+                # The first batch after the end may be refused (503).
+                client.request("CreateJob", name="again")
+                looked_at = company(server)._last[1]
+                return looked_at > ended and alone(server)
+
+            until(alone_after_a_create, PATIENCE, "the node to be alone on new connections")
+    finally:
+        server.stop()
+
+
+def test_a_node_that_joins_hears_of_what_a_node_that_has_not_seen_it_ended(
+    own_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Node A looked, found itself alone, and will not look again for a long
+    # while; B joins and awaits a job, which A then finishes without a
+    # notice. Only B's second look at everything (SETTLE_SECONDS after its
+    # listener started) can wake the AwaitJob, which would otherwise wait
+    # for its whole timeout.
+    monkeypatch.setattr(postgres_listen, "SETTLE_SECONDS", 5.0)
+    url = url_of(own_database)
+    a = ThreadServer(url)
     try:
         with a.client(PATIENCE) as client:
-            creating_until(client, lambda: not tells(a), "node A to find itself alone")
+            creating_until(client, lambda: alone(a), "node A to find itself alone")
+            # A's look, fresh, now holds for ten minutes.
+            monkeypatch.setattr(postgres_alone, "LOOK_SECONDS", 600.0)
             job = create(client, "awaited")
             assert ok(client.request("GetJob", name="awaited")).json["jobID"] == job
-            b = ThreadServer(own_database)
-            joined = time.monotonic()
+            sent = company(a).notices
+            b = ThreadServer(url)
             try:
-                creating_until(client, lambda: tells(a), "node A to see node B")
-                until(
-                    lambda: time.monotonic() > joined + SETTLE_SECONDS + LOOK_SECONDS,
-                    PATIENCE, "node B's listener to settle",
-                )
                 with Client(b.port, PATIENCE) as awaiter:
                     awaiter.send(encode("AwaitJob", {"jobID": job, "timeout": 60_000}))
-                    until(
-                        lambda: awaited(own_database, job), PATIENCE, "the AwaitJob to wait"
-                    )
+                    until(lambda: awaited(url, job), PATIENCE, "the AwaitJob to wait")
                     ok(client.request("FinishJob", jobID=job))
+                    assert company(a).notices == sent, "A told B: the window was not tested"
                     reply = ok(awaiter.read_reply())
                 assert reply.json["state"] == "FINISHED"
             finally:

@@ -139,7 +139,9 @@ class PostgresStore(postgres_readers.ReaderCalls, SqlStore):
 
     def _use(self, db: psycopg.Connection[Any]) -> None:
         """Run transactions on `db`, none begun yet."""
-        self._db = self._company.own(f"writer {id(self)}", db)
+        # This writer's, among the node's own connections (postgres_alone.py).
+        self._role = f"writer {id(self)}"
+        self._db = self._company.own(self._role, db)
         self._changes = 0
         self._retry_at = 0.0
         # The open transaction's ID (PostgreSQL's xid8, as text) and the
@@ -366,7 +368,7 @@ class PostgresStore(postgres_readers.ReaderCalls, SqlStore):
             self._lost = True
             raise
         self._db.close()
-        self._db = db
+        self._db = self._company.own(self._role, db)
         self._lost = False
         log.info("reconnected to %s", self.path)
 
@@ -378,6 +380,8 @@ class PostgresStore(postgres_readers.ReaderCalls, SqlStore):
         if notice is not None and not self._company.must_tell(time.monotonic()):
             # Nobody else is on the database to hear it (postgres_alone.py).
             notice = None
+        elif notice is not None:
+            self._company.told()
         kept, self._kept_keys = self._kept_keys, {}
         # The idempotency keys, the notice and the commit in one round trip:
         # a pipeline where keys were kept, else one query (the simple
@@ -414,7 +418,8 @@ class PostgresStore(postgres_readers.ReaderCalls, SqlStore):
         which the store goes on with."""
         xid, backend = self._xid, self._backend
         self._db.close()
-        done, self._db = committed(self._url, xid, backend, error, lambda: self._stopping)
+        done, db = committed(self._url, xid, backend, error, lambda: self._stopping)
+        self._db = self._company.own(self._role, db)
         self._lost, self._retry_at = False, 0.0
         return done
 

@@ -5,22 +5,26 @@ Each commit that makes jobs due sends a notice for the other nodes, and the
 node's own listener hears it as well and drops it. On a node alone, a single
 CreateJob from one client spent a fifth of the node's CPU on that (about
 760 µs of it a request with the notice, 600 without; 780 against 900 jobs a
-second). So a writer looks, at most once per LOOK_SECONDS and within its
-BEGIN's round trip, for any client session on the database other than this
-node's lasting connections (its writers, its listener, its statistics):
-pg_stat_activity shows every session's database, process and kind to every
-role. Any other session counts, whatever it is (another node, of any
-version; a psql; an application listening on the channel itself; one of
-this node's own short reads), and the notice is sent. A look older than
-LOOK_SECONDS decides nothing: the notice is sent.
+second). So a writer looks, at most once per LOOK_SECONDS and within its BEGIN's
+round trip, for any session on the database other than this node's lasting
+connections (its writers, its listener, its statistics) that is a client's
+or whose kind it cannot see: pg_stat_activity shows every session's database
+and process to every role, and its kind only to the session's own role (or
+pg_read_all_stats). Any such session counts, whatever it is (another node,
+of any version or role; a psql; an application listening on the channel
+itself; one of this node's own short reads), and the notice is sent. A look
+older than LOOK_SECONDS decides nothing: the notice is sent.
 
-Another session can only make the node send its notices, as before; it
-cannot make it stop. A node that joins is seen by the others at their next
-look: a commit that decided before it, on a look at most LOOK_SECONDS old,
-may send nothing the joining node's listener would have heard. So a
-listener that starts, or connects again, looks at everything at once and
-again SETTLE_SECONDS later (postgres_listen.py), by when any such commit
-has ended: its GetJobs and AwaitJobs then find what it missed.
+Another session can only make the node send its notices. One limit: a
+connection of this node whose backend PostgreSQL ended counts as the node's
+own until the node next uses it and finds it closed, so a session that a
+new backend of the same process number serves meanwhile is taken for the
+node's. A node that joins is seen by the others at their next look: a
+commit that decided before it, on a look at most LOOK_SECONDS old, may send
+nothing the joining node's listener would have heard. So a listener that
+starts, or connects again, looks at everything at once and again
+SETTLE_SECONDS later (postgres_listen.py), by when any such commit has
+ended: its GetJobs and AwaitJobs then find what it missed.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ class Company:
         # Whether the last look found another session, and when it was taken
         # (time.monotonic). None seen yet: the notice is sent.
         self._last = (True, -math.inf)
+        # Notices the node's commits sent.
+        self.notices = 0
 
     def own(self, role: str, db: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
         """`db` is this node's connection for `role` (in place of any
@@ -60,11 +66,14 @@ class Company:
 
     def look(self) -> bytes:
         """The statement that looks for any other client session on this
-        database: one row, true if there is one."""
+        database: one row, true if there is one. A session of another role
+        shows its database and process but not its kind (NULL without
+        pg_read_all_stats): one whose kind is not known counts."""
         pids = ",".join(str(pid) for pid in self._open_pids())
         return (
             "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database() "
-            f"AND backend_type = 'client backend' AND pid <> ALL ('{{{pids}}}'::int[]))"
+            "AND coalesce(backend_type, 'client backend') = 'client backend' "
+            f"AND pid <> ALL ('{{{pids}}}'::int[]))"
         ).encode()
 
     def saw(self, anyone: bool, looked_at: float) -> None:
@@ -74,6 +83,10 @@ class Company:
         """Whether a commit now sends its notice."""
         anyone, looked_at = self._last
         return anyone or now - looked_at > LOOK_SECONDS
+
+    def told(self) -> None:
+        """A commit sends its notice."""
+        self.notices += 1
 
     def _open_pids(self) -> list[int]:
         pids = []
