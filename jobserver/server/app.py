@@ -15,7 +15,6 @@ connections finish, and stops the engine (what they gave back is written).
 
 from __future__ import annotations
 
-import gc
 import logging
 import resource
 import signal
@@ -236,14 +235,6 @@ class Server:
             "listening on %s%s, database %s",
             address, " (TLS)" if config.tls_cert else "", self.store.path,
         )
-        if threading.current_thread() is threading.main_thread():
-            # What start-up made lives as long as the process: kept out of
-            # the cyclic collector's full passes, each of which read all of it
-            # (46,000 objects, 12 ms of the event loop, six times in a drain
-            # of 50,000 jobs; 0.3 ms frozen). A server run in a thread of a
-            # larger program (the tests) leaves that program's objects alone.
-            gc.collect()
-            gc.freeze()
         engine.start(due)
         try:
             async with trio.open_nursery() as core:
