@@ -210,10 +210,11 @@ class Jobs(Dependencies, Protocol):
         operation answers as if each write had been sent."""
 
     def hold(self, ids: Sequence[int]) -> None:
-        """While writes are held: read these jobs in one statement (locked
-        where other nodes write), with whether each has children (asked
-        once the locks are held, so that a child created by a transaction
-        the read waited for is seen). The
+        """While writes are held: read these jobs (locked where other nodes
+        write), and whether each has children, asked in a second statement
+        once the locks are held (so that a child created by a transaction
+        the read waited for is seen), in one round trip where the backend
+        can. The
         finds of `find_ready` are held too."""
 
     def reserve_ids(self, count: int) -> None:

@@ -380,8 +380,6 @@ class PostgresStore(postgres_readers.ReaderCalls, SqlStore):
         if notice is not None and not self._company.must_tell(time.monotonic()):
             # Nobody else is on the database to hear it (postgres_alone.py).
             notice = None
-        elif notice is not None:
-            self._company.told()
         kept, self._kept_keys = self._kept_keys, {}
         # The idempotency keys, the notice and the commit in one round trip:
         # a pipeline where keys were kept, else one query (the simple
@@ -410,6 +408,8 @@ class PostgresStore(postgres_readers.ReaderCalls, SqlStore):
             raise psycopg.OperationalError(
                 f"the transaction was rolled back instead of committed ({done.statusmessage})"
             )
+        if notice is not None:
+            self._company.told()
 
     def _committed(self, error: psycopg.Error) -> bool:
         """Whether the open transaction committed, after its COMMIT raised

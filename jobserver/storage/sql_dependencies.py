@@ -258,20 +258,25 @@ class DependencyStatements(Statements):
         if not gone:
             return
         on, on_args = d.any_of("jobID", sorted(int(row[0]) for row in gone), "bigint")
-        forget = (
-            f"DELETE FROM dependencyOutcomes WHERE {on} AND NOT EXISTS (SELECT 1 FROM "
-            "jobDependencies e WHERE e.dependsOn = dependencyOutcomes.jobID)",
-            on_args,
+        unnamed = (
+            f"{on} AND NOT EXISTS (SELECT 1 FROM jobDependencies e "
+            "WHERE e.dependsOn = dependencyOutcomes.jobID)"
         )
+        forget = (f"DELETE FROM dependencyOutcomes WHERE {unnamed}", on_args)
         if not d.lock:
             self._execute(*forget)
             return
-        # The outcomes are locked first, and the delete is a statement begun
-        # once they are held: another node adding a dependent reads the
-        # outcome kept (outcomes_of), and the edge it commits while this
-        # waits must be seen, which the snapshot of a statement that waited
-        # would miss (the outcome deleted under the edge, its dependent
-        # waiting for good).
-        lock = (f"SELECT jobID FROM dependencyOutcomes WHERE {on} ORDER BY jobID{d.lock}", on_args)
+        # The outcomes no edge names are locked first, and the delete is a
+        # statement begun once they are held: another node adding a
+        # dependent keeps the outcome it read (outcomes_of), and the edge it
+        # commits while this waits must be seen, which the snapshot of a
+        # statement that waited would miss (the outcome deleted under the
+        # edge, its dependent waiting for good). An outcome other edges
+        # still name is not locked: the finishes of its dependents neither
+        # queue behind nor deadlock with each other.
+        lock = (
+            f"SELECT jobID FROM dependencyOutcomes WHERE {unnamed} ORDER BY jobID{d.lock}",
+            on_args,
+        )
         self._settle(forget[0])
         self._run_pair(lock, forget)

@@ -277,14 +277,14 @@ class SqlStore(DependencyStatements, Outcomes, FlowStatements, ReplyStatements, 
         if not d.lock:
             return self._job(*oldest)
         # Asked again in a statement begun once the first has its lock (same
-        # round trip): a transaction that held the oldest job, and took no
-        # name lock (jobserver_create_job, a rename), may have ended it and
-        # made another of the name, which the first statement's snapshot,
-        # taken before it waited, cannot see.
+        # round trip), whose answer is taken: a transaction that held the
+        # oldest job, and took no name lock (jobserver_create_job, a rename),
+        # may have ended it and made another of the name, which the first
+        # statement's snapshot, taken before it waited, cannot see. (The
+        # second finds the first's row, locked, whenever the first found one.)
         self._settle(oldest[0])
-        first, again = self._run_pair(oldest, oldest)
-        found = again or first
-        return Job(*found[0]) if found else None
+        _, again = self._run_pair(oldest, oldest)
+        return Job(*again[0]) if again else None
 
     def failed(self, *, pattern: str | None, names: Sequence[str], limit: int) -> list[Job]:
         """FAILED jobs whose name matches a GLOB `pattern` or is one of
