@@ -21,6 +21,7 @@ import pytest
 from driver import NOW, another_store, create, job, open_store, transaction
 from test_driver import ready
 
+from helpers import until
 from jobserver.model.jobs import Job, JobChanges, State
 from jobserver.storage.interface import Storage
 
@@ -159,7 +160,8 @@ def test_a_job_another_connection_added_is_found_and_seen_as_a_child(
     """A job an operator's connection inserts, of a priority no job had and
     the child of a stored job, is handed out and seen as the child: SQLite's
     writer keeps the priorities and parents it knows of in memory, and
-    learns of these at its next transaction."""
+    learns of the parent at its next transaction, of the priority within a
+    second."""
     (parent,) = create(store, job("parent"))
     with transaction(store):
         assert not store.has_children(parent)
@@ -168,7 +170,8 @@ def test_a_job_another_connection_added_is_found_and_seen_as_a_child(
         (child,) = create(other, job("kid", priority=321, parent_id=parent))
     with transaction(store):
         assert store.has_children(parent)
-    assert ready(store, priorities=[321]) == [child]
+    # The priorities are read again within a second (a read of every job).
+    until(lambda: ready(store, priorities=[321]) == [child], 10.0, "the job to be found")
 
 
 def test_rows_with_large_data_are_read_again_not_kept(tmp_path: Path) -> None:

@@ -70,6 +70,9 @@ RESTART_BACKOFF_MAX = 30.0
 RECLAIM_MIN_PAGES = 256
 # Pages given back per transaction: 8 MiB of 4 KiB pages, bounded work.
 RECLAIM_PAGES = 2048
+# After another connection's commit, the jobs' priorities are read again at
+# most this often (_note_stored_priorities).
+PRIORITIES_READ_SECONDS = 1.0
 
 
 class Store(SqlStore):
@@ -109,7 +112,12 @@ class Store(SqlStore):
             # superset of the jobs with children, so that handing out or
             # finishing any other job asks nothing about children.
             self._parents: set[int] = set()
-            self._note_stored_jobs()
+            self._note_stored_parents()
+            # When the priorities were last read from the jobs, and whether
+            # another connection's commit asks for them again.
+            self._priorities_read_at = -PRIORITIES_READ_SECONDS
+            self._priorities_owed = True
+            self._note_stored_priorities()
             # Flow control, read on every hand-out: kept in memory, so that
             # a GetJob costs nothing more when no limit or pause is set.
             # Limits given at start (--limit) are the base; those set by
@@ -211,24 +219,38 @@ class Store(SqlStore):
         version = self._read_data_version()
         if version != self._data_version:
             self._rows.clear()
-            # A job it made may have a priority or a parent this connection
-            # never wrote: without them, GetJob would pass the job over and
-            # a finish of the parent would miss the child.
-            self._note_stored_jobs()
+            # A job it made may have a parent or a priority this connection
+            # never wrote: without them, a finish of the parent would miss the
+            # child, and GetJob would pass the job over.
+            self._note_stored_parents()
+            self._priorities_owed = True
             self._data_version = version
+        self._note_stored_priorities()
 
-    def _note_stored_jobs(self) -> None:
-        """Add the priorities and parents the stored jobs have to the
-        supersets kept in memory."""
-        self._priorities.update(
-            row[0] for row in self._db.execute("SELECT DISTINCT priority FROM jobs")
-        )
+    def _note_stored_parents(self) -> None:
+        """Add the parents the stored jobs name to the superset kept in
+        memory (an index of children alone: cheap at any size)."""
         self._parents.update(
             row[0]
             for row in self._db.execute(
                 "SELECT DISTINCT parentJobID FROM jobs WHERE parentJobID != 0"
             )
         )
+
+    def _note_stored_priorities(self) -> None:
+        """If owed, add the priorities the stored jobs have to the superset
+        kept in memory, at most once per PRIORITIES_READ_SECONDS: a read of
+        every job (no index holds them all; 50 ms for a million narrow rows
+        here), which an operator's script of many small commits would
+        otherwise cost every transaction. A job it
+        made of a new priority is handed out that much later at most."""
+        now = time.monotonic()
+        if not self._priorities_owed or now < self._priorities_read_at + PRIORITIES_READ_SECONDS:
+            return
+        self._priorities.update(
+            row[0] for row in self._db.execute("SELECT DISTINCT priority FROM jobs")
+        )
+        self._priorities_read_at, self._priorities_owed = now, False
 
     def _read_data_version(self) -> int:
         return int(self._db.execute("PRAGMA data_version").fetchone()[0])
