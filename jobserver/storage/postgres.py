@@ -59,7 +59,6 @@ from jobserver.storage import (
 )
 from jobserver.storage.backends import DEFAULT_WRITERS, MAX_WRITERS
 from jobserver.storage.backup_types import BackupCopy, BackupDirectory, BackupUnsupported
-from jobserver.storage.held_writes import Batch
 from jobserver.storage.postgres_alone import Company
 from jobserver.storage.postgres_connection import (
     ASK_MILLISECONDS,
@@ -71,10 +70,10 @@ from jobserver.storage.postgres_connection import (
     end_own_backend,
     redact,
 )
+from jobserver.storage.postgres_statements import PostgresStatements
 from jobserver.storage.postgres_statistics import StatisticsKeeper
 from jobserver.storage.searches import NOTHING_PASSED, PassedOver
 from jobserver.storage.sql import POSTGRES
-from jobserver.storage.sql_statements import Statement, rows_of
 from jobserver.storage.sql_store import SqlStore
 from jobserver.storage.sqlite_schema import StoreError
 
@@ -84,7 +83,7 @@ log = logging.getLogger("jobserver")
 # requests fail at once with 503.
 RECONNECT_SECONDS = 0.5
 
-class PostgresStore(postgres_readers.ReaderCalls, SqlStore):
+class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
     dialect = POSTGRES
     blocking = True
     needs_sync = False
@@ -187,90 +186,6 @@ class PostgresStore(postgres_readers.ReaderCalls, SqlStore):
         (postgres_connection.py)."""
         for writer in self.writers():
             writer._stopping = True
-
-    # Statements. Every one goes through _execute, which counts what it
-    # changed; a failed statement counts as a change, because in PostgreSQL
-    # it spoils the transaction until the savepoint around it is undone.
-
-    def _run(self, statement: str, args: Sequence[Any] = ()) -> psycopg.Cursor[Any]:
-        try:
-            cursor = self._db.execute(statement, args)
-        except psycopg.Error:
-            self._changes += 1
-            raise
-        self._count(statement, cursor)
-        return cursor
-
-    def _count(self, statement: str, cursor: psycopg.Cursor[Any]) -> None:
-        if cursor.rowcount > 0 and not statement.startswith("SELECT"):
-            self._changes += cursor.rowcount
-
-    def _run_many(self, statement: str, args: list[list[Any]]) -> None:
-        # psycopg sends them in one pipeline: one round trip for all.
-        try:
-            with self._db.cursor() as cursor:
-                cursor.executemany(statement, args)
-        except psycopg.Error:
-            self._changes += 1
-            raise
-        self._changes += max(cursor.rowcount, len(args))
-
-    def _run_pair(self, first: Statement, second: Statement) -> tuple[list[Any], list[Any]]:
-        # In one pipeline: PostgreSQL begins the second (and takes its
-        # snapshot) once the first has ended, one round trip for both.
-        try:
-            with self._db.pipeline():
-                cursors = [self._db.execute(*first), self._db.execute(*second)]
-            rows = rows_of(cursors[0]), rows_of(cursors[1])
-        except psycopg.Error:
-            self._changes += 1
-            raise
-        self._count(first[0], cursors[0])
-        self._count(second[0], cursors[1])
-        return rows
-
-    def _run_batches(self, sent: list[Batch]) -> None:
-        """Held writes of several statements in one round trip (a
-        pipeline): a FinishJobs' deletes and its outcomes' insert were
-        two. A statement that fails fails the pipeline, and PostgreSQL
-        skips the rest, as if they had been sent one at a time."""
-        if len(sent) < 2:
-            super()._run_batches(sent)
-            return
-        ran: list[tuple[psycopg.Cursor[Any], int]] = []
-        try:
-            with self._db.pipeline():
-                for statement, args in sent:
-                    cursor = self._db.cursor()
-                    if len(args) == 1:
-                        cursor.execute(statement, args[0])
-                    else:
-                        cursor.executemany(statement, args)
-                    ran.append((cursor, len(args)))
-        except psycopg.Error:
-            self._changes += 1
-            raise
-        # Counted as _run and _run_many count them.
-        for cursor, times in ran:
-            self._changes += max(cursor.rowcount, times) if times > 1 else max(cursor.rowcount, 0)
-
-    def _next_ids(self, count: int) -> list[int]:
-        # From the column's own sequence: an ID is never handed out twice,
-        # whether the insert that takes it commits or not.
-        return self._ids(
-            "SELECT nextval(pg_get_serial_sequence('jobs', 'jobid')) "
-            "FROM generate_series(1, %s) ORDER BY 1",
-            (count,),
-        )
-
-    def _lock(self, purpose: str, key: str) -> None:
-        """A transaction lock on `key` for `purpose`, shared by every node
-        on this schema; released at commit or rollback. A row lock on a
-        table of the nodes' own (postgres_schema.LOCK_SLOTS says why)."""
-        self._execute(
-            "SELECT slot FROM jobserver_locks WHERE slot = %s FOR UPDATE",
-            (postgres_schema.lock_slot(purpose, key),),
-        )
 
     # Transactions.
 

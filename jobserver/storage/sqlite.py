@@ -39,6 +39,7 @@ from jobserver.storage.sql import (
     priorities_from,
 )
 from jobserver.storage.sql_store import SqlStore
+from jobserver.storage.sqlite_known import KnownJobs
 from jobserver.storage.sqlite_schema import StoreError
 
 SYNCHRONOUS_MODES = ("FULL", "NORMAL")
@@ -70,12 +71,7 @@ RESTART_BACKOFF_MAX = 30.0
 RECLAIM_MIN_PAGES = 256
 # Pages given back per transaction: 8 MiB of 4 KiB pages, bounded work.
 RECLAIM_PAGES = 2048
-# After another connection's commit, the jobs' priorities are read again at
-# most this often (_note_stored_priorities).
-PRIORITIES_READ_SECONDS = 1.0
-
-
-class Store(SqlStore):
+class Store(KnownJobs, SqlStore):
     dialect = SQLITE
     # A local file: every call is quick enough for the event loop.
     blocking = False
@@ -102,22 +98,8 @@ class Store(SqlStore):
             self._commit_without_syncing(synchronous)
             # The rows read or written last, as stored (sqlite_rows.py).
             self._rows = sqlite_rows.Rows(self._db)
-            # SQLite's count of commits by other connections to the file, as
-            # last seen: when it moves, kept rows may be stale (_outside_writes).
-            self._data_version = self._read_data_version()
-            # Every priority a job has had since the file was opened: a
-            # superset of those with waiting jobs, so GetJob skips the rest.
-            self._priorities: set[int] = set()
-            # Every job named as a parent since the file was opened: a
-            # superset of the jobs with children, so that handing out or
-            # finishing any other job asks nothing about children.
-            self._parents: set[int] = set()
-            self._note_stored_parents()
-            # When the priorities were last read from the jobs, and whether
-            # another connection's commit asks for them again.
-            self._priorities_read_at = -PRIORITIES_READ_SECONDS
-            self._priorities_owed = True
-            self._note_stored_priorities()
+            # What the stored jobs are known to hold (sqlite_known.py).
+            self._know_stored_jobs()
             # Flow control, read on every hand-out: kept in memory, so that
             # a GetJob costs nothing more when no limit or pause is set.
             # Limits given at start (--limit) are the base; those set by
@@ -209,51 +191,6 @@ class Store(SqlStore):
             raise
         self._outside_writes()
         return True
-
-    def _outside_writes(self) -> None:
-        """Forget the kept rows if another connection has committed since
-        this one last looked: the lockfile keeps out a second server, not an
-        operator's `sqlite3 jobs.db "UPDATE ..."`, whose changes the next
-        report must read (the triggers see only this connection's writes).
-        Read inside the transaction, so no commit can slip in after it."""
-        version = self._read_data_version()
-        if version != self._data_version:
-            self._rows.clear()
-            # A job it made may have a parent or a priority this connection
-            # never wrote: without them, a finish of the parent would miss the
-            # child, and GetJob would pass the job over.
-            self._note_stored_parents()
-            self._priorities_owed = True
-            self._data_version = version
-        self._note_stored_priorities()
-
-    def _note_stored_parents(self) -> None:
-        """Add the parents the stored jobs name to the superset kept in
-        memory (an index of children alone: cheap at any size)."""
-        self._parents.update(
-            row[0]
-            for row in self._db.execute(
-                "SELECT DISTINCT parentJobID FROM jobs WHERE parentJobID != 0"
-            )
-        )
-
-    def _note_stored_priorities(self) -> None:
-        """If owed, add the priorities the stored jobs have to the superset
-        kept in memory, at most once per PRIORITIES_READ_SECONDS: a read of
-        every job (no index holds them all; 50 ms for a million narrow rows
-        here), which an operator's script of many small commits would
-        otherwise cost every transaction. A job it
-        made of a new priority is handed out that much later at most."""
-        now = time.monotonic()
-        if not self._priorities_owed or now < self._priorities_read_at + PRIORITIES_READ_SECONDS:
-            return
-        self._priorities.update(
-            row[0] for row in self._db.execute("SELECT DISTINCT priority FROM jobs")
-        )
-        self._priorities_read_at, self._priorities_owed = now, False
-
-    def _read_data_version(self) -> int:
-        return int(self._db.execute("PRAGMA data_version").fetchone()[0])
 
     def commit(self) -> None:
         self._db.execute("COMMIT")
@@ -358,14 +295,6 @@ class Store(SqlStore):
         job_id = self._db.execute(statement, args).lastrowid
         assert job_id is not None
         return job_id
-
-    def _noted(self, priority: int, parent_id: int) -> None:
-        self._priorities.add(priority)
-        if parent_id:
-            self._parents.add(parent_id)
-
-    def _may_have_children(self, parent_id: int) -> bool:
-        return parent_id in self._parents
 
     def hold_limits(self) -> None:
         """Nothing to do: this process is the file's only writer."""

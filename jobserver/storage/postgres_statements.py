@@ -1,0 +1,106 @@
+"""How a PostgreSQL node's statements reach its connection (the hooks of
+sql_statements.Statements): one at a time, many of one statement, two in a
+row, and held writes, the last three each in one round trip (a pipeline).
+Every one counts what it changed; a failed statement counts as a change,
+because in PostgreSQL it spoils the transaction until the savepoint around
+it is undone. Also the two statements PostgreSQL has of its own: jobIDs
+taken in advance, and the nodes' named locks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+
+from jobserver.storage import postgres_schema
+from jobserver.storage.held_writes import Batch
+from jobserver.storage.sql_statements import Statement, Statements, rows_of
+
+
+class PostgresStatements(Statements):
+    """PostgresStore's connection, as its statements use it."""
+
+    _db: psycopg.Connection[Any]
+    # Rows changed (and statements failed) on it, read by total_changes.
+    _changes: int
+
+    def _run(self, statement: str, args: Sequence[Any] = ()) -> psycopg.Cursor[Any]:
+        try:
+            cursor = self._db.execute(statement, args)
+        except psycopg.Error:
+            self._changes += 1
+            raise
+        self._count(statement, cursor)
+        return cursor
+
+    def _count(self, statement: str, cursor: psycopg.Cursor[Any]) -> None:
+        if cursor.rowcount > 0 and not statement.startswith("SELECT"):
+            self._changes += cursor.rowcount
+
+    def _run_many(self, statement: str, args: list[list[Any]]) -> None:
+        # psycopg sends them in one pipeline: one round trip for all.
+        try:
+            with self._db.cursor() as cursor:
+                cursor.executemany(statement, args)
+        except psycopg.Error:
+            self._changes += 1
+            raise
+        self._changes += max(cursor.rowcount, len(args))
+
+    def _run_pair(self, first: Statement, second: Statement) -> tuple[list[Any], list[Any]]:
+        # In one pipeline: PostgreSQL begins the second (and takes its
+        # snapshot) once the first has ended, one round trip for both.
+        try:
+            with self._db.pipeline():
+                cursors = [self._db.execute(*first), self._db.execute(*second)]
+            rows = rows_of(cursors[0]), rows_of(cursors[1])
+        except psycopg.Error:
+            self._changes += 1
+            raise
+        self._count(first[0], cursors[0])
+        self._count(second[0], cursors[1])
+        return rows
+
+    def _run_batches(self, sent: list[Batch]) -> None:
+        """Held writes of several statements in one round trip (a
+        pipeline): a FinishJobs' deletes and its outcomes' insert were
+        two. A statement that fails fails the pipeline, and PostgreSQL
+        skips the rest, as if they had been sent one at a time."""
+        if len(sent) < 2:
+            super()._run_batches(sent)
+            return
+        ran: list[tuple[psycopg.Cursor[Any], int]] = []
+        try:
+            with self._db.pipeline():
+                for statement, args in sent:
+                    cursor = self._db.cursor()
+                    if len(args) == 1:
+                        cursor.execute(statement, args[0])
+                    else:
+                        cursor.executemany(statement, args)
+                    ran.append((cursor, len(args)))
+        except psycopg.Error:
+            self._changes += 1
+            raise
+        # Counted as _run and _run_many count them.
+        for cursor, times in ran:
+            self._changes += max(cursor.rowcount, times) if times > 1 else max(cursor.rowcount, 0)
+
+    def _next_ids(self, count: int) -> list[int]:
+        # From the column's own sequence: an ID is never handed out twice,
+        # whether the insert that takes it commits or not.
+        return self._ids(
+            "SELECT nextval(pg_get_serial_sequence('jobs', 'jobid')) "
+            "FROM generate_series(1, %s) ORDER BY 1",
+            (count,),
+        )
+
+    def _lock(self, purpose: str, key: str) -> None:
+        """A transaction lock on `key` for `purpose`, shared by every node
+        on this schema; released at commit or rollback. A row lock on a
+        table of the nodes' own (postgres_schema.LOCK_SLOTS says why)."""
+        self._execute(
+            "SELECT slot FROM jobserver_locks WHERE slot = %s FOR UPDATE",
+            (postgres_schema.lock_slot(purpose, key),),
+        )
