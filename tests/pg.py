@@ -160,3 +160,10 @@ def execute(url: str, sql: str, params: tuple[object, ...] = ()) -> int:
     """One statement on the queue's tables, committed; the rows it changed."""
     with psycopg.connect(url, autocommit=True) as db:
         return db.execute(sql.encode(), params).rowcount
+
+
+def value(url: str, sql: str, params: tuple[object, ...] = ()) -> Any:
+    """The first column of a query's first row (None without a row)."""
+    with psycopg.connect(url, autocommit=True) as db:
+        row = db.execute(sql.encode(), params).fetchone()
+    return None if row is None else row[0]

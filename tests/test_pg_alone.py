@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
+import pg
 import psycopg
 import pytest
 
@@ -176,15 +177,14 @@ def test_a_node_that_joins_hears_of_what_a_node_that_has_not_seen_it_ended(
 
 def listening(url: str) -> int:
     """How many sessions listen on the channel."""
-    with psycopg.connect(url, autocommit=True) as db:
-        row = db.execute(
+    return int(
+        pg.value(
+            url,
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-            """AND query = 'LISTEN "jobserver.public"'"""
-        ).fetchone()
-    return int(row[0]) if row else 0
+            """AND query = 'LISTEN "jobserver.public"'""",
+        )
+    )
 
 
 def awaited(url: str, job: int) -> bool:
-    with psycopg.connect(url, autocommit=True) as db:
-        row = db.execute("SELECT awaited FROM jobs WHERE jobID = %s", (job,)).fetchone()
-    return bool(row and row[0])
+    return bool(pg.value(url, "SELECT awaited FROM jobs WHERE jobID = %s", (job,)))

@@ -50,17 +50,11 @@ def emptied_and_analyzed(url: str) -> None:
 
 
 def reltuples(url: str) -> float:
-    with psycopg.connect(url, autocommit=True) as db:
-        row = db.execute("SELECT reltuples FROM pg_class WHERE oid = 'jobs'::regclass").fetchone()
-    assert row is not None
-    return float(row[0])
+    return float(pg.value(url, "SELECT reltuples FROM pg_class WHERE oid = 'jobs'::regclass"))
 
 
 def live_rows(url: str) -> int:
-    with psycopg.connect(url, autocommit=True) as db:
-        row = db.execute("SELECT pg_stat_get_live_tuples('jobs'::regclass)").fetchone()
-    assert row is not None
-    return int(row[0])
+    return int(pg.value(url, "SELECT pg_stat_get_live_tuples('jobs'::regclass)"))
 
 
 def delete_plan(url: str) -> str:
@@ -172,13 +166,13 @@ def test_tables_the_planner_sizes_rightly_are_left_alone(url: str) -> None:
 
 def column_statistics(url: str) -> int:
     """The rows pg_stats holds for the jobs table of the url's schema."""
-    with psycopg.connect(url, autocommit=True) as db:
-        row = db.execute(
+    return int(
+        pg.value(
+            url,
             "SELECT count(*) FROM pg_stats WHERE schemaname = current_schema() "
-            "AND tablename = 'jobs'"
-        ).fetchone()
-    assert row is not None
-    return int(row[0])
+            "AND tablename = 'jobs'",
+        )
+    )
 
 
 def test_a_vacuumed_table_without_column_statistics_is_analyzed(url: str) -> None:
