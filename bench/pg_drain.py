@@ -149,7 +149,7 @@ def main() -> int:
     )
     parser.add_argument("--connections", type=int, default=4, help="the drain driver's threads")
     parser.add_argument(
-        "--writers", type=int, default=1, help="the node's --writers (transactions at once)"
+        "--writers", type=int, help="the node's --writers, transactions at once (default: its own)"
     )
     parser.add_argument("--durations", action="store_true")
     parser.add_argument("--explain", type=float, default=0.0, metavar="RATE")
@@ -173,7 +173,8 @@ def main() -> int:
     log = StatementLog(admin, database.name, None)
     env = {**os.environ}
     port = free_port()
-    proc = scale.start_server(database.url, port, ROOT, "--writers", str(args.writers))
+    writers = ("--writers", str(args.writers)) if args.writers else ()
+    proc = scale.start_server(database.url, port, ROOT, *writers)
     peer = Peer(
         "jobserver-pg", "", database, [sys.executable, str(DRIVERS / "jobserver_driver.py")],
         env, "DELETE FROM jobs", node=Node(port, proc), logs=Path(os.environ.get("TMPDIR", "/tmp")),

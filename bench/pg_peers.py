@@ -256,7 +256,7 @@ def notes(args: argparse.Namespace, sizes: Sizes, peers: list[Peer]) -> str:
         f"Drain of {sizes.drain:,} jobs inserted beforehand, by one worker process: jobserver,"
         " GetJobs numResults 100 + one FinishJobs per batch on"
         f" {args.jobserver_connections} connections (threads), the node's --writers"
-        f" {args.jobserver_writers};"
+        f" {args.jobserver_writers or 'its default'};"
         " Graphile Worker, concurrentJobs 24, pool 25, localQueue size 500,"
         " completeJobBatchDelay 0, failJobBatchDelay 0 (its performance page's); PgQueuer,"
         f" QueueManager.run(batch_size={args.pgqueuer_batch}, mode=drain) on asyncpg.",
@@ -308,8 +308,8 @@ def parse_args() -> argparse.Namespace:
         help="connections (threads) of jobserver's drain worker (default 4)",
     )
     parser.add_argument(
-        "--jobserver-writers", type=int, default=1, metavar="N",
-        help="the jobserver node's --writers, transactions at once (default 1)",
+        "--jobserver-writers", type=int, default=0, metavar="N",
+        help="the jobserver node's --writers, transactions at once (default: the node's own)",
     )
     parser.add_argument(
         "--pgqueuer-batch", type=int, default=500, metavar="N",

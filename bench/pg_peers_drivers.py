@@ -239,8 +239,8 @@ def start_jobserver(root: Path, postgres: str, logs: Path) -> Peer:
     try:
         port = free_port()
         # Only when asked: an older checkout (--server-root) has no --writers.
-        writers = os.environ.get("BENCH_JOBSERVER_WRITERS", "1")
-        options = ("--writers", writers) if writers != "1" else ()
+        writers = os.environ.get("BENCH_JOBSERVER_WRITERS", "0")
+        options = ("--writers", writers) if writers != "0" else ()
         proc = scale.start_server(database.url, port, root, *options)
         peer.node = Node(port, proc)
         wait_port(port, proc)

@@ -7,6 +7,7 @@ bounds. Over a real server and real PostgreSQL."""
 from __future__ import annotations
 
 import logging
+import socket
 import subprocess
 import sys
 import threading
@@ -293,6 +294,39 @@ def test_finish_jobs_naming_the_same_jobs_in_other_orders_and_shapes_never_deadl
     assert undone == []
 
 
+def test_waiters_are_served_first_come_first_served_with_two_writers(db):
+    # Three waiters, then three jobs one at a time: each goes to the one
+    # that has waited longest, on a node just started, round after round.
+    # With two writers a younger waiter's try, queued with the batch that
+    # created the job or run beside an older one's in the other writer,
+    # took it (8 runs of 15 of test_waiting's single round failed).
+    for round_ in range(8):
+        server = ThreadServer(db, writers=2)
+        try:
+            engine = server.server.core.engine
+            name = f"fifo{round_}"
+            waiters = []
+            with server.client(timeout=HELD) as client:
+                try:
+                    for _ in range(3):
+                        before = len(engine.waits)
+                        waiter = Client(server.port, HELD)
+                        waiters.append(waiter)
+                        waiter.send(encode("GetJob", {"name": name, "Connection": "wait"}))
+                        until(lambda b=before, e=engine: len(e.waits) > b, HELD, "a waiter")
+                    for count, waiter in enumerate(waiters):
+                        job_id = create(client, name)
+                        waiter.sock.settimeout(PROMPT)
+                        assert ok(waiter.read_reply()).json["jobID"] == job_id, (round_, count)
+                        left = len(waiters) - count - 1
+                        until(lambda n=left, e=engine: len(e.waits) == n, HELD, "the rest")
+                finally:
+                    for waiter in waiters:
+                        waiter.close()
+        finally:
+            server.stop()
+
+
 def test_writers_is_for_postgresql_and_bounded(tmp_path):
     def serve(*options: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -307,3 +341,41 @@ def test_writers_is_for_postgresql_and_bounded(tmp_path):
         refused = serve("--writers", wrong)
         assert refused.returncode == 2
         assert "from 1 to 16" in refused.stderr, refused.stderr
+
+
+def test_a_waiter_gone_before_its_try_begins_takes_no_job(db):
+    # A waiting GetJob whose client half-closes is told at once that no job
+    # came, while its try still waits for the writer. A CreateJob the client
+    # sends after that answer joins the same batch, whose tries run after
+    # its requests (first come, first served across writers): the try took
+    # the new job for the waiter that had left, RUNNING until given back,
+    # and a client's look beside the give-back, on the other writer, found it
+    # so (a clean-clone CI run did); the node counts the hand-out.
+    server = ThreadServer(db, writers=1)
+    engine = server.server.core.engine
+    try:
+        with server.client(timeout=HELD) as client:
+            held = create(client, "held")
+            with (
+                Client(server.port, HELD) as blocked,
+                Client(server.port, HELD) as piped,
+                Client(server.port, HELD) as creator,
+            ):
+                with row_locked(str(db), held):
+                    blocked.send(encode("QueryJob", {"jobID": held}))
+                    waiting_on_lock(server, str(db), 1)
+                    piped.send(encode("GetJob", {"name": "half", "Connection": "wait"}))
+                    until(lambda: len(engine.waits) == 1, HELD, "the waiter")
+                    piped.sock.shutdown(socket.SHUT_WR)
+                    assert piped.read_reply().status == "404 No job found"
+                    creator.send(encode("CreateJob", {"name": "half"}))
+                    # The try and the CreateJob, both queued behind the lock.
+                    until(lambda: len(engine._pending) == 2, HELD, "both queued")
+                ok(blocked.read_reply())
+                job_id = ok(creator.read_reply()).json["jobID"]
+            # What the node did with it (a give-back leaves it counted).
+            history = ok(client.request("History", name="half", minutes=5)).json["series"]
+            assert (sum(history["created"]), sum(history["handedOut"])) == (1, 0)
+            assert ok(client.request("QueryJob", jobID=job_id)).json["state"] == "QUEUED"
+    finally:
+        server.stop()

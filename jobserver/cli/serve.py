@@ -194,9 +194,8 @@ def _add_client_options(serve: argparse.ArgumentParser) -> None:
         metavar="N",
         help="on PostgreSQL, transactions this node runs at once, each on a connection of "
         f"its own, 1 to {MAX_WRITERS}: while one waits for the database another's requests "
-        "run (a drain is faster), but waiting GetJobs are then served about in the order they "
-        "came, not strictly, as across nodes; a SQLite file has one writer "
-        f"(default: {DEFAULT_WRITERS})",
+        "run (a drain is faster); a SQLite file has one writer "
+        f"(default: {DEFAULT_WRITERS} on PostgreSQL)",
     )
     serve.add_argument(
         "--max-reply-bytes",

@@ -18,12 +18,11 @@ POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 MEMORY = ":memory:"
 # Transactions a PostgreSQL node runs at once by default (--writers), each
-# on a connection of its own. Two drain a queue faster (while one waits for
-# the database, another's Python runs: 5,800 jobs a second with one and
-# 7,500 with two, docs/benchmarks.md), but then, as across nodes, waiting
-# GetJobs are served about in the order they came, not strictly: one
-# writer keeps first come, first served. A SQLite file has one writer.
-DEFAULT_WRITERS = 1
+# on a connection of its own: while one waits for the database, another's
+# Python runs (a drain, 5,800 jobs a second with one and 7,500 with two:
+# docs/benchmarks.md; a third adds nothing on two cores). A SQLite file
+# has one writer.
+DEFAULT_WRITERS = 2
 MAX_WRITERS = 16
 
 log = logging.getLogger("jobserver")

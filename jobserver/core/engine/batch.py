@@ -101,12 +101,20 @@ class Batches:
         store = self._store
         tries: list[Serve] = []
         taken: list[Taken] = []
+        requests: list[Work] = batch
+        serves: list[Work] = []
         cascade_left = False
         try:
             if not begun:
                 store.begin()
             changes_before = store.total_changes
-            done = self.writer.execute(batch)
+            # Waiters' tries queued with the batch run after the tries of
+            # those its requests made ready, oldest first: else a younger
+            # waiter's try queued here would take a job a request before it
+            # created, ahead of an older waiter.
+            requests = [work for work in batch if not isinstance(work, Serve)]
+            serves = [work for work in batch if isinstance(work, Serve)]
+            done = self.writer.execute(requests)
             outcomes, ready, due, events = done.outcomes, done.ready, done.due, done.events
             taken, ended, cascade_left = done.taken, done.ended, done.cascade_left
             announced, announced_due = set(ready), due
@@ -130,6 +138,14 @@ class Batches:
                     ended = ended | served.ended
                     cascade_left = cascade_left or served.cascade_left
                     ready, due = served.ready, served.due
+            if serves:
+                queued = ran(self.writer.run_all(serves, savepoints=True) or [])
+                outcomes += queued.outcomes
+                events += queued.events
+                taken = taken + queued.taken
+                ended = ended | queued.ended
+                cascade_left = cascade_left or queued.cascade_left
+                ready, due = ready | queued.ready, earliest(due, queued.due)
             announced |= ready
             announced_due = earliest(announced_due, due)
             if announced or announced_due is not None or ended:
@@ -138,13 +154,13 @@ class Batches:
             store.commit()
             wrote = store.total_changes != changes_before
             return Committed(
-                [*batch, *tries], outcomes, True, ready, due, wrote, events, taken, ended,
-                cascade_left,
+                [*requests, *tries, *serves], outcomes, True, ready, due, wrote, events, taken,
+                ended, cascade_left,
             )
         except Exception as error:  # a boundary: see above
             if isinstance(error, store.transient) and not tries:
                 raise Transient(error) from error
-            works: list[Work] = [*batch, *tries]
+            works: list[Work] = [*requests, *tries, *serves]
             if isinstance(error, OutcomeUnknown):
                 # It may have committed what a cascade left: looked for again.
                 return Committed(

@@ -18,7 +18,8 @@ A waiter moves through the states of `MOVES`, each move checked:
 - POKED: trying, and a matching job became ready meanwhile: the try may
   have looked before it was there, so it is tried again if it found nothing.
 - LEAVING: its GetJob ended (timeout, hang-up) while it was being tried:
-  jobs the try hands it go back.
+  a try not begun yet passes it over (work.Serve), and jobs a try under
+  way hands it go back.
 - SERVED: handed its jobs. GONE: its GetJob ended. Both are final.
 """
 
@@ -160,6 +161,8 @@ class WaitQueue:
         # Grouped by selector, so a new job is matched once per distinct
         # pattern rather than once per waiter.
         self._by_selector: dict[Selector, dict[Waiter, None]] = {}
+        # By selector, its waiters being tried (TRYING or POKED).
+        self._trying: dict[Selector, _BeingTried] = {}
         self._count = 0
         self.closed = False
         # Names made due whose waiters the matcher has still to find.
@@ -262,7 +265,9 @@ class WaitQueue:
         """Mark the waiters that may be tried now TRYING, oldest first, and
         cut them into groups: those to try now, each with whether it is a
         later group (whose end hands out the next, `next_later`). A waiter
-        being tried is POKED instead, and younger ones behind it HELD."""
+        being tried is POKED instead, and younger ones behind it HELD: those
+        given here, and those of its selector (a try in another writer's
+        transaction, PostgreSQL's --writers, is one being tried)."""
         batch: list[Waiter] = []
         blocker: Waiter | None = None
         for waiter in sorted(waiters, key=lambda w: w.seq):
@@ -271,17 +276,23 @@ class WaitQueue:
                     # Its try may have looked before this job was there.
                     waiter.move(Phase.POKED)
                 blocker = blocker or waiter
-            elif waiter.phase not in _WAITING:
                 continue
-            elif blocker is not None:
+            if waiter.phase not in _WAITING:
+                continue
+            ahead = blocker or self._tried_ahead(waiter)
+            if ahead is not None:
                 # Trying it now could hand it the job the older waiter
                 # missed: first come, first served.
                 if waiter.phase is Phase.IDLE:
                     waiter.move(Phase.HELD)
-                blocker.held.append(waiter)
+                ahead.held.append(waiter)
             else:
                 waiter.move(Phase.TRYING)
                 batch.append(waiter)
+        # Noted as being tried only now: those of this call are tried in
+        # one pass, oldest first, and hold none of each other.
+        for waiter in batch:
+            self._trying.setdefault(waiter.selector, _BeingTried()).add(waiter)
         if not batch:
             return []
         first, *rest = _groups(batch)
@@ -292,6 +303,20 @@ class WaitQueue:
             if later is not None:
                 tries.append((later, True))
         return tries
+
+    def _tried_ahead(self, waiter: Waiter) -> Waiter | None:
+        """The oldest waiter of `waiter`'s selector being tried, if older:
+        a try begun apart (a waiter tried again after its own try) may run
+        beside it in another transaction and take the job it would miss."""
+        trying = self._trying.get(waiter.selector)
+        oldest = trying.oldest() if trying is not None else None
+        return oldest if oldest is not None and oldest.seq < waiter.seq else None
+
+    def _tried(self, waiter: Waiter) -> None:
+        """`waiter`'s try ended, or it left."""
+        trying = self._trying.get(waiter.selector)
+        if trying is not None and trying.discard(waiter):
+            del self._trying[waiter.selector]
 
     def next_later(self) -> list[Waiter] | None:
         """The next later group to try, once the one before is served."""
@@ -304,6 +329,7 @@ class WaitQueue:
         result = Served()
         for waiter, jobs in zip(waiters, handed, strict=True):
             waiter.tried.set()
+            self._tried(waiter)
             held, waiter.held = waiter.held, []
             result.again += [w for w in held if w.phase in _WAITING]
             if waiter.phase is Phase.LEAVING:
@@ -340,12 +366,40 @@ class WaitQueue:
                 waiter.woken.set()
 
     def _forget(self, waiter: Waiter) -> None:
+        self._tried(waiter)
         group = self._by_selector.get(waiter.selector)
         if group is not None and waiter in group:
             del group[waiter]
             self._count -= 1
             if not group:
                 del self._by_selector[waiter.selector]
+
+
+class _BeingTried:
+    """A selector's waiters being tried, and the oldest of them in
+    logarithmic time (a heap; what left it is dropped when it comes up):
+    ten thousand waiters of one name may be tried at once, and each GetJob
+    that joins them asks."""
+
+    def __init__(self) -> None:
+        self._members: set[Waiter] = set()
+        self._heap: list[tuple[int, Waiter]] = []
+
+    def add(self, waiter: Waiter) -> None:
+        if waiter not in self._members:
+            self._members.add(waiter)
+            heapq.heappush(self._heap, (waiter.seq, waiter))
+
+    def discard(self, waiter: Waiter) -> bool:
+        """Drop `waiter`; whether none is left."""
+        self._members.discard(waiter)
+        return not self._members
+
+    def oldest(self) -> Waiter | None:
+        heap = self._heap
+        while heap and heap[0][1] not in self._members:
+            heapq.heappop(heap)
+        return heap[0][1] if heap else None
 
 
 def _groups(batch: list[Waiter]) -> list[list[Waiter]]:
