@@ -8,7 +8,6 @@ of the test process open, which is company)."""
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +27,7 @@ pytestmark = pytest.mark.backends(only="postgres")
 
 # Generous: a shared machine.
 PATIENCE = 20.0
-SERVER = os.environ.get("JOBSERVER_TEST_POSTGRES", "")
+SERVER = pg.BASE_URL
 
 
 def url_of(database: str, user: str = "") -> str:
@@ -41,6 +40,7 @@ def url_of(database: str, user: str = "") -> str:
 def own_database() -> Iterator[str]:
     """The name of a database made for the test, with no session open on
     it, and of a login role made with it that owns it."""
+    pg.database_url()  # skips, or fails in CI, where PostgreSQL does not answer
     name = f"jobserver_alone_{secrets.token_hex(4)}"
     with psycopg.connect(SERVER, autocommit=True) as admin:
         admin.execute(f'CREATE ROLE "{name}" LOGIN')
