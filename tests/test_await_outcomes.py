@@ -22,6 +22,7 @@ import pytest
 import trio
 from test_await_job import NOT_ENDED, Awaiting, awaiters, running
 from test_cli import Cli
+from test_dependencies_cascade import rows
 
 from harness import Nodes, ServerProcess, ThreadServer
 from helpers import create, ok, until
@@ -100,7 +101,12 @@ def test_keep_outcomes_0_keeps_only_what_an_awaitjob_waits_for(db: Path | str) -
             assert client.request("AwaitJob", jobID=unwatched, timeout=0).status.startswith("404")
             watched = running(client, "watched")
             waiting = Awaiting(server, watched)
-            until(lambda: awaiters(server) == 1, DEADLINE, "the AwaitJob waiting")
+            # Its look committed: with two writers (PostgreSQL's default) a
+            # FinishJob sent while the look waits for a writer may commit
+            # first, ending a job no one awaited yet (the AwaitJob then
+            # finds nothing kept: 404, as if it had come after).
+            until(lambda: rows(db, f"jobID = {watched} AND awaited = 1") == 1,
+                  DEADLINE, "the job marked awaited")
             ok(client.request("FinishJob", jobID=watched, data={"r": 1}))
             assert ok(waiting.result()).json["data"] == {"r": 1}
     finally:
