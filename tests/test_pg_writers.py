@@ -6,6 +6,7 @@ bounds. Over a real server and real PostgreSQL."""
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import subprocess
@@ -25,6 +26,8 @@ from test_dependencies_cascade import rows
 from harness import ThreadServer
 from helpers import create, ok, until
 from jobserver.core.engine.context import Context
+from jobserver.core.engine.waiters import Phase
+from jobserver.core.engine.work import Serve
 from jobserver.core.rules import cascade
 from jobserver.storage import postgres_listen
 from jobserver.storage.postgres import PostgresStore
@@ -377,5 +380,101 @@ def test_a_waiter_gone_before_its_try_begins_takes_no_job(db):
             history = ok(client.request("History", name="half", minutes=5)).json["series"]
             assert (sum(history["created"]), sum(history["handedOut"])) == (1, 0)
             assert ok(client.request("QueryJob", jobID=job_id)).json["state"] == "QUEUED"
+    finally:
+        server.stop()
+
+
+def _waiter(engine: Any, seq: int) -> Any:
+    """The node's waiter that joined `seq`-th (0 the first)."""
+    found = [w for group in engine.waits._by_selector.values() for w in group if w.seq == seq]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _queued_tries(engine: Any) -> list[list[int]]:
+    """The waiters of each try queued for the writers, by when they joined."""
+    return [[w.seq for w in work.waiters] for work in engine._pending if isinstance(work, Serve)]
+
+
+@pytest.mark.parametrize("writers", [1, 2])
+def test_tries_queued_together_run_oldest_first(db, writers):
+    # W waits for "x"; then, every writer held behind a row lock, Q asks for
+    # "x" too: its first try is queued, and the node's look at every waiter
+    # (each second on PostgreSQL) queues W's behind it. A CreateJob of "x"
+    # joins that batch. Its tries ran in the order they were queued, and Q,
+    # the younger, took the job.
+    server = ThreadServer(db, writers=writers)
+    engine = server.server.core.engine
+    blocked = [Client(server.port, HELD) for _ in range(writers)]
+    try:
+        with (
+            server.client(timeout=HELD) as client,
+            Client(server.port, HELD) as w,
+            Client(server.port, HELD) as q,
+            Client(server.port, HELD) as creator,
+        ):
+            held = create(client, "held")
+            w.send(encode("GetJob", {"name": "x", "Connection": "wait"}))
+            until(lambda: len(engine.waits) == 1 and _waiter(engine, 0).phase is Phase.IDLE,
+                  HELD, "W tried once")
+            with row_locked(str(db), held):
+                for count, each in enumerate(blocked, 1):
+                    each.send(encode("QueryJob", {"jobID": held}))
+                    waiting_on_lock(server, str(db), count)
+                q.send(encode("GetJob", {"name": "x", "Connection": "wait"}))
+                until(lambda: _queued_tries(engine) == [[1]], HELD, "Q's try queued")
+                until(lambda: _queued_tries(engine) == [[1], [0]], HELD, "W's behind it")
+                creator.send(encode("CreateJob", {"name": "x"}))
+                until(lambda: len(engine._pending) == 3, HELD, "the CreateJob with them")
+            for each in blocked:
+                ok(each.read_reply())
+            job_id = ok(creator.read_reply()).json["jobID"]
+            w.sock.settimeout(PROMPT)
+            assert ok(w.read_reply()).json["jobID"] == job_id
+    finally:
+        for each in blocked:
+            each.close()
+        server.stop()
+
+
+def test_a_try_takes_nothing_for_a_waiter_that_left_while_it_ran(db):
+    # A ("l*") and B ("*") are tried in one group when a CreateJob of "lim"
+    # makes them worth trying; A's look meets the full limit on "lim", whose
+    # lock a session holds. Meanwhile B's client half-closes (answered at
+    # once) and, on the other writer, finishes E, which makes D due. Once
+    # the lock is free, B's turn in the try came after its answer: it took
+    # D, RUNNING for nobody until given back.
+    server = ThreadServer(db, writers=2)
+    engine = server.server.core.engine
+    try:
+        with (
+            server.client(timeout=HELD) as client,
+            Client(server.port, HELD) as a,
+            Client(server.port, HELD) as b,
+            Client(server.port, HELD) as creator,
+        ):
+            ok(client.request("SetLimit", name="lim", max=1))
+            create(client, "lim")
+            ok(client.request("GetJob", name="lim"))
+            e = create(client, "e")
+            assert ok(client.request("GetJob", name="e")).json["jobID"] == e
+            d = create(client, "d", dependsOn=json.dumps([e]))
+            for count, (waiter, pattern) in enumerate([(a, "l*"), (b, "*")], 1):
+                waiter.send(encode("GetJob", {"name": pattern, "Connection": "wait"}))
+                until(lambda n=count: len(engine.waits) == n
+                      and _waiter(engine, n - 1).phase is Phase.IDLE, HELD, f"{pattern} tried")
+            with psycopg.connect(str(db)) as session:
+                session.execute("SELECT slot FROM jobserver_locks WHERE slot = 0 FOR UPDATE")
+                creator.send(encode("CreateJob", {"name": "lim"}))
+                waiting_on_lock(server, str(db), 1)
+                b.sock.shutdown(socket.SHUT_WR)
+                assert b.read_reply().status == "404 No job found"
+                ok(client.request("FinishJob", jobID=e))
+                assert ok(client.request("QueryJob", jobID=d)).json["state"] == "QUEUED"
+                session.rollback()
+            ok(creator.read_reply())
+            history = ok(client.request("History", name="d", minutes=5)).json["series"]
+            assert sum(history["handedOut"]) == 0
+            assert ok(client.request("QueryJob", jobID=d)).json["state"] == "QUEUED"
     finally:
         server.stop()

@@ -102,7 +102,7 @@ class Batches:
         tries: list[Serve] = []
         taken: list[Taken] = []
         requests: list[Work] = batch
-        serves: list[Work] = []
+        serves: list[Serve] = []
         cascade_left = False
         try:
             if not begun:
@@ -113,7 +113,11 @@ class Batches:
             # waiter's try queued here would take a job a request before it
             # created, ahead of an older waiter.
             requests = [work for work in batch if not isinstance(work, Serve)]
+            # By their oldest waiter: tries are queued as they come (a
+            # waiter's first try, a look at every waiter, a retry), which
+            # may put a younger waiter's ahead of an older one's.
             serves = [work for work in batch if isinstance(work, Serve)]
+            serves.sort(key=lambda serve: serve.waiters[0].seq)
             done = self.writer.execute(requests)
             outcomes, ready, due, events = done.outcomes, done.ready, done.due, done.events
             taken, ended, cascade_left = done.taken, done.ended, done.cascade_left

@@ -18,8 +18,8 @@ A waiter moves through the states of `MOVES`, each move checked:
 - POKED: trying, and a matching job became ready meanwhile: the try may
   have looked before it was there, so it is tried again if it found nothing.
 - LEAVING: its GetJob ended (timeout, hang-up) while it was being tried:
-  a try not begun yet passes it over (work.Serve), and jobs a try under
-  way hands it go back.
+  its query is withdrawn, so the try takes nothing more for it
+  (selection.serve_waiters), and what it took already goes back.
 - SERVED: handed its jobs. GONE: its GetJob ended. Both are final.
 """
 
@@ -211,7 +211,8 @@ class WaitQueue:
 
     def leave(self, waiter: Waiter) -> None:
         """Its GetJob ended without jobs: a try still under way hands
-        whatever it finds back (LEAVING)."""
+        whatever it finds back (LEAVING), and takes nothing more for it."""
+        waiter.query.withdrawn = True
         waiter.move(Phase.LEAVING if waiter.phase in _TRYING else Phase.GONE)
         self._forget(waiter)
 
@@ -327,9 +328,12 @@ class WaitQueue:
         """A try ended: each waiter's jobs, or None (nothing found, or the
         try failed)."""
         result = Served()
+        # First, whatever follows: a waiter left noted as being tried would
+        # hold every younger one of its names for good.
+        for waiter in waiters:
+            self._tried(waiter)
         for waiter, jobs in zip(waiters, handed, strict=True):
             waiter.tried.set()
-            self._tried(waiter)
             held, waiter.held = waiter.held, []
             result.again += [w for w in held if w.phase in _WAITING]
             if waiter.phase is Phase.LEAVING:

@@ -19,7 +19,7 @@ import trio
 
 from jobserver.core.engine import deadlines
 from jobserver.core.engine.context import Context
-from jobserver.core.engine.waiters import Phase, Waiter
+from jobserver.core.engine.waiters import Waiter
 from jobserver.core.rules import selection
 from jobserver.core.rules.selection import Taken
 
@@ -49,17 +49,7 @@ class Serve:
     heavy: bool = False
 
     def run(self, ctx: Context) -> tuple[list[list[Taken] | None], str | None]:
-        # A waiter that left before its try began (a hang-up, a half-close,
-        # answered at once) is not tried: its client was told it got no
-        # job, and a job taken for it would stay RUNNING until given back,
-        # where a request the client sent after that answer can see it.
-        # One that leaves later is handed back what its try took (waiters.py).
-        present = [waiter for waiter in self.waiters if waiter.phase is not Phase.LEAVING]
-        if len(present) == len(self.waiters):
-            return selection.serve_waiters(ctx, [waiter.query for waiter in present])
-        found, due = selection.serve_waiters(ctx, [waiter.query for waiter in present])
-        by_waiter = dict(zip(present, found, strict=True))
-        return [by_waiter.get(waiter) for waiter in self.waiters], due
+        return selection.serve_waiters(ctx, [waiter.query for waiter in self.waiters])
 
 
 @dataclass(eq=False, slots=True)

@@ -64,6 +64,10 @@ class JobQuery:
     # The lease the worker asks for (`lease`, seconds; 0: none), given to
     # each job taken that has no retryAfter of its own (protocol.md 14.24).
     lease: int = 0
+    # A waiting GetJob that ended (a hang-up, a half-close, answered at
+    # once): set on the event loop, read by a try under way, which takes
+    # nothing more for it (serve_waiters).
+    withdrawn: bool = False
 
     @property
     def scans(self) -> bool:
@@ -451,7 +455,14 @@ def serve_waiters(
     holds = Holds(ctx) if ctx.store.limits or ctx.store.paused else None
     with ctx.store.holding_writes():
         for query in queries:
-            taken = [] if query.selector in empty else take(ctx, query, holds)
+            # A withdrawn query's client was told it got no job and may act
+            # on that already: a job taken for it would be RUNNING until
+            # given back. Looked at before each take, not once per pass: a
+            # take before it may have waited for a lock.
+            if query.withdrawn or query.selector in empty:
+                handed.append(None)
+                continue
+            taken = take(ctx, query, holds)
             if not taken:
                 empty.add(query.selector)
             handed.append(taken or None)
