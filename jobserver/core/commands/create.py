@@ -30,9 +30,11 @@ from jobserver.core.rules.dependencies import Known
 from jobserver.core.rules.schedule import RepeatStalled
 from jobserver.model import cron
 from jobserver.model.jobs import Job, NewJob, State
+from jobserver.model.names import has_control
 from jobserver.model.sqlite_functions import json_patch
+from jobserver.wire import jsonbody
 from jobserver.wire.framing import Request, Response, escape
-from jobserver.wire.limits import DEFAULT_PRIORITY
+from jobserver.wire.limits import DEFAULT_PRIORITY, MAX_NAME, PRIORITIES
 
 
 def create_job(ctx: Context, request: Request) -> Response:
@@ -75,22 +77,76 @@ def create_jobs(ctx: Context, request: Request) -> Response:
 
 def _create_all(ctx: Context, request: Request) -> Response:
     ids: list[int] = []
-    created = []
+    # The elements read as requests, by their place in `jobs`.
+    read: dict[int, Request] = {}
     elements = json_params.job_list(request)
     wanted = depends_on.of_elements(elements)
     graph = any(one.count for one in wanted)
     # Read (and locked) before any job is created: a dependency that
     # exists now cannot end unseen (dependencies.py).
     known = dependencies.read(ctx, [i for one in wanted for i in one.jobs]) if graph else None
-    # The new jobs' inserts are sent together (storage's held_writes.py).
+    # The new jobs' inserts are sent together (storage's held_writes.py),
+    # in the elements' order, which is their jobIDs'.
     with ctx.store.holding_writes():
         ctx.store.reserve_ids(len(elements))
-        for element, one in zip(_elements(elements), wanted, strict=True):
-            created.append(element)
-            ids.append(_create(ctx, element, one, known))
+        plain: list[NewJob] = []
+        for index, (element, one) in enumerate(zip(elements, wanted, strict=True)):
+            new = None if graph else _plain(ctx, element)
+            if new is not None:
+                plain.append(new)
+                continue
+            if plain:
+                ids += lifecycle.create_plain(ctx, plain)
+                plain = []
+            read[index] = _element(element)
+            ids.append(_create(ctx, read[index], one, known))
+        if plain:
+            ids += lifecycle.create_plain(ctx, plain)
     if known is not None:
         _link(ctx, known, wanted, ids)
-    return known_headers.with_ignored_elements(ok({"jobIDs": ids}), dict(enumerate(created)))
+    return known_headers.with_ignored_elements(ok({"jobIDs": ids}), read)
+
+
+# A CreateJobs element of these keys alone, each of its usual JSON type, is
+# a standalone job due now: made without a request of its own and the
+# fifteen parameters a CreateJob reads (most of a bulk insert's Python).
+# Any other element, and one whose value would be refused, goes the long
+# way, which says why.
+_PLAIN_KEYS = frozenset({"name", "data", "priority"})
+
+
+def _plain(ctx: Context, element: dict[str, Any]) -> NewJob | None:
+    """The job a plain element asks for, exactly as _create would make it;
+    None for any other element."""
+    if not _PLAIN_KEYS.issuperset(element):
+        return None
+    name = element.get("name")
+    if type(name) is not str or not _is_name(name):
+        return None
+    data = element.get("data")
+    if data is None:
+        text = "{}"
+    elif type(data) is dict:
+        text = jsonbody.compact(data)
+        # Encoded only when it may be too large: a character is 4 bytes at most.
+        if len(text) * 4 > json_params.MAX_DATA and len(text.encode()) > json_params.MAX_DATA:
+            return None
+    else:
+        return None
+    priority = element.get("priority")
+    if priority is None:
+        priority = DEFAULT_PRIORITY
+    elif type(priority) is not int or priority not in PRIORITIES:
+        return None
+    _check_cost_fits(ctx, name, 1)
+    return NewJob(name=name, next_run=ctx.now_ms, priority=priority, data=text)
+
+
+def _is_name(name: str) -> bool:
+    """What from_json and params.name accept of a name given as a string."""
+    if not name.isascii() and jsonbody.has_lone_surrogate(name):
+        return False
+    return 0 < len(name.encode()) <= MAX_NAME and not has_control(name)
 
 
 def _link(ctx: Context, known: Known, wanted: list[Wanted], ids: list[int]) -> None:
@@ -108,9 +164,14 @@ def _elements(elements: list[dict[str, Any]]) -> Iterator[Request]:
     """CreateJobs' elements, each as a CreateJob, read as they are asked for
     (so that a bad element is refused after the elements before it)."""
     for element in elements:
-        if "name" not in element and not any(key.lower() == "name" for key in element):
-            raise CommandError("402 Missing name")
-        yield json_params.from_json(element, "CreateJob")
+        yield _element(element)
+
+
+def _element(element: dict[str, Any]) -> Request:
+    """One of CreateJobs' elements as a CreateJob."""
+    if "name" not in element and not any(key.lower() == "name" for key in element):
+        raise CommandError("402 Missing name")
+    return json_params.from_json(element, "CreateJob")
 
 
 def _check_parameters(request: Request) -> None:

@@ -210,6 +210,16 @@ def create(ctx: Context, new: NewJob, parent: Job | None) -> int:
     return job_id
 
 
+def create_plain(ctx: Context, jobs: list[NewJob]) -> list[int]:
+    """Store new standalone jobs without dependencies, QUEUED, in one call
+    (CreateJobs' plain elements): as `create` stores each."""
+    ids = ctx.store.create(jobs, created=ctx.now_s, state=State.QUEUED)
+    for new in jobs:
+        ctx.note(history.CREATED, new.name)
+        ctx.scheduled(new.name, new.next_run)
+    return ids
+
+
 # Handing out: the hand-out, its lease and its give-back are leases.py's.
 
 
