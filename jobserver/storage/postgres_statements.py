@@ -89,12 +89,16 @@ class PostgresStatements(Statements):
 
     def _next_ids(self, count: int) -> list[int]:
         # From the column's own sequence: an ID is never handed out twice,
-        # whether the insert that takes it commits or not.
-        return self._ids(
-            "SELECT nextval(pg_get_serial_sequence('jobs', 'jobid')) "
-            "FROM generate_series(1, %s) ORDER BY 1",
+        # whether the insert that takes it commits or not. One row, the
+        # array's text: a row of a thousand made by psycopg one by one was
+        # a twentieth of a bulk insert's Python.
+        (text,) = self._one(
+            "SELECT array_agg(n ORDER BY n)::text FROM (SELECT "
+            "nextval(pg_get_serial_sequence('jobs', 'jobid')) AS n "
+            "FROM generate_series(1, %s)) AS ids",
             (count,),
         )
+        return [int(n) for n in text[1:-1].split(",")] if text else []
 
     def _lock(self, purpose: str, key: str) -> None:
         """A transaction lock on `key` for `purpose`, shared by every node
