@@ -7,7 +7,6 @@ the long way. A real server on a loopback port, on every backend."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
@@ -67,7 +66,7 @@ def elements(draw: st.DrawFn) -> dict[str, Any]:
 
 def create_jobs(client: Client, jobs: list[dict[str, Any]]) -> tuple[str, str, list[Any]]:
     """The reply's status line and ignoredHeaders, and each job it made."""
-    reply = client.request("CreateJobs", jobs=json.dumps(jobs))
+    reply = client.request("CreateJobs", jobs=jobs)
     if reply.status != "200 OK":
         return reply.status, "", []
     stored = []
@@ -121,7 +120,7 @@ def test_plain_and_other_elements_keep_their_order_and_ids(client):
         {"name": "p3"},
         {"name": "long2", "priorty": 5},
     ]
-    reply = ok(client.request("CreateJobs", jobs=json.dumps(jobs)))
+    reply = ok(client.request("CreateJobs", jobs=jobs))
     ids = reply.json["jobIDs"]
     assert ids == sorted(ids) and len(set(ids)) == 5
     names = [ok(client.request("QueryJob", jobID=i)).json["name"] for i in ids]
@@ -132,6 +131,6 @@ def test_plain_and_other_elements_keep_their_order_and_ids(client):
 def test_a_waiting_get_job_is_handed_a_plain_element(server, client):
     with server.client() as worker:
         worker.send(encode("GetJob", {"name": "woken", "Connection": "wait", "timeout": 30000}))
-        ok(client.request("CreateJobs", jobs=json.dumps([{"name": "woken", "data": {"w": 1}}])))
+        ok(client.request("CreateJobs", jobs=[{"name": "woken", "data": {"w": 1}}]))
         got = ok(worker.read_reply()).json
         assert (got["name"], got["data"]) == ("woken", {"w": 1})
