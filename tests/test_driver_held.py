@@ -20,7 +20,7 @@ from driver import NOW, PAST, create, job, transaction
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobserver.model.jobs import Job, JobChanges, State
+from jobserver.model.jobs import Job, JobChanges, RetryPolicy, State
 from jobserver.storage import held_writes
 from jobserver.storage.held_writes import Write
 from jobserver.storage.interface import Storage
@@ -187,10 +187,26 @@ def test_writes_group_into_few_statements() -> None:
     assert "jsonb_array_elements" in statement and args == [['[[1,"L1"],[2,"L2"]]', "{1,2}"]]
     twice = [*same, Write("DELETE FROM jobs", (), (), 1, fence)]
     assert len(held_writes.batches(twice, "%s", arrays=True)) == 2
+    # New jobs: one COPY of their rows on PostgreSQL; an upsert elsewhere
+    # keeps its statement.
+    new = [Write("INSERT", ("name", "jobID"), (f"n{i}", i), i, insert=True) for i in (1, 2)]
+    ((statement, args),) = held_writes.batches(new, "%s", arrays=True)
+    assert (statement, args) == ("COPY jobs (name, jobID) FROM STDIN", [[[("n1", 1), ("n2", 2)]]])
+    ((statement, args),) = held_writes.batches(new, "?", arrays=False)
+    assert args == [["n1", 1], ["n2", 2]]
+    kept = [Write("INSERT", ("jobID",), (i,), i, insert=True, table="outcomes",
+                  on_conflict=" ON CONFLICT DO NOTHING") for i in (1, 2)]
+    ((statement, args),) = held_writes.batches(kept, "%s", arrays=True)
+    assert "jsonb_array_elements" in statement
 
 
 def test_many_rows_keep_every_value_byte_for_byte(store: Storage) -> None:
-    texts = ['{"q":"\\"\'}', "ünïcödé ✓", "a\tb\nc", "", "'; DROP TABLE jobs; --"]
+    # With COPY's own escapes among them (a tab, a line break, a carriage
+    # return, a backslash, and `\\N`, its NULL), and JSON's.
+    texts = [
+        '{"q":"\\"\'}', "ünïcödé ✓", "a\tb\nc", "", "'; DROP TABLE jobs; --", "\\N", "x\\y\rz",
+        '{"n":"\\u0000"}',
+    ]
     with transaction(store), store.holding_writes():
         store.reserve_ids(len(texts))
         ids = [
@@ -223,6 +239,16 @@ def test_many_rows_keep_every_number_exactly(store: Storage) -> None:
             store.amend([job_id], JobChanges(retryDelay=delay, attempts=attempts))
     got = [(row.retryDelay, row.attempts) for row in rows(store, ids) if row is not None]
     assert got == list(zip(delays, big, strict=True))
+    # New jobs' rows as well (COPY on PostgreSQL, its numbers as text).
+    policies = [RetryPolicy(a, "", d, d) for a, d in zip(big, delays, strict=True)]
+    with transaction(store), store.holding_writes():
+        store.reserve_ids(len(policies))
+        made = [
+            store.create([job(f"p{i}", policy=p)], created=PAST, state=State.QUEUED)[0]
+            for i, p in enumerate(policies)
+        ]
+    got = [(row.maxAttempts, row.retryDelay) for row in rows(store, made) if row is not None]
+    assert got == list(zip(big, delays, strict=True))
 
 
 # The property: held or not, the same answers and the same rows.

@@ -266,12 +266,23 @@ def _rows(columns: tuple[str, ...], rows: list[tuple[Any, ...]], mark: str) -> t
 
 def _insert_rows(writes: list[Write], mark: str) -> Batch:
     columns = writes[0].columns
+    if writes[0].table == "jobs" and not writes[0].on_conflict:
+        # New jobs (a CreateJobs) by COPY, the rows written by psycopg in
+        # C: PostgreSQL's CPU a job 7-8 µs against 8.5-10 through jsonb, a
+        # sixth of a bulk insert's. Its one argument is the rows themselves
+        # (postgres_statements._run). An upsert has no COPY.
+        return f"{COPY} jobs ({', '.join(columns)}) FROM STDIN", [[[w.head_args for w in writes]]]
     source, rows = _rows(columns, [w.head_args for w in writes], mark)
     statement = (
         f"INSERT INTO {writes[0].table} ({', '.join(columns)}) SELECT * FROM {source} AS v"
         f"{writes[0].on_conflict}"
     )
     return statement, [[rows]]
+
+
+# How a batch of new jobs' rows begins (_insert_rows): a backend runs it
+# as COPY, not as a statement with parameters.
+COPY = "COPY"
 
 
 def _update_rows(writes: list[Write], mark: str) -> Batch:

@@ -13,7 +13,7 @@ from typing import Any
 
 import psycopg
 
-from jobserver.storage import postgres_schema
+from jobserver.storage import held_writes, postgres_schema
 from jobserver.storage.held_writes import Batch
 from jobserver.storage.sql_statements import Statement, Statements, rows_of
 
@@ -26,12 +26,27 @@ class PostgresStatements(Statements):
     _changes: int
 
     def _run(self, statement: str, args: Sequence[Any] = ()) -> psycopg.Cursor[Any]:
+        if statement.startswith(held_writes.COPY):
+            return self._copy(statement, args[0])
         try:
             cursor = self._db.execute(statement, args)
         except psycopg.Error:
             self._changes += 1
             raise
         self._count(statement, cursor)
+        return cursor
+
+    def _copy(self, statement: str, rows: list[tuple[Any, ...]]) -> psycopg.Cursor[Any]:
+        """New jobs' rows by COPY (held_writes._insert_rows)."""
+        cursor = self._db.cursor()
+        try:
+            with cursor.copy(statement) as copy:
+                for row in rows:
+                    copy.write_row(row)
+        except psycopg.Error:
+            self._changes += 1
+            raise
+        self._changes += len(rows)
         return cursor
 
     def _count(self, statement: str, cursor: psycopg.Cursor[Any]) -> None:
@@ -67,7 +82,8 @@ class PostgresStatements(Statements):
         pipeline): a FinishJobs' deletes and its outcomes' insert were
         two. A statement that fails fails the pipeline, and PostgreSQL
         skips the rest, as if they had been sent one at a time."""
-        if len(sent) < 2:
+        if len(sent) < 2 or any(s.startswith(held_writes.COPY) for s, _ in sent):
+            # A pipeline cannot carry a COPY: one at a time.
             super()._run_batches(sent)
             return
         ran: list[tuple[psycopg.Cursor[Any], int]] = []
