@@ -43,7 +43,11 @@ class PostgresStatements(Statements):
             with cursor.copy(statement) as copy:
                 for row in rows:
                     copy.write_row(row)
-        except psycopg.Error:
+        except BaseException:
+            # Whatever ends a COPY early spoils the transaction (psycopg
+            # sends CopyFail), a text the connection's encoding cannot hold
+            # too, which fails in Python: counted as a failed statement is,
+            # so that the writer does not go on to commit the rest.
             self._changes += 1
             raise
         self._changes += len(rows)
