@@ -152,6 +152,11 @@ def main() -> int:
         "--writers", type=int, help="the node's --writers, transactions at once (default: its own)"
     )
     parser.add_argument("--durations", action="store_true")
+    parser.add_argument(
+        "--server-option", action="append", default=[], metavar="OPTION",
+        help="an option for the node's `serve`, e.g. --server-option=--keep-outcomes=0 "
+        "(repeatable)",
+    )
     parser.add_argument("--explain", type=float, default=0.0, metavar="RATE")
     parser.add_argument("--out", type=Path, default=Path("pg_drain_plans.log"))
     parser.add_argument("--analyze", action="store_true", help="ANALYZE jobs after the fill")
@@ -174,7 +179,7 @@ def main() -> int:
     env = {**os.environ}
     port = free_port()
     writers = ("--writers", str(args.writers)) if args.writers else ()
-    proc = scale.start_server(database.url, port, ROOT, *writers)
+    proc = scale.start_server(database.url, port, ROOT, *writers, *args.server_option)
     peer = Peer(
         "jobserver-pg", "", database, [sys.executable, str(DRIVERS / "jobserver_driver.py")],
         env, "DELETE FROM jobs", node=Node(port, proc), logs=Path(os.environ.get("TMPDIR", "/tmp")),
