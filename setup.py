@@ -52,6 +52,7 @@ COMPILED = [
     "jobserver/core/commands/idempotency.py",
     "jobserver/core/rules/selection.py",
     "jobserver/core/rules/lifecycle.py",
+    "jobserver/core/rules/creation.py",
     "jobserver/core/rules/outcomes.py",
     "jobserver/core/rules/leases.py",
     "jobserver/core/rules/moves.py",

@@ -13,7 +13,7 @@ import pytest
 
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
-from jobserver.core.rules import leases, lifecycle, moves
+from jobserver.core.rules import creation, leases, lifecycle, moves
 from jobserver.core.rules.moves import GONE, MOVES, NEW, IllegalMove, Refused
 from jobserver.model.jobs import NewJob, State
 from jobserver.model.times import utcnow
@@ -64,7 +64,7 @@ def test_a_move_outside_the_table_is_refused_before_it_writes(tmp_path):
     store = Store(str(tmp_path / "jobs.db"))
     ctx = Context(store, utcnow())
     store.begin()
-    job_id = lifecycle.create(ctx, NewJob(name="queued", next_run=ctx.now_ms, priority=500), None)
+    job_id = creation.create(ctx, NewJob(name="queued", next_run=ctx.now_ms, priority=500), None)
     job = store.get(job_id)
     assert job is not None and job.state == State.QUEUED
     # A QUEUED job was never handed out: it can be neither finished nor failed.
@@ -84,7 +84,7 @@ def _one_job(tmp_path, state: State) -> tuple[Store, Context, int]:
     store = Store(str(tmp_path / "jobs.db"))
     ctx = Context(store, utcnow())
     store.begin()
-    job_id = lifecycle.create(ctx, NewJob(name="job", next_run=ctx.now_ms, priority=500), None)
+    job_id = creation.create(ctx, NewJob(name="job", next_run=ctx.now_ms, priority=500), None)
     store.set_state_if([job_id], [State.QUEUED], state)
     return store, ctx, job_id
 

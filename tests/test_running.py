@@ -21,7 +21,7 @@ from conformance_helpers import fmt, force, get_job, parse_time, utcnow
 from harness import Nodes, ThreadServer
 from helpers import create, ok, until
 from jobserver.core.engine.context import Context, Settings
-from jobserver.core.rules import leases, lifecycle
+from jobserver.core.rules import creation, leases
 from jobserver.model import times
 from jobserver.model.jobs import NewJob
 from jobserver.storage import postgres_schema, sql
@@ -338,7 +338,7 @@ def test_a_give_back_restores_who_had_the_job_before(store):
     the job names no worker it never reached."""
     ctx = Context(store, times.utcnow(), Settings(node="node-a:8888"))
     store.begin()
-    job_id = lifecycle.create(ctx, NewJob(name="job", next_run=ctx.now_ms, priority=500), None)
+    job_id = creation.create(ctx, NewJob(name="job", next_run=ctx.now_ms, priority=500), None)
     before = store.get(job_id)
     assert before is not None
     lease = leases.hand_out(ctx, before, "10.0.0.7:4242")

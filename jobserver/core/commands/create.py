@@ -25,7 +25,7 @@ from jobserver.core.commands.depends_on import NONE, Wanted
 from jobserver.core.commands.views import ok
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
-from jobserver.core.rules import dependencies, flow, lifecycle, schedule
+from jobserver.core.rules import creation, dependencies, flow, lifecycle, schedule
 from jobserver.core.rules.dependencies import Known
 from jobserver.core.rules.schedule import RepeatStalled
 from jobserver.model import cron
@@ -96,12 +96,12 @@ def _create_all(ctx: Context, request: Request) -> Response:
                 plain.append(new)
                 continue
             if plain:
-                ids += lifecycle.create_plain(ctx, plain)
+                ids += creation.create_plain(ctx, plain)
                 plain = []
             read[index] = _element(element)
             ids.append(_create(ctx, read[index], one, known))
         if plain:
-            ids += lifecycle.create_plain(ctx, plain)
+            ids += creation.create_plain(ctx, plain)
     if known is not None:
         _link(ctx, known, wanted, ids)
     return known_headers.with_ignored_elements(ok({"jobIDs": ids}), read)
@@ -234,7 +234,7 @@ def _create(
             blockers=wanted.count - ended,
             on_dependency_failure=wanted.policy,
         )
-    return lifecycle.create(ctx, new, parent)
+    return creation.create(ctx, new, parent)
 
 
 def _first_run(ctx: Context, rule: str | None, zone: str) -> str:
@@ -275,7 +275,7 @@ def _parent(ctx: Context, parent_id: int) -> Job:
     parent = ctx.store.get(parent_id)
     if parent is None:
         raise CommandError("404 parentJobID does not exist")
-    lifecycle.check_parent(parent)
+    creation.check_parent(parent)
     # The request's check, not a move's: whether the job it names has a
     # parent is fixed when that job is created, whatever state it is in.
     if parent.parentJobID:

@@ -2,8 +2,9 @@
 
 This is the only module that writes a job's row, and so the only one that
 sets its `state` or `nextRun` (the storage's SQL aside: it creates the
-schema and prunes; the hand-out and its give-back, with the rules of a
-lease, are named in leases.py, and move the job through `_move` here).
+schema and prunes; a new job's first row is creation.py's; the hand-out
+and its give-back, with the rules of a lease, are named in leases.py, and
+move the job through `_move` here).
 Each transition is a named function that commands call; it checks that
 the move is legal (`MOVES` in moves.py, the table protocol.md section 4.2
 prints), writes the row, and does the bookkeeping that wakes waiting
@@ -41,7 +42,7 @@ from jobserver.core.engine import history
 from jobserver.core.engine.context import Context
 from jobserver.core.errors import CommandError
 from jobserver.core.rules import dependencies, flow, outcomes, schedule
-from jobserver.core.rules.moves import GONE, JOB_CANCELLED, MOVES, Refused, check, illegal
+from jobserver.core.rules.moves import GONE, MOVES, Refused, check, illegal
 from jobserver.model.jobs import (
     ACTIVE,
     ENDED,
@@ -50,7 +51,6 @@ from jobserver.model.jobs import (
     READY,
     Job,
     JobChanges,
-    NewJob,
     State,
 )
 from jobserver.storage.dependency_types import Outcome
@@ -169,55 +169,6 @@ def _watch_for_staleness(ctx: Context) -> None:
     when it would become stale (stale.py), unless it fires sooner anyway."""
     if ctx.settings.stale_after:
         ctx.fire_at(ctx.stale_at())
-
-
-# Creating.
-
-
-# The states in which a job may be given a child.
-ADOPTING = (*ACTIVE, State.PAUSED)
-
-
-def check_parent(parent: Job) -> None:
-    """A child may be created only while its parent runs, or waits PAUSED
-    for its children. A precondition of the move, not a check of the
-    request: a child's first state follows its parent's (it waits PAUSED
-    until a running parent pauses for it), and only a parent that runs or
-    waits will ever release it or wait for it."""
-    if parent.cancelRequested:
-        # Its run ends at its next report: a child would wait for good.
-        raise Refused(JOB_CANCELLED, f"create: job {parent.jobID}'s cancel is pending")
-    if parent.state not in ADOPTING:
-        raise Refused(
-            "405 Can only create child job when parent is RUNNING, RUNQUEUED or PAUSED",
-            f"create: job {parent.jobID} cannot take a child in {parent.state}",
-        )
-
-
-def create(ctx: Context, new: NewJob, parent: Job | None) -> int:
-    """Store a new job: QUEUED, or PAUSED while its parent runs (a child of
-    a running parent waits until the parent finishes), or BLOCKED until its
-    dependencies end (dependencies.link then decides whether it waits)."""
-    if parent is not None:
-        check_parent(parent)
-    state = State.PAUSED if parent is not None and parent.state != State.PAUSED else State.QUEUED
-    if new.dependencies:
-        state = State.BLOCKED
-    (job_id,) = ctx.store.create([new], created=ctx.now_s, state=state)
-    ctx.note(history.CREATED, new.name)
-    if state == State.QUEUED:
-        ctx.scheduled(new.name, new.next_run)
-    return job_id
-
-
-def create_plain(ctx: Context, jobs: list[NewJob]) -> list[int]:
-    """Store new standalone jobs without dependencies, QUEUED, in one call
-    (CreateJobs' plain elements): as `create` stores each."""
-    ids = ctx.store.create(jobs, created=ctx.now_s, state=State.QUEUED)
-    for new in jobs:
-        ctx.note(history.CREATED, new.name)
-        ctx.scheduled(new.name, new.next_run)
-    return ids
 
 
 # Handing out: the hand-out, its lease and its give-back are leases.py's.
