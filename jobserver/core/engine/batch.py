@@ -30,13 +30,13 @@ from jobserver.core.engine.work import Serve, Work
 from jobserver.core.engine.writer import (
     TRANSIENT_ATTEMPTS,
     Committed,
+    Ran,
     Transient,
     TransientFailed,
     Writer,
     earliest,
     ran,
 )
-from jobserver.core.rules.selection import Taken
 from jobserver.storage.interface import OutcomeUnknown, Storage
 
 log = logging.getLogger("jobserver")
@@ -100,10 +100,9 @@ class Batches:
         included: a caller must never wait for a commit that will not come."""
         store = self._store
         tries: list[Serve] = []
-        taken: list[Taken] = []
         requests: list[Work] = batch
         serves: list[Serve] = []
-        cascade_left = False
+        done = Ran.nothing()
         try:
             if not begun:
                 store.begin()
@@ -119,47 +118,31 @@ class Batches:
             serves = [work for work in batch if isinstance(work, Serve)]
             serves.sort(key=lambda serve: serve.waiters[0].seq)
             done = self.writer.execute(requests)
-            outcomes, ready, due, events = done.outcomes, done.ready, done.due, done.events
-            taken, ended, cascade_left = done.taken, done.ended, done.cascade_left
-            announced, announced_due = set(ready), due
+            announced, announced_due = set(done.ready), done.due
             # From a thread, only if someone waits (read from here, a race
             # that loses nothing: a GetJob that joins meanwhile hears of
             # these names after the commit): the wait queue is the event
             # loop's, asked there.
-            if ready and (not in_thread or len(self.waits)):
+            if done.ready and (not in_thread or len(self.waits)):
                 # Recorded before they run, so that they are answered even
                 # if the transaction fails from here on.
                 woken = self._woken_from_thread if in_thread else self._woken
-                tries = woken(ready, due)
+                tries = woken(done.ready, done.due)
                 # What the tries in turn made ready or due: heard of after
                 # the commit.
-                ready, due = set(), None
-                if tries:
-                    served = ran(self.writer.run_all(tries, savepoints=True) or [])
-                    outcomes += served.outcomes
-                    events += served.events
-                    taken = taken + served.taken
-                    ended = ended | served.ended
-                    cascade_left = cascade_left or served.cascade_left
-                    ready, due = served.ready, served.due
+                done = done.announced().followed_by(self._serve(tries))
             if serves:
-                queued = ran(self.writer.run_all(serves, savepoints=True) or [])
-                outcomes += queued.outcomes
-                events += queued.events
-                taken = taken + queued.taken
-                ended = ended | queued.ended
-                cascade_left = cascade_left or queued.cascade_left
-                ready, due = ready | queued.ready, earliest(due, queued.due)
-            announced |= ready
-            announced_due = earliest(announced_due, due)
-            if announced or announced_due is not None or ended:
+                done = done.followed_by(self._serve(serves))
+            announced |= done.ready
+            announced_due = earliest(announced_due, done.due)
+            if announced or announced_due is not None or done.ended:
                 # Other nodes' waiters hear of it when it commits.
-                store.announce(announced, announced_due, ended)
+                store.announce(announced, announced_due, done.ended)
             store.commit()
             wrote = store.total_changes != changes_before
             return Committed(
-                [*requests, *tries, *serves], outcomes, True, ready, due, wrote, events, taken,
-                ended, cascade_left,
+                [*requests, *tries, *serves], done.outcomes, True, done.ready, done.due, wrote,
+                done.events, done.taken, done.ended, done.cascade_left,
             )
         except Exception as error:  # a boundary: see above
             if isinstance(error, store.transient) and not tries:
@@ -168,10 +151,14 @@ class Batches:
             if isinstance(error, OutcomeUnknown):
                 # It may have committed what a cascade left: looked for again.
                 return Committed(
-                    works, self.writer.unknown(works, error), False, taken=taken,
-                    cascade_left=cascade_left,
+                    works, self.writer.unknown(works, error), False, taken=done.taken,
+                    cascade_left=done.cascade_left,
                 )
             return Committed(works, self.writer.failed(works, error), False)
+
+    def _serve(self, serves: list[Serve]) -> Ran:
+        """Waiters' tries, each in a savepoint of the open transaction."""
+        return ran(self.writer.run_all(serves, savepoints=True) or []) if serves else Ran.nothing()
 
     def _woken_from_thread(self, ready: set[str], due: str | None) -> list[Serve]:
         """`_woken`, from the writer's thread: run on the event loop while

@@ -62,6 +62,26 @@ class Ran:
     # Whether a cascade left dependents for later (cascade.left_over).
     cascade_left: bool = False
 
+    @staticmethod
+    def nothing() -> Ran:
+        """The run of no work."""
+        return Ran([], set(), None)
+
+    def followed_by(self, after: Ran) -> Ran:
+        """This run and `after`, run next in the same transaction, as one."""
+        return Ran(
+            self.outcomes + after.outcomes, self.ready | after.ready,
+            earliest(self.due, after.due), self.events + after.events, self.taken + after.taken,
+            self.ended | after.ended, self.cascade_left or after.cascade_left,
+        )
+
+    def announced(self) -> Ran:
+        """This run, its names and due time told already (to the waiters
+        it woke, whose tries follow it)."""
+        return Ran(
+            self.outcomes, set(), None, self.events, self.taken, self.ended, self.cascade_left
+        )
+
 
 class Writer:
     def __init__(self, store: Storage, clock: Clock, settings: Settings) -> None:
