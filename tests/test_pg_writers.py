@@ -15,7 +15,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -359,11 +359,7 @@ def test_a_waiter_gone_before_its_try_begins_takes_no_job(db):
     try:
         with server.client(timeout=HELD) as client:
             held = create(client, "held")
-            with (
-                Client(server.port, HELD) as blocked,
-                Client(server.port, HELD) as piped,
-                Client(server.port, HELD) as creator,
-            ):
+            with clients(server, 3) as (blocked, piped, creator):
                 with row_locked(str(db), held):
                     blocked.send(encode("QueryJob", {"jobID": held}))
                     waiting_on_lock(server, str(db), 1)
@@ -391,6 +387,21 @@ def _waiter(engine: Any, seq: int) -> Any:
     return found[0]
 
 
+@contextmanager
+def clients(server: ThreadServer, count: int) -> Iterator[list[Client]]:
+    """`count` connections to the node, patient as a held request needs."""
+    with ExitStack() as stack:
+        yield [stack.enter_context(Client(server.port, HELD)) for _ in range(count)]
+
+
+def _until_tried(engine: Any, count: int) -> None:
+    """Until `count` waiters wait and the last to join has had its first try."""
+    until(
+        lambda: len(engine.waits) == count and _waiter(engine, count - 1).phase is Phase.IDLE,
+        HELD, f"waiter {count} tried",
+    )
+
+
 def _queued_tries(engine: Any) -> list[list[int]]:
     """The waiters of each try queued for the writers, by when they joined."""
     return [[w.seq for w in work.waiters] for work in engine._pending if isinstance(work, Serve)]
@@ -407,16 +418,10 @@ def test_tries_queued_together_run_oldest_first(db, writers):
     engine = server.server.core.engine
     blocked = [Client(server.port, HELD) for _ in range(writers)]
     try:
-        with (
-            server.client(timeout=HELD) as client,
-            Client(server.port, HELD) as w,
-            Client(server.port, HELD) as q,
-            Client(server.port, HELD) as creator,
-        ):
+        with clients(server, 4) as (client, w, q, creator):
             held = create(client, "held")
             w.send(encode("GetJob", {"name": "x", "Connection": "wait"}))
-            until(lambda: len(engine.waits) == 1 and _waiter(engine, 0).phase is Phase.IDLE,
-                  HELD, "W tried once")
+            _until_tried(engine, 1)
             with row_locked(str(db), held):
                 for count, each in enumerate(blocked, 1):
                     each.send(encode("QueryJob", {"jobID": held}))
@@ -447,12 +452,7 @@ def test_a_try_takes_nothing_for_a_waiter_that_left_while_it_ran(db):
     server = ThreadServer(db, writers=2)
     engine = server.server.core.engine
     try:
-        with (
-            server.client(timeout=HELD) as client,
-            Client(server.port, HELD) as a,
-            Client(server.port, HELD) as b,
-            Client(server.port, HELD) as creator,
-        ):
+        with clients(server, 4) as (client, a, b, creator):
             ok(client.request("SetLimit", name="lim", max=1))
             create(client, "lim")
             ok(client.request("GetJob", name="lim"))
@@ -461,8 +461,7 @@ def test_a_try_takes_nothing_for_a_waiter_that_left_while_it_ran(db):
             d = create(client, "d", dependsOn=json.dumps([e]))
             for count, (waiter, pattern) in enumerate([(a, "l*"), (b, "*")], 1):
                 waiter.send(encode("GetJob", {"name": pattern, "Connection": "wait"}))
-                until(lambda n=count: len(engine.waits) == n
-                      and _waiter(engine, n - 1).phase is Phase.IDLE, HELD, f"{pattern} tried")
+                _until_tried(engine, count)
             with psycopg.connect(str(db)) as session:
                 session.execute("SELECT slot FROM jobserver_locks WHERE slot = 0 FOR UPDATE")
                 creator.send(encode("CreateJob", {"name": "lim"}))
