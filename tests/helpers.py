@@ -26,6 +26,23 @@ T = TypeVar("T")
 POLL_INTERVAL = 0.01
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` different ports nothing listens on, just released by the
+    kernel: bound all at once, since two probes one after the other may be
+    given the same port."""
+    probes = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
+    try:
+        return [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
+
+
+def free_port() -> int:
+    """A port nothing listens on, just released by the kernel."""
+    return free_ports(1)[0]
+
+
 def ok(reply: Reply) -> Reply:
     """The reply, which must be `200 OK`."""
     assert reply.status == "200 OK", f"{reply.status} {reply.body!r}"

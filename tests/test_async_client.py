@@ -6,7 +6,6 @@ would run any async test function on trio alone."""
 from __future__ import annotations
 
 import inspect
-import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from anyio.streams.tls import TLSStream
 
 from fake_server import HANG_UP, NO_REPLY, OK, FakeServer, reply
 from harness import ThreadServer
+from helpers import free_port
 from jobserver.client import (
     AsyncClient,
     Client,
@@ -279,9 +279,3 @@ def test_tls_with_the_test_ca_and_the_token(loop, tmp_path, server, fake):
 
     with tls_server(tmp_path / "tls", auth_token=TOKEN) as (running, files):
         anyio.run(scenario, running, files.ca, backend=loop)
-
-
-def free_port() -> int:
-    """A port nothing listens on (just released by the kernel)."""
-    with socket.create_server(("127.0.0.1", 0)) as probe:
-        return probe.getsockname()[1]

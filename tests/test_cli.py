@@ -10,7 +10,6 @@ import os
 import pickle
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,7 +25,7 @@ from hypothesis import strategies as st
 from conformance_helpers import fmt, force, utcnow
 from fake_server import FakeServer, reply
 from harness import ThreadServer
-from helpers import until
+from helpers import free_port, until
 from jobserver.cli import build_parser, create_from, main, top
 from jobserver.client import Client, InvalidRequest, JobNotFound
 
@@ -47,11 +46,6 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 def environment(extra: dict[str, str] | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "JOBSERVER_SERVER"}
     return {**env, **(extra or {})}
-
-
-def free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as probe:
-        return probe.getsockname()[1]
 
 
 class Cli:

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fake_server import HANG_UP, NO_REPLY, OK, FakeServer, reply
-from helpers import until
+from helpers import free_port, until
 from jobserver.client import (
     Client,
     Conflict,
@@ -45,12 +45,6 @@ from tls_certs import tls_server
 pytestmark = pytest.mark.backends
 
 DEADLINE = 5.0
-
-
-def free_port() -> int:
-    """A port nothing listens on (just released by the kernel)."""
-    with socket.create_server(("127.0.0.1", 0)) as probe:
-        return probe.getsockname()[1]
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,18 +27,12 @@ import trio
 
 from fake_server import NO_REPLY, FakeServer, reply
 from harness import LoggedProcess, ManagerProcess, ServerProcess, ThreadServer
-from helpers import ok, until
+from helpers import free_port, free_ports, ok, until
 from jobserver.cli import main
 from jobserver.client import MAX_SERVERS, Client, ConnectionFailed, TrioClient, parse_servers
 from jobserver.worker.settings import Settings
 
 DEADLINE = 10.0
-
-
-def free_port() -> int:
-    """A port nothing listens on (just released by the kernel)."""
-    with socket.create_server(("127.0.0.1", 0)) as probe:
-        return probe.getsockname()[1]
 
 
 def address(port: int) -> str:
@@ -118,7 +111,8 @@ def test_clients_made_one_after_another_spread_over_the_servers(servers):
 
 def test_a_server_that_refuses_connections_is_passed_over(servers):
     live = servers[0]
-    listed = [address(free_port()), address(live.port), address(free_port())]
+    first, last = free_ports(2)
+    listed = [address(first), address(live.port), address(last)]
     # Each starting place in the list, as clients made in turn start at each.
     for _ in range(len(listed)):
         with Client(listed, timeout=DEADLINE) as client:
@@ -128,7 +122,7 @@ def test_a_server_that_refuses_connections_is_passed_over(servers):
 
 
 def test_when_no_server_answers_the_failure_names_every_one():
-    listed = [address(free_port()) for _ in range(3)]
+    listed = [address(port) for port in free_ports(3)]
     with Client(listed, timeout=DEADLINE) as client, pytest.raises(ConnectionFailed) as failed:
         client.ping()
     text = str(failed.value)
@@ -257,7 +251,7 @@ def test_a_bad_server_list_is_a_usage_error(capsys, monkeypatch, given, message)
 
 
 def test_the_command_line_names_every_server_none_of_which_answers(capsys):
-    listed = ",".join(address(free_port()) for _ in range(2))
+    listed = ",".join(address(port) for port in free_ports(2))
     code, out, err = run_here(capsys, "ping", "--server", listed)
     assert (code, out) == (5, "")
     assert err.startswith("jobserver: cannot connect to any of the 2 servers: "), err

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import re
 import signal
-import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +20,7 @@ from test_worker_python import InProcess, in_process
 from test_workers import write_worker
 
 from harness import MANAGER, LoggedProcess, ThreadServer
-from helpers import create, until
+from helpers import create, free_ports, until
 from jobserver.worker import Worker
 from jobserver.worker.settings import Settings
 
@@ -82,20 +81,13 @@ def test_the_python_worker_logs_a_retried_attempt_apart_from_the_last(server, cl
     )
 
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def fail_over(tmp_path: Path, start: Starter) -> None:
     """Two servers, A and B (nodes, as far as a worker can tell, though
     each has a queue of its own), and a worker on both, which
     `start(servers)` starts: (stop it, its log). A stops (the worker's
     links on it move to B), then A comes back and B stops: the worker's
     GetJobs move from B to A, in one line."""
-    ports = free_port(), free_port()
+    ports = free_ports(2)
     a, b = (f"127.0.0.1:{port}" for port in ports)
     nodes = {port: ThreadServer(tmp_path / f"{port}.db", port=port) for port in ports}
 
