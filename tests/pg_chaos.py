@@ -11,8 +11,8 @@ so that other tests on the same PostgreSQL are left alone.
 The clients are plain sockets that never send anything twice on their own
 (tests/wire.py), so that each reply says what the server claims:
 
-- producers: CreateJobs of BATCH jobs, each with a key of its own in its
-  data;
+- producers: CreateJobs of BATCH jobs (every LARGE_EVERY-th of
+  LARGE_BATCH), each with a key of its own in its data;
 - workers: a waiting GetJobs, then, of the jobs handed out, a FinishJobs
   for some and a FailJobs for the others (each job may fail once: a retry
   policy of MAX_ATTEMPTS queues it again). A report answered with a 5xx is
@@ -49,6 +49,10 @@ import psycopg
 from wire import Client, Reply
 
 BATCH = 5
+# Every few requests one of more jobs, whose rows PostgreSQL is sent as
+# they are made (postgres_statements.STREAM_AFTER): a kill may land with
+# the COPY open.
+LARGE_BATCH, LARGE_EVERY = 70, 25
 # A job may fail once: its second attempt always finishes.
 MAX_ATTEMPTS = 3
 NAME = "chaos"
@@ -111,7 +115,8 @@ class Chaos:
     def producer(self, number: int) -> None:
         ledger, batch, client = self.ledger, 0, None
         while not self.stop.is_set():
-            keys = [f"p{number}-{batch}-{n}" for n in range(BATCH)]
+            size = LARGE_BATCH if batch % LARGE_EVERY == LARGE_EVERY - 1 else BATCH
+            keys = [f"p{number}-{batch}-{n}" for n in range(size)]
             batch += 1
             jobs = [
                 {"name": NAME, "data": {"k": k}, "maxAttempts": MAX_ATTEMPTS, "retryDelay": 0}

@@ -134,3 +134,19 @@ def test_a_waiting_get_job_is_handed_a_plain_element(server, client):
         ok(client.request("CreateJobs", jobs=[{"name": "woken", "data": {"w": 1}}]))
         got = ok(worker.read_reply()).json
         assert (got["name"], got["data"]) == ("woken", {"w": 1})
+
+
+def test_a_long_request_of_plain_and_other_elements_is_made_as_the_long_way(client):
+    # Runs long enough for PostgreSQL to be sent their rows while the next
+    # are made (postgres_statements.STREAM_AFTER), broken by elements that
+    # read the database (unique) or are stored otherwise (a repeat).
+    jobs: list[dict[str, Any]] = []
+    for run in range(3):
+        jobs += [{"name": f"r{run}-{i}", "data": {"i": i}, "priority": PRIORITIES[i % 3]}
+                 for i in range(150)]
+        jobs.append({"name": f"r{run}-unique", "unique": True})
+        jobs.append({"name": f"r{run}-repeat", "repeat": "SCHEDULED, +1 HOUR"})
+    twins = [{**job, "unique": job.get("unique", False)} for job in jobs]
+    made = create_jobs(client, jobs)
+    assert made[0] == "200 OK" and len(made[2]) == len(jobs)
+    assert made == create_jobs(client, twins)

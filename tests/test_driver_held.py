@@ -26,6 +26,7 @@ from jobserver.storage import held_writes
 from jobserver.storage.held_writes import Write
 from jobserver.storage.interface import Storage
 from jobserver.storage.postgres import PostgresStore
+from jobserver.storage.postgres_statements import SEND_EVERY, STREAM_AFTER
 from jobserver.storage.sql_statements import RESERVE_CHUNK
 
 pytestmark = pytest.mark.backends()
@@ -161,6 +162,83 @@ def test_jobs_created_while_held_keep_their_order_and_fields(store: Storage) -> 
     assert [(r.name, r.priority, r.data) for r in stored if r] == [
         (f"n{i}", i, f'{{"i":{i}}}') for i in range(3)
     ]
+
+
+# Enough new jobs for PostgreSQL to send them as they are made, in a COPY
+# left open (postgres_statements.STREAM_AFTER), in several sends of rows.
+STREAMED = 3 * STREAM_AFTER + SEND_EVERY
+
+
+def new_jobs(store: Storage, prefix: str, count: int) -> list[int]:
+    """`count` jobs made one call each, as a CreateJobs makes its elements."""
+    return [
+        store.create([job(f"{prefix}{i}", priority=i % 1000, data=f'{{"i":{i}}}')],
+                     created=PAST, state=State.QUEUED)[0]
+        for i in range(count)
+    ]
+
+
+def test_many_new_jobs_keep_order_and_fields_around_other_statements(store: Storage) -> None:
+    # Statements between runs of new jobs (each ends an open COPY), a new
+    # job of other columns among them (a policy: not the COPY's), and a
+    # run too short for a COPY of its own at the end.
+    with transaction(store):
+        with store.holding_writes():
+            store.reserve_ids(2 * STREAMED + STREAM_AFTER)
+            ids = new_jobs(store, "a", STREAMED)
+            assert store.count_by_state() == {"QUEUED": STREAMED}
+            ids += new_jobs(store, "b", STREAMED)
+            ids += store.create([job("policy", policy=RetryPolicy(3, "fixed", 5, 60))],
+                                created=PAST, state=State.QUEUED)
+            ids += new_jobs(store, "c", STREAM_AFTER - 1)
+        assert store.count_by_state() == {"QUEUED": len(ids)}
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    names = [f"{p}{i}" for p, n in (("a", STREAMED), ("b", STREAMED)) for i in range(n)]
+    names += ["policy", *(f"c{i}" for i in range(STREAM_AFTER - 1))]
+    stored = [r for r in rows(store, ids) if r]
+    assert [r.name for r in stored] == names
+    assert [(r.priority, r.data) for r in stored[:3]] == [(i, f'{{"i":{i}}}') for i in range(3)]
+    policy = stored[len(names) - STREAM_AFTER]
+    assert (policy.maxAttempts, policy.retryBackoff) == (3, "fixed")
+
+
+def test_new_jobs_sent_ahead_are_undone_with_the_savepoint_around_them(
+    backend: str, store: Storage
+) -> None:
+    # The command fails once its new jobs' rows are on their way: the
+    # transaction must be counted as changed (the writer then runs the
+    # batch again, a savepoint a request), and its savepoint undoes them.
+    (kept,) = create(store, job("kept"))
+    with transaction(store):
+        store.savepoint()
+        before = store.total_changes
+        with pytest.raises(RuntimeError, match="refused"), store.holding_writes():
+            store.reserve_ids(STREAMED)
+            new_jobs(store, "gone", STREAMED)
+            raise RuntimeError("refused")
+        if backend == "postgres":
+            assert store.total_changes != before
+        store.rollback_savepoint()
+        after = new_jobs(store, "after", 1)
+    assert [r.name if r else None for r in rows(store, [kept, *after])] == ["kept", "after0"]
+    with transaction(store):
+        assert store.count_by_state() == {"QUEUED": 2}
+
+
+def test_a_savepoint_kept_among_new_jobs_undoes_only_the_jobs_inside(store: Storage) -> None:
+    # A savepoint opened while new jobs' rows are being sent: the jobs made
+    # inside it must wait for it, not join the rows on their way, which its
+    # undo could not reach.
+    with transaction(store):
+        with store.holding_writes():
+            store.reserve_ids(STREAMED + 20)
+            first = new_jobs(store, "in", STREAMED)
+            store.savepoint("element")
+            new_jobs(store, "undone", 10)
+            store.rollback_savepoint("element")
+            last = new_jobs(store, "last", 10)
+        assert store.count_by_state() == {"QUEUED": STREAMED + 10}
+    assert [r.name for r in rows(store, [first[0], last[-1]]) if r] == ["in0", "last9"]
 
 
 def test_two_writes_to_one_job_keep_their_order(store: Storage) -> None:
@@ -411,25 +489,31 @@ def test_jobids_asked_for_in_advance_are_taken_a_chunk_at_a_time(store: Storage)
     assert last - made[-1] <= RESERVE_CHUNK
 
 
+@pytest.mark.parametrize(
+    ("before", "after"), [(1, 0), (STREAMED, 0), (0, STREAMED)],
+    ids=["held", "sent-ahead", "first-sent"],
+)
 def test_a_copy_that_fails_in_python_counts_as_a_failed_statement(
-    backend: str, db: Path | str
+    backend: str, db: Path | str, before: int, after: int
 ) -> None:
     # On a connection whose encoding cannot hold a name (LATIN1 here), the
     # COPY of new jobs fails in psycopg's encoding, and PostgreSQL aborts
     # the transaction: a change must be counted, or the writer, seeing a
     # request that changed nothing, commits its batch's other requests into
     # a spoiled transaction (found by a review: 300 of 1,741 answered 503).
+    # The name is held to the end, or sent ahead in an open COPY (postgres_
+    # statements.STREAM_AFTER) after rows that were, or as its first row.
     if backend != "postgres":
         pytest.skip("COPY is PostgreSQL's")
     latin1 = PostgresStore(f"{db}&client_encoding=LATIN1")
     try:
         latin1.begin()
-        before = latin1.total_changes
+        changes = latin1.total_changes
         with pytest.raises(UnicodeEncodeError), latin1.holding_writes():
-            latin1.reserve_ids(2)
-            for name in ("a", "名"):
+            latin1.reserve_ids(before + 1 + after)
+            for name in [*(f"a{i}" for i in range(before)), "名", *(f"z{i}" for i in range(after))]:
                 latin1.create([job(name)], created=PAST, state=State.QUEUED)
-        assert latin1.total_changes != before
+        assert latin1.total_changes != changes
         latin1.rollback()
     finally:
         latin1.close()

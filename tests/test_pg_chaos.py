@@ -20,7 +20,7 @@ from pg_chaos import Chaos, new_application, with_application
 # second), short enough for CI: 20 s of load took 36 s with the drain
 # after it (118 backends ended, 26,580 jobs), a large share of CI's ten
 # minutes on two cores; bench/pg_backend_kill.py runs it at length.
-SECONDS = 10.0
+SECONDS = 8.0
 KILL_EVERY = 0.25
 
 

@@ -110,9 +110,40 @@ class HeldWrites:
 
     def create(self, write: Write, parent_id: int) -> None:
         """Keep a new job's insert."""
+        self.child_of(parent_id)
+        self._pending.append(write)
+
+    def child_of(self, parent_id: int) -> None:
+        """A new job of `parent_id`, kept or sent: a held parent has children."""
         if parent_id in self.parents:
             self.parents[parent_id] = True
-        self._pending.append(write)
+
+    def takes_inserts_now(self) -> bool:
+        """Whether a new job's insert may be sent at once, ahead of the end
+        of the command: nothing kept must go before it, and no savepoint is
+        kept that it would have to be sent inside."""
+        return not self._pending and self._savepoint is None
+
+    def inserts_only(self) -> tuple[str, ...] | None:
+        """The columns of the kept writes, if they are all new jobs' inserts
+        of those columns and no savepoint is kept (a CreateJobs' plain
+        elements): their rows may then go ahead of the end of the command."""
+        if self._savepoint is not None or not self._pending:
+            return None
+        columns = self._pending[0].columns
+        for write in self._pending:
+            if not by_copy(write) or write.columns != columns:
+                return None
+        return columns
+
+    def count(self) -> int:
+        """How many writes are kept."""
+        return len(self._pending)
+
+    def take_inserts(self) -> list[Write]:
+        """The kept writes, all inserts (inserts_only), to send now."""
+        pending, self._pending = self._pending, []
+        return pending
 
     def insert(self, write: Write) -> None:
         """Keep an insert into another table than the jobs' (an outcome)."""
@@ -270,9 +301,15 @@ def _rows(columns: tuple[str, ...], rows: list[tuple[Any, ...]], mark: str) -> t
 COPY = "COPY"
 
 
+def by_copy(write: Write) -> bool:
+    """Whether the write is a new job's insert, whose row COPY can carry
+    (an upsert has no COPY)."""
+    return write.insert and write.table == "jobs" and not write.on_conflict
+
+
 def _insert_rows(writes: list[Write], mark: str) -> Batch:
     columns = writes[0].columns
-    if writes[0].table == "jobs" and not writes[0].on_conflict:
+    if by_copy(writes[0]):
         # New jobs (a CreateJobs) by COPY, the rows written by psycopg in
         # C: PostgreSQL's CPU a job 6.8-8.0 µs against 8.5-10.2 through
         # jsonb (postgres_statements._copy). An upsert has no COPY.

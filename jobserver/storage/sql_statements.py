@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from jobserver.model.jobs import Job
-from jobserver.storage.held_writes import Batch, HeldWrites, batches
+from jobserver.storage.held_writes import Batch, HeldWrites, Write, batches
 from jobserver.storage.sql import JOB, Dialect, Rows
 
 # A statement and its arguments.
@@ -119,8 +119,19 @@ class Statements:
         try:
             yield
             self._send(held)
+        except BaseException as error:
+            self._abandon_inserts(error)
+            raise
         finally:
             self._held = None
+
+    def _hold_insert(self, held: HeldWrites, write: Write, parent_id: int) -> None:
+        """Keep a new job's insert (a backend may send it at once)."""
+        held.create(write, parent_id)
+
+    def _abandon_inserts(self, error: BaseException) -> None:
+        """The command failed while holding writes: inserts a backend sent
+        ahead (`_hold_insert`) and has not ended are ended with `error`."""
 
     def hold(self, ids: Sequence[int]) -> None:
         """While writes are held: read these jobs in one statement, locked

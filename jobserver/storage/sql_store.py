@@ -104,7 +104,7 @@ class SqlStore(DependencyStatements, Outcomes, FlowStatements, ReplyStatements, 
             values.append(job_id)
             statement = _insert(self.dialect, columns)
             write = Write(statement, columns, tuple(values), job_id, insert=True)
-            held.create(write, new.parent_id)
+            self._hold_insert(held, write, new.parent_id)
             return job_id
         self._settle("INSERT")
         return self._insert_row(_insert(self.dialect, columns), values)

@@ -94,6 +94,9 @@ def _create_all(ctx: Context, request: Request) -> Response:
             new = None if graph else _plain(ctx, element)
             if new is not None:
                 plain.append(new)
+                if len(plain) == _PLAIN_RUN:
+                    ids += creation.create_plain(ctx, plain)
+                    plain = []
                 continue
             if plain:
                 ids += creation.create_plain(ctx, plain)
@@ -113,6 +116,9 @@ def _create_all(ctx: Context, request: Request) -> Response:
 # Any other element, and one whose value would be refused, goes the long
 # way, which says why.
 _PLAIN_KEYS = frozenset({"name", "data", "priority"})
+# Plain elements stored a run of this many at a time: a backend may send
+# them while the next are made (postgres_statements.STREAM_AFTER).
+_PLAIN_RUN = 100
 
 
 def _plain(ctx: Context, element: dict[str, Any]) -> NewJob | None:
