@@ -188,6 +188,11 @@ def test_cancel_and_delete_of_a_blocked_job(server, client):
          "413 Too many dependencies (max 1000)"),
         ([{"name": "a", "onDependencyFailure": "maybe"}],
          "402 Malformed onDependencyFailure"),
+        # Read in any case; of two names that differ only in case, the first.
+        ([{"name": "a", "DEPENDSON": ["#0"]}], "402 Element 0 depends on itself"),
+        ([{"name": "a", "dependsOn": "nope", "DependsOn": [1]}], "402 Malformed dependsOn"),
+        ([{"name": "a", "ONDEPENDENCYFAILURE": "maybe", "onDependencyFailure": "fail"}],
+         "402 Malformed onDependencyFailure"),
     ],
 )
 def test_bad_references_are_refused(server, client, jobs, status):

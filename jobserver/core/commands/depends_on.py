@@ -63,8 +63,7 @@ def of_elements(elements: Sequence[Mapping[str, Any]]) -> list[Wanted]:
     wanted = []
     edges = 0
     for index, element in enumerate(elements):
-        items = _raw(element, "dependson")
-        policy = _raw(element, "ondependencyfailure")
+        items, policy = _dependency_keys(element)
         one = _wanted(
             _list(items), _policy_text(policy), (index, len(elements))
         ) if items is not None or policy is not None else NONE
@@ -78,12 +77,20 @@ def of_elements(elements: Sequence[Mapping[str, Any]]) -> list[Wanted]:
     return wanted
 
 
-def _raw(element: Mapping[str, Any], key: str) -> Any:
-    """An element's value of `key`, its name in any case; None if absent."""
+def _dependency_keys(element: Mapping[str, Any]) -> tuple[Any, Any]:
+    """An element's dependsOn and onDependencyFailure, their names in any
+    case; None where absent. One look at each key: a CreateJobs of 1,000
+    plain elements spent 3% of its node's time here at two."""
+    found: dict[str, Any] = {}
     for name, value in element.items():
-        if name.lower() == key:
-            return value
-    return None
+        if len(name) >= _SHORTEST_KEY:
+            # The first of names that differ only in case, as a header's.
+            found.setdefault(name.lower(), value)
+    return found.get("dependson"), found.get("ondependencyfailure")
+
+
+# The shorter of the two keys: a name, data or priority is passed over unread.
+_SHORTEST_KEY = len("dependson")
 
 
 def _items(request: Request) -> list[Any] | None:
