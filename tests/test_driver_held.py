@@ -26,7 +26,7 @@ from jobserver.storage import held_writes
 from jobserver.storage.held_writes import Write
 from jobserver.storage.interface import Storage
 from jobserver.storage.postgres import PostgresStore
-from jobserver.storage.postgres_statements import SEND_EVERY, STREAM_AFTER
+from jobserver.storage.postgres_statements import STREAM_AFTER
 from jobserver.storage.sql_statements import RESERVE_CHUNK
 
 pytestmark = pytest.mark.backends()
@@ -165,14 +165,16 @@ def test_jobs_created_while_held_keep_their_order_and_fields(store: Storage) -> 
 
 
 # Enough new jobs for PostgreSQL to send them as they are made, in a COPY
-# left open (postgres_statements.STREAM_AFTER), in several sends of rows.
-STREAMED = 3 * STREAM_AFTER + SEND_EVERY
+# left open (postgres_statements.STREAM_AFTER), in several sends of rows
+# (psycopg's, of 32 KiB: each job's data is over 300 bytes).
+STREAMED = 4 * STREAM_AFTER
+PAD = "x" * 300
 
 
 def new_jobs(store: Storage, prefix: str, count: int) -> list[int]:
     """`count` jobs made one call each, as a CreateJobs makes its elements."""
     return [
-        store.create([job(f"{prefix}{i}", priority=i % 1000, data=f'{{"i":{i}}}')],
+        store.create([job(f"{prefix}{i}", priority=i % 1000, data=f'{{"i":{i},"p":"{PAD}"}}')],
                      created=PAST, state=State.QUEUED)[0]
         for i in range(count)
     ]
@@ -197,7 +199,9 @@ def test_many_new_jobs_keep_order_and_fields_around_other_statements(store: Stor
     names += ["policy", *(f"c{i}" for i in range(STREAM_AFTER - 1))]
     stored = [r for r in rows(store, ids) if r]
     assert [r.name for r in stored] == names
-    assert [(r.priority, r.data) for r in stored[:3]] == [(i, f'{{"i":{i}}}') for i in range(3)]
+    assert [(r.priority, r.data) for r in stored[:3]] == [
+        (i, f'{{"i":{i},"p":"{PAD}"}}') for i in range(3)
+    ]
     policy = stored[len(names) - STREAM_AFTER]
     assert (policy.maxAttempts, policy.retryBackoff) == (3, "fixed")
 
@@ -512,7 +516,8 @@ def test_a_copy_that_fails_in_python_counts_as_a_failed_statement(
         with pytest.raises(UnicodeEncodeError), latin1.holding_writes():
             latin1.reserve_ids(before + 1 + after)
             for name in [*(f"a{i}" for i in range(before)), "名", *(f"z{i}" for i in range(after))]:
-                latin1.create([job(name)], created=PAST, state=State.QUEUED)
+                padded = job(name, data=f'{{"p":"{PAD}"}}')
+                latin1.create([padded], created=PAST, state=State.QUEUED)
         assert latin1.total_changes != changes
         latin1.rollback()
     finally:
