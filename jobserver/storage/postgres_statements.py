@@ -26,7 +26,7 @@ from typing import Any
 import psycopg
 
 from jobserver.storage import held_writes, postgres_schema
-from jobserver.storage.held_writes import Batch, HeldWrites, Write, by_copy
+from jobserver.storage.held_writes import Batch, HeldWrites, Write
 from jobserver.storage.sql_statements import Statement, Statements, rows_of
 
 log = logging.getLogger("jobserver")
@@ -59,22 +59,20 @@ class PostgresStatements(Statements):
     # The jobIDs' sequence (_id_sequence).
     _sequence: str | None = None
 
-    def _hold_insert(self, held: HeldWrites, write: Write, parent_id: int) -> None:
+    def _hold_insert(
+        self, held: HeldWrites, columns: tuple[str, ...], row: tuple[Any, ...], job_id: int,
+        parent_id: int,
+    ) -> None:
         stream = self._stream
-        if (
-            stream is not None
-            and write.columns == stream.columns
-            and by_copy(write)
-            and held.takes_inserts_now()
-        ):
+        if stream is not None and columns == stream.columns and held.takes_inserts_now():
             held.child_of(parent_id)
-            self._send_row(stream, write.head_args)
+            self._send_row(stream, row)
             return
-        held.create(write, parent_id)
+        super()._hold_insert(held, columns, row, job_id, parent_id)
         if stream is None and held.count() == STREAM_AFTER:
-            columns = held.inserts_only()
-            if columns is not None:
-                self._open_stream(columns, held.take_inserts())
+            kept = held.inserts_only()
+            if kept is not None:
+                self._open_stream(kept, held.take_inserts())
 
     def _open_stream(self, columns: tuple[str, ...], writes: list[Write]) -> None:
         block = self._db.cursor().copy(f"COPY jobs ({', '.join(columns)}) FROM STDIN")

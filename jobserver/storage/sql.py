@@ -171,6 +171,20 @@ POSTGRES = Dialect(
 # Readers on connections of their own, the same on both.
 
 
+# A new job's INSERT by its columns, made once for each set (a job's
+# columns differ with what it asks for).
+_INSERTS: dict[tuple[str, tuple[str, ...]], str] = {}
+
+
+def insert_job(d: Dialect, columns: tuple[str, ...]) -> str:
+    key = (d.mark, columns)
+    statement = _INSERTS.get(key)
+    if statement is None:
+        marks = ", ".join(d.mark for _ in columns)
+        statement = _INSERTS[key] = f"INSERT INTO jobs ({', '.join(columns)}) VALUES ({marks})"
+    return statement
+
+
 def running_by_name(d: Dialect) -> str:
     """The cost of the running jobs by name and key (Status); binds now."""
     return f"SELECT name, key, SUM(cost) FROM jobs WHERE {d.holding()} GROUP BY name, key"

@@ -15,7 +15,7 @@ from typing import Any
 
 from jobserver.model.jobs import Job
 from jobserver.storage.held_writes import Batch, HeldWrites, Write, batches
-from jobserver.storage.sql import JOB, Dialect, Rows
+from jobserver.storage.sql import JOB, Dialect, Rows, insert_job
 
 # A statement and its arguments.
 Statement = tuple[str, Sequence[Any]]
@@ -125,8 +125,13 @@ class Statements:
         finally:
             self._held = None
 
-    def _hold_insert(self, held: HeldWrites, write: Write, parent_id: int) -> None:
-        """Keep a new job's insert (a backend may send it at once)."""
+    def _hold_insert(
+        self, held: HeldWrites, columns: tuple[str, ...], row: tuple[Any, ...], job_id: int,
+        parent_id: int,
+    ) -> None:
+        """Keep a new job's insert, `row` its `columns`' values (a backend
+        may send it at once)."""
+        write = Write(insert_job(self.dialect, columns), columns, row, job_id, insert=True)
         held.create(write, parent_id)
 
     def _abandon_inserts(self, error: BaseException) -> None:

@@ -100,14 +100,12 @@ class SqlStore(DependencyStatements, Outcomes, FlowStatements, ReplyStatements, 
         held = self._held
         job_id = self._reserved_id()
         if held is not None and job_id is not None:
-            columns += ("jobID",)
             values.append(job_id)
-            statement = _insert(self.dialect, columns)
-            write = Write(statement, columns, tuple(values), job_id, insert=True)
-            self._hold_insert(held, write, new.parent_id)
+            columns = _NEW_JOB_WITH_ID if columns is _NEW_JOB else (*columns, "jobID")
+            self._hold_insert(held, columns, tuple(values), job_id, new.parent_id)
             return job_id
         self._settle("INSERT")
-        return self._insert_row(_insert(self.dialect, columns), values)
+        return self._insert_row(sql.insert_job(self.dialect, columns), values)
 
     def _insert_row(self, statement: str, args: Sequence[Any]) -> int:
         """Run an INSERT of one job; its jobID."""
@@ -392,12 +390,12 @@ class SqlStore(DependencyStatements, Outcomes, FlowStatements, ReplyStatements, 
 # hashes at once; a frozen dataclass hashes every field, every time).
 _HEADS: dict[tuple[str, tuple[str, ...]], str] = {}
 _FENCES: dict[tuple[str, tuple[str, ...] | None, bool, bool], str] = {}
-_INSERTS: dict[tuple[str, tuple[str, ...]], str] = {}
 # A new job's columns: always, with flow options, with a retry policy.
 _NEW_JOB = (
     "created", "state", "name", "nextRun", "repeat", "data", "priority", "parentJobID",
     "retryAfter",
 )
+_NEW_JOB_WITH_ID = (*_NEW_JOB, "jobID")
 _FLOW = ("cost", "timeWindows", "timeZone", "key")
 _POLICY = ("maxAttempts", "retryBackoff", "retryDelay", "retryMaxDelay")
 _DEPENDENCIES = ("dependencies", "blockers", "onDependencyFailure")
@@ -474,12 +472,3 @@ def _fence(
         where = "" if in_states is None else f" AND {state} IN ({sql.states(in_states)})"
         fence = _FENCES[key] = f"{where} AND leaseID = {d.mark}" if leased else where
     return fence
-
-
-def _insert(d: Dialect, columns: tuple[str, ...]) -> str:
-    key = (d.mark, columns)
-    statement = _INSERTS.get(key)
-    if statement is None:
-        marks = ", ".join(d.mark for _ in columns)
-        statement = _INSERTS[key] = f"INSERT INTO jobs ({', '.join(columns)}) VALUES ({marks})"
-    return statement
