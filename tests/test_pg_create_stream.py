@@ -27,15 +27,11 @@ def plain(prefix: str, count: int = MANY) -> list[dict[str, Any]]:
     return [{"name": f"{prefix}{i}", "data": {"i": i}} for i in range(count)]
 
 
-@pytest.mark.parametrize(
-    "refused",
-    [{"name": "late", "priority": 7}, {"name": "late", "repeat": "NOT A RULE"}, {"nme": "x"}],
-    ids=["priority", "repeat", "no-name"],
-)
-def test_a_request_refused_after_its_rows_were_sent_alone_is_undone(db, refused):
+def test_a_request_refused_after_its_rows_were_sent_alone_is_undone(db):
     # Three requests in one batch (the writer held behind a row lock while
     # they queue): the last one's elements are plain until its last, which
-    # the long way refuses once hundreds of rows are on their way.
+    # only the database can refuse (its parent is not there), once hundreds
+    # of rows are on their way.
     server = ThreadServer(db, writers=1)
     try:
         with clients(server, 5) as (client, blocked, first, middle, last):
@@ -47,15 +43,56 @@ def test_a_request_refused_after_its_rows_were_sent_alone_is_undone(db, refused)
                 middle.send(encode("CreateJob", {"name": "middle"}))
                 # Last: no statement of a request after it meets the spoiled
                 # transaction, only the batch's COMMIT.
-                last.send(encode("CreateJobs", {"jobs": [*plain("last"), refused]}))
+                missing = {"name": "late", "parentJobID": 999_999}
+                last.send(encode("CreateJobs", {"jobs": [*plain("last"), missing]}))
                 engine = server.server.core.engine
                 until(lambda: _queued_requests(engine) == 3, HELD, "the three requests queued")
             ok(blocked.read_reply())
             assert len(ok(first.read_reply()).json["jobIDs"]) == MANY
             ok(middle.read_reply())
-            assert last.read_reply().status.startswith("402 ")
+            assert last.read_reply().status == "404 parentJobID does not exist"
         with psycopg.connect(str(db)) as session:
             counts = session.execute("SELECT substr(name, 1, 5), count(*) FROM jobs GROUP BY 1")
             assert dict(counts.fetchall()) == {"first": MANY, "held": 1, "middl": 1}
+    finally:
+        server.stop()
+
+
+def test_a_request_refused_for_what_it_says_sends_nothing(db):
+    # Every element is checked before any job is stored (create._checked):
+    # a refusal the request itself gives reasons for comes before any row
+    # is on its way, so the table does not grow by the rows of jobs undone.
+    server = ThreadServer(db)
+    padded = [{"name": f"p{i}", "data": {"pad": "x" * 300}} for i in range(MANY)]
+    try:
+        with server.client(timeout=HELD) as client, psycopg.connect(str(db)) as session:
+            before = _size(session)
+            for bad in ({"name": "late", "priority": 7}, {"nme": "x"}, {"name": "a\x01b"}):
+                reply = client.request("CreateJobs", jobs=[*padded, bad])
+                assert reply.status.startswith("402 "), reply.status
+            assert _size(session) == before
+    finally:
+        server.stop()
+
+
+def _size(session: psycopg.Connection[Any]) -> int:
+    (size,) = session.execute("SELECT pg_relation_size('jobs')").fetchone() or (0,)
+    session.rollback()
+    return int(size)
+
+
+@pytest.mark.parametrize("before", [1, MANY], ids=["held", "streamed"])
+def test_a_name_the_connection_cannot_encode_is_a_502_of_its_request_alone(db, before):
+    # A node whose connections speak LATIN1: a name outside it fails in
+    # psycopg's encoding of the COPY's row, a database error of that
+    # request (it was a 500 with a traceback in the log).
+    server = ThreadServer(f"{db}&client_encoding=LATIN1")
+    try:
+        with server.client(timeout=HELD) as client:
+            reply = client.request("CreateJobs", jobs=[*plain("ok", before), {"name": "名"}])
+            assert reply.status.startswith("502 Query failed: a value the connection's encoding")
+            assert len(ok(client.request("CreateJobs", jobs=plain("after", 3))).json["jobIDs"]) == 3
+        with psycopg.connect(str(db)) as session:
+            assert session.execute("SELECT count(*) FROM jobs").fetchone() == (3,)
     finally:
         server.stop()

@@ -48,6 +48,17 @@ class _OpenCopy:
     copy: psycopg.Copy
 
 
+def _write_row(copy: psycopg.Copy, row: tuple[Any, ...]) -> None:
+    """A row to a COPY. A text the connection's encoding cannot hold (a node
+    on a LATIN1 client_encoding) fails in Python: a database error, as it
+    would be in a statement's parameter, so that its request is refused
+    with 502 and one log line, not 500 and a traceback."""
+    try:
+        copy.write_row(row)
+    except UnicodeEncodeError as error:
+        raise psycopg.DataError(f"a value the connection's encoding cannot hold: {error}") from None
+
+
 class PostgresStatements(Statements):
     """PostgresStore's connection, as its statements use it."""
 
@@ -92,7 +103,7 @@ class PostgresStatements(Statements):
         # were stored no sooner (four pairs, 128 rows a send against 32 KiB:
         # 46-59k jobs a second both): PostgreSQL's COPY stores its rows
         # 64 KB at a time, and the last of them once the COPY ends.
-        stream.copy.write_row(row)
+        _write_row(stream.copy, row)
         self._changes += 1
 
     def _end_stream(self) -> None:
@@ -138,7 +149,7 @@ class PostgresStatements(Statements):
         try:
             with cursor.copy(statement) as copy:
                 for row in rows:
-                    copy.write_row(row)
+                    _write_row(copy, row)
         except BaseException:
             # Whatever ends a COPY early spoils the transaction (psycopg
             # sends CopyFail), a text the connection's encoding cannot hold

@@ -76,22 +76,20 @@ def create_jobs(ctx: Context, request: Request) -> Response:
 
 
 def _create_all(ctx: Context, request: Request) -> Response:
-    ids: list[int] = []
-    # The elements read as requests, by their place in `jobs`.
-    read: dict[int, Request] = {}
     elements = json_params.job_list(request)
     wanted = depends_on.of_elements(elements)
     graph = any(one.count for one in wanted)
     # Read (and locked) before any job is created: a dependency that
     # exists now cannot end unseen (dependencies.py).
     known = dependencies.read(ctx, [i for one in wanted for i in one.jobs]) if graph else None
+    made, read = _checked(ctx, elements, graph)
+    ids: list[int] = []
     # The new jobs' inserts are sent together (storage's held_writes.py),
     # in the elements' order, which is their jobIDs'.
     with ctx.store.holding_writes():
         ctx.store.reserve_ids(len(elements))
         plain: list[NewJob] = []
-        for index, (element, one) in enumerate(zip(elements, wanted, strict=True)):
-            new = None if graph else _plain(ctx, element)
+        for index, (new, one) in enumerate(zip(made, wanted, strict=True)):
             if new is not None:
                 plain.append(new)
                 if len(plain) == _PLAIN_RUN:
@@ -101,13 +99,33 @@ def _create_all(ctx: Context, request: Request) -> Response:
             if plain:
                 ids += creation.create_plain(ctx, plain)
                 plain = []
-            read[index] = _element(element)
             ids.append(_create(ctx, read[index], one, known))
         if plain:
             ids += creation.create_plain(ctx, plain)
     if known is not None:
         _link(ctx, known, wanted, ids)
     return known_headers.with_ignored_elements(ok({"jobIDs": ids}), read)
+
+
+def _checked(
+    ctx: Context, elements: list[dict[str, Any]], graph: bool
+) -> tuple[list[NewJob | None], dict[int, Request]]:
+    """Every element checked before any job is stored: the plain ones made
+    (`_plain`; None for the others), the others read as requests (by their
+    place in `jobs`) and their parameters checked. A request refused for
+    what one of its elements says then sends nothing to the database:
+    without this, its first jobs' rows were on their way to PostgreSQL
+    (postgres_statements.STREAM_AFTER), and the refusal made its batch run
+    again to undo them."""
+    made: list[NewJob | None] = []
+    read: dict[int, Request] = {}
+    for index, element in enumerate(elements):
+        new = None if graph else _plain(ctx, element)
+        made.append(new)
+        if new is None:
+            read[index] = _element(element)
+            _check_parameters(read[index])
+    return made, read
 
 
 # A CreateJobs element of these keys alone, each of its usual JSON type, is
