@@ -135,7 +135,7 @@ def _checked(
 # way, which says why.
 _PLAIN_KEYS = frozenset({"name", "data", "priority"})
 # Plain elements stored a run of this many at a time: a backend may send
-# them while the next are made (postgres_statements.STREAM_AFTER).
+# their rows while the next runs are stored (postgres_statements.STREAM_AFTER).
 _PLAIN_RUN = 100
 
 
