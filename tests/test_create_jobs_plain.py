@@ -150,3 +150,22 @@ def test_a_long_request_of_plain_and_other_elements_is_made_as_the_long_way(clie
     made = create_jobs(client, jobs)
     assert made[0] == "200 OK" and len(made[2]) == len(jobs)
     assert made == create_jobs(client, twins)
+
+
+@pytest.mark.parametrize("refused", [{"name": "bad", "priority": 7},
+                                     {"name": "bad", "unique": True, "priority": 7}])
+def test_every_elements_parameters_are_checked_before_any_job_is_created(client, refused):
+    # The first element would be refused only as it is created (its parent
+    # is not there); the second for what it says, which is checked first,
+    # plain or not (protocol.md 5.2).
+    jobs = [{"name": "orphan", "parentJobID": 999_999}, refused]
+    assert client.request("CreateJobs", jobs=jobs).status == "402 Invalid priority value"
+    jobs[1] = {"name": "fine"}
+    assert client.request("CreateJobs", jobs=jobs).status == "404 parentJobID does not exist"
+
+
+def test_a_cost_above_a_limit_is_checked_with_the_parameters(client):
+    ok(client.request("SetLimit", name="capped", max=2))
+    jobs = [{"name": "orphan", "parentJobID": 999_999}, {"name": "capped", "cost": 3}]
+    reply = client.request("CreateJobs", jobs=jobs)
+    assert reply.status == "402 Cost 3 exceeds limit capped (max 2)"

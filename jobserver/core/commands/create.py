@@ -43,7 +43,7 @@ def create_job(ctx: Context, request: Request) -> Response:
         # Checked before its key is claimed: a request refused for its
         # parameters writes nothing (a write, then a refusal, makes the
         # writer run its whole batch again).
-        _check_parameters(request)
+        _check_parameters(ctx, request)
         depends_on.of_request(request)
     done = idempotency.replay(ctx, request, key)
     if done is not None:
@@ -66,7 +66,7 @@ def create_jobs(ctx: Context, request: Request) -> Response:
     if key is not None:
         # As create_job's, each element in turn.
         for element in _elements(json_params.job_list(request)):
-            _check_parameters(element)
+            _check_parameters(ctx, element)
     done = idempotency.replay(ctx, request, key)
     if done is not None:
         return done
@@ -124,7 +124,7 @@ def _checked(
         made.append(new)
         if new is None:
             read[index] = _element(element)
-            _check_parameters(read[index])
+            _check_parameters(ctx, read[index])
     return made, read
 
 
@@ -198,16 +198,18 @@ def _element(element: dict[str, Any]) -> Request:
     return json_params.from_json(element, "CreateJob")
 
 
-def _check_parameters(request: Request) -> None:
-    """What _create checks of a request without reading the database."""
-    params.name(request)
+def _check_parameters(ctx: Context, request: Request) -> None:
+    """What _create checks of a request's own parameters, and its cost
+    against the limits on its name (the node holds them), without reading
+    the database."""
+    name = params.name(request)
     params.priority(request, "jobPriority", "priority")
     json_params.data(request)
     params.retry_after(request)
     params.time(request, "firstRun")
     params.repeat_rule(request)
     params.retry_policy(request)
-    flow_params.flow_options(request)
+    _check_cost_fits(ctx, name, flow_params.flow_options(request).cost)
     _parent_id(request)
 
 
