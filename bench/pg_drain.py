@@ -6,6 +6,7 @@ for jobserver alone, with the database's side taken apart.
     python bench/pg_drain.py --explain 0.01      # + sampled plans (auto_explain)
     python bench/pg_drain.py --hold-snapshot     # + a transaction held open
     python bench/pg_drain.py --dead 22000 --analyze-empty  # statistics of an emptied table
+    python bench/pg_drain.py --profile node.txt  # + the node sampled by py-spy
 
 One node serves a database made for the run (dropped after); --jobs jobs
 are inserted with CreateJobs of 1,000, then the drain driver of
@@ -28,6 +29,9 @@ can then not be marked dead, and each search visits their rows. --dead N
 creates and deletes N jobs before the fill (the dead rows pg_peers.py's
 earlier shapes leave, autovacuum off), and --analyze-empty runs ANALYZE of
 the emptied table then: statistics that take the table for empty.
+--profile FILE samples the node with py-spy (on PATH) during the drain
+alone and writes its stacks, collapsed (one line a stack, then its count),
+to FILE.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -141,6 +147,28 @@ def report_durations(lines: list[str], jobs: int) -> None:
     print(f"  {sum(total.values()) / jobs * 1000:6.1f}  in all")
 
 
+def start_sampler(pid: int, out: Path) -> subprocess.Popen:
+    """py-spy sampling process `pid` until stop_sampler, once it has begun."""
+    said = out.with_suffix(".log")
+    with said.open("w") as log:
+        sampler = subprocess.Popen(
+            ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "500", "--gil", "--nonblocking",
+             "--output", str(out)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 30
+    while "Sampling process" not in said.read_text():
+        if sampler.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"py-spy did not start: {said.read_text()}")
+        time.sleep(0.05)
+    return sampler
+
+
+def stop_sampler(sampler: subprocess.Popen) -> None:
+    sampler.send_signal(signal.SIGINT)
+    sampler.wait(timeout=60)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=50_000, help="a multiple of 1,000")
@@ -161,6 +189,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("pg_drain_plans.log"))
     parser.add_argument("--analyze", action="store_true", help="ANALYZE jobs after the fill")
     parser.add_argument("--hold-snapshot", action="store_true")
+    parser.add_argument("--profile", type=Path, metavar="FILE")
     parser.add_argument(
         "--analyze-empty", action="store_true",
         help="ANALYZE jobs while it is empty, before the fill (after --dead's delete)",
@@ -216,11 +245,14 @@ def main() -> int:
         driver = Driver(peer, "drain", args.jobs)
         driver.expect("ready")
         everyone = postgres_cpu(database.name)
+        sampler = start_sampler(proc.pid, args.profile) if args.profile else None
         before = peer.cpu(driver.proc)
         began = time.perf_counter()
         driver.send()
         driver.expect("done")
         seconds = time.perf_counter() - began
+        if sampler:
+            stop_sampler(sampler)
         after = peer.cpu(driver.proc)
         everyone_after = postgres_cpu(database.name)
         driver.close()

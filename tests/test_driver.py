@@ -23,6 +23,8 @@ from jobserver.model.jobs import (
     FinishedRun,
     FlowOptions,
     JobChanges,
+    JobOutcome,
+    OutcomesKept,
     RetryPolicy,
     State,
 )
@@ -231,29 +233,55 @@ def test_finish_plain_runs_deletes_only_runs_with_nothing_more_to_do(store: Stor
         store.amend([repeating], JobChanges(repeat="FINISHED, +1 HOUR"))
         store.amend([cancelling], JobChanges(cancelRequested=1))
         others = (repeating, child, parent, cancelling, counted, queued, depended, dependent)
+        store.amend([leased], JobChanges(awaited=1, lastError="once"))
         runs = [(plain, None), (leased, "L"), (leased, "L"), (999, None), (plain, "not its")]
         finished = store.finish_plain_runs(
-            [*runs, *((j, None) for j in others)], [plain, leased, 999, *others]
+            [*runs, *((j, None) for j in others)], [plain, leased, 999, *others],
+            OutcomesKept(NOW, LATER, LATER),
         )
     if store.dialect.returning:
-        assert sorted(f.jobID for f in finished) == [plain, leased]
-        assert next(f for f in finished if f.jobID == plain) == FinishedRun(
-            plain, "a", '{"x":1}', "", False
-        )
+        assert sorted(finished) == [FinishedRun(plain, "a", False), FinishedRun(leased, "a", True)]
+        with transaction(store):
+            # Their outcomes, kept by the same statement.
+            assert store.job_outcome(plain, NOW) == JobOutcome(
+                plain, "a", State.FINISHED, '{"x":1}', "", NOW, LATER
+            )
+            assert store.job_outcome(leased, NOW) == JobOutcome(
+                leased, "a", State.FINISHED, "{}", "once", NOW, LATER
+            )
+            assert store.job_outcome(queued, NOW) is None
     else:
         # SQLite finishes none this way: the caller takes the long way.
         assert finished == []
     with transaction(store):
         assert [store.get(j) is None for j in (plain, leased)] == [bool(finished)] * 2
         assert all(store.get(j) is not None for j in others)
-        assert store.finish_plain_runs([], [plain]) == []
+        assert store.finish_plain_runs([], [plain], OutcomesKept(NOW, LATER, LATER)) == []
+
+
+def test_finish_plain_runs_keeps_only_awaited_outcomes_when_told_to(store: Storage) -> None:
+    if not store.dialect.returning:
+        pytest.skip("SQLite finishes every run the long way")
+    plain, awaited = create(store, job("a"), job("b"))
+    with transaction(store):
+        store.set_state_if([plain, awaited], [State.QUEUED], State.RUNNING)
+        store.amend([awaited], JobChanges(awaited=1))
+        finished = store.finish_plain_runs(
+            [(plain, None), (awaited, None)], [plain, awaited], OutcomesKept(NOW, None, LATER)
+        )
+        assert sorted(finished) == [FinishedRun(plain, "a", False), FinishedRun(awaited, "b", True)]
+        assert store.job_outcome(plain, NOW) is None
+        kept = store.job_outcome(awaited, NOW)
+        assert kept is not None and (kept.state, kept.expires) == (State.FINISHED, LATER)
 
 
 def test_finish_plain_runs_locks_every_job_named_first(store: Storage, db: Path | str) -> None:
     run, named, bystander = create(store, job("a"), job("a"), job("a"))
     with transaction(store):
         store.set_state_if([run], [State.QUEUED], State.RUNNING)
-        finished = store.finish_plain_runs([(run, None)], [run, named])
+        finished = store.finish_plain_runs(
+            [(run, None)], [run, named], OutcomesKept(NOW, LATER, LATER)
+        )
         if not store.dialect.returning:
             # One writer to a file: nothing to lock, and nothing finished.
             assert finished == []

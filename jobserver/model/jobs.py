@@ -113,14 +113,23 @@ class JobOutcome:
 
 
 class FinishedRun(NamedTuple):
-    """A job a plain finish deleted (storage's finish_plain_runs): what its
-    outcome and the history need of it."""
+    """A job a plain finish deleted (storage's finish_plain_runs): what the
+    history and its awaiters need of it."""
 
     jobID: int
     name: str
-    data: str
-    lastError: str
     awaited: bool
+
+
+class OutcomesKept(NamedTuple):
+    """How long the outcomes of the jobs a plain finish deletes are kept
+    (storage's finish_plain_runs): ended at `ended`; kept until
+    `awaited_until` for an awaited job, until `until` for any other, and
+    not at all where that is None."""
+
+    ended: str
+    until: str | None
+    awaited_until: str
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,15 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
-from jobserver.model.jobs import NO_CHANGES, FinishedRun, Job, JobChanges, JobOutcome, NewJob
+from jobserver.model.jobs import (
+    NO_CHANGES,
+    FinishedRun,
+    Job,
+    JobChanges,
+    JobOutcome,
+    NewJob,
+    OutcomesKept,
+)
 from jobserver.model.limits import Limit
 from jobserver.storage.dependency_types import Dependencies
 from jobserver.storage.reader_types import Readers
@@ -187,13 +195,14 @@ class Jobs(Dependencies, Protocol):
         jobIDs deleted."""
 
     def finish_plain_runs(
-        self, runs: Sequence[tuple[int, str | None]], named: Sequence[int]
+        self, runs: Sequence[tuple[int, str | None]], named: Sequence[int], kept: OutcomesKept
     ) -> list[FinishedRun]:
         """Delete in one statement the jobs of `runs` (jobID, and the leaseID
         their report holds or None) whose finish is nothing more: RUNNING
         under that lease, standalone and childless, without a repeat, a
         cancel asked for, dependencies or dependents, with data a finish
-        leaves as it is; what each deleted one was. Where other nodes write,
+        leaves as it is, and keep their outcomes (FINISHED, with their data
+        and lastError) as `kept` says; what each deleted one was. Where other nodes write,
         every job of `named` (the request's, these among them) is locked
         first, in the order of their keys, as `hold` locks (the request
         then takes no lock after another), and the delete begins once they

@@ -5,8 +5,9 @@ An outcome is written in the transaction that ends its job, beside the
 job's own write: while a command holds its writes (held_writes.py), the
 outcomes of all the jobs it ends are one multi-row insert on PostgreSQL
 and one executemany on SQLite, so FinishJobs of a thousand jobs costs one
-statement more, not a thousand. A job that ends again (requeued after it
-failed) replaces its outcome.
+statement more, not a thousand; a plain finish's delete on PostgreSQL
+keeps its jobs' outcomes in the same statement (`keep_finished`). A job
+that ends again (requeued after it failed) replaces its outcome.
 """
 
 from __future__ import annotations
@@ -20,6 +21,21 @@ _COLUMNS = ("jobID", "name", "state", "data", "lastError", "ended", "expires")
 _ON_CONFLICT = " ON CONFLICT (jobID) DO UPDATE SET " + ", ".join(
     f"{column} = excluded.{column}" for column in _COLUMNS[1:]
 )
+
+
+def keep_finished(deleted: str, mark: str) -> str:
+    """The insert that keeps the outcomes of the jobs a plain finish
+    deletes (a statement's `deleted` rows: jobID, name, data, lastError,
+    awaited), in the same statement as the delete (sql_store's
+    finish_plain_runs): FINISHED, ended at the first parameter, kept until
+    the second for an awaited job and the third for any other, none where
+    that is NULL. Their data then never travels to the node and back."""
+    return (
+        f"INSERT INTO outcomes ({', '.join(_COLUMNS)}) "
+        f"SELECT jobID, name, 'FINISHED', data, lastError, {mark}::text, until FROM ("
+        f"SELECT *, CASE WHEN awaited <> 0 THEN {mark}::text ELSE {mark}::text END AS until "
+        f"FROM {deleted}) AS ended WHERE until IS NOT NULL{_ON_CONFLICT}"
+    )
 
 # The insert of one outcome, by the dialect's parameter mark: made once,
 # not for each job a FinishJobs ends.

@@ -25,8 +25,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from jobserver.model.jobs import NO_CHANGES, PLAIN, FinishedRun, Job, JobChanges, NewJob, State
-from jobserver.storage import sql, sql_bulk
+from jobserver.model.jobs import (
+    NO_CHANGES,
+    PLAIN,
+    FinishedRun,
+    Job,
+    JobChanges,
+    NewJob,
+    OutcomesKept,
+    State,
+)
+from jobserver.storage import sql, sql_bulk, sql_outcomes
 from jobserver.storage.held_writes import Write
 from jobserver.storage.searches import Found, NameMatch
 from jobserver.storage.sql import JOB, Dialect
@@ -201,23 +210,30 @@ class SqlStore(DependencyStatements, Outcomes, FlowStatements, ReplyStatements, 
         return self._changed("DELETE FROM jobs", [], ids, fence, [])
 
     def finish_plain_runs(
-        self, runs: Sequence[tuple[int, str | None]], named: Sequence[int]
+        self,
+        runs: Sequence[tuple[int, str | None]],
+        named: Sequence[int],
+        kept: OutcomesKept,
     ) -> list[FinishedRun]:
         """Delete, in one statement, the jobs of `runs` (jobID, and the
         leaseID the report holds or None) whose finish is only that: RUNNING
         under that lease, standalone, childless, without a repeat, a cancel
         asked for, dependencies or dependents, and data that holds neither
         `"retryAfterCount"` nor `"delete"` (which a finish rewrites or reads);
-        what each was. Every job of `named` is locked first, in key order.
+        the same statement keeps their outcomes as `kept` says. What each
+        was. Every job of `named` is locked first, in key order.
         Only where one statement returns the rows it deletes (PostgreSQL);
         elsewhere none, and each run is finished the long way."""
         if not runs or not self.dialect.returning:
             return []
         named_ids = sql.integers(sorted(set(named)))
-        args = [named_ids, sql.integers(run[0] for run in runs), [run[1] for run in runs]]
+        args = [
+            named_ids, sql.integers(run[0] for run in runs), [run[1] for run in runs],
+            kept.ended, kept.awaited_until, kept.until,
+        ]
         self._settle(_FINISH_PLAIN)
         _, rows = self._run_pair((_LOCK_NAMED, [named_ids]), (_FINISH_PLAIN, args))
-        return [FinishedRun(int(r[0]), r[1], r[2], r[3], bool(r[4])) for r in rows]
+        return [FinishedRun(int(r[0]), r[1], bool(r[2])) for r in rows]
 
     def _many(self, ids: Sequence[int]) -> bool:
         """Whether a write of `ids` is one statement over `jobID = ANY`."""
@@ -423,7 +439,7 @@ _QUEUED: tuple[str, ...] = (State.QUEUED,)
 _LOCK_NAMED = "SELECT jobID FROM jobs WHERE jobID = ANY(%s::bigint[]) ORDER BY jobID FOR UPDATE"
 _FINISH_PLAIN = f"""WITH locked AS MATERIALIZED (
     SELECT jobID, leaseID FROM jobs WHERE jobID = ANY(%s::bigint[])
-)
+), gone AS (
 DELETE FROM jobs
 WHERE jobs.jobID = ANY(ARRAY(
     SELECT locked.jobID FROM locked JOIN unnest(%s::bigint[], %s::text[]) AS run(id, lease)
@@ -435,7 +451,9 @@ AND strpos(jobs.data, '"retryAfterCount"') = 0 AND strpos(jobs.data, '"delete"')
 AND NOT EXISTS (
     SELECT 1 FROM jobs AS child WHERE child.parentJobID = jobs.jobID AND child.parentJobID != 0
 )
-RETURNING jobs.jobID, jobs.name, jobs.data, jobs.lastError, jobs.awaited"""
+RETURNING jobs.jobID, jobs.name, jobs.data, jobs.lastError, jobs.awaited
+), kept AS ({sql_outcomes.keep_finished("gone", "%s")})
+SELECT jobID, name, awaited FROM gone"""
 
 
 def _state_name(state: str) -> str:

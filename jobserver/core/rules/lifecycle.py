@@ -279,11 +279,12 @@ def finish_plain_runs(
     None with --keep-finished: a finished job stays."""
     if ctx.settings.keep_finished:
         return set()
-    finished = ctx.store.finish_plain_runs(runs, named)
+    finished = ctx.store.finish_plain_runs(runs, named, outcomes.kept_at_plain_finish(ctx))
     for run in finished:
         ctx.note(history.FINISHED, run.name)
         _freed_name(ctx, run.name)
-        outcomes.on_plain_finish(ctx, run)
+        if run.awaited:
+            outcomes.awaited_end(ctx, run.jobID)
     return {run.jobID for run in finished}
 
 

@@ -26,7 +26,7 @@ from typing import Any
 from jobserver.core.engine.context import Context
 from jobserver.core.rules.moves import GONE
 from jobserver.model import times
-from jobserver.model.jobs import ENDED, FinishedRun, Job, JobOutcome, State
+from jobserver.model.jobs import ENDED, Job, JobOutcome, OutcomesKept, State
 
 # The final state of a job deleted before it ended.
 DELETED = "DELETED"
@@ -55,10 +55,19 @@ def on_move(ctx: Context, job: Job, name: str, target: str, changes: dict[str, A
     )
 
 
-def on_plain_finish(ctx: Context, run: FinishedRun) -> None:
-    """A job a plain finish deleted (lifecycle.finish_plain_runs) ended
-    FINISHED, as `on_move` keeps a finish's end."""
-    _keep(ctx, run.jobID, run.name, State.FINISHED.value, run.data, run.lastError, run.awaited)
+def kept_at_plain_finish(ctx: Context) -> OutcomesKept:
+    """How long the outcomes of the jobs a plain finish deletes
+    (lifecycle.finish_plain_runs) are kept: as `_keep` keeps a finish's
+    end, written by storage in the statement that deletes them."""
+    keep = ctx.settings.keep_outcomes
+    awaited_until = times.later_millis(ctx.now, ctx.now_ms, keep or AWAITED_KEEP)
+    return OutcomesKept(ctx.now_ms, awaited_until if keep else None, awaited_until)
+
+
+def awaited_end(ctx: Context, job_id: int) -> None:
+    """An awaited job ended in this transaction: its awaiters look again
+    once it commits."""
+    ctx.ended.add(job_id)
 
 
 def _keep(
@@ -74,7 +83,7 @@ def _keep(
         JobOutcome(job_id, name, final, data, last_error, ctx.now_ms, expires)
     )
     if awaited:
-        ctx.ended.add(job_id)
+        awaited_end(ctx, job_id)
 
 
 def of_row(job: Job) -> JobOutcome:
