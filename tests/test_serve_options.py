@@ -253,3 +253,17 @@ def test_a_db_that_is_a_symbolic_link_is_served_from_the_file_it_names(start_ser
     assert f"--db {link} is a symbolic link: serving {real}" in server.log
     assert (real.parent / "jobs.db-wal").exists() and link.is_symlink()
     assert not (tmp_path / "jobs-link.db-wal").exists()
+
+
+def test_a_serve_process_keeps_what_it_loaded_out_of_the_collectors_walks():
+    # In a process of its own: the collector's settings are the process's.
+    probe = (
+        "import gc; from jobserver.cli import serve; before = gc.get_freeze_count(); "
+        "serve.tune_collector(); print(before, gc.get_freeze_count(), gc.get_threshold()[0])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=RUN_TIMEOUT
+    )
+    before, frozen, threshold = map(int, done.stdout.split())
+    assert before == 0 and frozen > 10_000
+    assert threshold == 10_000
