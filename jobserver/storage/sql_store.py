@@ -147,13 +147,18 @@ class SqlStore(DependencyStatements, Outcomes, FlowStatements, ReplyStatements, 
                 node=node,
             )
             return bool(self.set_state_if([job_id], (State.QUEUED,), State.RUNNING, changes))
-        values = (State.RUNNING.value, last_run, lease_id, last_report, worker, node)
+        values = (_RUNNING, last_run, lease_id, last_report, worker, node)
         d = self.dialect
         write = Write(
             _update_head(d, _HANDED_OUT), _HANDED_OUT, values, job_id,
             _fence(d, _QUEUED, False), (), _fence(d, _QUEUED, False, many=True),
         )
-        return held.write(write, dict(zip(_HANDED_OUT, values, strict=True)), _QUEUED, None)
+        # _HANDED_OUT's columns, as a literal (dict(zip()) costs more).
+        columns = {
+            "state": _RUNNING, "lastRun": last_run, "leaseID": lease_id,
+            "lastReport": last_report, "worker": worker, "node": node,
+        }
+        return held.write(write, columns, _QUEUED, None)
 
     def amend(self, ids: Sequence[int], changes: JobChanges) -> list[int]:
         """Set `changes` (never a state) on the jobs, in whatever state
@@ -420,6 +425,7 @@ _STATE_NAMES = {state.value: state.value for state in State}
 # state, then JobChanges' fields'), so that it and a hand-out written
 # through set_state_if make one statement together.
 _HANDED_OUT = ("state", "lastRun", "leaseID", "lastReport", "worker", "node")
+_RUNNING = State.RUNNING.value
 _QUEUED: tuple[str, ...] = (State.QUEUED,)
 
 

@@ -103,6 +103,13 @@ def hand_out(ctx: Context, job: Job, worker: str = "", lease: int = 0) -> Lease 
     was failed instead: out of leases or attempts, or a lease that cannot
     be computed."""
     token = _tokens.next()
+    if (
+        job.state == State.QUEUED and not lease and not job.lease and not job.maxAttempts
+        and not job.retryAfter and not job.cancelRequested
+    ):
+        # Most hand-outs: no lease, policy, lost lease or cancel to write of.
+        lifecycle.hand_out_plain(ctx, job, token, worker)
+        return Lease(token, job.data, job.nextRun)
     # Who took it goes in the hand-out's own write (RunningJobs).
     changes: dict[str, Any] = {
         "lastRun": ctx.now_s, "leaseID": token, "worker": worker, "node": ctx.settings.node,
@@ -122,11 +129,7 @@ def hand_out(ctx: Context, job: Job, worker: str = "", lease: int = 0) -> Lease 
         return _hand_out_leased(ctx, job, changes)
     if lease:
         return _hand_out_under_takers_lease(ctx, job, lease, changes)
-    if job.state == State.QUEUED and not job.lease and not job.maxAttempts:
-        # Most hand-outs: no lease, policy or lost lease to write of.
-        lifecycle.hand_out_plain(ctx, job, token, worker)
-    else:
-        lifecycle._move(ctx, job, "hand out", State.RUNNING, lastReport=ctx.now_ms, **changes)
+    lifecycle._move(ctx, job, "hand out", State.RUNNING, lastReport=ctx.now_ms, **changes)
     return Lease(token, job.data, job.nextRun)
 
 
