@@ -83,16 +83,17 @@ def plain_finish_plan(url: str, mode: str) -> str:
     custom (for the values, as psycopg's first five runs are planned) or
     generic (as once prepared)."""
     statement = sql_store._FINISH_PLAIN
-    for number in (1, 2, 3):
+    for number in range(1, 7):
         statement = statement.replace("%s", f"${number}", 1)
     with psycopg.connect(url) as db:
         db.execute(f"SET plan_cache_mode = force_{mode}_plan")
-        db.execute(f"PREPARE plain(bigint[], bigint[], text[]) AS {statement}")
+        db.execute(f"PREPARE plain(bigint[], bigint[], text[], text, text, text) AS {statement}")
         ids = [*range(11, 1011, 10), 10**9]
         every = "{" + ",".join(map(str, ids)) + "}"
         leases = "{" + ",".join("NULL" for _ in ids) + "}"
         rows = db.execute(
-            f"EXPLAIN (ANALYZE, COSTS OFF) EXECUTE plain('{every}', '{every}', '{leases}')"
+            f"EXPLAIN (ANALYZE, COSTS OFF) EXECUTE plain('{every}', '{every}', '{leases}',"
+            " '2030-01-01 00:00:00.000', '2030-01-01 01:00:00.000', '2030-01-01 01:00:00.000')"
         ).fetchall()
         db.rollback()
     return "\n".join(str(row[0]) for row in rows)
