@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any, TypeVar
 
+import outcome
 import trio
 
 from jobserver.core.engine.waiters import WaitQueue
@@ -40,10 +42,35 @@ from jobserver.core.engine.writer import (
 from jobserver.storage.interface import OutcomeUnknown, Storage
 
 log = logging.getLogger("jobserver")
+T = TypeVar("T")
 
 # The tries of the waiting GetJobs that these names (made ready, with the
 # earliest future time written) woke, to run in the batch's transaction.
 Woken = Callable[[set[str], str | None], list[Serve]]
+
+
+async def in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in a thread of trio's cache, waited for without a cancel
+    (as trio.to_thread.run_sync waits by default), its return or exception
+    this call's. trio.to_thread.run_sync does the same with more: it names
+    the thread and names it back for each call (two prctl calls and a
+    ctypes call each), takes a capacity limiter, copies the context and
+    keeps what trio.from_thread needs (a thread that calls it here passes
+    the token itself)."""
+    task = trio.lowlevel.current_task()
+    token = trio.lowlevel.current_trio_token()
+
+    def deliver(result: outcome.Outcome[T]) -> None:
+        token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+
+    trio.lowlevel.start_thread_soon(lambda: fn(*args), deliver)
+
+    def abort(_: Any) -> trio.lowlevel.Abort:
+        # A batch in the database runs to its end: its outcome is every
+        # request's.
+        return trio.lowlevel.Abort.FAILED
+
+    return await trio.lowlevel.wait_task_rescheduled(abort)
 
 
 class Batches:
@@ -57,16 +84,20 @@ class Batches:
         self.waits = waits
         self._woken = woken
         self._threaded = threaded
+        # For the writer's thread to reach the event loop (in_thread's
+        # threads are not trio's own): set when the first batch runs.
+        self._token: trio.lowlevel.TrioToken | None = None
 
     async def run(self, batch: list[Work]) -> Committed:
         """Run `batch` and commit it (not yet durable), on the event loop
         or in a thread."""
+        self._token = trio.lowlevel.current_trio_token()
         if not self._threaded:
             committed = self._transact(batch, begun=False, in_thread=False)
         elif self._store.blocking or any(work.heavy for work in batch) or not self._try_begin():
             # Waiting for another process's lock, or a long run, happens off
             # the event loop.
-            committed = await trio.to_thread.run_sync(self._transact, batch, False, True)
+            committed = await in_thread(self._transact, batch, False, True)
         else:
             committed = self._transact(batch, begun=True, in_thread=False)
         return committed
@@ -165,7 +196,7 @@ class Batches:
         the thread waits. Serving the waiters in this transaction spares
         them one of their own (on PostgreSQL, four round trips more)."""
         try:
-            return trio.from_thread.run_sync(self._woken, ready, due)
+            return trio.from_thread.run_sync(self._woken, ready, due, trio_token=self._token)
         except (trio.RunFinishedError, trio.Cancelled):
             # The server stops: the waiters are answered as it ends.
             return []
