@@ -12,7 +12,7 @@ that ends again (requeued after it failed) replaces its outcome.
 
 from __future__ import annotations
 
-from jobserver.model.jobs import JobOutcome
+from jobserver.model.jobs import JobOutcome, State
 from jobserver.storage.held_writes import Write
 from jobserver.storage.sql_statements import Statements
 
@@ -32,7 +32,7 @@ def keep_finished(deleted: str, mark: str) -> str:
     that is NULL. Their data then never travels to the node and back."""
     return (
         f"INSERT INTO outcomes ({', '.join(_COLUMNS)}) "
-        f"SELECT jobID, name, 'FINISHED', data, lastError, {mark}::text, until FROM ("
+        f"SELECT jobID, name, '{State.FINISHED.value}', data, lastError, {mark}::text, until FROM ("
         f"SELECT *, CASE WHEN awaited <> 0 THEN {mark}::text ELSE {mark}::text END AS until "
         f"FROM {deleted}) AS ended WHERE until IS NOT NULL{_ON_CONFLICT}"
     )
