@@ -152,8 +152,8 @@ def start_sampler(pid: int, out: Path) -> subprocess.Popen:
     said = out.with_suffix(".log")
     with said.open("w") as log:
         sampler = subprocess.Popen(
-            ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "500", "--gil", "--nonblocking",
-             "--output", str(out)],
+            ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "500",
+             "--gil", "--nonblocking", "--output", str(out)],
             stdout=log, stderr=subprocess.STDOUT,
         )
     deadline = time.monotonic() + 30
