@@ -234,7 +234,7 @@ def test_finish_plain_runs_deletes_only_runs_with_nothing_more_to_do(store: Stor
         store.amend([cancelling], JobChanges(cancelRequested=1))
         others = (repeating, child, parent, cancelling, counted, queued, depended, dependent)
         store.amend([leased], JobChanges(awaited=1, lastError="once"))
-        runs = [(plain, None), (leased, "L"), (leased, "L"), (999, None), (plain, "not its")]
+        runs = [(plain, None), (leased, "L"), (leased, "L"), (999, None), (plain, "notits")]
         finished = store.finish_plain_runs(
             [*runs, *((j, None) for j in others)], [plain, leased, 999, *others],
             OutcomesKept(NOW, LATER, LATER),

@@ -198,17 +198,18 @@ class Jobs(Dependencies, Protocol):
         self, runs: Sequence[tuple[int, str | None]], named: Sequence[int], kept: OutcomesKept
     ) -> list[FinishedRun]:
         """Delete in one statement the jobs of `runs` (jobID, and the leaseID
-        their report holds or None) whose finish is nothing more: RUNNING
-        under that lease, standalone and childless, without a repeat, a
-        cancel asked for, dependencies or dependents, with data a finish
-        leaves as it is, and keep their outcomes (FINISHED, with their data
-        and lastError) as `kept` says; what each deleted one was. Where other nodes write,
-        every job of `named` (the request's, these among them) is locked
-        first, in the order of their keys, as `hold` locks (the request
-        then takes no lock after another), and the delete begins once they
-        are held (so that it sees a child created by a transaction the lock
-        waited for). A backend may finish none this
-        way (SQLite): the caller finishes the rest one by one."""
+        their report holds, of a lease token's letters and digits, or None)
+        whose finish is nothing more: RUNNING under that lease, standalone and
+        childless, without a repeat, a cancel asked for, dependencies or
+        dependents, with data a finish leaves as it is, and keep their
+        outcomes (FINISHED, with their data and lastError) as `kept` says;
+        what each deleted one was. Where other nodes write, every job of
+        `named` (the request's, these among them) is locked first, in the
+        order of their keys, as `hold` locks (the request then takes no lock
+        after another), and the delete begins once they are held (so that it
+        sees a child created by a transaction the lock waited for). A backend
+        may finish none this way (SQLite): the caller finishes the rest one by
+        one."""
 
     # Many jobs in a few statements (held_writes.py).
 

@@ -65,6 +65,22 @@ def integers(values: Iterable[int]) -> str:
     return "{" + ",".join(map(str, map(int, values))) + "}"
 
 
+def tokens(values: Iterable[str | None]) -> str:
+    """PostgreSQL's array literal of lease tokens or NULLs, bound as text
+    (as `integers`, for what psycopg's list dumper costs in Python). A
+    token is letters and digits alone, so nothing in it needs quoting;
+    anything else is a ValueError."""
+    out = []
+    for value in values:
+        if value is None:
+            out.append("NULL")
+        elif value.isascii() and value.isalnum() and value.upper() != "NULL":
+            out.append(value)
+        else:
+            raise ValueError(f"not a lease token: {value!r}")
+    return "{" + ",".join(out) + "}"
+
+
 def states(names: Iterable[str]) -> str:
     """States as SQL literals, quoted and separated by commas. Only names
     of model/jobs.py's State get here (ValueError otherwise)."""

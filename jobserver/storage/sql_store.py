@@ -233,7 +233,7 @@ class SqlStore(DependencyStatements, Outcomes, FlowStatements, ReplyStatements, 
             return []
         named_ids = sql.integers(sorted(set(named)))
         args = [
-            named_ids, sql.integers(run[0] for run in runs), [run[1] for run in runs],
+            named_ids, sql.integers(run[0] for run in runs), sql.tokens(run[1] for run in runs),
             kept.ended, kept.awaited_until, kept.until,
         ]
         self._settle(_FINISH_PLAIN)
