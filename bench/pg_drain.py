@@ -246,13 +246,15 @@ def main() -> int:
         driver.expect("ready")
         everyone = postgres_cpu(database.name)
         sampler = start_sampler(proc.pid, args.profile) if args.profile else None
-        before = peer.cpu(driver.proc)
-        began = time.perf_counter()
-        driver.send()
-        driver.expect("done")
-        seconds = time.perf_counter() - began
-        if sampler:
-            stop_sampler(sampler)
+        try:
+            before = peer.cpu(driver.proc)
+            began = time.perf_counter()
+            driver.send()
+            driver.expect("done")
+            seconds = time.perf_counter() - began
+        finally:
+            if sampler:
+                stop_sampler(sampler)
         after = peer.cpu(driver.proc)
         everyone_after = postgres_cpu(database.name)
         driver.close()

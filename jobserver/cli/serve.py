@@ -407,7 +407,9 @@ def tune_collector() -> None:
     allocations. In a PostgreSQL drain the collector took 3.2 µs of the
     node's CPU a job, and a full collection held the loop every 12,000
     jobs or so (docs/benchmarks.md). Only `serve`'s process: a program that
-    embeds the server keeps its own settings."""
+    embeds the server keeps its own settings. The garbage of the start
+    is collected first, not frozen with the rest."""
+    gc.collect()
     gc.freeze()
     gc.set_threshold(COLLECT_AFTER)
 

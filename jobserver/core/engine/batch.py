@@ -197,6 +197,7 @@ class Batches:
         them one of their own (on PostgreSQL, four round trips more)."""
         try:
             return trio.from_thread.run_sync(self._woken, ready, due, trio_token=self._token)
-        except (trio.RunFinishedError, trio.Cancelled):
-            # The server stops: the waiters are answered as it ends.
+        except trio.RunFinishedError:
+            # The server stopped: the waiters are answered as it ends. (Run
+            # by the token, as a callback, it is never cancelled.)
             return []
