@@ -83,6 +83,11 @@ log = logging.getLogger("jobserver")
 # requests fail at once with 503.
 RECONNECT_SECONDS = 0.5
 
+# What a commit's notice tells (postgres_commit.notice): the names made
+# due, the earliest future time written, the awaited jobs ended.
+Announced = tuple[set[str], str | None, set[int]]
+
+
 class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
     dialect = POSTGRES
     blocking = True
@@ -152,8 +157,9 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
         self._kept_keys: dict[str, tuple[str, str, str]] = {}
         # Whether a reconnection has failed since the last success.
         self._lost = False
-        # The notice to send with the next COMMIT (announce).
-        self._notice: str | None = None
+        # What the next COMMIT's notice tells (announce): its text is made
+        # only if someone is there to hear it.
+        self._notice: Announced | None = None
         self.limits: dict[str, Limit] = dict(self._base_limits)
         self.paused: frozenset[str] = frozenset()
 
@@ -291,10 +297,11 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
         """Commit; return only if PostgreSQL committed. A COMMIT cut off
         with its connection may have been carried out: the node asks on a
         new connection (`_committed`) before it says either way."""
-        notice, self._notice = self._notice, None
-        if notice is not None and not self._company.must_tell(time.monotonic()):
-            # Nobody else is on the database to hear it (postgres_alone.py).
-            notice = None
+        announced, self._notice = self._notice, None
+        notice = None
+        if announced is not None and self._company.must_tell(time.monotonic()):
+            notice = postgres_commit.notice(self.node, *announced)
+        # Else nobody else is on the database to hear it (postgres_alone.py).
         kept, self._kept_keys = self._kept_keys, {}
         # The idempotency keys, the notice and the commit in one round trip:
         # a pipeline where keys were kept, else one query (the simple
@@ -389,8 +396,8 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
         """Tell the other nodes, when this transaction commits, which names
         it made due, the earliest future time it wrote, and which awaited
         jobs it ended (only those: a job nobody awaits adds nothing)."""
-        # Sent with the COMMIT (see commit).
-        self._notice = postgres_commit.notice(self.node, ready, due, ended)
+        # Sent with the COMMIT (see commit); nothing changes them meanwhile.
+        self._notice = (ready, due, ended)
 
     def find_ready(
         self,
