@@ -258,8 +258,8 @@ def test_a_db_that_is_a_symbolic_link_is_served_from_the_file_it_names(start_ser
 def test_a_serve_process_keeps_what_it_loaded_out_of_the_collectors_walks():
     # In a process of its own: the collector's settings are the process's.
     probe = (
-        "import gc; from jobserver.cli import serve; before = gc.get_freeze_count(); "
-        "serve.tune_collector(); print(before, gc.get_freeze_count(), gc.get_threshold()[0])"
+        "import gc; from jobserver.cli import collector; before = gc.get_freeze_count(); "
+        "collector.tune_for_a_server(); print(before, gc.get_freeze_count(), gc.get_threshold()[0])"
     )
     done = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=RUN_TIMEOUT

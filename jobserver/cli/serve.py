@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import ssl
@@ -13,7 +12,7 @@ import sys
 import trio
 
 from jobserver import web
-from jobserver.cli import serve_values
+from jobserver.cli import collector, serve_values
 from jobserver.cli.options import LOG_LEVELS, duration, log_level, number
 from jobserver.core.commands import backup
 from jobserver.core.engine import history
@@ -391,29 +390,6 @@ def _unusable_backup_dir(path: str) -> str | None:
     return None
 
 
-# Allocations (less deallocations) of container objects between two of
-# the cyclic collector's youngest collections: Python's 700 is passed
-# within each GetJobs or FinishJobs of 100 jobs, whose objects then live
-# through a collection for nothing. A node's requests make few cycles.
-COLLECT_AFTER = 10_000
-
-
-def tune_collector() -> None:
-    """Set Python's cyclic garbage collector for a server process: what
-    is loaded by now (modules, classes, functions: tens of thousands of
-    objects) is kept out of every later collection (gc.freeze), where each
-    full collection walked all of it, 20 to 25 ms with the event loop
-    held; and the youngest collections run after COLLECT_AFTER
-    allocations. In a PostgreSQL drain the collector took 3.2 µs of the
-    node's CPU a job, and a full collection held the loop every 12,000
-    jobs or so (docs/benchmarks.md). Only `serve`'s process: a program that
-    embeds the server keeps its own settings. The garbage of the start
-    is collected first, not frozen with the rest."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(COLLECT_AFTER)
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the server until it is stopped; the exit status."""
     logging.basicConfig(
@@ -489,7 +465,7 @@ def run(args: argparse.Namespace) -> int:
         history_minutes=args.history_minutes,
         backup_dir=args.backup_dir,
     )
-    tune_collector()
+    collector.tune_for_a_server()
     try:
         trio.run(Server(config).run)
     except StoreError as error:
