@@ -431,7 +431,15 @@ def test_plain_runs_finished_together_are_gone_with_their_outcomes_kept(client):
     ] * 3
 
 
-@pytest.mark.parametrize("lease", ["ab\u0000cd", "x" * 100_000, "0123456789ABCDEF", "é" * 16])
+@pytest.mark.parametrize(
+    "lease",
+    [
+        "ab\u0000cd", "x" * 100_000, "0123456789ABCDEF", "é" * 16,
+        # What an array literal of leases (storage's sql.tokens) would read
+        # as more than one element, a NULL or a quote.
+        "0123456789abcde,", "{NULL,01234567}", "NULL", '0123456789abcde"', "0123456789abcde\\",
+    ],
+)
 def test_a_lease_no_hand_out_gave_is_refused_alone(client, lease):
     # Not a lease token: the element takes the long way (409), and the
     # others are finished. A NUL sent to PostgreSQL failed the whole request.

@@ -37,6 +37,7 @@ def keep_finished(deleted: str, mark: str) -> str:
         f"FROM {deleted}) AS ended WHERE until IS NOT NULL{_ON_CONFLICT}"
     )
 
+
 # The insert of one outcome, by the dialect's parameter mark: made once,
 # not for each job a FinishJobs ends.
 _INSERTS: dict[str, str] = {}

@@ -221,7 +221,7 @@ class SqlStore(DependencyStatements, Outcomes, FlowStatements, ReplyStatements, 
         kept: OutcomesKept,
     ) -> list[FinishedRun]:
         """Delete, in one statement, the jobs of `runs` (jobID, and the
-        leaseID the report holds or None) whose finish is only that: RUNNING
+        leaseID the report holds, a lease token, or None) whose finish is only that: RUNNING
         under that lease, standalone, childless, without a repeat, a cancel
         asked for, dependencies or dependents, and data that holds neither
         `"retryAfterCount"` nor `"delete"` (which a finish rewrites or reads);

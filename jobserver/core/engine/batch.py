@@ -85,7 +85,7 @@ class Batches:
         self._woken = woken
         self._threaded = threaded
         # For the writer's thread to reach the event loop (in_thread's
-        # threads are not trio's own): set when the first batch runs.
+        # threads are not trio's own): the run's, set by each batch.
         self._token: trio.lowlevel.TrioToken | None = None
 
     async def run(self, batch: list[Work]) -> Committed:
