@@ -16,13 +16,38 @@ import socket
 import threading
 import time
 from contextlib import suppress
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
 # The text of a COMMIT in PostgreSQL's Parse or Query message.
 COMMIT = b"COMMIT\x00"
-# How long the relay lets the server work on what it forwarded before
-# the connection is cut: a commit on loopback takes milliseconds.
+# PostgreSQL's ReadyForQuery message (its status byte follows): sent once
+# everything before it is done, a COMMIT included.
+READY_FOR_QUERY = b"Z\x00\x00\x00\x05"
+# How long the relay lets the server work on what it forwarded before the
+# connection is cut, when the cut does not wait for a sign of the
+# server's answer: a request on loopback takes milliseconds.
 WORK_SECONDS = 0.5
+# How long it waits for that sign: cut earlier, a COMMIT that PostgreSQL
+# had not read yet on a busy machine was aborted, not committed (the node
+# asked, found it in progress, and ended its backend).
+ANSWER_SECONDS = 10.0
+# How often a pump that waits for the answer looks for it.
+POLL_SECONDS = 0.02
+
+
+@dataclass
+class _Link:
+    """One relayed connection's state shared by its two pumps."""
+
+    # Set once an armed cut took this connection: the server's bytes are
+    # dropped from then on.
+    dropped: threading.Event = field(default_factory=threading.Event)
+    # What shows that the server answered what the cut let through
+    # (empty: nothing does; the cut comes WORK_SECONDS after), and
+    # whether it has come.
+    answer: bytes = b""
+    answered: threading.Event = field(default_factory=threading.Event)
 
 
 class Relay:
@@ -34,8 +59,9 @@ class Relay:
         self._open: set[socket.socket] = set()
         self._cut = False
         # An armed cut: the bytes it waits for, whether they reach the
-        # server, and whether the relay stays cut afterwards.
-        self._armed: tuple[bytes, bool, bool] | None = None
+        # server, whether the relay stays cut afterwards, and what shows the
+        # server has answered them.
+        self._armed: tuple[bytes, bool, bool, bytes] | None = None
         # Set once an armed cut has happened.
         self.was_cut = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
@@ -62,17 +88,21 @@ class Relay:
             self._cut = False
 
     def cut_at_commit(self, reaches: bool, stay_cut: bool = False) -> None:
-        """Cut the next connection that sends PostgreSQL a COMMIT (`cut_at`)."""
-        self.cut_at(COMMIT, reaches, stay_cut)
+        """Cut the next connection that sends PostgreSQL a COMMIT (`cut_at`);
+        one that reaches it is cut once PostgreSQL has answered it."""
+        self.cut_at(COMMIT, reaches, stay_cut, answer=READY_FOR_QUERY)
 
-    def cut_at(self, marker: bytes, reaches: bool, stay_cut: bool = False) -> None:
+    def cut_at(
+        self, marker: bytes, reaches: bool, stay_cut: bool = False, answer: bytes = b""
+    ) -> None:
         """Cut the next connection that sends `marker`, as it sends it
-        (`reaches`: after the server has it, its reply never coming back);
-        with `stay_cut`, every connection is refused from then on, until
-        `restore`."""
+        (`reaches`: after the server has it, its reply never coming back:
+        the cut comes when the server's reply holds `answer`, if given, else
+        WORK_SECONDS later); with `stay_cut`, every connection is refused
+        from then on, until `restore`."""
         with self._guard:
             self.was_cut.clear()
-            self._armed = (marker, reaches, stay_cut)
+            self._armed = (marker, reaches, stay_cut, answer)
 
     def close(self) -> None:
         self.cut()
@@ -97,30 +127,29 @@ class Relay:
             if not relayed:
                 self._drop(client, server)
                 continue
-            replies = threading.Event()  # set: the server's bytes are dropped
+            link = _Link()
             threading.Thread(
-                target=self._pump_requests, args=(client, server, replies), daemon=True
+                target=self._pump_requests, args=(client, server, link), daemon=True
             ).start()
             threading.Thread(
-                target=self._pump_replies, args=(server, client, replies), daemon=True
+                target=self._pump_replies, args=(server, client, link), daemon=True
             ).start()
 
-    def _pump_requests(
-        self, source: socket.socket, sink: socket.socket, replies: threading.Event
-    ) -> None:
+    def _pump_requests(self, source: socket.socket, sink: socket.socket, link: _Link) -> None:
         armed: tuple[bool, bool] | None = None
         cut_at = 0.0
         with suppress(OSError):
-            while chunk := self._next_chunk(source, cut_at):
+            while chunk := self._next_chunk(source, cut_at, link.answered):
                 if armed is None:
-                    armed = self._take_armed(chunk)
+                    armed = self._take_armed(chunk, link)
                     if armed is not None:
-                        replies.set()
+                        link.dropped.set()
                         if not armed[0]:
                             break
                         # The rest of the messages (a COMMIT's Execute, the
                         # Sync) may follow in later chunks: relayed too.
-                        cut_at = time.monotonic() + WORK_SECONDS
+                        wait = ANSWER_SECONDS if link.answer else WORK_SECONDS
+                        cut_at = time.monotonic() + wait
                 sink.sendall(chunk)
         if armed is not None:
             if armed[1]:
@@ -129,33 +158,40 @@ class Relay:
         self._drop(source, sink)
 
     @staticmethod
-    def _next_chunk(source: socket.socket, cut_at: float) -> bytes:
-        """The next bytes from `source`; none once `cut_at` (if set) has passed."""
+    def _next_chunk(source: socket.socket, cut_at: float, answered: threading.Event) -> bytes:
+        """The next bytes from `source`; none once `cut_at` (if set) has
+        passed or the server has answered."""
         if not cut_at:
             return source.recv(65536)
-        left = cut_at - time.monotonic()
-        if left <= 0:
-            return b""
-        source.settimeout(left)
-        try:
-            return source.recv(65536)
-        except TimeoutError:
-            return b""
+        while not answered.is_set():
+            left = cut_at - time.monotonic()
+            if left <= 0:
+                return b""
+            source.settimeout(min(left, POLL_SECONDS))
+            try:
+                return source.recv(65536)
+            except TimeoutError:
+                continue
+        return b""
 
-    def _pump_replies(
-        self, source: socket.socket, sink: socket.socket, dropped: threading.Event
-    ) -> None:
+    def _pump_replies(self, source: socket.socket, sink: socket.socket, link: _Link) -> None:
+        # The end of the bytes seen before (an answer may come split in two).
+        tail = b""
         with suppress(OSError):
             while chunk := source.recv(65536):
-                if not dropped.is_set():
+                if not link.dropped.is_set():
                     sink.sendall(chunk)
+                elif link.answer:
+                    if link.answer in tail + chunk:
+                        link.answered.set()
+                    tail = chunk[-len(link.answer):]
         self._drop(source, sink)
 
-    def _take_armed(self, chunk: bytes) -> tuple[bool, bool] | None:
+    def _take_armed(self, chunk: bytes, link: _Link) -> tuple[bool, bool] | None:
         with self._guard:
             if self._armed is None or self._armed[0] not in chunk:
                 return None
-            _, reaches, stay_cut = self._armed
+            _, reaches, stay_cut, link.answer = self._armed
             self._armed = None
             return reaches, stay_cut
 
