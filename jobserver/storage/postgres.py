@@ -148,6 +148,8 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
         self._db = self._company.own(self._role, db)
         self._changes = 0
         self._retry_at = 0.0
+        # The connection the begin's statement is prepared on, if any.
+        self._prepared_on: psycopg.Connection[Any] | None = None
         # The open transaction's ID (PostgreSQL's xid8, as text) and the
         # backend running it: what is asked about if its COMMIT is cut off.
         self._xid = ""
@@ -231,28 +233,30 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
                          error)
 
     def _begin_on_connection(self) -> None:
-        # One round trip for all three: BEGIN; the transaction's ID, known
-        # before anything is written, so that a COMMIT whose reply is lost
-        # can be asked about (commit); and what another node changed of
-        # limits and pauses since the last batch. The ID is taken even if
-        # the batch only reads: a transaction that wrote has one anyway,
-        # and one that did not costs PostgreSQL a commit record. One query
-        # of three statements (no parameters: the simple protocol), whose
-        # results come one after the other: as a pipeline of three it took
+        # One round trip for BEGIN and what the batch needs to know first:
+        # the transaction's ID, known before anything is written, so that a
+        # COMMIT whose reply is lost can be asked about (commit); and what
+        # another node changed of limits and pauses since the last batch.
+        # The ID is taken even if the batch only reads: a transaction that
+        # wrote has one anyway, and one that did not costs PostgreSQL a
+        # commit record. One query (no parameters: the simple protocol),
+        # whose results come one after the other: as a pipeline it took
         # twice the node's CPU, and every batch begins.
         # And, at most once a second, whether any other session is on the
         # database (postgres_alone.py).
+        if self._prepared_on is not self._db:
+            # A new connection: the begin's statement prepared on it
+            # (postgres_commit.PREPARE_BEGIN), once; PREPARE outlives any
+            # transaction's end.
+            self._db.execute(postgres_commit.PREPARE_BEGIN)
+            self._prepared_on = self._db
         company = self._company
         now = time.monotonic()
         looking = company.look_due(now)
         begin = postgres_commit.BEGIN + b"; " + company.look() if looking else postgres_commit.BEGIN
         results = self._db.execute(begin)
         results.nextset()
-        row = results.fetchone()
-        results.nextset()
-        flow = results.fetchall()
-        assert row is not None
-        self._xid, self._backend = str(row[0]), int(row[1])
+        self._xid, self._backend, flow = postgres_commit.began(results.fetchall())
         self._set_flow_control(flow)
         if looking:
             results.nextset()

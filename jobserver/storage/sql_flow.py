@@ -17,11 +17,17 @@ from typing import Any
 from jobserver.model.limits import Limit, Rate
 from jobserver.storage.sql_statements import Statements
 
-# Limits (with their capacity) and paused patterns (with none), in one query.
-FLOW_CONTROL = (
-    "SELECT pattern, capacity, rate, ratePer, perKey, fair FROM limits "
-    "UNION ALL SELECT pattern, NULL, 0, 0, 0, 0 FROM paused"
-)
+
+def flow_control(before: str = "") -> str:
+    """Limits (with their capacity) and paused patterns (with none), in one
+    query; each row's columns after `before` (columns of constants)."""
+    return (
+        f"SELECT {before}pattern, capacity, rate, ratePer, perKey, fair FROM limits "
+        f"UNION ALL SELECT {before}pattern, NULL, 0, 0, 0, 0 FROM paused"
+    )
+
+
+FLOW_CONTROL = flow_control()
 
 
 class FlowStatements(Statements):
