@@ -225,8 +225,9 @@ def test_a_transaction_spoiled_by_an_error_is_never_answered_as_committed(url):
 
 def test_each_begin_reads_on_a_statement_prepared_once_per_connection(url):
     """A batch's begin executes a statement prepared on its connection
-    (postgres_commit.PREPARE_BEGIN): prepared once, and again on the
-    connection that replaces one PostgreSQL ended. What it reads is read
+    (postgres_commit.PREPARE_BEGIN): prepared once, again after psycopg
+    deallocated it, and on the connection that replaces one PostgreSQL
+    ended. What it reads is read
     afresh at each begin: the transaction's own ID, and the limits and
     paused patterns another node stored meanwhile, rate and all."""
     store = postgres.PostgresStore(url, writers=1)
@@ -259,6 +260,33 @@ def test_each_begin_reads_on_a_statement_prepared_once_per_connection(url):
         store.begin()
         assert store.limits == {"mail/*": Limit(max=2, rate=Rate(5, 60_000), per_key=True)}
         assert store.paused == frozenset({"video/*"})
+        store.commit()
+        # psycopg answers a ROLLBACK, or a ROLLBACK TO SAVEPOINT, by
+        # deallocating every prepared statement once it has prepared one
+        # of its own (run six times): the next begin prepares again, on the
+        # same connection.
+        for _ in range(6):
+            store._one("SELECT 1")
+        with pytest.raises(psycopg.Error):
+            store._execute("SELECT 1/0")
+        store.rollback()
+        store.begin()
+        assert prepared() == 1 and store._backend in backends
+        for _ in range(6):
+            store._one("SELECT 2")
+        store.savepoint()
+        with pytest.raises(psycopg.Error):
+            store._execute("SELECT 1/0")
+        store.rollback_savepoint()
+        store.commit()
+        store.begin()
+        assert prepared() == 1 and store._backend in backends
+        store.commit()
+        # Rolled back with nothing deallocated, it finds the statement there.
+        store.begin()
+        store.rollback()
+        store.begin()
+        assert prepared() == 1 and store._backend in backends
         store.commit()
         admin.execute("SELECT pg_terminate_backend(%s)", (store._backend,))
         store.begin()

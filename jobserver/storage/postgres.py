@@ -43,6 +43,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
 from typing import Any
 
 import psycopg
@@ -245,11 +246,7 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
         # And, at most once a second, whether any other session is on the
         # database (postgres_alone.py).
         if self._prepared_on is not self._db:
-            # A new connection: the begin's statement prepared on it
-            # (postgres_commit.PREPARE_BEGIN), once; PREPARE outlives any
-            # transaction's end.
-            self._db.execute(postgres_commit.PREPARE_BEGIN)
-            self._prepared_on = self._db
+            self._prepare_begin()
         company = self._company
         now = time.monotonic()
         looking = company.look_due(now)
@@ -262,6 +259,17 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
             results.nextset()
             seen = results.fetchone()
             company.saw(seen is None or bool(seen[0]), now)
+
+    def _prepare_begin(self) -> None:
+        """The begin's statement (postgres_commit.PREPARE_BEGIN) prepared on
+        this connection: on a new one, and after a rollback, whose ROLLBACK
+        status psycopg answers by deallocating every prepared statement of
+        the session (DEALLOCATE ALL) if it has prepared any of its own. A
+        PREPARE outside a transaction that finds the statement there fails
+        alone, and the statement is used as it is."""
+        with suppress(psycopg.errors.DuplicatePreparedStatement):
+            self._db.execute(postgres_commit.PREPARE_BEGIN, prepare=False)
+        self._prepared_on = self._db
 
     def try_begin(self) -> bool:
         self.begin()
@@ -362,6 +370,7 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
     def rollback(self) -> None:
         self._notice = None
         self._kept_keys = {}
+        self._prepared_on = None
         if self.in_transaction:
             try:
                 self._db.execute(b"ROLLBACK")
@@ -371,6 +380,12 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
                 self._db.close()
                 raise
         self._load_flow_control()
+
+    def rollback_savepoint(self, name: str = "request") -> None:
+        # A ROLLBACK TO SAVEPOINT may deallocate the begin's statement, as a
+        # ROLLBACK does (_prepare_begin).
+        self._prepared_on = None
+        super().rollback_savepoint(name)
 
     # Idempotency keys (protocol.md 14.22): each costs a create one round
     # trip, its claim; what the request kept goes with the COMMIT.

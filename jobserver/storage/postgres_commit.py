@@ -1,7 +1,7 @@
 """What a PostgreSQL node sends to begin and to commit a batch, each in
 one round trip (postgres.PostgresStore.begin and commit): the begin's
-statement, prepared once per connection, the idempotency keys the batch kept, and the notice
-the other nodes hear with the COMMIT."""
+statement, prepared on the connection, the idempotency keys the batch
+kept, and the notice the other nodes hear with the COMMIT."""
 
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ from jobserver.storage.sql_flow import flow_control
 # A batch's begin: its transaction, then one statement for the
 # transaction's ID and backend (the one row whose first column is not
 # NULL) and the limits and pauses as other nodes left them (the rest,
-# sql_flow.flow_control's columns after two NULLs). The statement is prepared once
-# per connection (PREPARE_BEGIN): planned again in every simple query, as
-# the two statements it replaced were, it cost PostgreSQL 133 µs of CPU a
-# batch more than a bare BEGIN, against 33 (bench/pg_begin.py), and every
-# batch begins.
+# sql_flow.flow_control's columns after two NULLs). The statement is
+# prepared on the connection (PREPARE_BEGIN; postgres.PostgresStore.
+# _prepare_begin says when): planned again in every simple query, as the
+# two statements it replaced were, it cost PostgreSQL 133 µs of CPU a batch
+# more than a bare BEGIN, against 33 (bench/pg_begin.py), and every batch
+# begins.
 BEGIN_STATEMENT = "jobserver_begin"
 PREPARE_BEGIN = (
     f"PREPARE {BEGIN_STATEMENT} AS "
