@@ -26,8 +26,8 @@ import trio
 from harness import ThreadServer
 from helpers import create, ok, until
 from jobserver.core.engine.engine import Engine
-from jobserver.model.limits import Limit, Rate
-from jobserver.storage import postgres, postgres_commit, postgres_connection, postgres_listen
+from jobserver.model.limits import Limit
+from jobserver.storage import postgres, postgres_connection, postgres_listen
 from relay import Relay
 from wire import Client, encode
 
@@ -220,83 +220,6 @@ def test_a_transaction_spoiled_by_an_error_is_never_answered_as_committed(url):
         with pytest.raises(psycopg.Error, match="rolled back instead of committed"):
             store.commit()
     finally:
-        store.close()
-
-
-def test_each_begin_reads_on_a_statement_prepared_once_per_connection(url):
-    """A batch's begin executes a statement prepared on its connection
-    (postgres_commit.PREPARE_BEGIN): prepared once, again after psycopg
-    deallocated it, and on the connection that replaces one PostgreSQL
-    ended. What it reads is read
-    afresh at each begin: the transaction's own ID, and the limits and
-    paused patterns another node stored meanwhile, rate and all."""
-    store = postgres.PostgresStore(url, writers=1)
-    other = postgres.PostgresStore(url, writers=1)
-    admin = psycopg.connect(url, autocommit=True)
-
-    def prepared() -> int:
-        (count,) = store._one(
-            "SELECT count(*) FROM pg_prepared_statements WHERE name = %s",
-            (postgres_commit.BEGIN_STATEMENT,),
-        )
-        return int(count)
-
-    try:
-        seen, backends = [], set()
-        for _ in range(3):
-            store.begin()
-            seen.append(store._xid)
-            backends.add(store._backend)
-            assert prepared() == 1
-            (xid,) = store._one("SELECT pg_current_xact_id()::text")
-            assert store._xid == xid
-            store.commit()
-        assert len(set(seen)) == 3 and len(backends) == 1
-        assert store.limits == {} and store.paused == frozenset()
-        other.begin()
-        other.set_limit("mail/*", Limit(max=2, rate=Rate(5, 60_000), per_key=True))
-        other.pause("video/*")
-        other.commit()
-        store.begin()
-        assert store.limits == {"mail/*": Limit(max=2, rate=Rate(5, 60_000), per_key=True)}
-        assert store.paused == frozenset({"video/*"})
-        store.commit()
-        # psycopg answers a ROLLBACK, or a ROLLBACK TO SAVEPOINT, by
-        # deallocating every prepared statement once it has prepared one
-        # of its own (run six times): the next begin prepares again, on the
-        # same connection.
-        for _ in range(6):
-            store._one("SELECT 1")
-        with pytest.raises(psycopg.Error):
-            store._execute("SELECT 1/0")
-        store.rollback()
-        store.begin()
-        assert prepared() == 1 and store._backend in backends
-        for _ in range(6):
-            store._one("SELECT 2")
-        store.savepoint()
-        with pytest.raises(psycopg.Error):
-            store._execute("SELECT 1/0")
-        store.rollback_savepoint()
-        store.commit()
-        store.begin()
-        assert prepared() == 1 and store._backend in backends
-        store.commit()
-        # Rolled back with nothing deallocated, it finds the statement there.
-        store.begin()
-        store.rollback()
-        store.begin()
-        assert prepared() == 1 and store._backend in backends
-        store.commit()
-        admin.execute("SELECT pg_terminate_backend(%s)", (store._backend,))
-        store.begin()
-        assert store._backend not in backends
-        assert prepared() == 1
-        assert store.paused == frozenset({"video/*"})
-        store.commit()
-    finally:
-        admin.close()
-        other.close()
         store.close()
 
 

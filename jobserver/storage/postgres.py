@@ -213,6 +213,7 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
     def begin(self) -> None:
         self._notice = None
         self._kept_keys = {}
+        self._released = None
         for _ in range(2):
             new = self._db.closed or self._db.broken
             if new:
@@ -310,6 +311,8 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
         with its connection may have been carried out: the node asks on a
         new connection (`_committed`) before it says either way."""
         announced, self._notice = self._notice, None
+        # COMMIT releases every savepoint: a RELEASE kept back goes unsent.
+        self._released = None
         notice = None
         if announced is not None and self._company.must_tell(time.monotonic()):
             notice = postgres_commit.notice(self.node, *announced)
@@ -371,6 +374,7 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
         self._notice = None
         self._kept_keys = {}
         self._prepared_on = None
+        self._released = None
         if self.in_transaction:
             try:
                 self._db.execute(b"ROLLBACK")

@@ -1,0 +1,177 @@
+"""What a PostgreSQL batch sends, and in how many round trips, besides its
+statements: the begin's statement, prepared on the connection
+(postgres_commit.PREPARE_BEGIN), and a released savepoint's RELEASE, kept
+back until something needs it (postgres_statements). Each is checked
+against what PostgreSQL holds, on a real server."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pg
+import psycopg
+import pytest
+
+from jobserver.model.limits import Limit, Rate
+from jobserver.storage import postgres, postgres_commit
+
+
+@pytest.fixture
+def url() -> Iterator[str]:
+    with pg.fresh_schema() as schema_url:
+        yield schema_url
+
+
+def test_each_begin_reads_on_a_statement_prepared_once_per_connection(url):
+    """A batch's begin executes a statement prepared on its connection
+    (postgres_commit.PREPARE_BEGIN): prepared once, again after psycopg
+    deallocated it, and on the connection that replaces one PostgreSQL
+    ended. What it reads is read
+    afresh at each begin: the transaction's own ID, and the limits and
+    paused patterns another node stored meanwhile, rate and all."""
+    store = postgres.PostgresStore(url, writers=1)
+    other = postgres.PostgresStore(url, writers=1)
+    admin = psycopg.connect(url, autocommit=True)
+
+    def prepared() -> int:
+        (count,) = store._one(
+            "SELECT count(*) FROM pg_prepared_statements WHERE name = %s",
+            (postgres_commit.BEGIN_STATEMENT,),
+        )
+        return int(count)
+
+    try:
+        seen, backends = [], set()
+        for _ in range(3):
+            store.begin()
+            seen.append(store._xid)
+            backends.add(store._backend)
+            assert prepared() == 1
+            (xid,) = store._one("SELECT pg_current_xact_id()::text")
+            assert store._xid == xid
+            store.commit()
+        assert len(set(seen)) == 3 and len(backends) == 1
+        assert store.limits == {} and store.paused == frozenset()
+        other.begin()
+        other.set_limit("mail/*", Limit(max=2, rate=Rate(5, 60_000), per_key=True))
+        other.pause("video/*")
+        other.commit()
+        store.begin()
+        assert store.limits == {"mail/*": Limit(max=2, rate=Rate(5, 60_000), per_key=True)}
+        assert store.paused == frozenset({"video/*"})
+        store.commit()
+        # psycopg answers a ROLLBACK, or a ROLLBACK TO SAVEPOINT, by
+        # deallocating every prepared statement once it has prepared one
+        # of its own (run six times): the next begin prepares again, on the
+        # same connection.
+        for _ in range(6):
+            store._one("SELECT 1")
+        with pytest.raises(psycopg.Error):
+            store._execute("SELECT 1/0")
+        store.rollback()
+        store.begin()
+        assert prepared() == 1 and store._backend in backends
+        for _ in range(6):
+            store._one("SELECT 2")
+        store.savepoint()
+        with pytest.raises(psycopg.Error):
+            store._execute("SELECT 1/0")
+        store.rollback_savepoint()
+        store.commit()
+        store.begin()
+        assert prepared() == 1 and store._backend in backends
+        store.commit()
+        # Rolled back with nothing deallocated, it finds the statement there.
+        store.begin()
+        store.rollback()
+        store.begin()
+        assert prepared() == 1 and store._backend in backends
+        store.commit()
+        admin.execute("SELECT pg_terminate_backend(%s)", (store._backend,))
+        store.begin()
+        assert store._backend not in backends
+        assert prepared() == 1
+        assert store.paused == frozenset({"video/*"})
+        store.commit()
+    finally:
+        admin.close()
+        other.close()
+        store.close()
+
+
+def names(store: postgres.PostgresStore) -> list[str]:
+    rows = store._execute("SELECT name FROM jobs ORDER BY jobID").fetchall()
+    return [str(row[0]) for row in rows]
+
+
+def insert(store: postgres.PostgresStore, name: str) -> None:
+    store._execute(
+        "INSERT INTO jobs (created, state, name, nextRun) VALUES ('', 'QUEUED', %s, '')", (name,)
+    )
+
+
+def savepoints_open(store: postgres.PostgresStore) -> int:
+    """How many savepoints named "request" are open on the server: each
+    ROLLBACK TO one and RELEASE of it, on the raw connection, until
+    PostgreSQL says there is none (the transaction is then spoiled)."""
+    db, count = store._db, 0
+    while True:
+        try:
+            db.execute('RELEASE SAVEPOINT "request"')
+        except psycopg.errors.InvalidSavepointSpecification:
+            return count
+        count += 1
+
+
+def test_a_released_savepoints_release_waits_for_what_needs_it(url):
+    """A RELEASE is not sent when a savepoint is released: it goes in one
+    query with the next SAVEPOINT, alone before any other statement, and
+    not at all before COMMIT, which keeps what every savepoint held.
+    Undoing a later savepoint undoes only its own."""
+    store = postgres.PostgresStore(url, writers=1)
+    try:
+        store.begin()
+        for name in ("first", "second", "third"):
+            store.savepoint()
+            insert(store, name)
+            store.release()
+        store.savepoint()
+        insert(store, "undone")
+        store.rollback_savepoint()
+        store.commit()
+        store.begin()
+        assert names(store) == ["first", "second", "third"]
+        store.commit()
+
+        # Kept back, one RELEASE at a time: at most one savepoint is left
+        # open however many were released, and the next statement sends it.
+        store.begin()
+        for name in ("fourth", "fifth"):
+            store.savepoint()
+            insert(store, name)
+            store.release()
+        assert savepoints_open(store) == 1
+        store.rollback()
+        store.begin()
+        store.savepoint()
+        insert(store, "sixth")
+        store.release()
+        store._one("SELECT 1")
+        assert savepoints_open(store) == 0
+        store.rollback()
+        # A rollback drops a RELEASE kept back: the next batch starts clean.
+        store.begin()
+        store.savepoint()
+        insert(store, "seventh")
+        store.release()
+        store.rollback()
+        store.begin()
+        store.savepoint()
+        insert(store, "eighth")
+        store.release()
+        store.commit()
+        store.begin()
+        assert names(store) == ["first", "second", "third", "eighth"]
+        store.commit()
+    finally:
+        store.close()
