@@ -8,7 +8,7 @@ transaction's ID and backend and the limits and pauses other nodes
 stored (postgres_commit.BEGIN). Until this script was written those were
 two SELECTs in the query itself, which PostgreSQL parses and plans again
 each time; now they are one statement each connection prepares once
-(postgres_commit.PREPARE_BEGIN) and the query EXECUTEs. Measured here on
+(postgres_commit.PREPARE) and the query EXECUTEs. Measured here on
 one connection to a database made for the run (its schema a node's), each
 begin followed by ROLLBACK, in interleaved rounds:
 
@@ -77,7 +77,7 @@ def main() -> int:
     try:
         postgres.PostgresStore(database.url).close()  # the schema, as a node makes it
         with psycopg.connect(database.url, autocommit=True) as db:
-            db.execute(postgres_commit.PREPARE_BEGIN)
+            db.execute(postgres_commit.PREPARE)
             (pid,) = db.execute("SELECT pg_backend_pid()").fetchone() or (0,)
             for query in WAYS.values():
                 begin_and_roll_back(db, query, 50)  # warm

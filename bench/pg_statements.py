@@ -142,6 +142,14 @@ def kind(statement: str) -> str:
     return first
 
 
+def ends_transaction(statement: str) -> bool:
+    """Whether the last statement of a query (one line of the log, the
+    simple protocol's several statements among them: `...; COMMIT`) ends
+    its transaction."""
+    last = statement.strip().rstrip(";").rsplit(";", 1)[-1]
+    return kind(last) in ("COMMIT", "ROLLBACK", "END")
+
+
 # --- the run ---------------------------------------------------------------
 
 
@@ -230,7 +238,7 @@ class Runner:
             elif (
                 statements
                 and now - changed >= QUIET
-                and kind(statements[-1]) in ("COMMIT", "ROLLBACK", "END")
+                and ends_transaction(statements[-1])
             ):
                 self.synced += 1
                 return

@@ -470,6 +470,24 @@ def test_next_due_and_first_deadline(store: Storage) -> None:
         assert store.first_deadline() == LATER
 
 
+def test_a_commit_reads_the_next_due_time_as_its_transaction_left_it(store: Storage) -> None:
+    """commit_reading_next_due: next_due before the COMMIT, in the same
+    transaction (what it wrote counts), and the commit itself."""
+    store.begin()
+    assert store.commit_reading_next_due(NOW) is None
+    store.begin()
+    (later,) = store.create([job("a", "2030-01-01 00:05:00")], created=NOW, state=State.QUEUED)
+    assert store.commit_reading_next_due(NOW) == "2030-01-01 00:05:00"
+    store.begin()
+    (sooner,) = store.create([job("b", LATER)], created=NOW, state=State.QUEUED)
+    assert store.commit_reading_next_due(NOW) == LATER
+    store.begin()
+    store.delete([sooner])
+    assert store.commit_reading_next_due(NOW) == "2030-01-01 00:05:00"
+    with transaction(store):
+        assert store.get(sooner) is None and store.get(later) is not None
+
+
 def test_oldest_report_and_stale(store: Storage) -> None:
     old, new, unreported = create(store, job("a"), job("b"), job("c"))
     with transaction(store):

@@ -1,19 +1,24 @@
 """What a PostgreSQL batch sends, and in how many round trips, besides its
 statements: the begin's statement, prepared on the connection
-(postgres_commit.PREPARE_BEGIN), and a released savepoint's RELEASE, kept
-back until something needs it (postgres_statements). Each is checked
-against what PostgreSQL holds, on a real server."""
+(postgres_commit.PREPARE); a released savepoint's RELEASE, kept back until
+something needs it (postgres_statements); the next due time, read in the
+COMMIT's query (commit_reading_next_due). Each is checked against what
+PostgreSQL holds, on a real server."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pg
 import psycopg
 import pytest
+from driver import job
 
+from jobserver.model.jobs import State
 from jobserver.model.limits import Limit, Rate
 from jobserver.storage import postgres, postgres_commit
+from relay import Relay
 
 
 @pytest.fixture
@@ -24,7 +29,7 @@ def url() -> Iterator[str]:
 
 def test_each_begin_reads_on_a_statement_prepared_once_per_connection(url):
     """A batch's begin executes a statement prepared on its connection
-    (postgres_commit.PREPARE_BEGIN): prepared once, again after psycopg
+    (postgres_commit.PREPARE): prepared once, again after psycopg
     deallocated it, and on the connection that replaces one PostgreSQL
     ended. What it reads is read
     afresh at each begin: the transaction's own ID, and the limits and
@@ -175,3 +180,65 @@ def test_a_released_savepoints_release_waits_for_what_needs_it(url):
         store.commit()
     finally:
         store.close()
+
+
+DEADLINE = 20.0
+FUTURE = "2030-01-01 00:05:00"
+NOW = "2030-01-01 00:00:10.000"
+
+
+def test_the_next_due_time_read_with_the_commit_in_each_shape_of_it(url):
+    """commit_reading_next_due reads in the COMMIT's own query whatever
+    else goes with it (a notice; idempotency keys, in a pipeline), and as a
+    statement of its own after a ROLLBACK TO SAVEPOINT (which may have
+    deallocated its prepared statement): the same time each way, and the
+    transaction committed."""
+    store = postgres.PostgresStore(url, writers=1)
+    # Another session on the database: the node tells it of its commits.
+    listener = psycopg.connect(url, autocommit=True)
+    try:
+        listener.execute(f'LISTEN "{store.channel}"')
+        store.begin()
+        (first,) = store.create([job("a", FUTURE)], created=NOW, state=State.QUEUED)
+        store.announce({"a"}, FUTURE, set())
+        assert store.commit_reading_next_due(NOW) == FUTURE
+        heard = next(listener.notifies(timeout=DEADLINE))
+        assert json.loads(heard.payload)["ready"] == ["a"]
+        store.begin()
+        store.create([job("b", FUTURE)], created=NOW, state=State.QUEUED)
+        store.keep_idempotent("key", "request", "reply", "2030-01-02 00:00:00.000")
+        assert store.commit_reading_next_due(NOW) == FUTURE
+        store.begin()
+        store.savepoint()
+        with pytest.raises(psycopg.Error):
+            store._execute("SELECT 1/0")
+        store.rollback_savepoint()
+        store.delete([first])
+        assert store.commit_reading_next_due(FUTURE) is None
+        store.begin()
+        assert store.get(first) is None
+        assert store.idempotent("key", NOW) is not None
+        store.commit()
+    finally:
+        listener.close()
+        store.close()
+
+
+def test_a_commit_whose_answer_is_lost_gives_its_read_as_unknown(url):
+    """A COMMIT that reached PostgreSQL and whose answer was lost: the node
+    asks, learns it committed, and returns `after` for the time it read
+    (not known: a time already passed, at which the clock looks at once)."""
+    relay = Relay.to(url)
+    store = postgres.PostgresStore(relay.url(url), writers=1)
+    try:
+        store.begin()
+        (made,) = store.create([job("a", FUTURE)], created=NOW, state=State.QUEUED)
+        relay.cut_at_commit(reaches=True)
+        assert store.commit_reading_next_due(NOW) == NOW
+        assert relay.was_cut.is_set()
+        store.begin()
+        assert store.get(made) is not None
+        store.commit()
+    finally:
+        store.close()
+        relay.close()

@@ -118,6 +118,12 @@ class Transactions(Protocol):
         did not (a COMMIT whose connection was lost is asked about again),
         and OutcomeUnknown when that could not be learned."""
 
+    def commit_reading_next_due(self, after: str) -> str | None:
+        """`next_due(after)` as the transaction left it, then `commit`, in
+        the COMMIT's round trip where the backend can; the time read, or,
+        if the commit's answer was lost and it committed, `after` itself
+        (not known: a time already passed)."""
+
     def sync(self) -> None:
         """Make every commit so far durable. Called from another thread
         while the writer goes on; raises OSError if the disk fails."""

@@ -247,7 +247,7 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
         # And, at most once a second, whether any other session is on the
         # database (postgres_alone.py).
         if self._prepared_on is not self._db:
-            self._prepare_begin()
+            self._prepare_statements()
         company = self._company
         now = time.monotonic()
         looking = company.look_due(now)
@@ -261,15 +261,17 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
             seen = results.fetchone()
             company.saw(seen is None or bool(seen[0]), now)
 
-    def _prepare_begin(self) -> None:
-        """The begin's statement (postgres_commit.PREPARE_BEGIN) prepared on
-        this connection: on a new one, and after a rollback, whose ROLLBACK
-        status psycopg answers by deallocating every prepared statement of
-        the session (DEALLOCATE ALL) if it has prepared any of its own. A
-        PREPARE outside a transaction that finds the statement there fails
-        alone, and the statement is used as it is."""
+    def _prepare_statements(self) -> None:
+        """The begin's and the next due time's statements
+        (postgres_commit.PREPARE) prepared on this connection: on a new one,
+        and after a rollback, whose ROLLBACK status psycopg answers by
+        deallocating every prepared statement of the session (DEALLOCATE
+        ALL) if it has prepared any of its own. Prepared and deallocated
+        together, they are both there or neither: a PREPARE outside a
+        transaction that finds the first there fails alone, and both are
+        used as they are."""
         with suppress(psycopg.errors.DuplicatePreparedStatement):
-            self._db.execute(postgres_commit.PREPARE_BEGIN, prepare=False)
+            self._db.execute(postgres_commit.PREPARE, prepare=False)
         self._prepared_on = self._db
 
     def try_begin(self) -> bool:
@@ -310,6 +312,26 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
         """Commit; return only if PostgreSQL committed. A COMMIT cut off
         with its connection may have been carried out: the node asks on a
         new connection (`_committed`) before it says either way."""
+        self._commit(None)
+
+    def commit_reading_next_due(self, after: str) -> str | None:
+        """Commit as `commit` does, reading `next_due(after)` first in the
+        COMMIT's own query. A commit whose answer was lost (asked about, and
+        committed) returns `after`: when the next job falls due is not
+        known, and a time already passed makes the clock look at once. On
+        a connection where the statements are not known to be prepared (a
+        ROLLBACK TO SAVEPOINT in this transaction may have deallocated
+        them, and a PREPARE that failed here would spoil it), the read is a
+        statement of its own."""
+        if self._prepared_on is not self._db:
+            due = self.next_due(after)
+            self._commit(None)
+            return due
+        return self._commit(after)
+
+    def _commit(self, after: str | None) -> str | None:
+        """Commit, with the next due time after `after` read first if it
+        is given; that time."""
         announced, self._notice = self._notice, None
         # COMMIT releases every savepoint: a RELEASE kept back goes unsent.
         self._released = None
@@ -325,23 +347,33 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
         # its Parse sent and answered before its Execute goes): each COMMIT
         # is then one message set that holds its text, which the tests'
         # relay looks for to cut a connection at its COMMIT.
+        read = None if after is None else postgres_commit.read_next_due(self._db, after)
+        due: str | None = None
         try:
             if kept:
                 with self._db.pipeline():
                     self._db.execute(postgres_commit.KEEP_KEYS, postgres_commit.kept_rows(kept))
                     if notice is not None:
                         self._db.execute("SELECT pg_notify(%s, %s)", (self.channel, notice))
+                    due_read = None if read is None else self._db.execute(read, prepare=False)
                     done = self._db.execute(b"COMMIT", prepare=False)
-            elif notice is not None:
-                query = postgres_commit.notify_and_commit(self._db, self.channel, notice)
-                done = self._db.execute(query)
-                done.nextset()
+                due = None if due_read is None else _due(due_read.fetchone())
             else:
-                done = self._db.execute(b"COMMIT", prepare=False)
+                query = b"COMMIT"
+                if notice is not None:
+                    query = postgres_commit.notify_and_commit(self._db, self.channel, notice)
+                if read is not None:
+                    query = read + b"; " + query
+                done = self._db.execute(query, prepare=False)
+                if read is not None:
+                    due = _due(done.fetchone())
+                    done.nextset()
+                if notice is not None:
+                    done.nextset()
         except psycopg.Error as error:
             self._changes += 1
             if self._committed(error):
-                return
+                return after
             raise
         if done.statusmessage != "COMMIT":
             # PostgreSQL answers COMMIT of a transaction that an error
@@ -351,6 +383,7 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
             )
         if notice is not None:
             self._company.told()
+        return due
 
     def _committed(self, error: psycopg.Error) -> bool:
         """Whether the open transaction committed, after its COMMIT raised
@@ -386,8 +419,8 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
         self._load_flow_control()
 
     def rollback_savepoint(self, name: str = "request") -> None:
-        # A ROLLBACK TO SAVEPOINT may deallocate the begin's statement, as a
-        # ROLLBACK does (_prepare_begin).
+        # A ROLLBACK TO SAVEPOINT may deallocate the prepared statements, as a
+        # ROLLBACK does (_prepare_statements).
         self._prepared_on = None
         super().rollback_savepoint(name)
 
@@ -486,3 +519,8 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
             "Backup is for SQLite: back up PostgreSQL with pg_dump "
             "(docs/backups.md)"
         )
+
+
+def _due(row: tuple[Any, ...] | None) -> str | None:
+    """The next due time in the row read_next_due's query returned."""
+    return None if row is None or row[0] is None else str(row[0])

@@ -10,26 +10,38 @@ from collections.abc import Mapping
 from typing import Any
 
 import psycopg
-from psycopg.sql import SQL, Literal
+from psycopg.sql import SQL, Identifier, Literal
 
+from jobserver.storage.sql_clock import next_due_statement
 from jobserver.storage.sql_flow import flow_control
 
 # A batch's begin: its transaction, then one statement for the
 # transaction's ID and backend (the one row whose first column is not
 # NULL) and the limits and pauses as other nodes left them (the rest,
 # sql_flow.flow_control's columns after two NULLs). The statement is
-# prepared on the connection (PREPARE_BEGIN; postgres.PostgresStore.
-# _prepare_begin says when): planned again in every simple query, as the
-# two statements it replaced were, it cost PostgreSQL 133 µs of CPU a batch
-# more than a bare BEGIN, against 33 (bench/pg_begin.py), and every batch
-# begins.
+# prepared on the connection (PREPARE; postgres.PostgresStore.
+# _prepare_statements says when): planned again in every simple query, as
+# the two statements it replaced were, it cost PostgreSQL 133 µs of CPU a
+# batch more than a bare BEGIN, against 33 (bench/pg_begin.py), and every
+# batch begins.
 BEGIN_STATEMENT = "jobserver_begin"
-PREPARE_BEGIN = (
+# The next due time (sql_clock.next_due_statement), read in the COMMIT's
+# query of a batch that served waiters (commit_reading_next_due): prepared
+# beside the begin's, for the same reason.
+NEXT_DUE_STATEMENT = "jobserver_next_due"
+PREPARE = (
     f"PREPARE {BEGIN_STATEMENT} AS "
     "SELECT pg_current_xact_id()::text, pg_backend_pid(), NULL, NULL, NULL, NULL, NULL, NULL "
-    f"UNION ALL {flow_control('NULL, NULL, ')}"
+    f"UNION ALL {flow_control('NULL, NULL, ')}; "
+    f"PREPARE {NEXT_DUE_STATEMENT}(text) AS {next_due_statement('$1')}"
 ).encode()
 BEGIN = f"BEGIN; EXECUTE {BEGIN_STATEMENT}".encode()
+
+
+def read_next_due(db: psycopg.Connection[Any], after: str) -> bytes:
+    """The query that reads the next due time after `after` (a time the
+    node wrote, quoted as a literal all the same)."""
+    return SQL("EXECUTE {}({})").format(Identifier(NEXT_DUE_STATEMENT), Literal(after)).as_bytes(db)
 
 
 def began(rows: list[tuple[Any, ...]]) -> tuple[str, int, list[tuple[Any, ...]]]:

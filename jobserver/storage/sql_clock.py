@@ -18,21 +18,25 @@ from jobserver.storage.sql import JOB
 from jobserver.storage.sql_statements import Statements
 
 
+def next_due_statement(after: str) -> str:
+    """ClockStatements.next_due's statement, `after` in place of its time
+    (a parameter's mark, twice)."""
+    return (
+        "SELECT MIN(due) FROM ("
+        f"SELECT MIN(nextRun) AS due FROM jobs WHERE state IN ({sql.READY_SQL}) "
+        f"AND nextRun > {after} UNION ALL "
+        f"SELECT MIN(nextRun) FROM jobs WHERE state = {sql.WAITING_SQL} AND nextRun > {after}"
+        ") AS times"
+    )
+
+
 class ClockStatements(Statements):
     """The named reads of due times, pending cancels and stale jobs."""
 
     def next_due(self, after: str) -> str | None:
         """The earliest nextRun later than `after` among jobs that wait to
         run, and reply deadlines of WAITING jobs; one index each."""
-        m = self.dialect.mark
-        row = self._one(
-            "SELECT MIN(due) FROM ("
-            f"SELECT MIN(nextRun) AS due FROM jobs WHERE state IN ({sql.READY_SQL}) "
-            f"AND nextRun > {m} UNION ALL "
-            f"SELECT MIN(nextRun) FROM jobs WHERE state = {sql.WAITING_SQL} AND nextRun > {m}"
-            ") AS times",
-            (after, after),
-        )
+        row = self._one(next_due_statement(self.dialect.mark), (after, after))
         return row[0]
 
     def first_deadline(self) -> str | None:

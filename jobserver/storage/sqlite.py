@@ -195,6 +195,11 @@ class Store(KnownJobs, SqlStore):
     def commit(self) -> None:
         self._db.execute("COMMIT")
 
+    def commit_reading_next_due(self, after: str) -> str | None:
+        due = self.next_due(after)
+        self.commit()
+        return due
+
     def sync(self) -> None:
         if not self.needs_sync:
             return

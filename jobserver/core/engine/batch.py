@@ -150,6 +150,11 @@ class Batches:
             serves.sort(key=lambda serve: serve.waiters[0].seq)
             done = self.writer.execute(requests)
             announced, announced_due = set(done.ready), done.due
+            # When waiters were tried: the moment from which the next due
+            # time is read, with the commit (its value is wanted only once
+            # the batch has committed). Taken before the first try, so that
+            # a job falling due while they run is in it.
+            tried_from: str | None = None
             # From a thread, only if someone waits (read from here, a race
             # that loses nothing: a GetJob that joins meanwhile hears of
             # these names after the commit): the wait queue is the event
@@ -159,21 +164,28 @@ class Batches:
                 # if the transaction fails from here on.
                 woken = self._woken_from_thread if in_thread else self._woken
                 tries = woken(done.ready, done.due)
+                if tries:
+                    tried_from = self.writer.now_ms()
                 # What the tries in turn made ready or due: heard of after
                 # the commit.
                 done = done.announced().followed_by(self._serve(tries))
             if serves:
+                tried_from = tried_from or self.writer.now_ms()
                 done = done.followed_by(self._serve(serves))
             announced |= done.ready
             announced_due = earliest(announced_due, done.due)
             if announced or announced_due is not None or done.ended:
                 # Other nodes' waiters hear of it when it commits.
                 store.announce(announced, announced_due, done.ended)
-            store.commit()
+            next_due = None
+            if tried_from is None:
+                store.commit()
+            else:
+                next_due = store.commit_reading_next_due(tried_from)
             wrote = store.total_changes != changes_before
             return Committed(
                 [*requests, *tries, *serves], done.outcomes, True, done.ready, done.due, wrote,
-                done.events, done.taken, done.ended, done.cascade_left,
+                done.events, done.taken, done.ended, done.cascade_left, next_due,
             )
         except Exception as error:  # a boundary: see above
             if isinstance(error, store.transient) and not tries:

@@ -381,6 +381,10 @@ class Engine:
         if the batch committed and left alone if it did not, and none stays
         RUNNING with no one to run it."""
         outcomes = batch.outcomes
+        if batch.ok:
+            # When the next job falls due, read with the commit of a batch
+            # that tried waiters: those that found nothing are tried then.
+            self._alarm.lower(batch.next_due)
         if sync_failed is not None:
             outcomes = outcomes_unknown(batch.works, f"cannot sync to disk: {sync_failed}")
         if sync_failed is not None or (batch.taken and not batch.ok):
@@ -426,8 +430,7 @@ class Engine:
             # Whatever made them worth trying may still hold.
             self._alarm.retry_soon()
         else:
-            handed, due = result.value
-            self._alarm.lower(due)
+            handed = result.value
         served = self.waits.served(serve.waiters, handed)
         for taken in served.unwanted:
             self.give_back(taken)

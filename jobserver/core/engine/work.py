@@ -48,7 +48,7 @@ class Serve:
     # pauses, runs off the event loop.
     heavy: bool = False
 
-    def run(self, ctx: Context) -> tuple[list[list[Taken] | None], str | None]:
+    def run(self, ctx: Context) -> list[list[Taken] | None]:
         return selection.serve_waiters(ctx, [waiter.query for waiter in self.waiters])
 
 

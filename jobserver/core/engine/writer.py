@@ -103,6 +103,10 @@ class Writer:
             assert results is not None
         return ran(results)
 
+    def now_ms(self) -> str:
+        """The writer's clock now, to the millisecond."""
+        return times.to_millis(self._clock.now())
+
     def run_all(self, batch: Sequence[Work], savepoints: bool) -> Results | None:
         """Each request's outcome and, if it succeeded, its context. None
         when, without savepoints, a failed request left changes behind or
@@ -228,6 +232,10 @@ class Committed:
     ended: set[int] = field(default_factory=set)
     # Whether a cascade left dependents for later: looked for once it committed.
     cascade_left: bool = False
+    # When the next job falls due, read with the commit of a batch that
+    # tried waiters: the clock's alarm is set no later (the waiters that
+    # found nothing are tried again then).
+    next_due: str | None = None
 
 
 class Transient(Exception):

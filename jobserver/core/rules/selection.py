@@ -443,12 +443,12 @@ def _reply_bytes(job: Job, obj: dict[str, Any]) -> int:
     return data + 6 * sum(map(len, texts)) + PER_JOB_EXTRA
 
 
-def serve_waiters(
-    ctx: Context, queries: list[JobQuery]
-) -> tuple[list[list[Taken] | None], str | None]:
+def serve_waiters(ctx: Context, queries: list[JobQuery]) -> list[list[Taken] | None]:
     """Try waiting GetJobs oldest first. A selector that found nothing is
     not tried again in the same pass, so ten thousand waiters on one name
-    cost one query, not ten thousand."""
+    cost one query, not ten thousand. (When the next job falls due, for
+    those that found nothing, is read with the batch's commit:
+    batch.Batches.)"""
     empty: set[tuple[object, ...]] = set()
     handed: list[list[Taken] | None] = []
     # One budget and one count of usage for the whole pass.
@@ -466,7 +466,7 @@ def serve_waiters(
             if not taken:
                 empty.add(query.selector)
             handed.append(taken or None)
-    return handed, ctx.store.next_due(ctx.now_ms)
+    return handed
 
 
 def give_back(ctx: Context, taken: list[Taken]) -> None:
