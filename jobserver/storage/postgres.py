@@ -340,46 +340,18 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
             notice = postgres_commit.notice(self.node, *announced)
         # Else nobody else is on the database to hear it (postgres_alone.py).
         kept, self._kept_keys = self._kept_keys, {}
-        # The idempotency keys, the notice and the commit in one round trip:
-        # a pipeline where keys were kept, else one query (the simple
-        # protocol, the notice a literal), at half the node's CPU. COMMIT
-        # is never prepared (psycopg prepares a statement run five times,
-        # its Parse sent and answered before its Execute goes): each COMMIT
-        # is then one message set that holds its text, which the tests'
-        # relay looks for to cut a connection at its COMMIT.
-        read = None if after is None else postgres_commit.read_next_due(self._db, after)
-        due: str | None = None
         try:
-            if kept:
-                with self._db.pipeline():
-                    self._db.execute(postgres_commit.KEEP_KEYS, postgres_commit.kept_rows(kept))
-                    if notice is not None:
-                        self._db.execute("SELECT pg_notify(%s, %s)", (self.channel, notice))
-                    due_read = None if read is None else self._db.execute(read, prepare=False)
-                    done = self._db.execute(b"COMMIT", prepare=False)
-                due = None if due_read is None else _due(due_read.fetchone())
-            else:
-                query = b"COMMIT"
-                if notice is not None:
-                    query = postgres_commit.notify_and_commit(self._db, self.channel, notice)
-                if read is not None:
-                    query = read + b"; " + query
-                done = self._db.execute(query, prepare=False)
-                if read is not None:
-                    due = _due(done.fetchone())
-                    done.nextset()
-                if notice is not None:
-                    done.nextset()
+            status, due = postgres_commit.send_commit(self._db, self.channel, kept, notice, after)
         except psycopg.Error as error:
             self._changes += 1
             if self._committed(error):
                 return after
             raise
-        if done.statusmessage != "COMMIT":
+        if status != "COMMIT":
             # PostgreSQL answers COMMIT of a transaction that an error
             # spoiled with ROLLBACK, not with an error.
             raise psycopg.OperationalError(
-                f"the transaction was rolled back instead of committed ({done.statusmessage})"
+                f"the transaction was rolled back instead of committed ({status})"
             )
         if notice is not None:
             self._company.told()
@@ -520,7 +492,3 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
             "(docs/backups.md)"
         )
 
-
-def _due(row: tuple[Any, ...] | None) -> str | None:
-    """The next due time in the row read_next_due's query returned."""
-    return None if row is None or row[0] is None else str(row[0])

@@ -55,7 +55,7 @@ from jobserver.core.engine.history import History
 from jobserver.core.engine.waiters import MATCH_PAUSE, Waiter, WaitQueue
 from jobserver.core.engine.work import Call, GiveBack, Serve, Tick, Work, refuse_abort
 from jobserver.core.engine.writer import Committed, Writer, outcomes_unknown
-from jobserver.core.rules import cascade, flow
+from jobserver.core.rules import cascade
 from jobserver.core.rules.selection import JobQuery, Taken
 from jobserver.model import times
 from jobserver.model.globmatch import Matcher
@@ -226,7 +226,7 @@ class Engine:
         next fire, and try every waiter."""
         if self.waits.closed:
             return
-        self.submit(Tick(heavy=cascade.is_heavy(self._store)))
+        self.submit(Tick.of(self._store))
         self._try(self.waits.everyone())
 
     def close(self) -> None:
@@ -423,7 +423,7 @@ class Engine:
         if serve.later:
             later = self.waits.next_later()
             if later is not None:
-                self.submit(self._serve(later, later=True))
+                self.submit(Serve.of(later, True, self._store))
         if isinstance(result, outcome.Error):
             log.error("serving waiting GetJobs failed: %s", result.error)
             handed: list[list[Taken] | None] = [None] * len(serve.waiters)
@@ -465,11 +465,7 @@ class Engine:
                 self.submit(serve)
 
     def _tries(self, waiters: list[Waiter]) -> list[Serve]:
-        return [self._serve(group, later) for group, later in self.waits.to_try(waiters)]
-
-    def _serve(self, waiters: list[Waiter], later: bool) -> Serve:
-        heavy = any(w.selector.scans for w in waiters) or flow.is_heavy(self._store)
-        return Serve(waiters, later, heavy)
+        return [Serve.of(group, later, self._store) for group, later in self.waits.to_try(waiters)]
 
     async def _run_matcher(self) -> None:
         """Find the waiters of names the wait queue left for later, a slice
@@ -496,6 +492,6 @@ class Engine:
             owed, self._owed = self._owed, []
             for taken in owed:
                 self.give_back(taken)
-            self.submit(Tick(heavy=cascade.is_heavy(self._store)))
+            self.submit(Tick.of(self._store))
             self._try(self.waits.everyone())
 

@@ -20,8 +20,9 @@ import trio
 from jobserver.core.engine import deadlines
 from jobserver.core.engine.context import Context
 from jobserver.core.engine.waiters import Waiter
-from jobserver.core.rules import selection
+from jobserver.core.rules import cascade, flow, selection
 from jobserver.core.rules.selection import Taken
+from jobserver.storage.interface import Storage
 
 
 @dataclass(eq=False, slots=True)
@@ -48,6 +49,13 @@ class Serve:
     # pauses, runs off the event loop.
     heavy: bool = False
 
+    @staticmethod
+    def of(waiters: list[Waiter], later: bool, store: Storage) -> Serve:
+        """The try of `waiters`, heavy if one of them scans the queue or
+        the store's flow control is."""
+        heavy = any(w.selector.scans for w in waiters) or flow.is_heavy(store)
+        return Serve(waiters, later, heavy)
+
     def run(self, ctx: Context) -> list[list[Taken] | None]:
         return selection.serve_waiters(ctx, [waiter.query for waiter in self.waiters])
 
@@ -64,6 +72,11 @@ class GiveBack:
 @dataclass(eq=False, slots=True)
 class Tick:
     heavy: bool = False
+
+    @staticmethod
+    def of(store: Storage) -> Tick:
+        """The clock's tick, heavy if a cascade left for later is."""
+        return Tick(heavy=cascade.is_heavy(store))
 
     def run(self, ctx: Context) -> str | None:
         return deadlines.tick(ctx)
