@@ -149,7 +149,8 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
         self._db = self._company.own(self._role, db)
         self._changes = 0
         self._retry_at = 0.0
-        # The connection the begin's statement is prepared on, if any.
+        # The connection postgres_commit.PREPARE's statements are known to
+        # be prepared on, if any (_prepare_statements).
         self._prepared_on: psycopg.Connection[Any] | None = None
         # The open transaction's ID (PostgreSQL's xid8, as text) and the
         # backend running it: what is asked about if its COMMIT is cut off.
