@@ -745,6 +745,29 @@ class Output:
         return "".join(self.lines)
 
 
+def _wait_for_exit(proc: subprocess.Popen[str], sent: str) -> None:
+    """Wait for `proc` to exit after `sent`; if it does not, fail with what
+    would tell why: its state and signal masks (pending, blocked, ignored,
+    caught) as the kernel keeps them, and what it wrote to stderr."""
+    try:
+        proc.wait(timeout=DEADLINE)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        with open(f"/proc/{proc.pid}/status") as status:
+            kept = [
+                line.strip() for line in status
+                if line.startswith(("State", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))
+            ]
+    except OSError as error:
+        kept = [f"no status: {error}"]
+    proc.kill()
+    proc.wait()
+    err = proc.stderr.read() if proc.stderr is not None else ""
+    pytest.fail(f"still running {DEADLINE} s after {sent}: {kept}; stderr: {err[-4000:]!r}")
+
+
 def test_top_keeps_asking_a_server_that_went_away_and_stops_cleanly_on_ctrl_c(tmp_path):
     port = free_port()
     top = subprocess.Popen(
@@ -761,7 +784,7 @@ def test_top_keeps_asking_a_server_that_went_away_and_stops_cleanly_on_ctrl_c(tm
         Client(port=port, timeout=10).create_job("came/back")
         until(lambda: "\ncame " in output.text(), RUN_TIMEOUT, "a frame with the queue")
         top.send_signal(signal.SIGINT)
-        top.wait(timeout=DEADLINE)
+        _wait_for_exit(top, "SIGINT")
         output.thread.join(DEADLINE)
         assert top.stderr is not None
         err = top.stderr.read()
