@@ -146,6 +146,10 @@ def answer(
          "404 No job with this jobID"),
         ("/queue", b'{"type":"x","payload":{"a":"' + b"a" * (1 << 20) + b'"}}',
          "application/json", "402 Data too large (1048576 bytes at most)"),
+        # A wire refusal whose body is text (Query's error) was that text,
+        # as text/plain (schemathesis found it).
+        ("/api/Query", b'{"query":"cr;","format":"json"}', "application/json",
+         "402 Bad query"),
     ],
 )
 def test_every_refusal_has_one_shape(

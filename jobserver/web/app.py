@@ -297,13 +297,18 @@ def _request(verb: str, document: dict[str, Any]) -> Request:
 def _wire_reply(answer: Answer) -> Response:
     """The wire reply in HTTP's terms: HTTP's status for it (statuses.py),
     the status line in `Jobserver-Status`, the body the wire's, or
-    `{"status": ...}` when it has none."""
+    `{"status": ...}` when it has none. A refusal is JSON whatever the
+    wire's body: one whose body is text (Query's error) has it in `error`."""
     reply = answer.response
     code = statuses.http_status(reply.status)
     status = {"Jobserver-Status": reply.status}
     if not reply.body:
         return JSONResponse({"status": reply.status}, code, headers=status)
-    kind = "application/json" if reply.body[:1] in (b"{", b"[") else "text/plain; charset=utf-8"
+    is_json = reply.body[:1] in (b"{", b"[")
+    if code >= 400 and not is_json:
+        error = reply.body.decode("utf-8", "replace")
+        return JSONResponse({"status": reply.status, "error": error}, code, headers=status)
+    kind = "application/json" if is_json else "text/plain; charset=utf-8"
     return Response(reply.body, code, headers=status, media_type=kind)
 
 
