@@ -4,6 +4,7 @@ status together."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -745,6 +746,23 @@ class Output:
         return "".join(self.lines)
 
 
+@contextlib.contextmanager
+def _sigint_not_ignored() -> Iterator[None]:
+    """SIGINT as a terminal's foreground program has it, for a child started
+    meanwhile. A test run started in the background (`pytest ... &` in a
+    script) ignores SIGINT, its xdist workers too, and a child inherits
+    that: Python then sets no KeyboardInterrupt, and Ctrl-C cannot stop
+    `top` (the kernel's SigIgn for it said so)."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _wait_for_exit(proc: subprocess.Popen[str], sent: str) -> None:
     """Wait for `proc` to exit after `sent`; if it does not, fail with what
     would tell why: its state and signal masks (pending, blocked, ignored,
@@ -770,11 +788,12 @@ def _wait_for_exit(proc: subprocess.Popen[str], sent: str) -> None:
 
 def test_top_keeps_asking_a_server_that_went_away_and_stops_cleanly_on_ctrl_c(tmp_path):
     port = free_port()
-    top = subprocess.Popen(
-        [sys.executable, "-m", "jobserver", "top", "--interval", "0.1",
-         "--server", f"127.0.0.1:{port}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(None),
-    )
+    with _sigint_not_ignored():
+        top = subprocess.Popen(
+            [sys.executable, "-m", "jobserver", "top", "--interval", "0.1",
+             "--server", f"127.0.0.1:{port}"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(None),
+        )
     server = None
     try:
         output = Output(top)
