@@ -44,6 +44,10 @@ pytestmark = pytest.mark.backends
 PING_BOUND = 0.5
 # What the attacking GetJobs may take, whole: bounded, with a wide margin.
 GETJOBS_BOUND = 10.0
+# What one GetJob over names held by the costliest patterns may take: 0.07 s
+# alone here, 0.72 and 0.87 s on PostgreSQL with four tests at once on two
+# cores; without the patterns' budget it held the writer 4 to 5 s, alone.
+COSTLY_GETJOB_BOUND = 2.0
 # A search judges a name against every one of the 2,000 patterns (50,900
 # units of its 1,000,000: about 20 names); a search without that budget
 # judged all 10,000 names and held the writer 15 to 40 s (the Ping with
@@ -170,7 +174,7 @@ def test_what_the_patterns_cost_a_name_is_bounded_and_a_getjob_over_costly_ones_
                 started = time.monotonic()
                 assert client.request("GetJob", name="a*").status == "404 No job found"
                 took = time.monotonic() - started
-                assert took < PING_BOUND, took
+                assert took < COSTLY_GETJOB_BOUND, took
                 # New patterns: what held each name is forgotten.
                 ok(client.request("PauseJobs", name="zz*"))
                 ok(client.request("ResumeJobs", name="zz*"))
