@@ -33,10 +33,12 @@ BODY = ('{"name":"x","data":' + DATA + "}").encode()
 # and the worst within 0.5 s, for the code before this issue and after
 # alike (0.1 s, then 0.2 s, were each passed under load; then 0.35 s, nine
 # in ten within 0.41 s and the worst 0.47 s, with five other checkouts'
-# tests on the same two cores). The worst's bound is what a parse on the
-# event loop (1.5 s) passes.
+# tests on the same two cores). With four tests at once on two cores
+# (-n 4), /healthz's worst of 23 was 1.01 s in one run of the suite, nine in
+# ten within 0.22 s. The worst's bound is under what a parse on the event
+# loop cost a neighbour's Ping (1.5 s, on a quiet machine; /healthz 4.7 s).
 NEIGHBOUR_BOUND = 0.6
-NEIGHBOUR_WORST = 0.8
+NEIGHBOUR_WORST = 1.25
 WATCH_SECONDS = 3.0
 # Bodies arriving at once over HTTP, besides one CreateJob on the wire.
 HTTP_SENDERS = 2
