@@ -209,6 +209,38 @@ def test_a_connection_lost_while_a_waiter_is_served_fails_the_whole_batch(url, m
         running.stop()
 
 
+def test_once_one_writer_has_connected_again_the_others_try_at_once(url, proxy, monkeypatch):
+    """A writer whose attempt to connect failed waits RECONNECT_SECONDS
+    before the next, so that a PostgreSQL out of reach is not hammered;
+    but once another of the node's connections is made, PostgreSQL is
+    back. A writer that had failed just before the outage ended refused
+    its next batch with 503 while the node answered 200 on another writer
+    (a Status so refused in a clean clone's run of test_nodes)."""
+    # Longer than the test: only another connection can end the wait.
+    monkeypatch.setattr(postgres, "RECONNECT_SECONDS", 600.0)
+    store = postgres.PostgresStore(proxy.url(url), writers=2)
+    first, second = store.writers()
+    try:
+        for writer in (first, second):
+            writer.begin()
+            writer.commit()
+        proxy.cut()
+        with pytest.raises(psycopg.Error):
+            second.begin()
+        proxy.restore()
+        # Nobody has connected since: the wait holds.
+        with pytest.raises(psycopg.OperationalError, match="connection to PostgreSQL is lost"):
+            second.begin()
+        # The first writer, which tried nothing while PostgreSQL was away,
+        # connects at once; the second then tries too.
+        first.begin()
+        first.commit()
+        second.begin()
+        second.commit()
+    finally:
+        store.close()
+
+
 def test_a_transaction_spoiled_by_an_error_is_never_answered_as_committed(url):
     """PostgreSQL answers COMMIT of a transaction an error spoiled with
     ROLLBACK, not with an error: the store must not take it for a commit."""

@@ -33,7 +33,7 @@ thread (`blocking`). A commit is durable when PostgreSQL says so
 (synchronous_commit), so there is nothing to sync afterwards. When the
 connection is lost, transactions fail (`503`) until `begin` has
 reconnected: at once, and after a failed attempt at most every
-RECONNECT_SECONDS.
+RECONNECT_SECONDS, or as soon as another connection of the node was made.
 """
 
 from __future__ import annotations
@@ -284,7 +284,10 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
         than RECONNECT_SECONDS ago: a connection ended alone (its backend
         terminated) costs the next batch a connection, while a PostgreSQL
         out of reach is not hammered."""
-        if time.monotonic() < self._retry_at:
+        # Unless another of the node's connections was made since this one's
+        # attempt failed: PostgreSQL is back, and the node answers as a whole.
+        failed_at = self._retry_at - RECONNECT_SECONDS
+        if time.monotonic() < self._retry_at and self._company.connected_at <= failed_at:
             raise psycopg.OperationalError("the connection to PostgreSQL is lost")
         db: psycopg.Connection[Any] | None = None
         try:

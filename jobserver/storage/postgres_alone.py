@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from typing import Any
 
 import psycopg
@@ -62,11 +63,15 @@ class Company:
         # Notices the node's commits sent (what the tests read).
         self.notices = 0
         self._counting = threading.Lock()
+        # When the last of them was made (time.monotonic): a writer whose
+        # attempt failed before then need not wait to try again.
+        self.connected_at = -math.inf
 
     def own(self, role: str, db: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
         """`db` is this node's connection for `role` (in place of any
         before); it counts as nobody else while it is open."""
         self._own[role] = db
+        self.connected_at = time.monotonic()
         return db
 
     def look_due(self, now: float) -> bool:
