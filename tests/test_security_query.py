@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from harness import ServerProcess, ThreadServer
 from helpers import create, ok, until
+from jobserver.core.commands import query
 from jobserver.storage import postgres_query, postgres_schema, sqlite_readers
 from jobserver.storage.postgres_connection import QUERY_APPLICATION
 from jobserver.storage.sqlite_readers import QUERY_FUNCTIONS
@@ -147,6 +148,33 @@ def _assert_authorized(client: Client, calls: list[str]) -> None:
 
 
 # Finding 6, Query's part: a byte bound on its reply.
+
+
+# A literal left open: SQLite's message quotes all of it, PostgreSQL's the
+# line it is on; control characters, which JSON escapes six bytes each.
+UNCLOSED = "SELECT '" + "\x01" * 1_000_000 + ";"
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgres"])
+def test_a_bad_querys_message_is_quoted_within_its_bound(
+    database: str, sqlite_node: ThreadServer, request: pytest.FixtureRequest
+) -> None:
+    """A query refused by the database is answered `402 Bad query` with its
+    message, cut to MAX_ERROR_CHARACTERS, in the `error` header and the
+    body: a query of a megabyte came back whole, twice."""
+    node = sqlite_node if database == "sqlite" else request.getfixturevalue("pg_node")
+    with Client(node.port, timeout=30) as client:
+        reply = client.request("Query", query=UNCLOSED)
+        assert reply.status == "402 Bad query", reply.status
+        bound = query.MAX_ERROR_CHARACTERS
+        message = reply.body.decode()
+        assert reply.headers["error"].startswith(message[:100])
+        assert len(message) <= bound + len("... (1000000 characters more)")
+        assert len(reply.headers["error"]) <= 6 * (bound + 40)
+        # A short one is given whole.
+        short = client.request("Query", query="SELECT * FROM jobz;")
+        assert short.status == "402 Bad query" and "jobz" in short.body.decode()
+        assert "characters more" not in short.body.decode()
 
 
 def test_a_query_reply_past_the_byte_bound_is_refused(tmp_path: Path) -> None:

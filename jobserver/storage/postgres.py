@@ -495,4 +495,3 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
             "Backup is for SQLite: back up PostgreSQL with pg_dump "
             "(docs/backups.md)"
         )
-

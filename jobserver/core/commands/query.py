@@ -24,6 +24,12 @@ from jobserver.wire.framing import Request, Response
 from jobserver.wire.limits import DEFAULT_MAX_REPLY_BYTES
 
 MAX_QUERY = 1024 * 1024
+# The most of a database's message a `402 Bad query` quotes. A message can
+# quote the query itself (SQLite's "unrecognized token" holds an unclosed
+# literal whole, up to MAX_QUERY characters), and the reply gives it twice
+# (the `error` header and the body), over HTTP JSON-escaped: a query of
+# control characters came back six times its size.
+MAX_ERROR_CHARACTERS = 1000
 # People read Query output; more rows than this belongs in a LIMIT.
 MAX_ROWS = 10_000
 
@@ -79,10 +85,19 @@ def run(
     except ReplyTooLarge:
         return Response(f"413 Query reply larger than {max_bytes} bytes")
     except BadQuery as error:
-        return Response("402 Bad query", body=str(error).encode(), headers={"error": str(error)})
+        message = _quoted(str(error))
+        return Response("402 Bad query", body=message.encode(), headers={"error": message})
     except store.errors as error:
         return Response(f"503 Database unavailable: {error}")
     return Response("200 OK", body.finish())
+
+
+def _quoted(message: str) -> str:
+    """A database's message, cut to MAX_ERROR_CHARACTERS, saying so."""
+    if len(message) <= MAX_ERROR_CHARACTERS:
+        return message
+    left = len(message) - MAX_ERROR_CHARACTERS
+    return f"{message[:MAX_ERROR_CHARACTERS]}... ({left} characters more)"
 
 
 class ReplyBody:
