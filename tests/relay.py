@@ -64,6 +64,9 @@ class Relay:
         self._armed: tuple[bytes, bool, bool, bytes] | None = None
         # Set once an armed cut has happened.
         self.was_cut = threading.Event()
+        # Every byte sent to the server, in the order it was relayed (the
+        # connections' interleaved): what a node sent, and how.
+        self.sent = bytearray()
         threading.Thread(target=self._accept, daemon=True).start()
 
     @classmethod
@@ -150,6 +153,8 @@ class Relay:
                         # Sync) may follow in later chunks: relayed too.
                         wait = ANSWER_SECONDS if link.answer else WORK_SECONDS
                         cut_at = time.monotonic() + wait
+                with self._guard:
+                    self.sent += chunk
                 sink.sendall(chunk)
         if armed is not None:
             if armed[1]:

@@ -13,11 +13,17 @@ from collections.abc import Iterator
 import pg
 import psycopg
 import pytest
+import trio
 from driver import job
 
+from jobserver.core.commands import create as commands
+from jobserver.core.engine.clock import SystemClock
+from jobserver.core.engine.engine import Engine
+from jobserver.core.rules.selection import JobQuery
 from jobserver.model.jobs import State
 from jobserver.model.limits import Limit, Rate
 from jobserver.storage import postgres, postgres_commit
+from jobserver.wire.framing import Request
 from relay import Relay
 
 
@@ -242,3 +248,74 @@ def test_a_commit_whose_answer_is_lost_gives_its_read_as_unknown(url):
     finally:
         store.close()
         relay.close()
+
+
+SAVEPOINT = b'SAVEPOINT "request"\x00'
+
+
+def savepoints_sent_alone(sent: bytes) -> int:
+    """How many of the queries in `sent` (PostgreSQL's frontend messages)
+    were a SAVEPOINT on its own: one not after `; ` (a query of several
+    statements) nor in a RELEASE or a ROLLBACK TO."""
+    count, at = 0, sent.find(SAVEPOINT)
+    while at != -1:
+        count += sent[at - 1:at] != b" "
+        at = sent.find(SAVEPOINT, at + 1)
+    return count
+
+
+def test_a_begin_opens_the_first_savepoint_in_its_own_query(url):
+    """begin(savepoint=True) opens the transaction and the savepoint that
+    savepoint() opens, in the begin's one query: undoing the savepoint
+    undoes what came after the begin, and the transaction goes on."""
+    relay = Relay.to(url)
+    store = postgres.PostgresStore(relay.url(url), writers=1)
+    try:
+        store.begin()
+        insert(store, "kept")
+        store.commit()
+        store.begin(savepoint=True)
+        assert savepoints_sent_alone(bytes(relay.sent)) == 0
+        insert(store, "undone")
+        store.rollback_savepoint()
+        insert(store, "after")
+        store.commit()
+        store.begin()
+        assert names(store) == ["kept", "after"]
+        store.commit()
+    finally:
+        store.close()
+        relay.close()
+    sent = bytes(relay.sent)
+    assert sent.count(postgres_commit.BEGIN + postgres_commit.SAVEPOINT + b"\x00") == 1
+    assert savepoints_sent_alone(sent) == 0
+
+
+async def test_a_batch_of_tries_alone_opens_its_first_savepoint_with_its_begin():
+    """A waiting GetJob's tries run in a batch of their own, each in a
+    savepoint: the first one's goes with the begin, a round trip fewer
+    (a wake across nodes is such a batch on the waiter's node). What the
+    tries find is unchanged: nothing on an empty queue, the job once made."""
+    with pg.fresh_schema() as url:
+        relay = Relay.to(url)
+        store = postgres.PostgresStore(relay.url(url), writers=1)
+        engine = Engine(store, SystemClock())
+        engine.start()
+        try:
+            with trio.fail_after(10):
+                assert await engine.wait(JobQuery(("ready",), (), None, 1), 0) is None
+                made = await engine.call(
+                    lambda ctx: commands.create_job(ctx, Request("CreateJob", {"name": "ready"}))
+                )
+                taken = await engine.wait(JobQuery(("ready",), (), None, 1), 5)
+            made_id = json.loads(made.body)["jobID"]
+            assert taken is not None and [t.job.jobID for t in taken] == [made_id]
+        finally:
+            with trio.fail_after(10):
+                await engine.stop()
+            store.close()
+            relay.close()
+    sent = bytes(relay.sent)
+    # The first begin asks too whether another node is on the database.
+    assert sent.count(postgres_commit.SAVEPOINT + b"\x00") == 2
+    assert savepoints_sent_alone(sent) == 0

@@ -104,9 +104,11 @@ class Transactions(Protocol):
     @property
     def in_transaction(self) -> bool: ...
 
-    def begin(self) -> None:
+    def begin(self, savepoint: bool = False) -> None:
         """Open a write transaction, waiting for another process's lock
-        up to the busy timeout."""
+        up to the busy timeout; with `savepoint`, open the savepoint that
+        `savepoint()` opens too, for a batch whose first work runs in one
+        (PostgreSQL sends both in one round trip)."""
 
     def try_begin(self) -> bool:
         """Open a write transaction if that needs no waiting; False if

@@ -37,6 +37,9 @@ PREPARE = (
     f"PREPARE {NEXT_DUE_STATEMENT}(text) AS {next_due_statement('$1')}"
 ).encode()
 BEGIN = f"BEGIN; EXECUTE {BEGIN_STATEMENT}".encode()
+# What a begin that opens the first work's savepoint too adds
+# (sql_statements.Statements.savepoint's name).
+SAVEPOINT = b'; SAVEPOINT "request"'
 
 
 def read_next_due(db: psycopg.Connection[Any], after: str) -> bytes:

@@ -167,7 +167,7 @@ class Store(KnownJobs, SqlStore):
     def in_transaction(self) -> bool:
         return self._db.in_transaction
 
-    def begin(self) -> None:
+    def begin(self, savepoint: bool = False) -> None:
         # A checkpoint that starts the log over goes first (_restart_log).
         with self._restarting:
             pass
@@ -178,6 +178,8 @@ class Store(KnownJobs, SqlStore):
         finally:
             self._db.execute("PRAGMA busy_timeout = 0")
         self._outside_writes()
+        if savepoint:
+            self.savepoint()
 
     def try_begin(self) -> bool:
         if self._restarting.locked():

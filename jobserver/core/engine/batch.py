@@ -135,9 +135,6 @@ class Batches:
         serves: list[Serve] = []
         done = Ran.nothing()
         try:
-            if not begun:
-                store.begin()
-            changes_before = store.total_changes
             # Waiters' tries queued with the batch run after the tries of
             # those its requests made ready, oldest first: else a younger
             # waiter's try queued here would take a job a request before it
@@ -148,6 +145,12 @@ class Batches:
             # may put a younger waiter's ahead of an older one's.
             serves = [work for work in batch if isinstance(work, Serve)]
             serves.sort(key=lambda serve: serve.waiters[0].seq)
+            # A batch of tries alone opens the first one's savepoint as it
+            # begins (on PostgreSQL in the begin's round trip).
+            opened = not begun and not requests
+            if not begun:
+                store.begin(savepoint=opened)
+            changes_before = store.total_changes
             done = self.writer.execute(requests)
             announced, announced_due = set(done.ready), done.due
             # When waiters were tried: the moment from which the next due
@@ -171,7 +174,7 @@ class Batches:
                 done = done.announced().followed_by(self._serve(tries))
             if serves:
                 tried_from = tried_from or self.writer.now_ms()
-                done = done.followed_by(self._serve(serves))
+                done = done.followed_by(self._serve(serves, first_open=opened))
             announced |= done.ready
             announced_due = earliest(announced_due, done.due)
             if announced or announced_due is not None or done.ended:
@@ -199,9 +202,12 @@ class Batches:
                 )
             return Committed(works, self.writer.failed(works, error), False)
 
-    def _serve(self, serves: list[Serve]) -> Ran:
-        """Waiters' tries, each in a savepoint of the open transaction."""
-        return ran(self.writer.run_all(serves, savepoints=True) or []) if serves else Ran.nothing()
+    def _serve(self, serves: list[Serve], first_open: bool = False) -> Ran:
+        """Waiters' tries, each in a savepoint of the open transaction
+        (the first one's open already if `first_open`)."""
+        if not serves:
+            return Ran.nothing()
+        return ran(self.writer.run_all(serves, savepoints=True, first_open=first_open) or [])
 
     def _woken_from_thread(self, ready: set[str], due: str | None) -> list[Serve]:
         """`_woken`, from the writer's thread: run on the event loop while

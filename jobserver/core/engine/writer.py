@@ -107,11 +107,14 @@ class Writer:
         """The writer's clock now, to the millisecond."""
         return times.to_millis(self._clock.now())
 
-    def run_all(self, batch: Sequence[Work], savepoints: bool) -> Results | None:
+    def run_all(
+        self, batch: Sequence[Work], savepoints: bool, first_open: bool = False
+    ) -> Results | None:
         """Each request's outcome and, if it succeeded, its context. None
         when, without savepoints, a failed request left changes behind or
         lost the transaction; with savepoints, a lost transaction raises
-        TransactionLost."""
+        TransactionLost. `first_open`: the first request's savepoint is
+        open already (opened with the transaction, Storage.begin)."""
         store = self._store
         settings = self.settings
         now = self._clock.now()
@@ -120,8 +123,9 @@ class Writer:
         for work in batch:
             ctx = Context(store, now, settings, now_ms=now_ms)
             before = store.total_changes
-            if savepoints:
+            if savepoints and not first_open:
                 store.savepoint()
+            first_open = False
             result = self._run_one(work, ctx)
             if isinstance(result, outcome.Value):
                 if savepoints:
