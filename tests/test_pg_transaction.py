@@ -8,6 +8,7 @@ PostgreSQL holds, on a real server."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 
 import pg
@@ -20,7 +21,7 @@ from jobserver.core.commands import create as commands
 from jobserver.core.engine.clock import SystemClock
 from jobserver.core.engine.engine import Engine
 from jobserver.core.rules.selection import JobQuery
-from jobserver.model.jobs import State
+from jobserver.model.jobs import JobChanges, State
 from jobserver.model.limits import Limit, Rate
 from jobserver.storage import postgres, postgres_commit
 from jobserver.wire.framing import Request
@@ -299,6 +300,8 @@ async def test_a_batch_of_tries_alone_opens_its_first_savepoint_with_its_begin()
     with pg.fresh_schema() as url:
         relay = Relay.to(url)
         store = postgres.PostgresStore(relay.url(url), writers=1)
+        # What the tries sent, after the schema's making.
+        start = len(relay.sent)
         engine = Engine(store, SystemClock())
         engine.start()
         try:
@@ -315,7 +318,141 @@ async def test_a_batch_of_tries_alone_opens_its_first_savepoint_with_its_begin()
                 await engine.stop()
             store.close()
             relay.close()
-    sent = bytes(relay.sent)
+    sent = bytes(relay.sent[start:])
     # The first begin asks too whether another node is on the database.
     assert sent.count(postgres_commit.SAVEPOINT + b"\x00") == 2
-    assert savepoints_sent_alone(sent) == 0
+    # The try that found the job handed it out in its COMMIT's query.
+    assert re.search(rb"UPDATE jobs SET state = 'RUNNING'[^\x00]*; COMMIT\x00", sent)
+    assert updates_sent_alone(sent) == 0
+
+
+def updates_sent_alone(sent: bytes) -> int:
+    """How many of the queries in `sent` began with an UPDATE of jobs and
+    held nothing else."""
+    return len(re.findall(rb"[QP][\x00-\xff]{4}\x00?UPDATE jobs [^;\x00]*\x00", sent))
+
+
+def queued(store: postgres.PostgresStore, state: State = State.QUEUED) -> int:
+    """A job in `state`, made and committed."""
+    store.begin()
+    (made,) = store.create([job("held")], created=NOW, state=state)
+    store.commit()
+    return made
+
+
+def hand_out_held(store: postgres.PostgresStore, made: int, worker: str = "w") -> None:
+    """`made` held and handed out, the command's writes held to its end."""
+    with store.holding_writes():
+        store.hold([made])
+        assert store.hand_out_plain(made, "0123456789abcdef", worker, "n", NOW, NOW)
+
+
+def state_of(url: str, made: int) -> str:
+    with psycopg.connect(url) as other:
+        row = other.execute("SELECT state FROM jobs WHERE jobID = %s", (made,)).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def test_a_commands_last_held_writes_go_with_the_commit(url):
+    """A command's hand-out writes, held to its end, are sent in the
+    COMMIT's query (a round trip fewer), or alone before any statement
+    that could read them; a ROLLBACK, or a ROLLBACK TO the savepoint they
+    were made in, undoes them. What each reads is what the database holds."""
+    relay = Relay.to(url)
+    store = postgres.PostgresStore(relay.url(url), writers=1)
+    try:
+        made = queued(store)
+        store.begin()
+        start = len(relay.sent)
+        hand_out_held(store, made)
+        assert b"UPDATE jobs" not in relay.sent[start:]
+        store.commit()
+        assert state_of(url, made) == "RUNNING"
+        assert re.search(rb"UPDATE jobs [^\x00]*; COMMIT\x00", relay.sent[start:])
+        assert updates_sent_alone(bytes(relay.sent[start:])) == 0
+
+        # A statement after them reads them.
+        made = queued(store)
+        store.begin()
+        hand_out_held(store, made)
+        (state,) = store._one("SELECT state FROM jobs WHERE jobID = %s", (made,))
+        assert state == "RUNNING" and updates_sent_alone(bytes(relay.sent[start:])) == 1
+        store.rollback()
+        assert state_of(url, made) == "QUEUED"
+
+        # Undone, by a ROLLBACK or a ROLLBACK TO SAVEPOINT, they stay undone.
+        store.begin()
+        hand_out_held(store, made)
+        store.rollback()
+        store.begin()
+        store.savepoint()
+        hand_out_held(store, made)
+        store.rollback_savepoint()
+        store.commit()
+        assert state_of(url, made) == "QUEUED"
+
+        # Kept back past the savepoint's RELEASE, they go with the next one.
+        store.begin()
+        store.savepoint()
+        hand_out_held(store, made)
+        store.release()
+        store.savepoint()
+        assert updates_sent_alone(bytes(relay.sent[start:])) == 1
+        store.rollback_savepoint()
+        store.commit()
+        assert state_of(url, made) == "RUNNING"
+    finally:
+        store.close()
+        relay.close()
+
+
+def test_a_held_write_that_cannot_be_text_fails_its_own_command(url):
+    """A value psycopg cannot quote (a NUL, which no PostgreSQL text holds),
+    or one PostgreSQL would refuse (an integer past a bigint's range), is
+    sent as it is, at the command's end, and fails there: the command is
+    refused, not the COMMIT of the batch around it."""
+    store = postgres.PostgresStore(url, writers=1)
+    try:
+        made = queued(store)
+        store.begin()
+        store.savepoint()
+        with pytest.raises(psycopg.DataError):
+            hand_out_held(store, made, worker="a\x00b")
+        store.rollback_savepoint()
+        store.savepoint()
+        with pytest.raises(psycopg.DataError), store.holding_writes():
+            store.hold([made])
+            assert store.amend([made], JobChanges(priority=2**63)) == [made]
+        store.rollback_savepoint()
+        hand_out_held(store, made)
+        store.commit()
+        assert state_of(url, made) == "RUNNING"
+    finally:
+        store.close()
+
+
+def test_kept_back_values_are_sent_in_the_connections_encoding(url):
+    """A value kept back is quoted for the connection's encoding and sent
+    in it: a worker's name outside ASCII, handed out on a node whose
+    connections speak LATIN1, with the COMMIT and before a SAVEPOINT, is
+    stored as it was sent."""
+    store = postgres.PostgresStore(f"{url}&client_encoding=LATIN1", writers=1)
+    try:
+        made, second = queued(store), queued(store)
+        store.begin()
+        hand_out_held(store, made, worker="café")
+        store.commit()
+        store.begin()
+        store.savepoint()
+        hand_out_held(store, second, worker="naïve")
+        store.release()
+        store.savepoint()
+        store.commit()
+    finally:
+        store.close()
+    with psycopg.connect(url) as other:
+        rows = other.execute(
+            "SELECT worker FROM jobs WHERE jobID = ANY(%s) ORDER BY jobID", ([made, second],)
+        ).fetchall()
+    assert [row[0] for row in rows] == ["café", "naïve"]

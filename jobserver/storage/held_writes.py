@@ -152,6 +152,10 @@ class HeldWrites:
     def has_pending(self) -> bool:
         return bool(self._pending)
 
+    def pending(self) -> list[Write]:
+        """The kept writes, left kept."""
+        return list(self._pending)
+
     # Savepoints (one at a time: FinishJobs' per element).
 
     def opens(self, name: str) -> bool:

@@ -159,6 +159,7 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
         # Idempotency keys kept in the open transaction, written with its
         # COMMIT (keep_idempotent): key -> (request, reply, expires).
         self._kept_keys: dict[str, tuple[str, str, str]] = {}
+        self._unsent = []
         # Whether a reconnection has failed since the last success.
         self._lost = False
         # What the next COMMIT's notice tells (announce): its text is made
@@ -215,6 +216,7 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
         self._notice = None
         self._kept_keys = {}
         self._released = None
+        self._unsent = []
         for _ in range(2):
             new = self._db.closed or self._db.broken
             if new:
@@ -342,14 +344,18 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
         is given; that time."""
         announced, self._notice = self._notice, None
         # COMMIT releases every savepoint: a RELEASE kept back goes unsent.
+        # The writes kept back go with it.
         self._released = None
+        unsent, self._unsent = self._unsent, []
         notice = None
         if announced is not None and self._company.must_tell(time.monotonic()):
             notice = postgres_commit.notice(self.node, *announced)
         # Else nobody else is on the database to hear it (postgres_alone.py).
         kept, self._kept_keys = self._kept_keys, {}
         try:
-            status, due = postgres_commit.send_commit(self._db, self.channel, kept, notice, after)
+            status, due = postgres_commit.send_commit(
+                self._db, self.channel, kept, notice, after, unsent
+            )
         except psycopg.Error as error:
             self._changes += 1
             if self._committed(error):
@@ -388,6 +394,7 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
         self._kept_keys = {}
         self._prepared_on = None
         self._released = None
+        self._unsent = []
         if self.in_transaction:
             try:
                 self._db.execute(b"ROLLBACK")
@@ -402,6 +409,10 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
         # A ROLLBACK TO SAVEPOINT may deallocate the prepared statements, as a
         # ROLLBACK does (_prepare_statements).
         self._prepared_on = None
+        if self._held is None:
+            # Writes kept back were made in it: a savepoint opened since
+            # would have sent them.
+            self._unsent = []
         super().rollback_savepoint(name)
 
     # Idempotency keys (protocol.md 14.22): each costs a create one round

@@ -124,18 +124,26 @@ def send_commit(
     kept: Mapping[str, tuple[str, str, str]],
     notice: str | None,
     after: str | None,
+    writes: list[str],
 ) -> tuple[str, str | None]:
-    """COMMIT the open transaction in one round trip with the idempotency
+    """COMMIT the open transaction in one round trip with the `writes` not
+    sent yet (statements with their values in them), the idempotency
     keys it `kept`, its `notice` on `channel`, and, if `after` is given,
     the next due time after it read first (an EXECUTE of the statement
-    PREPARE made): a pipeline where keys were kept, else one query (the
-    simple protocol, the notice a literal), at half the node's CPU. The
+    PREPARE made): a pipeline where keys were kept (the writes then sent
+    before it, a pipeline carrying one statement a query), else one query
+    (the simple protocol, the notice a literal), at half the node's CPU. The
     COMMIT's status (ROLLBACK for a transaction an error spoiled) and the
     time read. COMMIT is never prepared (psycopg prepares a statement run
     five times, its Parse sent and answered before its Execute goes): each
     COMMIT is one message set that holds its text, which the tests' relay
     looks for to cut a connection at its COMMIT."""
     read = None if after is None else read_next_due(db, after)
+    # The writes' values were quoted for the connection's encoding.
+    encoding = db.info.encoding
+    if kept and writes:
+        db.execute("; ".join(writes).encode(encoding), prepare=False)
+        writes = []
     if kept:
         with db.pipeline():
             db.execute(KEEP_KEYS, kept_rows(kept))
@@ -149,7 +157,11 @@ def send_commit(
     due = None
     if read is not None:
         query = read + b"; " + query
+    if writes:
+        query = "; ".join(writes).encode(encoding) + b"; " + query
     done = db.execute(query, prepare=False)
+    for _ in writes:
+        done.nextset()
     if read is not None:
         due = _due(done.fetchone())
         done.nextset()

@@ -18,6 +18,7 @@ that the writer runs its batch again with a savepoint per request."""
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -30,6 +31,29 @@ from jobserver.storage.held_writes import Batch, HeldWrites, Write
 from jobserver.storage.sql_statements import Statement, Statements, rows_of
 
 log = logging.getLogger("jobserver")
+
+# Held writes that may be kept back after their command (`_send_last`):
+# a job's update or delete, and the savepoint around them.
+_KEPT_BACK = ("UPDATE jobs ", "DELETE FROM jobs ", "SAVEPOINT ")
+
+# An integer PostgreSQL's bigint columns take.
+_BIGINT = range(-(2**63), 2**63)
+
+
+def _quotable(write: Write) -> bool:
+    """Whether every value of `write` is one its column takes whatever it
+    is (a text, a NULL, a bigint, a finite float): kept back as text, a
+    value PostgreSQL refused would fail the COMMIT, not its own request."""
+    return all(map(_fits, write.head_args)) and all(map(_fits, write.fence_args))
+
+
+def _fits(value: object) -> bool:
+    if value is None or isinstance(value, str | bool):
+        return True
+    if isinstance(value, int):
+        return value in _BIGINT
+    return isinstance(value, float) and math.isfinite(value)
+
 
 # New jobs' inserts kept before their rows go to a COPY left open: a
 # CreateJobs of a few jobs sends them at its end, in one round trip with
@@ -74,6 +98,13 @@ class PostgresStatements(Statements):
     # savepoint of its own: each then costs one round trip less, and the
     # last of a batch two.
     _released: str | None = None
+    # The writes a command held and left at its end (`_send_last`), as
+    # statements with their values in them, not sent yet: they go in one
+    # query with the next statement sent as text (a SAVEPOINT, a kept
+    # RELEASE, the COMMIT), alone before any other statement, and not at
+    # all once a ROLLBACK undoes them. A waiter's try then hands out its
+    # jobs in the round trip of its COMMIT, or of the next try's SAVEPOINT.
+    _unsent: list[str]
     # The jobIDs' sequence (_id_sequence).
     _sequence: str | None = None
 
@@ -93,43 +124,76 @@ class PostgresStatements(Statements):
                 self._open_stream(kept, held.take_inserts())
 
     def savepoint(self, name: str = "request") -> None:
-        released = self._released
-        if released is None or self._held is not None:
+        if self._held is not None:
             super().savepoint(name)
             return
-        self._released = None
-        self._run_simple(f'RELEASE SAVEPOINT "{released}"; SAVEPOINT "{name}"')
+        self._run_simple(f'SAVEPOINT "{name}"')
 
     def release(self, name: str = "request") -> None:
         if self._held is not None:
             super().release(name)
             return
-        self._send_released()
+        if self._released is not None:
+            # One RELEASE is kept at a time (savepoints in savepoints).
+            self._send_kept()
         self._released = name
 
-    def _send_released(self) -> None:
-        """Send the RELEASE `release` kept back, if any."""
-        released, self._released = self._released, None
-        if released is not None:
-            self._run_simple(f'RELEASE SAVEPOINT "{released}"')
+    def _send_kept(self) -> None:
+        """Send what is kept back, if anything: the unsent writes, then
+        the RELEASE."""
+        if self._unsent or self._released is not None:
+            self._run_simple("")
 
     def _run_simple(self, query: str) -> None:
-        """A query of statements without parameters (the simple protocol)."""
+        """A query of statements without parameters (the simple protocol),
+        after what is kept back for it."""
         if self._stream is not None:
             self._end_stream()
+        kept = self._unsent
+        if self._released is not None:
+            kept.append(f'RELEASE SAVEPOINT "{self._released}"')
+        self._unsent, self._released = [], None
         try:
-            self._db.execute(query.encode(), prepare=False)
+            # As text: psycopg encodes it as the connection's encoding
+            # asks, which the values kept back were quoted for.
+            self._db.execute("; ".join([*kept, query] if query else kept), prepare=False)
         except psycopg.Error:
             self._changes += 1
             raise
 
     def _before_statement(self) -> None:
         """What must reach PostgreSQL before any other statement: the end
-        of an open COPY, a RELEASE kept back."""
+        of an open COPY, the unsent writes and a RELEASE kept back."""
         if self._stream is not None:
             self._end_stream()
-        if self._released is not None:
-            self._send_released()
+        self._send_kept()
+
+    def _send_last(self, held: HeldWrites) -> None:
+        """Kept back as text (`_unsent`) if they are updates and deletes of
+        jobs (a value PostgreSQL could refuse would then fail another
+        statement than its own: no insert), with no COPY open; else sent
+        now, as any held writes are."""
+        quotable = self._stream is None and all(map(_quotable, held.pending()))
+        sent = self._pending(held)
+        text = self._as_text(sent) if quotable else None
+        if text is None:
+            self._run_batches(sent)
+            return
+        self._unsent += text
+        self._changes += len(text)
+
+    def _as_text(self, sent: list[Batch]) -> list[str] | None:
+        """The statements with their values in them (psycopg's literals, as
+        it quotes them for a client-side cursor); None if there are none,
+        if any is not kept back, or if a value cannot be written as text
+        here (the statement sent as it is then fails as it would have)."""
+        if not sent or not all(statement.startswith(_KEPT_BACK) for statement, _ in sent):
+            return None
+        try:
+            mogrify = psycopg.ClientCursor(self._db).mogrify
+            return [mogrify(statement, args) for statement, many in sent for args in many]
+        except Exception:  # noqa: BLE001 (sent as it is, it fails where it should)
+            return None
 
     def _open_stream(self, columns: tuple[str, ...], writes: list[Write]) -> None:
         self._before_statement()

@@ -83,12 +83,22 @@ class Statements:
             held.forget()
 
     def _send(self, held: HeldWrites) -> None:
+        self._run_batches(self._pending(held))
+
+    def _pending(self, held: HeldWrites) -> list[Batch]:
+        """The statements of the writes held, and of the savepoint they
+        are in, in order; taken from `held`."""
         before, savepoint, since = held.take_pending()
         d = self.dialect
         sent = batches(before, d.mark, d.arrays)
         if savepoint is not None:
             sent.append((f'SAVEPOINT "{savepoint}"', [[]]))
-        self._run_batches(sent + batches(since, d.mark, d.arrays))
+        return sent + batches(since, d.mark, d.arrays)
+
+    def _send_last(self, held: HeldWrites) -> None:
+        """The writes held when the command ends: sent now (a backend may
+        keep them for what it sends next)."""
+        self._send(held)
 
     def _run_pair(self, first: Statement, second: Statement) -> tuple[list[Any], list[Any]]:
         """Run two statements, the second begun once the first has ended (a
@@ -118,7 +128,7 @@ class Statements:
         held = self._held = HeldWrites()
         try:
             yield
-            self._send(held)
+            self._send_last(held)
         except BaseException as error:
             self._abandon_inserts(error)
             raise
