@@ -407,6 +407,30 @@ def test_a_commands_last_held_writes_go_with_the_commit(url):
         relay.close()
 
 
+def test_held_writes_of_many_jobs_go_at_once_with_their_parameters(url):
+    """Writes of more than one job (a GetJobs' hand-out) are sent as the
+    command ends, as one statement with parameters that psycopg prepares
+    (planned again in every query of text, a hundred jobs' UPDATE cost a
+    drain PostgreSQL's CPU)."""
+    relay = Relay.to(url)
+    store = postgres.PostgresStore(relay.url(url), writers=1)
+    try:
+        first, second = queued(store), queued(store)
+        store.begin()
+        start = len(relay.sent)
+        with store.holding_writes():
+            store.hold([first, second])
+            for made in (first, second):
+                assert store.hand_out_plain(made, f"{made:016x}", "w", "n", NOW, NOW)
+        assert b"UPDATE jobs" in relay.sent[start:]
+        assert b"'RUNNING'" not in relay.sent[start:]
+        store.commit()
+        assert [state_of(url, first), state_of(url, second)] == ["RUNNING", "RUNNING"]
+    finally:
+        store.close()
+        relay.close()
+
+
 def test_a_held_write_that_cannot_be_text_fails_its_own_command(url):
     """A value psycopg cannot quote (a NUL, which no PostgreSQL text holds),
     or one PostgreSQL would refuse (an integer past a bigint's range), is
