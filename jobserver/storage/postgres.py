@@ -4,8 +4,9 @@ nodes, on one machine or many, serving one queue.
 The named operations are sql_store.py's, in PostgreSQL's dialect (sql.py);
 this module adds the connection, the transactions, the hand-out search
 and the locks (how a connection is made, and how a COMMIT cut off with it
-is asked about, are postgres_connection.py's; what a batch's begin and
-commit send, postgres_commit.py's; the search's statement,
+is asked about, are postgres_connection.py's; how a batch begins,
+postgres_begin.py's; what its begin and commit send, postgres_commit.py's;
+the search's statement,
 postgres_search.py's; the readers, on connections of their own,
 postgres_readers.py's). What SQLite gets from being one file
 served by one process, PostgreSQL gets from locks that every node's
@@ -43,11 +44,9 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import suppress
 from typing import Any
 
 import psycopg
-from psycopg.pq import TransactionStatus
 
 from jobserver.model.jobs import Job
 from jobserver.model.limits import Limit
@@ -61,6 +60,7 @@ from jobserver.storage import (
 from jobserver.storage.backends import DEFAULT_WRITERS, MAX_WRITERS
 from jobserver.storage.backup_types import BackupCopy, BackupDirectory, BackupUnsupported
 from jobserver.storage.postgres_alone import Company
+from jobserver.storage.postgres_begin import PostgresBegin
 from jobserver.storage.postgres_connection import (
     ASK_MILLISECONDS,
     READ_APPLICATION,
@@ -71,7 +71,6 @@ from jobserver.storage.postgres_connection import (
     end_own_backend,
     redact,
 )
-from jobserver.storage.postgres_statements import PostgresStatements
 from jobserver.storage.postgres_statistics import StatisticsKeeper
 from jobserver.storage.searches import NOTHING_PASSED, PassedOver
 from jobserver.storage.sql import POSTGRES
@@ -89,7 +88,7 @@ RECONNECT_SECONDS = 0.5
 Announced = tuple[set[str], str | None, set[int]]
 
 
-class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
+class PostgresStore(postgres_readers.ReaderCalls, PostgresBegin, SqlStore):
     dialect = POSTGRES
     blocking = True
     needs_sync = False
@@ -203,87 +202,6 @@ class PostgresStore(postgres_readers.ReaderCalls, PostgresStatements, SqlStore):
     @property
     def total_changes(self) -> int:
         return self._changes
-
-    @property
-    def in_transaction(self) -> bool:
-        if self._db.closed:
-            return False
-        return self._db.info.transaction_status in (
-            TransactionStatus.INTRANS, TransactionStatus.INERROR,
-        )
-
-    def begin(self, savepoint: bool = False) -> None:
-        self._notice = None
-        self._kept_keys = {}
-        self._released = None
-        self._unsent = []
-        for _ in range(2):
-            new = self._db.closed or self._db.broken
-            if new:
-                self._reconnect()
-            try:
-                self._begin_on_connection(savepoint)
-                return
-            except psycopg.Error as error:
-                self._changes += 1
-                # A query cut off midway can leave the connection in a state
-                # psycopg does not call broken: it is not used again.
-                self._db.close()
-                if new:
-                    raise
-                # Lost while it was idle (a writer no batch used while the
-                # database was away): nothing of the batch has run, so it
-                # begins again on a new connection.
-                log.info("a transaction could not begin (%s); beginning it on a new connection",
-                         error)
-
-    def _begin_on_connection(self, savepoint: bool) -> None:
-        # One round trip for BEGIN and what the batch needs to know first:
-        # the transaction's ID, known before anything is written, so that a
-        # COMMIT whose reply is lost can be asked about (commit); and what
-        # another node changed of limits and pauses since the last batch.
-        # The ID is taken even if the batch only reads: a transaction that
-        # wrote has one anyway, and one that did not costs PostgreSQL a
-        # commit record. One query (no parameters: the simple protocol),
-        # whose results come one after the other: as a pipeline it took
-        # twice the node's CPU, and every batch begins.
-        # And, at most once a second, whether any other session is on the
-        # database (postgres_alone.py). And the savepoint a batch's first
-        # work runs in, if it runs in one (a batch of waiters' tries): a
-        # round trip of its own was a tenth of a wake across nodes.
-        if self._prepared_on is not self._db:
-            self._prepare_statements()
-        company = self._company
-        now = time.monotonic()
-        looking = company.look_due(now)
-        begin = postgres_commit.BEGIN + b"; " + company.look() if looking else postgres_commit.BEGIN
-        if savepoint:
-            begin += postgres_commit.SAVEPOINT
-        results = self._db.execute(begin)
-        results.nextset()
-        self._xid, self._backend, flow = postgres_commit.began(results.fetchall())
-        self._set_flow_control(flow)
-        if looking:
-            results.nextset()
-            seen = results.fetchone()
-            company.saw(seen is None or bool(seen[0]), now)
-
-    def _prepare_statements(self) -> None:
-        """The begin's and the next due time's statements
-        (postgres_commit.PREPARE) prepared on this connection: on a new one,
-        and after a rollback, whose ROLLBACK status psycopg answers by
-        deallocating every prepared statement of the session (DEALLOCATE
-        ALL) if it has prepared any of its own. Prepared and deallocated
-        together, they are both there or neither: a PREPARE outside a
-        transaction that finds the first there fails alone, and both are
-        used as they are."""
-        with suppress(psycopg.errors.DuplicatePreparedStatement):
-            self._db.execute(postgres_commit.PREPARE, prepare=False)
-        self._prepared_on = self._db
-
-    def try_begin(self) -> bool:
-        self.begin()
-        return True
 
     def _reconnect(self) -> None:
         """A new connection at once, unless the last attempt failed less
