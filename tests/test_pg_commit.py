@@ -188,10 +188,13 @@ def test_a_connection_lost_while_a_waiter_is_served_fails_the_whole_batch(url, m
                 # lock, which this transaction holds: the batch stops there.
                 locker.execute("SELECT slot FROM jobserver_locks WHERE slot = 0 FOR UPDATE")
                 client.send(encode("CreateJob", {"name": "held"}))
+                # The backend this transaction blocks: other tests' nodes
+                # share the database (a schema each) and wait for locks too.
                 backend = until(
                     lambda: admin.execute(
                         "SELECT pid FROM pg_stat_activity WHERE application_name = 'jobserver' "
-                        "AND wait_event_type = 'Lock'"
+                        "AND %s = ANY(pg_blocking_pids(pid))",
+                        (locker.info.backend_pid,),
                     ).fetchone(),
                     DEADLINE, "the node's batch to wait for the lock",
                 )
