@@ -150,6 +150,26 @@ def fresh_schema() -> Iterator[str]:
                 db.execute(b"VACUUM pg_attribute, pg_class, pg_depend, pg_type")
 
 
+@contextmanager
+def database_in(encoding: str) -> Iterator[str]:
+    """The URL of a new database whose server encoding is `encoding` (its
+    tables in its public schema), dropped at the end with its Query role."""
+    database_url()
+    name = f"{DATABASE}_{encoding.lower()}_{secrets.token_hex(4)}"
+    with psycopg.connect(BASE_URL, autocommit=True) as db:
+        db.execute(
+            f"CREATE DATABASE {name} ENCODING '{encoding}' LC_COLLATE 'C' LC_CTYPE 'C' "
+            "TEMPLATE template0".encode()
+        )
+    try:
+        yield urlunsplit(urlsplit(BASE_URL)._replace(path=f"/{name}"))
+    finally:
+        with psycopg.connect(BASE_URL, autocommit=True) as db:
+            db.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)".encode())
+            role = postgres_query.role_name(name, "public")
+            db.execute(f"DROP ROLE IF EXISTS {role}".encode())
+
+
 # Schemas this process has dropped; every VACUUM_EVERY, the catalogs they
 # leave dead rows in are vacuumed.
 _dropped = [0]

@@ -433,7 +433,7 @@ def test_held_writes_of_many_jobs_go_at_once_with_their_parameters(url):
 
 def test_a_held_write_that_cannot_be_text_fails_its_own_command(url):
     """A value psycopg cannot quote (a NUL, which no PostgreSQL text holds),
-    or one PostgreSQL would refuse (an integer past a bigint's range), is
+    or one PostgreSQL would refuse (an integer past an INTEGER column's), is
     sent as it is, at the command's end, and fails there: the command is
     refused, not the COMMIT of the batch around it."""
     store = postgres.PostgresStore(url, writers=1)
@@ -447,7 +447,7 @@ def test_a_held_write_that_cannot_be_text_fails_its_own_command(url):
         store.savepoint()
         with pytest.raises(psycopg.DataError), store.holding_writes():
             store.hold([made])
-            assert store.amend([made], JobChanges(priority=2**63)) == [made]
+            assert store.amend([made], JobChanges(priority=2**31)) == [made]
         store.rollback_savepoint()
         hand_out_held(store, made)
         store.commit()
@@ -480,3 +480,48 @@ def test_kept_back_values_are_sent_in_the_connections_encoding(url):
             "SELECT worker FROM jobs WHERE jobID = ANY(%s) ORDER BY jobID", ([made, second],)
         ).fetchall()
     assert [row[0] for row in rows] == ["café", "naïve"]
+
+
+def test_a_text_its_database_cannot_store_fails_its_own_command():
+    """On a database whose encoding holds less than the connection's (LATIN1
+    under a UTF8 client), a text PostgreSQL refuses only as its statement
+    runs ("€") is sent as it is, at the command's end: the command fails,
+    not the COMMIT of the batch around it."""
+    with pg.database_in("LATIN1") as latin1:
+        store = postgres.PostgresStore(f"{latin1}?client_encoding=UTF8", writers=1)
+        try:
+            made = queued(store)
+            store.begin()
+            store.savepoint()
+            with pytest.raises(psycopg.errors.UntranslatableCharacter):
+                hand_out_held(store, made, worker="€")
+            store.rollback_savepoint()
+            hand_out_held(store, made, worker="café")
+            store.commit()
+        finally:
+            store.close()
+        with psycopg.connect(latin1) as other:
+            row = other.execute("SELECT state, worker FROM jobs").fetchone()
+        assert row == ("RUNNING", "café")
+
+
+def test_a_savepoint_left_open_by_held_writes_is_not_kept_back(url):
+    """Held writes that end with a savepoint of theirs still open are sent
+    at once: kept back, undoing that savepoint would have dropped the
+    writes made before it too."""
+    store = postgres.PostgresStore(url, writers=1)
+    try:
+        made = queued(store)
+        store.begin()
+        with store.holding_writes():
+            store.hold([made])
+            assert store.hand_out_plain(made, "0123456789abcdef", "w", "n", NOW, NOW)
+            store.savepoint("inner")
+            assert store.amend([made], JobChanges(priority=7)) == [made]
+        store.rollback_savepoint("inner")
+        store.commit()
+    finally:
+        store.close()
+    with psycopg.connect(url) as other:
+        row = other.execute("SELECT state, priority FROM jobs").fetchone()
+    assert row == ("RUNNING", 500)

@@ -33,16 +33,22 @@ from jobserver.storage.sql_statements import Statement, Statements, rows_of
 log = logging.getLogger("jobserver")
 
 # Held writes that may be kept back after their command (`_send_last`):
-# a job's update or delete, and the savepoint around them.
-_KEPT_BACK = ("UPDATE jobs ", "DELETE FROM jobs ", "SAVEPOINT ")
+# a job's update or delete. Not a savepoint left open around them: undone
+# after the command, it would take the writes kept before it too.
+_KEPT_BACK = ("UPDATE jobs ", "DELETE FROM jobs ")
 
-# An integer PostgreSQL's bigint columns take.
-_BIGINT = range(-(2**63), 2**63)
+# An integer every integer column of jobs takes (priority, attempts, cost
+# and maxAttempts are INTEGER): a larger one, a jobID past it included, is
+# sent as it is.
+_INTEGER = range(-(2**31), 2**31)
+
+# Server encodings that store any text the client's encoding can hold.
+_ANY_TEXT = ("UTF8", "SQL_ASCII")
 
 
 def _quotable(write: Write) -> bool:
     """Whether every value of `write` is one its column takes whatever it
-    is (a text, a NULL, a bigint, a finite float): kept back as text, a
+    is (a text, a NULL, an integer, a finite float): kept back as text, a
     value PostgreSQL refused would fail the COMMIT, not its own request."""
     return all(map(_fits, write.head_args)) and all(map(_fits, write.fence_args))
 
@@ -51,8 +57,16 @@ def _fits(value: object) -> bool:
     if value is None or isinstance(value, str | bool):
         return True
     if isinstance(value, int):
-        return value in _BIGINT
+        return value in _INTEGER
     return isinstance(value, float) and math.isfinite(value)
+
+
+def _stores_any_text(db: psycopg.Connection[Any]) -> bool:
+    """Whether every text psycopg can send on `db` is one its database
+    can store: not so for a LATIN1 database and a UTF8 client, which
+    PostgreSQL refuses "€" for only once the statement runs."""
+    server = db.info.parameter_status("server_encoding")
+    return server in _ANY_TEXT or server == db.info.parameter_status("client_encoding")
 
 
 # New jobs' inserts kept before their rows go to a COPY left open: a
@@ -184,6 +198,7 @@ class PostgresStatements(Statements):
             self._stream is None
             and len({write.job_id for write in pending}) == 1
             and all(map(_quotable, pending))
+            and _stores_any_text(self._db)
         )
         sent = self._pending(held)
         text = self._as_text(sent) if quotable else None
