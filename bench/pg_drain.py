@@ -21,7 +21,8 @@ server-wide change): --durations sets log_min_duration_statement = 0 and
 sums the durations per statement; --explain loads auto_explain with
 log_analyze, log_buffers and log_nested_statements (so the plan of the
 search inside jobserver_find_ready_after is shown) for that fraction of
-statements, and writes the plans to --out. Both read the server's log
+statements, and writes the plans to --out; --setting NAME=VALUE sets any
+other (plan_cache_mode, say). The first two read the server's log
 through SQL (bench/pg_statements.py's StatementLog: log_line_prefix must
 hold %d). --hold-snapshot keeps a REPEATABLE READ transaction open in the
 database during the drain, as a forgotten session would: dead index entries
@@ -107,6 +108,9 @@ def configure(admin: psycopg.Connection, database: str, args: argparse.Namespace
             ("auto_explain.log_nested_statements", "on"),
             ("auto_explain.sample_rate", str(args.explain)),
         ]
+    for setting in args.setting:
+        name, _, value = setting.partition("=")
+        settings.append((name, value))
     for name, value in settings:
         admin.execute(
             sql.SQL("ALTER DATABASE {} SET {} = {}").format(
@@ -180,6 +184,11 @@ def main() -> int:
         "--writers", type=int, help="the node's --writers, transactions at once (default: its own)"
     )
     parser.add_argument("--durations", action="store_true")
+    parser.add_argument(
+        "--setting", action="append", default=[], metavar="NAME=VALUE",
+        help="a PostgreSQL setting for the run's database, e.g. "
+        "--setting plan_cache_mode=force_generic_plan (repeatable)",
+    )
     parser.add_argument(
         "--server-option", action="append", default=[], metavar="OPTION",
         help="an option for the node's `serve`, e.g. --server-option=--keep-outcomes=0 "
