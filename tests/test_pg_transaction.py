@@ -23,7 +23,7 @@ from jobserver.core.engine.engine import Engine
 from jobserver.core.rules.selection import JobQuery
 from jobserver.model.jobs import JobChanges, State
 from jobserver.model.limits import Limit, Rate
-from jobserver.storage import postgres, postgres_commit
+from jobserver.storage import postgres, postgres_commit, postgres_statements
 from jobserver.wire.framing import Request
 from relay import Relay
 
@@ -456,53 +456,145 @@ def test_a_held_write_that_cannot_be_text_fails_its_own_command(url):
         store.close()
 
 
-def test_kept_back_values_are_sent_in_the_connections_encoding(url):
+def test_kept_back_values_are_sent_in_the_connections_encoding():
     """A value kept back is quoted for the connection's encoding and sent
-    in it: a worker's name outside ASCII, handed out on a node whose
-    connections speak LATIN1, with the COMMIT and before a SAVEPOINT, is
-    stored as it was sent."""
-    store = postgres.PostgresStore(f"{url}&client_encoding=LATIN1", writers=1)
-    try:
-        made, second = queued(store), queued(store)
-        store.begin()
-        hand_out_held(store, made, worker="café")
-        store.commit()
-        store.begin()
-        store.savepoint()
-        hand_out_held(store, second, worker="naïve")
-        store.release()
-        store.savepoint()
-        store.commit()
-    finally:
-        store.close()
-    with psycopg.connect(url) as other:
-        rows = other.execute(
-            "SELECT worker FROM jobs WHERE jobID = ANY(%s) ORDER BY jobID", ([made, second],)
-        ).fetchall()
-    assert [row[0] for row in rows] == ["café", "naïve"]
-
-
-def test_a_text_its_database_cannot_store_fails_its_own_command():
-    """On a database whose encoding holds less than the connection's (LATIN1
-    under a UTF8 client), a text PostgreSQL refuses only as its statement
-    runs ("€") is sent as it is, at the command's end: the command fails,
-    not the COMMIT of the batch around it."""
+    in it: a worker's name outside ASCII, handed out on a LATIN1 database
+    by a node whose connections speak LATIN1, kept back, then sent with the
+    COMMIT and before a SAVEPOINT, is stored as it was sent."""
     with pg.database_in("LATIN1") as latin1:
-        store = postgres.PostgresStore(f"{latin1}?client_encoding=UTF8", writers=1)
+        store = postgres.PostgresStore(f"{latin1}?client_encoding=LATIN1", writers=1)
         try:
-            made = queued(store)
+            made, second = queued(store), queued(store)
+            store.begin()
+            hand_out_held(store, made, worker="café")
+            assert store._unsent
+            store.commit()
             store.begin()
             store.savepoint()
-            with pytest.raises(psycopg.errors.UntranslatableCharacter):
-                hand_out_held(store, made, worker="€")
-            store.rollback_savepoint()
-            hand_out_held(store, made, worker="café")
+            hand_out_held(store, second, worker="naïve")
+            assert store._unsent
+            store.release()
+            store.savepoint()
             store.commit()
         finally:
             store.close()
         with psycopg.connect(latin1) as other:
-            row = other.execute("SELECT state, worker FROM jobs").fetchone()
-        assert row == ("RUNNING", "café")
+            rows = other.execute("SELECT worker FROM jobs ORDER BY jobID").fetchall()
+    assert [row[0] for row in rows] == ["café", "naïve"]
+
+
+def hand_out_fails_alone(url: str, worker: str, refused: type[psycopg.Error]) -> None:
+    """On `url`, a hand-out to `worker` fails its own command with
+    `refused`, and the next command's hand-out commits."""
+    store = postgres.PostgresStore(url, writers=1)
+    try:
+        made = queued(store)
+        store.begin()
+        store.savepoint()
+        with pytest.raises(refused):
+            hand_out_held(store, made, worker=worker)
+        store.rollback_savepoint()
+        hand_out_held(store, made, worker="plain")
+        store.commit()
+    finally:
+        store.close()
+    assert state_of(url, made) == "RUNNING"
+
+
+def test_a_text_its_database_cannot_store_fails_its_own_command(url):
+    """Across encodings PostgreSQL refuses a character it cannot convert
+    only as the statement runs: "€" from a UTF8 connection to a LATIN1
+    database, "Ċ" from an EUC_JIS_2004 connection to a UTF8 one. Such a
+    text is never kept back: the command that wrote it fails, not the
+    COMMIT of the batch around it."""
+    with pg.database_in("LATIN1") as latin1:
+        hand_out_fails_alone(
+            f"{latin1}?client_encoding=UTF8", "€", psycopg.errors.UntranslatableCharacter
+        )
+    hand_out_fails_alone(
+        f"{url}&client_encoding=EUC_JIS_2004", "\u010a", psycopg.errors.UntranslatableCharacter
+    )
+
+
+def test_what_is_kept_back_is_what_each_column_of_jobs_takes(url):
+    """postgres_statements.TAKES names every column of jobs but those of
+    double precision, each with what its type takes."""
+    store = postgres.PostgresStore(url, writers=1)
+    store.close()
+    with psycopg.connect(url) as db:
+        columns = db.execute(
+            "SELECT column_name, data_type, is_nullable FROM information_schema.columns "
+            "WHERE table_schema = current_schema() AND table_name = 'jobs'"
+        ).fetchall()
+    takes = postgres_statements.TAKES
+    expected = {
+        ("text", "NO"): ["x"], ("text", "YES"): ["x", None],
+        ("integer", "NO"): [2**31 - 1], ("bigint", "NO"): [2**63 - 1],
+    }
+    refused = [None, True, 2**63, 2.0, b"x"]
+    for column, kind, nullable in columns:
+        if kind == "double precision":
+            assert column not in takes
+            continue
+        fits = expected[kind, nullable]
+        assert [takes[column](value) for value in fits] == [True] * len(fits), column
+        assert not any(takes[column](value) for value in refused if value not in fits), column
+    assert set(takes) <= {column for column, _, _ in columns}
+
+
+@pytest.mark.parametrize(
+    "changes, stored",
+    [
+        (JobChanges(priority=2.5), ("priority", 2)),
+        (JobChanges(retryDelay=-0.0), ("retryDelay::text", "-0")),
+    ],
+)
+def test_a_float_is_stored_as_its_parameter_is(url, changes, stored):
+    """A float is sent as a parameter at the command's end, never kept back
+    as a numeric literal: stored as PostgreSQL converts the parameter (2.5
+    rounded to even, -0.0 with its sign)."""
+    store = postgres.PostgresStore(url, writers=1)
+    try:
+        made = queued(store)
+        store.begin()
+        with store.holding_writes():
+            store.hold([made])
+            assert store.amend([made], changes) == [made]
+        assert not store._unsent
+        store.commit()
+    finally:
+        store.close()
+    column, value = stored
+    with psycopg.connect(url) as other:
+        assert other.execute(f"SELECT {column} FROM jobs").fetchone() == (value,)
+
+
+@pytest.mark.parametrize(
+    "changes, refused",
+    [
+        (JobChanges(lastError=None), psycopg.errors.NotNullViolation),
+        (JobChanges(awaited=True), psycopg.errors.DatatypeMismatch),
+        (JobChanges(priority=1e10), psycopg.errors.NumericValueOutOfRange),
+    ],
+)
+def test_a_value_its_column_refuses_fails_its_own_command(url, changes, refused):
+    """A NULL in a column that takes none (every text column but lastRun),
+    a bool in an integer column, a float past an INTEGER's range: each is
+    sent as a parameter at the command's end, and fails there."""
+    store = postgres.PostgresStore(url, writers=1)
+    try:
+        made = queued(store)
+        store.begin()
+        store.savepoint()
+        with pytest.raises(refused), store.holding_writes():
+            store.hold([made])
+            assert store.amend([made], changes) == [made]
+        store.rollback_savepoint()
+        hand_out_held(store, made)
+        store.commit()
+    finally:
+        store.close()
+    assert state_of(url, made) == "RUNNING"
 
 
 def test_a_savepoint_left_open_by_held_writes_is_not_kept_back(url):
