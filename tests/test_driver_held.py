@@ -501,7 +501,7 @@ def test_jobids_asked_for_in_advance_are_taken_a_chunk_at_a_time(store: Storage)
 def test_a_copy_that_fails_in_python_counts_as_a_failed_statement(
     backend: str, db: Path | str, before: int, after: int
 ) -> None:
-    # On a connection whose encoding cannot hold a name (LATIN1 here), the
+    # A name no encoding holds (a lone surrogate, which UTF-8 refuses): the
     # COPY of new jobs fails in psycopg's encoding, and PostgreSQL aborts
     # the transaction: a change must be counted, or the writer, seeing a
     # request that changed nothing, commits its batch's other requests into
@@ -510,16 +510,17 @@ def test_a_copy_that_fails_in_python_counts_as_a_failed_statement(
     # statements.STREAM_AFTER) after rows that were, or as its first row.
     if backend != "postgres":
         pytest.skip("COPY is PostgreSQL's")
-    latin1 = PostgresStore(f"{db}&client_encoding=LATIN1")
+    store = PostgresStore(str(db))
     try:
-        latin1.begin()
-        changes = latin1.total_changes
-        with pytest.raises(psycopg.DataError, match="cannot hold"), latin1.holding_writes():
-            latin1.reserve_ids(before + 1 + after)
-            for name in [*(f"a{i}" for i in range(before)), "名", *(f"z{i}" for i in range(after))]:
+        store.begin()
+        changes = store.total_changes
+        names = [*(f"a{i}" for i in range(before)), "a\ud800b", *(f"z{i}" for i in range(after))]
+        with pytest.raises(psycopg.DataError, match="cannot hold"), store.holding_writes():
+            store.reserve_ids(before + 1 + after)
+            for name in names:
                 padded = job(name, data=f'{{"p":"{PAD}"}}')
-                latin1.create([padded], created=PAST, state=State.QUEUED)
-        assert latin1.total_changes != changes
-        latin1.rollback()
+                store.create([padded], created=PAST, state=State.QUEUED)
+        assert store.total_changes != changes
+        store.rollback()
     finally:
-        latin1.close()
+        store.close()

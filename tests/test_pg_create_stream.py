@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pg
 import psycopg
 import pytest
 from test_pg_writers import HELD, _queued_requests, clients, row_locked, waiting_on_lock
@@ -82,17 +83,19 @@ def _size(session: psycopg.Connection[Any]) -> int:
 
 
 @pytest.mark.parametrize("before", [1, MANY], ids=["held", "streamed"])
-def test_a_name_the_connection_cannot_encode_is_a_502_of_its_request_alone(db, before):
-    # A node whose connections speak LATIN1: a name outside it fails in
-    # psycopg's encoding of the COPY's row, a database error of that
-    # request (it was a 500 with a traceback in the log).
-    server = ThreadServer(f"{db}&client_encoding=LATIN1")
-    try:
-        with server.client(timeout=HELD) as client:
-            reply = client.request("CreateJobs", jobs=[*plain("ok", before), {"name": "名"}])
-            assert reply.status.startswith("502 Query failed: a value the connection's encoding")
-            assert len(ok(client.request("CreateJobs", jobs=plain("after", 3))).json["jobIDs"]) == 3
-        with psycopg.connect(str(db)) as session:
-            assert session.execute("SELECT count(*) FROM jobs").fetchone() == (3,)
-    finally:
-        server.stop()
+def test_a_name_the_database_cannot_store_is_a_502_of_its_request_alone(before):
+    # A LATIN1 database: a name outside it fails as PostgreSQL converts the
+    # COPY's row from the node's UTF8, a database error of that request.
+    with pg.database_in("LATIN1") as latin1:
+        server = ThreadServer(latin1)
+        try:
+            with server.client(timeout=HELD) as client:
+                reply = client.request("CreateJobs", jobs=[*plain("ok", before), {"name": "名"}])
+                assert reply.status.startswith("502 Query failed: "), reply.status
+                assert "LATIN1" in reply.status, reply.status
+                jobs = ok(client.request("CreateJobs", jobs=plain("after", 3))).json["jobIDs"]
+                assert len(jobs) == 3
+            with psycopg.connect(latin1) as session:
+                assert session.execute("SELECT count(*) FROM jobs").fetchone() == (3,)
+        finally:
+            server.stop()

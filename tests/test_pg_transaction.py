@@ -456,31 +456,33 @@ def test_a_held_write_that_cannot_be_text_fails_its_own_command(url):
         store.close()
 
 
-def test_kept_back_values_are_sent_in_the_connections_encoding():
-    """A value kept back is quoted for the connection's encoding and sent
-    in it: a worker's name outside ASCII, handed out on a LATIN1 database
-    by a node whose connections speak LATIN1, kept back, then sent with the
-    COMMIT and before a SAVEPOINT, is stored as it was sent."""
-    with pg.database_in("LATIN1") as latin1:
-        store = postgres.PostgresStore(f"{latin1}?client_encoding=LATIN1", writers=1)
-        try:
-            made, second = queued(store), queued(store)
-            store.begin()
-            hand_out_held(store, made, worker="café")
-            assert store._unsent
-            store.commit()
-            store.begin()
-            store.savepoint()
-            hand_out_held(store, second, worker="naïve")
-            assert store._unsent
-            store.release()
-            store.savepoint()
-            store.commit()
-        finally:
-            store.close()
-        with psycopg.connect(latin1) as other:
-            rows = other.execute("SELECT worker FROM jobs ORDER BY jobID").fetchall()
-    assert [row[0] for row in rows] == ["café", "naïve"]
+def test_kept_back_values_are_stored_as_they_were_sent(url):
+    """A value kept back is quoted as psycopg quotes a literal for the
+    session (UTF8, standard_conforming_strings on: postgres_connection):
+    workers' names outside ASCII, with quotes and a backslash, kept back,
+    then sent with the COMMIT and before a SAVEPOINT, are stored as sent."""
+    names = ["café 'x' \\ €", "naïve \"y\" 🎉"]
+    store = postgres.PostgresStore(url, writers=1)
+    try:
+        made, second = queued(store), queued(store)
+        store.begin()
+        hand_out_held(store, made, worker=names[0])
+        assert store._unsent
+        store.commit()
+        store.begin()
+        store.savepoint()
+        hand_out_held(store, second, worker=names[1])
+        assert store._unsent
+        store.release()
+        store.savepoint()
+        store.commit()
+    finally:
+        store.close()
+    with psycopg.connect(url) as other:
+        rows = other.execute(
+            "SELECT worker FROM jobs WHERE jobID = ANY(%s) ORDER BY jobID", ([made, second],)
+        ).fetchall()
+    assert [row[0] for row in rows] == names
 
 
 def hand_out_fails_alone(url: str, worker: str, refused: type[psycopg.Error]) -> None:
@@ -501,19 +503,13 @@ def hand_out_fails_alone(url: str, worker: str, refused: type[psycopg.Error]) ->
     assert state_of(url, made) == "RUNNING"
 
 
-def test_a_text_its_database_cannot_store_fails_its_own_command(url):
+def test_a_text_its_database_cannot_store_fails_its_own_command():
     """Across encodings PostgreSQL refuses a character it cannot convert
-    only as the statement runs: "€" from a UTF8 connection to a LATIN1
-    database, "Ċ" from an EUC_JIS_2004 connection to a UTF8 one. Such a
-    text is never kept back: the command that wrote it fails, not the
-    COMMIT of the batch around it."""
+    only as the statement runs: "€" from the node's UTF8 sessions to a
+    LATIN1 database. Such a text is never kept back: the command that
+    wrote it fails, not the COMMIT of the batch around it."""
     with pg.database_in("LATIN1") as latin1:
-        hand_out_fails_alone(
-            f"{latin1}?client_encoding=UTF8", "€", psycopg.errors.UntranslatableCharacter
-        )
-    hand_out_fails_alone(
-        f"{url}&client_encoding=EUC_JIS_2004", "\u010a", psycopg.errors.UntranslatableCharacter
-    )
+        hand_out_fails_alone(latin1, "€", psycopg.errors.UntranslatableCharacter)
 
 
 def test_what_is_kept_back_is_what_each_column_of_jobs_takes(url):

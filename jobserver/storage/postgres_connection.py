@@ -81,15 +81,28 @@ CONNECTION_DEFAULTS = {
 }
 
 
+# What the node's SQL assumes of each of its sessions, whatever the URL or
+# the database's defaults say: texts exchanged in UTF8 (on a SQL_ASCII
+# database psycopg would hand them back as bytes, and the node could not
+# start), and a backslash in a literal taken as it is (the schema's
+# functions hold some; with standard_conforming_strings off, the node could
+# not make them).
+SESSION_ENCODING = "UTF8"
+SESSION_OPTIONS = "-c standard_conforming_strings=on"
+
+
 def connect(url: str, **overrides: str) -> psycopg.Connection[Any]:
     """A connection to `url`, with libpq settings of `overrides` (such as
-    another user) taking the place of the URL's."""
+    another user) taking the place of the URL's; the URL's own `options`
+    are kept, SESSION_OPTIONS after them."""
     given = conninfo_to_dict(url)
     settings = {
         **CONNECTION_DEFAULTS,
         **{k: str(v) for k, v in given.items() if v is not None},
         **overrides,
     }
+    settings["client_encoding"] = SESSION_ENCODING
+    settings["options"] = f"{settings.get('options', '')} {SESSION_OPTIONS}".strip()
     return psycopg.connect(make_conninfo("", **settings), autocommit=True)
 
 

@@ -104,11 +104,10 @@ def _quotable(write: Write) -> bool:
 
 def _stores_any_text(db: psycopg.Connection[Any]) -> bool:
     """Whether every text psycopg can send on `db` is one its database
-    stores: the client's encoding is the database's, or the database's is
-    SQL_ASCII (which takes any bytes). Not so across encodings, where
-    PostgreSQL refuses a character it cannot convert only as the statement
-    runs: "€" from a UTF8 client to a LATIN1 database, "Ċ" from an
-    EUC_JIS_2004 client to a UTF8 one."""
+    stores: the session's encoding (UTF8: postgres_connection) is the
+    database's, or the database's is SQL_ASCII (which takes any bytes). Not
+    so across encodings, where PostgreSQL refuses a character it cannot
+    convert only as the statement runs: "€" to a LATIN1 database."""
     server = db.info.parameter_status("server_encoding")
     return server == "SQL_ASCII" or server == db.info.parameter_status("client_encoding")
 
