@@ -6,6 +6,7 @@ assumes)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from urllib.parse import quote
 
 import pg
 import psycopg
@@ -60,11 +61,14 @@ def test_a_node_starts_and_keeps_texts_whatever_the_database(database: tuple[str
 
 
 def test_a_url_asking_another_encoding_still_speaks_utf8() -> None:
-    """A URL's client_encoding does not change what the node's sessions
-    speak, and its own options (here the schema) still apply beside the
-    node's."""
+    """A URL's client_encoding, or a standard_conforming_strings in its
+    options, does not change what the node's sessions speak, and its other
+    options (here the schema) still apply beside the node's."""
     with pg.fresh_schema() as url:
-        store = postgres.PostgresStore(f"{url}&client_encoding=LATIN1", writers=1)
+        schema = url.rsplit("search_path%3D", 1)[1]
+        options = quote(f"-csearch_path={schema} -c standard_conforming_strings=off")
+        given = f"{url.split('?')[0]}?options={options}&client_encoding=LATIN1"
+        store = postgres.PostgresStore(given, writers=1)
         try:
             row = store._one(
                 "SELECT current_setting('client_encoding'), "
@@ -74,4 +78,4 @@ def test_a_url_asking_another_encoding_still_speaks_utf8() -> None:
             store.close()
     assert row is not None
     assert (row[0], row[1]) == ("UTF8", "on")
-    assert row[2].startswith("t_")
+    assert row[2] == schema
