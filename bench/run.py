@@ -423,13 +423,19 @@ class BenchDatabase:
         return urlunsplit(urlsplit(self.server)._replace(path=f"/{self.name}"))
 
     def drop(self) -> None:
+        """The database, and the Query role its node made (roles are the
+        whole server's: each run left one behind)."""
         import psycopg
         from psycopg import sql
+
+        from jobserver.storage.postgres_query import role_name
 
         with psycopg.connect(self.server, autocommit=True, connect_timeout=5) as db:
             db.execute(
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(self.name))
             )
+            role = role_name(self.name, "public")
+            db.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
 
 
 def start_jobserver_pg(root: Path, server: str, name: str, nodes: int) -> Peer:
