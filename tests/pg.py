@@ -79,19 +79,35 @@ def recreate_database() -> None:
         for (name,) in names:
             if name == DATABASE or not _run_is_over(name):
                 continue
-            db.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'.encode())
-        db.execute(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)".encode())
+            _drop_with_roles(db, name)
+        _drop_with_roles(db, DATABASE)
         db.execute(f"CREATE DATABASE {DATABASE}".encode())
         db.execute(b"VACUUM pg_authid, pg_auth_members, pg_db_role_setting, pg_shdepend")
 
 
 def drop_database() -> None:
     """At the end of a run: its database, and the roles of its schemas
-    with it (each test drops its own)."""
+    with it."""
     with suppress(psycopg.Error), psycopg.connect(
         BASE_URL, autocommit=True, connect_timeout=5
     ) as db:
-        db.execute(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)".encode())
+        _drop_with_roles(db, DATABASE)
+
+
+def _drop_with_roles(db: psycopg.Connection[Any], name: str) -> None:
+    """Drop database `name`, then the Query roles of its schemas: a test
+    drops its own schema's, but a pooled schema (pg_pool.py) keeps the one
+    its last node made, and roles are the whole server's (each run left a
+    few behind). Dropped after the database, where their privileges were."""
+    schemas: list[str] = []
+    with suppress(psycopg.Error), psycopg.connect(
+        urlunsplit(urlsplit(BASE_URL)._replace(path=f"/{name}")), connect_timeout=5
+    ) as there:
+        schemas = [str(row[0]) for row in there.execute("SELECT nspname FROM pg_namespace")]
+    db.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'.encode())
+    for schema in schemas:
+        role = postgres_query.role_name(name, schema)
+        db.execute(f"DROP ROLE IF EXISTS {role}".encode())
 
 
 def _run_is_over(name: str) -> bool:

@@ -19,7 +19,7 @@ import pytest
 
 from harness import ThreadServer
 from helpers import create, ok, until
-from jobserver.storage import postgres_alone, postgres_listen
+from jobserver.storage import postgres_alone, postgres_listen, postgres_query
 from jobserver.storage.postgres_alone import Company
 from wire import Client, encode
 
@@ -50,6 +50,9 @@ def own_database() -> Iterator[str]:
         finally:
             admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
             admin.execute(f'DROP ROLE "{name}"')
+            # The Query role the node made (roles are the whole server's).
+            query_role = postgres_query.role_name(name, "public")
+            admin.execute(f'DROP ROLE IF EXISTS "{query_role}"')
 
 
 def company(server: ThreadServer) -> Company:
