@@ -347,6 +347,13 @@ def hand_out_held(store: postgres.PostgresStore, made: int, worker: str = "w") -
         assert store.hand_out_plain(made, "0123456789abcdef", worker, "n", NOW, NOW)
 
 
+def amend_held(store: postgres.PostgresStore, made: int, changes: JobChanges) -> None:
+    """`made` held and amended, the command's writes held to its end."""
+    with store.holding_writes():
+        store.hold([made])
+        assert store.amend([made], changes) == [made]
+
+
 def state_of(url: str, made: int) -> str:
     with psycopg.connect(url) as other:
         row = other.execute("SELECT state FROM jobs WHERE jobID = %s", (made,)).fetchone()
@@ -432,9 +439,8 @@ def test_held_writes_of_many_jobs_go_at_once_with_their_parameters(url):
 
 
 def test_a_held_write_that_cannot_be_text_fails_its_own_command(url):
-    """A value psycopg cannot quote (a NUL, which no PostgreSQL text holds),
-    or one PostgreSQL would refuse (an integer past an INTEGER column's), is
-    sent as it is, at the command's end, and fails there: the command is
+    """A value psycopg cannot quote (a NUL, which no PostgreSQL text holds)
+    is sent as it is, at the command's end, and fails there: the command is
     refused, not the COMMIT of the batch around it."""
     store = postgres.PostgresStore(url, writers=1)
     try:
@@ -443,11 +449,6 @@ def test_a_held_write_that_cannot_be_text_fails_its_own_command(url):
         store.savepoint()
         with pytest.raises(psycopg.DataError):
             hand_out_held(store, made, worker="a\x00b")
-        store.rollback_savepoint()
-        store.savepoint()
-        with pytest.raises(psycopg.DataError), store.holding_writes():
-            store.hold([made])
-            assert store.amend([made], JobChanges(priority=2**31)) == [made]
         store.rollback_savepoint()
         hand_out_held(store, made)
         store.commit()
@@ -523,18 +524,20 @@ def test_what_is_kept_back_is_what_each_column_of_jobs_takes(url):
             "WHERE table_schema = current_schema() AND table_name = 'jobs'"
         ).fetchall()
     takes = postgres_statements.TAKES
+    # By type and nullability: what the column takes, and what it refuses.
     expected = {
-        ("text", "NO"): ["x"], ("text", "YES"): ["x", None],
-        ("integer", "NO"): [2**31 - 1], ("bigint", "NO"): [2**63 - 1],
+        ("text", "NO"): (["x", ""], [None, 1, True, 2.0, b"x"]),
+        ("text", "YES"): (["x", None], [1, True, 2.0, b"x"]),
+        ("integer", "NO"): ([-(2**31), 2**31 - 1], [2**31, -(2**31) - 1, True, None, 2.0, "1"]),
+        ("bigint", "NO"): ([-(2**63), 2**63 - 1], [2**63, True, None, 2.0, "1"]),
     }
-    refused = [None, True, 2**63, 2.0, b"x"]
     for column, kind, nullable in columns:
         if kind == "double precision":
             assert column not in takes
             continue
-        fits = expected[kind, nullable]
-        assert [takes[column](value) for value in fits] == [True] * len(fits), column
-        assert not any(takes[column](value) for value in refused if value not in fits), column
+        fits, refused = expected[kind, nullable]
+        assert all(takes[column](value) for value in fits), column
+        assert not any(takes[column](value) for value in refused), column
     assert set(takes) <= {column for column, _, _ in columns}
 
 
@@ -553,9 +556,7 @@ def test_a_float_is_stored_as_its_parameter_is(url, changes, stored):
     try:
         made = queued(store)
         store.begin()
-        with store.holding_writes():
-            store.hold([made])
-            assert store.amend([made], changes) == [made]
+        amend_held(store, made, changes)
         assert not store._unsent
         store.commit()
     finally:
@@ -571,20 +572,21 @@ def test_a_float_is_stored_as_its_parameter_is(url, changes, stored):
         (JobChanges(lastError=None), psycopg.errors.NotNullViolation),
         (JobChanges(awaited=True), psycopg.errors.DatatypeMismatch),
         (JobChanges(priority=1e10), psycopg.errors.NumericValueOutOfRange),
+        (JobChanges(priority=2**31), psycopg.errors.NumericValueOutOfRange),
     ],
 )
 def test_a_value_its_column_refuses_fails_its_own_command(url, changes, refused):
     """A NULL in a column that takes none (every text column but lastRun),
-    a bool in an integer column, a float past an INTEGER's range: each is
-    sent as a parameter at the command's end, and fails there."""
+    a bool in an integer column, a number past an INTEGER's range: each is
+    sent as a parameter at the command's end, and fails there, not at the
+    COMMIT of the batch around it."""
     store = postgres.PostgresStore(url, writers=1)
     try:
         made = queued(store)
         store.begin()
         store.savepoint()
-        with pytest.raises(refused), store.holding_writes():
-            store.hold([made])
-            assert store.amend([made], changes) == [made]
+        with pytest.raises(refused):
+            amend_held(store, made, changes)
         store.rollback_savepoint()
         hand_out_held(store, made)
         store.commit()
