@@ -48,6 +48,10 @@ GETJOBS_BOUND = 10.0
 # alone here, 0.72 and 0.87 s on PostgreSQL with four tests at once on two
 # cores; without the patterns' budget it held the writer 4 to 5 s, alone.
 COSTLY_GETJOB_BOUND = 2.0
+# What a neighbour's CreateJob may take meanwhile: on SQLite it waits for
+# the writer behind one such GetJob (0.07 s alone, 0.52 s once in a CI run
+# with a build beside the suite); unbounded, the GetJob held it 4 to 5 s.
+BEHIND_COSTLY_GETJOB_BOUND = 1.5
 # A search judges a name against every one of the 2,000 patterns (50,900
 # units of its 1,000,000: about 20 names); a search without that budget
 # judged all 10,000 names and held the writer 15 to 40 s (the Ping with
@@ -178,7 +182,8 @@ def test_what_the_patterns_cost_a_name_is_bounded_and_a_getjob_over_costly_ones_
                 # New patterns: what held each name is forgotten.
                 ok(client.request("PauseJobs", name="zz*"))
                 ok(client.request("ResumeJobs", name="zz*"))
-        assert neighbour.count > 0 and neighbour.slowest < PING_BOUND, neighbour.slowest
+        assert neighbour.count > 0, neighbour.count
+        assert neighbour.slowest < BEHIND_COSTLY_GETJOB_BOUND, neighbour.slowest
         # Removing one is always accepted, and makes room.
         ok(client.request("ResumeJobs", name=costly[0]))
         ok(client.request("PauseJobs", name=costly[fits]))
