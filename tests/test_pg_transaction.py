@@ -615,3 +615,40 @@ def test_a_savepoint_left_open_by_held_writes_is_not_kept_back(url):
     with psycopg.connect(url) as other:
         row = other.execute("SELECT state, priority FROM jobs").fetchone()
     assert row == ("RUNNING", 500)
+
+
+def test_one_jobs_lock_and_children_check_keep_one_plan(url):
+    """A command that holds one job (a FinishJob, a RetryJob) locks it and
+    looks for its children in statements PostgreSQL plans once: asked for
+    as `= ANY` of a one-element array they were planned again at every
+    execution, a generic plan of an array being costed above one element's
+    custom plan (74 µs a bind; docs/benchmarks.md)."""
+    store = postgres.PostgresStore(url, writers=1)
+    try:
+        # A queue with statistics, as a node keeps them: on an empty table
+        # without them PostgreSQL took the generic plan of either form.
+        store.begin()
+        store.create([job("held")] * 2000, created=NOW, state=State.QUEUED)
+        store.commit()
+        store._execute("ANALYZE jobs")
+        for _ in range(12):
+            made = queued(store)
+            store.begin()
+            with store.holding_writes():
+                store.hold([made])
+            store.commit()
+        plans = {
+            str(statement): (int(generic), int(custom))
+            for statement, generic, custom in store._execute(
+                "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements"
+            ).fetchall()
+        }
+    finally:
+        store.close()
+    lock = [p for s, p in plans.items() if "FROM jobs WHERE jobID" in s and "FOR UPDATE" in s]
+    children = [p for s, p in plans.items() if "DISTINCT parentJobID" in s]
+    # psycopg prepares a statement at its fifth run; PostgreSQL plans it
+    # custom five times more, then keeps the generic plan.
+    assert lock and children, plans
+    for generic, custom in lock + children:
+        assert generic >= 1 and custom <= 5, plans
